@@ -1,0 +1,24 @@
+# Two commands set everything up on a fresh machine: `make quickstart` and `make test`.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: env quickstart test clean
+
+env: $(VENV)/.installed
+
+# Registry wheels: torchvision pins its matching torch build (the CUDA one, which also runs on CPU machines).
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+quickstart: env
+	$(BIN)/robust-lightning fit --config configs/quickstart.yaml
+
+test: env
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf runs lightning_logs .pytest_cache

@@ -1,0 +1,5 @@
+import sys
+
+from robust_lightning.cli import main
+
+sys.exit(main())

@@ -1,0 +1,134 @@
+"""The ``robust-lightning`` command: LightningCLI for fit/validate/test/predict plus the project's own tools.
+
+Trainer subcommands go to LightningCLI unchanged (configs compose left to right, ``--print_config``,
+``RL_FIT__TRAINER__MAX_EPOCHS``-style environment variables). Commands that do not drive a Trainer
+(``shards``) are plain functions dispatched before LightningCLI sees the arguments.
+"""
+
+import difflib
+import netrc
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from robust_lightning.data.corrupt_report import CorruptImageReport
+from robust_lightning.data.datamodule import ImageNetDataModule
+from robust_lightning.errors import UserError
+from robust_lightning.evaluation.results import RunResults
+from robust_lightning.training.classifier import ImageClassifier
+
+TRAINER_COMMANDS = {
+    "fit": "train a model (optionally warm-started), validating every epoch",
+    "validate": "evaluate a checkpoint on the validation split",
+    "test": "run the evaluation callbacks of a config on a checkpoint",
+    "predict": "predict the evaluation split with a checkpoint",
+}
+
+
+def _shards(argv: list[str]) -> int:
+    from robust_lightning.data.shards import shards_main
+
+    return shards_main(argv)
+
+
+TOOL_COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
+    "shards": ("convert an ImageFolder tree into WebDataset shards (parallel, resumable)", _shards),
+}
+
+
+class ArgumentParser(LightningArgumentParser):
+    """Reports a bad option or value in one message (plus a close match for a misspelt key) instead of
+    jsonargparse's full usage dump, which buries the message under every option of the Trainer."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error:
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        lines = [f"{parser.prog.replace(' [options]', '')}: error: {message}"]
+        known = [action.dest for action in parser._actions]
+        for key in re.findall(r"(?:--|option ')([\w.]+)", message):
+            if key not in known and (close := difflib.get_close_matches(key, known, n=3)):
+                lines.append(f"did you mean: {', '.join(close)}?")
+        lines.append(f"options: {parser.prog.replace(' [options]', '')} --help")
+        print("\n".join(lines), file=sys.stderr)
+        sys.exit(2)
+
+
+class RobustLightningCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
+        parser.link_arguments("data.image_size", "model.image_size")
+        # Always present and configurable as checkpoint.*: the last and the best checkpoint of every run.
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults(
+            {
+                "checkpoint.monitor": "val/acc1",
+                "checkpoint.mode": "max",
+                "checkpoint.save_last": True,
+                "checkpoint.filename": "epoch{epoch:03d}-acc{val/acc1:.4f}",
+                "checkpoint.auto_insert_metric_name": False,
+            }
+        )
+
+
+def _usage() -> str:
+    width = max(map(len, [*TRAINER_COMMANDS, *TOOL_COMMANDS]))
+    lines = ["usage: robust-lightning <command> [--config FILE ...] [--key value ...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {text}" for name, text in TRAINER_COMMANDS.items()]
+    lines += [f"  {name:<{width}}  {text}" for name, (text, _) in TOOL_COMMANDS.items()]
+    lines += [
+        "",
+        "Run 'robust-lightning <command> --help' for the options of a command.",
+        "Example: robust-lightning fit --config configs/quickstart.yaml --trainer.max_epochs 2",
+    ]
+    return "\n".join(lines)
+
+
+def _wandb_offline_without_credentials() -> None:
+    """W&B with no credentials would fail (or hang for 90 s): log offline instead, sync later with wandb sync."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE"):
+        return
+    try:
+        has_login = netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (FileNotFoundError, netrc.NetrcParseError):
+        has_login = False
+    if not has_login:
+        os.environ["WANDB_MODE"] = "offline"
+
+
+def main(args: Sequence[str] | None = None) -> int:
+    from_command_line = args is None
+    args = list(sys.argv[1:] if from_command_line else args)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if args else 2
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights and data come from local paths only
+    _wandb_offline_without_credentials()
+    try:
+        if args[0] in TOOL_COMMANDS:
+            return TOOL_COMMANDS[args[0]][1](args[1:])
+        if args[0] not in TRAINER_COMMANDS:
+            raise UserError(f"unknown command {args[0]!r}; expected one of: {', '.join([*TRAINER_COMMANDS, *TOOL_COMMANDS])}")
+        RobustLightningCLI(
+            ImageClassifier,
+            ImageNetDataModule,
+            args=None if from_command_line else args,  # None: LightningCLI reads sys.argv itself
+            parser_class=ArgumentParser,
+            seed_everything_default=0,
+            trainer_defaults={"callbacks": [CorruptImageReport(), RunResults()]},
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"default_env": True, "env_prefix": "RL"},
+        )
+    except UserError as e:
+        print(f"robust-lightning: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,427 @@
+"""ImageNet-style data from three sources: ImageFolder roots, WebDataset shards, or the built-in synthetic set.
+
+Distribution across ranks is decided here, not by Lightning, because Lightning's default is wrong for us
+twice over: its validation DistributedSampler pads ranks with repeated samples (double counting), and
+webdataset's split_by_node does not split under spawn-started workers (REFERENCE.md section 5). The rank and
+world size are captured in setup() and every rank reads a disjoint part of the data.
+"""
+
+import io
+import itertools
+import os
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import webdataset as wds
+from braceexpand import braceexpand
+from lightning import LightningDataModule
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
+from torchvision.datasets import ImageFolder
+
+from robust_lightning.data.classes import class_map as load_class_map
+from robust_lightning.data.shards import read_manifest, shard_urls
+from robust_lightning.data.synthetic import ensure_synthetic_dataset
+from robust_lightning.data.transforms import eval_resize_size, eval_transform, train_transform
+from robust_lightning.errors import UserError
+from robust_lightning.paths import DATA_DIR
+
+IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
+
+
+@dataclass(frozen=True)
+class Corrupt:
+    """Stands in for a sample whose image could not be decoded; the collate function drops and counts it."""
+
+    key: str
+    reason: str
+
+
+def decode_rgb(data: bytes) -> Image.Image:
+    image = Image.open(io.BytesIO(data))
+    return image.convert("RGB")  # forces the full decode, so truncated files fail here and not later
+
+
+def collate(items: list[dict | Corrupt]) -> dict[str, Any]:
+    """Batch the good samples; report the corrupt ones by name instead of failing the batch.
+
+    Image and label travel in one sample, so dropping a sample can never shift labels.
+    """
+    good = [item for item in items if not isinstance(item, Corrupt)]
+    bad = [f"{item.key} ({item.reason})" for item in items if isinstance(item, Corrupt)]
+    return {
+        "image": torch.stack([item["image"] for item in good]) if good else torch.empty(0, dtype=torch.uint8),
+        "label": torch.tensor([item["label"] for item in good], dtype=torch.long),
+        "key": [item["key"] for item in good],
+        "corrupt": bad,
+    }
+
+
+class LabelledImageFolder(ImageFolder):
+    """ImageFolder whose labels come from a fixed class map, so a val tree with missing classes keeps the
+    standard ImageNet labels; undecodable images become Corrupt markers instead of exceptions."""
+
+    def __init__(self, root: str | Path, class_to_label: dict[str, int], transform):
+        self.class_to_label = class_to_label
+        super().__init__(str(root), transform=transform, allow_empty=True)
+        if not self.samples:
+            raise UserError(f"no images found under {root}; expected {root}/<class folder>/<image files>")
+
+    def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
+        folders = sorted(entry.name for entry in os.scandir(directory) if entry.is_dir())
+        unknown = [name for name in folders if name not in self.class_to_label]
+        if unknown:
+            raise UserError(
+                f"{directory}: class folders {unknown[:5]}{' ...' if len(unknown) > 5 else ''} are not in the "
+                "class map; ImageNet needs WordNet-id folders (e.g. n01440764), other datasets class_map: folders"
+            )
+        return folders, {name: self.class_to_label[name] for name in folders}
+
+    def __getitem__(self, index: int) -> dict | Corrupt:
+        path, label = self.samples[index]
+        try:
+            with open(path, "rb") as f:
+                image = decode_rgb(f.read())
+        except Exception as e:  # any failure to read or decode means this one image is unusable
+            return Corrupt(path, f"{type(e).__name__}: {e}")
+        return {"image": self.transform(image), "label": label, "key": Path(path).stem}
+
+
+class ShardStream(IterableDataset):
+    """Decoded samples from one rank's shards, split between the DataLoader workers.
+
+    With ``repeat`` (training) the stream is endless: each pass reshuffles the shard order with a seed of
+    (seed, epoch, pass), so workers stay disjoint and epochs differ; ShardTrainLoader cuts it into epochs.
+    Without ``repeat`` (evaluation) every shard is read exactly once.
+    """
+
+    def __init__(self, urls: list[str], transform, *, repeat: bool, shuffle_buffer: int = 0, seed: int = 0):
+        self.urls = urls
+        self.transform = transform
+        self.repeat = repeat
+        self.shuffle_buffer = shuffle_buffer
+        self.seed = seed
+        self.epoch = 0  # set by ShardTrainLoader in the main process before workers start
+
+    def _worker_urls(self, worker: int, num_workers: int):
+        for repetition in itertools.count():
+            order = list(self.urls)
+            if self.repeat:
+                random.Random(f"{self.seed}-{self.epoch}-{repetition}").shuffle(order)
+            mine = order[worker::num_workers]
+            if not mine:
+                return
+            yield from ({"url": url} for url in mine)
+            if not self.repeat:
+                return
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
+        samples = wds.tarfile_samples(self._worker_urls(worker, num_workers), handler=wds.warn_and_continue)
+        if self.shuffle_buffer > 1:
+            rng = random.Random(f"{self.seed}-{self.epoch}-{worker}")
+            samples = wds.filters._shuffle(samples, self.shuffle_buffer, min(100, self.shuffle_buffer), rng=rng)
+        for sample in samples:
+            yield self.decode(sample)
+
+    def decode(self, sample: dict) -> dict | Corrupt:
+        key = sample.get("__key__", "?")
+        where = f"{sample.get('__url__', '?')}:{key}"
+        field = next((f for f in IMAGE_FIELDS if f in sample), None)
+        if field is None:
+            return Corrupt(where, "no image field")
+        try:
+            label = int(sample["cls"])
+        except (KeyError, ValueError):
+            return Corrupt(where, "missing or invalid 'cls' label")
+        try:
+            image = decode_rgb(sample[field])
+        except Exception as e:  # any decode failure means this one image is unusable
+            return Corrupt(where, f"{type(e).__name__}: {e}")
+        return {"image": self.transform(image), "label": label, "key": key}
+
+
+class ShardTrainLoader(DataLoader):
+    """An endless ShardStream cut into epochs of a fixed number of batches.
+
+    All ranks take the same number of steps (DDP needs it). The epoch is read from the trainer when an
+    epoch starts so the shard order changes every epoch and follows a resumed run.
+    """
+
+    def __init__(self, dataset: ShardStream, batches_per_epoch: int, current_epoch, **kwargs):
+        super().__init__(dataset, **kwargs)
+        self.batches_per_epoch = batches_per_epoch
+        self.current_epoch = current_epoch
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
+    def __iter__(self):
+        self.dataset.epoch = self.current_epoch()
+        return itertools.islice(super().__iter__(), self.batches_per_epoch)
+
+
+class ExactDistributedSampler(DistributedSampler):
+    """Each index exactly once across ranks, without the padding of torch's DistributedSampler.
+
+    Being a DistributedSampler also keeps Lightning from swapping in its padded one.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
+
+    def __iter__(self):
+        return iter(range(self.rank, len(self.dataset), self.num_replicas))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, len(self.dataset), self.num_replicas))
+
+
+@dataclass
+class SyntheticData:
+    """The built-in dataset: procedurally drawn shapes, generated into shards under data/ on first use."""
+
+    num_classes: int = 10
+    train_per_class: int = 600
+    val_per_class: int = 100
+    image_size: int = 64
+    root: str | None = None  # default: data/synthetic
+
+
+class ImageNetDataModule(LightningDataModule):
+    """ImageNet-style classification data for training and evaluation.
+
+    Args:
+        source: "synthetic" (built in, no download), "folder" (ImageFolder roots ``root/train``,
+            ``root/val``) or "shards" (WebDataset shards).
+        root: for source "folder", the directory holding train/ and val/ with one folder per class.
+        train_shards: for source "shards", a shard directory written by ``robust-lightning shards`` (holding
+            manifest.json), a brace pattern like ``/data/train-{000000..001023}.tar``, or a ``pipe:`` URL.
+        val_shards: the same for the validation split.
+        train_size: number of training images, needed for shards given by pattern (a manifest has it).
+        num_classes: size of the label space; defaults to the class map's (1000 for ImageNet).
+        class_map: "imagenet" (the standard map in data/), "folders" (sorted class folders) or a JSON file.
+        image_size: training crop and evaluation crop r.
+        crop_pct: evaluation resizes the shorter side to floor(r / crop_pct) before the centre crop.
+        augmentation: training augmentation scheme ("basic" = RandomResizedCrop + flip).
+        crop_scale: area range of RandomResizedCrop.
+        batch_size: per-device training batch size.
+        eval_batch_size: per-device evaluation batch size (default: batch_size).
+        num_workers: decoding processes per device.
+        shuffle_buffer: samples held for shuffling within the training shard stream.
+        seed: data order seed (shard order, shuffle buffer, sampler).
+        synthetic: options of the built-in dataset.
+    """
+
+    def __init__(
+        self,
+        source: Literal["synthetic", "folder", "shards"] = "synthetic",
+        root: str | None = None,
+        train_shards: str | None = None,
+        val_shards: str | None = None,
+        train_size: int | None = None,
+        num_classes: int | None = None,
+        class_map: str = "imagenet",
+        image_size: int = 224,
+        crop_pct: float = 0.875,
+        augmentation: Literal["basic"] = "basic",
+        crop_scale: tuple[float, float] = (0.08, 1.0),
+        batch_size: int = 128,
+        eval_batch_size: int | None = None,
+        num_workers: int = 8,
+        shuffle_buffer: int = 5000,
+        seed: int = 0,
+        synthetic: SyntheticData = SyntheticData(),
+    ):
+        super().__init__()
+        # Plain attributes, not save_hyperparameters(): checkpoints must load with weights_only=True, which
+        # refuses the dataclass; the full config is saved beside the run as config.yaml anyway.
+        self.source = source
+        self.root = Path(root) if root else None
+        self.train_shards, self.val_shards, self.train_size = train_shards, val_shards, train_size
+        self.class_map = class_map
+        self.image_size, self.crop_pct = image_size, crop_pct
+        self.augmentation, self.crop_scale = augmentation, tuple(crop_scale)
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.num_workers = num_workers
+        self.shuffle_buffer = shuffle_buffer
+        self.seed = seed
+        self.synthetic = synthetic
+        self.rank, self.world_size = 0, 1
+        self.train_set = self.eval_set = None
+        self.train_images = self.eval_images = None
+
+        if source == "folder":
+            if root is None:
+                raise UserError("data.source 'folder' needs data.root: a directory holding train/ and val/")
+            if not self.root.is_dir():
+                raise UserError(f"data.root {root} does not exist; expected ROOT/train/<wnid>/*.JPEG and ROOT/val/...")
+            self.classes = load_class_map(class_map, self.root / "train" if class_map == "folders" else None)
+            self.num_classes = num_classes or max(self.classes.values()) + 1
+        elif source == "shards":
+            if train_shards is None and val_shards is None:
+                raise UserError("data.source 'shards' needs data.train_shards and/or data.val_shards")
+            manifest = read_manifest(val_shards or train_shards) if _is_dir(val_shards or train_shards) else None
+            self.num_classes = num_classes or (manifest or {}).get("num_classes") or 1000
+        else:
+            self.num_classes = synthetic.num_classes
+
+    # ----------------------------------------------------------------------------------------------- setup
+    @property
+    def synthetic_root(self) -> Path:
+        return Path(self.synthetic.root) if self.synthetic.root else DATA_DIR / "synthetic"
+
+    def prepare_data(self) -> None:
+        if self.source == "synthetic":
+            self._ensure_synthetic()
+
+    def _ensure_synthetic(self) -> Path:
+        s = self.synthetic
+        return ensure_synthetic_dataset(
+            self.synthetic_root,
+            num_classes=s.num_classes,
+            train_per_class=s.train_per_class,
+            val_per_class=s.val_per_class,
+            image_size=s.image_size,
+        )
+
+    def setup(self, stage: str) -> None:
+        if self.trainer is not None:
+            self.rank, self.world_size = self.trainer.global_rank, self.trainer.world_size
+        evaluation = eval_transform(self.image_size, self.crop_pct)
+        training = train_transform(self.image_size, self.augmentation, self.crop_scale)
+        if self.source == "folder":
+            if stage == "fit":
+                self.train_set = LabelledImageFolder(self._split_dir("train"), self.classes, training)
+            self.eval_set = LabelledImageFolder(self._split_dir("val"), self.classes, evaluation)
+            return
+        if self.source == "synthetic":
+            root = self._ensure_synthetic()  # no-op when prepare_data made it; covers direct setup() calls
+            train_spec, val_spec = str(root / "train"), str(root / "val")
+        else:
+            train_spec, val_spec = self.train_shards, self.val_shards
+        if stage == "fit":
+            if train_spec is None:
+                raise UserError("training needs data.train_shards")
+            urls, total = self._resolve_shards(train_spec, self.train_size)
+            if total is None:
+                raise UserError(
+                    f"data.train_shards {train_spec} has no manifest.json: set data.train_size to the number "
+                    "of training images so every rank takes the same number of steps per epoch"
+                )
+            self.train_images = total
+            self.train_set = ShardStream(
+                self._rank_share(urls, "train"), training, repeat=True,
+                shuffle_buffer=self.shuffle_buffer, seed=self.seed,
+            )
+        if val_spec is None:
+            raise UserError("evaluation needs data.val_shards")
+        urls, self.eval_images = self._resolve_shards(val_spec, None)
+        self.eval_set = ShardStream(self._rank_share(urls, "val"), evaluation, repeat=False)
+
+    def _split_dir(self, split: str) -> Path:
+        path = self.root / split
+        if not path.is_dir():
+            raise UserError(f"{path} does not exist; expected the ImageFolder layout {self.root}/{split}/<wnid>/*.JPEG")
+        return path
+
+    @staticmethod
+    def _resolve_shards(spec: str, size: int | None) -> tuple[list[str], int | None]:
+        """Shard URLs and the number of images they hold (from the manifest if there is one)."""
+        if _is_dir(spec):
+            manifest = read_manifest(spec)
+            return shard_urls(spec), manifest["num_samples"]
+        urls = list(braceexpand(spec))
+        if not spec.startswith("pipe:"):
+            missing = [u for u in urls if not Path(u.removeprefix("file:")).is_file()]
+            if missing:
+                raise UserError(
+                    f"{len(missing)} of {len(urls)} shards of {spec} do not exist (first: {missing[0]}); expected "
+                    "a shard directory with manifest.json, a brace pattern of .tar files, or a pipe: URL"
+                )
+        return urls, size
+
+    def _rank_share(self, urls: list[str], split: str) -> list[str]:
+        if len(urls) < self.world_size:
+            raise UserError(
+                f"the {split} split has {len(urls)} shards but {self.world_size} ranks: every rank needs at "
+                "least one shard (write smaller shards with robust-lightning shards --samples-per-shard)"
+            )
+        return urls[self.rank :: self.world_size]
+
+    # ---------------------------------------------------------------------------------------- dataloaders
+    def _loader(self, dataset, batch_size: int, **kwargs) -> DataLoader:
+        kwargs.setdefault("num_workers", self.num_workers)
+        if isinstance(dataset, ShardStream):  # more workers than shards would sit idle
+            kwargs["num_workers"] = min(kwargs["num_workers"], len(dataset.urls))
+        loader_cls = kwargs.pop("loader_cls", DataLoader)
+        return loader_cls(
+            dataset,
+            batch_size=batch_size,
+            collate_fn=collate,
+            pin_memory=torch.cuda.is_available(),
+            **kwargs,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        if isinstance(self.train_set, ShardStream):
+            batches = self.train_images // (self.world_size * self.batch_size)
+            if batches < 1:
+                raise UserError(
+                    f"{self.train_images} training images are fewer than one batch of {self.batch_size} per rank"
+                )
+            return self._loader(
+                self.train_set, self.batch_size, loader_cls=ShardTrainLoader, batches_per_epoch=batches,
+                current_epoch=lambda: self.trainer.current_epoch if self.trainer else 0, drop_last=True,
+            )
+        sampler = DistributedSampler(
+            self.train_set, num_replicas=self.world_size, rank=self.rank, shuffle=True, seed=self.seed,
+            drop_last=True,
+        )
+        return self._loader(
+            self.train_set, self.batch_size, sampler=sampler, drop_last=True,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def _eval_dataloader(self) -> DataLoader:
+        if isinstance(self.eval_set, ShardStream):
+            return self._loader(self.eval_set, self.eval_batch_size)
+        sampler = ExactDistributedSampler(self.eval_set, self.world_size, self.rank)
+        return self._loader(self.eval_set, self.eval_batch_size, sampler=sampler)
+
+    val_dataloader = test_dataloader = predict_dataloader = _eval_dataloader
+
+    def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
+        # uint8 crossed to the device; scale to [0, 1] there
+        batch["image"] = batch["image"].float().div_(255)
+        return batch
+
+    # ------------------------------------------------------------------------------------------ reporting
+    def conditions(self) -> dict[str, Any]:
+        """What results.json records about the data."""
+        where = {
+            "folder": {"root": str(self.root), "class_map": self.class_map},
+            "shards": {"train_shards": self.train_shards, "val_shards": self.val_shards},
+            "synthetic": {**asdict(self.synthetic), "root": str(self.synthetic_root)},
+        }[self.source]
+        eval_images = len(self.eval_set) if isinstance(self.eval_set, LabelledImageFolder) else self.eval_images
+        return {
+            "source": self.source,
+            **where,
+            "num_classes": self.num_classes,
+            "eval_images": eval_images,
+            "image_size": self.image_size,
+            "eval_preprocessing": f"resize {eval_resize_size(self.image_size, self.crop_pct)} bicubic, "
+            f"center crop {self.image_size}",
+            "augmentation": self.augmentation,
+            "batch_size": self.batch_size,
+        }
+
+
+def _is_dir(spec: str | None) -> bool:
+    return spec is not None and not spec.startswith("pipe:") and Path(spec).is_dir()

@@ -1,0 +1,488 @@
+"""ImageFolder -> WebDataset shards, plus the shard/manifest code shared with the synthetic dataset.
+
+Layout of an output directory (the contract the data module reads):
+
+- ``{prefix}-{index:06d}.tar``: WebDataset shards. Each sample has ``__key__`` (unique, no dots), the image
+  bytes exactly as in the source file under ``jpg`` / ``png`` / ``webp``, ``cls`` (integer label, ASCII
+  digits) and ``wnid`` (class folder name, so labels can be remapped later).
+- ``manifest.json``: totals, class counts per shard, skipped files; see :func:`write_manifest`.
+- ``.plan.json`` and ``{prefix}-{index:06d}.json``: the converter's plan and per-shard stats, which make an
+  interrupted conversion resumable.
+
+Every file is written under a temporary name in the same directory and then renamed, so a killed run never
+leaves a half-written file under its final name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import re
+import textwrap
+from collections import Counter
+from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+import numpy as np
+import webdataset as wds
+from PIL import Image
+from tqdm import tqdm
+
+from robust_lightning.data.classes import class_map as resolve_class_map
+from robust_lightning.errors import UserError
+
+MANIFEST_FORMAT = "robust-lightning-shards/1"
+MANIFEST_NAME = "manifest.json"
+PLAN_NAME = ".plan.json"
+
+# Source file suffix -> sample extension; the bytes are stored as they are, so the extension names their format.
+IMAGE_EXTENSIONS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp"}
+# What PIL reports when it decodes a file: a ".JPEG" that really holds a PNG (ImageNet has a few) is stored
+# under the extension of its real format.
+PIL_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
+
+
+def _version() -> str:
+    from robust_lightning import __version__
+
+    return __version__
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Writing shards and manifests (shared with robust_lightning.data.synthetic)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def shard_name(prefix: str, index: int) -> str:
+    return f"{prefix}-{index:06d}.tar"
+
+
+def _temp_path(path: Path) -> Path:
+    # Same directory (so os.replace is an atomic rename), hidden, and unique per process.
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def write_json_atomic(path: str | Path, obj, indent: int | None = 1) -> None:
+    path = Path(path)
+    tmp = _temp_path(path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=indent)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_shard(path: str | Path, samples: Iterable[dict]) -> dict:
+    """Write ``samples`` into the tar file ``path`` atomically; return the shard's stats.
+
+    Each sample is a dict with ``__key__`` (no dots or slashes), the encoded image bytes under ``jpg``, ``png``
+    or ``webp``, ``cls`` (int) and ``wnid`` (str). Stats: ``{"file", "num_samples", "bytes", "class_counts":
+    {label: n}, "wnid_counts": {wnid: n}}`` (JSON-ready: labels are string keys).
+    """
+    path = Path(path)
+    tmp = _temp_path(path)
+    labels: Counter[int] = Counter()
+    wnids: Counter[str] = Counter()
+    try:
+        with open(tmp, "wb") as f:
+            # A fixed mtime makes the tar a pure function of the samples (reproducible, comparable runs);
+            # PAX allows member names longer than 100 characters.
+            with wds.TarWriter(f, mtime=0, format="PAX_FORMAT") as writer:
+                for sample in samples:
+                    key = sample["__key__"]
+                    if not key or "." in key or "/" in key:
+                        raise ValueError(f"sample key {key!r} must be non-empty and contain no '.' or '/'")
+                    writer.write(sample)
+                    labels[int(sample["cls"])] += 1
+                    wnids[sample["wnid"]] += 1
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return {
+        "file": path.name,
+        "num_samples": sum(labels.values()),
+        "bytes": path.stat().st_size,
+        "class_counts": {str(label): labels[label] for label in sorted(labels)},
+        "wnid_counts": dict(sorted(wnids.items())),
+    }
+
+
+def write_manifest(
+    out: str | Path,
+    shard_stats: list[dict],
+    *,
+    class_map: str,
+    labels: dict[str, int],
+    source: str,
+    skipped: Iterable[dict] = (),
+) -> dict:
+    """Write ``out/manifest.json`` atomically from the per-shard stats of :func:`write_shard`; return it.
+
+    ``class_map`` is the spec string the labels came from, ``labels`` the resolved folder name -> label map.
+    """
+    wnid_counts: Counter[str] = Counter()
+    for stats in shard_stats:
+        wnid_counts.update(stats["wnid_counts"])
+    present = sorted(wnid_counts, key=lambda name: (labels[name], name))
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "num_samples": sum(s["num_samples"] for s in shard_stats),
+        # Labels run 0..K-1; a many-to-one JSON map (e.g. ImageNet -> 9 super-classes) has K < len(map).
+        "num_classes": max(labels.values()) + 1 if labels else 0,
+        "class_map": class_map,
+        "classes": present,
+        "class_counts": {name: wnid_counts[name] for name in present},
+        "shards": [
+            {key: s[key] for key in ("file", "num_samples", "bytes", "class_counts")} for s in shard_stats
+        ],
+        "skipped": list(skipped),
+        "source": source,
+        "created_by": f"robust-lightning {_version()}",
+    }
+    write_json_atomic(Path(out) / MANIFEST_NAME, manifest)
+    return manifest
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------------------------
+
+
+def read_manifest(directory: str | Path) -> dict | None:
+    """The manifest of a shard directory, or None if it has none."""
+    path = Path(directory) / MANIFEST_NAME
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e}); re-create the shards") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        raise UserError(
+            f"{path} is not a {MANIFEST_FORMAT} manifest; re-create the shards with 'robust-lightning shards'"
+        )
+    return manifest
+
+
+def shard_urls(directory: str | Path) -> list[str]:
+    """Paths of the shards listed in ``directory/manifest.json``, in manifest order."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    if manifest is None:
+        raise UserError(
+            f"{directory} has no {MANIFEST_NAME}; expected a shard directory written by 'robust-lightning shards'"
+        )
+    urls = [directory / s["file"] for s in manifest["shards"]]
+    missing = [p.name for p in urls if not p.is_file()]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise UserError(f"{directory}: shard(s) listed in {MANIFEST_NAME} are missing: {', '.join(missing[:3])}{more}")
+    return [str(p) for p in urls]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Converter
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _scan_image_folder(src: Path) -> list[str]:
+    """Sorted image paths relative to ``src``, each ``<class folder>/.../<file>``."""
+    loose = [p.name for p in src.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS]
+    if loose:
+        raise UserError(
+            f"{src} holds images directly (e.g. {loose[0]}); expected an ImageFolder tree SRC/<class folder>/<images>"
+            " (sort a flat ImageNet val directory into wnid folders first)"
+        )
+    files = []
+    for folder in sorted(e.name for e in os.scandir(src) if e.is_dir() and not e.name.startswith(".")):
+        for dirpath, dirnames, filenames in os.walk(src / folder, followlinks=True):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            rel = Path(dirpath).relative_to(src).as_posix()
+            # Hidden files are skipped: e.g. macOS "._n01440764_10026.JPEG" metadata files are not images.
+            files.extend(
+                f"{rel}/{name}" for name in sorted(filenames)
+                if not name.startswith(".") and Path(name).suffix.lower() in IMAGE_EXTENSIONS
+            )
+    return files
+
+
+def _sample_keys(files: list[str]) -> dict[str, str]:
+    """Relative path -> sample key (a function of the file list, so the plan need not store keys)."""
+    # ImageNet file stems are unique (n01440764_10026, ILSVRC2012_val_00000001); other trees may repeat a stem
+    # across folders, then the whole relative path becomes the key. Dots would split the key in webdataset.
+    keys = [Path(f).stem.replace(".", "_") for f in files]
+    if len(set(keys)) < len(keys):
+        keys = [f.replace("/", "_").replace(".", "_") for f in files]
+    if len(set(keys)) < len(keys):
+        dup = next(k for k, n in Counter(keys).items() if n > 1)
+        raise UserError(f"two source files map to the same sample key {dup!r}; rename one of them")
+    return dict(zip(files, keys))
+
+
+def _make_plan(src: Path, *, prefix: str, samples_per_shard: int, class_map: str, shuffle: bool, seed: int,
+               verify: bool) -> tuple[dict, dict[str, str]]:
+    """The conversion plan (saved to compare on resume) and the sample key of each file."""
+    labels = resolve_class_map(class_map, src)
+    files = _scan_image_folder(src)
+    if not files:
+        exts = ", ".join(sorted(IMAGE_EXTENSIONS))
+        raise UserError(f"{src} contains no images ({exts}) in class folders; expected SRC/<class folder>/<images>")
+    folders = sorted({f.split("/", 1)[0] for f in files})
+    unknown = [name for name in folders if name not in labels]
+    if unknown:
+        names = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        if class_map == "imagenet":
+            raise UserError(
+                f"class folder(s) {names} in {src} are not ImageNet wnids (expected names like n01440764); "
+                "for another dataset use class_map 'folders' (--class-map folders) or a JSON class map file"
+            )
+        raise UserError(f"class folder(s) {names} in {src} are not in the class map {class_map!r}")
+    keys = _sample_keys(files)
+    order = np.random.default_rng(seed).permutation(len(files)) if shuffle else np.arange(len(files))
+    files = [files[i] for i in order.tolist()]
+    plan = {
+        "format": MANIFEST_FORMAT,
+        "source": str(src),
+        "prefix": prefix,
+        "samples_per_shard": samples_per_shard,
+        "class_map": class_map,
+        "shuffle": shuffle,
+        "seed": seed,
+        "verify": verify,
+        # The whole resolved map: num_classes comes from it, and an edited class map file is a different plan.
+        "labels": labels,
+        "shards": [files[i : i + samples_per_shard] for i in range(0, len(files), samples_per_shard)],
+    }
+    return plan, keys
+
+
+def _shard_paths(out: Path, prefix: str) -> list[Path]:
+    pattern = re.compile(rf"^\.?{re.escape(prefix)}-\d{{6}}\.(tar|json)(\.tmp-\d+)?$")
+    return [p for p in out.iterdir() if pattern.match(p.name)]
+
+
+def _clear_output(out: Path, prefixes: set[str]) -> None:
+    for prefix in prefixes:
+        for path in _shard_paths(out, prefix):
+            path.unlink()
+    for name in (MANIFEST_NAME, PLAN_NAME):
+        (out / name).unlink(missing_ok=True)
+
+
+def _prepare_output(out: Path, plan: dict, overwrite: bool) -> None:
+    """Create ``out`` and save the plan there, or check that it matches the saved one (resume)."""
+    out.mkdir(parents=True, exist_ok=True)
+    plan_path = out / PLAN_NAME
+    old = None
+    if plan_path.is_file():
+        try:
+            old = json.loads(plan_path.read_text())
+        except json.JSONDecodeError:
+            old = {}
+    if overwrite:
+        _clear_output(out, {plan["prefix"], (old or {}).get("prefix", plan["prefix"])})
+        old = None
+    if old is not None:
+        if old == plan:
+            # Resume: temp files of a killed run are garbage (their shards get written again).
+            for path in _shard_paths(out, plan["prefix"]):
+                if ".tmp-" in path.name:
+                    path.unlink()
+            return
+        raise UserError(
+            f"{out} holds shards from a different conversion (other source files or options); "
+            "use a new output directory or --overwrite (overwrite=True) to replace them"
+        )
+    if (out / MANIFEST_NAME).exists() or _shard_paths(out, plan["prefix"]):
+        raise UserError(
+            f"{out} already holds shards or a manifest that this converter did not plan; "
+            "use a new output directory or --overwrite (overwrite=True) to replace them"
+        )
+    write_json_atomic(plan_path, plan, indent=None)  # compact: ImageNet train lists 1.28M files
+
+
+def _read_source_sample(path: Path, key: str, label: int, wnid: str, verify: bool) -> tuple[dict | None, str | None]:
+    """The sample for one source file, or (None, reason) if it cannot be read or (with verify) decoded."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        return None, f"cannot read: {e}"
+    ext = IMAGE_EXTENSIONS[path.suffix.lower()]
+    if verify:
+        try:
+            with Image.open(io.BytesIO(data)) as image:
+                fmt = image.format
+                image.convert("RGB")  # decodes every pixel: catches truncated and corrupt files
+        except Exception as e:  # PIL raises many types (OSError, SyntaxError, ValueError, DecompressionBomb...)
+            return None, f"cannot decode: {type(e).__name__}: {e}"
+        ext = PIL_FORMATS.get(fmt, ext)
+    return {"__key__": key, ext: data, "cls": label, "wnid": wnid}, None
+
+
+def _convert_shard(src: Path, out: Path, prefix: str, index: int, entries: list[tuple[str, str]], labels: dict,
+                   verify: bool) -> dict:
+    """Worker task: write one shard, then its stats file (the stats file marks the shard as done)."""
+    skipped = []
+
+    def samples():
+        for rel, key in entries:
+            wnid = rel.split("/", 1)[0]
+            sample, reason = _read_source_sample(src / rel, key, labels[wnid], wnid, verify)
+            if sample is None:
+                skipped.append({"path": str(src / rel), "reason": reason})
+            else:
+                yield sample
+
+    stats = write_shard(out / shard_name(prefix, index), samples())
+    stats["skipped"] = skipped
+    write_json_atomic(_stats_path(out, prefix, index), stats)
+    return stats
+
+
+def _stats_path(out: Path, prefix: str, index: int) -> Path:
+    return (out / shard_name(prefix, index)).with_suffix(".json")
+
+
+def _load_stats(out: Path, prefix: str, index: int) -> dict | None:
+    """Stats of a finished shard, or None if the shard still has to be written."""
+    tar, stats = out / shard_name(prefix, index), _stats_path(out, prefix, index)
+    if not (tar.is_file() and stats.is_file()):
+        return None
+    try:
+        return json.loads(stats.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+def convert_image_folder(
+    src: str | Path,
+    out: str | Path,
+    *,
+    prefix: str | None = None,
+    samples_per_shard: int = 1000,
+    class_map: str = "imagenet",
+    shuffle: bool = True,
+    seed: int = 0,
+    verify: bool = True,
+    workers: int | None = os.cpu_count(),
+    progress: bool = True,
+    overwrite: bool = False,
+) -> dict:
+    """Convert an ImageFolder tree ``src/<class folder>/<images>`` into WebDataset shards in ``out``.
+
+    The plan (sorted files, seeded permutation if ``shuffle``, chunks of ``samples_per_shard``) is
+    deterministic and saved in ``out``; re-running with the same arguments only writes the shards that are
+    missing. With ``verify`` every image is decoded and undecodable ones are left out and listed in the
+    manifest's ``skipped``. Returns the manifest.
+    """
+    src = Path(src).resolve()
+    out = Path(out).resolve()
+    if not src.is_dir():
+        raise UserError(
+            f"source directory {src} does not exist; expected an ImageFolder tree SRC/<class folder>/<images>"
+        )
+    if out == src or src in out.parents:
+        raise UserError(f"output directory {out} must not be inside the source directory {src}")
+    if samples_per_shard < 1:
+        raise UserError(f"samples_per_shard must be at least 1, got {samples_per_shard}")
+    workers = workers or 1
+    if workers < 1:
+        raise UserError(f"workers must be at least 1, got {workers}")
+    prefix = prefix or src.name
+    if "/" in prefix or "." in prefix:
+        raise UserError(f"prefix {prefix!r} must not contain '/' or '.'")
+
+    plan, keys = _make_plan(src, prefix=prefix, samples_per_shard=samples_per_shard, class_map=class_map,
+                            shuffle=shuffle, seed=seed, verify=verify)
+    _prepare_output(out, plan, overwrite)
+
+    num_shards = len(plan["shards"])
+    stats: list[dict | None] = [_load_stats(out, prefix, i) for i in range(num_shards)]
+    todo = [i for i in range(num_shards) if stats[i] is None]
+    args = [(src, out, prefix, i, [(f, keys[f]) for f in plan["shards"][i]], plan["labels"], verify) for i in todo]
+    with tqdm(total=num_shards, initial=num_shards - len(todo), desc=f"{prefix} shards", unit="shard",
+              disable=not progress) as bar:
+        if workers == 1 or len(todo) <= 1:
+            for a in args:
+                stats[a[3]] = _convert_shard(*a)
+                bar.update()
+        else:
+            with ProcessPoolExecutor(max_workers=min(workers, len(todo))) as pool:
+                futures = {pool.submit(_convert_shard, *a): a[3] for a in args}
+                try:
+                    for future in as_completed(futures):
+                        stats[futures[future]] = future.result()
+                        bar.update()
+                except BaseException:
+                    pool.shutdown(cancel_futures=True)
+                    raise
+
+    skipped = [item for s in stats for item in s["skipped"]]
+    return write_manifest(out, stats, class_map=class_map, labels=plan["labels"], source=str(src), skipped=skipped)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------------------------
+
+
+def shards_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="robust-lightning shards",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.dedent(
+            """\
+            Convert an ImageFolder tree (SRC/<class folder>/<images>) into WebDataset shards in OUT, with a
+            manifest.json the data module reads. Image bytes are stored as they are (no re-encoding); each
+            sample also holds its integer label (cls) and class folder name (wnid). Conversion is parallel
+            and resumable: re-run the same command after an interruption and only missing shards are written.
+
+            Example (ImageNet; val must already be sorted into wnid folders):
+              robust-lightning shards /datasets/imagenet/train /datasets/imagenet-wds/train
+              robust-lightning shards /datasets/imagenet/val /datasets/imagenet-wds/val --no-shuffle
+            """
+        ),
+    )
+    parser.add_argument("src", metavar="SRC", help="ImageFolder root: SRC/<class folder>/<images>")
+    parser.add_argument("out", metavar="OUT", help="output directory for the shards and manifest.json")
+    parser.add_argument("--prefix", help="shard file prefix (default: name of SRC, e.g. 'train')")
+    parser.add_argument("--samples-per-shard", type=int, default=1000, metavar="N",
+                        help="images per shard (default: 1000, ~110 MB for ImageNet)")
+    parser.add_argument("--class-map", default="imagenet", metavar="imagenet|folders|FILE",
+                        help="labels: 'imagenet' (standard 1000-class order, the default), 'folders' (sorted "
+                             "folder names) or a JSON file mapping folder name -> label")
+    parser.add_argument("--no-shuffle", dest="shuffle", action="store_false",
+                        help="keep sorted file order (for validation sets); by default files are shuffled with "
+                             "--seed so every shard mixes classes")
+    parser.add_argument("--seed", type=int, default=0, help="shuffle seed (default: 0)")
+    parser.add_argument("--no-verify", dest="verify", action="store_false",
+                        help="do not decode images to check them (faster; corrupt files then end up in shards)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count(), metavar="N",
+                        help=f"parallel processes, one shard each (default: {os.cpu_count()})")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="delete shards and plan of an earlier, different conversion in OUT first")
+    args = parser.parse_args(argv)
+
+    manifest = convert_image_folder(
+        args.src, args.out, prefix=args.prefix, samples_per_shard=args.samples_per_shard,
+        class_map=args.class_map, shuffle=args.shuffle, seed=args.seed, verify=args.verify,
+        workers=args.workers, overwrite=args.overwrite,
+    )
+    size = sum(s["bytes"] for s in manifest["shards"]) / 1e9
+    print(
+        f"Wrote {manifest['num_samples']} samples of {len(manifest['classes'])} classes "
+        f"(class map {manifest['class_map']!r}, {manifest['num_classes']} labels) into "
+        f"{len(manifest['shards'])} shards ({size:.2f} GB); skipped {len(manifest['skipped'])} undecodable "
+        f"files{' (listed in the manifest)' if manifest['skipped'] else ''}. "
+        f"Manifest: {Path(args.out).resolve() / MANIFEST_NAME}"
+    )
+    return 0

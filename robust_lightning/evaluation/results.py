@@ -1,0 +1,122 @@
+"""results.json: one machine-readable file per run with every metric and the conditions it was measured under.
+
+Each command (fit, validate, test, and later each evaluation callback) writes its own section; sections are
+merged into the file atomically, so a crash never leaves a half-written results.json and later sections
+never erase earlier ones.
+"""
+
+import hashlib
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning import Callback
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_only
+
+import robust_lightning
+
+
+def update_results(path: str | Path, sections: dict[str, Any]) -> dict:
+    """Merge ``sections`` into the JSON file at ``path`` (created if missing); returns the merged content."""
+    path = Path(path)
+    content = json.loads(path.read_text()) if path.is_file() else {}
+    content.update(sections)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+        json.dump(content, f, indent=2, default=str)
+        tmp = f.name
+    os.replace(tmp, path)
+    return content
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def software_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version(), "robust_lightning": robust_lightning.__version__}
+    for package in ("torch", "torchvision", "lightning", "timm", "torchmetrics", "webdataset", "kornia"):
+        try:
+            versions[package] = version(package)
+        except PackageNotFoundError:
+            pass
+    versions["cuda"] = torch.version.cuda or "none"
+    if torch.cuda.is_available():
+        versions["gpu"] = torch.cuda.get_device_name()
+    return versions
+
+
+class RunResults(Callback):
+    """Writes the run's metrics and conditions to ``<run dir>/results.json`` and prints a summary."""
+
+    def __init__(self):
+        self.started = time.time()
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self.started = time.time()
+
+    def _conditions(self, trainer, pl_module) -> dict[str, Any]:
+        datamodule = trainer.datamodule
+        return {
+            "command": " ".join(sys.argv),
+            "model": pl_module.conditions() if hasattr(pl_module, "conditions") else type(pl_module).__name__,
+            "data": datamodule.conditions() if hasattr(datamodule, "conditions") else None,
+            "seed": int(os.environ.get("PL_GLOBAL_SEED", -1)),
+            "precision": str(trainer.precision),
+            "accelerator": type(trainer.accelerator).__name__,
+            "world_size": trainer.world_size,
+            "max_epochs": trainer.max_epochs,
+            "versions": software_versions(),
+        }
+
+    @rank_zero_only
+    def _write(self, trainer, pl_module, section: str, extra: dict[str, Any]) -> None:
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        payload = {
+            "metrics": dict(sorted(metrics.items())),
+            **extra,
+            "seconds": round(time.time() - self.started, 1),
+            "conditions": self._conditions(trainer, pl_module),
+        }
+        corrupt = next((cb.totals for cb in trainer.callbacks if hasattr(cb, "totals")), None)
+        if corrupt:
+            payload["corrupt_images"] = dict(corrupt)
+        run_dir = Path(trainer.log_dir or trainer.default_root_dir)
+        path = run_dir / "results.json"
+        update_results(path, {section: payload})
+        shown = ", ".join(f"{k}={v:.4g}" for k, v in payload["metrics"].items() if not k.startswith("train/"))
+        print(f"\n{section} finished in {payload['seconds']:.0f}s: {shown}\nresults: {path.resolve()}", flush=True)
+
+    def _checkpoint(self, path: str | None) -> dict[str, Any] | None:
+        if not path or not Path(path).is_file():
+            return None
+        return {"path": str(Path(path).resolve()), "sha256": file_sha256(path)}
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        checkpoint = trainer.checkpoint_callback
+        extra = {"epochs": trainer.current_epoch, "steps": trainer.global_step}
+        if isinstance(checkpoint, ModelCheckpoint):
+            extra["best_checkpoint"] = self._checkpoint(checkpoint.best_model_path)
+            extra["best_score"] = None if checkpoint.best_model_score is None else float(checkpoint.best_model_score)
+            extra["monitor"] = checkpoint.monitor
+            extra["last_checkpoint"] = self._checkpoint(checkpoint.last_model_path)
+        self._write(trainer, pl_module, "fit", extra)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.state.fn == "validate":
+            self._write(trainer, pl_module, "validate", {"checkpoint": self._checkpoint(trainer.ckpt_path)})
+
+    def on_test_end(self, trainer, pl_module) -> None:
+        self._write(trainer, pl_module, "test", {"checkpoint": self._checkpoint(trainer.ckpt_path)})

@@ -1,0 +1,30 @@
+"""Models: timm backbones, ConvStem variants, input normalisation, warm start.
+
+Importing this package registers the project's architectures with timm (``timm.create_model`` then knows
+``convnext_tiny_convstem``, ``vit_small_patch16_224_convstem``, ``convnext_iso_small``, ...).
+"""
+
+from robust_lightning.models import convstem, isotropic_convnext  # noqa: F401  (registers with timm)
+from robust_lightning.models.classifier import InputNormalization, RobustClassifier, build_classifier
+from robust_lightning.models.convstem import CONVSTEM_PATCHSTEM_PAIRS, CONVSTEM_STEM_PREFIX, ConvStem
+from robust_lightning.models.weights import (
+    WarmStartReport,
+    load_pretrained,
+    read_checkpoint,
+    read_state_dict,
+    save_net_weights,
+)
+
+__all__ = [
+    "CONVSTEM_PATCHSTEM_PAIRS",
+    "CONVSTEM_STEM_PREFIX",
+    "ConvStem",
+    "InputNormalization",
+    "RobustClassifier",
+    "WarmStartReport",
+    "build_classifier",
+    "load_pretrained",
+    "read_checkpoint",
+    "read_state_dict",
+    "save_net_weights",
+]

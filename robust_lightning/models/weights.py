@@ -1,0 +1,364 @@
+"""Reading checkpoints and warm-starting a RobustClassifier from them.
+
+Checkpoints come in many wrappers: Lightning ``.ckpt`` (``state_dict`` with ``model.net.`` keys), timm train
+checkpoints (``state_dict`` / ``state_dict_ema``), plain ``.pt``/``.pth`` state dicts (maybe ``module.``-prefixed
+from DDP or ``_orig_mod.`` from torch.compile), ``.safetensors``. ``read_checkpoint`` unwraps all of them into
+the key space of the timm net (``model.net``) and sets aside our ``normalize.*`` buffers.
+
+Nothing is unpickled beyond tensors and plain containers (``torch.load(weights_only=True)``): a checkpoint is
+data, and a pickle that needs arbitrary classes is refused rather than executed.
+
+Warm start (``load_pretrained``) is strict: every tensor of the net is either loaded with the exact shape or
+explained in the report. The one expected exception is a ConvStem model warm-started from its PatchStem
+counterpart (paper: non-stem layers from the clean PatchStem model, stem random), and optionally a new head.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import re
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from torch import nn
+from timm.layers import resample_abs_pos_embed
+from timm.models.convnext import ConvNeXt
+from timm.models.convnext import checkpoint_filter_fn as convnext_filter_fn
+from timm.models.vision_transformer import VisionTransformer
+
+from robust_lightning.errors import UserError
+from robust_lightning.models.convstem import find_convstem_prefix
+from robust_lightning.models.isotropic_convnext import IsotropicConvNeXt
+from robust_lightning.models.isotropic_convnext import checkpoint_filter_fn as iso_filter_fn
+
+__all__ = [
+    "CheckpointWeights",
+    "WarmStartReport",
+    "load_pretrained",
+    "read_checkpoint",
+    "read_state_dict",
+    "save_net_weights",
+]
+
+# Wrapper prefixes, stripped wherever they lead a key (repeatedly, in any order): DDP, torch.compile, the
+# LightningModule attribute holding the model, our RobustClassifier's net.
+WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.", "net.")
+NORMALIZE_PREFIX = "normalize."
+MAX_LISTED_KEYS = 20
+
+
+@dataclass
+class CheckpointWeights:
+    """What a checkpoint holds for the net: its tensors, and the input normaliser it was saved with (if any)."""
+
+    state_dict: dict[str, torch.Tensor]
+    normalize: dict[str, torch.Tensor]  # {'mean': (1,C,1,1), 'std': ...} or {} when the checkpoint has none
+    path: str
+
+
+def _strip_prefixes(key: str) -> str:
+    changed = True
+    while changed:
+        changed = False
+        for prefix in WRAPPER_PREFIXES:
+            if key.startswith(prefix):
+                key = key[len(prefix):]
+                changed = True
+    return key
+
+
+def _load_file(path: Path) -> object:
+    if path.suffix == ".safetensors":
+        try:
+            return safetensors.torch.load_file(str(path), device="cpu")
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise UserError(f"cannot read safetensors checkpoint {path}: {e}") from e
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        unsafe = _unsafe_globals(path)
+        if unsafe:
+            raise UserError(
+                f"refusing to load {path}: it pickles Python objects ({', '.join(unsafe[:5])}), and checkpoints "
+                "are loaded with torch.load(weights_only=True) so that unpickling cannot run arbitrary code. "
+                "Expected a state dict of tensors (.pt/.pth/.ckpt) or a .safetensors file; if you trust the "
+                "file, re-save just its state_dict."
+            ) from e
+        raise UserError(
+            f"cannot read checkpoint {path}: expected a PyTorch state dict (.pt/.pth/.ckpt) or a .safetensors "
+            "file (torch.load(weights_only=True) failed; arbitrary pickles are refused)"
+        ) from e
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
+        raise UserError(
+            f"cannot read checkpoint {path}: expected a PyTorch state dict (.pt/.pth/.ckpt) or a .safetensors "
+            f"file ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from e
+
+
+def _unsafe_globals(path: Path) -> list[str]:
+    """Names of the classes/functions a torch.save file would need to unpickle ([] if unknown)."""
+    try:
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+    except Exception:  # not a zip checkpoint (legacy or garbage): cannot tell
+        return []
+
+
+def _pick_state_dict(obj: object, path: Path, prefer_ema: bool) -> dict[str, torch.Tensor]:
+    if not isinstance(obj, dict):
+        raise UserError(f"checkpoint {path} holds a {type(obj).__name__}; expected a dict of tensors")
+    if prefer_ema and isinstance(obj.get("state_dict_ema"), dict):
+        return obj["state_dict_ema"]
+    for key in ("state_dict", "model"):  # Lightning and timm train checkpoints; DeiT/ConvNeXt releases
+        if isinstance(obj.get(key), dict):
+            return obj[key]
+    if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        return obj
+    raise UserError(
+        f"checkpoint {path} has no state dict: expected a dict of tensors or one under 'state_dict' or 'model' "
+        f"(top-level keys: {', '.join(map(str, list(obj)[:10]))})"
+    )
+
+
+def read_checkpoint(path: str | Path, prefer_ema: bool = False) -> CheckpointWeights:
+    """Read a checkpoint into the net's key space; ``normalize.*`` buffers are returned separately.
+
+    ``prefer_ema`` picks ``state_dict_ema`` of timm train checkpoints. (Lightning checkpoints written with
+    EMAWeightAveraging already hold the EMA weights under ``state_dict``.)
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"checkpoint not found: {path}")
+    raw = _pick_state_dict(_load_file(path), path, prefer_ema)
+    state_dict: dict[str, torch.Tensor] = {}
+    normalize: dict[str, torch.Tensor] = {}
+    for key, value in raw.items():
+        if not isinstance(value, torch.Tensor):
+            continue  # e.g. Lightning may keep non-tensor extra state; not weights
+        key = _strip_prefixes(key)
+        if key.startswith(NORMALIZE_PREFIX):
+            normalize[key[len(NORMALIZE_PREFIX):]] = value
+        else:
+            state_dict[key] = value
+    if not state_dict:
+        raise UserError(f"checkpoint {path} contains no weight tensors")
+    return CheckpointWeights(state_dict=state_dict, normalize=normalize, path=str(path))
+
+
+def read_state_dict(path: str | Path, prefer_ema: bool = False) -> dict[str, torch.Tensor]:
+    """The net's tensors from any supported checkpoint (see ``read_checkpoint``; normaliser dropped)."""
+    return read_checkpoint(path, prefer_ema=prefer_ema).state_dict
+
+
+def save_net_weights(model: nn.Module, path: str | Path) -> Path:
+    """Write the timm net's state dict (no ``net.`` prefix, no normaliser) as .safetensors or .pt/.pth.
+
+    Such a file loads with ``read_state_dict`` and also with timm itself:
+    ``timm.create_model(arch, pretrained=True, pretrained_cfg_overlay=dict(file=path))``. The normaliser (if
+    any) goes into the safetensors metadata, since timm's strict loading would reject extra keys.
+    """
+    path = Path(path)
+    net = getattr(model, "net", model)
+    state = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".safetensors":
+        meta = {"format": "pt"}
+        norm = getattr(model, "normalize", None)
+        if norm is not None and hasattr(norm, "mean"):
+            meta["normalize_mean"] = ",".join(f"{v:.8g}" for v in norm.mean.flatten().tolist())
+            meta["normalize_std"] = ",".join(f"{v:.8g}" for v in norm.std.flatten().tolist())
+        # shared storage (e.g. tied weights) is not allowed in safetensors: clone each tensor
+        safetensors.torch.save_file({k: v.clone() for k, v in state.items()}, str(path), metadata=meta)
+    else:
+        torch.save(state, path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# warm start
+
+
+@dataclass
+class WarmStartReport:
+    """What ``load_pretrained`` did; ``str(report)`` is a short human summary."""
+
+    loaded: list[str]
+    newly_initialized: list[str]
+    dropped: list[str]
+    source: str
+    notes: list[str] = field(default_factory=list)
+    # the normaliser buffers stored in the checkpoint ({'mean', 'std'}), for the caller to compare with its own
+    checkpoint_normalize: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        parts = [f"loaded {len(self.loaded)} tensors from {self.source}"]
+        if self.newly_initialized:
+            parts.append(f"newly initialised: {_short_list(self.newly_initialized, 8)}")
+        if self.dropped:
+            parts.append(f"dropped from checkpoint: {_short_list(self.dropped, 8)}")
+        parts += self.notes
+        return "; ".join(parts)
+
+
+def _short_list(keys: list[str], limit: int) -> str:
+    head = ", ".join(keys[:limit])
+    return head + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+def _arch_name(net: nn.Module) -> str:
+    cfg = getattr(net, "pretrained_cfg", None) or {}
+    return cfg.get("architecture") or type(net).__name__
+
+
+def _adapt_foreign_layout(
+    net: nn.Module, sd: dict[str, torch.Tensor], stem_prefix: str | None, notes: list[str]
+) -> dict[str, torch.Tensor]:
+    """Rename keys of the original (non-timm) releases our models are warm-started from."""
+    if stem_prefix is not None:
+        # nmndeep/revisiting-at nests its ConvStem one level deeper (stem.stem.0.weight,
+        # patch_embed.proj.stem.0.weight) with the same layer order as ours: drop that level.
+        nested = f"{stem_prefix}stem."
+        if any(k.startswith(nested) for k in sd):
+            sd = {(stem_prefix + k[len(nested):] if k.startswith(nested) else k): v for k, v in sd.items()}
+            notes.append("ConvStem keys mapped from the revisiting-at layout")
+    if isinstance(net, ConvNeXt) and any(k.startswith("downsample_layers.") for k in sd):
+        sd = convnext_filter_fn(sd, net)  # facebookresearch/ConvNeXt names -> timm
+        notes.append("keys mapped from the facebookresearch/ConvNeXt layout")
+    elif isinstance(net, VisionTransformer) and any(re.search(r"\.gamma_[12]$", k) for k in sd):
+        sd = {re.sub(r"\.gamma_([12])$", r".ls\1.gamma", k): v for k, v in sd.items()}  # DeiT-III release
+        notes.append("layer-scale keys mapped from the DeiT-III layout")
+    elif isinstance(net, IsotropicConvNeXt) and any(".dwconv." in k or ".pwconv" in k for k in sd):
+        sd = iso_filter_fn(sd, net)  # Liu et al.'s isotropic release
+        notes.append("keys mapped from the facebookresearch/ConvNeXt isotropic layout")
+    return sd
+
+
+def _resample_pos_embed(net: nn.Module, src: torch.Tensor, notes: list[str]) -> torch.Tensor:
+    """Resample a ViT pos_embed from another grid to the net's grid (timm's resample_abs_pos_embed)."""
+    target = net.pos_embed
+    grid = getattr(getattr(net, "patch_embed", None), "grid_size", None)
+    if src.ndim != 3 or target.ndim != 3 or src.shape[-1] != target.shape[-1] or grid is None:
+        return src  # not resamplable; reported as a shape mismatch
+    num_prefix = 0 if getattr(net, "no_embed_class", False) else getattr(net, "num_prefix_tokens", 1)
+    side = math.isqrt(src.shape[1] - num_prefix)
+    if side * side != src.shape[1] - num_prefix:
+        return src
+    out = resample_abs_pos_embed(src, new_size=list(grid), old_size=[side, side], num_prefix_tokens=num_prefix)
+    notes.append(f"pos_embed resampled from a {side}x{side} to a {grid[0]}x{grid[1]} grid")
+    return out
+
+
+def _classifier_prefix(net: nn.Module) -> str | None:
+    if not hasattr(net, "get_classifier"):
+        return None
+    head = net.get_classifier()
+    for name, module in net.named_modules():
+        if module is head and name:
+            return f"{name}."
+    return None
+
+
+def load_pretrained(
+    model: nn.Module,
+    path: str | Path,
+    allow_new_stem: bool = True,
+    *,
+    new_head: bool = False,
+    prefer_ema: bool = False,
+) -> WarmStartReport:
+    """Load a checkpoint into ``model.net`` (a RobustClassifier; a bare net works too) with strict checks.
+
+    - Keys and shapes must match exactly, except:
+    - ConvStem model + checkpoint with a different stem (its PatchStem counterpart) and ``allow_new_stem``:
+      all non-stem tensors are loaded, the ConvStem keeps its fresh init (``newly_initialized``) and the
+      checkpoint's stem tensors are ``dropped``.
+    - ``new_head``: the classifier keeps its fresh init (transfer to another label set).
+    - ViT ``pos_embed`` of another grid size is resampled to the net's grid.
+    Anything else raises UserError listing the mismatched keys and naming the expected architecture.
+    The normaliser of ``model`` is not touched; the checkpoint's one is in ``report.checkpoint_normalize``.
+    """
+    net = getattr(model, "net", model)
+    ckpt = read_checkpoint(path, prefer_ema=prefer_ema)
+    target = net.state_dict()
+    stem_prefix = find_convstem_prefix(net)
+    notes: list[str] = []
+    src = _adapt_foreign_layout(net, ckpt.state_dict, stem_prefix, notes)
+
+    if "pos_embed" in src and "pos_embed" in target and src["pos_embed"].shape != target["pos_embed"].shape:
+        src = dict(src, pos_embed=_resample_pos_embed(net, src["pos_embed"], notes))
+
+    missing = [k for k in target if k not in src]
+    unexpected = [k for k in src if k not in target]
+    mismatched = [k for k in target if k in src and src[k].shape != target[k].shape]
+
+    # Keys under these prefixes may legitimately disagree; they keep the net's fresh init.
+    fresh_prefixes: dict[str, str] = {}
+    if new_head:
+        head_prefix = _classifier_prefix(net)
+        if head_prefix:
+            fresh_prefixes[head_prefix] = "new head"
+    if stem_prefix is not None and allow_new_stem:
+        stem_bad = [k for k in missing + unexpected + mismatched if k.startswith(stem_prefix)]
+        if stem_bad:
+            fresh_prefixes[stem_prefix] = "ConvStem"
+
+    def is_fresh(key: str) -> bool:
+        return any(key.startswith(p) for p in fresh_prefixes)
+
+    # shape mismatches first: they say most about what the checkpoint is
+    shape_problems = [
+        f"shape mismatch: {k} checkpoint {tuple(src[k].shape)} vs model {tuple(target[k].shape)}"
+        for k in mismatched
+        if not is_fresh(k)
+    ]
+    unexpected_problems = [
+        f"unexpected in checkpoint: {k} {tuple(src[k].shape)}" for k in unexpected if not is_fresh(k)
+    ]
+    missing_problems = [f"missing in checkpoint: {k} {tuple(target[k].shape)}" for k in missing if not is_fresh(k)]
+    problems = shape_problems + unexpected_problems + missing_problems
+    if problems:
+        listed = "\n  ".join(problems[:MAX_LISTED_KEYS])
+        more = f"\n  ... and {len(problems) - MAX_LISTED_KEYS} more" if len(problems) > MAX_LISTED_KEYS else ""
+        hint = ""
+        if stem_prefix is not None and not allow_new_stem and any(stem_prefix in p for p in problems):
+            hint = "\n(the stems differ: pass allow_new_stem=True to keep the ConvStem at its fresh init)"
+        raise UserError(
+            f"checkpoint {ckpt.path} does not match the expected architecture {_arch_name(net)!r}: "
+            f"{len(shape_problems)} shape mismatches, {len(unexpected_problems)} unexpected and "
+            f"{len(missing_problems)} missing keys:\n  {listed}{more}{hint}"
+        )
+
+    loaded = [k for k in target if not is_fresh(k)]
+    newly_initialized = [k for k in target if is_fresh(k)]
+    dropped = [k for k in src if k not in loaded]
+    # strict load of a complete dict: fresh tensors are the net's own current values
+    full = {k: (src[k] if k in loaded else v) for k, v in target.items()}
+    net.load_state_dict(full, strict=True)
+
+    for prefix, reason in fresh_prefixes.items():
+        notes.append(f"{reason} ({prefix}*) kept at fresh initialisation")
+    report = WarmStartReport(
+        loaded=loaded,
+        newly_initialized=newly_initialized,
+        dropped=dropped,
+        source=ckpt.path,
+        notes=notes,
+        checkpoint_normalize=ckpt.normalize,
+    )
+    if ckpt.normalize and not _same_normalizer(getattr(model, "normalize", None), ckpt.normalize):
+        # Not an error (the caller decides), but a classic source of wrong numbers: normalising twice or never.
+        report.notes.append("the checkpoint was saved with a different input normaliser than this model's")
+    return report
+
+
+def _same_normalizer(module: nn.Module | None, saved: dict[str, torch.Tensor]) -> bool:
+    if module is None or not hasattr(module, "mean") or set(saved) != {"mean", "std"}:
+        return False
+    return all(
+        getattr(module, name).shape == saved[name].shape
+        and torch.allclose(getattr(module, name).detach().cpu().float(), saved[name].float())
+        for name in ("mean", "std")
+    )

@@ -1,0 +1,65 @@
+"""Test helpers: tiny ImageFolder trees with real images, and a callback recording which samples each rank saw."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+from lightning import Callback
+from PIL import Image
+
+WNIDS = ("n01440764", "n01443537", "n15075141")  # ImageNet labels 0, 1 and 999
+
+
+def write_image(path: Path, seed: int, size: int = 40, fmt: str = "JPEG") -> None:
+    """A small image whose content depends on the seed (a coloured rectangle on a gradient)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:size, 0:size + 8]
+    image = np.stack([x * 4 % 256, y * 6 % 256, (x + y) * 3 % 256], -1).astype(np.uint8)
+    x0, y0 = rng.integers(0, size // 2, 2)
+    image[y0 : y0 + size // 3, x0 : x0 + size // 3] = rng.integers(0, 256, 3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(image).save(path, format=fmt)
+
+
+def make_image_tree(root: Path, per_class: dict[str, int], corrupt: list[str] = ()) -> Path:
+    """root/<wnid>/<wnid>_<i>.JPEG for each class; names in ``corrupt`` get bytes that are no image."""
+    seed = 0
+    for wnid, count in per_class.items():
+        for i in range(count):
+            write_image(root / wnid / f"{wnid}_{i}.JPEG", seed)
+            seed += 1
+    for name in corrupt:
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"\xff\xd8\xff\xe0 this is not a jpeg" + bytes(range(256)))
+    return root
+
+
+class KeyRecorder(Callback):
+    """Writes the keys of every sample each rank trained / validated on to <out_dir>/<stage>-rank<r>-e<epoch>.json."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir = Path(out_dir)
+        self.keys: dict[str, list[str]] = {}
+
+    def _record(self, stage, batch):
+        self.keys.setdefault(stage, []).extend(batch["key"])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._record("train", batch)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if not trainer.sanity_checking:
+            self._record("val", batch)
+
+    def _dump(self, trainer, stage):
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / f"{stage}-rank{trainer.global_rank}-e{trainer.current_epoch}.json"
+        path.write_text(json.dumps(self.keys.pop(stage, [])))
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self._dump(trainer, "train")
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self._dump(trainer, "val")

@@ -1,0 +1,207 @@
+"""The command line end to end, through robust_lightning.cli.main, on a tiny synthetic dataset."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from robust_lightning.cli import main
+from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
+from robust_lightning.training.classifier import ImageClassifier
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_config(tmp_path: Path, synthetic_root: Path, **overrides) -> Path:
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "max_epochs": 1,
+            "limit_train_batches": 3,
+            "num_sanity_val_steps": 0,
+            "enable_progress_bar": False,
+            "default_root_dir": str(tmp_path / "runs"),
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.CSVLogger",
+                "init_args": {"save_dir": str(tmp_path / "runs"), "name": "tiny"},
+            },
+        },
+        "model": {"arch": "convnext_atto_convstem", "warmup_epochs": 0.5, "lr": 1e-3},
+        "data": {
+            "source": "synthetic",
+            "image_size": 32,
+            "batch_size": 8,
+            "num_workers": 0,
+            "synthetic": {"num_classes": 4, "train_per_class": 8, "val_per_class": 4, "image_size": 32,
+                          "root": str(synthetic_root)},
+        },
+    }
+    for dotted, value in overrides.items():
+        node = config
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def synthetic_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("synthetic")
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory, synthetic_root):
+    """One short fit shared by the tests that need a trained run."""
+    tmp_path = tmp_path_factory.mktemp("fit")
+    config = tiny_config(tmp_path, synthetic_root)
+    assert main(["fit", "--config", str(config)]) == 0
+    run_dir = tmp_path / "runs" / "tiny" / "version_0"
+    return config, run_dir
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The installed console entry point in a fresh process, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "robust_lightning", *args], capture_output=True, text=True, cwd=REPO,
+        env={**os.environ, **(env or {})}, timeout=300,
+    )
+
+
+def test_help_lists_the_subcommands(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command in ("fit", "validate", "test", "predict", "shards"):
+        assert f"\n  {command} " in out
+
+
+def test_fit_writes_checkpoints_and_results(fitted):
+    _, run_dir = fitted
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert len(list((run_dir / "checkpoints").glob("epoch*.ckpt"))) == 1  # the best one
+    assert (run_dir / "config.yaml").is_file()
+    results = json.loads((run_dir / "results.json").read_text())
+    fit = results["fit"]
+    assert fit["metrics"]["val/num_images"] == 16  # 4 classes x 4 val images, each counted once
+    assert 0.0 <= fit["metrics"]["val/acc1"] <= 1.0
+    assert fit["best_checkpoint"]["sha256"] and fit["monitor"] == "val/acc1"
+    conditions = fit["conditions"]
+    assert conditions["model"]["arch"] == "convnext_atto_convstem"
+    assert conditions["data"]["image_size"] == 32 and conditions["seed"] == 0
+    assert conditions["precision"] == "32-true"
+    assert {"torch", "lightning", "timm", "python"} <= conditions["versions"].keys()
+
+
+def test_validate_accuracy_matches_an_independent_computation(fitted, tmp_path):
+    config, run_dir = fitted
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    assert main(["validate", "--config", str(config), "--ckpt_path", str(ckpt),
+                 "--trainer.logger.init_args.save_dir", str(tmp_path)]) == 0
+    results = json.loads(next(tmp_path.glob("tiny/version_*/results.json")).read_text())["validate"]
+    assert results["checkpoint"]["path"] == str(ckpt.resolve())
+
+    # independent: load the weights ourselves, run every val image, count correct top-1/top-5 with numpy
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    model = ImageClassifier(**{k: v for k, v in state["hyper_parameters"].items() if not k.startswith("_")})
+    model.load_state_dict(state["state_dict"])
+    model.eval()
+    synthetic = SyntheticData(**yaml.safe_load(config.read_text())["data"]["synthetic"])
+    dm = ImageNetDataModule(source="synthetic", image_size=32, num_workers=0, synthetic=synthetic)
+    dm.setup("validate")
+    logits, labels = [], []
+    with torch.no_grad():
+        for batch in dm.val_dataloader():
+            logits.append(model(batch["image"].float() / 255).numpy())
+            labels.append(batch["label"].numpy())
+    logits, labels = np.concatenate(logits), np.concatenate(labels)
+    top5 = np.argsort(-logits, axis=1)[:, :5]
+    assert results["metrics"]["val/acc1"] == pytest.approx((logits.argmax(1) == labels).mean(), abs=1e-6)
+    assert results["metrics"]["val/acc5"] == pytest.approx((top5 == labels[:, None]).any(1).mean(), abs=1e-6)
+    assert results["metrics"]["val/num_images"] == len(labels) == 16
+
+
+def test_resume_from_checkpoint_continues_training(fitted, tmp_path):
+    config, run_dir = fitted
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    assert main(["fit", "--config", str(config), "--ckpt_path", str(ckpt), "--trainer.max_epochs", "2",
+                 "--trainer.logger.init_args.save_dir", str(tmp_path)]) == 0
+    results = json.loads(next(tmp_path.glob("tiny/version_*/results.json")).read_text())["fit"]
+    assert results["epochs"] == 2 and results["steps"] == 6  # 3 steps per epoch, continued from step 3
+
+
+def test_configs_compose_left_to_right_and_print_config(tmp_path, synthetic_root, capsys):
+    config = tiny_config(tmp_path, synthetic_root)
+    override = tmp_path / "override.yaml"
+    override.write_text("model:\n  lr: 0.5\ntrainer:\n  max_epochs: 7\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), "--config", str(override), "--trainer.max_epochs", "9",
+              "--print_config"])
+    assert exit_info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["lr"] == 0.5  # from the second file
+    assert printed["trainer"]["max_epochs"] == 9  # the flag wins over both files
+    assert printed["model"]["arch"] == "convnext_atto_convstem"  # from the first file
+    assert printed["checkpoint"]["monitor"] == "val/acc1"
+
+
+@pytest.mark.parametrize(
+    "extra,expected",
+    [
+        (["--model.lrr", "0.1"], "lrr"),
+        (["--trainer.max_epochs", "many"], "max_epochs"),
+        (["--data.source", "imagenet"], "source"),
+    ],
+)
+def test_user_errors_exit_nonzero_with_a_message_and_no_traceback(tmp_path, synthetic_root, extra, expected):
+    config = tiny_config(tmp_path, synthetic_root)
+    result = run_cli("fit", "--config", str(config), *extra)
+    assert result.returncode != 0
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_config_file_is_reported(tmp_path):
+    result = run_cli("fit", "--config", str(tmp_path / "nope.yaml"))
+    assert result.returncode != 0
+    assert "nope.yaml" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_missing_dataset_is_reported(tmp_path, synthetic_root):
+    config = tiny_config(tmp_path, synthetic_root, **{"data.source": "folder", "data.root": str(tmp_path / "imagenet")})
+    result = run_cli("fit", "--config", str(config))
+    assert result.returncode == 2
+    assert "imagenet does not exist" in result.stderr and "train/" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_warm_start_checkpoint_is_reported(tmp_path, synthetic_root):
+    config = tiny_config(tmp_path, synthetic_root, **{"model.init_from": str(tmp_path / "weights.safetensors")})
+    result = run_cli("fit", "--config", str(config))
+    assert result.returncode == 2
+    assert "weights.safetensors" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_unknown_command_is_reported(capsys):
+    assert main(["train"]) == 2
+    assert "unknown command 'train'" in capsys.readouterr().err
+
+
+def test_environment_variables_set_options(tmp_path, synthetic_root):
+    # environment variables replace defaults; config files and flags still override them
+    config = tiny_config(tmp_path, synthetic_root)
+    content = yaml.safe_load(config.read_text())
+    del content["trainer"]["max_epochs"]
+    config.write_text(yaml.safe_dump(content))
+    result = run_cli("fit", "--config", str(config), "--print_config", env={"RL_FIT__TRAINER__MAX_EPOCHS": "4"})
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(result.stdout)["trainer"]["max_epochs"] == 4

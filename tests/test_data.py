@@ -1,0 +1,193 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+import webdataset as wds
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from helpers import WNIDS, make_image_tree, write_image
+from robust_lightning.data.classes import class_map
+from robust_lightning.data.datamodule import (
+    Corrupt,
+    ExactDistributedSampler,
+    ImageNetDataModule,
+    LabelledImageFolder,
+    ShardStream,
+    collate,
+)
+from robust_lightning.data.shards import convert_image_folder, shard_urls
+from robust_lightning.data.transforms import eval_resize_size, eval_transform
+from robust_lightning.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def imagenet_tree(tmp_path_factory):
+    """A miniature ImageNet: train/ and val/ with three wnid folders; val lacks most ImageNet classes."""
+    root = tmp_path_factory.mktemp("imagenet")
+    make_image_tree(root / "train", {w: 4 for w in WNIDS})
+    make_image_tree(root / "val", {w: 3 for w in WNIDS}, corrupt=["n01443537/n01443537_broken.JPEG"])
+    return root
+
+
+@pytest.fixture(scope="module")
+def val_shards(imagenet_tree, tmp_path_factory):
+    out = tmp_path_factory.mktemp("val_shards")
+    convert_image_folder(imagenet_tree / "val", out, samples_per_shard=3, shuffle=False, verify=False,
+                         workers=1, progress=False)
+    return out
+
+
+def test_eval_resize_is_floor_of_r_over_crop_pct():
+    assert eval_resize_size(224, 0.875) == 256
+    assert eval_resize_size(288, 0.875) == 329  # 288 / 0.875 = 329.14
+    assert eval_resize_size(320, 0.875) == math.floor(320 / 0.875)
+
+
+def test_eval_transform_matches_pil_resize_and_centre_crop(tmp_path):
+    write_image(tmp_path / "a.png", seed=3, size=70, fmt="PNG")  # 78 x 70, landscape
+    image = Image.open(tmp_path / "a.png").convert("RGB")
+    r = 48
+    short = eval_resize_size(r, 0.875)  # 54
+    w, h = image.size
+    expected = image.resize((round(w * short / h), short), Image.BICUBIC)
+    left, top = round((expected.width - r) / 2), round((expected.height - r) / 2)
+    expected = np.asarray(expected.crop((left, top, left + r, top + r)))
+    ours = eval_transform(r)(image)
+    assert ours.dtype == torch.uint8 and ours.shape == (3, r, r)
+    np.testing.assert_array_equal(ours.permute(1, 2, 0).numpy(), expected)
+
+
+def test_folder_labels_follow_the_imagenet_map_not_the_folder_order(imagenet_tree):
+    dataset = LabelledImageFolder(imagenet_tree / "val", class_map("imagenet"), eval_transform(32))
+    labels = {sample["key"]: sample["label"] for sample in map(dataset.__getitem__, range(len(dataset)))
+              if not isinstance(sample, Corrupt)}
+    assert labels["n01440764_0"] == 0
+    assert labels["n01443537_2"] == 1
+    assert labels["n15075141_2"] == 999  # third folder, ImageNet label 999
+
+
+def test_unknown_class_folder_is_a_clear_error(tmp_path):
+    make_image_tree(tmp_path / "val", {"dogs": 1})
+    dm = ImageNetDataModule(source="folder", root=str(tmp_path), image_size=32, num_workers=0)
+    with pytest.raises(UserError, match="not in the class map"):
+        dm.setup("validate")
+
+
+def test_missing_dataset_root_is_a_clear_error(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        ImageNetDataModule(source="folder", root=str(tmp_path / "nowhere"))
+    dm = ImageNetDataModule(source="folder", root=str(tmp_path))
+    with pytest.raises(UserError, match="val"):
+        dm.setup("validate")
+    with pytest.raises(UserError, match="do not exist"):
+        ImageNetDataModule(source="shards", val_shards=str(tmp_path / "val-{000000..000003}.tar")).setup("validate")
+
+
+def _read_all(dm: ImageNetDataModule):
+    samples, corrupt = {}, []
+    for batch in dm.val_dataloader():
+        corrupt += batch["corrupt"]
+        for key, label, image in zip(batch["key"], batch["label"].tolist(), batch["image"]):
+            assert key not in samples, f"{key} read twice"
+            samples[key] = (label, image)
+    return samples, corrupt
+
+
+def test_folder_and_shards_give_the_same_labels_and_pixels(imagenet_tree, val_shards):
+    folder = ImageNetDataModule(source="folder", root=str(imagenet_tree), image_size=32, eval_batch_size=4,
+                                num_workers=0)
+    shards = ImageNetDataModule(source="shards", val_shards=str(val_shards), image_size=32, eval_batch_size=4,
+                                num_workers=2)
+    folder.setup("validate")
+    shards.setup("validate")
+    from_folder, corrupt_folder = _read_all(folder)
+    from_shards, corrupt_shards = _read_all(shards)
+    assert len(from_folder) == 9 and len(corrupt_folder) == 1
+    # the converter (verify=False) copied the broken file too: the reader skips and names it
+    assert len(corrupt_shards) == 1 and "n01443537_broken" in corrupt_shards[0]
+    assert from_folder.keys() == from_shards.keys()
+    for key, (label, image) in from_folder.items():
+        assert from_shards[key][0] == label
+        assert torch.equal(from_shards[key][1], image)
+
+
+def test_corrupt_sample_in_a_shard_is_skipped_without_shifting_labels(tmp_path):
+    path = tmp_path / "mixed-000000.tar"
+    good = tmp_path / "good.jpg"
+    with wds.TarWriter(str(path)) as sink:
+        for i in range(6):
+            write_image(good, seed=i)
+            payload = b"garbage" if i == 2 else good.read_bytes()
+            sink.write({"__key__": f"s{i}", "jpg": payload, "cls": i})
+        sink.write({"__key__": "nolabel", "jpg": good.read_bytes()})
+    stream = ShardStream([str(path)], eval_transform(16), repeat=False)
+    items = list(stream)
+    batch = collate(items)
+    assert batch["key"] == ["s0", "s1", "s3", "s4", "s5"]
+    assert batch["label"].tolist() == [0, 1, 3, 4, 5]
+    assert len(batch["corrupt"]) == 2 and "s2" in batch["corrupt"][0] and "nolabel" in batch["corrupt"][1]
+
+
+def test_all_corrupt_batch_collates_to_an_empty_batch():
+    batch = collate([Corrupt("a", "bad"), Corrupt("b", "bad")])
+    assert batch["label"].numel() == 0 and batch["corrupt"] == ["a (bad)", "b (bad)"]
+
+
+@pytest.mark.parametrize("n,world", [(10, 3), (9, 3), (2, 4), (7, 1)])
+def test_exact_sampler_covers_every_index_once(n, world):
+    dataset = list(range(n))
+    seen = [i for rank in range(world) for i in ExactDistributedSampler(dataset, world, rank)]
+    assert sorted(seen) == dataset
+    assert sum(len(ExactDistributedSampler(dataset, world, rank)) for rank in range(world)) == n
+
+
+def test_shard_stream_workers_and_ranks_read_disjoint_shards(val_shards):
+    urls = shard_urls(val_shards)
+    assert len(urls) == 4  # 10 files in shards of 3
+    keys_per_rank = []
+    for rank in range(2):
+        dm = ImageNetDataModule(source="shards", val_shards=str(val_shards), image_size=16, eval_batch_size=2,
+                                num_workers=2)
+        dm.rank, dm.world_size = rank, 2
+        dm.setup("validate")
+        keys, _ = _read_all(dm)
+        keys_per_rank.append(set(keys))
+    assert not keys_per_rank[0] & keys_per_rank[1]
+    assert len(keys_per_rank[0] | keys_per_rank[1]) == 9
+
+
+def test_training_stream_reshuffles_each_epoch_and_keeps_epoch_length(tmp_path):
+    src = make_image_tree(tmp_path / "train", {w: 6 for w in WNIDS})
+    out = tmp_path / "shards"
+    convert_image_folder(src, out, samples_per_shard=3, workers=1, progress=False, verify=False)
+    dm = ImageNetDataModule(source="shards", train_shards=str(out), val_shards=str(out), image_size=16,
+                            batch_size=4, num_workers=2, shuffle_buffer=4, seed=1)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    assert len(loader) == 18 // 4
+    epoch = {"n": 0}
+    loader.current_epoch = lambda: epoch["n"]
+    first = [k for b in loader for k in b["key"]]
+    again = [k for b in loader for k in b["key"]]
+    epoch["n"] = 1
+    second = [k for b in loader for k in b["key"]]
+    assert len(first) == len(second) == 16
+    assert first == again  # same epoch, same order: deterministic
+    assert first != second
+
+
+def test_uint8_batches_become_unit_range_floats_on_the_device():
+    dm = ImageNetDataModule()
+    batch = dm.on_after_batch_transfer({"image": torch.tensor([[0, 255]], dtype=torch.uint8)}, 0)
+    assert batch["image"].dtype == torch.float32 and batch["image"].tolist() == [[0.0, 1.0]]
+
+
+def test_dataloader_with_workers_yields_each_folder_image_once(imagenet_tree):
+    dm = ImageNetDataModule(source="folder", root=str(imagenet_tree), image_size=16, eval_batch_size=4,
+                            num_workers=2)
+    dm.setup("validate")
+    assert isinstance(dm.val_dataloader(), DataLoader)
+    samples, corrupt = _read_all(dm)
+    assert len(samples) == 9 and len(corrupt) == 1

@@ -1,0 +1,280 @@
+"""ImageFolder -> WebDataset shards converter and the shard/manifest helpers."""
+
+import io
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import webdataset as wds
+from PIL import Image
+
+from robust_lightning.data.shards import convert_image_folder, read_manifest, shard_urls, shards_main
+from robust_lightning.errors import UserError
+
+WNIDS = {"n01440764": 0, "n01443537": 1, "n15075141": 999}
+
+
+def _image_bytes(fmt: str, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    image = Image.fromarray(rng.integers(0, 256, size=(8 + seed % 5, 10, 3), dtype=np.uint8))
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def _make_tree(root: Path) -> dict[str, bytes]:
+    """A small ImageNet-style tree; returns {relative path: bytes} of the good images."""
+    files = {}
+    names = {
+        "n01440764": ["n01440764_10026.JPEG", "n01440764_2.jpg", "n01440764_3.png", "n01440764_4.jpeg"],
+        "n01443537": ["n01443537_1.JPEG", "n01443537_2.JPEG", "n01443537_3.webp", "n01443537_4.PNG"],
+        "n15075141": ["n15075141_1.JPEG", "n15075141_2.jpg", "n15075141_3.JPEG"],
+    }
+    seed = 0
+    for wnid, filenames in names.items():
+        (root / wnid).mkdir(parents=True)
+        for name in filenames:
+            fmt = {".png": "PNG", ".webp": "WEBP"}.get(Path(name).suffix.lower(), "JPEG")
+            data = _image_bytes(fmt, seed)
+            seed += 1
+            (root / wnid / name).write_bytes(data)
+            files[f"{wnid}/{name}"] = data
+    (root / "n01440764" / "notes.txt").write_text("not an image")  # ignored
+    (root / "n01440764" / "._n01440764_2.jpg").write_bytes(b"macOS metadata")  # hidden: ignored
+    (root / ".cache").mkdir()  # hidden folder: not a class
+    return files
+
+
+def _add_corrupt(root: Path) -> list[str]:
+    good = _image_bytes("JPEG", 99)
+    (root / "n01443537" / "n01443537_truncated.JPEG").write_bytes(good[: len(good) // 2])
+    (root / "n15075141" / "n15075141_garbage.JPEG").write_bytes(np.random.default_rng(0).bytes(300))
+    return ["n01443537/n01443537_truncated.JPEG", "n15075141/n15075141_garbage.JPEG"]
+
+
+@pytest.fixture
+def tree(tmp_path):
+    src = tmp_path / "train"
+    files = _make_tree(src)
+    corrupt = _add_corrupt(src)
+    return src, files, corrupt
+
+
+def _read_shards(out: Path) -> list[list[dict]]:
+    """Samples of each shard listed in the manifest, in file order."""
+    return [list(wds.WebDataset(url, shardshuffle=False, empty_check=False)) for url in shard_urls(out)]
+
+
+def _image_ext(sample: dict) -> str:
+    (ext,) = [k for k in ("jpg", "png", "webp") if k in sample]
+    return ext
+
+
+def test_convert_round_trip(tree, tmp_path):
+    src, files, corrupt = tree
+    out = tmp_path / "shards"
+    manifest = convert_image_folder(src, out, samples_per_shard=3, workers=2, progress=False)
+
+    shards = _read_shards(out)
+    samples = [s for shard in shards for s in shard]
+    by_key = {s["__key__"]: s for s in samples}
+    assert len(by_key) == len(samples) == len(files)  # every good image exactly once, keys unique
+    for rel, data in files.items():
+        wnid, name = rel.split("/")
+        sample = by_key[Path(name).stem]
+        assert sample[_image_ext(sample)] == data  # stored as-is, no re-encoding
+        assert int(sample["cls"]) == WNIDS[wnid]
+        assert sample["wnid"].decode() == wnid
+        expected_ext = {".png": "png", ".webp": "webp"}.get(Path(name).suffix.lower(), "jpg")
+        assert _image_ext(sample) == expected_ext
+
+    assert manifest == read_manifest(out)
+    assert manifest["format"] == "robust-lightning-shards/1"
+    assert manifest["num_samples"] == len(files)
+    assert manifest["num_classes"] == 1000
+    assert manifest["class_map"] == "imagenet"
+    assert manifest["classes"] == list(WNIDS)
+    assert manifest["class_counts"] == {"n01440764": 4, "n01443537": 4, "n15075141": 3}
+    assert manifest["source"] == str(src.resolve())
+    assert manifest["created_by"].startswith("robust-lightning ")
+    assert sorted(item["path"] for item in manifest["skipped"]) == sorted(str(src.resolve() / c) for c in corrupt)
+    assert all(item["reason"] for item in manifest["skipped"])
+
+    # Per-shard stats match the shards' contents; 13 planned files in shards of 3 -> 5 shards.
+    assert [s["file"] for s in manifest["shards"]] == [f"train-{i:06d}.tar" for i in range(5)]
+    for stats, shard, url in zip(manifest["shards"], shards, shard_urls(out)):
+        assert stats["num_samples"] == len(shard)
+        assert stats["bytes"] == os.path.getsize(url)
+        counts = {}
+        for s in shard:
+            counts[s["cls"].decode()] = counts.get(s["cls"].decode(), 0) + 1
+        assert stats["class_counts"] == counts
+    # Only final shard names in the output: no temp files left behind.
+    assert not [p for p in os.listdir(out) if ".tmp" in p]
+
+
+def test_shuffle_is_deterministic_and_mixes_classes(tree, tmp_path):
+    src, files, _ = tree
+    first = convert_image_folder(src, tmp_path / "a", samples_per_shard=4, verify=False, workers=1, progress=False)
+    convert_image_folder(src, tmp_path / "b", samples_per_shard=4, verify=False, workers=2, progress=False)
+    convert_image_folder(src, tmp_path / "c", samples_per_shard=4, seed=1, verify=False, workers=1, progress=False)
+    for shard in first["shards"]:
+        assert (tmp_path / "a" / shard["file"]).read_bytes() == (tmp_path / "b" / shard["file"]).read_bytes()
+
+    keys = [[s["__key__"] for s in shard] for shard in _read_shards(tmp_path / "a")]
+    other_seed = [[s["__key__"] for s in shard] for shard in _read_shards(tmp_path / "c")]
+    assert keys != other_seed
+    assert sorted(sum(keys, [])) == sorted(sum(other_seed, []))
+    # Sorted order would put 4 images of one class in the first shard; shuffled shards mix classes.
+    assert all(len(shard["class_counts"]) > 1 for shard in first["shards"][:2])
+
+
+def test_no_shuffle_keeps_sorted_order(tree, tmp_path):
+    src, files, corrupt = tree
+    manifest = convert_image_folder(src, tmp_path / "val", prefix="val", samples_per_shard=3, shuffle=False,
+                                    workers=2, progress=False)
+    keys = [s["__key__"] for shard in _read_shards(tmp_path / "val") for s in shard]
+    expected = [Path(rel).stem for rel in sorted(files, key=lambda r: tuple(r.split("/")))]
+    assert keys == expected
+    assert manifest["shards"][0]["file"] == "val-000000.tar"
+
+
+def test_resume_rewrites_only_missing_shards(tree, tmp_path):
+    src, _, _ = tree
+    out = tmp_path / "out"
+    first = convert_image_folder(src, out, samples_per_shard=3, workers=2, progress=False)
+    originals = {s["file"]: (out / s["file"]).read_bytes() for s in first["shards"]}
+    mtimes = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+
+    (out / "train-000002.tar").unlink()
+    (out / "train-000002.json").unlink()
+    (out / "train-000003.json").unlink()  # tar without its stats = possibly unfinished: rewritten too
+    (out / "manifest.json").unlink()
+    second = convert_image_folder(src, out, samples_per_shard=3, workers=2, progress=False)
+
+    assert second == first
+    for name, data in originals.items():
+        assert (out / name).read_bytes() == data
+        if name in ("train-000002.tar", "train-000003.tar"):
+            continue
+        assert (out / name).stat().st_mtime_ns == mtimes[name], f"{name} was rewritten"
+        assert (out / name.replace(".tar", ".json")).stat().st_mtime_ns == mtimes[name.replace(".tar", ".json")]
+
+
+def test_changed_plan_needs_new_dir_or_overwrite(tree, tmp_path):
+    src, _, _ = tree
+    out = tmp_path / "out"
+    convert_image_folder(src, out, samples_per_shard=3, workers=1, progress=False)
+    with pytest.raises(UserError, match="overwrite"):
+        convert_image_folder(src, out, samples_per_shard=5, workers=1, progress=False)
+    (src / "n01440764" / "n01440764_new.JPEG").write_bytes(_image_bytes("JPEG", 50))
+    with pytest.raises(UserError, match="different conversion"):
+        convert_image_folder(src, out, samples_per_shard=3, workers=1, progress=False)
+
+    manifest = convert_image_folder(src, out, samples_per_shard=5, workers=1, progress=False, overwrite=True)
+    # 14 planned files (2 of them corrupt) in shards of 5; the old run's shards 3 and 4 are gone.
+    assert [s["file"] for s in manifest["shards"]] == [f"train-{i:06d}.tar" for i in range(3)]
+    assert manifest["num_samples"] == 12
+    assert sorted(p.name for p in out.glob("*.tar")) == [s["file"] for s in manifest["shards"]]
+
+
+def test_unknown_wnid_folder(tmp_path):
+    src = tmp_path / "pets"
+    for folder in ("n01440764", "cats"):
+        (src / folder).mkdir(parents=True)
+        (src / folder / f"{folder}_1.jpg").write_bytes(_image_bytes("JPEG", 1))
+    with pytest.raises(UserError, match="cats.*not ImageNet wnids.*folders"):
+        convert_image_folder(src, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_class_map_folders(tmp_path):
+    src = tmp_path / "pets"
+    for folder in ("dog", "cat", "empty"):
+        (src / folder).mkdir(parents=True)
+    for i, folder in enumerate(("dog", "cat", "dog")):
+        (src / folder / f"img.{i}.png").write_bytes(_image_bytes("PNG", i))  # dotted stems become valid keys
+    (src / "cat" / "img.0.png").write_bytes(_image_bytes("PNG", 7))  # same name in two folders
+    manifest = convert_image_folder(src, tmp_path / "out", class_map="folders", workers=1, progress=False)
+    assert manifest["num_classes"] == 3  # cat, dog, empty
+    assert manifest["classes"] == ["cat", "dog"]
+    assert manifest["class_counts"] == {"cat": 2, "dog": 2}
+    samples = _read_shards(tmp_path / "out")[0]
+    assert sorted(s["__key__"] for s in samples) == ["cat_img_0_png", "cat_img_1_png", "dog_img_0_png", "dog_img_2_png"]
+    assert {s["wnid"].decode(): int(s["cls"]) for s in samples} == {"cat": 0, "dog": 1}
+
+
+def test_json_class_map(tree, tmp_path):
+    src, _, _ = tree
+    mapping = tmp_path / "map.json"
+    mapping.write_text(json.dumps({"n01440764": 0, "n01443537": 0, "n15075141": 1}))
+    manifest = convert_image_folder(src, tmp_path / "out", class_map=str(mapping), workers=1, progress=False)
+    assert manifest["num_classes"] == 2
+    assert manifest["class_counts"] == {"n01440764": 4, "n01443537": 4, "n15075141": 3}
+    assert manifest["shards"][0]["class_counts"] == {"0": 8, "1": 3}
+
+
+def test_verify_off_keeps_corrupt_files_and_real_format_wins(tree, tmp_path):
+    src, files, corrupt = tree
+    # A PNG saved as .JPEG (ImageNet has some): with verify, it is stored under its real format.
+    disguised = _image_bytes("PNG", 42)
+    (src / "n01440764" / "n01440764_disguised.JPEG").write_bytes(disguised)
+    convert_image_folder(src, tmp_path / "v", samples_per_shard=100, workers=1, progress=False)
+    sample = next(s for s in _read_shards(tmp_path / "v")[0] if s["__key__"] == "n01440764_disguised")
+    assert sample["png"] == disguised
+
+    manifest = convert_image_folder(src, tmp_path / "nv", samples_per_shard=100, verify=False, workers=1,
+                                    progress=False)
+    assert manifest["num_samples"] == len(files) + len(corrupt) + 1
+    assert manifest["skipped"] == []
+
+
+def test_bad_sources(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        convert_image_folder(tmp_path / "missing", tmp_path / "out", progress=False)
+    (tmp_path / "empty" / "n01440764").mkdir(parents=True)
+    with pytest.raises(UserError, match="no images"):
+        convert_image_folder(tmp_path / "empty", tmp_path / "out", progress=False)
+    (tmp_path / "flat").mkdir()
+    (tmp_path / "flat" / "ILSVRC2012_val_00000001.JPEG").write_bytes(_image_bytes("JPEG", 0))
+    with pytest.raises(UserError, match="directly"):
+        convert_image_folder(tmp_path / "flat", tmp_path / "out", progress=False)
+
+
+def test_existing_foreign_shards_are_not_overwritten(tree, tmp_path):
+    src, _, _ = tree
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "train-000000.tar").write_bytes(b"someone else's")
+    with pytest.raises(UserError, match="overwrite"):
+        convert_image_folder(src, out, workers=1, progress=False)
+    convert_image_folder(src, out, workers=1, progress=False, overwrite=True)
+    assert len(_read_shards(out)[0]) == 11
+
+
+def test_shard_urls_errors(tree, tmp_path):
+    src, _, _ = tree
+    assert read_manifest(tmp_path) is None
+    with pytest.raises(UserError, match="no manifest.json"):
+        shard_urls(tmp_path)
+    out = tmp_path / "out"
+    convert_image_folder(src, out, samples_per_shard=3, workers=1, progress=False)
+    assert shard_urls(out) == [str(out / f"train-{i:06d}.tar") for i in range(5)]
+    (out / "train-000001.tar").unlink()
+    with pytest.raises(UserError, match="train-000001.tar"):
+        shard_urls(out)
+
+
+def test_cli(tree, tmp_path, capsys):
+    src, files, _ = tree
+    out = tmp_path / "cli"
+    assert shards_main([str(src), str(out), "--prefix", "part", "--samples-per-shard", "4", "--no-shuffle",
+                        "--workers", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert f"{len(files)} samples" in printed and "skipped 2" in printed and "manifest.json" in printed
+    assert (out / "part-000000.tar").is_file()
+    with pytest.raises(SystemExit):
+        shards_main(["--help"])
+    assert "robust-lightning shards" in capsys.readouterr().out
