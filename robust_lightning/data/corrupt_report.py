@@ -26,7 +26,7 @@ class CorruptImageReport(Callback):
         count = trainer.strategy.reduce(torch.tensor(float(len(names)), device=pl_module.device), reduce_op="sum")
         self.totals[stage] += int(count.item())
         if stage != "predict":  # Lightning allows no logging in predict
-            pl_module.log(f"{stage}/corrupt_images", count)
+            pl_module.log(f"{stage}/corrupt_images", count, sync_dist=True)  # already a sum over ranks
         if names:  # every rank names its own files
             shown = "\n  ".join(names[:20]) + (f"\n  ... and {len(names) - 20} more" if len(names) > 20 else "")
             log.warning(f"[rank {trainer.global_rank}] skipped {len(names)} corrupt image(s) in this {stage} epoch:\n  {shown}")

@@ -189,6 +189,7 @@ class SyntheticData:
     train_per_class: int = 600
     val_per_class: int = 100
     image_size: int = 64
+    samples_per_shard: int = 500
     root: str | None = None  # default: data/synthetic
 
 
@@ -288,6 +289,7 @@ class ImageNetDataModule(LightningDataModule):
             train_per_class=s.train_per_class,
             val_per_class=s.val_per_class,
             image_size=s.image_size,
+            samples_per_shard=s.samples_per_shard,
         )
 
     def setup(self, stage: str) -> None:

@@ -29,7 +29,7 @@ from robust_lightning.errors import UserError
 from robust_lightning.paths import DATA_DIR
 
 # Bump when the drawing code changes, so existing datasets are regenerated.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 PARAMS_NAME = "params.json"
 SPLIT_IDS = {"train": 0, "val": 1}  # part of each image's seed: train and val are independent draws
 SUPERSAMPLE = 2  # shapes are drawn at 2x and box-filtered down, for anti-aliased edges

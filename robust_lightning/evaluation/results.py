@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from lightning import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_only
 
 import robust_lightning
 
@@ -81,8 +80,10 @@ class RunResults(Callback):
             "versions": software_versions(),
         }
 
-    @rank_zero_only
     def _write(self, trainer, pl_module, section: str, extra: dict[str, Any]) -> None:
+        run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # a collective under DDP: every rank calls it
+        if not trainer.is_global_zero:
+            return
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         payload = {
             "metrics": dict(sorted(metrics.items())),
@@ -93,7 +94,6 @@ class RunResults(Callback):
         corrupt = next((cb.totals for cb in trainer.callbacks if hasattr(cb, "totals")), None)
         if corrupt:
             payload["corrupt_images"] = dict(corrupt)
-        run_dir = Path(trainer.log_dir or trainer.default_root_dir)
         path = run_dir / "results.json"
         update_results(path, {section: payload})
         shown = ", ".join(f"{k}={v:.4g}" for k, v in payload["metrics"].items() if not k.startswith("train/"))

@@ -101,7 +101,7 @@ class ImageClassifier(LightningModule):
         return loss
 
     def on_train_epoch_end(self) -> None:
-        self.log_dict(self.train_metrics.compute())
+        self.log_dict(self.train_metrics.compute(), sync_dist=True)
         self.train_metrics.reset()
 
     def configure_optimizers(self):
@@ -127,10 +127,11 @@ class ImageClassifier(LightningModule):
         metrics.update(logits, labels)
 
     def _eval_epoch_end(self, metrics: MetricCollection, stage: str) -> None:
-        # torchmetrics sums counts over ranks before dividing: exact, unlike averaging per-rank means
-        self.log_dict(metrics.compute())
-        self.log(f"{stage}/loss", self.eval_loss.compute())
-        self.log(f"{stage}/num_images", self.eval_images.compute())
+        # compute() sums the counts of all ranks before dividing: exact, unlike averaging per-rank means. The
+        # results are then equal on every rank, so sync_dist (a mean of equal values) changes nothing.
+        self.log_dict(metrics.compute(), sync_dist=True)
+        self.log(f"{stage}/loss", self.eval_loss.compute(), sync_dist=True)
+        self.log(f"{stage}/num_images", self.eval_images.compute(), sync_dist=True)
         for metric in (metrics, self.eval_loss, self.eval_images):
             metric.reset()
 

@@ -1,0 +1,75 @@
+"""Two CPU processes (DDP over gloo) through the real command line: disjoint shards, exact validation."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from helpers import WNIDS, make_image_tree
+from robust_lightning.data.shards import convert_image_folder
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_ddp(tmp_path: Path, command: str, data: dict, record_dir: Path) -> dict:
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "cpu", "devices": 2, "strategy": "ddp", "max_epochs": 1, "num_sanity_val_steps": 0,
+            "enable_progress_bar": False, "default_root_dir": str(tmp_path / "runs"),
+            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                       "init_args": {"save_dir": str(tmp_path / "runs"), "name": command}},
+            "callbacks": [{"class_path": "helpers.KeyRecorder", "init_args": {"out_dir": str(record_dir)}}],
+        },
+        "model": {"arch": "test_convnext", "warmup_epochs": 0.5},
+        "data": {"image_size": 32, "batch_size": 4, "eval_batch_size": 4, "num_workers": 1, **data},
+    }
+    path = tmp_path / f"{command}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-m", "robust_lightning", command, "--config", str(path)],
+                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads(next((tmp_path / "runs" / command).glob("version_*/results.json")).read_text())
+    return results[command]
+
+
+def recorded(record_dir: Path, stage: str) -> list[list[str]]:
+    return [json.loads((record_dir / f"{stage}-rank{rank}-e0.json").read_text()) for rank in range(2)]
+
+
+def test_ddp_fit_on_shards_reads_disjoint_shards_and_validates_each_image_once(tmp_path):
+    # 30 train images in 6 shards, 15 val images in 4 shards (ranks get 2 and 2 shards, of unequal size)
+    trees = tmp_path / "trees"
+    make_image_tree(trees / "train", {w: 10 for w in WNIDS})
+    make_image_tree(trees / "val", {w: 5 for w in WNIDS})
+    for split, per_shard in (("train", 5), ("val", 4)):
+        convert_image_folder(trees / split, tmp_path / "shards" / split, samples_per_shard=per_shard,
+                             shuffle=split == "train", workers=1, progress=False)
+    data = {"source": "shards", "train_shards": str(tmp_path / "shards/train"),
+            "val_shards": str(tmp_path / "shards/val")}
+    fit = run_ddp(tmp_path, "fit", data, tmp_path / "keys")
+
+    train = recorded(tmp_path / "keys", "train")
+    assert len(train[0]) == len(train[1]) == 12  # 30 // (2 ranks * 4) = 3 steps of 4 on each rank
+    assert not set(train[0]) & set(train[1])  # the ranks' shards are disjoint
+    val = recorded(tmp_path / "keys", "val")
+    assert not set(val[0]) & set(val[1])
+    assert len(val[0]) + len(val[1]) == len(set(val[0]) | set(val[1])) == 15
+    assert fit["metrics"]["val/num_images"] == 15
+    assert fit["conditions"]["world_size"] == 2
+
+
+def test_ddp_validate_on_a_folder_counts_every_image_once(tmp_path):
+    # 3 x 3 = 9 images over 2 ranks: torch's DistributedSampler would pad to 10 and count one twice
+    make_image_tree(tmp_path / "imagenet" / "val", {w: 3 for w in WNIDS})
+    (tmp_path / "imagenet" / "train").mkdir()
+    data = {"source": "folder", "root": str(tmp_path / "imagenet"), "num_classes": 1000}
+    validate = run_ddp(tmp_path, "validate", data, tmp_path / "keys")
+    val = recorded(tmp_path / "keys", "val")
+    assert sorted(val[0] + val[1]) == sorted(set(val[0]) | set(val[1]))
+    assert len(val[0] + val[1]) == 9
+    assert validate["metrics"]["val/num_images"] == 9
