@@ -19,7 +19,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from robust_lightning.data.corrupt_report import CorruptImageReport
 from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.errors import UserError
-from robust_lightning.evaluation.results import RunResults
+from robust_lightning.evaluation.results import PredictionWriter, RunResults
 from robust_lightning.training.classifier import ImageClassifier
 
 TRAINER_COMMANDS = {
@@ -120,7 +120,7 @@ def main(args: Sequence[str] | None = None) -> int:
             args=None if from_command_line else args,  # None: LightningCLI reads sys.argv itself
             parser_class=ArgumentParser,
             seed_everything_default=0,
-            trainer_defaults={"callbacks": [CorruptImageReport(), RunResults()]},
+            trainer_defaults={"callbacks": [CorruptImageReport(), RunResults(), PredictionWriter()]},
             save_config_kwargs={"overwrite": True},
             parser_kwargs={"default_env": True, "env_prefix": "RL"},
         )

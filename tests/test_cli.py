@@ -205,3 +205,62 @@ def test_environment_variables_set_options(tmp_path, synthetic_root):
     result = run_cli("fit", "--config", str(config), "--print_config", env={"RL_FIT__TRAINER__MAX_EPOCHS": "4"})
     assert result.returncode == 0, result.stderr
     assert yaml.safe_load(result.stdout)["trainer"]["max_epochs"] == 4
+
+
+def test_predict_writes_top5_predictions(fitted, tmp_path):
+    config, run_dir = fitted
+    assert main(["predict", "--config", str(config), "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt"),
+                 "--trainer.logger.init_args.save_dir", str(tmp_path)]) == 0
+    rows = next(tmp_path.glob("tiny/version_*/predictions-rank0.csv")).read_text().splitlines()
+    assert rows[0] == "key,label,top5,top5_prob" and len(rows) == 1 + 16
+    key, label, top5, probs = rows[1].split(",")
+    assert len(top5.split()) == 4 and abs(sum(map(float, probs.split())) - 1) < 1e-3  # 4 classes: all of them
+
+
+def test_shards_command_converts_a_folder(tmp_path, capsys):
+    from helpers import WNIDS, make_image_tree
+
+    make_image_tree(tmp_path / "val", {w: 2 for w in WNIDS})
+    assert main(["shards", str(tmp_path / "val"), str(tmp_path / "out"), "--samples-per-shard", "4",
+                 "--workers", "1"]) == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["num_samples"] == 6 and len(manifest["shards"]) == 2
+    assert main(["shards", str(tmp_path / "missing"), str(tmp_path / "out2")]) == 2
+    assert "missing" in capsys.readouterr().err
+
+
+def test_wandb_logger_config_composes(tmp_path, synthetic_root, capsys):
+    config = tiny_config(tmp_path, synthetic_root)
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(config), "--config", str(REPO / "configs/loggers/wandb.yaml"), "--print_config"])
+    loggers = yaml.safe_load(capsys.readouterr().out)["trainer"]["logger"]
+    assert [logger["class_path"].rsplit(".", 1)[1] for logger in loggers] == ["CSVLogger", "WandbLogger"]
+
+
+def test_corrupt_images_are_skipped_counted_and_reported(tmp_path, synthetic_root, caplog):
+    from helpers import WNIDS, make_image_tree
+
+    make_image_tree(tmp_path / "imagenet" / "val", {w: 2 for w in WNIDS}, corrupt=["n01440764/n01440764_bad.JPEG"])
+    config = tiny_config(tmp_path, synthetic_root, **{"data.source": "folder", "data.root": str(tmp_path / "imagenet"),
+                                                       "model.arch": "test_convnext"})
+    assert main(["validate", "--config", str(config)]) == 0
+    results = json.loads(next(tmp_path.glob("runs/tiny/version_*/results.json")).read_text())["validate"]
+    assert results["metrics"]["val/num_images"] == 6
+    assert results["metrics"]["val/corrupt_images"] == 1
+    assert results["corrupt_images"] == {"val": 1}
+    assert "n01440764_bad.JPEG" in caplog.text
+
+
+def test_fit_warm_starts_a_convstem_model_from_a_patchstem_checkpoint(tmp_path, synthetic_root):
+    import safetensors.torch
+
+    from robust_lightning.models.classifier import build_classifier
+
+    source = build_classifier("convnext_atto", num_classes=4).net
+    safetensors.torch.save_file(source.state_dict(), str(tmp_path / "convnext_atto.safetensors"))
+    config = tiny_config(tmp_path, synthetic_root, **{"model.init_from": str(tmp_path / "convnext_atto.safetensors"),
+                                                       "trainer.limit_train_batches": 1})
+    assert main(["fit", "--config", str(config)]) == 0
+    model = json.loads(next(tmp_path.glob("runs/tiny/version_*/results.json")).read_text())["fit"]["conditions"]["model"]
+    assert model["init_from"].endswith("convnext_atto.safetensors")
+    assert "stem.0.weight" in model["warm_start"]  # the new ConvStem is reported as newly initialised

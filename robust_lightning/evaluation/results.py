@@ -5,6 +5,7 @@ merged into the file atomically, so a crash never leaves a half-written results.
 never erase earlier ones.
 """
 
+import csv
 import hashlib
 import json
 import os
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 from lightning import Callback
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 
 import robust_lightning
 
@@ -120,3 +121,28 @@ class RunResults(Callback):
 
     def on_test_end(self, trainer, pl_module) -> None:
         self._write(trainer, pl_module, "test", {"checkpoint": self._checkpoint(trainer.ckpt_path)})
+
+
+class PredictionWriter(BasePredictionWriter):
+    """Writes ``predict`` output as CSV, one file per rank: key, label, top-5 classes and probabilities."""
+
+    def __init__(self):
+        super().__init__(write_interval="batch")
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+        run_dir = Path(trainer.default_root_dir if trainer.logger is None else trainer.logger.log_dir)
+        path = run_dir / f"predictions-rank{trainer.global_rank}.csv"
+        new = batch_idx == 0
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(path, "w" if new else "a", newline="") as f:
+            writer = csv.writer(f)
+            if new:
+                writer.writerow(["key", "label", "top5", "top5_prob"])
+            for key, label, top, prob in zip(prediction["key"], prediction["label"].tolist(),
+                                             prediction["top5"].tolist(), prediction["top5_prob"].tolist()):
+                writer.writerow([key, label, " ".join(map(str, top)), " ".join(f"{p:.5f}" for p in prob)])
+
+    def on_predict_end(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            run_dir = trainer.default_root_dir if trainer.logger is None else trainer.logger.log_dir
+            print(f"predictions: {Path(run_dir).resolve()}/predictions-rank*.csv", flush=True)
