@@ -191,3 +191,18 @@ def test_dataloader_with_workers_yields_each_folder_image_once(imagenet_tree):
     assert isinstance(dm.val_dataloader(), DataLoader)
     samples, corrupt = _read_all(dm)
     assert len(samples) == 9 and len(corrupt) == 1
+
+
+def test_brace_patterns_and_pipe_urls_read_the_same_shards(val_shards):
+    from_dir = ImageNetDataModule(source="shards", val_shards=str(val_shards), image_size=16, num_workers=0)
+    pattern = f"{val_shards}/val-{{000000..000003}}.tar"
+    from_pattern = ImageNetDataModule(source="shards", val_shards=pattern, image_size=16, num_workers=0)
+    from_pipe = ImageNetDataModule(source="shards", val_shards=f"pipe:cat {pattern}", image_size=16, num_workers=0)
+    keys = []
+    for dm in (from_dir, from_pattern, from_pipe):
+        dm.setup("validate")
+        keys.append(sorted(_read_all(dm)[0]))
+    assert len(keys[0]) == 9 and keys[0] == keys[1] == keys[2]
+    training = ImageNetDataModule(source="shards", train_shards=pattern, val_shards=pattern, image_size=16)
+    with pytest.raises(UserError, match="train_size"):
+        training.setup("fit")

@@ -124,7 +124,7 @@ class ShardStream(IterableDataset):
         samples = wds.tarfile_samples(self._worker_urls(worker, num_workers), handler=wds.warn_and_continue)
         if self.shuffle_buffer > 1:
             rng = random.Random(f"{self.seed}-{self.epoch}-{worker}")
-            samples = wds.filters._shuffle(samples, self.shuffle_buffer, min(100, self.shuffle_buffer), rng=rng)
+            samples = wds.shuffle(self.shuffle_buffer, min(100, self.shuffle_buffer), rng=rng)(samples)
         for sample in samples:
             yield self.decode(sample)
 
