@@ -264,3 +264,18 @@ def test_fit_warm_starts_a_convstem_model_from_a_patchstem_checkpoint(tmp_path, 
     model = json.loads(next(tmp_path.glob("runs/tiny/version_*/results.json")).read_text())["fit"]["conditions"]["model"]
     assert model["init_from"].endswith("convnext_atto.safetensors")
     assert "stem.0.weight" in model["warm_start"]  # the new ConvStem is reported as newly initialised
+
+
+def test_checkpoint_of_another_architecture_is_refused_clearly(fitted, tmp_path):
+    # LightningCLI restores the checkpoint's own hyperparameters (arch), but the label space comes from the
+    # data: a 4-class checkpoint cannot be evaluated on 1000-class ImageNet folders
+    from helpers import WNIDS, make_image_tree
+
+    config, run_dir = fitted
+    make_image_tree(tmp_path / "imagenet" / "val", {w: 1 for w in WNIDS})
+    result = run_cli("validate", "--config", str(config), "--data.source", "folder",
+                     "--data.root", str(tmp_path / "imagenet"), "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "'convnext_atto_convstem' model (num_classes 4)" in result.stderr and "mismatched keys" in result.stderr
+    assert "net.head.fc.weight (checkpoint (4, 320) vs model (1000, 320))" in result.stderr
+    assert "Traceback" not in result.stderr

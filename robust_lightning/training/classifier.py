@@ -11,6 +11,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics import MeanMetric, MetricCollection, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from robust_lightning.errors import UserError
 from robust_lightning.models.classifier import build_classifier
 from robust_lightning.models.weights import load_pretrained
 from robust_lightning.training.schedule import warmup_cosine
@@ -83,6 +84,25 @@ class ImageClassifier(LightningModule):
         if self.hparams.init_from and self.trainer.ckpt_path is None and self.warm_start_report is None:
             self.warm_start_report = load_pretrained(self.model, self.hparams.init_from)
             rank_zero_info(str(self.warm_start_report))
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Refuse a checkpoint of another architecture with one clear message instead of a state_dict traceback."""
+        ours = self.state_dict()
+        theirs = checkpoint.get("state_dict", {})
+        mismatched = sorted(
+            [f"{k} (missing in checkpoint)" for k in ours.keys() - theirs.keys()]
+            + [f"{k} (not in this model)" for k in theirs.keys() - ours.keys()]
+            + [f"{k} (checkpoint {tuple(theirs[k].shape)} vs model {tuple(v.shape)})"
+               for k, v in ours.items() if k in theirs and theirs[k].shape != v.shape]
+        )
+        if mismatched:
+            arch = checkpoint.get("hyper_parameters", {}).get("arch", "unknown")
+            listed = "\n  ".join(mismatched[:20]) + (f"\n  ... {len(mismatched) - 20} more" if len(mismatched) > 20 else "")
+            raise UserError(
+                f"the checkpoint holds a {arch!r} model (num_classes "
+                f"{checkpoint.get('hyper_parameters', {}).get('num_classes')}), incompatible with the configured "
+                f"{self.hparams.arch!r} (num_classes {self.hparams.num_classes}); mismatched keys:\n  {listed}"
+            )
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if self.hparams.channels_last:
