@@ -22,6 +22,7 @@ from lightning import Callback
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 
 import robust_lightning
+from robust_lightning.data.corrupt_report import CorruptImageReport
 
 
 def update_results(path: str | Path, sections: dict[str, Any]) -> dict:
@@ -92,7 +93,7 @@ class RunResults(Callback):
             "seconds": round(time.time() - self.started, 1),
             "conditions": self._conditions(trainer, pl_module),
         }
-        corrupt = next((cb.totals for cb in trainer.callbacks if hasattr(cb, "totals")), None)
+        corrupt = next((cb.totals for cb in trainer.callbacks if isinstance(cb, CorruptImageReport)), None)
         if corrupt:
             payload["corrupt_images"] = dict(corrupt)
         path = run_dir / "results.json"
@@ -129,8 +130,14 @@ class PredictionWriter(BasePredictionWriter):
     def __init__(self):
         super().__init__(write_interval="batch")
 
+    @staticmethod
+    def run_dir(trainer) -> Path:
+        # not trainer.log_dir: that is a collective under DDP, and ranks may predict different batch counts
+        return Path(trainer.logger.log_dir if trainer.logger is not None and trainer.logger.log_dir
+                    else trainer.default_root_dir)
+
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
-        run_dir = Path(trainer.default_root_dir if trainer.logger is None else trainer.logger.log_dir)
+        run_dir = self.run_dir(trainer)
         path = run_dir / f"predictions-rank{trainer.global_rank}.csv"
         new = batch_idx == 0
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -144,5 +151,4 @@ class PredictionWriter(BasePredictionWriter):
 
     def on_predict_end(self, trainer, pl_module):
         if trainer.is_global_zero:
-            run_dir = trainer.default_root_dir if trainer.logger is None else trainer.logger.log_dir
-            print(f"predictions: {Path(run_dir).resolve()}/predictions-rank*.csv", flush=True)
+            print(f"predictions: {self.run_dir(trainer).resolve()}/predictions-rank*.csv", flush=True)
