@@ -1,0 +1,353 @@
+"""Auto-PGD (Croce & Hein, ICML 2020) for Linf, L2 and L1 (Croce & Hein, ICCV 2021), without Lightning.
+
+One implementation serves adversarial training (Singh et al.: 2 steps, Linf, no random start, soft-target
+cross-entropy, the highest-loss iterate) and evaluation (the AutoAttack ensemble is built on top of
+:func:`apgd`: restarts via ``generator``, targeted runs via ``loss="dlr-targeted"`` + ``y_target``, the L1
+eps schedule via ``x_init`` + ``step_size``, early exit via ``robust``).
+
+It follows the reference implementation (``pyautoattack.autopgd_base.APGDAttack.attack_single_run``)
+step for step, including its indexing quirks, so the two agree to float precision for the same start.
+Design constraints:
+
+* gradients are taken with respect to the input only (``torch.autograd.grad``), so parameters' ``.grad``
+  are never touched; the model's train/eval mode is left to the caller;
+* no host-device synchronisation in the iteration loop (per-point decisions are ``torch.where`` masks,
+  control flow depends on Python integers only), so it does not stall a CUDA stream; the set-up does not
+  synchronise either as long as ``eps`` and ``step_size`` are Python numbers and a ``generator`` lives on
+  the data's device (a CPU generator with CUDA data costs one host-to-device copy of the start);
+* perturbations and losses are float32 even when the caller runs the model under bf16/fp16 autocast.
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .projections import NORMS, _per_sample, lp_norm, l1_projection, normalize, project
+
+LOSSES = ("ce", "dlr", "dlr-targeted")
+
+Model = Callable[[Tensor], Tensor]
+
+
+@dataclass
+class APGDResult:
+    x_best: Tensor  # highest-loss iterate per point (what adversarial training uses)
+    loss_best: Tensor  # its loss (float32, per point)
+    x_adv: Tensor  # last misclassified iterate per point (the start point where never misclassified)
+    robust: Tensor  # bool per point: correctly classified at every evaluated iterate (incl. the start)
+    logits_last: Tensor  # logits of the last iterate (float32 and detached, unless from last_forward)
+    logits_start: Tensor  # logits of the starting point (the clean images without random start / x_init)
+    best_is_last: Tensor  # bool per point: x_best is the last iterate
+
+
+# ----------------------------------------------------------------------------------------------- losses
+
+
+def dlr_loss(logits: Tensor, y: Tensor) -> Tensor:
+    """Difference of Logits Ratio: ``-(z_y - max_{i != y} z_i) / (z_pi1 - z_pi3 + 1e-12)`` per sample."""
+    if logits.shape[1] < 3:
+        raise ValueError(f"the DLR loss needs at least 3 classes, got {logits.shape[1]}")
+    z = logits.float()
+    z_y = z.gather(1, y[:, None]).squeeze(1)
+    z_other = z.scatter(1, y[:, None], float("-inf")).amax(1)
+    top = z.topk(3, dim=1).values
+    return -(z_y - z_other) / (top[:, 0] - top[:, 2] + 1e-12)
+
+
+def dlr_targeted_loss(logits: Tensor, y: Tensor, y_target: Tensor) -> Tensor:
+    """Targeted DLR: ``-(z_y - z_t) / (z_pi1 - (z_pi3 + z_pi4) / 2 + 1e-12)`` per sample."""
+    if logits.shape[1] < 4:
+        raise ValueError(f"the targeted DLR loss needs at least 4 classes, got {logits.shape[1]}")
+    z = logits.float()
+    z_y = z.gather(1, y[:, None]).squeeze(1)
+    z_t = z.gather(1, y_target[:, None]).squeeze(1)
+    top = z.topk(4, dim=1).values
+    return -(z_y - z_t) / (top[:, 0] - 0.5 * (top[:, 2] + top[:, 3]) + 1e-12)
+
+
+def per_sample_loss(logits: Tensor, y: Tensor, loss: str = "ce", y_target: Tensor | None = None) -> Tensor:
+    """The attack's loss per sample, in float32 whatever the logits' dtype (e.g. bf16 under autocast).
+
+    ``y`` holds int64 labels (B,) or, for ``"ce"`` only, float probability targets (B, C) (MixUp/CutMix,
+    label smoothing). Use it on ``APGDResult.logits_last`` to get the loss of the last iterate.
+    """
+    z = logits.float()
+    if loss == "ce":
+        # With (B, C) float targets this is the soft cross-entropy -sum_c p_c log softmax(z)_c.
+        return F.cross_entropy(z, y.float() if y.is_floating_point() else y, reduction="none")
+    if loss == "dlr":
+        return dlr_loss(z, y)
+    if loss == "dlr-targeted":
+        return dlr_targeted_loss(z, y, y_target)
+    raise ValueError(f"unknown loss {loss!r}; expected one of {LOSSES}")
+
+
+def predicted_correct(logits: Tensor, y: Tensor) -> Tensor:
+    """Bool per sample: argmax of the logits equals the label (for soft targets: the targets' argmax)."""
+    label = y.argmax(1) if y.dim() == 2 else y
+    return logits.argmax(1) == label
+
+
+# ------------------------------------------------------------------------------------ shared helpers
+
+
+def _validate(x: Tensor, y: Tensor, norm: str, eps: float, n_iter: int, loss: str, y_target: Tensor | None):
+    """Argument checks that only look at metadata (shapes, dtypes), so they cost no device sync."""
+    if norm not in NORMS:
+        raise ValueError(f"unknown norm {norm!r}; expected one of {NORMS}")
+    if loss not in LOSSES:
+        raise ValueError(f"unknown loss {loss!r}; expected one of {LOSSES}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    if isinstance(n_iter, bool) or not isinstance(n_iter, int) or n_iter < 1:
+        raise ValueError(f"n_iter must be an integer >= 1, got {n_iter!r}")
+    if x.dim() < 2:
+        raise ValueError(f"x must be a batch (B, ...), got shape {tuple(x.shape)}")
+    if y.shape[0] != x.shape[0]:
+        raise ValueError(f"x and y have different batch sizes: {x.shape[0]} and {y.shape[0]}")
+    soft = y.is_floating_point()
+    if soft and y.dim() != 2:
+        raise ValueError(f"soft targets must have shape (B, C), got {tuple(y.shape)}")
+    if not soft and (y.dim() != 1 or y.dtype != torch.int64):
+        raise ValueError(f"labels must be int64 of shape (B,), got {y.dtype} of shape {tuple(y.shape)}")
+    if loss != "ce" and soft:
+        raise ValueError(f"loss {loss!r} needs hard int64 labels of shape (B,); soft targets work with 'ce' only")
+    if loss == "dlr-targeted":
+        if y_target is None:
+            raise ValueError("loss 'dlr-targeted' needs y_target, the int64 target classes (B,)")
+        if y_target.shape != y.shape or y_target.is_floating_point():
+            raise ValueError(
+                f"y_target must be int64 of shape {tuple(y.shape)}, got {y_target.dtype} of shape {tuple(y_target.shape)}"
+            )
+    elif y_target is not None:
+        raise ValueError(f"y_target is only used with loss 'dlr-targeted', not {loss!r}")
+
+
+def _generator(generator: torch.Generator | int | None, device: torch.device) -> torch.Generator | None:
+    """A seed becomes a fresh generator on the data's device; None means the global RNG."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return generator
+    return torch.Generator(device=device).manual_seed(int(generator))
+
+
+def _sample(kind: str, like: Tensor, generator: torch.Generator | None) -> Tensor:
+    """``rand``/``randn`` shaped like ``like``, drawn on the generator's device (a CPU generator may serve
+    CUDA data) and moved to the data's device."""
+    fn = torch.rand if kind == "rand" else torch.randn
+    device = generator.device if generator is not None else like.device
+    return fn(like.shape, generator=generator, device=device, dtype=torch.float32).to(like.device)
+
+
+def random_start_point(x: Tensor, norm: str, eps: float, generator: torch.Generator | None = None) -> Tensor:
+    """The reference's random starting point (before clipping to [0, 1]).
+
+    Linf: ``x + eps * t / ||t||_inf`` with t uniform in [-1, 1]; L2: ``x + eps * t / ||t||_2`` with t
+    Gaussian; L1: a Gaussian perturbation projected onto the L1 ball intersected with the box.
+    """
+    if norm == "Linf":
+        return x + eps * normalize(2 * _sample("rand", x, generator) - 1, "Linf")
+    if norm == "L2":
+        return x + eps * normalize(_sample("randn", x, generator), "L2")
+    return x + l1_projection(x, _sample("randn", x, generator), eps)
+
+
+def input_gradient(model: Model, x_adv: Tensor, y: Tensor, loss: str = "ce", y_target: Tensor | None = None):
+    """One forward/backward: (detached float32 logits, per-sample loss, gradient of the summed loss w.r.t. x_adv).
+
+    The loss is summed over the batch so each point's gradient does not depend on the batch size. Only
+    the input's gradient is requested, so no parameter ``.grad`` is created or accumulated.
+    """
+    with torch.enable_grad():  # the caller may be in no_grad (validation, evaluation)
+        x_req = x_adv.detach().requires_grad_(True)
+        logits = model(x_req)
+        loss_indiv = per_sample_loss(logits, y, loss, y_target)
+        (grad,) = torch.autograd.grad(loss_indiv.sum(), x_req)
+    return logits.detach().float(), loss_indiv.detach(), grad.detach()
+
+
+# ------------------------------------------------------------------------------------------------ APGD
+
+
+def _oscillation(loss_steps: Tensor, i: int, k: int, rho: float) -> Tensor:
+    """True where the loss increased in at most ``rho * k`` of the last ``k`` steps (condition 1 of APGD).
+
+    Compares rows i-k+1..i of ``loss_steps`` with their predecessors. Like the reference, the predecessor
+    of row 0 is row -1, i.e. the (still zero) last row, which matters for ``k == 1`` at ``i == 0``; rolling
+    by one row gives exactly that wrap-around with plain slicing (no index tensors).
+    """
+    current = loss_steps[i - k + 1 : i + 1]
+    previous = loss_steps.roll(1, dims=0)[i - k + 1 : i + 1]
+    return (current > previous).float().sum(0) <= k * rho
+
+
+def _l1_sparse_direction(grad: Tensor, topk: Tensor, n_fts: int) -> Tensor:
+    """L1 steepest-ascent direction restricted to the top ``topk`` fraction of coordinates by |grad|.
+
+    Returns ``sign(g_sparse) / ||sign(g_sparse)||_1``, so that a step of size ``s`` moves ``s`` in L1.
+    """
+    flat = grad.abs().flatten(1)
+    # Threshold = the value at rank (1 - topk) * n_fts of |grad| sorted ascending (per-point k, hence sort).
+    rank = ((1.0 - topk) * n_fts).clamp(0, n_fts - 1).long()
+    threshold = flat.sort(1).values.gather(1, rank[:, None])
+    sparse_sign = torch.sign(grad) * (grad.abs() >= _per_sample(threshold.squeeze(1), grad)).to(grad.dtype)
+    return sparse_sign / (_per_sample(lp_norm(sparse_sign, "L1"), grad) + 1e-10)
+
+
+def apgd(
+    model: Model,
+    x: Tensor,
+    y: Tensor,
+    *,
+    norm: str = "Linf",
+    eps: float = 4 / 255,
+    n_iter: int = 100,
+    loss: str = "ce",
+    y_target: Tensor | None = None,
+    random_start: bool = False,
+    x_init: Tensor | None = None,
+    rho: float = 0.75,
+    generator: torch.Generator | int | None = None,
+    step_size: float | None = None,
+    last_forward: Model | None = None,
+) -> APGDResult:
+    """Run one APGD attack of ``n_iter`` steps on the batch ``x`` (values in [0, 1]) with labels ``y``.
+
+    Args:
+        model: any callable mapping a batch to logits (B, C); called as is (mode, autocast: the caller's).
+        y: int64 labels (B,), or float probability targets (B, C) for ``loss="ce"``; with soft targets a
+            point counts as correctly classified when the logits' argmax equals the targets' argmax.
+        norm: "Linf", "L2" or "L1" (L1 takes sparse top-k steps with adaptive sparsity and the exact
+            projection onto the L1 ball intersected with the box).
+        loss: "ce", "dlr" or "dlr-targeted" (the latter needs ``y_target``, int64 (B,)).
+        random_start: start from the reference's random point instead of ``x`` (drawn with ``generator``,
+            a ``torch.Generator`` or an int seed; None uses the global RNG).
+        x_init: explicit starting point, e.g. the result of a previous run at a larger eps (the AutoAttack
+            L1 schedule). Clipped to [0, 1] but, as in the reference, not projected onto the eps-ball: do that
+            first (``x + l1_projection(x, x_init - x, eps)``). For L1 it also sets the initial sparsity of
+            the steps (its L0 distance to ``x`` / 1.5), so ``x_init=x`` means one coordinate per step at
+            first. Exclusive with ``random_start``.
+        rho: oscillation threshold of the step-size rule.
+        step_size: initial step size; default 2 * eps (Linf, L2) or eps (L1). For L1 it is also the value
+            the adaptive step is reset to and capped at.
+        last_forward: computes the logits of the last iterate instead of ``model``, with gradients enabled;
+            its output is returned as is in ``logits_last`` (adversarial training reuses this forward, graph
+            included, for the update where the highest-loss iterate is the last one).
+
+    The last iterate only needs its loss (no further step follows), so it gets a forward without the input
+    gradient: n_iter + 1 forwards and n_iter input-gradient backwards in all.
+
+    Returns:
+        :class:`APGDResult`; all tensors float32 (bool for ``robust``) on ``x``'s device.
+    """
+    _validate(x, y, norm, eps, n_iter, loss, y_target)
+    if random_start and x_init is not None:
+        raise ValueError("pass either random_start=True or x_init, not both")
+    if x_init is not None and x_init.shape != x.shape:
+        raise ValueError(f"x_init must have the shape of x {tuple(x.shape)}, got {tuple(x_init.shape)}")
+
+    x = x.detach().float()
+    gen = _generator(generator, x.device)
+    batch, n_fts = x.shape[0], x[0].numel()
+
+    # Checkpoint schedule of the reference (in iterations).
+    n_iter_2, n_iter_min = max(int(0.22 * n_iter), 1), max(int(0.06 * n_iter), 1)
+    size_decr = max(int(0.03 * n_iter), 1)
+    k = max(int(0.04 * n_iter), 1) if norm == "L1" else n_iter_2
+
+    if x_init is not None:
+        x_adv = x_init.detach().float().clone()
+    elif random_start:
+        x_adv = random_start_point(x, norm, eps, gen)
+    else:
+        x_adv = x.clone()
+    x_adv = x_adv.clamp(0.0, 1.0)
+
+    logits, loss_cur, grad = input_gradient(model, x_adv, y, loss, y_target)
+    logits_start = logits
+    robust = predicted_correct(logits, y)
+    x_best, x_best_adv, grad_best, loss_best = x_adv.clone(), x_adv.clone(), grad.clone(), loss_cur.clone()
+
+    step_max = (2.0 if norm in ("Linf", "L2") else 1.0) * eps if step_size is None else float(step_size)
+    step = torch.full(_per_sample(loss_best, x).shape, step_max, device=x.device)
+    loss_steps = torch.zeros(n_iter, batch, device=x.device)  # zeros on purpose: see _oscillation
+    loss_best_last_check = loss_best
+    reduced_last_check = torch.ones(batch, dtype=torch.bool, device=x.device)
+    if norm == "L1":
+        # Fraction of coordinates moved per step; starts dense, then follows the sparsity of the best point.
+        if x_init is None:
+            topk = torch.full((batch,), 0.2, device=x.device)
+            sparsity_old = torch.full((batch,), float(n_fts), device=x.device)
+        else:
+            sparsity_old = lp_norm(x_adv - x, "L0").float()
+            topk = sparsity_old / n_fts / 1.5
+
+    x_adv_old = x_adv.clone()
+    since_check = 0
+    for i in range(n_iter):
+        # --- step: projected (sparse) ascent step, then momentum for Linf/L2 (none at the first step)
+        momentum = x_adv - x_adv_old
+        x_adv_old = x_adv
+        a = 0.75 if i > 0 else 1.0
+        if norm == "Linf":
+            z = project(x, x_adv + step * torch.sign(grad), norm, eps)
+            x_adv = project(x, x_adv + a * (z - x_adv) + (1 - a) * momentum, norm, eps)
+        elif norm == "L2":
+            z = project(x, x_adv + step * normalize(grad, "L2"), norm, eps)
+            x_adv = project(x, x_adv + a * (z - x_adv) + (1 - a) * momentum, norm, eps)
+        else:
+            x_adv = project(x, x_adv + step * _l1_sparse_direction(grad, topk, n_fts), norm, eps)
+
+        # --- evaluate the new iterate
+        if i < n_iter - 1:
+            logits, loss_cur, grad = input_gradient(model, x_adv, y, loss, y_target)
+        else:  # no step follows the last iterate: its loss is all that is needed
+            logits, loss_cur = _last_logits(model if last_forward is None else last_forward, x_adv, y, loss,
+                                            y_target, keep_graph=last_forward is not None)
+        correct = predicted_correct(logits, y)
+        robust = robust & correct
+        x_best_adv = torch.where(_per_sample(~correct, x), x_adv, x_best_adv)
+
+        loss_steps[i] = loss_cur
+        improved = loss_cur > loss_best  # strict: ties keep the earlier point
+        x_best = torch.where(_per_sample(improved, x), x_adv, x_best)
+        grad_best = torch.where(_per_sample(improved, x), grad, grad_best)
+        loss_best = torch.where(improved, loss_cur, loss_best)
+
+        # --- checkpoint: adapt the step size per point; points whose step shrinks restart from their best
+        since_check += 1
+        if since_check == k:
+            if norm in ("Linf", "L2"):
+                no_progress = ~reduced_last_check & (loss_best_last_check >= loss_best)
+                restart = _oscillation(loss_steps, i, k, rho) | no_progress
+                reduced_last_check = restart
+                loss_best_last_check = loss_best
+                step = torch.where(_per_sample(restart, x), step / 2.0, step)
+                k = max(k - size_decr, n_iter_min)
+            else:
+                # L1: if the best point got sparser, reset the step to its maximum, else shrink it.
+                sparsity = lp_norm(x_best - x, "L0").float()
+                restart = sparsity / sparsity_old < 0.95
+                topk = sparsity / n_fts / 1.5
+                step = torch.where(_per_sample(restart, x), step_max, step / 1.5).clamp(step_max / 10.0, step_max)
+                sparsity_old = sparsity
+            x_adv = torch.where(_per_sample(restart, x), x_best, x_adv)
+            grad = torch.where(_per_sample(restart, x), grad_best, grad)
+            since_check = 0
+
+    return APGDResult(x_best=x_best, loss_best=loss_best, x_adv=x_best_adv, robust=robust, logits_last=logits,
+                      logits_start=logits_start, best_is_last=improved)
+
+
+def _last_logits(forward: Model, x_adv: Tensor, y: Tensor, loss: str, y_target: Tensor | None, keep_graph: bool):
+    """Logits and per-sample loss of the final iterate, which needs no input gradient."""
+    if keep_graph:
+        with torch.enable_grad():
+            logits = forward(x_adv.detach())
+        return logits, per_sample_loss(logits.detach(), y, loss, y_target)
+    with torch.no_grad():
+        logits = forward(x_adv).float()
+    return logits, per_sample_loss(logits, y, loss, y_target)
+
