@@ -1,0 +1,429 @@
+"""Device-side augmentation (robust_lightning.data.augment) against the PIL/timm reference implementations.
+
+Reference outputs come from timm 1.0.31's own op functions driven on PIL images (timm.data.auto_augment),
+DeiT III's PIL 3-Augment ops and torchvision's PIL ColorJitter functions.
+"""
+
+import math
+import random
+
+import numpy as np
+import pytest
+import timm.data.auto_augment as timm_aa
+import torch
+import torchvision.transforms.functional as TF
+from PIL import Image, ImageFilter, ImageOps
+
+from robust_lightning.data.augment import (
+    GEOMETRIC_OPS,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    RAND_AUGMENT_OPS,
+    BatchAugment,
+    ColorJitter,
+    RandAugment,
+    RandomErasing,
+    ThreeAugment,
+    parse_rand_augment,
+)
+
+COLOUR_OPS = [op for op in RAND_AUGMENT_OPS if op not in GEOMETRIC_OPS]
+PIL_FILTERS = {"nearest": Image.NEAREST, "bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC}
+
+
+def smooth_images(n: int = 6, size: int = 32, seed: int = 0) -> list[np.ndarray]:
+    """uint8 HWC images of smooth coloured waves (different per image and channel) so every op is visible."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:size, 0:size] / size
+    images = []
+    for _ in range(n):
+        freq, phase = rng.uniform(1, 3, 3), rng.uniform(0, 2 * np.pi, 3)
+        waves = [0.5 + 0.45 * np.sin(2 * np.pi * (freq[c] * x + 0.7 * (c + 1) * y) + phase[c]) for c in range(3)]
+        image = np.stack(waves, -1) * rng.uniform(0.4, 1.0) + rng.uniform(0, 0.2)
+        images.append(np.clip(np.round(image * 255), 0, 255).astype(np.uint8))
+    return images
+
+
+def to_batch(images: list[np.ndarray]) -> torch.Tensor:
+    return torch.stack([torch.from_numpy(a).permute(2, 0, 1) for a in images]).float() / 255
+
+
+def to_uint8(batch: torch.Tensor) -> np.ndarray:
+    return (batch * 255).round().permute(0, 2, 3, 1).numpy().astype(np.int64)
+
+
+@pytest.fixture(scope="module")
+def images():
+    return smooth_images()
+
+
+def timm_op(monkeypatch, name: str, magnitude: float, sign: int, interpolation: str = "bicubic"):
+    """timm's AugmentOp, always applied, fixed magnitude, the random sign forced to `sign`."""
+    monkeypatch.setattr(timm_aa, "_randomly_negate", (lambda v: -v) if sign < 0 else (lambda v: v))
+    fill = tuple(min(255, round(255 * v)) for v in IMAGENET_MEAN)  # timm's img_mean for the ImageNet mean
+    hparams = dict(translate_const=100, img_mean=fill, interpolation=PIL_FILTERS[interpolation])
+    return timm_aa.AugmentOp(name, prob=1.0, magnitude=magnitude, hparams=hparams)
+
+
+# ---------------------------------------------------------------------------------- parity with timm / PIL
+@pytest.mark.parametrize("name", COLOUR_OPS)
+@pytest.mark.parametrize("magnitude", [2.0, 7.3, 9.0])
+@pytest.mark.parametrize("sign", [1, -1])
+def test_colour_ops_match_timm(monkeypatch, images, name, magnitude, sign):
+    op = timm_op(monkeypatch, name, magnitude, sign)
+    expected = np.stack([np.asarray(op(Image.fromarray(a))) for a in images]).astype(np.int64)
+    ours = to_uint8(RandAugment().apply_op(to_batch(images), name, magnitude, sign))
+    # Bit-exact: look-up tables as Pillow builds them (autocontrast's in double precision), blends in float32
+    # with truncation like Pillow's C, op arguments computed in double like timm's Python.
+    assert np.array_equal(ours, expected)
+    assert not np.array_equal(ours, np.stack(images)), "the op should change these images"
+
+
+@pytest.mark.parametrize("name", ["Equalize", "AutoContrast"])
+def test_histogram_ops_match_pil_on_large_images(name):
+    # 256 x 256 pixels: Pillow's equalize step (pixels // 255) differs from e.g. pixels // 256 only at sizes
+    # like this, and the per-channel look-up tables get 256 possible inputs.
+    images = smooth_images(n=2, size=256, seed=5)
+    reference = ImageOps.equalize if name == "Equalize" else ImageOps.autocontrast
+    expected = np.stack([np.asarray(reference(Image.fromarray(a))) for a in images]).astype(np.int64)
+    assert np.array_equal(to_uint8(RandAugment().apply_op(to_batch(images), name, 9.0)), expected)
+
+
+@pytest.mark.parametrize("name", ["Equalize", "AutoContrast"])
+def test_histogram_ops_on_degenerate_histograms(name):
+    # a flat image, a constant channel next to a two-level and a three-level one
+    flat = np.full((16, 16, 3), 77, np.uint8)
+    mixed = np.zeros((16, 16, 3), np.uint8)
+    mixed[..., 0] = 200
+    mixed[:, 5:, 1] = 31
+    mixed[:, :3, 2], mixed[:, 3:9, 2], mixed[:, 9:, 2] = 10, 130, 250
+    images = [flat, mixed]
+    reference = ImageOps.equalize if name == "Equalize" else ImageOps.autocontrast
+    expected = np.stack([np.asarray(reference(Image.fromarray(a))) for a in images]).astype(np.int64)
+    assert np.array_equal(to_uint8(RandAugment().apply_op(to_batch(images), name, 9.0)), expected)
+
+
+def test_posterize_at_full_magnitude_is_black(images):
+    # M = 10 keeps 4 - int(4) = 0 bits: black with older Pillow; Pillow 13 raises for 0 bits (timm does not
+    # guard against it), so the older behaviour is the reference here.
+    out = RandAugment().apply_op(to_batch(images), "PosterizeIncreasing", 10.0)
+    assert out.abs().max() == 0
+
+
+@pytest.mark.parametrize("name", GEOMETRIC_OPS)
+@pytest.mark.parametrize("interpolation", ["bicubic", "bilinear", "nearest"])
+@pytest.mark.parametrize("magnitude,sign", [(4.0, 1), (9.0, -1), (10.0, 1)])
+def test_geometric_ops_match_timm(monkeypatch, images, name, interpolation, magnitude, sign):
+    op = timm_op(monkeypatch, name, magnitude, sign, interpolation)
+    expected = np.stack([np.asarray(op(Image.fromarray(a))) for a in images]).astype(np.int64)
+    ours = to_uint8(RandAugment(interpolation=interpolation).apply_op(to_batch(images), name, magnitude, sign))
+    diff = np.abs(ours - expected)
+    if interpolation == "nearest":
+        # Pillow rotates/shears with nearest in 16.16 fixed point, we in double precision: source points
+        # that fall exactly on a pixel boundary (common for shears of whole tenths) may pick the neighbour.
+        assert (diff > 0).mean() < 0.05
+        return
+    # Same filters as Pillow's transform (bicubic a = -1, edge replication, fill outside, truncation), so the
+    # whole image - fill borders included - agrees; float32 interpolation vs Pillow's doubles moves an
+    # occasional value across a truncation boundary: at most 1/255, and on average < 0.1/255.
+    assert diff.max() <= 1
+    assert diff.mean() < 0.1
+    fill = np.array([round(255 * v) for v in IMAGENET_MEAN])
+    assert (ours == fill).all(-1).any(), "the op moved the fill colour in"
+
+
+def test_three_augment_ops_match_pil(images):
+    batch, n = to_batch(images), len(images)
+    three = ThreeAugment()
+    gray = to_uint8(three.apply(batch, torch.zeros(n, dtype=torch.long), torch.ones(n)))
+    assert np.array_equal(gray, np.stack([np.asarray(Image.fromarray(a).convert("L").convert("RGB")) for a in images]))
+    solar = to_uint8(three.apply(batch, torch.ones(n, dtype=torch.long), torch.ones(n)))
+    assert np.array_equal(solar, np.stack([np.asarray(ImageOps.solarize(Image.fromarray(a))) for a in images]))
+    # Pillow's GaussianBlur is three extended box blurs in 8.24 fixed point; ours reproduces it bit for bit.
+    radius = torch.tensor([0.1, 0.37, 0.8, 1.0, 1.55, 2.0])
+    blur = to_uint8(three.apply(batch, torch.full((n,), 2), radius))
+    expected = [
+        np.asarray(Image.fromarray(a).filter(ImageFilter.GaussianBlur(float(r)))) for a, r in zip(images, radius)
+    ]
+    assert np.array_equal(blur, np.stack(expected))
+
+
+def test_color_jitter_matches_torchvision_on_pil(images):
+    jitter = ColorJitter(0.3, 0.3, 0.3)
+    factors, order = jitter.sample_params(len(images), torch.Generator().manual_seed(0))
+    adjust = (TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation)
+    expected = []
+    for image, f, o in zip(images, factors, order):
+        pil = Image.fromarray(image)
+        for j in o.tolist():
+            pil = adjust[j](pil, float(f[j]))
+        expected.append(np.asarray(pil))
+    assert np.array_equal(to_uint8(jitter.apply(to_batch(images), factors, order)), np.stack(expected))
+    assert ((factors >= 0.7) & (factors <= 1.3)).all()
+    assert all(sorted(o.tolist()) == [0, 1, 2] for o in order)
+
+
+# ------------------------------------------------------------------------------------ per-sample randomness
+def test_rand_augment_draws_per_sample():
+    n = 20000
+    params = RandAugment().sample_params(n, torch.Generator().manual_seed(1))
+    ops = params["op"].flatten()
+    counts = torch.bincount(ops, minlength=len(RAND_AUGMENT_OPS)).double()
+    expected = ops.numel() / len(RAND_AUGMENT_OPS)
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 45  # 14 degrees of freedom: P(chi2 > 45) ~ 4e-5
+    assert abs(params["applied"].float().mean().item() - 0.5) < 0.01
+    assert abs((params["sign"] > 0).float().mean().item() - 0.5) < 0.01
+    # N(9, 0.5) clipped to [0, 10]: 2.3 % of the draws sit at 10, the rest look normal.
+    m = params["magnitude"].flatten()
+    assert m.min() >= 0 and m.max() == 10
+    assert 0.019 < (m == 10).float().mean().item() < 0.027
+    below = m[m < 10]
+    assert abs(below.median().item() - 9.0) < 0.02
+    assert abs(torch.quantile(below, 0.1587).item() - 8.5) < 0.03  # one sigma below the mean
+    # the two layers are drawn independently for every image
+    assert (params["op"][0] != params["op"][1]).float().mean().item() > 0.9
+
+
+def test_rand_augment_uniform_magnitude_option():
+    m = RandAugment(magnitude=9, magnitude_std=math.inf).sample_magnitudes((20000,), torch.Generator().manual_seed(0))
+    assert m.min() >= 0 and m.max() <= 9 and abs(m.mean().item() - 4.5) < 0.1
+
+
+def test_rand_augment_differs_between_identical_images(images):
+    batch = to_batch(images[:1]).expand(48, -1, -1, -1)
+    out = RandAugment()(batch, torch.Generator().manual_seed(0))
+    distinct = {tuple(to_uint8(o[None]).flatten()[::7]) for o in out}
+    assert len(distinct) > 15  # ~1/4 of the images get no op, so some repeat; most differ
+
+
+def test_batched_result_equals_per_image_ops():
+    """The sort-by-op dispatch applies exactly each image's own draws, in order."""
+    augment = RandAugment()
+    batch = to_batch(smooth_images(n=24, seed=3))
+    params = augment.sample_params(len(batch), torch.Generator().manual_seed(5))
+    out = augment.apply(batch, params)
+    for i in range(len(batch)):
+        expected = batch[i : i + 1]
+        for layer in range(augment.num_ops):
+            if params["applied"][layer, i]:
+                name = RAND_AUGMENT_OPS[params["op"][layer, i]]
+                expected = augment.apply_op(expected, name, params["magnitude"][layer, i], params["sign"][layer, i])
+        assert torch.equal(out[i], expected[0]), i
+
+
+def test_rand_augment_output_contract():
+    batch = to_batch(smooth_images(n=16, seed=1))
+    augment = RandAugment()
+    out = augment(batch, torch.Generator().manual_seed(0))
+    assert out.shape == batch.shape and out.dtype == batch.dtype and out.device == batch.device
+    assert out.min() >= 0 and out.max() <= 1
+    assert torch.allclose(out * 255, torch.round(out * 255), atol=1e-3)  # on the 8-bit grid, like PIL
+    assert torch.equal(out, augment(batch, torch.Generator().manual_seed(0)))
+    assert not torch.equal(out, augment(batch, torch.Generator().manual_seed(1)))
+    assert augment(batch.double()).dtype == torch.float64
+    assert augment(batch).shape == batch.shape  # default RNG
+
+
+# ---------------------------------------------------------------------------------------- RandomErasing
+def test_random_erasing_boxes():
+    erasing = RandomErasing(0.25)
+    top, left, h, w = erasing.boxes(20000, 64, 48, torch.Generator().manual_seed(0)).unbind(1)
+    erased = h > 0
+    assert abs(erased.float().mean().item() - 0.25) < 0.015
+    assert (h[~erased] == 0).all() and (w[~erased] == 0).all()
+    assert (top >= 0).all() and (left >= 0).all() and (top + h <= 64).all() and (left + w <= 48).all()
+    assert (h[erased] < 64).all() and (w[erased] < 48).all()
+    # area U(0.02, 1/3) of the image, with h and w rounded to whole pixels
+    area = (h * w)[erased].float() / (64 * 48)
+    assert area.min() > 0.015 and area.max() < 0.36
+    aspect = (h.float() / w.float())[erased]
+    assert aspect.min() > 0.25 and aspect.max() < 4.0
+
+
+def test_random_erasing_box_distribution_matches_timm():
+    from timm.data.random_erasing import RandomErasing as TimmRandomErasing
+
+    random.seed(0)  # timm draws from Python's random
+    ones = torch.ones(3000, 3, 64, 48)
+    TimmRandomErasing(1.0, mode="const", device="cpu")(ones)  # erases in place with zeros
+    erased = ones[:, 0] == 0
+    timm_h, timm_w = erased.any(2).sum(1).float(), erased.any(1).sum(1).float()
+    _, _, h, w = RandomErasing(1.0).boxes(3000, 64, 48, torch.Generator().manual_seed(0)).float().unbind(1)
+    for ours, theirs in ((h, timm_h), (w, timm_w), (h * w, timm_h * timm_w), ((h / w).log(), (timm_h / timm_w).log())):
+        assert abs(ours.mean() - theirs.mean()) < 0.05 * theirs.abs().mean() + 0.02
+        assert abs(ours.std() - theirs.std()) < 0.05 * theirs.std()
+
+
+@pytest.mark.parametrize("mode", ["pixel", "rand", "const"])
+def test_random_erasing_fills_only_the_box(mode):
+    batch = to_batch(smooth_images(n=32, seed=2))
+    erasing = RandomErasing(0.5, mode=mode)
+    out = erasing(batch, torch.Generator().manual_seed(3))
+    boxes = erasing.boxes(32, 32, 32, torch.Generator().manual_seed(3))  # forward draws its boxes first
+    assert out.shape == batch.shape and out.min() >= 0 and out.max() <= 1
+    mean = torch.tensor(IMAGENET_MEAN).view(3, 1)
+    for image, result, (top, left, h, w) in zip(batch, out, boxes.tolist()):
+        inside = torch.zeros(32, 32, dtype=torch.bool)
+        inside[top : top + h, left : left + w] = True
+        assert torch.equal(result[:, ~inside], image[:, ~inside])  # unerased pixels / images untouched
+        if h == 0:
+            continue
+        patch = result[:, inside]
+        if mode == "const":
+            assert torch.allclose(patch, mean.expand_as(patch))  # 0 in normalised space
+        elif mode == "rand":
+            assert torch.equal(patch, patch[:, :1].expand_as(patch))  # one colour per box
+        else:
+            assert patch.std(1).min() > 0.1  # per-pixel noise, std 0.22 in [0, 1] space before clamping
+    assert 8 < (boxes[:, 2] > 0).sum() < 24
+
+
+def test_random_erasing_pixel_noise_statistics():
+    batch = torch.full((64, 3, 32, 32), 0.5)
+    out = RandomErasing(1.0, mode="pixel")(batch, torch.Generator().manual_seed(0))
+    noise = out[out != 0.5].view(-1)
+    assert noise.numel() > 10000
+    erased = out != 0.5
+    for c in range(3):  # mean + std * N(0, 1) per channel (clamping barely matters at these values)
+        values = out[:, c][erased[:, c]]
+        assert abs(values.mean().item() - IMAGENET_MEAN[c]) < 0.01
+        assert abs(values.std().item() - IMAGENET_STD[c]) < 0.015
+
+
+# ----------------------------------------------------------------------------------------- BatchAugment
+def test_heavy_scheme_soft_targets():
+    np.random.seed(0)  # timm's Mixup draws from NumPy
+    num_classes, smoothing = 10, 0.1
+    augment = BatchAugment("heavy", num_classes, label_smoothing=smoothing)
+    images = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8)
+    labels = torch.arange(8)
+    seen_mixed = False
+    for seed in range(6):
+        x, targets = augment(images, labels, generator=torch.Generator().manual_seed(seed))
+        assert x.shape == (8, 3, 32, 32) and x.dtype == torch.float32 and 0 <= x.min() and x.max() <= 1
+        assert targets.shape == (8, num_classes)
+        torch.testing.assert_close(targets.sum(1), torch.ones(8))
+        # timm: off = smoothing / C, on = 1 - smoothing + off; classes outside the pair keep exactly `off`.
+        off = smoothing / num_classes
+        assert torch.allclose(targets.min(1).values, torch.full((8,), off))
+        assert targets.max() <= 1 - smoothing + off + 1e-6
+        # batch mode mixes image i with image B - 1 - i: the mass is on those two labels
+        pair = targets.gather(1, torch.stack([labels, labels.flip(0)], 1)).sum(1)
+        torch.testing.assert_close(pair, torch.full((8,), 1 - smoothing + 2 * off))
+        seen_mixed |= bool((targets.max(1).values < 1 - smoothing + off - 1e-4).any())
+    assert seen_mixed
+
+
+def test_heavy_scheme_odd_batch_keeps_every_sample():
+    np.random.seed(1)
+    num_classes, smoothing = 5, 0.1
+    augment = BatchAugment("heavy", num_classes, flip=False, rand_augment="", erase_prob=0)  # mixing only
+    images = torch.rand(7, 3, 16, 16)
+    labels = torch.tensor([0, 1, 2, 3, 4, 0, 3])
+    x, targets = augment(images, labels)
+    assert x.shape == images.shape and targets.shape == (7, num_classes)
+    assert torch.equal(x[6], images[6])  # the odd one out passes unmixed
+    expected = torch.full((num_classes,), smoothing / num_classes)
+    expected[3] += 1 - smoothing
+    torch.testing.assert_close(targets[6], expected)
+    torch.testing.assert_close(targets.sum(1), torch.ones(7))
+    x1, t1 = augment(images[:1], labels[:1])
+    assert torch.equal(x1, images[:1]) and torch.allclose(t1[0], torch.tensor([0.92, 0.02, 0.02, 0.02, 0.02]))
+
+
+@pytest.mark.parametrize("scheme", ["basic", "3aug"])
+def test_basic_and_3aug_keep_int_labels(scheme):
+    images = torch.from_numpy(np.stack(smooth_images(n=32, seed=4))).permute(0, 3, 1, 2).contiguous()
+    labels = torch.randint(0, 1000, (32,))
+    augment = BatchAugment(scheme, 1000)
+    x, y = augment(images, labels, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(y, labels) and y.dtype == torch.int64
+    assert x.shape == images.shape and x.dtype == torch.float32 and x.min() >= 0 and x.max() <= 1
+    # uint8 and [0, 1] float input agree; the caller's float tensor is not modified
+    as_float = images.float() / 255
+    before = as_float.clone()
+    x_float, _ = augment(as_float, labels, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(as_float, before) and torch.allclose(x_float, x)
+    reference = images.float() / 255
+    flipped = [torch.equal(o, r.flip(-1)) for o, r in zip(x, reference)]
+    if scheme == "basic":  # every image is itself or its mirror image, both occur
+        assert all(torch.equal(o, r) or f for o, r, f in zip(x, reference, flipped))
+        assert 5 < sum(flipped) < 27
+    else:  # 3-Augment changes every image, differently for identical inputs
+        assert not any(torch.equal(o, r) or f for o, r, f in zip(x, reference, flipped))
+        same = images[:1].expand(16, -1, -1, -1)
+        out, _ = augment(same, labels[:16], generator=torch.Generator().manual_seed(1))
+        assert len({o.sum().item() for o in out}) > 8
+
+
+def test_color_jitter_draws_per_sample():
+    factors, order = ColorJitter(0.3, 0.3, 0.3).sample_params(6000, torch.Generator().manual_seed(0))
+    assert ((factors >= 0.7) & (factors <= 1.3)).all()
+    assert (factors.mean(0) - 1).abs().max() < 0.01 and (factors.std(0) - 0.6 / 12**0.5).abs().max() < 0.01
+    permutations = torch.unique(order, dim=0, return_counts=True)[1]
+    assert len(permutations) == 6 and (abs(permutations - 1000) < 120).all()  # every order, equally often
+
+
+def test_three_augment_choices_are_per_sample():
+    choice, sigma = ThreeAugment().sample_params(9000, torch.Generator().manual_seed(0))
+    counts = torch.bincount(choice, minlength=3)
+    assert (abs(counts - 3000) < 200).all()
+    assert sigma.min() >= 0.1 and sigma.max() <= 2.0
+
+
+def test_batch_augment_is_deterministic_with_a_generator():
+    images = torch.randint(0, 256, (6, 3, 24, 24), dtype=torch.uint8)
+    labels = torch.arange(6)
+    for scheme in ("basic", "3aug", "heavy"):
+        augment = BatchAugment(scheme, 10, mix=False)
+        a, _ = augment(images, labels, generator=torch.Generator().manual_seed(7))
+        b, _ = augment(images, labels, generator=torch.Generator().manual_seed(7))
+        c, _ = augment(images, labels, generator=torch.Generator().manual_seed(8))
+        assert torch.equal(a, b) and not torch.equal(a, c), scheme
+
+
+def test_unknown_scheme_names_the_choices():
+    with pytest.raises(ValueError, match="'strong'.*basic, 3aug, heavy"):
+        BatchAugment("strong", 10)
+
+
+# ----------------------------------------------------------------------------------------- spec parsing
+def test_parse_rand_augment_variants():
+    assert parse_rand_augment("rand-m9-mstd0.5-inc1") == dict(
+        num_ops=2, magnitude=9.0, magnitude_std=0.5, magnitude_max=10.0, prob=0.5
+    )
+    assert parse_rand_augment("rand-inc1") == dict(  # timm's defaults
+        num_ops=2, magnitude=10.0, magnitude_std=0.0, magnitude_max=10.0, prob=0.5
+    )
+    parsed = parse_rand_augment("rand-m7-n3-p0.7-mmax9-mstd101-inc1")
+    assert parsed == dict(num_ops=3, magnitude=7.0, magnitude_std=math.inf, magnitude_max=9.0, prob=0.7)
+    augment = RandAugment.from_spec("rand-m7-n3-p0.7-mmax9-mstd0.5-inc1")
+    # timm reads the same spec the same way, and uses the same op set
+    reference = timm_aa.rand_augment_transform("rand-m7-n3-p0.7-mmax9-mstd0.5-inc1", {"img_mean": (0, 0, 0)})
+    assert reference.num_layers == augment.num_ops == 3
+    assert tuple(op.name for op in reference.ops) == RAND_AUGMENT_OPS
+    op = reference.ops[0]
+    assert (op.prob, op.magnitude, op.magnitude_std, op.magnitude_max) == (
+        augment.prob,
+        augment.magnitude,
+        augment.magnitude_std,
+        augment.magnitude_max,
+    )
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "rand-m9-mstd0.5",  # timm's non-increasing default op set
+        "rand-m9-inc0",
+        "rand-m9-inc1-tweights",  # another op set
+        "augmix-m5-inc1",
+        "rand-m9-inc1-x5",  # unknown section
+        "rand-mfoo-inc1",
+        "rand-m9-n-inc1",
+    ],
+)
+def test_parse_rand_augment_rejects_unsupported(spec):
+    with pytest.raises(ValueError, match="RandAugment spec"):
+        parse_rand_augment(spec)
