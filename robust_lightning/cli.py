@@ -36,8 +36,15 @@ def _shards(argv: list[str]) -> int:
     return shards_main(argv)
 
 
+def _export(argv: list[str]) -> int:
+    from robust_lightning.training.export import export_main
+
+    return export_main(argv)
+
+
 TOOL_COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "shards": ("convert an ImageFolder tree into WebDataset shards (parallel, resumable)", _shards),
+    "export": ("write the raw or EMA weights of a checkpoint to a .safetensors file", _export),
 }
 
 
@@ -63,14 +70,16 @@ class RobustLightningCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
         parser.link_arguments("data.image_size", "model.image_size")
+        parser.link_arguments("model.label_smoothing", "data.label_smoothing")
         # Always present and configurable as checkpoint.*: the last and the best checkpoint of every run.
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults(
             {
-                "checkpoint.monitor": "val/acc1",
+                # clean top-1, or robust accuracy when model.select_attack_steps > 0 (see ImageClassifier)
+                "checkpoint.monitor": "val/select_acc",
                 "checkpoint.mode": "max",
                 "checkpoint.save_last": True,
-                "checkpoint.filename": "epoch{epoch:03d}-acc{val/acc1:.4f}",
+                "checkpoint.filename": "epoch{epoch:03d}-select{val/select_acc:.4f}",
                 "checkpoint.auto_insert_metric_name": False,
             }
         )
@@ -120,7 +129,11 @@ def main(args: Sequence[str] | None = None) -> int:
             args=None if from_command_line else args,  # None: LightningCLI reads sys.argv itself
             parser_class=ArgumentParser,
             seed_everything_default=0,
-            trainer_defaults={"callbacks": [CorruptImageReport(), RunResults(), PredictionWriter()]},
+            trainer_defaults={
+                "callbacks": [CorruptImageReport(), RunResults(), PredictionWriter()],
+                # attacks in validate/test need autograd, which inference mode forbids even under enable_grad
+                "inference_mode": False,
+            },
             save_config_kwargs={"overwrite": True},
             parser_kwargs={"default_env": True, "env_prefix": "RL"},
         )

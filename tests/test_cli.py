@@ -94,7 +94,7 @@ def test_fit_writes_checkpoints_and_results(fitted):
     fit = results["fit"]
     assert fit["metrics"]["val/num_images"] == 16  # 4 classes x 4 val images, each counted once
     assert 0.0 <= fit["metrics"]["val/acc1"] <= 1.0
-    assert fit["best_checkpoint"]["sha256"] and fit["monitor"] == "val/acc1"
+    assert fit["best_checkpoint"]["sha256"] and fit["monitor"] == "val/select_acc"
     conditions = fit["conditions"]
     assert conditions["model"]["arch"] == "convnext_atto_convstem"
     assert conditions["data"]["image_size"] == 32 and conditions["seed"] == 0
@@ -151,7 +151,7 @@ def test_configs_compose_left_to_right_and_print_config(tmp_path, synthetic_root
     assert printed["model"]["lr"] == 0.5  # from the second file
     assert printed["trainer"]["max_epochs"] == 9  # the flag wins over both files
     assert printed["model"]["arch"] == "convnext_atto_convstem"  # from the first file
-    assert printed["checkpoint"]["monitor"] == "val/acc1"
+    assert printed["checkpoint"]["monitor"] == "val/select_acc"
 
 
 @pytest.mark.parametrize(
@@ -276,6 +276,6 @@ def test_checkpoint_of_another_architecture_is_refused_clearly(fitted, tmp_path)
     result = run_cli("validate", "--config", str(config), "--data.source", "folder",
                      "--data.root", str(tmp_path / "imagenet"), "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt"))
     assert result.returncode == 2, result.stderr[-2000:]
-    assert "'convnext_atto_convstem' model (num_classes 4)" in result.stderr and "mismatched keys" in result.stderr
-    assert "net.head.fc.weight (checkpoint (4, 320) vs model (1000, 320))" in result.stderr
+    assert "'convnext_atto_convstem' model (num_classes 4" in result.stderr and "mismatched keys" in result.stderr
+    assert "model.net.head.fc.weight (checkpoint (4, 320) vs model (1000, 320))" in result.stderr
     assert "Traceback" not in result.stderr

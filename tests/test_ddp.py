@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from helpers import WNIDS, make_image_tree
@@ -14,7 +15,7 @@ from robust_lightning.data.shards import convert_image_folder
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_ddp(tmp_path: Path, command: str, data: dict, record_dir: Path) -> dict:
+def run_ddp(tmp_path: Path, command: str, data: dict, record_dir: Path, model: dict | None = None) -> dict:
     config = {
         "seed_everything": 0,
         "trainer": {
@@ -24,7 +25,7 @@ def run_ddp(tmp_path: Path, command: str, data: dict, record_dir: Path) -> dict:
                        "init_args": {"save_dir": str(tmp_path / "runs"), "name": command}},
             "callbacks": [{"class_path": "helpers.KeyRecorder", "init_args": {"out_dir": str(record_dir)}}],
         },
-        "model": {"arch": "test_convnext", "warmup_epochs": 0.5},
+        "model": {"arch": "test_convnext", "warmup_epochs": 0.5, **(model or {})},
         "data": {"image_size": 32, "batch_size": 4, "eval_batch_size": 4, "num_workers": 1, **data},
     }
     path = tmp_path / f"{command}.yaml"
@@ -73,3 +74,47 @@ def test_ddp_validate_on_a_folder_counts_every_image_once(tmp_path):
     assert sorted(val[0] + val[1]) == sorted(set(val[0]) | set(val[1]))
     assert len(val[0] + val[1]) == 9
     assert validate["metrics"]["val/num_images"] == 9
+
+
+def test_ddp_adversarial_fit_selects_on_a_holdout_counted_exactly(tmp_path):
+    """APGD-AT with EMA on 2 ranks; robust selection accuracy on 7 held-out train images split over the ranks,
+    equal to the same measurement in one process from the saved checkpoint."""
+    import torch
+
+    from robust_lightning.attacks import apgd
+    from robust_lightning.data.datamodule import ImageNetDataModule
+    from robust_lightning.training.classifier import ImageClassifier
+
+    trees = tmp_path / "trees"
+    make_image_tree(trees / "train", {w: 10 for w in WNIDS})
+    make_image_tree(trees / "val", {w: 2 for w in WNIDS})
+    for split in ("train", "val"):
+        convert_image_folder(trees / split, tmp_path / "shards" / split, samples_per_shard=5,
+                             shuffle=split == "train", workers=1, progress=False)
+    data = {"source": "shards", "train_shards": str(tmp_path / "shards/train"),
+            "val_shards": str(tmp_path / "shards/val"), "holdout": 7, "augmentation": "heavy"}
+    model = {"attack": "apgd", "ema_decay": 0.5, "select_attack_steps": 1, "reuse_attack_forward": True}
+    fit = run_ddp(tmp_path, "fit", data, tmp_path / "keys", model)
+
+    train = recorded(tmp_path / "keys", "train")
+    val = recorded(tmp_path / "keys", "val")
+    held = set(val[0]) | set(val[1])
+    assert len(val[0]) + len(val[1]) == len(held) == 7  # split sample by sample, nothing counted twice
+    assert not held & (set(train[0]) | set(train[1]))  # held-out images are never trained on
+    assert len(train[0]) == len(train[1]) == 8  # 30 - 10 held-out-shard images = 20 // (2 x 4) = 2 steps of 4
+    metrics = fit["metrics"]
+    assert metrics["val/num_images"] == metrics["val_ema/num_images"] == 7
+    assert metrics["val/select_acc"] == metrics["val/robust_acc"]
+    assert fit["monitor"] == "val/select_acc"
+
+    # the same measurement in one process, from the checkpoint, over the same 7 images
+    module = ImageClassifier.load_from_checkpoint(fit["last_checkpoint"]["path"], weights_only=True).eval()
+    dm = ImageNetDataModule(**{k: v for k, v in data.items()}, image_size=32, eval_batch_size=7, num_workers=0)
+    dm.setup("validate")
+    batch = dm.on_after_batch_transfer(next(iter(dm.val_dataloader())), 0)
+    assert sorted(batch["key"]) == sorted(held)
+    for model_, prefix in ((module.model, "val"), (module.ema.module, "val_ema")):
+        robust = apgd(model_, batch["image"], batch["label"], eps=4 / 255, n_iter=1).robust
+        clean = (model_(batch["image"]).argmax(1) == batch["label"]).float().mean()
+        assert metrics[f"{prefix}/robust_acc"] == pytest.approx(robust.float().mean().item(), abs=1e-6)
+        assert metrics[f"{prefix}/acc1"] == pytest.approx(clean.item(), abs=1e-6)

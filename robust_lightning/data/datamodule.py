@@ -6,11 +6,13 @@ webdataset's split_by_node does not split under spawn-started workers (REFERENCE
 world size are captured in setup() and every rank reads a disjoint part of the data.
 """
 
+import copy
 import io
 import itertools
 import os
 import random
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,9 +21,10 @@ import webdataset as wds
 from braceexpand import braceexpand
 from lightning import LightningDataModule
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Subset, get_worker_info
 from torchvision.datasets import ImageFolder
 
+from robust_lightning.data.augment import BatchAugment
 from robust_lightning.data.classes import class_map as load_class_map
 from robust_lightning.data.shards import read_manifest, shard_urls
 from robust_lightning.data.synthetic import ensure_synthetic_dataset
@@ -30,6 +33,7 @@ from robust_lightning.errors import UserError
 from robust_lightning.paths import DATA_DIR
 
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
+HOLDOUT_SEED = 0  # fixed: the selection split must not move with the data-order seed
 
 
 @dataclass(frozen=True)
@@ -45,19 +49,20 @@ def decode_rgb(data: bytes) -> Image.Image:
     return image.convert("RGB")  # forces the full decode, so truncated files fail here and not later
 
 
-def collate(items: list[dict | Corrupt]) -> dict[str, Any]:
+def collate(items: list[dict | Corrupt], augment: BatchAugment | None = None) -> dict[str, Any]:
     """Batch the good samples; report the corrupt ones by name instead of failing the batch.
 
-    Image and label travel in one sample, so dropping a sample can never shift labels.
+    Image and label travel in one sample, so dropping a sample can never shift labels. ``augment`` (per-image
+    augmentation in the loader workers, data.augment_on 'cpu') runs on the batch; the result goes back to uint8
+    so batches still cross to the device at a quarter of the float size.
     """
     good = [item for item in items if not isinstance(item, Corrupt)]
     bad = [f"{item.key} ({item.reason})" for item in items if isinstance(item, Corrupt)]
-    return {
-        "image": torch.stack([item["image"] for item in good]) if good else torch.empty(0, dtype=torch.uint8),
-        "label": torch.tensor([item["label"] for item in good], dtype=torch.long),
-        "key": [item["key"] for item in good],
-        "corrupt": bad,
-    }
+    images = torch.stack([item["image"] for item in good]) if good else torch.empty(0, dtype=torch.uint8)
+    labels = torch.tensor([item["label"] for item in good], dtype=torch.long)
+    if augment is not None and good:
+        images = augment(images, labels)[0].mul_(255).round_().to(torch.uint8)
+    return {"image": images, "label": labels, "key": [item["key"] for item in good], "corrupt": bad}
 
 
 class LabelledImageFolder(ImageFolder):
@@ -145,6 +150,28 @@ class ShardStream(IterableDataset):
         return {"image": self.transform(image), "label": label, "key": key}
 
 
+class HoldoutStream(ShardStream):
+    """The first ``limit`` samples of some training shards, split sample by sample across ranks and workers.
+
+    The held-out selection split is small (4000 images on ImageNet) and may come from fewer shards than there
+    are ranks, so each (rank, worker) reads all of its shards and keeps every n-th sample: exact and disjoint.
+    """
+
+    def __init__(self, urls: list[str], transform, *, limit: int, rank: int, world_size: int):
+        super().__init__(urls, transform, repeat=False)
+        self.limit, self.rank, self.world_size = limit, rank, world_size
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
+        readers = self.world_size * num_workers
+        mine = self.rank * num_workers + worker
+        samples = wds.tarfile_samples(({"url": url} for url in self.urls), handler=wds.warn_and_continue)
+        for index, sample in enumerate(itertools.islice(samples, self.limit)):
+            if index % readers == mine:
+                yield self.decode(sample)
+
+
 class ShardTrainLoader(DataLoader):
     """An endless ShardStream cut into epochs of a fixed number of batches.
 
@@ -208,9 +235,20 @@ class ImageNetDataModule(LightningDataModule):
         class_map: "imagenet" (the standard map in data/), "folders" (sorted class folders) or a JSON file.
         image_size: training crop and evaluation crop r.
         crop_pct: evaluation resizes the shorter side to floor(r / crop_pct) before the centre crop.
-        augmentation: training augmentation scheme ("basic" = RandomResizedCrop + flip).
+        augmentation: training augmentation scheme: "basic" (RandomResizedCrop), "3aug" (+ flip and DeiT-III
+            3-Augment with colour jitter) or "heavy" (+ flip, RandAugment m9 mstd0.5 per image, RandomErasing
+            0.25, MixUp 0.8 / CutMix 1.0); see robust_lightning.data.augment.
+        augment_on: where the per-image augmentation beyond the crop runs: "device" (the accelerator, after
+            the batch is transferred; the CPU workers only decode and crop) or "cpu" (in the loader workers).
+            MixUp/CutMix and RandomErasing always run on the device.
         crop_scale: area range of RandomResizedCrop.
+        holdout: training images held out for checkpoint selection (the paper holds out 4000 ImageNet train
+            images, disjoint from the evaluation images). When > 0, validation runs on them instead of the
+            val split and training never sees them; test and predict still use the val split.
+        label_smoothing: smoothing of the MixUp/CutMix soft targets (linked from model.label_smoothing).
         batch_size: per-device training batch size.
+        global_batch_size: the effective batch over all devices and nodes (the paper's recipes fix it); when
+            set, batch_size becomes global_batch_size / world size, which must divide evenly.
         eval_batch_size: per-device evaluation batch size (default: batch_size).
         num_workers: decoding processes per device.
         shuffle_buffer: samples held for shuffling within the training shard stream.
@@ -229,9 +267,13 @@ class ImageNetDataModule(LightningDataModule):
         class_map: str = "imagenet",
         image_size: int = 224,
         crop_pct: float = 0.875,
-        augmentation: Literal["basic"] = "basic",
+        augmentation: Literal["basic", "3aug", "heavy"] = "basic",
+        augment_on: Literal["device", "cpu"] = "device",
         crop_scale: tuple[float, float] = (0.08, 1.0),
+        holdout: int = 0,
+        label_smoothing: float = 0.1,
         batch_size: int = 128,
+        global_batch_size: int | None = None,
         eval_batch_size: int | None = None,
         num_workers: int = 8,
         shuffle_buffer: int = 5000,
@@ -246,14 +288,18 @@ class ImageNetDataModule(LightningDataModule):
         self.train_shards, self.val_shards, self.train_size = train_shards, val_shards, train_size
         self.class_map = class_map
         self.image_size, self.crop_pct = image_size, crop_pct
-        self.augmentation, self.crop_scale = augmentation, tuple(crop_scale)
-        self.batch_size = batch_size
+        self.augmentation, self.augment_on, self.crop_scale = augmentation, augment_on, tuple(crop_scale)
+        self.holdout, self.label_smoothing = holdout, label_smoothing
+        if holdout < 0:
+            raise UserError(f"data.holdout must be >= 0, got {holdout}")
+        self.batch_size, self.global_batch_size = batch_size, global_batch_size
         self.eval_batch_size = eval_batch_size or batch_size
         self.num_workers = num_workers
         self.shuffle_buffer = shuffle_buffer
         self.seed = seed
         self.synthetic = synthetic
         self.rank, self.world_size = 0, 1
+        self.worker_augment = self.device_augment = None
         self.train_set = self.eval_set = None
         self.train_images = self.eval_images = None
 
@@ -295,36 +341,102 @@ class ImageNetDataModule(LightningDataModule):
     def setup(self, stage: str) -> None:
         if self.trainer is not None:
             self.rank, self.world_size = self.trainer.global_rank, self.trainer.world_size
+        if self.global_batch_size:
+            if self.global_batch_size % self.world_size:
+                fits = [n for n in range(1, 65) if self.global_batch_size % n == 0]
+                raise UserError(
+                    f"data.global_batch_size {self.global_batch_size} does not split evenly over {self.world_size} "
+                    f"devices; use a device count among {fits}, or set data.batch_size per device instead"
+                )
+            self.batch_size = self.global_batch_size // self.world_size
         evaluation = eval_transform(self.image_size, self.crop_pct)
-        training = train_transform(self.image_size, self.augmentation, self.crop_scale)
+        training = train_transform(self.image_size, self.crop_scale)
+        self._setup_augmentation()
+        # validation of fit and validate runs on the held-out part of train when there is one
+        on_holdout = self.holdout > 0 and stage in ("fit", "validate")
         if self.source == "folder":
-            if stage == "fit":
-                self.train_set = LabelledImageFolder(self._split_dir("train"), self.classes, training)
-            self.eval_set = LabelledImageFolder(self._split_dir("val"), self.classes, evaluation)
+            if stage == "fit" or on_holdout:
+                train = LabelledImageFolder(self._split_dir("train"), self.classes, training)
+                if self.holdout:
+                    train, held = self._split_folder_holdout(train, evaluation)
+                self.train_set = train
+            self.eval_set = held if on_holdout else LabelledImageFolder(self._split_dir("val"), self.classes, evaluation)
             return
         if self.source == "synthetic":
             root = self._ensure_synthetic()  # no-op when prepare_data made it; covers direct setup() calls
             train_spec, val_spec = str(root / "train"), str(root / "val")
         else:
             train_spec, val_spec = self.train_shards, self.val_shards
-        if stage == "fit":
+        if stage == "fit" or on_holdout:
             if train_spec is None:
-                raise UserError("training needs data.train_shards")
+                raise UserError("training and data.holdout need data.train_shards")
             urls, total = self._resolve_shards(train_spec, self.train_size)
             if total is None:
                 raise UserError(
                     f"data.train_shards {train_spec} has no manifest.json: set data.train_size to the number "
                     "of training images so every rank takes the same number of steps per epoch"
                 )
+            if self.holdout:
+                urls, held_urls, held_images = self._split_shard_holdout(train_spec, urls)
+                total -= held_images
             self.train_images = total
             self.train_set = ShardStream(
                 self._rank_share(urls, "train"), training, repeat=True,
                 shuffle_buffer=self.shuffle_buffer, seed=self.seed,
             )
+        if on_holdout:
+            self.eval_images = self.holdout
+            self.eval_set = HoldoutStream(held_urls, evaluation, limit=self.holdout, rank=self.rank,
+                                          world_size=self.world_size)
+            return
         if val_spec is None:
             raise UserError("evaluation needs data.val_shards")
         urls, self.eval_images = self._resolve_shards(val_spec, None)
         self.eval_set = ShardStream(self._rank_share(urls, "val"), evaluation, repeat=False)
+
+    def _setup_augmentation(self) -> None:
+        """Everything after the crop: on the device by default, or in the workers with MixUp/CutMix (which
+        needs the whole batch's labels) still on the device."""
+        scheme = self.augmentation
+        options = dict(flip=scheme != "basic", label_smoothing=self.label_smoothing)  # the paper's basic = crop only
+        self.worker_augment = None
+        self.device_augment = BatchAugment(scheme, self.num_classes, **options)
+        if self.augment_on == "cpu":
+            self.worker_augment = BatchAugment(scheme, self.num_classes, **options, mix=False)
+            mixing = scheme == "heavy"
+            self.device_augment = BatchAugment("basic", self.num_classes, flip=False, mix=True,
+                                               label_smoothing=self.label_smoothing) if mixing else None
+
+    def _split_folder_holdout(self, train: LabelledImageFolder, evaluation) -> tuple[Subset, Subset]:
+        """A fixed random subset of train (the same in every run and on every rank) becomes the selection split."""
+        if self.holdout >= len(train):
+            raise UserError(f"data.holdout {self.holdout} must be smaller than the {len(train)} training images")
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(HOLDOUT_SEED)).tolist()
+        held = copy.copy(train)
+        held.transform = evaluation
+        return Subset(train, sorted(order[self.holdout :])), Subset(held, sorted(order[: self.holdout]))
+
+    def _split_shard_holdout(self, spec: str, urls: list[str]) -> tuple[list[str], list[str], int]:
+        """The last training shards (shuffled at conversion) hold the selection split: (train urls, held urls,
+        images removed from training). Samples of the held shards beyond ``holdout`` are used by neither."""
+        manifest = read_manifest(spec) if _is_dir(spec) else None
+        if manifest is None:
+            raise UserError(
+                "data.holdout with shards needs a shard directory with manifest.json (written by "
+                "robust-lightning shards), to know how many images each held-out shard holds"
+            )
+        counts = [s["num_samples"] for s in manifest["shards"]]
+        held = 0
+        for n_held, count in enumerate(reversed(counts), start=1):
+            held += count
+            if held >= self.holdout:
+                break
+        if held < self.holdout or n_held == len(counts):
+            raise UserError(
+                f"data.holdout {self.holdout} needs fewer images than the training shards hold "
+                f"({sum(counts)} in {len(counts)} shards), with at least one shard left for training"
+            )
+        return urls[:-n_held], urls[-n_held:], held
 
     def _split_dir(self, split: str) -> Path:
         path = self.root / split
@@ -359,18 +471,14 @@ class ImageNetDataModule(LightningDataModule):
     # ---------------------------------------------------------------------------------------- dataloaders
     def _loader(self, dataset, batch_size: int, **kwargs) -> DataLoader:
         kwargs.setdefault("num_workers", self.num_workers)
-        if isinstance(dataset, ShardStream):  # more workers than shards would sit idle
+        if type(dataset) is ShardStream:  # more workers than shards would sit idle
             kwargs["num_workers"] = min(kwargs["num_workers"], len(dataset.urls))
         loader_cls = kwargs.pop("loader_cls", DataLoader)
-        return loader_cls(
-            dataset,
-            batch_size=batch_size,
-            collate_fn=collate,
-            pin_memory=torch.cuda.is_available(),
-            **kwargs,
-        )
+        kwargs.setdefault("collate_fn", collate)
+        return loader_cls(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(), **kwargs)
 
     def train_dataloader(self) -> DataLoader:
+        augmenting = partial(collate, augment=self.worker_augment) if self.worker_augment else collate
         if isinstance(self.train_set, ShardStream):
             batches = self.train_images // (self.world_size * self.batch_size)
             if batches < 1:
@@ -380,6 +488,7 @@ class ImageNetDataModule(LightningDataModule):
             return self._loader(
                 self.train_set, self.batch_size, loader_cls=ShardTrainLoader, batches_per_epoch=batches,
                 current_epoch=lambda: self.trainer.current_epoch if self.trainer else 0, drop_last=True,
+                collate_fn=augmenting,
             )
         sampler = DistributedSampler(
             self.train_set, num_replicas=self.world_size, rank=self.rank, shuffle=True, seed=self.seed,
@@ -387,7 +496,7 @@ class ImageNetDataModule(LightningDataModule):
         )
         return self._loader(
             self.train_set, self.batch_size, sampler=sampler, drop_last=True,
-            persistent_workers=self.num_workers > 0,
+            persistent_workers=self.num_workers > 0, collate_fn=augmenting,
         )
 
     def _eval_dataloader(self) -> DataLoader:
@@ -399,8 +508,15 @@ class ImageNetDataModule(LightningDataModule):
     val_dataloader = test_dataloader = predict_dataloader = _eval_dataloader
 
     def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
-        # uint8 crossed to the device; scale to [0, 1] there
-        batch["image"] = batch["image"].float().div_(255)
+        # uint8 crossed to the device; augment training batches and scale to [0, 1] there
+        training = self.trainer is not None and self.trainer.training
+        if training and self.device_augment is not None and batch["label"].numel():
+            images, targets = self.device_augment(batch["image"], batch["label"])
+            if targets.ndim == 2:  # MixUp/CutMix soft targets; "label" stays the unmixed class
+                batch["target"] = targets
+            batch["image"] = images
+        else:
+            batch["image"] = batch["image"].float().div_(255)
         return batch
 
     # ------------------------------------------------------------------------------------------ reporting
@@ -411,7 +527,7 @@ class ImageNetDataModule(LightningDataModule):
             "shards": {"train_shards": self.train_shards, "val_shards": self.val_shards},
             "synthetic": {**asdict(self.synthetic), "root": str(self.synthetic_root)},
         }[self.source]
-        eval_images = len(self.eval_set) if isinstance(self.eval_set, LabelledImageFolder) else self.eval_images
+        eval_images = self.eval_images if isinstance(self.eval_set, IterableDataset) else len(self.eval_set)
         return {
             "source": self.source,
             **where,
@@ -421,6 +537,8 @@ class ImageNetDataModule(LightningDataModule):
             "eval_preprocessing": f"resize {eval_resize_size(self.image_size, self.crop_pct)} bicubic, "
             f"center crop {self.image_size}",
             "augmentation": self.augmentation,
+            "augment_on": self.augment_on,
+            "eval_split": f"{self.holdout} images held out of train" if self.holdout else "val",
             "batch_size": self.batch_size,
         }
 

@@ -29,16 +29,10 @@ def eval_transform(image_size: int, crop_pct: float = 0.875) -> T.Compose:
     )
 
 
-def train_transform(
-    image_size: int, augmentation: str = "basic", scale: tuple[float, float] = (0.08, 1.0)
-) -> T.Compose:
-    """Per-sample training augmentation. 'basic' = RandomResizedCrop (bicubic) + horizontal flip."""
-    if augmentation != "basic":
-        raise ValueError(f"unknown augmentation {augmentation!r}; available: 'basic'")
-    return T.Compose(
-        [
-            T.RandomResizedCrop(image_size, scale=scale, interpolation=BICUBIC),
-            T.RandomHorizontalFlip(),
-            T.PILToTensor(),
-        ]
-    )
+def train_transform(image_size: int, scale: tuple[float, float] = (0.08, 1.0)) -> T.Compose:
+    """The CPU part of every training augmentation: RandomResizedCrop (PIL bicubic), as uint8.
+
+    The crop needs the whole decoded image, so it happens here; flip, RandAugment, erasing and MixUp/CutMix
+    work on fixed-size batches and run in robust_lightning.data.augment (on the device by default).
+    """
+    return T.Compose([T.RandomResizedCrop(image_size, scale=scale, interpolation=BICUBIC), T.PILToTensor()])

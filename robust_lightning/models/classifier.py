@@ -16,7 +16,7 @@ from torch import nn
 
 from robust_lightning.errors import UserError
 
-__all__ = ["InputNormalization", "RobustClassifier", "build_classifier"]
+__all__ = ["InputNormalization", "RobustClassifier", "build_classifier", "use_small_input_strides"]
 
 
 class InputNormalization(nn.Module):
@@ -122,3 +122,18 @@ def build_classifier(
     else:
         net = create()
     return RobustClassifier(net, mean=mean, std=std)
+
+
+def use_small_input_strides(net: nn.Module) -> nn.Module:
+    """Adapt a ConvNeXt (PatchStem or ConvStem) to 32x32 inputs as the paper does for CIFAR transfer: stride 1
+    in the stem convs and in the first downsampling layer, so the last stage still sees a 7x7 map, not 1x1.
+    Strides carry no weights, so warm-started weights load unchanged."""
+    stem, stages = getattr(net, "stem", None), getattr(net, "stages", None)
+    if stem is None or stages is None or not isinstance(getattr(stages[1], "downsample", None), nn.Sequential):
+        raise UserError(
+            f"small-input strides are defined for ConvNeXt models (stem + stages); {type(net).__name__} has no such layout"
+        )
+    for conv in [*stem.modules(), *stages[1].downsample.modules()]:
+        if isinstance(conv, nn.Conv2d):
+            conv.stride = (1, 1)
+    return net

@@ -48,6 +48,7 @@ __all__ = [
 # LightningModule attribute holding the model, our RobustClassifier's net.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.", "net.")
 NORMALIZE_PREFIX = "normalize."
+EMA_PREFIX = "ema.module."  # ImageClassifier keeps its timm ModelEmaV3 copy under .ema
 MAX_LISTED_KEYS = 20
 
 
@@ -58,6 +59,8 @@ class CheckpointWeights:
     state_dict: dict[str, torch.Tensor]
     normalize: dict[str, torch.Tensor]  # {'mean': (1,C,1,1), 'std': ...} or {} when the checkpoint has none
     path: str
+    has_ema: bool = False  # the checkpoint also holds EMA weights (ema.module.*)
+    hyper_parameters: dict = field(default_factory=dict)  # of a Lightning checkpoint, else {}
 
 
 def _strip_prefixes(key: str) -> str:
@@ -126,13 +129,18 @@ def _pick_state_dict(obj: object, path: Path, prefer_ema: bool) -> dict[str, tor
 def read_checkpoint(path: str | Path, prefer_ema: bool = False) -> CheckpointWeights:
     """Read a checkpoint into the net's key space; ``normalize.*`` buffers are returned separately.
 
-    ``prefer_ema`` picks ``state_dict_ema`` of timm train checkpoints. (Lightning checkpoints written with
-    EMAWeightAveraging already hold the EMA weights under ``state_dict``.)
+    ``prefer_ema`` picks the EMA weights: ``ema.module.*`` of this project's checkpoints, ``state_dict_ema`` of
+    timm train checkpoints. (Lightning checkpoints written with EMAWeightAveraging already hold the EMA weights
+    under ``state_dict``.) Without it, EMA weights are left out.
     """
     path = Path(path)
     if not path.is_file():
         raise UserError(f"checkpoint not found: {path}")
-    raw = _pick_state_dict(_load_file(path), path, prefer_ema)
+    loaded = _load_file(path)
+    raw = _pick_state_dict(loaded, path, prefer_ema)
+    # Our Lightning checkpoints keep the EMA copy beside the raw weights, under ema.module.*
+    ema = {k[len(EMA_PREFIX):]: v for k, v in raw.items() if k.startswith(EMA_PREFIX)}
+    raw = ema if prefer_ema and ema else {k: v for k, v in raw.items() if not k.startswith(EMA_PREFIX)}
     state_dict: dict[str, torch.Tensor] = {}
     normalize: dict[str, torch.Tensor] = {}
     for key, value in raw.items():
@@ -145,7 +153,9 @@ def read_checkpoint(path: str | Path, prefer_ema: bool = False) -> CheckpointWei
             state_dict[key] = value
     if not state_dict:
         raise UserError(f"checkpoint {path} contains no weight tensors")
-    return CheckpointWeights(state_dict=state_dict, normalize=normalize, path=str(path))
+    hparams = loaded.get("hyper_parameters") if isinstance(loaded, dict) else None
+    return CheckpointWeights(state_dict=state_dict, normalize=normalize, path=str(path), has_ema=bool(ema),
+                             hyper_parameters=hparams if isinstance(hparams, dict) else {})
 
 
 def read_state_dict(path: str | Path, prefer_ema: bool = False) -> dict[str, torch.Tensor]:

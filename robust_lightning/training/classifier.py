@@ -1,20 +1,36 @@
-"""Clean training and evaluation of an image classifier; the adversarial recipe builds on this module."""
+"""Clean and adversarial training of an image classifier: the recipe of Singh, Croce & Hein (APGD-AT).
 
+One LightningModule covers both: ``attack: none`` trains clean, ``attack: apgd`` (or pgd / fgsm / fgsm_rs)
+trains on adversarial examples of the augmented, mixed batch. Validation measures clean and (with
+``select_attack_steps``) APGD robust accuracy of the raw and the EMA weights, exactly across ranks, and logs the
+score that ModelCheckpoint keeps the best of (``val/select_acc``).
+"""
+
+import copy
 from functools import partial
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from lightning import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 from timm.optim import create_optimizer_v2
+from timm.utils import ModelEmaV3
+from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics import MeanMetric, MetricCollection, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from robust_lightning.attacks import apgd, fgsm, pgd
 from robust_lightning.errors import UserError
-from robust_lightning.models.classifier import build_classifier
+from robust_lightning.models.classifier import build_classifier, use_small_input_strides
 from robust_lightning.models.weights import load_pretrained
 from robust_lightning.training.schedule import warmup_cosine
+
+ATTACKS = ("none", "apgd", "pgd", "fgsm", "fgsm_rs")
+# Layers whose train-mode forward differs from eval mode: with any of them active, the attack's (eval-mode)
+# forward cannot double as the update's (train-mode) forward.
+MODE_DEPENDENT = (nn.modules.batchnorm._BatchNorm, nn.Dropout, nn.Dropout2d, nn.Dropout3d)
 
 
 def accuracy_metrics(num_classes: int) -> MetricCollection:
@@ -27,8 +43,25 @@ def accuracy_metrics(num_classes: int) -> MetricCollection:
     )
 
 
+def soft_targets(labels: torch.Tensor, num_classes: int, smoothing: float) -> torch.Tensor:
+    """Label-smoothed one-hot targets, the same values timm's Mixup gives an unmixed image."""
+    off = smoothing / num_classes
+    return torch.full((labels.numel(), num_classes), off, device=labels.device).scatter_(
+        1, labels.view(-1, 1), 1.0 - smoothing + off
+    )
+
+
+def has_mode_dependent_layers(model: nn.Module) -> bool:
+    for module in model.modules():
+        if isinstance(module, MODE_DEPENDENT) and not (isinstance(module, nn.Dropout) and module.p == 0):
+            return True
+        if type(module).__name__ == "DropPath" and getattr(module, "drop_prob", 0) > 0:
+            return True
+    return False
+
+
 class ImageClassifier(LightningModule):
-    """A timm model on [0, 1] images, trained with the optimiser and schedule of Singh et al.
+    """A timm model on [0, 1] images, trained clean or adversarially with the recipe of Singh et al.
 
     Args:
         arch: timm model name (any timm model or tag, or a registered ConvStem variant).
@@ -40,13 +73,32 @@ class ImageClassifier(LightningModule):
         init_from: warm start from a local checkpoint (.ckpt, .pt/.pth state dict or .safetensors); a
             ConvStem model takes all non-stem weights from its PatchStem counterpart. Ignored when the
             trainer resumes from a checkpoint.
+        init_from_ema: take the EMA weights of init_from when it has them (fine-tuning a robust model).
+        new_head: start with a fresh classifier head instead of the checkpoint's (transfer to another label
+            space, e.g. CIFAR-10).
+        small_input: ConvNeXt on 32x32 images: stride 1 in the stem and the first downsampling (the paper's
+            CIFAR transfer setting).
         lr: peak learning rate.
         min_lr: final learning rate of the cosine decay.
         warmup_epochs: linear warm-up length in epochs (may be fractional).
         weight_decay: AdamW weight decay; biases, norm weights and embeddings are not decayed (timm rule).
         betas: AdamW betas.
-        label_smoothing: label smoothing of the cross-entropy.
+        label_smoothing: label smoothing of the cross-entropy (MixUp/CutMix targets are smoothed the same way).
         channels_last: run the model in channels_last memory format (faster convolutions on GPU).
+        attack: training attack: "none" (clean training), "apgd" (the paper), "pgd", "fgsm" or "fgsm_rs".
+        attack_norm: threat model of the training attack: "Linf", "L2" or "L1".
+        attack_eps: radius of the training attack (4/255 in the paper).
+        attack_steps: iterations of APGD / PGD (2 in the paper).
+        attack_random_start: start the attack at a random point of the ball (the paper does not).
+        eps_warmup_epochs: grow eps linearly from 0 to attack_eps over this many epochs (0 = off).
+        reuse_attack_forward: compute the last attack forward with the parameter graph and reuse it for the
+            update (7/3 instead of 8/3 of a clean step). Only valid when train and eval mode compute the same
+            function (no BatchNorm, dropout or drop-path); None = decide from the model.
+        ema_decay: decay of the exponential moving average of the weights (the paper: 0.9999), updated after
+            every optimiser step; None = no EMA. Validation and test then report the EMA model too (val_ema/...).
+        select_attack_steps: APGD-CE iterations of the robust accuracy measured at every validation (the paper
+            selects checkpoints with 1 step, 10 for medium and large models); 0 = clean accuracy only.
+        select_on: which weights the checkpoint score val/select_acc comes from: "raw" or "ema".
     """
 
     def __init__(
@@ -58,6 +110,9 @@ class ImageClassifier(LightningModule):
         std: tuple[float, float, float] | None = None,
         arch_kwargs: dict | None = None,
         init_from: str | None = None,
+        init_from_ema: bool = False,
+        new_head: bool = False,
+        small_input: bool = False,
         lr: float = 1e-3,
         min_lr: float = 5e-6,
         warmup_epochs: float = 10.0,
@@ -65,25 +120,64 @@ class ImageClassifier(LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         label_smoothing: float = 0.1,
         channels_last: bool = False,
+        attack: Literal["none", "apgd", "pgd", "fgsm", "fgsm_rs"] = "none",
+        attack_norm: Literal["Linf", "L2", "L1"] = "Linf",
+        attack_eps: float = 4 / 255,
+        attack_steps: int = 2,
+        attack_random_start: bool = False,
+        eps_warmup_epochs: float = 0.0,
+        reuse_attack_forward: bool | None = None,
+        ema_decay: float | None = None,
+        select_attack_steps: int = 0,
+        select_on: Literal["raw", "ema"] = "raw",
     ):
         super().__init__()
         self.save_hyperparameters()
+        if attack_eps <= 0 or attack_steps < 1 or select_attack_steps < 0:
+            raise UserError("model.attack_eps must be > 0, attack_steps >= 1 and select_attack_steps >= 0")
+        if select_on == "ema" and ema_decay is None:
+            raise UserError("model.select_on 'ema' needs model.ema_decay")
         self.model = build_classifier(arch, num_classes, image_size, mean, std, arch_kwargs or {})
+        if small_input:
+            use_small_input_strides(self.model.net)
         if channels_last:
             self.model.to(memory_format=torch.channels_last)
+        if reuse_attack_forward and has_mode_dependent_layers(self.model):
+            raise UserError(
+                f"model.reuse_attack_forward needs a model without BatchNorm, dropout or drop-path; {arch} has some"
+            )
+        self.reuse_forward = attack == "apgd" and (
+            not has_mode_dependent_layers(self.model) if reuse_attack_forward is None else reuse_attack_forward
+        )
+        # The EMA copy never takes gradients; requires_grad False keeps DDP from expecting them.
+        self.ema = None
+        if ema_decay is not None:
+            self.ema = ModelEmaV3(self.model, decay=ema_decay)
+            self.ema.requires_grad_(False)
+            self.ema.module.train()  # follow the module's mode like any submodule (timm leaves it in eval)
+        self._ema_step = 0
         self.warm_start_report = None
-        self.train_metrics = accuracy_metrics(num_classes).clone(prefix="train/")
-        self.val_metrics = accuracy_metrics(num_classes).clone(prefix="val/")
-        self.test_metrics = accuracy_metrics(num_classes).clone(prefix="test/")
-        self.eval_loss = MeanMetric()
-        self.eval_images = SumMetric()
+        self.train_metrics = MetricCollection(
+            {"clean_acc1": MulticlassAccuracy(num_classes, average="micro"),
+             "adv_acc1": MulticlassAccuracy(num_classes, average="micro")}, prefix="train/")
+        self.eval_metrics = nn.ModuleDict({
+            weights: MetricCollection({
+                **accuracy_metrics(num_classes),
+                "loss": MeanMetric(),
+                "robust_acc": MeanMetric(),
+                "num_images": SumMetric(),
+            }) for weights in (["raw", "ema"] if self.ema is not None else ["raw"])
+        })
 
     def setup(self, stage: str) -> None:
         # Warm start here rather than in __init__: a resumed run (ckpt_path) and load_from_checkpoint() must
         # not need the original init_from file.
         if self.hparams.init_from and self.trainer.ckpt_path is None and self.warm_start_report is None:
-            self.warm_start_report = load_pretrained(self.model, self.hparams.init_from)
+            self.warm_start_report = load_pretrained(self.model, self.hparams.init_from, new_head=self.hparams.new_head,
+                                                     prefer_ema=self.hparams.init_from_ema)
             rank_zero_info(str(self.warm_start_report))
+            if self.ema is not None:  # the average starts from the warm-start weights, not the random init
+                self.ema.set(self.model)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Refuse a checkpoint of another architecture with one clear message instead of a state_dict traceback."""
@@ -96,33 +190,116 @@ class ImageClassifier(LightningModule):
                for k, v in ours.items() if k in theirs and theirs[k].shape != v.shape]
         )
         if mismatched:
-            arch = checkpoint.get("hyper_parameters", {}).get("arch", "unknown")
+            saved = checkpoint.get("hyper_parameters", {})
             listed = "\n  ".join(mismatched[:20]) + (f"\n  ... {len(mismatched) - 20} more" if len(mismatched) > 20 else "")
             raise UserError(
-                f"the checkpoint holds a {arch!r} model (num_classes "
-                f"{checkpoint.get('hyper_parameters', {}).get('num_classes')}), incompatible with the configured "
-                f"{self.hparams.arch!r} (num_classes {self.hparams.num_classes}); mismatched keys:\n  {listed}"
+                f"the checkpoint holds a {saved.get('arch', 'unknown')!r} model (num_classes "
+                f"{saved.get('num_classes')}, ema_decay {saved.get('ema_decay')}), incompatible with the configured "
+                f"{self.hparams.arch!r} (num_classes {self.hparams.num_classes}, ema_decay {self.hparams.ema_decay}); "
+                f"mismatched keys:\n  {listed}"
             )
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self._run(self.model, images)
+
+    def _run(self, model: nn.Module, images: torch.Tensor) -> torch.Tensor:
         if self.hparams.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
-        return self.model(images)
+        return model(images)
 
     # ------------------------------------------------------------------------------------------- training
+    def current_eps(self) -> float:
+        hp = self.hparams
+        if hp.eps_warmup_epochs <= 0 or self._trainer is None:
+            return hp.attack_eps
+        steps_per_epoch = self.trainer.estimated_stepping_batches / max(1, self.trainer.max_epochs or 1)
+        return hp.attack_eps * min(1.0, (self.trainer.global_step + 1) / (hp.eps_warmup_epochs * steps_per_epoch))
+
     def training_step(self, batch: dict, batch_idx: int):
         images, labels = batch["image"], batch["label"]
         if labels.numel() == 0:  # every image of this batch was corrupt (reported by CorruptImageReport)
             return None
-        logits = self(images)
-        loss = F.cross_entropy(logits, labels, label_smoothing=self.hparams.label_smoothing)
-        self.train_metrics.update(logits.detach(), labels)
+        hp = self.hparams
+        # soft targets: MixUp/CutMix made them already (batch["target"]), else smoothed one-hot labels
+        targets = batch.get("target")
+        if targets is None:
+            targets = soft_targets(labels, hp.num_classes, hp.label_smoothing)
+        hard = targets.argmax(1)  # what "correct" means for a mixed image
+        if hp.attack == "none":
+            clean_logits = logits = self(images)
+            loss = F.cross_entropy(logits, targets)
+        else:
+            logits, loss, clean_logits = self.adversarial_loss(images, targets)
+            self.train_metrics["adv_acc1"].update(logits.detach(), hard)
+            self.log("train/adv_loss", loss.detach(), batch_size=labels.numel())
+            self.log("train/eps", self.current_eps())
+        self.train_metrics["clean_acc1"].update(clean_logits.detach(), hard)
+        self.log("train/clean_loss", F.cross_entropy(clean_logits.detach().float(), targets), batch_size=labels.numel())
         self.log("train/loss", loss, prog_bar=True, batch_size=labels.numel())
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         return loss
 
+    def adversarial_loss(self, images, targets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Attack the (augmented, mixed) batch in eval mode, then the loss of the update in train mode.
+
+        Returns (logits on the adversarial batch, the update's loss, clean logits). The clean logits come free
+        from the attack's first forward when it starts at the clean images (no random start).
+        """
+        hp = self.hparams
+        eps = self.current_eps()
+        self.model.eval()
+        try:
+            if hp.attack == "apgd":
+                last_forward = None
+                if self.reuse_forward:
+                    def last_forward(x):  # train mode = eval mode for this model; keeps the parameter graph
+                        self.model.train()
+                        return self(x)
+                result = apgd(self, images, targets, norm=hp.attack_norm, eps=eps, n_iter=hp.attack_steps,
+                              loss="ce", random_start=hp.attack_random_start, last_forward=last_forward)
+                x_adv, start_logits = result.x_best, result.logits_start
+            else:
+                x_adv = self._simple_attack(images, targets, eps)
+                result, start_logits = None, None
+        finally:
+            self.model.train()
+        if start_logits is None or hp.attack_random_start:
+            with torch.no_grad():
+                self.model.eval()
+                start_logits = self(images)
+                self.model.train()
+
+        if result is not None and self.reuse_forward:
+            logits = result.logits_last
+            # points whose highest-loss iterate is not the last one need a forward of their own
+            redo = (~result.best_is_last).nonzero().squeeze(1)
+            if redo.numel():
+                logits = logits.index_put((redo,), self(x_adv[redo]).to(logits.dtype))
+        else:
+            logits = self(x_adv)
+        return logits, F.cross_entropy(logits, targets), start_logits
+
+    def _simple_attack(self, images, targets, eps) -> torch.Tensor:
+        hp = self.hparams
+        if hp.attack == "pgd":
+            return pgd(self, images, targets, norm=hp.attack_norm, eps=eps, n_iter=hp.attack_steps,
+                       random_start=hp.attack_random_start)
+        if hp.attack_norm != "Linf":
+            raise UserError(f"model.attack {hp.attack!r} is Linf only; use apgd or pgd for {hp.attack_norm}")
+        return fgsm(self, images, targets, eps=eps, random_start=hp.attack == "fgsm_rs")
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        # once per optimiser step (global_step counts them; it does not move on accumulation micro-batches)
+        if self.ema is not None and self.trainer.global_step != self._ema_step:
+            self.ema.update(self.model)
+            self._ema_step = self.trainer.global_step
+
     def on_train_epoch_end(self) -> None:
-        self.log_dict(self.train_metrics.compute(), sync_dist=True)
+        self.log_dict({k: v for k, v in self.train_metrics.compute().items() if self._updated(k)}, sync_dist=True)
         self.train_metrics.reset()
+
+    def _updated(self, name: str) -> bool:
+        return self.train_metrics[name.removeprefix("train/")].update_count > 0
 
     def configure_optimizers(self):
         hp = self.hparams
@@ -136,36 +313,53 @@ class ImageClassifier(LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ----------------------------------------------------------------------------------------- evaluation
-    def _eval_step(self, batch: dict, metrics: MetricCollection) -> None:
+    def _eval_step(self, batch: dict) -> None:
         images, labels = batch["image"], batch["label"]
         if labels.numel() == 0:
             return
-        logits = self(images)
-        loss = F.cross_entropy(logits, labels, reduction="sum")
-        self.eval_loss.update(loss / labels.numel(), weight=labels.numel())
-        self.eval_images.update(labels.numel())
-        metrics.update(logits, labels)
+        for weights, metrics in self.eval_metrics.items():
+            model = self.model if weights == "raw" else self.ema.module
+            with torch.no_grad():
+                logits = self._run(model, images)
+            metrics["loss"].update(F.cross_entropy(logits.float(), labels), weight=labels.numel())
+            metrics["num_images"].update(labels.numel())
+            metrics["acc1"].update(logits, labels)
+            metrics["acc5"].update(logits, labels)
+            if self.hparams.select_attack_steps:
+                metrics["robust_acc"].update(self._robust(model, images, labels).float())
 
-    def _eval_epoch_end(self, metrics: MetricCollection, stage: str) -> None:
+    def _robust(self, model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per image: still correct under APGD-CE (the selection attack of the paper, training threat model)."""
+        hp = self.hparams
+        with torch.enable_grad():  # Lightning evaluates under no_grad (inference_mode is off in our CLI)
+            result = apgd(partial(self._run, model), images, labels, norm=hp.attack_norm, eps=hp.attack_eps,
+                          n_iter=hp.select_attack_steps, loss="ce")
+        return result.robust
+
+    def _eval_epoch_end(self, stage: str) -> None:
         # compute() sums the counts of all ranks before dividing: exact, unlike averaging per-rank means. The
         # results are then equal on every rank, so sync_dist (a mean of equal values) changes nothing.
-        self.log_dict(metrics.compute(), sync_dist=True)
-        self.log(f"{stage}/loss", self.eval_loss.compute(), sync_dist=True)
-        self.log(f"{stage}/num_images", self.eval_images.compute(), sync_dist=True)
-        for metric in (metrics, self.eval_loss, self.eval_images):
-            metric.reset()
+        for weights, metrics in self.eval_metrics.items():
+            prefix = stage if weights == "raw" else f"{stage}_ema"
+            values = {f"{prefix}/{k}": v for k, v in metrics.compute().items()
+                      if k != "robust_acc" or self.hparams.select_attack_steps}
+            self.log_dict(values, sync_dist=True)
+            if weights == self.hparams.select_on:
+                score = values.get(f"{prefix}/robust_acc", values[f"{prefix}/acc1"])
+                self.log(f"{stage}/select_acc", score, sync_dist=True)
+            metrics.reset()
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self._eval_step(batch, self.val_metrics)
+        self._eval_step(batch)
 
     def on_validation_epoch_end(self) -> None:
-        self._eval_epoch_end(self.val_metrics, "val")
+        self._eval_epoch_end("val")
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
-        self._eval_step(batch, self.test_metrics)
+        self._eval_step(batch)
 
     def on_test_epoch_end(self) -> None:
-        self._eval_epoch_end(self.test_metrics, "test")
+        self._eval_epoch_end("test")
 
     def predict_step(self, batch: dict, batch_idx: int) -> dict:
         probs = self(batch["image"]).float().softmax(-1)
@@ -174,8 +368,13 @@ class ImageClassifier(LightningModule):
 
     # ------------------------------------------------------------------------------------------ reporting
     def conditions(self) -> dict:
-        """What results.json records about the model."""
+        """What results.json records about the model and the recipe."""
         hp = self.hparams
+        training = {"attack": hp.attack}
+        if hp.attack != "none":
+            training |= {"norm": hp.attack_norm, "eps": hp.attack_eps, "steps": hp.attack_steps,
+                         "random_start": hp.attack_random_start, "eps_warmup_epochs": hp.eps_warmup_epochs,
+                         "reuse_attack_forward": self.reuse_forward}
         return {
             "arch": hp.arch,
             "num_classes": hp.num_classes,
@@ -183,4 +382,10 @@ class ImageClassifier(LightningModule):
             "input": "[0,1] RGB" + (f", normalised inside the model with mean {hp.mean} std {hp.std}" if hp.mean else ""),
             "init_from": hp.init_from,
             "warm_start": None if self.warm_start_report is None else str(self.warm_start_report),
+            "training": training,
+            "ema_decay": hp.ema_decay,
+            "selection": {
+                "metric": f"APGD-CE {hp.select_attack_steps} steps, {hp.attack_norm} eps {hp.attack_eps:.6g}, "
+                          f"{hp.select_on} weights" if hp.select_attack_steps else f"clean top-1, {hp.select_on} weights",
+            },
         }
