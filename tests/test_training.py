@@ -69,11 +69,13 @@ def test_learning_rate_follows_the_schedule_every_step(tmp_path, tiny_data):
 
 
 @pytest.mark.parametrize("precision,channels_last", [("bf16-mixed", False), ("32-true", True)])
-def test_bf16_and_channels_last_options_train_and_validate(tmp_path, tiny_data, precision, channels_last):
-    module = ImageClassifier(arch="convnext_atto_convstem", num_classes=4, channels_last=channels_last)
-    trainer = _trainer(tmp_path, precision=precision, limit_train_batches=2)
+def test_bf16_and_channels_last_adversarial_training_and_robust_validation(tmp_path, tiny_data, precision, channels_last):
+    module = ImageClassifier(arch="convnext_atto_convstem", num_classes=4, channels_last=channels_last,
+                             attack="apgd", select_attack_steps=1)
+    trainer = _trainer(tmp_path, precision=precision, limit_train_batches=2, inference_mode=False)
     trainer.fit(module, datamodule=ImageNetDataModule(**tiny_data))
     assert trainer.callback_metrics["val/num_images"] == 16
     assert torch.isfinite(trainer.callback_metrics["val/loss"])
+    assert 0 <= trainer.callback_metrics["val/robust_acc"] <= trainer.callback_metrics["val/acc1"]
     if channels_last:
         assert module.model.net.stem[0].weight.is_contiguous(memory_format=torch.channels_last)
