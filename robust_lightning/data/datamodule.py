@@ -473,6 +473,8 @@ class ImageNetDataModule(LightningDataModule):
         kwargs.setdefault("num_workers", self.num_workers)
         if type(dataset) is ShardStream:  # more workers than shards would sit idle
             kwargs["num_workers"] = min(kwargs["num_workers"], len(dataset.urls))
+        elif isinstance(dataset, HoldoutStream):  # each worker reads every held-out shard: keep the I/O small
+            kwargs["num_workers"] = min(kwargs["num_workers"], 2)
         loader_cls = kwargs.pop("loader_cls", DataLoader)
         kwargs.setdefault("collate_fn", collate)
         return loader_cls(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(), **kwargs)

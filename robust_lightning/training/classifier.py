@@ -135,6 +135,8 @@ class ImageClassifier(LightningModule):
         self.save_hyperparameters()
         if attack_eps <= 0 or attack_steps < 1 or select_attack_steps < 0:
             raise UserError("model.attack_eps must be > 0, attack_steps >= 1 and select_attack_steps >= 0")
+        if attack in ("fgsm", "fgsm_rs") and attack_norm != "Linf":
+            raise UserError(f"model.attack {attack!r} is Linf only; use apgd or pgd for {attack_norm}")
         if select_on == "ema" and ema_decay is None:
             raise UserError("model.select_on 'ema' needs model.ema_decay")
         self.model = build_classifier(arch, num_classes, image_size, mean, std, arch_kwargs or {})
@@ -284,8 +286,6 @@ class ImageClassifier(LightningModule):
         if hp.attack == "pgd":
             return pgd(self, images, targets, norm=hp.attack_norm, eps=eps, n_iter=hp.attack_steps,
                        random_start=hp.attack_random_start)
-        if hp.attack_norm != "Linf":
-            raise UserError(f"model.attack {hp.attack!r} is Linf only; use apgd or pgd for {hp.attack_norm}")
         return fgsm(self, images, targets, eps=eps, random_start=hp.attack == "fgsm_rs")
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
