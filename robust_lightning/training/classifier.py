@@ -295,11 +295,10 @@ class ImageClassifier(LightningModule):
             self._ema_step = self.trainer.global_step
 
     def on_train_epoch_end(self) -> None:
-        self.log_dict({k: v for k, v in self.train_metrics.compute().items() if self._updated(k)}, sync_dist=True)
+        # adv_acc1 exists only with an attack (decided by the configuration, so every rank logs the same keys)
+        self.log_dict({f"train/{name}": metric.compute() for name, metric in self.train_metrics.items(keep_base=True)
+                       if name != "adv_acc1" or self.hparams.attack != "none"}, sync_dist=True)
         self.train_metrics.reset()
-
-    def _updated(self, name: str) -> bool:
-        return self.train_metrics[name.removeprefix("train/")].update_count > 0
 
     def configure_optimizers(self):
         hp = self.hparams
@@ -341,8 +340,9 @@ class ImageClassifier(LightningModule):
         # results are then equal on every rank, so sync_dist (a mean of equal values) changes nothing.
         for weights, metrics in self.eval_metrics.items():
             prefix = stage if weights == "raw" else f"{stage}_ema"
-            values = {f"{prefix}/{k}": v for k, v in metrics.compute().items()
-                      if k != "robust_acc" or self.hparams.select_attack_steps}
+            # decided by the configuration, not by update counts: every rank must log the same keys
+            values = {f"{prefix}/{name}": metric.compute() for name, metric in metrics.items(keep_base=True)
+                      if name != "robust_acc" or self.hparams.select_attack_steps}
             self.log_dict(values, sync_dist=True)
             if weights == self.hparams.select_on:
                 score = values.get(f"{prefix}/robust_acc", values[f"{prefix}/acc1"])
