@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from lightning import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
+from timm.layers import DropPath
 from timm.optim import create_optimizer_v2
 from timm.utils import ModelEmaV3
 from torch import nn
@@ -30,7 +31,7 @@ from robust_lightning.training.schedule import warmup_cosine
 ATTACKS = ("none", "apgd", "pgd", "fgsm", "fgsm_rs")
 # Layers whose train-mode forward differs from eval mode: with any of them active, the attack's (eval-mode)
 # forward cannot double as the update's (train-mode) forward.
-MODE_DEPENDENT = (nn.modules.batchnorm._BatchNorm, nn.Dropout, nn.Dropout2d, nn.Dropout3d)
+MODE_DEPENDENT = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd, DropPath)
 
 
 def accuracy_metrics(num_classes: int) -> MetricCollection:
@@ -53,9 +54,8 @@ def soft_targets(labels: torch.Tensor, num_classes: int, smoothing: float) -> to
 
 def has_mode_dependent_layers(model: nn.Module) -> bool:
     for module in model.modules():
-        if isinstance(module, MODE_DEPENDENT) and not (isinstance(module, nn.Dropout) and module.p == 0):
-            return True
-        if type(module).__name__ == "DropPath" and getattr(module, "drop_prob", 0) > 0:
+        # dropout and drop-path at rate 0 are identities in both modes
+        if isinstance(module, MODE_DEPENDENT) and getattr(module, "p", getattr(module, "drop_prob", 1)) > 0:
             return True
     return False
 
