@@ -295,8 +295,9 @@ def test_heavy_augmentation_gives_soft_targets_on_training_batches_only(tiny_dat
     assert train["target"].shape == (8, 4) and torch.allclose(train["target"].sum(1), torch.ones(8))
     assert train["image"].dtype == torch.float32 and 0 <= train["image"].min() and train["image"].max() <= 1
     dm.trainer.training = False
-    evaluation = dm.on_after_batch_transfer(copy.deepcopy(batch), 0)
-    assert "target" not in evaluation and torch.equal(evaluation["image"], batch["image"].float() / 255)
+    val_batch = next(iter(dm.val_dataloader()))
+    evaluation = dm.on_after_batch_transfer(copy.deepcopy(val_batch), 0)
+    assert "target" not in evaluation and torch.equal(evaluation["image"], val_batch["image"].float() / 255)
 
 
 def test_cpu_side_augmentation_stays_uint8_and_mixes_on_the_device(tiny_data):

@@ -28,7 +28,14 @@ from robust_lightning.data.augment import BatchAugment
 from robust_lightning.data.classes import class_map as load_class_map
 from robust_lightning.data.shards import read_manifest, shard_urls
 from robust_lightning.data.synthetic import ensure_synthetic_dataset
-from robust_lightning.data.transforms import eval_resize_size, eval_transform, train_transform
+from robust_lightning.data.crop import random_resized_crop
+from robust_lightning.data.transforms import (
+    CanvasDecode,
+    default_canvas_size,
+    eval_resize_size,
+    eval_transform,
+    train_transform,
+)
 from robust_lightning.errors import UserError
 from robust_lightning.paths import DATA_DIR
 
@@ -44,9 +51,10 @@ class Corrupt:
     reason: str
 
 
-def decode_rgb(data: bytes) -> Image.Image:
-    image = Image.open(io.BytesIO(data))
-    return image.convert("RGB")  # forces the full decode, so truncated files fail here and not later
+def transform_bytes(transform, data: bytes) -> dict[str, Any]:
+    """Decode and transform one encoded image into sample fields ("image", and "geometry" for canvases)."""
+    out = transform(Image.open(io.BytesIO(data)))
+    return out if isinstance(out, dict) else {"image": out}
 
 
 def collate(items: list[dict | Corrupt], augment: BatchAugment | None = None) -> dict[str, Any]:
@@ -62,7 +70,10 @@ def collate(items: list[dict | Corrupt], augment: BatchAugment | None = None) ->
     labels = torch.tensor([item["label"] for item in good], dtype=torch.long)
     if augment is not None and good:
         images = augment(images, labels)[0].mul_(255).round_().to(torch.uint8)
-    return {"image": images, "label": labels, "key": [item["key"] for item in good], "corrupt": bad}
+    batch = {"image": images, "label": labels, "key": [item["key"] for item in good], "corrupt": bad}
+    if good and "geometry" in good[0]:  # canvases for the device-side crop
+        batch["geometry"] = torch.stack([item["geometry"] for item in good])
+    return batch
 
 
 class LabelledImageFolder(ImageFolder):
@@ -89,10 +100,10 @@ class LabelledImageFolder(ImageFolder):
         path, label = self.samples[index]
         try:
             with open(path, "rb") as f:
-                image = decode_rgb(f.read())
+                fields = transform_bytes(self.transform, f.read())
         except Exception as e:  # any failure to read or decode means this one image is unusable
             return Corrupt(path, f"{type(e).__name__}: {e}")
-        return {"image": self.transform(image), "label": label, "key": Path(path).stem}
+        return {**fields, "label": label, "key": Path(path).stem}
 
 
 class ShardStream(IterableDataset):
@@ -144,10 +155,10 @@ class ShardStream(IterableDataset):
         except (KeyError, ValueError):
             return Corrupt(where, "missing or invalid 'cls' label")
         try:
-            image = decode_rgb(sample[field])
+            fields = transform_bytes(self.transform, sample[field])
         except Exception as e:  # any decode failure means this one image is unusable
             return Corrupt(where, f"{type(e).__name__}: {e}")
-        return {"image": self.transform(image), "label": label, "key": key}
+        return {**fields, "label": label, "key": key}
 
 
 class HoldoutStream(ShardStream):
@@ -238,10 +249,13 @@ class ImageNetDataModule(LightningDataModule):
         augmentation: training augmentation scheme: "basic" (RandomResizedCrop), "3aug" (+ flip and DeiT-III
             3-Augment with colour jitter) or "heavy" (+ flip, RandAugment m9 mstd0.5 per image, RandomErasing
             0.25, MixUp 0.8 / CutMix 1.0); see robust_lightning.data.augment.
-        augment_on: where the per-image augmentation beyond the crop runs: "device" (the accelerator, after
-            the batch is transferred; the CPU workers only decode and crop) or "cpu" (in the loader workers).
-            MixUp/CutMix and RandomErasing always run on the device.
+        augment_on: where the training augmentation runs: "device" (the accelerator, after the batch is
+            transferred: RandomResizedCrop included, so the CPU workers only decode) or "cpu" (crop and
+            per-image augmentation in the loader workers; MixUp/CutMix still on the device).
         crop_scale: area range of RandomResizedCrop.
+        canvas_size: with augment_on "device", workers decode each training image into a canvas of this side
+            (default 16/7 of image_size: 512 for 224) and ship it whole; larger images are decoded at reduced
+            scale to fit. Crop boxes are still drawn on the original size.
         holdout: training images held out for checkpoint selection (the paper holds out 4000 ImageNet train
             images, disjoint from the evaluation images). When > 0, validation runs on them instead of the
             val split and training never sees them; test and predict still use the val split.
@@ -270,6 +284,7 @@ class ImageNetDataModule(LightningDataModule):
         augmentation: Literal["basic", "3aug", "heavy"] = "basic",
         augment_on: Literal["device", "cpu"] = "device",
         crop_scale: tuple[float, float] = (0.08, 1.0),
+        canvas_size: int | None = None,
         holdout: int = 0,
         label_smoothing: float = 0.1,
         batch_size: int = 128,
@@ -289,6 +304,9 @@ class ImageNetDataModule(LightningDataModule):
         self.class_map = class_map
         self.image_size, self.crop_pct = image_size, crop_pct
         self.augmentation, self.augment_on, self.crop_scale = augmentation, augment_on, tuple(crop_scale)
+        self.canvas_size = canvas_size or default_canvas_size(image_size)
+        if self.canvas_size < image_size:
+            raise UserError(f"data.canvas_size {canvas_size} must be at least data.image_size {image_size}")
         self.holdout, self.label_smoothing = holdout, label_smoothing
         if holdout < 0:
             raise UserError(f"data.holdout must be >= 0, got {holdout}")
@@ -350,7 +368,10 @@ class ImageNetDataModule(LightningDataModule):
                 )
             self.batch_size = self.global_batch_size // self.world_size
         evaluation = eval_transform(self.image_size, self.crop_pct)
-        training = train_transform(self.image_size, self.crop_scale)
+        if self.augment_on == "device":
+            training = CanvasDecode(self.canvas_size)
+        else:
+            training = train_transform(self.image_size, self.crop_scale)
         self._setup_augmentation()
         # validation of fit and validate runs on the held-out part of train when there is one
         on_holdout = self.holdout > 0 and stage in ("fit", "validate")
@@ -512,6 +533,8 @@ class ImageNetDataModule(LightningDataModule):
     def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
         # uint8 crossed to the device; augment training batches and scale to [0, 1] there
         training = self.trainer is not None and self.trainer.training
+        if "geometry" in batch:  # training canvases: the crop comes first
+            batch["image"] = random_resized_crop(batch["image"], batch["geometry"], self.image_size, self.crop_scale)
         if training and self.device_augment is not None and batch["label"].numel():
             images, targets = self.device_augment(batch["image"], batch["label"])
             if targets.ndim == 2:  # MixUp/CutMix soft targets; "label" stays the unmixed class
@@ -540,6 +563,7 @@ class ImageNetDataModule(LightningDataModule):
             f"center crop {self.image_size}",
             "augmentation": self.augmentation,
             "augment_on": self.augment_on,
+            **({"canvas_size": self.canvas_size} if self.augment_on == "device" else {}),
             "eval_split": f"{self.holdout} images held out of train" if self.holdout else "val",
             "batch_size": self.batch_size,
         }

@@ -1,16 +1,24 @@
 """Per-image preprocessing on the CPU side of the pipeline.
 
-Resizing runs on PIL images, as in the reference evaluation (PIL's bicubic filter, not the tensor
-approximation of it). Transforms end in uint8 tensors: batches cross to the accelerator at a quarter of the float32 size and are
+Every transform takes a lazily opened PIL image and starts by decoding it, so that training can decode
+large JPEGs at reduced scale (``CanvasDecode``). Resizing runs on PIL images, as in the reference
+evaluation (PIL's bicubic filter, not the tensor approximation of it). Transforms end in uint8 tensors: batches cross to the accelerator at a quarter of the float32 size and are
 scaled to [0, 1] there (ImageNetDataModule.on_after_batch_transfer). No mean/std normalisation happens here:
 every model takes [0, 1] images and carries its own normaliser.
 """
 
 import math
 
+import torch
+from PIL import Image
 from torchvision.transforms import v2 as T
+from torchvision.transforms.v2.functional import pil_to_tensor
 
 BICUBIC = T.InterpolationMode.BICUBIC
+
+
+def decode_rgb(image: Image.Image) -> Image.Image:
+    return image.convert("RGB")  # forces the full decode, so truncated files fail here and not later
 
 
 def eval_resize_size(image_size: int, crop_pct: float) -> int:
@@ -22,6 +30,7 @@ def eval_transform(image_size: int, crop_pct: float = 0.875) -> T.Compose:
     """Resize the shorter side to floor(r / crop_pct) (bicubic), centre-crop r."""
     return T.Compose(
         [
+            decode_rgb,
             T.Resize(eval_resize_size(image_size, crop_pct), interpolation=BICUBIC),
             T.CenterCrop(image_size),
             T.PILToTensor(),
@@ -30,9 +39,42 @@ def eval_transform(image_size: int, crop_pct: float = 0.875) -> T.Compose:
 
 
 def train_transform(image_size: int, scale: tuple[float, float] = (0.08, 1.0)) -> T.Compose:
-    """The CPU part of every training augmentation: RandomResizedCrop (PIL bicubic), as uint8.
+    """Decode and RandomResizedCrop (PIL bicubic) in the loader workers, as uint8 (data.augment_on 'cpu').
 
-    The crop needs the whole decoded image, so it happens here; flip, RandAugment, erasing and MixUp/CutMix
-    work on fixed-size batches and run in robust_lightning.data.augment (on the device by default).
+    With data.augment_on 'device' the workers run ``CanvasDecode`` instead and the crop happens on the
+    device (robust_lightning.data.crop), like the rest of the augmentation (robust_lightning.data.augment).
     """
-    return T.Compose([T.RandomResizedCrop(image_size, scale=scale, interpolation=BICUBIC), T.PILToTensor()])
+    crop = T.RandomResizedCrop(image_size, scale=scale, interpolation=BICUBIC)
+    return T.Compose([decode_rgb, crop, T.PILToTensor()])
+
+
+def default_canvas_size(image_size: int) -> int:
+    return math.ceil(image_size * 16 / 7)  # 512 for 224 crops: holds nearly every ImageNet image unreduced
+
+
+class CanvasDecode:
+    """Decode into the top-left corner of a black ``size`` x ``size`` uint8 canvas, the only CPU work of
+    device-side augmentation. Returns the canvas and the geometry (original h, original w, canvas h,
+    canvas w) the device-side RandomResizedCrop needs.
+
+    An image whose longer side exceeds ``size`` is decoded at a reduced scale: JPEGs through libjpeg's DCT
+    scaling by 2, 4 or 8 (cheaper than a full decode), anything still too large by Pillow's box reduction.
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __call__(self, image: Image.Image) -> dict[str, torch.Tensor]:
+        width, height = image.size
+        longest = max(width, height)
+        if longest > self.size and image.format == "JPEG":
+            scale = next((k for k in (2, 4, 8) if math.ceil(longest / k) <= self.size), 8)
+            image.draft("RGB", (max(1, width // scale), max(1, height // scale)))  # this exact DCT scale
+        image = decode_rgb(image)
+        if max(image.size) > self.size:
+            image = image.reduce(math.ceil(max(image.size) / self.size))
+        pixels = pil_to_tensor(image)
+        canvas = torch.zeros((3, self.size, self.size), dtype=torch.uint8)
+        canvas[:, : pixels.shape[1], : pixels.shape[2]] = pixels
+        geometry = torch.tensor([height, width, pixels.shape[1], pixels.shape[2]], dtype=torch.int32)
+        return {"image": canvas, "geometry": geometry}
