@@ -279,3 +279,13 @@ def test_checkpoint_of_another_architecture_is_refused_clearly(fitted, tmp_path)
     assert "'convnext_atto_convstem' model (num_classes 4" in result.stderr and "mismatched keys" in result.stderr
     assert "model.net.head.fc.weight (checkpoint (4, 320) vs model (1000, 320))" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_checkpoints_given_with_ckpt_path_load_weights_only(fitted, tmp_path, monkeypatch):
+    config, run_dir = fitted
+    seen = []
+    original = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: seen.append(k.get("weights_only")) or original(*a, **k))
+    assert main(["validate", "--config", str(config), "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt"),
+                 "--trainer.logger.init_args.save_dir", str(tmp_path)]) == 0
+    assert seen and all(flag is True for flag in seen)

@@ -1,4 +1,5 @@
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -206,3 +207,71 @@ def test_brace_patterns_and_pipe_urls_read_the_same_shards(val_shards):
     training = ImageNetDataModule(source="shards", train_shards=pattern, val_shards=pattern, image_size=16)
     with pytest.raises(UserError, match="train_size"):
         training.setup("fit")
+
+
+# ------------------------------------------------------------------------------- evaluation subsets
+def _subset_tree(tmp_path: Path) -> tuple[Path, list[str]]:
+    """An ImageNet-style val tree and a subset file listing some of its images in a scrambled order."""
+    root = tmp_path / "imagenet"
+    make_image_tree(root / "val", {w: 4 for w in WNIDS})
+    make_image_tree(root / "train", {w: 1 for w in WNIDS})
+    listed = [f"{WNIDS[2]}/{WNIDS[2]}_3.JPEG", f"{WNIDS[0]}/{WNIDS[0]}_1.JPEG", f"{WNIDS[1]}/{WNIDS[1]}_0.JPEG",
+              f"{WNIDS[0]}/{WNIDS[0]}_0.JPEG", f"{WNIDS[2]}/{WNIDS[2]}_0.JPEG"]
+    (tmp_path / "subset.txt").write_text("\n".join(listed))  # no trailing newline, like RobustBench's file
+    return root, listed
+
+
+def test_eval_subset_from_a_folder_tree_keeps_the_files_order(tmp_path):
+    root, listed = _subset_tree(tmp_path)
+    dm = ImageNetDataModule(source="folder", root=str(root), image_size=16, eval_batch_size=10, num_workers=0,
+                            eval_subset=str(tmp_path / "subset.txt"))
+    dm.setup("test")
+    batch = next(iter(dm.test_dataloader()))
+    assert batch["key"] == [Path(name).stem for name in listed]
+    labels = class_map("imagenet")
+    assert batch["label"].tolist() == [labels[name.split("/")[0]] for name in listed]
+    dm = ImageNetDataModule(source="folder", root=str(root), image_size=16, eval_batch_size=10, num_workers=0,
+                            eval_subset=str(tmp_path / "subset.txt"), eval_limit=2)
+    dm.setup("test")
+    assert next(iter(dm.test_dataloader()))["key"] == [Path(name).stem for name in listed[:2]]
+
+
+def test_eval_subset_from_shards_keeps_exactly_the_listed_images(tmp_path):
+    root, listed = _subset_tree(tmp_path)
+    convert_image_folder(root / "val", tmp_path / "val_shards", samples_per_shard=5, workers=1, progress=False)
+    dm = ImageNetDataModule(source="shards", val_shards=str(tmp_path / "val_shards"), image_size=16,
+                            eval_batch_size=20, num_workers=0, eval_subset=str(tmp_path / "subset.txt"))
+    dm.setup("test")
+    keys = [k for batch in dm.test_dataloader() for k in batch["key"]]
+    assert sorted(keys) == sorted(Path(name).stem for name in listed) and dm.conditions()["eval_images"] == 5
+
+
+def test_eval_limit_takes_the_first_images_of_any_eval_set(tmp_path):
+    root, _ = _subset_tree(tmp_path)
+    convert_image_folder(root / "val", tmp_path / "val_shards", samples_per_shard=5, workers=1, progress=False)
+    dm = ImageNetDataModule(source="shards", val_shards=str(tmp_path / "val_shards"), image_size=16,
+                            eval_batch_size=20, num_workers=0, eval_limit=7)
+    dm.setup("test")
+    assert sum(len(b["key"]) for b in dm.test_dataloader()) == 7 and dm.conditions()["eval_images"] == 7
+    dm = ImageNetDataModule(source="folder", root=str(root), image_size=16, eval_batch_size=20, num_workers=0,
+                            eval_limit=7)
+    dm.setup("test")
+    assert len(next(iter(dm.test_dataloader()))["key"]) == 7
+
+
+def test_a_subset_naming_missing_images_is_a_clear_error(tmp_path):
+    root, listed = _subset_tree(tmp_path)
+    (tmp_path / "subset.txt").write_text("\n".join([*listed, f"{WNIDS[0]}/ILSVRC2012_val_00000001.JPEG"]))
+    dm = ImageNetDataModule(source="folder", root=str(root), image_size=16, num_workers=0,
+                            eval_subset=str(tmp_path / "subset.txt"))
+    with pytest.raises(UserError, match="1 of the 6 images of data.eval_subset are not in"):
+        dm.setup("test")
+    with pytest.raises(UserError, match="no file"):
+        ImageNetDataModule(source="folder", root=str(root), eval_subset=str(tmp_path / "nope.txt")).setup("test")
+
+
+def test_the_robustbench_subset_file_is_the_5000_image_list():
+    lines = (Path(__file__).resolve().parents[1] / "data" / "robustbench_imagenet_test_image_ids.txt").read_text()
+    entries = lines.splitlines()
+    assert len(entries) == 5000 and len(set(entries)) == 5000
+    assert all(e.count("/") == 1 and e.split("/")[1].startswith("ILSVRC2012_val_") for e in entries)

@@ -1,4 +1,5 @@
-"""Adversarial attacks on plain callables ``model(x) -> logits`` (no Lightning): APGD, FGSM(-RS), PGD."""
+"""Adversarial attacks on plain callables ``model(x) -> logits`` (no Lightning): APGD, FAB-T, Square, FGSM(-RS),
+PGD, and the AutoAttack ensemble built from them (or run by the reference package)."""
 
 from .apgd import (
     LOSSES,
@@ -11,16 +12,24 @@ from .apgd import (
     predicted_correct,
     random_start_point,
 )
+from .autoattack import AutoAttack, AutoAttackReport
+from .fab import FABResult, fab_targeted
 from .projections import NORMS, l1_projection, lp_norm, normalize, project, project_l1, project_l2, project_linf
 from .simple import fgsm, pgd
+from .square import SquareResult, square_attack
 
 __all__ = [
     "APGDResult",
+    "AutoAttack",
+    "AutoAttackReport",
+    "FABResult",
+    "SquareResult",
     "LOSSES",
     "NORMS",
     "apgd",
     "dlr_loss",
     "dlr_targeted_loss",
+    "fab_targeted",
     "fgsm",
     "input_gradient",
     "l1_projection",
@@ -34,4 +43,5 @@ __all__ = [
     "project_l2",
     "project_linf",
     "random_start_point",
+    "square_attack",
 ]

@@ -114,9 +114,11 @@ class ShardStream(IterableDataset):
     Without ``repeat`` (evaluation) every shard is read exactly once.
     """
 
-    def __init__(self, urls: list[str], transform, *, repeat: bool, shuffle_buffer: int = 0, seed: int = 0):
+    def __init__(self, urls: list[str], transform, *, repeat: bool, shuffle_buffer: int = 0, seed: int = 0,
+                 keys: frozenset[str] | None = None):
         self.urls = urls
         self.transform = transform
+        self.keys = keys  # evaluate only these samples (an evaluation subset); None: all
         self.repeat = repeat
         self.shuffle_buffer = shuffle_buffer
         self.seed = seed
@@ -142,7 +144,8 @@ class ShardStream(IterableDataset):
             rng = random.Random(f"{self.seed}-{self.epoch}-{worker}")
             samples = wds.shuffle(self.shuffle_buffer, min(100, self.shuffle_buffer), rng=rng)(samples)
         for sample in samples:
-            yield self.decode(sample)
+            if self.keys is None or sample.get("__key__") in self.keys:
+                yield self.decode(sample)
 
     def decode(self, sample: dict) -> dict | Corrupt:
         key = sample.get("__key__", "?")
@@ -256,6 +259,11 @@ class ImageNetDataModule(LightningDataModule):
         canvas_size: with augment_on "device", workers decode each training image into a canvas of this side
             (default 16/7 of image_size: 512 for 224) and ship it whole; larger images are decoded at reduced
             scale to fit. Crop boxes are still drawn on the original size.
+        eval_subset: evaluate (test/predict, and validate without holdout) only the images listed in a file of
+            ``class_folder/file_name`` lines, in its order: "robustbench" is the RobustBench 5000-image ImageNet
+            subset (data/robustbench_imagenet_test_image_ids.txt), anything else a path. Folder trees are read
+            in the file's order; shards are filtered by sample key (the file name's stem) in stream order.
+        eval_limit: evaluate only the first n images (of the subset, if one is set).
         holdout: training images held out for checkpoint selection (the paper holds out 4000 ImageNet train
             images, disjoint from the evaluation images). When > 0, validation runs on them instead of the
             val split and training never sees them; test and predict still use the val split.
@@ -285,6 +293,8 @@ class ImageNetDataModule(LightningDataModule):
         augment_on: Literal["device", "cpu"] = "device",
         crop_scale: tuple[float, float] = (0.08, 1.0),
         canvas_size: int | None = None,
+        eval_subset: str | None = None,
+        eval_limit: int | None = None,
         holdout: int = 0,
         label_smoothing: float = 0.1,
         batch_size: int = 128,
@@ -308,6 +318,9 @@ class ImageNetDataModule(LightningDataModule):
         if self.canvas_size < image_size:
             raise UserError(f"data.canvas_size {canvas_size} must be at least data.image_size {image_size}")
         self.holdout, self.label_smoothing = holdout, label_smoothing
+        self.eval_subset, self.eval_limit = eval_subset, eval_limit
+        if eval_limit is not None and eval_limit < 1:
+            raise UserError(f"data.eval_limit must be a positive number of images, got {eval_limit}")
         if holdout < 0:
             raise UserError(f"data.holdout must be >= 0, got {holdout}")
         self.batch_size, self.global_batch_size = batch_size, global_batch_size
@@ -381,7 +394,10 @@ class ImageNetDataModule(LightningDataModule):
                 if self.holdout:
                     train, held = self._split_folder_holdout(train, evaluation)
                 self.train_set = train
-            self.eval_set = held if on_holdout else LabelledImageFolder(self._split_dir("val"), self.classes, evaluation)
+            if on_holdout:
+                self.eval_set = held
+            else:
+                self.eval_set = self._folder_subset(LabelledImageFolder(self._split_dir("val"), self.classes, evaluation))
             return
         if self.source == "synthetic":
             root = self._ensure_synthetic()  # no-op when prepare_data made it; covers direct setup() calls
@@ -413,7 +429,18 @@ class ImageNetDataModule(LightningDataModule):
         if val_spec is None:
             raise UserError("evaluation needs data.val_shards")
         urls, self.eval_images = self._resolve_shards(val_spec, None)
-        self.eval_set = ShardStream(self._rank_share(urls, "val"), evaluation, repeat=False)
+        subset = self._subset_files()
+        if subset is not None:
+            keys = frozenset(Path(name).stem.replace(".", "_") for name in subset)
+            self.eval_images = len(keys)
+            self.eval_set = ShardStream(self._rank_share(urls, "val"), evaluation, repeat=False, keys=keys)
+        elif self.eval_limit:
+            # the first n samples of the val shards, split sample by sample over ranks and workers
+            self.eval_images = min(self.eval_limit, self.eval_images or self.eval_limit)
+            self.eval_set = HoldoutStream(urls, evaluation, limit=self.eval_limit, rank=self.rank,
+                                          world_size=self.world_size)
+        else:
+            self.eval_set = ShardStream(self._rank_share(urls, "val"), evaluation, repeat=False)
 
     def _setup_augmentation(self) -> None:
         """Everything after the crop: on the device by default, or in the workers with MixUp/CutMix (which
@@ -427,6 +454,33 @@ class ImageNetDataModule(LightningDataModule):
             mixing = scheme == "heavy"
             self.device_augment = BatchAugment("basic", self.num_classes, flip=False, mix=True,
                                                label_smoothing=self.label_smoothing) if mixing else None
+
+    def _subset_files(self) -> list[str] | None:
+        """The evaluation subset's ``class_folder/file_name`` entries in order (cut to eval_limit), or None."""
+        if self.eval_subset is None:
+            return None
+        path = DATA_DIR / "robustbench_imagenet_test_image_ids.txt" if self.eval_subset == "robustbench" else Path(self.eval_subset)
+        if not path.is_file():
+            raise UserError(f"data.eval_subset {self.eval_subset}: no file {path}; expected lines class_folder/file_name")
+        entries = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        malformed = [e for e in entries if e.count("/") != 1]
+        if malformed:
+            raise UserError(f"data.eval_subset {path}: lines must read class_folder/file_name, got {malformed[0]!r}")
+        return entries[: self.eval_limit] if self.eval_limit else entries
+
+    def _folder_subset(self, dataset: LabelledImageFolder) -> Dataset:
+        """The subset's images in the subset file's order, or the first eval_limit images, or all."""
+        subset = self._subset_files()
+        if subset is None:
+            return Subset(dataset, range(min(self.eval_limit, len(dataset)))) if self.eval_limit else dataset
+        index = {Path(path).relative_to(dataset.root).as_posix(): i for i, (path, _) in enumerate(dataset.samples)}
+        missing = [name for name in subset if name not in index]
+        if missing:
+            raise UserError(
+                f"{len(missing)} of the {len(subset)} images of data.eval_subset are not in {dataset.root} "
+                f"(first: {missing[0]}); expected {dataset.root}/<wnid>/<file name> for every listed image"
+            )
+        return Subset(dataset, [index[name] for name in subset])
 
     def _split_folder_holdout(self, train: LabelledImageFolder, evaluation) -> tuple[Subset, Subset]:
         """A fixed random subset of train (the same in every run and on every rank) becomes the selection split."""
@@ -565,6 +619,8 @@ class ImageNetDataModule(LightningDataModule):
             "augment_on": self.augment_on,
             **({"canvas_size": self.canvas_size} if self.augment_on == "device" else {}),
             "eval_split": f"{self.holdout} images held out of train" if self.holdout else "val",
+            "eval_subset": self.eval_subset,
+            "eval_limit": self.eval_limit,
             "batch_size": self.batch_size,
         }
 

@@ -1,0 +1,320 @@
+"""AutoAttack (Croce & Hein, ICML 2020): the reference engine and our fast engine behind one API.
+
+    adversary = AutoAttack(model, norm="Linf", eps=4 / 255, version="standard", seed=0, engine="fast")
+    x_adv = adversary.run_standard_evaluation(x, y, bs=250)      # as with the reference package
+    report = adversary.evaluate(x, y, bs=250)                    # per-point flags, per-attack accuracy, times
+
+Both engines share the ensemble logic here: clean points only, attacks in order (standard: APGD-CE ->
+APGD-T -> FAB-T -> Square), each attack only on the points that survived the previous ones, robust accuracy
+as the per-point worst case. Every adversarial example an attack returns is re-checked here with an fp32
+forward before the point counts as broken, so a low-precision attack can never claim a success that does
+not hold in fp32.
+
+* ``engine="reference"`` runs the attacks of the ``pyautoattack`` package (the code RobustBench pins)
+  unchanged, one attack at a time on the survivors: its own batching of survivors in index order and its
+  seed reset before every attack on every batch, so the result is the package's own.
+* ``engine="fast"`` runs our implementations (robust_lightning.attacks: APGD, FAB-T, Square) with the same
+  settings: input-only gradients, no host syncs inside attack loops, and survivors re-batched between target
+  classes and restarts so broken points are not attacked again.
+
+Quick modes (``version``): "apgd-t" (targeted APGD-DLR only, 40 iterations, 3 target classes: the paper's
+sweeps) and "apgd-ce" (``n_iter``-step APGD-CE, e.g. 10 for checkpoint selection).
+"""
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from .apgd import apgd
+from .fab import fab_targeted
+from .projections import NORMS, l1_projection
+from .square import square_attack
+
+ENGINES = ("fast", "reference")
+PRECISIONS = ("fp32", "tf32", "bf16")
+VERSIONS = {
+    "standard": ("apgd-ce", "apgd-t", "fab-t", "square"),
+    "apgd-t": ("apgd-t",),
+    "apgd-ce": ("apgd-ce",),
+}
+
+
+@dataclass
+class AutoAttackReport:
+    """The outcome of one evaluation. Per-point tensors are on the CPU, in the input's order."""
+
+    norm: str
+    eps: float
+    version: str
+    engine: str
+    precision: str
+    seed: int
+    attacks: tuple[str, ...]
+    clean: Tensor  # bool: correctly classified without attack
+    robust: Tensor  # bool: correctly classified after every attack
+    broken_by: list[str | None]  # per point: the attack that broke it ("clean" if misclassified anyway)
+    robust_after: dict[str, float] = field(default_factory=dict)  # robust accuracy after each attack
+    seconds: dict[str, float] = field(default_factory=dict)
+    x_adv: Tensor | None = None
+
+    @property
+    def clean_accuracy(self) -> float:
+        return self.clean.float().mean().item()
+
+    @property
+    def robust_accuracy(self) -> float:
+        return self.robust.float().mean().item()
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready figures (accuracies as fractions)."""
+        return {
+            "norm": self.norm, "eps": self.eps, "version": self.version, "engine": self.engine,
+            "precision": precision_note(self.precision), "seed": self.seed, "attacks": list(self.attacks),
+            "num_points": len(self.clean), "clean_accuracy": self.clean_accuracy,
+            "robust_accuracy": self.robust_accuracy, "robust_accuracy_after": dict(self.robust_after),
+            "seconds": dict(self.seconds), "total_seconds": sum(self.seconds.values()),
+        }
+
+
+def precision_note(precision: str) -> str:
+    return {
+        "fp32": "fp32 (TF32 off)",
+        "tf32": "attacks with TF32 matmuls, successes verified in fp32",
+        "bf16": "attacks under bf16 autocast, successes verified in fp32",
+    }[precision]
+
+
+@contextlib.contextmanager
+def _precision(precision: str, device: torch.device):
+    """Attack-time numerics; the fp32 verification runs outside this context, with TF32 off."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = precision == "tf32"
+    try:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+class AutoAttack:
+    """The standard AutoAttack ensemble (or a quick mode) against ``model``: [0, 1] inputs, logits out.
+
+    Args:
+        norm, eps: the threat model ("Linf", "L2" or "L1").
+        version: "standard", or a quick mode "apgd-t" / "apgd-ce" (see the module docstring).
+        seed: reset before every attack on every batch, as the reference does.
+        engine: "fast" (ours) or "reference" (pyautoattack 0.2.0, unchanged).
+        device: where the attacks run (default: the model's parameters' device).
+        precision: "fp32" (default, TF32 off), "tf32" or "bf16" (fast engine only); successes are always
+            verified in fp32.
+        n_iter, n_target_classes: override the version's iterations / target classes (quick modes).
+        n_queries: Square's query budget.
+    """
+
+    def __init__(
+        self,
+        model: Callable[[Tensor], Tensor],
+        norm: str = "Linf",
+        eps: float = 4 / 255,
+        version: str = "standard",
+        seed: int = 0,
+        engine: str = "fast",
+        device: torch.device | str | None = None,
+        precision: str = "fp32",
+        n_iter: int | None = None,
+        n_target_classes: int | None = None,
+        n_queries: int = 5000,
+    ):
+        if norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+        if version not in VERSIONS:
+            raise ValueError(f"version must be one of {tuple(VERSIONS)}, got {version!r}")
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if engine == "reference" and precision != "fp32":
+            raise ValueError("the reference engine runs in fp32 only (as the package does)")
+        if eps <= 0:
+            raise ValueError(f"eps must be positive, got {eps}")
+        self.model, self.norm, self.eps, self.version = model, norm, float(eps), version
+        self.seed, self.engine, self.precision = int(seed), engine, precision
+        if device is None:
+            parameter = next(iter(getattr(model, "parameters", lambda: iter(()))()), None)
+            device = parameter.device if parameter is not None else "cpu"
+        self.device = torch.device(device)
+        quick = version != "standard"
+        self.n_iter = n_iter or (40 if version == "apgd-t" else 100)
+        self.n_target_classes = n_target_classes or (3 if quick else (5 if norm == "L1" else 9))
+        self.n_fab_targets = 9
+        self.n_queries = n_queries
+        self.attacks = VERSIONS[version]
+
+    # ------------------------------------------------------------------------------------------- public
+    def run_standard_evaluation(self, x: Tensor, y: Tensor, bs: int = 250) -> Tensor:
+        """The adversarial images (the clean image where no attack succeeded), like the reference's."""
+        return self.evaluate(x, y, bs=bs).x_adv
+
+    def evaluate(self, x: Tensor, y: Tensor, bs: int = 250, progress: Callable[[str], None] | None = None
+                 ) -> AutoAttackReport:
+        """Run the ensemble on ``x`` (N, C, H, W) in [0, 1] with labels ``y`` (N,), ``bs`` points at a time."""
+        if x.min() < 0 or x.max() > 1:
+            raise ValueError("AutoAttack takes images in [0, 1]; normalisation belongs inside the model")
+        was_training = getattr(self.model, "training", False)
+        if was_training:
+            self.model.eval()
+        try:
+            return self._evaluate(x.float(), y.long(), bs, progress)
+        finally:
+            if was_training:
+                self.model.train()
+
+    # ------------------------------------------------------------------------------------------ ensemble
+    def _evaluate(self, x: Tensor, y: Tensor, bs: int, progress) -> AutoAttackReport:
+        started = time.perf_counter()
+        clean = self._correct(x, y, bs)
+        robust = clean.clone()
+        broken_by: list[str | None] = [None if ok else "clean" for ok in clean.tolist()]
+        x_adv = x.clone()
+        seconds = {"clean": time.perf_counter() - started}
+        robust_after: dict[str, float] = {}
+        for attack in self.attacks:
+            started = time.perf_counter()
+            survivors = robust.nonzero().flatten()
+            if len(survivors):
+                candidates = self._attack(attack, x[survivors], y[survivors], bs)
+                # a success counts only if an fp32 forward agrees
+                held = self._correct(candidates, y[survivors], bs)
+                newly_broken = survivors[~held]
+                robust[newly_broken] = False
+                x_adv[newly_broken] = candidates[~held].to(x_adv.device)
+                for i in newly_broken.tolist():
+                    broken_by[i] = attack
+            robust_after[attack] = robust.float().mean().item()
+            seconds[attack] = time.perf_counter() - started
+            if progress is not None:
+                progress(f"{attack}: robust accuracy {robust_after[attack]:.2%} ({seconds[attack]:.1f} s)")
+        return AutoAttackReport(
+            norm=self.norm, eps=self.eps, version=self.version, engine=self.engine, precision=self.precision,
+            seed=self.seed, attacks=self.attacks, clean=clean.cpu(), robust=robust.cpu(), broken_by=broken_by,
+            robust_after=robust_after, seconds=seconds, x_adv=x_adv,
+        )
+
+    @torch.no_grad()
+    def _correct(self, x: Tensor, y: Tensor, bs: int) -> Tensor:
+        """fp32 (TF32 off) predictions == labels, batch by batch, as a bool tensor on x's device."""
+        with _precision("fp32", self.device):
+            return torch.cat([
+                self.model(x[i : i + bs].to(self.device)).float().argmax(1).to(x.device) == y[i : i + bs]
+                for i in range(0, len(x), bs)
+            ])
+
+    def _attack(self, attack: str, x: Tensor, y: Tensor, bs: int) -> Tensor:
+        if self.engine == "reference":
+            return self._reference_attack(attack, x, y, bs)
+        run = {"apgd-ce": self._apgd_ce, "apgd-t": self._apgd_t, "fab-t": self._fab_t, "square": self._square}
+        outputs = []
+        for i in range(0, len(x), bs):
+            xb, yb = x[i : i + bs].to(self.device), y[i : i + bs].to(self.device)
+            with _precision(self.precision, self.device):
+                outputs.append(run[attack](xb, yb).detach().float().to(x.device))
+        return torch.cat(outputs)
+
+    # ------------------------------------------------------------------------------------- fast engine
+    def _generator(self) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(self.seed)  # reset per attack per batch
+
+    def _logits(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            return self.model(x).float()
+
+    def _apgd(self, x: Tensor, y: Tensor, generator: torch.Generator, **kwargs) -> tuple[Tensor, Tensor]:
+        """One APGD run (x_adv, robust); for L1 the reference's 3/2/1 x eps schedule (30/30/40 % of the
+        iterations) from a random point, each stage starting from the previous stage's best point."""
+        if self.norm != "L1":
+            result = apgd(self.model, x, y, norm=self.norm, eps=self.eps, n_iter=self.n_iter, random_start=True,
+                          generator=generator, **kwargs)
+            return result.x_adv, result.robust
+        stages = [math.ceil(0.3 * self.n_iter), math.ceil(0.3 * self.n_iter)]
+        stages.append(self.n_iter - sum(stages))
+        noise = torch.randn(x.shape, generator=generator, device=generator.device).to(x.device)
+        start = x + l1_projection(x, noise, 3 * self.eps)
+        for factor, n_iter in zip((3, 2, 1), stages):
+            start = x + l1_projection(x, start - x, factor * self.eps)
+            result = apgd(self.model, x, y, norm="L1", eps=factor * self.eps, n_iter=n_iter, x_init=start,
+                          generator=generator, **kwargs)
+            start = result.x_best
+        return result.x_adv, result.robust
+
+    def _apgd_ce(self, x: Tensor, y: Tensor) -> Tensor:
+        generator = self._generator()
+        x_adv, robust = x.clone(), torch.ones(len(x), dtype=torch.bool, device=x.device)
+        for _ in range(5 if self.norm == "L1" and self.version == "standard" else 1):  # restarts
+            todo = robust.nonzero().flatten()
+            if not len(todo):
+                break
+            candidate, still = self._apgd(x[todo], y[todo], generator, loss="ce")
+            x_adv[todo[~still]] = candidate[~still]
+            robust[todo[~still]] = False
+        return x_adv
+
+    def _apgd_t(self, x: Tensor, y: Tensor) -> Tensor:
+        generator = self._generator()
+        ranked = self._logits(x).sort(dim=1)[1]  # target of rank r: the r-th highest clean logit
+        x_adv, robust = x.clone(), torch.ones(len(x), dtype=torch.bool, device=x.device)
+        for rank in range(2, self.n_target_classes + 2):
+            todo = robust.nonzero().flatten()
+            if not len(todo):
+                break
+            candidate, still = self._apgd(x[todo], y[todo], generator, loss="dlr-targeted",
+                                          y_target=ranked[todo, -rank])
+            x_adv[todo[~still]] = candidate[~still]
+            robust[todo[~still]] = False
+        return x_adv
+
+    def _fab_t(self, x: Tensor, y: Tensor) -> Tensor:
+        logits = self._logits(x)
+        x_adv, robust = x.clone(), torch.ones(len(x), dtype=torch.bool, device=x.device)
+        for rank in range(2, self.n_fab_targets + 2):
+            todo = robust.nonzero().flatten()
+            if not len(todo):
+                break
+            result = fab_targeted(self.model, x[todo], y[todo], norm=self.norm, eps=self.eps, n_iter=100,
+                                  target_rank=rank, logits_clean=logits[todo])
+            x_adv[todo[~result.robust]] = result.x_adv[~result.robust]
+            robust[todo[~result.robust]] = False
+        return x_adv
+
+    def _square(self, x: Tensor, y: Tensor) -> Tensor:
+        result = square_attack(self.model, x, y, norm=self.norm, eps=self.eps, n_queries=self.n_queries,
+                               p_init=0.8, generator=self._generator())
+        return torch.where(result.robust.view(-1, *[1] * (x.dim() - 1)), x, result.x_adv)
+
+    # -------------------------------------------------------------------------------- reference engine
+    def _reference_attack(self, attack: str, x: Tensor, y: Tensor, bs: int) -> Tensor:
+        """One attack of pyautoattack's standard AutoAttack, run by the package on the survivors."""
+        try:
+            from pyautoattack import AutoAttack as ReferenceAutoAttack
+        except ImportError as e:
+            raise RuntimeError("engine='reference' needs the pyautoattack package (pip install pyautoattack==0.2.0)") from e
+        from pyautoattack.autopgd_base import APGDAttack, APGDAttack_targeted
+
+        reference = ReferenceAutoAttack(self.model, norm=self.norm, eps=self.eps, version="standard",
+                                        seed=self.seed, device=self.device)
+        if self.n_iter != 100:  # quick modes: rebuilt, as the checkpoint schedule is set in the constructor
+            common = dict(n_iter=self.n_iter, eps=self.eps, norm=self.norm, seed=self.seed, device=self.device,
+                          use_largereps=self.norm == "L1", n_restarts=1, verbose=False)
+            reference.apgd = APGDAttack(self.model, **common)
+            reference.apgd_targeted = APGDAttack_targeted(self.model, **common)
+        reference.apgd_targeted.n_target_classes = self.n_target_classes
+        reference.square.n_queries = self.n_queries
+        if self.version == "apgd-ce":
+            reference.apgd.n_restarts = 1
+        reference.attacks_to_run = [attack]
+        x_adv, _ = reference.run_standard_evaluation(x.to(self.device), y.to(self.device), batch_size=bs)
+        return x_adv.to(x.device)

@@ -1,0 +1,351 @@
+"""Square Attack (Andriushchenko et al., ECCV 2020): a score-based black-box attack, Linf / L2 / L1.
+
+It reproduces the configuration of standard AutoAttack (``pyautoattack.square.SquareAttack`` with
+``p_init=0.8``, ``n_restarts=1``, ``loss="margin"``, ``resc_schedule=False``, 5000 queries), including
+the L1 variant of Croce et al. (2022): the same initialisations (vertical stripes for Linf, tiles of
++-"eta" patterns for L2 / L1, the latter projected onto the L1 ball intersected with the box), the same
+schedule of the square size p, the same window updates, margin loss, acceptance only of strict
+improvements (or of a misclassified point), the query budget, and early stop of broken points.
+
+Only forward passes are made (under ``torch.no_grad``), each iteration on the shrinking set of points
+not yet broken.
+
+Deviations from the reference (none changes the distribution of any single point's trajectory):
+
+* The random windows, signs and eta orientations are drawn independently per point; the reference draws
+  one window (and, for Linf, one sign per channel; for L2/L1 one eta orientation) per iteration shared by
+  the whole batch. Each point sees the same distribution; only the correlation between points is gone.
+  The random numbers come from ``torch`` via ``generator``, so the streams differ from the reference's.
+* A point counts as broken when ``argmax(logits) != y`` (the reference stops at margin <= 0 but later
+  reports robustness from the argmax; they differ only for exact logit ties).
+* The L1 projection is :func:`~robust_lightning.attacks.projections.l1_projection` (exact to float
+  precision, by bisection; the reference sorts, and its float32 cumulative sums can be off by ~1e-5), and
+  L1 iterates are clipped to [0, 1] to remove round-off.
+* For images smaller than the reference supports (side < 5, or sides where its L2/L1 initial tiles
+  would overflow the image), the initial tiles are shrunk / dropped to fit instead of failing.
+
+Reference quirks kept on purpose: window corners are drawn from {0, ..., side - s - 1} (never touching
+the last row/column unless s = side); the L1 update's budget has the reference's extra factor C; L1
+iterates are computed as ``x + delta + correction`` (see :func:`_l1_to_ball`).
+"""
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+import torch
+from torch import Tensor
+
+from .apgd import Model
+from .projections import NORMS, l1_projection
+
+# Iteration indices after which p halves (the reference's schedule for 10000 queries; AutoAttack uses it
+# unrescaled with 5000 queries, i.e. ``resc_schedule=False``).
+_P_BREAKPOINTS = (10, 50, 200, 500, 1000, 2000, 4000, 6000, 8000)
+
+
+@dataclass
+class SquareResult:
+    x_adv: Tensor  # misclassified point for broken inputs; lowest-margin point found (or x) otherwise
+    robust: Tensor  # bool per point: correctly classified at x and at every query
+    queries: Tensor  # int64 per point: forward passes spent on it (0 if misclassified clean, else 1 + iters)
+
+
+# ------------------------------------------------------------------------------------ random draws
+
+
+class _Draws:
+    """All random numbers of the attack, drawn on the generator's device and moved to the data's device.
+
+    Kept in one place so that the distributions are easy to check against the reference (and so a test
+    can substitute draws shared across the batch, to replay the reference exactly).
+    """
+
+    def __init__(self, generator: torch.Generator | None, device: torch.device):
+        self.generator = generator
+        self.device = device
+        self.source = generator.device if generator is not None else device
+
+    def _randint(self, high: int, shape) -> Tensor:
+        return torch.randint(0, high, tuple(shape), generator=self.generator, device=self.source).to(self.device)
+
+    def offsets(self, n: int, high: int) -> Tensor:
+        """Window corners, uniform on {0, ..., high - 1} (0 if high == 0): the reference's
+        ``floor(high * U)``, which never places a window against the last row/column."""
+        return self._randint(max(high, 1), (n,))
+
+    def signs(self, shape, dtype: torch.dtype) -> Tensor:
+        """Independent +-1 entries."""
+        return (2 * self._randint(2, shape) - 1).to(dtype)
+
+    def flips(self, shape) -> Tensor:
+        """Bool: transpose the eta pattern (probability 1/2)."""
+        return self._randint(2, shape).bool()
+
+
+def _as_generator(generator: torch.Generator | int | None, device: torch.device) -> torch.Generator | None:
+    """A seed becomes a fresh generator on the data's device; None means the global RNG."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return generator
+    return torch.Generator(device=device).manual_seed(int(generator))
+
+
+# ------------------------------------------------------------------------------------ schedule, patterns
+
+
+def _p_selection(it: int, p_init: float) -> float:
+    """Fraction of pixels in a square at iteration ``it`` (0-based): p_init halves after each breakpoint."""
+    return p_init / 2 ** sum(it > b for b in _P_BREAKPOINTS)
+
+
+def _square_side(it: int, p_init: float, norm: str, c: int, h: int) -> int:
+    """Side of the square window at iteration ``it`` (L2/L1: odd and >= 3, as in the reference)."""
+    n_features = c * h * h
+    # p * n_features / c rather than p * h * w: the same float rounding as the reference.
+    s = int(round(math.sqrt(_p_selection(it, p_init) * n_features / c)))
+    if norm == "Linf":
+        s = max(s, 1)
+    else:
+        s = max(s, 3)
+        s += 1 - s % 2
+    return min(s, h)
+
+
+def _rectangle(a: int, b: int, power: int, norm: str) -> Tensor:
+    """The reference's ``eta_rectangles``: (a, b) pattern peaked at the centre, normalised in ``norm``.
+
+    The reference adds 1 / (k + 1)^power on the Chebyshev ball of radius k around (a // 2, b // 2) for
+    k < max(a // 2, b // 2) + 1; so entry (i, j) is the tail sum over k >= its Chebyshev distance.
+    """
+    if a == 0:
+        return torch.zeros(0, b, dtype=torch.float64)
+    n_rings = max(a // 2 + 1, b // 2 + 1)
+    weights = 1.0 / torch.arange(1, n_rings + 1, dtype=torch.float64) ** power
+    tail = weights.flip(0).cumsum(0).flip(0)  # tail[d] = sum_{k >= d} weights[k]
+    rows = (torch.arange(a) - a // 2).abs()[:, None]
+    cols = (torch.arange(b) - b // 2).abs()[None, :]
+    rect = tail[torch.maximum(rows, cols)]
+    return rect / (rect.pow(2).sum().sqrt() if norm == "L2" else rect.abs().sum())
+
+
+@lru_cache(maxsize=None)
+def _eta_pair(s: int, norm: str, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """(2, s, s): the reference's ``eta(s)`` for L2 (weights 1/k^2) or L1 (1/k^4) and its transpose.
+
+    Top half positive, bottom half negative, normalised to unit L2 (L2) or unit L1 (L1) norm. Cached: it
+    only depends on s, and the reference rebuilds it with Python loops at every iteration.
+    """
+    power = 2 if norm == "L2" else 4
+    eta = torch.cat([_rectangle(s // 2, s, power, norm), -_rectangle(s - s // 2, s, power, norm)], 0)
+    eta = eta / (eta.pow(2).sum().sqrt() if norm == "L2" else eta.abs().sum())
+    return torch.stack([eta, eta.t()]).to(device=device, dtype=dtype)
+
+
+def _place(patterns: Tensor, vh: Tensor, vw: Tensor, h: int) -> tuple[Tensor, Tensor]:
+    """Put per-point (n, s, s) patterns into (n, 1, h, h) images with top-left corners (vh, vw).
+
+    Returns (images, window mask): zero / False outside the window. A gather, so no loop over points.
+    """
+    n, s = patterns.shape[0], patterns.shape[-1]
+    grid = torch.arange(h, device=vh.device)
+    r, c = grid[None, :] - vh[:, None], grid[None, :] - vw[:, None]  # position inside the window
+    mask = ((r >= 0) & (r < s))[:, :, None] & ((c >= 0) & (c < s))[:, None, :]
+    rows, cols = r.clamp(0, s - 1)[:, :, None], c.clamp(0, s - 1)[:, None, :]
+    placed = patterns[torch.arange(n, device=vh.device)[:, None, None], rows, cols] * mask
+    return placed[:, None], mask[:, None]
+
+
+def _window_mask(vh: Tensor, vw: Tensor, s: int, h: int) -> Tensor:
+    """(n, 1, h, h) bool mask of the s x s windows with top-left corners (vh, vw)."""
+    grid = torch.arange(h, device=vh.device)
+    rows = (grid[None, :] >= vh[:, None]) & (grid[None, :] < vh[:, None] + s)
+    cols = (grid[None, :] >= vw[:, None]) & (grid[None, :] < vw[:, None] + s)
+    return (rows[:, :, None] & cols[:, None, :])[:, None]
+
+
+# ------------------------------------------------------------------------------------ norm helpers
+
+
+def _norm_per(t: Tensor, norm: str, dims) -> Tensor:
+    """L2 or L1 norm over ``dims``, kept for broadcasting (same formulas as the reference)."""
+    if norm == "L2":
+        return t.pow(2).sum(dims, keepdim=True).sqrt()
+    return t.abs().sum(dims, keepdim=True)
+
+
+def _l2_to_ball(x: Tensor, delta: Tensor, eps: float) -> Tensor:
+    """The reference's L2 iterate: rescale the perturbation to norm eps, then clip to [0, 1]."""
+    return (x + delta / (_norm_per(delta, "L2", (1, 2, 3)) + 1e-12) * eps).clamp(0.0, 1.0)
+
+
+def _l1_to_ball(x: Tensor, delta: Tensor, eps: float) -> Tensor:
+    """The reference's L1 iterate: project onto the L1 ball (radius shrunk by 1e-6) and the box.
+
+    Computed as ``x + delta + correction`` like the reference, not ``x + projected``: where the projection
+    zeroes a coordinate, that rounding leaves ulp-sized residues, which the next update normalises to a
+    unit-mass pattern if they fall in its window. Keeping the arithmetic keeps that behaviour (and lets a
+    test replay the reference exactly). The clip only removes round-off beyond [0, 1].
+    """
+    correction = l1_projection(x, delta, eps * (1.0 - 1e-6)) - delta
+    return (x + delta + correction).clamp(0.0, 1.0)
+
+
+# ------------------------------------------------------------------------------------ init and updates
+
+
+def _init(x: Tensor, norm: str, eps: float, draws: _Draws) -> Tensor:
+    """The reference's starting points."""
+    n, c, h, _ = x.shape
+    if norm == "Linf":
+        # Vertical stripes: +-eps per (channel, column).
+        return (x + eps * draws.signs((n, c, 1, h), x.dtype)).clamp(0.0, 1.0)
+
+    # L2 / L1: a grid of s x s tiles (s = h // 5, grid centred), each +-eta (one sign per channel, a
+    # random orientation per tile).
+    s = max(h // 5, 1)
+    start = max((h - 5 * s) // 2, 0)
+    k = min(h // s, (h - start) // s)  # tiles per side; the reference's h // s whenever they fit
+    flips = draws.flips((n, k, k))
+    signs = draws.signs((n, c, k, k), x.dtype)
+    tiles = _eta_pair(s, norm, x.dtype, x.device)[flips.long()]  # (n, k, k, s, s)
+    block = (signs[..., None, None] * tiles[:, None]).permute(0, 1, 2, 4, 3, 5).reshape(n, c, k * s, k * s)
+    delta = torch.zeros_like(x)
+    delta[:, :, start : start + k * s, start : start + k * s] = block
+    return _l2_to_ball(x, delta, eps) if norm == "L2" else _l1_to_ball(x, delta, eps)
+
+
+def _propose_linf(x: Tensor, x_best: Tensor, s: int, eps: float, draws: _Draws) -> Tensor:
+    """Move one s x s window (all channels) to a random vertex: +-2 eps per channel, then clip."""
+    n, c, h, _ = x.shape
+    vh, vw = draws.offsets(n, h - s), draws.offsets(n, h - s)
+    step = _window_mask(vh, vw, s, h) * (2.0 * eps * draws.signs((n, c, 1, 1), x.dtype))
+    x_new = torch.minimum(torch.maximum(x_best + step, x - eps), x + eps)
+    return x_new.clamp(0.0, 1.0)
+
+
+def _propose_lp(x: Tensor, x_best: Tensor, s: int, norm: str, eps: float, draws: _Draws) -> Tensor:
+    """L2 / L1 update: clear a second random window and pour its mass (and the unused budget) into the
+    first, as a fresh +-eta pattern added to the first window's normalised old content (per channel).
+
+    Written on full-size images with window masks, so every point gets its own windows without a loop.
+    """
+    n, c, h, _ = x.shape
+    delta = x_best - x
+    vh, vw = draws.offsets(n, h - s), draws.offsets(n, h - s)
+    vh2, vw2 = draws.offsets(n, h - s), draws.offsets(n, h - s)
+    flips = draws.flips((n,))
+    eta, mask1 = _place(_eta_pair(s, norm, x.dtype, x.device)[flips.long()], vh, vw, h)
+    mask2 = _window_mask(vh2, vw2, s, h)
+
+    hw = (-2, -1)
+    norm_window1 = _norm_per(delta * mask1, norm, hw)  # (n, c, 1, 1)
+    norm_windows = _norm_per(delta * (mask1 | mask2), norm, hw)  # the mass the two windows hold
+    norm_image = _norm_per(delta, norm, (1, 2, 3))  # (n, 1, 1, 1)
+
+    new = eta * draws.signs((n, c, 1, 1), x.dtype) + delta * mask1 / (1e-12 + norm_window1)
+    if norm == "L2":
+        budget = ((eps**2 - norm_image**2).clamp(min=0.0) / c + norm_windows**2).sqrt()
+    else:  # the reference's L1 formula (the final projection restores the eps budget)
+        budget = ((eps - norm_image).clamp(min=0.0) / c + norm_windows) * c
+    new = new / (1e-12 + _norm_per(new, norm, hw)) * budget
+
+    delta = torch.where(mask1, new, delta.masked_fill(mask2, 0.0))
+    return _l2_to_ball(x, delta, eps) if norm == "L2" else _l1_to_ball(x, delta, eps)
+
+
+def _margin(model: Model, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """(margin z_y - max_{i != y} z_i in float32, misclassified) for one forward pass."""
+    z = model(x).float()
+    z_y = z.gather(1, y[:, None]).squeeze(1)
+    z_other = z.scatter(1, y[:, None], float("-inf")).amax(1)
+    return z_y - z_other, z.argmax(1) != y
+
+
+# ------------------------------------------------------------------------------------ the attack
+
+
+def square_attack(
+    model: Model,
+    x: Tensor,
+    y: Tensor,
+    *,
+    norm: str = "Linf",
+    eps: float,
+    n_queries: int = 5000,
+    p_init: float = 0.8,
+    generator: torch.Generator | int | None = None,
+    logits_clean: Tensor | None = None,
+) -> SquareResult:
+    """Untargeted Square Attack with the margin loss on the batch ``x`` (B, C, H, H), values in [0, 1].
+
+    Args:
+        model: callable batch -> logits (B, C), called as is (put it in eval mode); forward passes only.
+        y: int64 labels (B,).
+        norm: "Linf", "L2" or "L1"; ``eps`` the radius of the ball.
+        n_queries: iterations after the initial query, so at most ``n_queries + 1`` forwards per point.
+        p_init: initial fraction of pixels in a square.
+        generator: ``torch.Generator`` (ideally on ``x``'s device), an int seed, or None (global RNG).
+        logits_clean: the model's logits on ``x``, if already known (saves one forward pass; not counted
+            as a query either way).
+
+    Points misclassified at ``x`` are not attacked: ``robust`` False, ``queries`` 0, ``x_adv = x``.
+    """
+    if norm not in NORMS:
+        raise ValueError(f"unknown norm {norm!r}; expected one of {NORMS}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    if isinstance(n_queries, bool) or not isinstance(n_queries, int) or n_queries < 0:
+        raise ValueError(f"n_queries must be an integer >= 0, got {n_queries!r}")
+    if not 0 < p_init <= 1:
+        raise ValueError(f"p_init must be in (0, 1], got {p_init}")
+    if x.dim() != 4 or x.shape[2] != x.shape[3]:
+        raise ValueError(f"x must be a batch of square images (B, C, H, H), got shape {tuple(x.shape)}")
+    if y.shape != x.shape[:1] or y.dtype != torch.int64:
+        raise ValueError(f"y must be int64 of shape ({x.shape[0]},), got {y.dtype} of shape {tuple(y.shape)}")
+
+    with torch.no_grad():
+        x = x.detach()
+        draws = _Draws(_as_generator(generator, x.device), x.device)
+        if logits_clean is None:
+            logits_clean = model(x)
+        correct = logits_clean.argmax(1) == y
+
+        x_adv = x.clone()
+        robust = correct.clone()
+        queries = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
+
+        # State of the points still under attack, compacted (only those are forwarded).
+        active = correct.nonzero().squeeze(1)
+        if active.numel() == 0:
+            return SquareResult(x_adv, robust, queries)
+        x_a, y_a = x[active], y[active]
+        x_best = _init(x_a, norm, eps, draws)
+        margin_best, fooled = _margin(model, x_best, y_a)
+        used = 1  # forward passes spent on every active point so far
+
+        for it in range(n_queries + 1):
+            if fooled.any():  # retire broken points (one host sync per iteration, like the reference)
+                broken = active[fooled]
+                x_adv[broken], robust[broken], queries[broken] = x_best[fooled], False, used
+                keep = ~fooled
+                active, x_a, y_a, x_best, margin_best = (t[keep] for t in (active, x_a, y_a, x_best, margin_best))
+                if active.numel() == 0:
+                    break
+            if it == n_queries:
+                break
+
+            s = _square_side(it, p_init, norm, x.shape[1], x.shape[2])
+            if norm == "Linf":
+                x_new = _propose_linf(x_a, x_best, s, eps, draws)
+            else:
+                x_new = _propose_lp(x_a, x_best, s, norm, eps, draws)
+            margin, fooled = _margin(model, x_new, y_a)
+            used += 1
+
+            # Keep strict improvements of the margin, and any misclassified point.
+            accept = (margin < margin_best) | fooled
+            margin_best = torch.where(accept, margin, margin_best)
+            x_best = torch.where(accept[:, None, None, None], x_new, x_best)
+
+        # Points never broken: report the lowest-margin point found.
+        x_adv[active], queries[active] = x_best, used
+    return SquareResult(x_adv, robust, queries)

@@ -1,0 +1,275 @@
+"""AutoAttack as a Lightning callback: ``robust-lightning test --config configs/eval/autoattack.yaml``.
+
+Each test batch is attacked in every threat model as it arrives (model in eval mode, gradients on, fp32 by
+default), and its per-point outcome is appended to ``<results_dir>/<threat model>/rank<r>.jsonl`` (flushed
+and fsynced) before the next batch. A re-run with the same results_dir skips the images (by key) that
+already have an outcome, so an interrupted evaluation resumes without redoing or double-counting points.
+At the end the outcomes of all ranks are gathered exactly (every image once), summarised per threat model
+(clean and robust accuracy, robust accuracy after each attack, time per attack) and written to
+results.json, the loggers (``autoattack/...`` metrics) and, with W&B, a table.
+
+With ``fit_images`` set, the callback also evaluates the final model of a ``fit`` run on the first images
+of the validation data (the quickstart reports AutoAttack this way).
+"""
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning import Callback
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities import rank_zero_info
+
+from robust_lightning.attacks.autoattack import ENGINES, PRECISIONS, VERSIONS, AutoAttack, precision_note
+from robust_lightning.errors import UserError
+from robust_lightning.evaluation.results import file_sha256, update_results
+
+
+@dataclass(frozen=True)
+class ThreatModel:
+    norm: str
+    eps: float
+
+    @property
+    def name(self) -> str:
+        # Linf radii are quoted in 1/255 steps, as in the papers
+        return f"Linf-{self.eps * 255:g}_255" if self.norm == "Linf" else f"{self.norm}-{self.eps:g}"
+
+
+DEFAULT_THREAT_MODELS = (ThreatModel("Linf", 4 / 255), ThreatModel("L2", 2.0), ThreatModel("L1", 75.0))
+
+
+def read_outcomes(directory: Path) -> dict[str, dict[str, Any]]:
+    """Per-image outcomes saved in ``directory`` (all ranks, all sessions): key -> record; first record wins."""
+    outcomes: dict[str, dict[str, Any]] = {}
+    for path in sorted(directory.glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                batch = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a kill: its batch is simply redone
+                continue
+            for i, key in enumerate(batch["key"]):
+                outcomes.setdefault(key, {
+                    "label": batch["label"][i], "clean": batch["clean"][i], "robust": batch["robust"][i],
+                    "broken_by": batch["broken_by"][i],
+                })
+    return outcomes
+
+
+def summarise(outcomes: dict[str, dict[str, Any]], attacks: tuple[str, ...]) -> dict[str, Any]:
+    """Clean and robust accuracy, and robust accuracy after each attack, from per-image outcomes."""
+    n = len(outcomes)
+    if n == 0:
+        return {"num_points": 0}
+    broken = [o["broken_by"] for o in outcomes.values()]
+    after, survivors = {}, sum(o["clean"] for o in outcomes.values())
+    for attack in attacks:
+        survivors -= broken.count(attack)
+        after[attack] = survivors / n
+    return {
+        "num_points": n,
+        "clean_accuracy": sum(o["clean"] for o in outcomes.values()) / n,
+        "robust_accuracy": sum(o["robust"] for o in outcomes.values()) / n,
+        "robust_accuracy_after": after,
+    }
+
+
+class AutoAttackEvaluation(Callback):
+    """AutoAttack on the test set, in each of ``threat_models``.
+
+    Args:
+        threat_models: list of {norm, eps}; default Linf 4/255, L2 2.0, L1 75 (the papers' ImageNet radii).
+        version: "standard" (APGD-CE, APGD-T, FAB-T, Square), or quick "apgd-t" (40 iterations, 3 targets)
+            or "apgd-ce" (``n_iter`` steps).
+        engine: "fast" (ours) or "reference" (pyautoattack, unchanged).
+        precision: "fp32" (default), "tf32" or "bf16"; successes are verified in fp32 either way.
+        seed: AutoAttack's seed (reset before every attack on every batch).
+        n_iter: iterations for the quick modes (default 40 for apgd-t, 100 otherwise).
+        batch_size: points attacked at once (default: the loader's batch).
+        weights: evaluate the raw weights or the EMA weights ("ema", when the model has them).
+        fit_images: after ``fit``, evaluate the final model on this many validation images (split over ranks);
+            None: only under ``test``.
+        results_dir: where per-point outcomes go (default ``<trainer.default_root_dir>/autoattack``). A re-run
+            with the same directory resumes; outcomes of another checkpoint or setting there are refused. It
+            must be on a filesystem all ranks share (as checkpoints are).
+    """
+
+    def __init__(
+        self,
+        threat_models: list[ThreatModel] = list(DEFAULT_THREAT_MODELS),
+        version: str = "standard",
+        engine: str = "fast",
+        precision: str = "fp32",
+        seed: int = 0,
+        n_iter: int | None = None,
+        batch_size: int | None = None,
+        weights: str = "raw",
+        fit_images: int | None = None,
+        results_dir: str | None = None,
+    ):
+        for name, value, allowed in (("version", version, tuple(VERSIONS)), ("engine", engine, ENGINES),
+                                     ("precision", precision, PRECISIONS), ("weights", weights, ("raw", "ema"))):
+            if value not in allowed:
+                raise UserError(f"AutoAttackEvaluation.{name} must be one of {allowed}, got {value!r}")
+        if not threat_models:
+            raise UserError("AutoAttackEvaluation.threat_models is empty")
+        self.threat_models = [ThreatModel(t.norm, float(t.eps)) if isinstance(t, ThreatModel) else ThreatModel(**t)
+                              for t in threat_models]
+        self.version, self.engine, self.precision, self.seed = version, engine, precision, seed
+        self.n_iter, self.batch_size, self.weights, self.fit_images = n_iter, batch_size, weights, fit_images
+        self.results_dir = Path(results_dir) if results_dir else None
+        self.done: dict[str, set[str]] = {}
+        self.seconds: dict[str, dict[str, float]] = {}
+
+    # ----------------------------------------------------------------------------------------- set-up
+    def _directory(self, threat: ThreatModel) -> Path:
+        return self.results_dir / threat.name
+
+    def _identity(self, trainer, pl_module, threat: ThreatModel) -> dict[str, Any]:
+        """What the saved outcomes must have been computed with for a re-run to resume from them."""
+        # the weights: a checkpoint given with --ckpt_path, else the file the model was initialised from
+        weights = trainer.ckpt_path or getattr(pl_module, "hparams", {}).get("init_from")
+        return {
+            "weights_sha256": file_sha256(weights) if weights and Path(weights).is_file() else None,
+            "weights": self.weights, "norm": threat.norm, "eps": threat.eps, "version": self.version,
+            "engine": self.engine, "precision": self.precision, "seed": self.seed, "n_iter": self.n_iter,
+        }
+
+    def _claim(self, trainer, pl_module, threat: ThreatModel) -> None:
+        """Refuse to mix outcomes of another checkpoint or setting into this directory; record ours."""
+        directory = self._directory(threat)
+        directory.mkdir(parents=True, exist_ok=True)
+        manifest, identity = directory / "manifest.json", self._identity(trainer, pl_module, threat)
+        if manifest.is_file():
+            saved = json.loads(manifest.read_text())
+            if saved != identity:
+                changed = sorted(k for k in identity if saved.get(k) != identity[k])
+                raise UserError(
+                    f"{directory} holds AutoAttack outcomes of a different evaluation ({', '.join(changed)} "
+                    "differ); set AutoAttackEvaluation.results_dir to a new directory, or delete it to start over"
+                )
+        elif trainer.is_global_zero:
+            update_results(manifest, identity)
+
+    def on_test_start(self, trainer, pl_module) -> None:
+        if trainer.test_loop.inference_mode:
+            raise UserError("AutoAttack needs gradients: set trainer.inference_mode: false (the CLI's default)")
+        # not the versioned log dir: a re-run of the same command must find the saved outcomes
+        self._start(trainer, pl_module, self.results_dir or Path(trainer.default_root_dir) / "autoattack")
+
+    def _start(self, trainer, pl_module, results_dir: Path) -> None:
+        if self.weights == "ema" and getattr(pl_module, "ema", None) is None:
+            raise UserError("AutoAttackEvaluation.weights 'ema' needs a model trained with model.ema_decay")
+        self.results_dir = results_dir
+        for threat in self.threat_models:
+            self._claim(trainer, pl_module, threat)
+            self.done[threat.name] = set(read_outcomes(self._directory(threat)))
+            self.seconds[threat.name] = {}
+            if self.done[threat.name] and trainer.is_global_zero:
+                rank_zero_info(f"AutoAttack {threat.name}: resuming, {len(self.done[threat.name])} images already done")
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if not self.fit_images:
+            return
+        run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # a collective under DDP: all ranks call it
+        self._start(trainer, pl_module, self.results_dir or run_dir / "autoattack")
+        share = self.fit_images // trainer.world_size + (trainer.global_rank < self.fit_images % trainer.world_size)
+        was_training = pl_module.training
+        pl_module.eval()
+        seen = 0
+        for batch in trainer.datamodule.val_dataloader():
+            if seen >= share:
+                break
+            batch = {"image": batch["image"][: share - seen].to(pl_module.device).float().div_(255),
+                     "label": batch["label"][: share - seen].to(pl_module.device), "key": batch["key"][: share - seen]}
+            seen += len(batch["key"])
+            self.on_test_batch_end(trainer, pl_module, None, batch, 0)
+        self._finish(trainer, pl_module)
+        pl_module.train(was_training)
+
+    def _model(self, pl_module):
+        network = pl_module.ema.module if self.weights == "ema" else pl_module.model
+        return partial(pl_module._run, network)
+
+    # --------------------------------------------------------------------------------------- per batch
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        images, labels, keys = batch["image"], batch["label"], list(batch["key"])
+        for threat in self.threat_models:
+            todo = [i for i, key in enumerate(keys) if key not in self.done[threat.name]]
+            if not todo:
+                continue
+            adversary = AutoAttack(self._model(pl_module), norm=threat.norm, eps=threat.eps, version=self.version,
+                                   seed=self.seed, engine=self.engine, device=pl_module.device,
+                                   precision=self.precision, n_iter=self.n_iter)
+            index = torch.tensor(todo, device=images.device)
+            with torch.enable_grad():
+                report = adversary.evaluate(images[index], labels[index], bs=self.batch_size or len(todo))
+            record = {
+                "key": [keys[i] for i in todo], "label": labels[index].tolist(), "clean": report.clean.tolist(),
+                "robust": report.robust.tolist(), "broken_by": report.broken_by, "seconds": report.seconds,
+            }
+            self._append(self._directory(threat) / f"rank{trainer.global_rank}.jsonl", record)
+            self.done[threat.name].update(record["key"])
+            for attack, seconds in report.seconds.items():
+                self.seconds[threat.name][attack] = self.seconds[threat.name].get(attack, 0.0) + seconds
+
+    @staticmethod
+    def _append(path: Path, record: dict) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    # -------------------------------------------------------------------------------------------- end
+    def on_test_epoch_end(self, trainer, pl_module) -> None:
+        self._finish(trainer, pl_module)
+
+    def _finish(self, trainer, pl_module) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # every rank's outcomes are on disk before anyone reads them
+        sections, rows, metrics = {}, [], {}
+        for threat in self.threat_models:
+            outcomes = read_outcomes(self._directory(threat))
+            summary = summarise(outcomes, VERSIONS[self.version])
+            summary["seconds_this_session"] = self._gathered_seconds(threat)
+            sections[threat.name] = {"norm": threat.norm, "eps": threat.eps, **summary}
+            if summary["num_points"]:
+                metrics[f"autoattack/{threat.name}/clean_acc"] = summary["clean_accuracy"]
+                metrics[f"autoattack/{threat.name}/robust_acc"] = summary["robust_accuracy"]
+                rows.append([threat.name, summary["num_points"], summary["clean_accuracy"],
+                             summary["robust_accuracy"], *summary["robust_accuracy_after"].values()])
+        conditions = {"version": self.version, "engine": self.engine, "precision": precision_note(self.precision),
+                      "seed": self.seed, "weights": self.weights, "attacks": list(VERSIONS[self.version]),
+                      "results_dir": str(self.results_dir.resolve())}
+        run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # a collective under DDP: all ranks call it
+        if not trainer.is_global_zero:
+            return
+        update_results(run_dir / "results.json", {"autoattack": {"threat_models": sections, "conditions": conditions}})
+        for name, section in sections.items():
+            if section["num_points"]:
+                print(f"AutoAttack {name}: clean {section['clean_accuracy']:.2%}, robust "
+                      f"{section['robust_accuracy']:.2%} on {section['num_points']} images", flush=True)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+            if isinstance(logger, WandbLogger) and rows:
+                columns = ["threat_model", "images", "clean", "robust", *VERSIONS[self.version]]
+                logger.log_table("autoattack/summary", columns=columns, data=rows)
+
+    def _gathered_seconds(self, threat: ThreatModel) -> dict[str, float]:
+        """Attack time of this session, summed over ranks (device-seconds)."""
+        mine = self.seconds.get(threat.name, {})
+        if not (dist.is_available() and dist.is_initialized()):
+            return {k: round(v, 2) for k, v in mine.items()}
+        everyone: list[dict[str, float]] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, mine)
+        total: dict[str, float] = {}
+        for seconds in everyone:
+            for attack, value in seconds.items():
+                total[attack] = total.get(attack, 0.0) + value
+        return {k: round(v, 2) for k, v in total.items()}

@@ -1,0 +1,289 @@
+"""AutoAttack: the fast engine against the reference (pyautoattack), ensemble semantics, invariants, the fp32
+safeguard, and the Lightning callback (results, resume, DDP)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import yaml
+
+from robust_lightning.attacks import lp_norm
+from robust_lightning.attacks.autoattack import AutoAttack
+
+REPO = Path(__file__).resolve().parents[1]
+EPS = {"Linf": 10 / 255, "L2": 0.75, "L1": 9.0}
+
+
+def synthetic_points(n: int, seed: int, classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    """3 x 16 x 16 images: a class-specific smooth pattern plus noise, in [0, 1]."""
+    g = torch.Generator().manual_seed(seed)
+    patterns = F.interpolate(torch.rand(classes, 3, 3, 3, generator=torch.Generator().manual_seed(99)), size=16,
+                             mode="bilinear", align_corners=False)
+    y = torch.randint(classes, (n,), generator=g)
+    x = (0.25 + 0.5 * patterns[y] + 0.2 * torch.randn(n, 3, 16, 16, generator=g)).clamp(0, 1)
+    return x, y
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A small CNN trained (with FGSM-RS at a small radius, so that some points are robust) in a few seconds."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(128, 10),
+    )
+    x, y = synthetic_points(2048, seed=0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for step in range(300):
+        index = torch.randint(len(x), (64,))
+        xb, yb = x[index], y[index]
+        delta = (torch.rand_like(xb) * 2 - 1) * 4 / 255
+        delta.requires_grad_(True)
+        grad, = torch.autograd.grad(F.cross_entropy(model(xb + delta), yb), delta)
+        xb = (xb + (delta + 5 / 255 * grad.sign()).clamp(-4 / 255, 4 / 255)).clamp(0, 1).detach()
+        optimizer.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+        optimizer.step()
+    model.eval().requires_grad_(False)
+    return model
+
+
+@pytest.fixture(scope="module")
+def points():
+    x, y = synthetic_points(48, seed=1)
+    y[:3] = (y[:3] + 1) % 10  # three mislabelled points: misclassified without attack
+    return x, y
+
+
+def evaluate(model, points, norm, engine, **kwargs):
+    x, y = points
+    adversary = AutoAttack(model, norm=norm, eps=EPS[norm], seed=0, engine=engine, n_queries=300, **kwargs)
+    return adversary.evaluate(x, y, bs=32)
+
+
+@pytest.mark.parametrize("norm", ["Linf", "L2", "L1"])
+def test_fast_engine_matches_the_reference(trained, points, norm):
+    pytest.importorskip("pyautoattack")
+    fast = evaluate(trained, points, norm, "fast")
+    reference = evaluate(trained, points, norm, "reference")
+    assert torch.equal(fast.clean, reference.clean)
+    # some points must break and some survive, or the comparison says nothing
+    assert 0.15 < reference.robust_accuracy < 0.85 * reference.clean_accuracy
+    # the same broken points up to seed effects (random starts, Square's draws): at most 2 of 48 differ
+    assert (fast.robust != reference.robust).sum() <= 2
+    assert abs(fast.robust_accuracy - reference.robust_accuracy) <= 2 / 48
+
+
+@pytest.mark.parametrize("norm", ["Linf", "L2", "L1"])
+def test_adversarial_examples_stay_in_the_threat_model_and_are_misclassified(trained, points, norm):
+    x, y = points
+    report = evaluate(trained, points, norm, "fast")
+    assert report.x_adv.min() >= 0 and report.x_adv.max() <= 1
+    assert (lp_norm(report.x_adv - x, norm) <= EPS[norm] * (1 + 1e-5) + 1e-6).all()
+    with torch.no_grad():
+        predicted = trained(report.x_adv).argmax(1)
+    broken = report.clean & ~report.robust
+    assert broken.any() and (predicted[broken] != y[broken]).all()
+    assert torch.equal(report.x_adv[report.robust], x[report.robust])  # untouched where nothing succeeded
+    assert torch.equal(report.x_adv[~report.clean], x[~report.clean])  # misclassified points are not attacked
+    assert all(b == "clean" for b, c in zip(report.broken_by, report.clean.tolist()) if not c)
+
+
+def test_each_attack_only_sees_the_survivors_of_the_previous_ones(trained, points, monkeypatch):
+    seen = {}
+    original = AutoAttack._attack
+
+    def spy(self, attack, x, y, bs):
+        seen[attack] = len(x)
+        return original(self, attack, x, y, bs)
+
+    monkeypatch.setattr(AutoAttack, "_attack", spy)
+    report = evaluate(trained, points, "Linf", "fast")
+    n = len(points[1])
+    assert seen["apgd-ce"] == report.clean.sum()
+    previous = report.clean_accuracy
+    for before, attack in zip(("apgd-ce", "apgd-t", "fab-t"), ("apgd-t", "fab-t", "square")):
+        if attack in seen:
+            assert seen[attack] == round(report.robust_after[before] * n)
+    for attack in report.attacks:  # robust accuracy never rises along the ensemble
+        assert report.robust_after[attack] <= previous
+        previous = report.robust_after[attack]
+    assert report.robust_after["square"] == report.robust_accuracy
+
+
+def test_claimed_successes_are_verified_in_fp32(trained, points, monkeypatch):
+    # an attack that "succeeds" on every point (as a bf16 forward could wrongly suggest) without moving it
+    monkeypatch.setattr(AutoAttack, "_apgd_ce", lambda self, x, y: x + 0.0)
+    x, y = points
+    report = AutoAttack(trained, norm="Linf", eps=EPS["Linf"], version="apgd-ce", precision="bf16").evaluate(x, y)
+    assert torch.equal(report.robust, report.clean)
+    assert "verified in fp32" in report.summary()["precision"]
+
+
+def test_quick_modes_and_the_reference_style_call(trained, points):
+    x, y = points
+    quick = AutoAttack(trained, norm="Linf", eps=EPS["Linf"], version="apgd-t")
+    assert quick.attacks == ("apgd-t",) and quick.n_iter == 40 and quick.n_target_classes == 3
+    selection = AutoAttack(trained, norm="Linf", eps=EPS["Linf"], version="apgd-ce", n_iter=10)
+    x_adv = selection.run_standard_evaluation(x, y, bs=16)
+    assert x_adv.shape == x.shape and (x_adv - x).abs().max() <= EPS["Linf"] + 1e-6
+    with pytest.raises(ValueError, match="norm must be one of"):
+        AutoAttack(trained, norm="L3")
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        selection.evaluate(x * 2 - 1, y)
+
+
+# ------------------------------------------------------------------------------------------ the callback
+from robust_lightning.cli import main  # noqa: E402
+from robust_lightning.evaluation.autoattack import read_outcomes  # noqa: E402
+
+LINF = {"norm": "Linf", "eps": 4 / 255}
+
+
+def eval_config(tmp_path: Path, synthetic_root: Path, devices: int = 1, **callback) -> Path:
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "cpu", "devices": devices, "max_epochs": 1, "limit_train_batches": 4,
+            "num_sanity_val_steps": 0, "enable_progress_bar": False, "inference_mode": False,
+            "default_root_dir": str(tmp_path / "runs"),
+            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                       "init_args": {"save_dir": str(tmp_path / "runs"), "name": "aa"}},
+            "callbacks": [{"class_path": "robust_lightning.evaluation.autoattack.AutoAttackEvaluation",
+                           "init_args": {"threat_models": [LINF], "version": "apgd-ce", "n_iter": 5,
+                                         "results_dir": str(tmp_path / "outcomes"), **callback}}],
+        },
+        "model": {"arch": "test_resnet"},
+        "data": {"source": "synthetic", "image_size": 32, "batch_size": 8, "eval_batch_size": 6, "num_workers": 0,
+                 "synthetic": {"num_classes": 4, "train_per_class": 16, "val_per_class": 5, "image_size": 32,
+                               "samples_per_shard": 5, "root": str(synthetic_root)}},
+    }
+    if devices > 1:
+        config["trainer"]["strategy"] = "ddp"
+    path = tmp_path / f"aa-{devices}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def tiny_synthetic(root: Path):
+    from robust_lightning.data.datamodule import SyntheticData
+
+    return SyntheticData(num_classes=4, train_per_class=16, val_per_class=5, samples_per_shard=5, image_size=32,
+                         root=str(root))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A Lightning checkpoint of a tiny classifier fitted to the synthetic val images (a test of the callback,
+    not of generalisation: it needs a model that gets most images right and is robust on some)."""
+    from lightning import Trainer
+
+    from robust_lightning.data.datamodule import ImageNetDataModule
+    from robust_lightning.training.classifier import ImageClassifier
+
+    tmp_path = tmp_path_factory.mktemp("aa-fit")
+    synthetic_root = tmp_path_factory.mktemp("aa-synthetic")
+    data = ImageNetDataModule(source="synthetic", image_size=32, eval_batch_size=100, num_workers=0,
+                              synthetic=tiny_synthetic(synthetic_root))
+    data.prepare_data()
+    data.setup("test")
+    batch = next(iter(data.test_dataloader()))
+    x, y = batch["image"].float() / 255, batch["label"]
+    torch.manual_seed(0)
+    module = ImageClassifier(arch="test_resnet", num_classes=4, image_size=32)
+    optimizer = torch.optim.Adam(module.parameters(), lr=3e-3)
+    module.train()
+    for _ in range(60):
+        optimizer.zero_grad()
+        F.cross_entropy(module(x), y).backward()
+        optimizer.step()
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.strategy.connect(module)
+    path = tmp_path / "tiny.ckpt"
+    trainer.save_checkpoint(path)
+    return path, synthetic_root
+
+
+def run_test(tmp_path, checkpoint, *extra, **callback) -> dict:
+    ckpt, synthetic_root = checkpoint
+    config = eval_config(tmp_path, synthetic_root, **callback)
+    assert main(["test", "--config", str(config), "--ckpt_path", str(ckpt), *extra]) == 0
+    runs = sorted((tmp_path / "runs" / "aa").glob("version_*/results.json"))
+    return json.loads(runs[-1].read_text())["autoattack"]
+
+
+def direct_outcomes(checkpoint, batches: list[list[str]]) -> dict[str, bool]:
+    """Robust flags from AutoAttack run directly (no Lightning) on the same batches of images."""
+    from robust_lightning.data.datamodule import ImageNetDataModule
+    from robust_lightning.training.classifier import ImageClassifier
+
+    ckpt, synthetic_root = checkpoint
+    module = ImageClassifier.load_from_checkpoint(ckpt, map_location="cpu", weights_only=True).eval()
+    data = ImageNetDataModule(source="synthetic", image_size=32, eval_batch_size=100, num_workers=0,
+                              synthetic=tiny_synthetic(synthetic_root))
+    data.setup("test")
+    everything = next(iter(data.test_dataloader()))
+    where = {key: i for i, key in enumerate(everything["key"])}
+    flags = {}
+    for keys in batches:
+        index = torch.tensor([where[k] for k in keys])
+        x, y = everything["image"][index].float() / 255, everything["label"][index]
+        report = AutoAttack(module, norm="Linf", eps=4 / 255, version="apgd-ce", n_iter=5).evaluate(x, y, bs=6)
+        flags.update(zip(keys, report.robust.tolist()))
+    return flags
+
+
+def saved_batches(path: Path) -> list[list[str]]:
+    return [json.loads(line)["key"] for line in path.read_text().splitlines()]
+
+
+def test_callback_results_match_a_direct_evaluation_and_resume_without_double_counting(tmp_path, checkpoint):
+    # an interrupted evaluation: only the first two batches got done
+    partial = run_test(tmp_path, checkpoint, "--trainer.limit_test_batches", "2")
+    assert partial["threat_models"]["Linf-4_255"]["num_points"] == 12
+    final = run_test(tmp_path, checkpoint)["threat_models"]["Linf-4_255"]
+    assert final["num_points"] == 20  # 4 classes x 5 val images, each exactly once
+    batches = saved_batches(tmp_path / "outcomes" / "Linf-4_255" / "rank0.jsonl")
+    assert [len(keys) for keys in batches] == [6, 6, 6, 2]  # the resumed run only did the rest
+
+    outcomes = read_outcomes(tmp_path / "outcomes" / "Linf-4_255")
+    direct = direct_outcomes(checkpoint, batches)
+    assert {key: o["robust"] for key, o in outcomes.items()} == direct
+    assert final["robust_accuracy"] == sum(direct.values()) / 20
+    assert 0 < sum(direct.values()) < final["clean_accuracy"] * 20  # the comparison is not vacuous
+
+
+def test_outcomes_of_another_evaluation_are_refused(tmp_path, checkpoint):
+    run_test(tmp_path, checkpoint, "--trainer.limit_test_batches", "1")
+    ckpt, synthetic_root = checkpoint
+    config = eval_config(tmp_path, synthetic_root, n_iter=7)
+    assert main(["test", "--config", str(config), "--ckpt_path", str(ckpt)]) == 2  # a clear error, nothing mixed
+
+
+def test_a_line_cut_short_by_a_kill_is_redone(tmp_path):
+    directory = tmp_path / "Linf"
+    directory.mkdir()
+    good = {"key": ["a"], "label": [0], "clean": [True], "robust": [True], "broken_by": [None], "seconds": {}}
+    (directory / "rank0.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(good)[:20])
+    assert list(read_outcomes(directory)) == ["a"]
+
+
+def test_ddp_evaluation_splits_points_and_gathers_them_exactly(tmp_path, checkpoint):
+    ckpt, synthetic_root = checkpoint
+    config = eval_config(tmp_path, synthetic_root, devices=2)
+    result = subprocess.run([sys.executable, "-m", "robust_lightning", "test", "--config", str(config),
+                             "--ckpt_path", str(ckpt)], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(next((tmp_path / "runs" / "aa").glob("version_*/results.json")).read_text())
+    summary = summary["autoattack"]["threat_models"]["Linf-4_255"]
+    files = sorted((tmp_path / "outcomes" / "Linf-4_255").glob("rank*.jsonl"))
+    per_rank = [{key for keys in saved_batches(path) for key in keys} for path in files]
+    assert len(per_rank) == 2 and not per_rank[0] & per_rank[1] and len(per_rank[0] | per_rank[1]) == 20
+    direct = direct_outcomes(checkpoint, [keys for path in files for keys in saved_batches(path)])
+    assert summary["num_points"] == 20 and summary["robust_accuracy"] == sum(direct.values()) / 20
