@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .projections import NORMS, _per_sample, lp_norm, l1_projection, normalize, project
+from .projections import _per_sample, check_count, check_threat_model, l1_projection, lp_norm, normalize, project
 
 LOSSES = ("ce", "dlr", "dlr-targeted")
 
@@ -96,14 +96,10 @@ def predicted_correct(logits: Tensor, y: Tensor) -> Tensor:
 
 def _validate(x: Tensor, y: Tensor, norm: str, eps: float, n_iter: int, loss: str, y_target: Tensor | None):
     """Argument checks that only look at metadata (shapes, dtypes), so they cost no device sync."""
-    if norm not in NORMS:
-        raise ValueError(f"unknown norm {norm!r}; expected one of {NORMS}")
+    check_threat_model(norm, eps)
+    check_count("n_iter", n_iter, 1)
     if loss not in LOSSES:
         raise ValueError(f"unknown loss {loss!r}; expected one of {LOSSES}")
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps}")
-    if isinstance(n_iter, bool) or not isinstance(n_iter, int) or n_iter < 1:
-        raise ValueError(f"n_iter must be an integer >= 1, got {n_iter!r}")
     if x.dim() < 2:
         raise ValueError(f"x must be a batch (B, ...), got shape {tuple(x.shape)}")
     if y.shape[0] != x.shape[0]:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .apgd import Model
-from .projections import NORMS, _per_sample, lp_norm
+from .projections import _per_sample, check_count, check_threat_model, lp_norm
 
 _BIG = 1e12  # stands for "never saturates" in the L2/L1 projections (as in the reference)
 
@@ -232,12 +232,8 @@ def fab_targeted(
         :class:`FABResult`. ``x_adv`` is the closest adversarial found where it is within ``eps`` and passes
         a final check by the model (as in the reference), else ``x``.
     """
-    if norm not in NORMS:
-        raise ValueError(f"unknown norm {norm!r}; expected one of {NORMS}")
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps}")
-    if isinstance(n_iter, bool) or not isinstance(n_iter, int) or n_iter < 1:
-        raise ValueError(f"n_iter must be an integer >= 1, got {n_iter!r}")
+    check_threat_model(norm, eps)
+    check_count("n_iter", n_iter, 1)
     if x.dim() < 2 or y.shape != x.shape[:1] or y.dtype != torch.int64:
         raise ValueError(f"expected x (B, ...) and int64 y (B,), got {tuple(x.shape)} and {y.dtype} {tuple(y.shape)}")
 

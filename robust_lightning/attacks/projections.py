@@ -12,6 +12,19 @@ from torch import Tensor
 NORMS = ("Linf", "L2", "L1")
 
 
+def check_threat_model(norm: str, eps: float) -> None:
+    """The argument checks every attack shares (metadata only: no device sync)."""
+    if norm not in NORMS:
+        raise ValueError(f"unknown norm {norm!r}; expected one of {NORMS}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+
+
+def check_count(name: str, value: int, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
 def _per_sample(v: Tensor, like: Tensor) -> Tensor:
     """Reshape a (B,) tensor to (B, 1, 1, ...) so it broadcasts against ``like``."""
     return v.view(-1, *([1] * (like.dim() - 1)))

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from .apgd import Model
-from .projections import NORMS, l1_projection
+from .projections import check_count, check_threat_model, l1_projection
 
 # Iteration indices after which p halves (the reference's schedule for 10000 queries; AutoAttack uses it
 # unrescaled with 5000 queries, i.e. ``resc_schedule=False``).
@@ -289,12 +289,8 @@ def square_attack(
 
     Points misclassified at ``x`` are not attacked: ``robust`` False, ``queries`` 0, ``x_adv = x``.
     """
-    if norm not in NORMS:
-        raise ValueError(f"unknown norm {norm!r}; expected one of {NORMS}")
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps}")
-    if isinstance(n_queries, bool) or not isinstance(n_queries, int) or n_queries < 0:
-        raise ValueError(f"n_queries must be an integer >= 0, got {n_queries!r}")
+    check_threat_model(norm, eps)
+    check_count("n_queries", n_queries, 0)
     if not 0 < p_init <= 1:
         raise ValueError(f"p_init must be in (0, 1], got {p_init}")
     if x.dim() != 4 or x.shape[2] != x.shape[3]:
