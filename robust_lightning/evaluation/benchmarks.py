@@ -1,0 +1,401 @@
+"""Distribution-shift benchmarks as a Lightning callback:
+``robust-lightning test --config configs/eval/benchmarks.yaml --ckpt_path CKPT``.
+
+Protocols (REFERENCE.md section 3; class lists in data/, see data/PROVENANCE.md):
+
+- ImageNet-R, ImageNet-A: 200 classes each. The 1000 logits are sliced to the 200 classes before the argmax;
+  targets are positions in the sorted 200 wnids. Top-1 and ECE (15 equal-width bins, on the softmax over the
+  200 sliced logits).
+- ImageNet-Sketch, ImageNet-V2: 1000 classes, folders named by wnid or (V2's release) by class index 0..999.
+  Top-1 and ECE (softmax over the 1000 logits).
+- ImageNet-O: OOD detection of its 2000 images (positive class) against the ImageNet val images of the same
+  200 classes; anomaly score = -max softmax over the 200 sliced logits. AUPR (average precision), AUROC and
+  FPR at 95% TPR, computed exactly (ties as in scikit-learn).
+- ImageNet-9 (backgrounds challenge): original, mixed_same and mixed_rand; the 1000-way argmax is mapped to the
+  9 classes by data/in_to_in9.json (an unmapped prediction is wrong). Accuracy per variant and
+  BG-gap = mixed_same - mixed_rand. Its images are 224 x 224 already: only resized at another model resolution.
+
+Preprocessing: the project's eval transform (resize floor(r / crop_pct) bicubic, centre crop r) for all but
+ImageNet-9; images reach the model in [0, 1].
+
+Everything runs in ``on_test_end``, after the test loop (and its metrics) are done, so the model's own test set
+is evaluated as usual and the benchmarks never mix into its metrics. Layouts are checked in ``on_test_start``,
+before any work, so a wrong path fails at once. Under DDP each dataset is split over the ranks without padding
+and the per-image results are gathered exactly (every image counts once). A benchmark whose root is not set is
+reported as skipped, with the reason, in results.json.
+"""
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from lightning import Callback
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+from torchvision.transforms import v2 as T
+from tqdm import tqdm
+
+from robust_lightning.data.classes import class_map
+from robust_lightning.data.datamodule import ExactDistributedSampler
+from robust_lightning.data.transforms import BICUBIC, decode_rgb, eval_resize_size, eval_transform
+from robust_lightning.errors import UserError
+from robust_lightning.evaluation.results import update_results
+from robust_lightning.paths import DATA_DIR
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+ECE_BINS = 15
+IN9_VARIANTS = ("original", "mixed_same", "mixed_rand")
+# Class folders of the released IN-9 data, in class order (data/PROVENANCE.md; the names come from the release
+# tarballs, not from in9_classes.txt, which lists display names and WordNet superclasses in the same order)
+IN9_FOLDERS = ("00_dog", "01_bird", "02_wheeled vehicle", "03_reptile", "04_carnivore", "05_insect",
+               "06_musical instrument", "07_primate", "08_fish")
+
+
+# ----------------------------------------------------------------------------------------------- class lists
+def _lines(name: str) -> list[str]:
+    return [line.strip() for line in (DATA_DIR / name).read_text().splitlines() if line.strip()]
+
+
+@cache
+def subset_classes(benchmark: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(sorted 200 wnids, their 1000-class logit indices) of "imagenet_r", "imagenet_a" or "imagenet_o"."""
+    wnids, indices = _lines(f"{benchmark}_wnids.txt"), [int(i) for i in _lines(f"{benchmark}_indices_in_1k.txt")]
+    assert len(wnids) == len(indices) == 200 and wnids == sorted(wnids), f"data/{benchmark}_*.txt are inconsistent"
+    return tuple(wnids), tuple(indices)
+
+
+@cache
+def in9_map() -> torch.Tensor:
+    """1000-class index -> IN-9 class (-1: no IN-9 class)."""
+    mapping = json.loads((DATA_DIR / "in_to_in9.json").read_text())
+    assert len(_lines("in9_classes.txt")) == len(IN9_FOLDERS)
+    return torch.tensor([mapping[str(i)] for i in range(1000)])
+
+
+# ---------------------------------------------------------------------------------------------------- metrics
+def accuracy(predictions: torch.Tensor, targets: torch.Tensor) -> float:
+    return (predictions == targets).double().mean().item()
+
+
+def expected_calibration_error(confidence: torch.Tensor, correct: torch.Tensor, bins: int = ECE_BINS) -> float:
+    """ECE with equal-width confidence bins (lo, hi]: sum over bins of |accuracy - mean confidence| x share."""
+    confidence, correct = confidence.double(), correct.double()
+    edges = torch.linspace(0, 1, bins + 1, dtype=torch.float64)
+    bin_index = (torch.bucketize(confidence, edges) - 1).clamp(0, bins - 1)  # (lo, hi]; 0 joins the first bin
+    count = torch.zeros(bins, dtype=torch.float64).index_add_(0, bin_index, torch.ones_like(confidence))
+    gap = (torch.zeros(bins, dtype=torch.float64).index_add_(0, bin_index, correct)
+           - torch.zeros(bins, dtype=torch.float64).index_add_(0, bin_index, confidence))
+    return (gap.abs().sum() / len(confidence)).item()
+
+
+def ood_metrics(scores: torch.Tensor, is_ood: torch.Tensor) -> dict[str, float]:
+    """AUPR (average precision), AUROC and FPR at 95% TPR with OOD the positive class and higher score = more
+    anomalous. Exact: tied scores form one threshold, as in sklearn's average_precision_score / roc_curve."""
+    scores, positive = scores.double(), is_ood.bool()
+    if positive.all() or not positive.any():
+        raise ValueError("OOD metrics need both in-distribution and OOD images")
+    order = torch.argsort(scores, descending=True, stable=True)
+    scores, positive = scores[order], positive[order].double()
+    # the last position of each group of tied scores: one threshold per distinct score
+    last = torch.cat([torch.nonzero(scores[1:] != scores[:-1]).flatten(), torch.tensor([len(scores) - 1])])
+    tps = positive.cumsum(0)[last]
+    fps = (last + 1).double() - tps
+    tpr, fpr = tps / tps[-1], fps / fps[-1]
+    precision = tps / (tps + fps)
+    zero = torch.zeros(1, dtype=torch.float64)
+    recall_steps = torch.diff(tpr, prepend=zero)  # AP = sum over thresholds of (R_k - R_k-1) P_k
+    tpr0, fpr0 = torch.cat([zero, tpr]), torch.cat([zero, fpr])  # the ROC curve starts at (0, 0)
+    return {
+        "aupr": (recall_steps * precision).sum().item(),
+        "auroc": torch.trapezoid(tpr0, fpr0).item(),
+        # the first threshold that catches 95% of the OOD images (tpr is non-decreasing)
+        "fpr95": fpr[torch.searchsorted(tpr, torch.tensor([0.95], dtype=torch.float64))].item(),
+    }
+
+
+def predict(logits: torch.Tensor, classes: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prediction, confidence = max softmax) from 1000-class logits. With ``classes`` (the 1000-class indices of a
+    200-class benchmark) the logits are sliced first, so the prediction is a position among those classes."""
+    if classes is not None:
+        logits = logits[:, torch.tensor(classes, device=logits.device)]
+    confidence, prediction = logits.float().softmax(1).max(1)
+    return prediction, confidence
+
+
+def bg_gap(accuracies: dict[str, float]) -> float:
+    return accuracies["mixed_same"] - accuracies["mixed_rand"]
+
+
+# ---------------------------------------------------------------------------------------------------- layouts
+@dataclass
+class Split:
+    """A named list of (image path, integer target)."""
+
+    name: str
+    samples: list[tuple[str, int]]
+
+
+def _class_folders(root: Path, expected: str) -> list[Path]:
+    if not root.is_dir():
+        raise UserError(f"{root} does not exist; expected {expected}")
+    folders = sorted(p for p in root.iterdir() if p.is_dir())
+    if not folders:
+        raise UserError(f"{root} has no class folders; expected {expected}")
+    return folders
+
+
+def _check_known(root: Path, folders: list[Path], known, expected: str) -> None:
+    unknown = [f.name for f in folders if f.name not in known]
+    if unknown:
+        raise UserError(f"{root}: unknown class folders {unknown[:5]}{' ...' if len(unknown) > 5 else ''}; "
+                        f"expected {expected}")
+
+
+def _images(folder: Path, label: int) -> list[tuple[str, int]]:
+    return [(str(p), label) for p in sorted(folder.iterdir()) if p.suffix.lower() in IMAGE_SUFFIXES]
+
+
+def _samples(root: Path, folders: list[Path], label_of: dict[str, int], expected: str) -> list[tuple[str, int]]:
+    samples = [s for folder in folders for s in _images(folder, label_of[folder.name])]
+    if not samples:
+        raise UserError(f"{root} holds no images; expected {expected}")
+    return samples
+
+
+def subset_split(benchmark: str, root: str | Path) -> Split:
+    """ImageNet-R / -A / -O: ``root/<wnid>/*`` with wnids among the benchmark's 200 (missing ones allowed, so a
+    partial copy runs; a folder of another class is an error)."""
+    root, (wnids, _) = Path(root), subset_classes(benchmark)
+    expected = f"{root}/<wnid>/<images> with the 200 {benchmark} wnids of data/{benchmark}_wnids.txt as folder names"
+    folders = _class_folders(root, expected)
+    label_of = {wnid: i for i, wnid in enumerate(wnids)}
+    _check_known(root, folders, label_of, expected)
+    return Split(benchmark, _samples(root, folders, label_of, expected))
+
+
+def full_split(benchmark: str, root: str | Path) -> Split:
+    """ImageNet-Sketch / -V2: ``root/<wnid>/*``, or ``root/<class index 0..999>/*`` (V2's released layout)."""
+    root = Path(root)
+    expected = (f"{root}/<class folder>/<images>, class folders named by ImageNet wnid (n01440764, ...) or all by "
+                "class index (0 ... 999)")
+    folders = _class_folders(root, expected)
+    label_of = class_map("imagenet")
+    if all(f.name.isdigit() for f in folders):
+        label_of = {str(i): i for i in range(1000)}
+    _check_known(root, folders, label_of, expected)
+    return Split(benchmark, _samples(root, folders, label_of, expected))
+
+
+def imagenet_o_splits(root: str | Path, val_root: str | Path | None) -> tuple[Split, Split]:
+    """(OOD ImageNet-O images, in-distribution ImageNet val images of the same 200 classes), both targets = 1 for
+    OOD, 0 for in-distribution."""
+    ood = subset_split("imagenet_o", root)
+    if val_root is None:
+        raise UserError("ImageNet-O needs imagenet_val: the ImageNet val folder <val>/<wnid>/<images> whose images "
+                        "of the 200 ImageNet-O classes are the in-distribution set")
+    val_root, (wnids, _) = Path(val_root), subset_classes("imagenet_o")
+    expected = f"{val_root}/<wnid>/<images>, the ImageNet val folder (its ImageNet-O classes are used)"
+    folders = [f for f in _class_folders(val_root, expected) if f.name in set(wnids)]
+    samples = [(path, 0) for folder in folders for path, _ in _images(folder, 0)]
+    if not samples:
+        raise UserError(f"{val_root} holds no images of the 200 ImageNet-O classes; expected {expected}")
+    return Split("imagenet_o", [(path, 1) for path, _ in ood.samples]), Split("imagenet_val", samples)
+
+
+def in9_splits(root: str | Path) -> list[Split]:
+    """ImageNet-9: ``root/{original,mixed_same,mixed_rand}/val/<class folder>/*`` (folders 00_dog ... 08_fish)."""
+    root, splits = Path(root), []
+    for variant in IN9_VARIANTS:
+        expected = (f"{root}/{{{','.join(IN9_VARIANTS)}}}/val/<class folder>/<images> with the class folders "
+                    f"{', '.join(repr(f) for f in IN9_FOLDERS)}")
+        path = root / variant / "val"
+        folders = _class_folders(path, expected)
+        label_of = {name: i for i, name in enumerate(IN9_FOLDERS)}
+        _check_known(path, folders, label_of, expected)
+        splits.append(Split(variant, _samples(path, folders, label_of, expected)))
+    return splits
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+class ImageList(Dataset):
+    def __init__(self, samples: list[tuple[str, int]], transform: Callable):
+        self.samples, self.transform = samples, transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        path, target = self.samples[index]
+        try:
+            image = self.transform(Image.open(path))
+        except Exception as e:  # name the file: a bad image in a benchmark copy must be fixable
+            raise RuntimeError(f"cannot read {path}: {type(e).__name__}: {e}") from e
+        return {"image": image, "target": target, "index": index}
+
+
+class ExactSize:
+    """Decode; resize to ``size`` x ``size`` (bicubic) only when the image is not that size already (IN-9)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.resize = T.Resize((size, size), interpolation=BICUBIC)
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        image = decode_rgb(image)
+        if image.size != (self.size, self.size):
+            image = self.resize(image)
+        return T.functional.pil_to_tensor(image)
+
+
+class DistributionShiftBenchmarks(Callback):
+    """ImageNet-R, -A, -Sketch, -V2, -O and ImageNet-9 after ``test`` (see the module docstring).
+
+    Args:
+        imagenet_r, imagenet_a: roots ``<root>/<wnid>/*`` (200 classes; a partial copy with fewer is accepted).
+        imagenet_sketch: root ``<root>/<wnid>/*``.
+        imagenet_v2: root ``<root>/<class index>/*`` (the release) or ``<root>/<wnid>/*``.
+        imagenet_o: root ``<root>/<wnid>/*`` of the OOD images; needs ``imagenet_val``.
+        imagenet_val: the ImageNet val folder ``<root>/<wnid>/*`` (in-distribution images for ImageNet-O).
+        imagenet_9: root ``<root>/{original,mixed_same,mixed_rand}/val/<class folder>/*``.
+            A root left at None skips that benchmark (listed under "skipped" in results.json).
+        image_size: evaluation resolution (default: the model's ``image_size``, else the data's, else 224).
+        crop_pct: the eval transform resizes the shorter side to floor(image_size / crop_pct) before the crop.
+        batch_size: images per forward pass on each device.
+        num_workers: decoding processes per device.
+    """
+
+    def __init__(
+        self,
+        imagenet_r: str | None = None,
+        imagenet_a: str | None = None,
+        imagenet_sketch: str | None = None,
+        imagenet_v2: str | None = None,
+        imagenet_o: str | None = None,
+        imagenet_val: str | None = None,
+        imagenet_9: str | None = None,
+        image_size: int | None = None,
+        crop_pct: float = 0.875,
+        batch_size: int = 64,
+        num_workers: int = 4,
+    ):
+        self.roots = {"imagenet_r": imagenet_r, "imagenet_a": imagenet_a, "imagenet_sketch": imagenet_sketch,
+                      "imagenet_v2": imagenet_v2, "imagenet_o": imagenet_o, "imagenet_9": imagenet_9}
+        self.imagenet_val = imagenet_val
+        self.image_size, self.crop_pct = image_size, crop_pct
+        self.batch_size, self.num_workers = batch_size, num_workers
+        self.splits: dict[str, list[Split]] = {}
+        self.skipped: list[dict[str, str]] = []
+
+    # ------------------------------------------------------------------------------------------- set-up
+    def on_test_start(self, trainer, pl_module) -> None:
+        """Check every layout before any work: one wrong path fails the run at once, not hours in."""
+        self.splits, self.skipped = {}, []
+        for name, root in self.roots.items():
+            if root is None:
+                self.skipped.append({"benchmark": name, "reason": f"no root given (init arg {name})"})
+            elif name in ("imagenet_r", "imagenet_a"):
+                self.splits[name] = [subset_split(name, root)]
+            elif name in ("imagenet_sketch", "imagenet_v2"):
+                self.splits[name] = [full_split(name, root)]
+            elif name == "imagenet_o":
+                self.splits[name] = list(imagenet_o_splits(root, self.imagenet_val))
+            else:
+                self.splits[name] = in9_splits(root)
+        self.resolution = self._resolution(trainer, pl_module)
+
+    def _resolution(self, trainer, pl_module) -> int:
+        model_size = getattr(pl_module, "hparams", {}).get("image_size")
+        return int(self.image_size or model_size or getattr(trainer.datamodule, "image_size", None) or 224)
+
+    def _preprocessing(self, name: str) -> tuple[Callable, str]:
+        r = self.resolution
+        if name == "imagenet_9":
+            note = "none (224 x 224 as released)" if r == 224 else f"resize to {r} x {r} (bicubic)"
+            return ExactSize(r), note
+        note = f"resize shorter side to {eval_resize_size(r, self.crop_pct)} (bicubic), centre crop {r}"
+        return eval_transform(r, self.crop_pct), note
+
+    # ------------------------------------------------------------------------------------------ running
+    @torch.no_grad()
+    def _predict(self, trainer, pl_module, split: Split, transform: Callable, classes: tuple[int, ...] | None):
+        """(target, prediction, confidence) of every image of ``split``, in dataset order, over all ranks.
+        ``classes``: logit indices the softmax and argmax are restricted to (prediction = position in them)."""
+        dataset = ImageList(split.samples, transform)
+        sampler = ExactDistributedSampler(dataset, trainer.world_size, trainer.global_rank)
+        loader = DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers)
+        mine: list[tuple[int, int, int, float]] = []
+        bar = tqdm(loader, desc=split.name, disable=not trainer.is_global_zero, leave=False)
+        for batch in bar:
+            images = batch["image"].to(pl_module.device).float().div_(255)
+            with trainer.precision_plugin.test_step_context():
+                prediction, confidence = predict(pl_module(images), classes)
+            mine += zip(batch["index"].tolist(), batch["target"].tolist(), prediction.tolist(), confidence.tolist())
+        everything = [mine]
+        if dist.is_available() and dist.is_initialized():
+            everything = [None] * dist.get_world_size()
+            dist.all_gather_object(everything, mine)
+        rows = sorted(row for part in everything for row in part)
+        assert [row[0] for row in rows] == list(range(len(dataset))), "images lost or counted twice across ranks"
+        _, target, prediction, confidence = (torch.tensor(column) for column in zip(*rows))
+        return target, prediction, confidence.double()
+
+    def _run(self, trainer, pl_module, name: str) -> dict[str, Any]:
+        transform, note = self._preprocessing(name)
+        splits = self.splits[name]
+        section: dict[str, Any] = {"root": str(Path(self.roots[name]).resolve()), "preprocessing": note}
+        if name in ("imagenet_r", "imagenet_a", "imagenet_sketch", "imagenet_v2"):
+            classes = subset_classes(name)[1] if name in ("imagenet_r", "imagenet_a") else None
+            target, prediction, confidence = self._predict(trainer, pl_module, splits[0], transform, classes)
+            section.update(num_images=len(target), num_classes=len(classes or range(1000)),
+                           acc1=accuracy(prediction, target),
+                           ece=expected_calibration_error(confidence, prediction == target))
+        elif name == "imagenet_o":
+            classes = subset_classes(name)[1]
+            parts = [self._predict(trainer, pl_module, split, transform, classes) for split in splits]
+            is_ood = torch.cat([part[0] for part in parts])
+            anomaly = -torch.cat([part[2] for part in parts])  # -max softmax over the 200 classes
+            section.update(imagenet_val=str(Path(self.imagenet_val).resolve()), num_ood=len(parts[0][0]),
+                           num_in_distribution=len(parts[1][0]), **ood_metrics(anomaly, is_ood))
+        else:
+            to_in9 = in9_map()
+            variants = {}
+            for split in splits:
+                target, prediction, _ = self._predict(trainer, pl_module, split, transform, None)
+                variants[split.name] = {"num_images": len(target), "acc1": accuracy(to_in9[prediction], target)}
+            section.update(variants=variants, bg_gap=bg_gap({k: v["acc1"] for k, v in variants.items()}))
+        return section
+
+    def on_test_end(self, trainer, pl_module) -> None:
+        was_training = pl_module.training
+        pl_module.eval()
+        sections = {name: self._run(trainer, pl_module, name) for name in self.splits}
+        pl_module.train(was_training)
+        run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # a collective under DDP: every rank calls it
+        if not trainer.is_global_zero:
+            return
+        update_results(run_dir / "results.json", {"benchmarks": {
+            **sections, "skipped": self.skipped,
+            "conditions": {"image_size": self.resolution, "crop_pct": self.crop_pct, "ece_bins": ECE_BINS,
+                           "checkpoint": trainer.ckpt_path},
+        }})
+        metrics = flat_metrics(sections)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        shown = ", ".join(f"{k.removeprefix('benchmarks/')}={v:.4f}" for k, v in metrics.items())
+        print(f"benchmarks: {shown or 'none run'}; skipped: {[s['benchmark'] for s in self.skipped]}", flush=True)
+
+
+def flat_metrics(sections: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """The scalar metrics of the results sections as ``benchmarks/<name>/<metric>`` logger keys."""
+    metrics = {}
+    for name, section in sections.items():
+        for key in ("acc1", "ece", "aupr", "auroc", "fpr95", "bg_gap"):
+            if key in section:
+                metrics[f"benchmarks/{name}/{key}"] = float(section[key])
+        for variant, values in section.get("variants", {}).items():
+            metrics[f"benchmarks/{name}/{variant}/acc1"] = float(values["acc1"])
+    return metrics

@@ -1,0 +1,302 @@
+"""Distribution-shift benchmarks: class lists, metrics against independent computations (numpy, scikit-learn),
+layout errors, and one run through the CLI on tiny replicas of every layout."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
+
+from helpers import write_image
+from robust_lightning.data.classes import class_map
+from robust_lightning.errors import UserError
+from robust_lightning.evaluation.benchmarks import (
+    IN9_FOLDERS,
+    accuracy,
+    bg_gap,
+    expected_calibration_error,
+    full_split,
+    imagenet_o_splits,
+    in9_map,
+    in9_splits,
+    ood_metrics,
+    predict,
+    subset_classes,
+    subset_split,
+)
+
+
+# --------------------------------------------------------------------------------------------- class lists
+@pytest.mark.parametrize("benchmark", ["imagenet_r", "imagenet_a", "imagenet_o"])
+def test_the_200_class_indices_are_the_wnids_positions_among_the_1000(benchmark):
+    wnids, indices = subset_classes(benchmark)
+    imagenet = class_map("imagenet")
+    assert len(set(wnids)) == 200 and list(indices) == [imagenet[w] for w in wnids]
+
+
+def test_accuracy_of_sliced_logits_matches_a_hand_computation():
+    _, indices = subset_classes("imagenet_r")
+    logits = torch.zeros(4, 1000)
+    logits[:, 0] = 100.0  # class 0 (tench) is not an ImageNet-R class: slicing must ignore it
+    logits[0, indices[5]] = 3.0
+    logits[1, indices[7]] = 3.0
+    logits[2, indices[199]] = 3.0
+    logits[3, indices[0]] = 3.0
+    prediction, confidence = predict(logits, indices)
+    assert prediction.tolist() == [5, 7, 199, 0]
+    assert accuracy(prediction, torch.tensor([5, 7, 0, 1])) == 0.5  # two of four right
+    expected = np.exp(3.0) / (np.exp(3.0) + 199)  # softmax over the 200 sliced logits only
+    assert torch.allclose(confidence.double(), torch.full((4,), expected, dtype=torch.float64), atol=1e-6)
+    full_prediction, _ = predict(logits)
+    assert full_prediction.tolist() == [0, 0, 0, 0]
+
+
+def numpy_ece(confidence: np.ndarray, correct: np.ndarray, bins: int = 15) -> float:
+    edges = np.linspace(0, 1, bins + 1)
+    ece = 0.0
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        inside = (confidence > lo) & (confidence <= hi)
+        if inside.any():
+            ece += inside.mean() * abs(correct[inside].mean() - confidence[inside].mean())
+    return ece
+
+
+def test_ece_matches_an_independent_numpy_computation():
+    rng = np.random.default_rng(0)
+    confidence = rng.uniform(0.05, 1.0, 500)
+    correct = rng.uniform(size=500) < confidence ** 2  # miscalibrated on purpose
+    ours = expected_calibration_error(torch.tensor(confidence), torch.tensor(correct))
+    assert ours == pytest.approx(numpy_ece(confidence, correct.astype(float)), abs=1e-12)
+    assert ours > 0.05
+    # perfectly calibrated in each bin: all confidence 1 and all right
+    assert expected_calibration_error(torch.ones(10), torch.ones(10, dtype=torch.bool)) == 0.0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ood_metrics_match_sklearn_with_ties(seed):
+    rng = np.random.default_rng(seed)
+    is_ood = rng.uniform(size=300) < 0.4
+    scores = np.round(rng.normal(size=300) + is_ood, 1)  # rounded: many tied scores
+    ours = ood_metrics(torch.tensor(scores), torch.tensor(is_ood))
+    assert ours["aupr"] == pytest.approx(average_precision_score(is_ood, scores), abs=1e-12)
+    assert ours["auroc"] == pytest.approx(roc_auc_score(is_ood, scores), abs=1e-12)
+    fpr, tpr, _ = roc_curve(is_ood, scores, drop_intermediate=False)
+    assert ours["fpr95"] == pytest.approx(fpr[np.searchsorted(tpr, 0.95)], abs=1e-12)
+
+
+def test_bg_gap_maps_the_1000_way_prediction_and_counts_unmapped_ones_wrong():
+    mapping = in9_map()
+    dogs = [i for i in range(1000) if mapping[i] == 0]
+    birds = [i for i in range(1000) if mapping[i] == 1]
+    unmapped = [i for i in range(1000) if mapping[i] == -1]
+    assert len(unmapped) == 630 and mapping[0] == 8 and mapping[25] == -1  # tench: fish; 25 (salamander): none
+    targets = torch.tensor([0, 0, 1, 1])
+    same = accuracy(mapping[torch.tensor([dogs[0], dogs[5], birds[0], unmapped[3]])], targets)
+    rand = accuracy(mapping[torch.tensor([dogs[1], birds[1], unmapped[0], unmapped[1]])], targets)
+    assert (same, rand) == (0.75, 0.25)
+    assert bg_gap({"original": 1.0, "mixed_same": same, "mixed_rand": rand}) == 0.5
+
+
+# ---------------------------------------------------------------------------------------------- layouts
+def tree(root: Path, folders, per_folder: int = 2, seed: int = 0) -> Path:
+    for f, folder in enumerate(folders):
+        for i in range(per_folder):
+            write_image(root / folder / f"img_{i}.JPEG", seed + 10 * f + i)
+    return root
+
+
+def test_layout_errors_name_the_expected_layout(tmp_path):
+    r_wnids, _ = subset_classes("imagenet_r")
+    a_wnids, _ = subset_classes("imagenet_a")
+    with pytest.raises(UserError, match=r"does not exist; expected .*/<wnid>/<images>"):
+        subset_split("imagenet_r", tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match=r"no class folders; expected .*<wnid>"):
+        subset_split("imagenet_r", tmp_path / "empty")
+    wrong = next(w for w in a_wnids if w not in r_wnids)  # an ImageNet-A class that ImageNet-R lacks
+    tree(tmp_path / "r", [r_wnids[0], wrong])
+    with pytest.raises(UserError, match=rf"unknown class folders \['{wrong}'\]; expected .*imagenet_r_wnids.txt"):
+        subset_split("imagenet_r", tmp_path / "r")
+    tree(tmp_path / "sketch", ["n01440764", "cats"])
+    with pytest.raises(UserError, match=r"unknown class folders \['cats'\]; expected .*wnid .* or all by class index"):
+        full_split("imagenet_sketch", tmp_path / "sketch")
+    tree(tmp_path / "v2", ["0", "1000"])
+    with pytest.raises(UserError, match=r"unknown class folders \['1000'\]"):
+        full_split("imagenet_v2", tmp_path / "v2")
+    tree(tmp_path / "o", [subset_classes("imagenet_o")[0][0]])
+    with pytest.raises(UserError, match="ImageNet-O needs imagenet_val"):
+        imagenet_o_splits(tmp_path / "o", None)
+    tree(tmp_path / "val", ["n01440764"])  # tench: not an ImageNet-O class
+    with pytest.raises(UserError, match="no images of the 200 ImageNet-O classes"):
+        imagenet_o_splits(tmp_path / "o", tmp_path / "val")
+    for variant in ("original", "mixed_same"):
+        tree(tmp_path / "in9" / variant / "val", IN9_FOLDERS[:2])
+    missing_variant = r"mixed_rand/val does not exist; expected .*\{original,mixed_same,mixed_rand\}"
+    with pytest.raises(UserError, match=missing_variant):
+        in9_splits(tmp_path / "in9")
+    tree(tmp_path / "in9" / "mixed_rand" / "val", ["dog"])
+    with pytest.raises(UserError, match=r"unknown class folders \['dog'\]; expected .*'00_dog'"):
+        in9_splits(tmp_path / "in9")
+
+
+def test_layouts_read_labels_from_folder_names(tmp_path):
+    r_wnids, _ = subset_classes("imagenet_r")
+    split = subset_split("imagenet_r", tree(tmp_path / "r", [r_wnids[3], r_wnids[150]]))  # a partial copy is fine
+    assert sorted({t for _, t in split.samples}) == [3, 150]
+    v2 = full_split("imagenet_v2", tree(tmp_path / "v2", ["0", "999", "17"]))
+    assert sorted({t for _, t in v2.samples}) == [0, 17, 999]
+    sketch = full_split("imagenet_sketch", tree(tmp_path / "sketch", ["n01443537", "n15075141"]))
+    assert sorted({t for _, t in sketch.samples}) == [1, 999]
+    for variant in ("original", "mixed_same", "mixed_rand"):
+        tree(tmp_path / "in9" / variant / "val", [IN9_FOLDERS[0], IN9_FOLDERS[8]])
+    assert sorted({t for _, t in in9_splits(tmp_path / "in9")[2].samples}) == [0, 8]
+
+
+# ----------------------------------------------------------------------------------------- through the CLI
+# the first ImageNet-A class that ImageNet-R lacks: favouring it leaves ImageNet-R's predictions alone
+A_FAVOURED = next(i for i, index in enumerate(subset_classes("imagenet_a")[1])
+                  if index not in subset_classes("imagenet_r")[1])
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A Lightning checkpoint of a tiny untrained 1000-class classifier (the benchmarks read 1000 logits) that
+    favours one ImageNet-R and one ImageNet-A class, so that their accuracies are known and not zero."""
+    from lightning import Trainer
+
+    from robust_lightning.training.classifier import ImageClassifier
+
+    torch.manual_seed(0)
+    module = ImageClassifier(arch="test_resnet", num_classes=1000, image_size=32)
+    with torch.no_grad():
+        favoured = [subset_classes("imagenet_r")[1][0], subset_classes("imagenet_a")[1][A_FAVOURED]]
+        module.model.net.fc.bias[favoured] += 5.0
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.strategy.connect(module)
+    path = tmp_path_factory.mktemp("bench-ckpt") / "tiny.ckpt"
+    trainer.save_checkpoint(path)
+    return path
+
+
+def benchmark_trees(root: Path) -> dict[str, str]:
+    """Tiny replicas of every layout but ImageNet-Sketch (left out to be reported as skipped)."""
+    r, a, o = (subset_classes(name)[0] for name in ("imagenet_r", "imagenet_a", "imagenet_o"))
+    # ImageNet val: two ImageNet-O classes (in-distribution) and tench (not ImageNet-O: must be ignored)
+    tree(root / "imagenet" / "val", [o[0], o[1], "n01440764"], seed=100)
+    tree(root / "in9" / "original" / "val", IN9_FOLDERS[:3], seed=200)
+    tree(root / "in9" / "mixed_same" / "val", IN9_FOLDERS[:3], seed=300)
+    tree(root / "in9" / "mixed_rand" / "val", IN9_FOLDERS[:3], seed=400)
+    return {
+        "imagenet_r": str(tree(root / "r", r[:3], seed=500)),
+        "imagenet_a": str(tree(root / "a", a[A_FAVOURED : A_FAVOURED + 2], seed=600)),
+        "imagenet_v2": str(tree(root / "v2", ["0", "1", "999"], seed=700)),
+        "imagenet_o": str(tree(root / "o", o[:3], seed=800)),
+        "imagenet_val": str(root / "imagenet" / "val"),
+        "imagenet_9": str(root / "in9"),
+    }
+
+
+def bench_config(tmp_path: Path, roots: dict[str, str], devices: int = 1) -> Path:
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "cpu", "devices": devices, "enable_progress_bar": False,
+            "default_root_dir": str(tmp_path / "runs"),
+            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                       "init_args": {"save_dir": str(tmp_path / "runs"), "name": "bench"}},
+            "callbacks": [{"class_path": "robust_lightning.evaluation.benchmarks.DistributionShiftBenchmarks",
+                           "init_args": {**roots, "batch_size": 4, "num_workers": 0}}],
+        },
+        "model": {"arch": "test_resnet"},
+        "data": {"source": "folder", "root": str(tmp_path / "imagenet"), "class_map": "imagenet", "image_size": 32,
+                 "eval_batch_size": 8, "num_workers": 0},
+    }
+    if devices > 1:
+        config["trainer"]["strategy"] = "ddp"
+    path = tmp_path / "bench.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def direct_metrics(checkpoint: Path, root: str, benchmark: str) -> tuple[float, float]:
+    """ImageNet-R/-A top-1 and ECE computed without the callback or Lightning's loops."""
+    from robust_lightning.data.transforms import eval_transform
+    from robust_lightning.training.classifier import ImageClassifier
+    from PIL import Image
+
+    module = ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=True).eval()
+    wnids, indices = subset_classes(benchmark)
+    transform, correct, confidence = eval_transform(32), [], []
+    for path in sorted(Path(root).glob("*/*.JPEG")):
+        with torch.no_grad():
+            probabilities = module(transform(Image.open(path))[None].float() / 255)[0, list(indices)].softmax(0)
+        correct.append(int(probabilities.argmax()) == wnids.index(path.parent.name))
+        confidence.append(float(probabilities.max()))
+    return float(np.mean(correct)), numpy_ece(np.array(confidence), np.array(correct, dtype=float))
+
+
+def test_cli_run_writes_every_benchmark_and_lists_the_skipped_one(tmp_path, checkpoint):
+    from robust_lightning.cli import main
+
+    roots = benchmark_trees(tmp_path)
+    assert main(["test", "--config", str(bench_config(tmp_path, roots)), "--ckpt_path", str(checkpoint)]) == 0
+    results_file = next((tmp_path / "runs" / "bench").glob("version_*/results.json"))
+    results = json.loads(results_file.read_text())
+    section = results["benchmarks"]
+    assert "test" in results  # the model's own test set ran as usual
+
+    skipped = {"benchmark": "imagenet_sketch", "reason": "no root given (init arg imagenet_sketch)"}
+    assert section["skipped"] == [skipped]
+    assert (section["imagenet_r"]["num_images"], section["imagenet_a"]["num_images"]) == (6, 4)
+    assert section["imagenet_v2"]["num_images"] == 6 and section["imagenet_v2"]["num_classes"] == 1000
+    for name in ("imagenet_r", "imagenet_a", "imagenet_v2"):
+        assert 0 <= section[name]["acc1"] <= 1 and 0 <= section[name]["ece"] <= 1
+        assert section[name]["preprocessing"] == "resize shorter side to 36 (bicubic), centre crop 32"
+    # the favoured first class is right on its own folder's images only: 2 of 6 (R), 2 of 4 (A)
+    assert (section["imagenet_r"]["acc1"], section["imagenet_a"]["acc1"]) == (1 / 3, 1 / 2)
+    for name in ("imagenet_r", "imagenet_a"):
+        acc1, ece = direct_metrics(checkpoint, roots[name], name)
+        assert section[name]["acc1"] == acc1 and section[name]["ece"] == pytest.approx(ece, abs=1e-6)
+
+    o = section["imagenet_o"]
+    assert (o["num_ood"], o["num_in_distribution"]) == (6, 4)  # tench's val images are not in-distribution
+    assert all(0 <= o[k] <= 1 for k in ("aupr", "auroc", "fpr95"))
+    in9 = section["imagenet_9"]
+    assert set(in9["variants"]) == {"original", "mixed_same", "mixed_rand"}
+    assert all(v["num_images"] == 6 for v in in9["variants"].values())
+    assert in9["bg_gap"] == in9["variants"]["mixed_same"]["acc1"] - in9["variants"]["mixed_rand"]["acc1"]
+    assert in9["preprocessing"] == "resize to 32 x 32 (bicubic)"
+    assert section["conditions"]["image_size"] == 32
+
+    logged = (results_file.parent / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"benchmarks/imagenet_r/acc1", "benchmarks/imagenet_o/aupr", "benchmarks/imagenet_9/bg_gap"} <= set(logged)
+
+
+def test_cli_fails_at_test_start_on_a_bad_root(tmp_path, checkpoint, capsys):
+    from robust_lightning.cli import main
+
+    roots = benchmark_trees(tmp_path)
+    roots["imagenet_a"] = str(tmp_path / "missing")
+    assert main(["test", "--config", str(bench_config(tmp_path, roots)), "--ckpt_path", str(checkpoint)]) == 2
+    assert "missing does not exist; expected" in capsys.readouterr().err
+    assert not list((tmp_path / "runs").glob("**/results.json"))  # failed before any work
+
+
+def test_ddp_splits_every_benchmark_over_ranks_and_counts_each_image_once(tmp_path, checkpoint):
+    roots = benchmark_trees(tmp_path)
+    config = bench_config(tmp_path, roots, devices=2)
+    result = subprocess.run([sys.executable, "-m", "robust_lightning", "test", "--config", str(config),
+                             "--ckpt_path", str(checkpoint)],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    section = json.loads(next((tmp_path / "runs" / "bench").glob("version_*/results.json")).read_text())["benchmarks"]
+    assert (section["imagenet_r"]["num_images"], section["imagenet_a"]["num_images"]) == (6, 4)  # odd splits too
+    assert (section["imagenet_o"]["num_ood"], section["imagenet_o"]["num_in_distribution"]) == (6, 4)
+    assert all(v["num_images"] == 6 for v in section["imagenet_9"]["variants"].values())
+    for name in ("imagenet_r", "imagenet_a"):
+        acc1, ece = direct_metrics(checkpoint, roots[name], name)
+        assert section[name]["acc1"] == acc1 and section[name]["ece"] == pytest.approx(ece, abs=1e-6)
