@@ -1,0 +1,329 @@
+"""ImageNet-C: CE / mCE arithmetic against the data files read independently, the data files themselves,
+no re-resizing of the released 224 images, layout errors, and one run through the CLI on a tiny replica."""
+
+import csv
+import json
+from contextlib import nullcontext
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+from helpers import make_image_tree
+from robust_lightning.errors import UserError
+from robust_lightning.evaluation.imagenet_c import (
+    ALEXNET_CLEAN_ERROR,
+    ALL,
+    EXTRA,
+    STANDARD,
+    ImageNetC,
+    alexnet_errors_per_severity,
+    alexnet_mean_errors,
+    corruption_errors,
+    imagenet_c_cells,
+)
+from robust_lightning.paths import DATA_DIR
+
+WNIDS = ("n01440764", "n01443537", "n15075141")  # ImageNet labels 0, 1, 999
+LAYOUT = r"<root>/<corruption>/<severity 1\.\.5>/<wnid>/\*\.JPEG"
+
+
+def read_csv(name: str) -> list[dict[str, str]]:
+    with open(DATA_DIR / name, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# -------------------------------------------------------------------------------------------- data files
+def test_alexnet_data_files_parse():
+    per_severity = read_csv("imagenet_c_alexnet_err_per_severity.csv")
+    assert [r["corruption"] for r in per_severity] == list(STANDARD)
+    for row in per_severity:
+        values = [float(row[f"sev{s}"]) for s in range(1, 6)]
+        assert all(0 < v < 1 for v in values) and np.mean(values) == pytest.approx(float(row["mean"]), abs=1e-9)
+    baselines = read_csv("imagenet_c_alexnet_baselines.csv")
+    assert [r["corruption"] for r in baselines] == list(ALL) and len(ALL) == 19
+    assert all(0 < float(r["alexnet_err"]) < 1 for r in baselines)
+    # the module reads the same numbers
+    assert alexnet_errors_per_severity()["fog"] == (0.67474, 0.76050, 0.84378, 0.87260, 0.94500)
+    assert alexnet_mean_errors()["saturate"] == 0.6583
+    for row in per_severity:  # the means of the two files agree
+        assert alexnet_mean_errors()[row["corruption"]] == float(row["mean"])
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+def test_mce_and_relative_mce_match_explicit_arithmetic():
+    alexnet = {r["corruption"]: [float(r[f"sev{s}"]) for s in range(1, 6)]
+               for r in read_csv("imagenet_c_alexnet_err_per_severity.csv")}
+    errors = {c: {s: 0.3 + 0.1 * s + 0.004 * i for s in range(1, 6)} for i, c in enumerate(STANDARD)}
+    clean = 0.25
+    result = corruption_errors(errors, clean_error=clean)
+
+    ce = [sum(errors[c][s] for s in range(1, 6)) / sum(alexnet[c]) for c in STANDARD]
+    relative = [sum(errors[c][s] - clean for s in range(1, 6)) / sum(a - ALEXNET_CLEAN_ERROR for a in alexnet[c])
+                for c in STANDARD]
+    assert result["ce"]["gaussian_noise"] == pytest.approx(
+        (0.4 + 0.5 + 0.6 + 0.7 + 0.8) / (0.69528 + 0.82542 + 0.93554 + 0.98138 + 0.99452), abs=1e-12)
+    assert [result["ce"][c] for c in STANDARD] == pytest.approx(ce, abs=1e-12)
+    assert result["mce"] == pytest.approx(sum(ce) / 15, abs=1e-12)
+    assert result["relative_mce"] == pytest.approx(sum(relative) / 15, abs=1e-12)
+    assert "mce_partial" not in result
+    # AlexNet against itself: every CE and the mCE are exactly 1
+    itself = corruption_errors({c: dict(zip(range(1, 6), alexnet[c])) for c in STANDARD}, ALEXNET_CLEAN_ERROR)
+    assert itself["mce"] == pytest.approx(1.0) and itself["relative_mce"] == pytest.approx(1.0)
+
+
+def test_partial_evaluations_get_a_different_key_and_extras_need_all_severities():
+    alexnet = {r["corruption"]: [float(r[f"sev{s}"]) for s in range(1, 6)]
+               for r in read_csv("imagenet_c_alexnet_err_per_severity.csv")}
+    extra_mean = {r["corruption"]: float(r["alexnet_err"]) for r in read_csv("imagenet_c_alexnet_baselines.csv")}
+    errors = {"fog": {1: 0.3, 3: 0.5}, "snow": {1: 0.4, 3: 0.6}, "spatter": {1: 0.5, 3: 0.5},
+              "saturate": {s: 0.2 for s in range(1, 6)}}
+    result = corruption_errors(errors)  # no clean error: relative values are None
+    fog = 0.8 / (alexnet["fog"][0] + alexnet["fog"][2])
+    snow = 1.0 / (alexnet["snow"][0] + alexnet["snow"][2])
+    assert "mce" not in result and "relative_mce" not in result
+    assert result["mce_partial"] == {"value": pytest.approx((fog + snow) / 2, abs=1e-12),
+                                     "corruptions": ["snow", "fog"], "severities": [1, 3]}
+    assert result["relative_mce_partial"]["value"] is None
+    assert result["ce"]["spatter"] is None  # only the 5-severity mean is published for the extra corruptions
+    assert result["ce"]["saturate"] == pytest.approx(1.0 / (5 * extra_mean["saturate"]), abs=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------- layouts
+def write_square(path: Path, seed: int, size: int = 32) -> None:
+    rng = np.random.default_rng(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(path, quality=85)
+
+
+def imagenet_c_tree(root: Path, corruptions=("gaussian_noise", "brightness"), grouped: bool = False,
+                    per_class: int = 2, size: int = 32, uneven: bool = False) -> Path:
+    """``uneven``: the second class gets severity - 1 more images, so each cell has its own class balance."""
+    groups = {"gaussian_noise": "noise", "brightness": "weather", "contrast": "digital", "saturate": "extra"}
+    for c, corruption in enumerate(corruptions):
+        folder = root / groups[corruption] / corruption if grouped else root / corruption
+        for severity in range(1, 6):
+            for w, wnid in enumerate(WNIDS[:2]):
+                for i in range(per_class + (severity - 1) * (uneven and w == 1)):
+                    write_square(folder / str(severity) / wnid / f"ILSVRC2012_val_{w}{i:07d}.JPEG",
+                                 1000 * c + 100 * severity + 10 * w + i, size)
+    return root
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_cells_read_both_released_layouts(tmp_path, grouped):
+    root = imagenet_c_tree(tmp_path / "c", grouped=grouped)
+    cells, groups = imagenet_c_cells(root, ["gaussian_noise", "brightness"], [1, 5])
+    assert sorted(cells) == [("brightness", 1), ("brightness", 5), ("gaussian_noise", 1), ("gaussian_noise", 5)]
+    assert [label for _, label in cells["brightness", 5]] == [0, 0, 1, 1]
+    assert groups == ({"gaussian_noise": "noise", "brightness": "weather"} if grouped
+                      else {"gaussian_noise": None, "brightness": None})
+    limited, _ = imagenet_c_cells(root, ["brightness"], [2], limit_per_class=1)
+    assert [Path(p).name for p, _ in limited["brightness", 2]] == ["ILSVRC2012_val_00000000.JPEG",
+                                                                   "ILSVRC2012_val_10000000.JPEG"]
+    capped, _ = imagenet_c_cells(root, ["brightness"], [2], max_images=2)
+    assert [label for _, label in capped["brightness", 2]] == [0, 1]  # evenly spaced: both classes
+
+
+def test_layout_errors_name_the_expected_layout(tmp_path):
+    with pytest.raises(UserError, match=rf"nowhere does not exist; expected {LAYOUT}"):
+        imagenet_c_cells(tmp_path / "nowhere", ["fog"], [1])
+    (tmp_path / "empty" / "cats").mkdir(parents=True)
+    with pytest.raises(UserError, match=rf"no corruption folders; expected {LAYOUT}"):
+        imagenet_c_cells(tmp_path / "empty", ["fog"], [1])
+    root = imagenet_c_tree(tmp_path / "c")
+    with pytest.raises(UserError, match=rf"requested corruptions \['contrast'\] not found .*expected {LAYOUT}"):
+        imagenet_c_cells(root, ["gaussian_noise", "contrast"], [1])
+    (root / "brightness" / "6").mkdir()
+    with pytest.raises(UserError, match=rf"severity folders .*'6'.* not among 1..5; expected {LAYOUT}"):
+        imagenet_c_cells(root, ["brightness"], [1])
+    (root / "brightness" / "6").rmdir()
+    write_square(root / "gaussian_noise" / "3" / "n00000000" / "x.JPEG", 0)
+    with pytest.raises(UserError, match=rf"unknown wnid folders \['n00000000'\]; expected {LAYOUT}"):
+        imagenet_c_cells(root, ["gaussian_noise"], [3])
+    imagenet_c_tree(tmp_path / "c", corruptions=("brightness",), grouped=True)  # now both flat and in weather/
+    with pytest.raises(UserError, match=r"more than one place"):
+        imagenet_c_cells(root, ["brightness"], [1])
+    with pytest.raises(UserError, match="unknown"):
+        ImageNetC(root=str(root), corruptions=["gaussian_noize"])
+    with pytest.raises(UserError, match="among 1..5"):
+        ImageNetC(root=str(root), severities=[0, 1])
+
+
+# ----------------------------------------------------------------------------------------- preprocessing
+class Recorder(torch.nn.Module):
+    """Stands in for the LightningModule: records every input batch, predicts class 0."""
+
+    def __init__(self, image_size: int):
+        super().__init__()
+        self.hparams = {"image_size": image_size}
+        self.inputs: list[torch.Tensor] = []
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        self.inputs.append(images.clone())
+        logits = torch.zeros(len(images), 1000)
+        logits[:, 0] = 1.0
+        return logits
+
+
+def run_callback(tmp_path: Path, root: Path, model_size: int) -> tuple[Recorder, dict]:
+    callback = ImageNetC(root=str(root), corruptions=["brightness"], severities=[2], clean_error=0.1,
+                         batch_size=3, num_workers=0, plot=False)
+    trainer = SimpleNamespace(
+        world_size=1, global_rank=0, is_global_zero=True, log_dir=str(tmp_path / "run"), default_root_dir=None,
+        loggers=[], global_step=0, ckpt_path=None, callback_metrics={}, datamodule=None,
+        precision_plugin=SimpleNamespace(test_step_context=nullcontext))
+    model = Recorder(model_size)
+    callback.on_test_start(trainer, model)
+    callback.on_test_end(trainer, model)
+    return model, json.loads((tmp_path / "run" / "results.json").read_text())["imagenet_c"]
+
+
+def test_images_at_model_resolution_reach_the_model_as_decoded(tmp_path):
+    root = imagenet_c_tree(tmp_path / "c", corruptions=("brightness",))
+    model, section = run_callback(tmp_path, root, model_size=32)
+    seen = torch.cat(model.inputs)
+    files = sorted((root / "brightness" / "2").glob("*/*.JPEG"))
+    decoded = torch.stack([torch.from_numpy(np.array(Image.open(f).convert("RGB"))).permute(2, 0, 1)
+                           for f in files]).float() / 255
+    assert seen.shape == (4, 3, 32, 32) and torch.equal(seen, decoded)  # no resize, no crop
+    assert section["preprocessing"] == "none (decoded as released)"
+    assert section["corruptions"]["brightness"]["acc1"] == {"2": 0.5}  # class 0 predicted: 2 of 4 right
+
+
+def test_images_are_resized_only_for_another_model_resolution(tmp_path):
+    root = imagenet_c_tree(tmp_path / "c", corruptions=("brightness",))
+    model, section = run_callback(tmp_path, root, model_size=24)
+    assert torch.cat(model.inputs).shape == (4, 3, 24, 24)
+    assert section["preprocessing"] == "resize 32 x 32 to 24 x 24 (bicubic)"
+    assert section["conditions"]["image_size"] == 24
+
+
+# ------------------------------------------------------------------------------------------ through the CLI
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A tiny untrained 1000-class classifier at 32 px that favours class 0, so accuracies are not all zero."""
+    from lightning import Trainer
+
+    from robust_lightning.training.classifier import ImageClassifier
+
+    torch.manual_seed(0)
+    module = ImageClassifier(arch="test_resnet", num_classes=1000, image_size=32)
+    with torch.no_grad():
+        module.model.net.fc.bias[0] += 3.0
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.strategy.connect(module)
+    path = tmp_path_factory.mktemp("imagenet-c-ckpt") / "tiny.ckpt"
+    trainer.save_checkpoint(path)
+    return path
+
+
+def cli_config(tmp_path: Path, callback_args: dict) -> Path:
+    make_image_tree(tmp_path / "imagenet" / "val", {WNIDS[0]: 2, WNIDS[1]: 2, WNIDS[2]: 1})
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "cpu", "devices": 1, "enable_progress_bar": False,
+            "default_root_dir": str(tmp_path / "runs"),
+            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                       "init_args": {"save_dir": str(tmp_path / "runs"), "name": "c"}},
+            "callbacks": [{"class_path": "robust_lightning.evaluation.imagenet_c.ImageNetC",
+                           "init_args": {"batch_size": 7, "num_workers": 0, **callback_args}}],
+        },
+        "model": {"arch": "test_resnet"},
+        "data": {"source": "folder", "root": str(tmp_path / "imagenet"), "class_map": "imagenet", "image_size": 32,
+                 "eval_batch_size": 8, "num_workers": 0},
+    }
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def direct_accuracy(checkpoint: Path, cell: Path) -> float:
+    """Top-1 of one corruption x severity folder without the callback or Lightning's loops."""
+    from robust_lightning.data.classes import class_map
+    from robust_lightning.training.classifier import ImageClassifier
+
+    module = ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=True).eval()
+    labels = class_map("imagenet")
+    right = []
+    for path in sorted(cell.glob("*/*.JPEG")):
+        image = torch.from_numpy(np.array(Image.open(path).convert("RGB"))).permute(2, 0, 1).float() / 255
+        with torch.no_grad():
+            right.append(int(module(image[None]).argmax()) == labels[path.parent.name])
+    return float(np.mean(right))
+
+
+def test_cli_run_writes_the_imagenet_c_section(tmp_path, checkpoint):
+    from robust_lightning.cli import main
+
+    root = imagenet_c_tree(tmp_path / "imagenet-c", grouped=True, uneven=True)
+    config = cli_config(tmp_path, {"root": str(root), "corruptions": ["gaussian_noise", "brightness"]})
+    assert main(["test", "--config", str(config), "--ckpt_path", str(checkpoint)]) == 0
+    results_file = next((tmp_path / "runs" / "c").glob("version_*/results.json"))
+    results = json.loads(results_file.read_text())
+    section = results["imagenet_c"]
+
+    assert section["layout"] == "group folders" and section["num_images"] == 2 * (5 * 4 + 10)
+    assert section["preprocessing"] == "none (decoded as released)"
+    alexnet = {r["corruption"]: [float(r[f"sev{s}"]) for s in range(1, 6)]
+               for r in read_csv("imagenet_c_alexnet_err_per_severity.csv")}
+    accs = []
+    for corruption, group in (("gaussian_noise", "noise"), ("brightness", "weather")):
+        values = section["corruptions"][corruption]
+        assert values["group"] == group and values["num_images"] == 30
+        for s in range(1, 6):
+            expected = direct_accuracy(checkpoint, root / group / corruption / str(s))
+            assert values["acc1"][str(s)] == pytest.approx(expected, abs=1e-12)
+            assert values["error"][str(s)] == pytest.approx(1 - expected, abs=1e-12)
+            accs.append(expected)
+        errors = [values["error"][str(s)] for s in range(1, 6)]
+        assert values["ce"] == pytest.approx(sum(errors) / sum(alexnet[corruption]), abs=1e-12)
+        assert 0 <= values["ece"] <= 1
+    assert section["mean_acc1"] == pytest.approx(np.mean(accs), abs=1e-12)
+    assert len(set(accs)) > 1  # the check discriminates: not every cell at one value
+    assert "mce" not in section and section["mce_partial"]["corruptions"] == ["gaussian_noise", "brightness"]
+    # the clean error comes from this run's own ImageNet val test
+    assert section["clean_error"] == pytest.approx(1 - results["test"]["metrics"]["test/acc1"], abs=1e-6)
+    assert section["clean_error_source"].startswith("1 - test/acc1")
+    plot = results_file.parent / "imagenet_c_errors.png"
+    assert section["plot"] == str(plot.resolve()) and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    logged = (results_file.parent / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"imagenet_c/mce_partial", "imagenet_c/brightness/acc1", "imagenet_c/brightness/3/acc1"} <= set(logged)
+
+
+def test_cli_fails_at_test_start_on_a_bad_root(tmp_path, checkpoint, capsys):
+    from robust_lightning.cli import main
+
+    root = imagenet_c_tree(tmp_path / "imagenet-c", corruptions=("brightness",))
+    config = cli_config(tmp_path, {"root": str(root)})  # the default 15 corruptions: 14 are missing
+    assert main(["test", "--config", str(config), "--ckpt_path", str(checkpoint)]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert not list((tmp_path / "runs").glob("**/results.json"))  # failed before any work
+
+
+def test_ddp_splits_the_images_over_ranks_and_counts_each_once(tmp_path, checkpoint):
+    import subprocess
+    import sys
+
+    root = imagenet_c_tree(tmp_path / "imagenet-c", corruptions=("brightness",), per_class=3)  # 6 per cell: odd splits
+    config = cli_config(tmp_path, {"root": str(root), "corruptions": ["brightness"], "severities": [1, 4]})
+    settings = yaml.safe_load(config.read_text())
+    settings["trainer"].update(devices=2, strategy="ddp")
+    config.write_text(yaml.safe_dump(settings))
+    result = subprocess.run([sys.executable, "-m", "robust_lightning", "test", "--config", str(config),
+                             "--ckpt_path", str(checkpoint)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    section = json.loads(next((tmp_path / "runs" / "c").glob("version_*/results.json")).read_text())["imagenet_c"]
+    assert section["num_images"] == 12 and section["corruptions"]["brightness"]["num_images"] == 12
+    for s in (1, 4):
+        expected = direct_accuracy(checkpoint, root / "brightness" / str(s))
+        assert section["corruptions"]["brightness"]["acc1"][str(s)] == pytest.approx(expected, abs=1e-12)
