@@ -300,3 +300,16 @@ def test_ddp_splits_every_benchmark_over_ranks_and_counts_each_image_once(tmp_pa
     for name in ("imagenet_r", "imagenet_a"):
         acc1, ece = direct_metrics(checkpoint, roots[name], name)
         assert section[name]["acc1"] == acc1 and section[name]["ece"] == pytest.approx(ece, abs=1e-6)
+
+
+def test_an_unreadable_image_is_skipped_and_named_not_fatal(tmp_path, checkpoint):
+    from robust_lightning.cli import main
+
+    roots = benchmark_trees(tmp_path)
+    broken = next(Path(roots["imagenet_r"]).glob("*/*.JPEG"))
+    broken.write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
+    roots = {"imagenet_r": roots["imagenet_r"]}
+    assert main(["test", "--config", str(bench_config(tmp_path, roots)), "--ckpt_path", str(checkpoint)]) == 0
+    section = json.loads(next((tmp_path / "runs" / "bench").glob("version_*/results.json")).read_text())
+    r = section["benchmarks"]["imagenet_r"]
+    assert r["num_images"] == 5 and len(r["corrupt_images"]) == 1 and str(broken) in r["corrupt_images"][0]

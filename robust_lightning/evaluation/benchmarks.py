@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from lightning import Callback
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 from torchvision.transforms import v2 as T
 from tqdm import tqdm
 
@@ -232,9 +232,28 @@ class ImageList(Dataset):
         path, target = self.samples[index]
         try:
             image = self.transform(Image.open(path))
-        except Exception as e:  # name the file: a bad image in a benchmark copy must be fixable
-            raise RuntimeError(f"cannot read {path}: {type(e).__name__}: {e}") from e
+        except Exception as e:  # one unreadable file must not cost the whole benchmark: skip it, and name it
+            return {"corrupt": f"{path} ({type(e).__name__}: {e})", "index": index}
         return {"image": image, "target": target, "index": index}
+
+
+def collate_readable(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """Batch the readable images; carry (index, reason) of the unreadable ones."""
+    good = [item for item in items if "image" in item]
+    batch = default_collate(good) if good else {}
+    batch["corrupt"] = [(item["index"], item["corrupt"]) for item in items if "corrupt" in item]
+    return batch
+
+
+@dataclass
+class Predictions:
+    """Per readable image, in dataset order: its index in the dataset, target, prediction, confidence."""
+
+    index: torch.Tensor
+    target: torch.Tensor
+    prediction: torch.Tensor
+    confidence: torch.Tensor
+    corrupt: list[str]  # the unreadable images, skipped and named
 
 
 class ExactSize:
@@ -321,52 +340,66 @@ class DistributionShiftBenchmarks(Callback):
 
     # ------------------------------------------------------------------------------------------ running
     @torch.no_grad()
-    def _predict(self, trainer, pl_module, split: Split, transform: Callable, classes: tuple[int, ...] | None):
-        """(target, prediction, confidence) of every image of ``split``, in dataset order, over all ranks.
+    def _predict(self, trainer, pl_module, split: Split, transform: Callable, classes: tuple[int, ...] | None
+                 ) -> Predictions:
+        """Predictions for every readable image of ``split``, over all ranks, each image exactly once.
         ``classes``: logit indices the softmax and argmax are restricted to (prediction = position in them)."""
         dataset = ImageList(split.samples, transform)
         sampler = ExactDistributedSampler(dataset, trainer.world_size, trainer.global_rank)
-        loader = DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers)
-        mine: list[tuple[int, int, int, float]] = []
+        loader = DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers,
+                            collate_fn=collate_readable)
+        rows: list[tuple[int, int, int, float]] = []
+        corrupt: list[tuple[int, str]] = []
         bar = tqdm(loader, desc=split.name, disable=not trainer.is_global_zero, leave=False)
         for batch in bar:
+            corrupt += batch["corrupt"]
+            if "image" not in batch:
+                continue
             images = batch["image"].to(pl_module.device).float().div_(255)
             with trainer.precision_plugin.test_step_context():
                 prediction, confidence = predict(pl_module(images), classes)
-            mine += zip(batch["index"].tolist(), batch["target"].tolist(), prediction.tolist(), confidence.tolist())
-        everything = [mine]
+            rows += zip(batch["index"].tolist(), batch["target"].tolist(), prediction.tolist(), confidence.tolist())
+        parts = [(rows, corrupt)]
         if dist.is_available() and dist.is_initialized():
-            everything = [None] * dist.get_world_size()
-            dist.all_gather_object(everything, mine)
-        rows = sorted(row for part in everything for row in part)
-        assert [row[0] for row in rows] == list(range(len(dataset))), "images lost or counted twice across ranks"
-        _, target, prediction, confidence = (torch.tensor(column) for column in zip(*rows))
-        return target, prediction, confidence.double()
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, (rows, corrupt))
+        rows = sorted(row for part in parts for row in part[0])
+        corrupt = sorted(item for part in parts for item in part[1])
+        seen = sorted([row[0] for row in rows] + [index for index, _ in corrupt])
+        assert seen == list(range(len(dataset))), "images lost or counted twice across ranks"
+        index, target, prediction, confidence = (torch.tensor(column) for column in zip(*rows)) if rows else (
+            torch.empty(0, dtype=torch.long),) * 3 + (torch.empty(0, dtype=torch.double),)
+        return Predictions(index, target, prediction, confidence.double(), [reason for _, reason in corrupt])
 
     def _run(self, trainer, pl_module, name: str) -> dict[str, Any]:
         transform, note = self._preprocessing(name)
         splits = self.splits[name]
         section: dict[str, Any] = {"root": str(Path(self.roots[name]).resolve()), "preprocessing": note}
+        corrupt: list[str] = []
         if name in ("imagenet_r", "imagenet_a", "imagenet_sketch", "imagenet_v2"):
             classes = subset_classes(name)[1] if name in ("imagenet_r", "imagenet_a") else None
-            target, prediction, confidence = self._predict(trainer, pl_module, splits[0], transform, classes)
-            section.update(num_images=len(target), num_classes=len(classes or range(1000)),
-                           acc1=accuracy(prediction, target),
-                           ece=expected_calibration_error(confidence, prediction == target))
+            p = self._predict(trainer, pl_module, splits[0], transform, classes)
+            corrupt += p.corrupt
+            section.update(num_images=len(p.target), num_classes=len(classes or range(1000)),
+                           acc1=accuracy(p.prediction, p.target),
+                           ece=expected_calibration_error(p.confidence, p.prediction == p.target))
         elif name == "imagenet_o":
             classes = subset_classes(name)[1]
-            parts = [self._predict(trainer, pl_module, split, transform, classes) for split in splits]
-            is_ood = torch.cat([part[0] for part in parts])
-            anomaly = -torch.cat([part[2] for part in parts])  # -max softmax over the 200 classes
-            section.update(imagenet_val=str(Path(self.imagenet_val).resolve()), num_ood=len(parts[0][0]),
-                           num_in_distribution=len(parts[1][0]), **ood_metrics(anomaly, is_ood))
+            ood, known = (self._predict(trainer, pl_module, split, transform, classes) for split in splits)
+            corrupt += ood.corrupt + known.corrupt
+            is_ood = torch.cat([ood.target, known.target]).bool()  # targets: 1 = OOD, 0 = in-distribution
+            anomaly = -torch.cat([ood.confidence, known.confidence])  # -max softmax over the 200 classes
+            section.update(imagenet_val=str(Path(self.imagenet_val).resolve()), num_ood=len(ood.target),
+                           num_in_distribution=len(known.target), **ood_metrics(anomaly, is_ood))
         else:
             to_in9 = in9_map()
             variants = {}
             for split in splits:
-                target, prediction, _ = self._predict(trainer, pl_module, split, transform, None)
-                variants[split.name] = {"num_images": len(target), "acc1": accuracy(to_in9[prediction], target)}
+                p = self._predict(trainer, pl_module, split, transform, None)
+                corrupt += p.corrupt
+                variants[split.name] = {"num_images": len(p.target), "acc1": accuracy(to_in9[p.prediction], p.target)}
             section.update(variants=variants, bg_gap=bg_gap({k: v["acc1"] for k, v in variants.items()}))
+        section["corrupt_images"] = corrupt
         return section
 
     def on_test_end(self, trainer, pl_module) -> None:

@@ -304,13 +304,15 @@ class ImageNetC(Callback):
         cell_of = torch.tensor([k for k, key in enumerate(keys) for _ in self.cells[key]])
         was_training = pl_module.training
         pl_module.eval()
-        target, prediction, confidence = self._predict(trainer, pl_module, Split("imagenet_c", samples),
-                                                       ExactSize(self.resolution), None)
+        predictions = self._predict(trainer, pl_module, Split("imagenet_c", samples), ExactSize(self.resolution), None)
+        cell_of = cell_of[predictions.index]  # unreadable images are skipped (and named in the results)
+        target, prediction, confidence = predictions.target, predictions.prediction, predictions.confidence
         pl_module.train(was_training)
         run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # a collective under DDP: every rank calls it
         if not trainer.is_global_zero:
             return
         section = self._section(trainer, keys, cell_of, target, prediction, confidence)
+        section["corrupt_images"] = predictions.corrupt
         section["plot"] = self._plot(run_dir, section) if self.plot else "not requested"
         update_results(run_dir / "results.json", {"imagenet_c": section})
         metrics = flat_metrics(section)
