@@ -2,7 +2,6 @@
 safeguard, and the Lightning callback (results, resume, DDP)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -18,7 +18,6 @@ from robust_lightning.errors import UserError
 from robust_lightning.evaluation.imagenet_c import (
     ALEXNET_CLEAN_ERROR,
     ALL,
-    EXTRA,
     STANDARD,
     ImageNetC,
     alexnet_errors_per_severity,

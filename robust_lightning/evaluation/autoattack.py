@@ -14,7 +14,6 @@ of the validation data (the quickstart reports AutoAttack this way).
 
 import json
 import os
-import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path

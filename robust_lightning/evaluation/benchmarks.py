@@ -86,7 +86,6 @@ def expected_calibration_error(confidence: torch.Tensor, correct: torch.Tensor, 
     confidence, correct = confidence.double(), correct.double()
     edges = torch.linspace(0, 1, bins + 1, dtype=torch.float64)
     bin_index = (torch.bucketize(confidence, edges) - 1).clamp(0, bins - 1)  # (lo, hi]; 0 joins the first bin
-    count = torch.zeros(bins, dtype=torch.float64).index_add_(0, bin_index, torch.ones_like(confidence))
     gap = (torch.zeros(bins, dtype=torch.float64).index_add_(0, bin_index, correct)
            - torch.zeros(bins, dtype=torch.float64).index_add_(0, bin_index, confidence))
     return (gap.abs().sum() / len(confidence)).item()

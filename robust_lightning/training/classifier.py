@@ -6,7 +6,6 @@ trains on adversarial examples of the augmented, mixed batch. Validation measure
 score that ModelCheckpoint keeps the best of (``val/select_acc``).
 """
 
-import copy
 from functools import partial
 from typing import Literal
 
