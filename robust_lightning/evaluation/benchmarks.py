@@ -82,7 +82,8 @@ def accuracy(predictions: torch.Tensor, targets: torch.Tensor) -> float:
 
 
 def expected_calibration_error(confidence: torch.Tensor, correct: torch.Tensor, bins: int = ECE_BINS) -> float:
-    """ECE with equal-width confidence bins (lo, hi]: sum over bins of |accuracy - mean confidence| x share."""
+    """ECE with equal-width confidence bins (lo, hi]: sum over bins of |accuracy - mean confidence| x share.
+    (torchmetrics' calibration error bins [lo, hi), which moves confidences that sit on a bin edge.)"""
     confidence, correct = confidence.double(), correct.double()
     edges = torch.linspace(0, 1, bins + 1, dtype=torch.float64)
     bin_index = (torch.bucketize(confidence, edges) - 1).clamp(0, bins - 1)  # (lo, hi]; 0 joins the first bin
@@ -93,7 +94,8 @@ def expected_calibration_error(confidence: torch.Tensor, correct: torch.Tensor, 
 
 def ood_metrics(scores: torch.Tensor, is_ood: torch.Tensor) -> dict[str, float]:
     """AUPR (average precision), AUROC and FPR at 95% TPR with OOD the positive class and higher score = more
-    anomalous. Exact: tied scores form one threshold, as in sklearn's average_precision_score / roc_curve."""
+    anomalous. Exact: tied scores form one threshold, as in sklearn's average_precision_score / roc_curve.
+    (torchmetrics' functional versions compute in float32 and pass scores outside [0, 1] through a sigmoid.)"""
     scores, positive = scores.double(), is_ood.bool()
     if positive.all() or not positive.any():
         raise ValueError("OOD metrics need both in-distribution and OOD images")
@@ -269,6 +271,46 @@ class ExactSize:
         return T.functional.pil_to_tensor(image)
 
 
+def evaluation_resolution(trainer, pl_module, override: int | None) -> int:
+    """The resolution benchmarks run at: the override, else the model's, else the data's, else 224."""
+    model_size = getattr(pl_module, "hparams", {}).get("image_size")
+    return int(override or model_size or getattr(trainer.datamodule, "image_size", None) or 224)
+
+
+@torch.no_grad()
+def predict_split(trainer, pl_module, split: Split, transform: Callable, classes: tuple[int, ...] | None, *,
+                  batch_size: int, num_workers: int) -> Predictions:
+    """Predictions for every readable image of ``split``, over all ranks, each image exactly once.
+    ``classes``: logit indices the softmax and argmax are restricted to (prediction = position in them)."""
+    dataset = ImageList(split.samples, transform)
+    sampler = ExactDistributedSampler(dataset, trainer.world_size, trainer.global_rank)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                        collate_fn=collate_readable)
+    rows: list[tuple[int, int, int, float]] = []
+    corrupt: list[tuple[int, str]] = []
+    bar = tqdm(loader, desc=split.name, disable=not trainer.is_global_zero, leave=False)
+    for batch in bar:
+        corrupt += batch["corrupt"]
+        if "image" not in batch:
+            continue
+        images = batch["image"].to(pl_module.device).float().div_(255)
+        with trainer.precision_plugin.test_step_context():
+            prediction, confidence = predict(pl_module(images), classes)
+        rows += zip(batch["index"].tolist(), batch["target"].tolist(), prediction.tolist(), confidence.tolist())
+    parts = [(rows, corrupt)]
+    if dist.is_available() and dist.is_initialized():
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (rows, corrupt))
+    rows = sorted(row for part in parts for row in part[0])
+    corrupt = sorted(item for part in parts for item in part[1])
+    seen = sorted([row[0] for row in rows] + [index for index, _ in corrupt])
+    assert seen == list(range(len(dataset))), "images lost or counted twice across ranks"
+    index, target, prediction, confidence = (torch.tensor(column) for column in zip(*rows)) if rows else (
+        torch.empty(0, dtype=torch.long),) * 3 + (torch.empty(0, dtype=torch.double),)
+    return Predictions(index, target, prediction, confidence.double(), [reason for _, reason in corrupt])
+
+
+
 class DistributionShiftBenchmarks(Callback):
     """ImageNet-R, -A, -Sketch, -V2, -O and ImageNet-9 after ``test`` (see the module docstring).
 
@@ -323,11 +365,7 @@ class DistributionShiftBenchmarks(Callback):
                 self.splits[name] = list(imagenet_o_splits(root, self.imagenet_val))
             else:
                 self.splits[name] = in9_splits(root)
-        self.resolution = self._resolution(trainer, pl_module)
-
-    def _resolution(self, trainer, pl_module) -> int:
-        model_size = getattr(pl_module, "hparams", {}).get("image_size")
-        return int(self.image_size or model_size or getattr(trainer.datamodule, "image_size", None) or 224)
+        self.resolution = evaluation_resolution(trainer, pl_module, self.image_size)
 
     def _preprocessing(self, name: str) -> tuple[Callable, str]:
         r = self.resolution
@@ -338,37 +376,9 @@ class DistributionShiftBenchmarks(Callback):
         return eval_transform(r, self.crop_pct), note
 
     # ------------------------------------------------------------------------------------------ running
-    @torch.no_grad()
-    def _predict(self, trainer, pl_module, split: Split, transform: Callable, classes: tuple[int, ...] | None
-                 ) -> Predictions:
-        """Predictions for every readable image of ``split``, over all ranks, each image exactly once.
-        ``classes``: logit indices the softmax and argmax are restricted to (prediction = position in them)."""
-        dataset = ImageList(split.samples, transform)
-        sampler = ExactDistributedSampler(dataset, trainer.world_size, trainer.global_rank)
-        loader = DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers,
-                            collate_fn=collate_readable)
-        rows: list[tuple[int, int, int, float]] = []
-        corrupt: list[tuple[int, str]] = []
-        bar = tqdm(loader, desc=split.name, disable=not trainer.is_global_zero, leave=False)
-        for batch in bar:
-            corrupt += batch["corrupt"]
-            if "image" not in batch:
-                continue
-            images = batch["image"].to(pl_module.device).float().div_(255)
-            with trainer.precision_plugin.test_step_context():
-                prediction, confidence = predict(pl_module(images), classes)
-            rows += zip(batch["index"].tolist(), batch["target"].tolist(), prediction.tolist(), confidence.tolist())
-        parts = [(rows, corrupt)]
-        if dist.is_available() and dist.is_initialized():
-            parts = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, (rows, corrupt))
-        rows = sorted(row for part in parts for row in part[0])
-        corrupt = sorted(item for part in parts for item in part[1])
-        seen = sorted([row[0] for row in rows] + [index for index, _ in corrupt])
-        assert seen == list(range(len(dataset))), "images lost or counted twice across ranks"
-        index, target, prediction, confidence = (torch.tensor(column) for column in zip(*rows)) if rows else (
-            torch.empty(0, dtype=torch.long),) * 3 + (torch.empty(0, dtype=torch.double),)
-        return Predictions(index, target, prediction, confidence.double(), [reason for _, reason in corrupt])
+    def _predict(self, trainer, pl_module, split: Split, transform: Callable, classes: tuple[int, ...] | None):
+        return predict_split(trainer, pl_module, split, transform, classes, batch_size=self.batch_size,
+                             num_workers=self.num_workers)
 
     def _run(self, trainer, pl_module, name: str) -> dict[str, Any]:
         transform, note = self._preprocessing(name)

@@ -17,7 +17,7 @@ Protocol (REFERENCE.md section 3; constants in data/, see data/PROVENANCE.md):
 
 Like DistributionShiftBenchmarks: the layout is checked in ``on_test_start`` (a wrong root fails before any
 work), everything runs in ``on_test_end`` after the model's own test set, and under DDP the images are split
-over the ranks and gathered exactly by the sibling's ``_predict``.
+over the ranks and gathered exactly by ``benchmarks.predict_split``.
 """
 
 import csv
@@ -35,11 +35,12 @@ from robust_lightning.errors import UserError
 from robust_lightning.evaluation.benchmarks import (
     ECE_BINS,
     IMAGE_SUFFIXES,
-    DistributionShiftBenchmarks,
     ExactSize,
     Split,
     accuracy,
+    evaluation_resolution,
     expected_calibration_error,
+    predict_split,
 )
 from robust_lightning.evaluation.results import update_results
 from robust_lightning.paths import DATA_DIR
@@ -241,10 +242,6 @@ class ImageNetC(Callback):
         plot: save a bar plot of the error per corruption (imagenet_c_errors.png beside results.json).
     """
 
-    # the sibling's exact per-rank split and gather (needs self.batch_size and self.num_workers)
-    _predict = DistributionShiftBenchmarks._predict
-    _resolution = DistributionShiftBenchmarks._resolution
-
     def __init__(
         self,
         root: str,
@@ -286,7 +283,7 @@ class ImageNetC(Callback):
         """Check the whole layout before any work: a wrong root fails the run at once, not hours in."""
         self.cells, self.groups = imagenet_c_cells(self.root, self.corruptions, self.severities,
                                                    self.limit_per_class, self.max_images)
-        self.resolution = self._resolution(trainer, pl_module)
+        self.resolution = evaluation_resolution(trainer, pl_module, self.image_size)
 
     def _clean_error(self, trainer) -> tuple[float | None, str]:
         if self.clean_error is not None:
@@ -304,7 +301,8 @@ class ImageNetC(Callback):
         cell_of = torch.tensor([k for k, key in enumerate(keys) for _ in self.cells[key]])
         was_training = pl_module.training
         pl_module.eval()
-        predictions = self._predict(trainer, pl_module, Split("imagenet_c", samples), ExactSize(self.resolution), None)
+        predictions = predict_split(trainer, pl_module, Split("imagenet_c", samples), ExactSize(self.resolution), None,
+                                    batch_size=self.batch_size, num_workers=self.num_workers)
         cell_of = cell_of[predictions.index]  # unreadable images are skipped (and named in the results)
         target, prediction, confidence = predictions.target, predictions.prediction, predictions.confidence
         pl_module.train(was_training)
