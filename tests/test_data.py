@@ -275,3 +275,20 @@ def test_the_robustbench_subset_file_is_the_5000_image_list():
     entries = lines.splitlines()
     assert len(entries) == 5000 and len(set(entries)) == 5000
     assert all(e.count("/") == 1 and e.split("/")[1].startswith("ILSVRC2012_val_") for e in entries)
+
+
+@pytest.mark.parametrize("source", ["folder", "shards"])
+def test_eval_dataloader_with_another_transform_reads_the_same_images(tmp_path, source):
+    root, listed = _subset_tree(tmp_path)
+    where = {"root": str(root)}
+    if source == "shards":
+        convert_image_folder(root / "val", tmp_path / "val_shards", samples_per_shard=5, workers=1, progress=False)
+        where = {"val_shards": str(tmp_path / "val_shards")}
+    dm = ImageNetDataModule(source=source, image_size=16, eval_batch_size=20, num_workers=0,
+                            eval_subset=str(tmp_path / "subset.txt"), **where)
+    dm.setup("test")
+    plain = next(iter(dm.test_dataloader()))
+    larger = next(iter(dm.eval_dataloader_with(eval_transform(24))))
+    assert larger["key"] == plain["key"] and torch.equal(larger["label"], plain["label"])
+    assert larger["image"].shape[-2:] == (24, 24) and plain["image"].shape[-2:] == (16, 16)
+    assert next(iter(dm.test_dataloader()))["image"].shape[-2:] == (16, 16)  # the original set is untouched
