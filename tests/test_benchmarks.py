@@ -77,6 +77,19 @@ def test_ece_matches_an_independent_numpy_computation():
     assert expected_calibration_error(torch.ones(10), torch.ones(10, dtype=torch.bool)) == 0.0
 
 
+def test_the_test_loop_calibration_metric_accumulates_batches_to_the_same_ece():
+    from robust_lightning.evaluation.calibration import CalibrationError
+
+    logits = torch.randn(300, 7, generator=torch.Generator().manual_seed(0)) * 3
+    labels = torch.randint(0, 7, (300,), generator=torch.Generator().manual_seed(1))
+    metric = CalibrationError()
+    for part in range(3):  # batches (or ranks: the per-bin sums add up the same way)
+        metric.update(logits[part * 100:(part + 1) * 100], labels[part * 100:(part + 1) * 100])
+    confidence, prediction = logits.softmax(1).max(1)
+    expected = numpy_ece(confidence.double().numpy(), (prediction == labels).double().numpy())
+    assert metric.compute().item() == pytest.approx(expected, abs=1e-6)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_ood_metrics_match_sklearn_with_ties(seed):
     rng = np.random.default_rng(seed)

@@ -43,11 +43,11 @@ from robust_lightning.data.classes import class_map
 from robust_lightning.data.datamodule import ExactDistributedSampler
 from robust_lightning.data.transforms import BICUBIC, decode_rgb, eval_resize_size, eval_transform
 from robust_lightning.errors import UserError
+from robust_lightning.evaluation.calibration import ECE_BINS, expected_calibration_error
 from robust_lightning.evaluation.results import update_results
 from robust_lightning.paths import DATA_DIR
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
-ECE_BINS = 15
 IN9_VARIANTS = ("original", "mixed_same", "mixed_rand")
 # Class folders of the released IN-9 data, in class order (data/PROVENANCE.md; the names come from the release
 # tarballs, not from in9_classes.txt, which lists display names and WordNet superclasses in the same order)
@@ -79,17 +79,6 @@ def in9_map() -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------- metrics
 def accuracy(predictions: torch.Tensor, targets: torch.Tensor) -> float:
     return (predictions == targets).double().mean().item()
-
-
-def expected_calibration_error(confidence: torch.Tensor, correct: torch.Tensor, bins: int = ECE_BINS) -> float:
-    """ECE with equal-width confidence bins (lo, hi]: sum over bins of |accuracy - mean confidence| x share.
-    (torchmetrics' calibration error bins [lo, hi), which moves confidences that sit on a bin edge.)"""
-    confidence, correct = confidence.double(), correct.double()
-    edges = torch.linspace(0, 1, bins + 1, dtype=torch.float64)
-    bin_index = (torch.bucketize(confidence, edges) - 1).clamp(0, bins - 1)  # (lo, hi]; 0 joins the first bin
-    gap = (torch.zeros(bins, dtype=torch.float64).index_add_(0, bin_index, correct)
-           - torch.zeros(bins, dtype=torch.float64).index_add_(0, bin_index, confidence))
-    return (gap.abs().sum() / len(confidence)).item()
 
 
 def ood_metrics(scores: torch.Tensor, is_ood: torch.Tensor) -> dict[str, float]:

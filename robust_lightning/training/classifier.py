@@ -23,6 +23,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from robust_lightning.attacks import apgd, fgsm, pgd
 from robust_lightning.errors import UserError
+from robust_lightning.evaluation.calibration import CalibrationError
 from robust_lightning.models.classifier import build_classifier, use_small_input_strides
 from robust_lightning.models.weights import load_pretrained
 from robust_lightning.training.schedule import warmup_cosine
@@ -167,6 +168,7 @@ class ImageClassifier(LightningModule):
                 "loss": MeanMetric(),
                 "robust_acc": MeanMetric(),
                 "num_images": SumMetric(),
+                "ece": CalibrationError(),
             }) for weights in (["raw", "ema"] if self.ema is not None else ["raw"])
         })
 
@@ -323,6 +325,7 @@ class ImageClassifier(LightningModule):
             metrics["num_images"].update(labels.numel())
             metrics["acc1"].update(logits, labels)
             metrics["acc5"].update(logits, labels)
+            metrics["ece"].update(logits, labels)
             if self.hparams.select_attack_steps:
                 metrics["robust_acc"].update(self._robust(model, images, labels).float())
 

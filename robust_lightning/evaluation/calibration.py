@@ -1,0 +1,50 @@
+"""Expected calibration error (ECE): one definition for every benchmark and for the test loop.
+
+Equal-width confidence bins (lo, hi]: ECE = sum over bins of |accuracy - mean confidence| x share of images.
+torchmetrics' CalibrationError bins [lo, hi), which moves confidences that sit on a bin edge, and it softmaxes
+logits itself; ``CalibrationError`` here keeps our binning and sums per-bin counts across ranks, so the
+distributed value is exact.
+"""
+
+import torch
+from torchmetrics import Metric
+
+ECE_BINS = 15
+
+
+def calibration_bins(confidence: torch.Tensor, correct: torch.Tensor, bins: int = ECE_BINS) -> torch.Tensor:
+    """Per bin: (number correct, sum of confidences, number of images), float64, shape (3, bins)."""
+    confidence, correct = confidence.double(), correct.double()
+    edges = torch.linspace(0, 1, bins + 1, dtype=torch.float64, device=confidence.device)
+    bin_index = (torch.bucketize(confidence, edges) - 1).clamp(0, bins - 1)  # (lo, hi]; 0 joins the first bin
+    sums = torch.zeros(3, bins, dtype=torch.float64, device=confidence.device)
+    for row, values in enumerate((correct, confidence, torch.ones_like(confidence))):
+        sums[row].index_add_(0, bin_index, values)
+    return sums
+
+
+def ece_from_bins(sums: torch.Tensor) -> float:
+    correct, confidence, count = sums
+    return ((correct - confidence).abs().sum() / count.sum()).item()
+
+
+def expected_calibration_error(confidence: torch.Tensor, correct: torch.Tensor, bins: int = ECE_BINS) -> float:
+    return ece_from_bins(calibration_bins(confidence, correct, bins))
+
+
+class CalibrationError(Metric):
+    """ECE of top-1 predictions from logits: confidence = max softmax, correct = argmax equals the label."""
+
+    full_state_update = False
+
+    def __init__(self, bins: int = ECE_BINS, **kwargs):
+        super().__init__(**kwargs)
+        self.bins = bins
+        self.add_state("sums", torch.zeros(3, bins, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        confidence, prediction = logits.float().softmax(1).max(1)
+        self.sums += calibration_bins(confidence, prediction == labels, self.bins)
+
+    def compute(self) -> torch.Tensor:
+        return torch.tensor(ece_from_bins(self.sums) if self.sums[2].sum() > 0 else float("nan"))
