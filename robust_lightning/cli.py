@@ -6,11 +6,13 @@ Trainer subcommands go to LightningCLI unchanged (configs compose left to right,
 """
 
 import difflib
+import itertools
 import netrc
 import os
 import re
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -20,6 +22,7 @@ from robust_lightning.data.corrupt_report import CorruptImageReport
 from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.results import PredictionWriter, RunResults
+from robust_lightning.training.checkpoint_io import AtomicCheckpointIO
 from robust_lightning.training.classifier import ImageClassifier
 
 TRAINER_COMMANDS = {
@@ -66,12 +69,38 @@ class ArgumentParser(LightningArgumentParser):
         sys.exit(2)
 
 
+def continue_in_latest_run_directory(trainer_config) -> None:
+    """``fit --ckpt_path last`` resumes a run in its own directory: each versioned logger (CSV, TensorBoard)
+    without an explicit version takes the newest existing version_N instead of opening a new one, so the
+    checkpoint search, the logs and results.json all stay with the run being resumed (a requeued or killed
+    job continues where it was, not in an empty version_N+1 where "last" finds nothing)."""
+    loggers = trainer_config.get("logger")
+    for logger in loggers if isinstance(loggers, list) else [loggers]:
+        init = getattr(logger, "init_args", None)
+        if init is None or "version" not in init or init.version is not None or "save_dir" not in init:
+            continue
+        runs = Path(init.save_dir) / (init.get("name") or "lightning_logs")
+        versions = [int(p.name[len("version_"):]) for p in runs.glob("version_*") if p.name[len("version_"):].isdigit()]
+        if versions:
+            init.version = max(versions)
+            # CSVLogger deletes an existing metrics.csv when it opens the directory: keep the history
+            metrics = runs / f"version_{init.version}" / "metrics.csv"
+            if metrics.is_file():
+                part = next(k for k in itertools.count(1) if not metrics.with_name(f"metrics.part{k}.csv").exists())
+                metrics.rename(metrics.with_name(f"metrics.part{part}.csv"))
+
+
 class RobustLightningCLI(LightningCLI):
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
         # --ckpt_path loads with torch.load(weights_only=True): a checkpoint can never run code on load
         parser.set_defaults(weights_only=True)
         return parser
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config.get(self.subcommand)
+        if self.subcommand == "fit" and config.get("ckpt_path") == "last":
+            continue_in_latest_run_directory(config.trainer)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
@@ -137,6 +166,7 @@ def main(args: Sequence[str] | None = None) -> int:
             seed_everything_default=0,
             trainer_defaults={
                 "callbacks": [CorruptImageReport(), RunResults(), PredictionWriter()],
+                "plugins": [AtomicCheckpointIO()],  # a kill during a save never corrupts last.ckpt
                 # attacks in validate/test need autograd, which inference mode forbids even under enable_grad
                 "inference_mode": False,
             },

@@ -1,0 +1,79 @@
+"""Preemption safety: checkpoints are written atomically, and a training run killed with SIGKILL mid-epoch
+resumes with ``--ckpt_path last`` in its own run directory, with its selection and EMA state."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from robust_lightning.training.checkpoint_io import AtomicCheckpointIO, atomic_write_bytes
+from test_cli import REPO, tiny_config
+
+STEPS_PER_EPOCH = 12
+
+
+def test_an_interrupted_write_leaves_the_previous_file_whole(tmp_path, monkeypatch):
+    target = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"step": 1}, target)
+
+    real_fsync = os.fsync
+
+    def killed_during_write(fd):  # the bytes are partly on disk when the "kill" lands
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fsync", killed_during_write)
+    with pytest.raises(KeyboardInterrupt):
+        AtomicCheckpointIO().save_checkpoint({"step": 2, "weights": torch.zeros(1000)}, target)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert torch.load(target, weights_only=True) == {"step": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no partial file left behind
+    atomic_write_bytes(target, b"new")
+    assert target.read_bytes() == b"new"
+
+
+def _fit(config: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "robust_lightning", "fit", "--config", str(config), *extra],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def test_kill_9_mid_epoch_then_ckpt_path_last_resumes_the_same_run(tmp_path):
+    config = tiny_config(
+        tmp_path, tmp_path / "synthetic", **{
+            "trainer.max_epochs": 3, "trainer.limit_train_batches": STEPS_PER_EPOCH, "data.batch_size": 4,
+            "data.synthetic.train_per_class": STEPS_PER_EPOCH, "model.ema_decay": 0.9,
+        })
+    run = tmp_path / "runs" / "tiny" / "version_0"
+    last = run / "checkpoints" / "last.ckpt"
+    process = _fit(config)
+    deadline = time.time() + 240
+    while not last.exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert last.exists(), process.communicate()[0][-3000:]
+    time.sleep(0.5)  # into the second epoch
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    saved = torch.load(last, weights_only=True)  # whole and loadable, whenever the kill landed
+    assert saved["global_step"] < 3 * STEPS_PER_EPOCH
+
+    resumed = _fit(config, "--ckpt_path", "last")
+    output = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0, output[-3000:]
+    assert f"Restoring states from the checkpoint path at {last}" in output
+    assert not (tmp_path / "runs" / "tiny" / "version_1").exists()  # the same run directory
+    assert "val/acc1" in (run / "metrics.part1.csv").read_text()  # the killed run's log is kept, not overwritten
+    fit = json.loads((run / "results.json").read_text())["fit"]
+    assert fit["epochs"] == 3 and fit["steps"] == 3 * STEPS_PER_EPOCH
+    final = torch.load(last, weights_only=True)
+    # the selection state carried over: the best checkpoint is chosen among all epochs, the first included
+    before = next(v for k, v in saved["callbacks"].items() if k.startswith("ModelCheckpoint"))
+    after = next(v for k, v in final["callbacks"].items() if k.startswith("ModelCheckpoint"))
+    assert before["best_model_path"] and float(after["best_model_score"]) >= float(before["best_model_score"])
+    assert any(k.startswith("ema.") for k in final["state_dict"])  # EMA weights travel with the checkpoint
