@@ -90,7 +90,7 @@ def precision_note(precision: str) -> str:
 
 
 @contextlib.contextmanager
-def _precision(precision: str, device: torch.device):
+def numerics(precision: str, device: torch.device):
     """Attack-time numerics; the fp32 verification runs outside this context, with TF32 off."""
     matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = precision == "tf32"
@@ -208,7 +208,7 @@ class AutoAttack:
     @torch.no_grad()
     def _correct(self, x: Tensor, y: Tensor, bs: int) -> Tensor:
         """fp32 (TF32 off) predictions == labels, batch by batch, as a bool tensor on x's device."""
-        with _precision("fp32", self.device):
+        with numerics("fp32", self.device):
             return torch.cat([
                 self.model(x[i : i + bs].to(self.device)).float().argmax(1).to(x.device) == y[i : i + bs]
                 for i in range(0, len(x), bs)
@@ -221,7 +221,7 @@ class AutoAttack:
         outputs = []
         for i in range(0, len(x), bs):
             xb, yb = x[i : i + bs].to(self.device), y[i : i + bs].to(self.device)
-            with _precision(self.precision, self.device):
+            with numerics(self.precision, self.device):
                 outputs.append(run[attack](xb, yb).detach().float().to(x.device))
         return torch.cat(outputs)
 

@@ -61,6 +61,31 @@ def read_outcomes(directory: Path) -> dict[str, dict[str, Any]]:
     return outcomes
 
 
+def append_record(path: Path, record: dict) -> None:
+    """Append one batch's outcomes as a JSON line, on disk (fsynced) before the next batch starts."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def claim_directory(directory: Path, identity: dict[str, Any], is_global_zero: bool, owner: str) -> None:
+    """Refuse to mix outcomes of another checkpoint or setting into ``directory``; record ours.
+    ``owner``: the callback whose ``results_dir`` the error message tells the user to change."""
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest = directory / "manifest.json"
+    if manifest.is_file():
+        saved = json.loads(manifest.read_text())
+        if saved != identity:
+            changed = sorted(k for k in identity if saved.get(k) != identity[k])
+            raise UserError(
+                f"{directory} holds outcomes of a different evaluation ({', '.join(changed)} differ); set "
+                f"{owner}.results_dir to a new directory, or delete it to start over"
+            )
+    elif is_global_zero:
+        update_results(manifest, identity)
+
+
 def summarise(outcomes: dict[str, dict[str, Any]], attacks: tuple[str, ...]) -> dict[str, Any]:
     """Clean and robust accuracy, and robust accuracy after each attack, from per-image outcomes."""
     n = len(outcomes)
@@ -140,22 +165,6 @@ class AutoAttackEvaluation(Callback):
             "engine": self.engine, "precision": self.precision, "seed": self.seed, "n_iter": self.n_iter,
         }
 
-    def _claim(self, trainer, pl_module, threat: ThreatModel) -> None:
-        """Refuse to mix outcomes of another checkpoint or setting into this directory; record ours."""
-        directory = self._directory(threat)
-        directory.mkdir(parents=True, exist_ok=True)
-        manifest, identity = directory / "manifest.json", self._identity(trainer, pl_module, threat)
-        if manifest.is_file():
-            saved = json.loads(manifest.read_text())
-            if saved != identity:
-                changed = sorted(k for k in identity if saved.get(k) != identity[k])
-                raise UserError(
-                    f"{directory} holds AutoAttack outcomes of a different evaluation ({', '.join(changed)} "
-                    "differ); set AutoAttackEvaluation.results_dir to a new directory, or delete it to start over"
-                )
-        elif trainer.is_global_zero:
-            update_results(manifest, identity)
-
     def on_test_start(self, trainer, pl_module) -> None:
         if trainer.test_loop.inference_mode:
             raise UserError("AutoAttack needs gradients: set trainer.inference_mode: false (the CLI's default)")
@@ -167,7 +176,8 @@ class AutoAttackEvaluation(Callback):
             raise UserError("AutoAttackEvaluation.weights 'ema' needs a model trained with model.ema_decay")
         self.results_dir = results_dir
         for threat in self.threat_models:
-            self._claim(trainer, pl_module, threat)
+            claim_directory(self._directory(threat), self._identity(trainer, pl_module, threat),
+                            trainer.is_global_zero, "AutoAttackEvaluation")
             self.done[threat.name] = set(read_outcomes(self._directory(threat)))
             self.seconds[threat.name] = {}
             if self.done[threat.name] and trainer.is_global_zero:
@@ -213,17 +223,10 @@ class AutoAttackEvaluation(Callback):
                 "key": [keys[i] for i in todo], "label": labels[index].tolist(), "clean": report.clean.tolist(),
                 "robust": report.robust.tolist(), "broken_by": report.broken_by, "seconds": report.seconds,
             }
-            self._append(self._directory(threat) / f"rank{trainer.global_rank}.jsonl", record)
+            append_record(self._directory(threat) / f"rank{trainer.global_rank}.jsonl", record)
             self.done[threat.name].update(record["key"])
             for attack, seconds in report.seconds.items():
                 self.seconds[threat.name][attack] = self.seconds[threat.name].get(attack, 0.0) + seconds
-
-    @staticmethod
-    def _append(path: Path, record: dict) -> None:
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
 
     # -------------------------------------------------------------------------------------------- end
     def on_test_epoch_end(self, trainer, pl_module) -> None:
