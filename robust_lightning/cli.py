@@ -45,9 +45,23 @@ def _export(argv: list[str]) -> int:
     return export_main(argv)
 
 
+def _sweep(argv: list[str]) -> int:
+    from robust_lightning.scale.sweep import sweep_main
+
+    return sweep_main(argv)
+
+
+def _report(argv: list[str]) -> int:
+    from robust_lightning.scale.report import report_main
+
+    return report_main(argv)
+
+
 TOOL_COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "shards": ("convert an ImageFolder tree into WebDataset shards (parallel, resumable)", _shards),
     "export": ("write the raw or EMA weights of a checkpoint to a .safetensors file", _export),
+    "sweep": ("submit a grid of runs (configs/sweeps/*.yaml) as one SLURM array job, skipping done cells", _sweep),
+    "report": ("merge the results.json of a sweep's cells into one table (markdown, CSV, JSON)", _report),
 }
 
 
@@ -166,7 +180,7 @@ def main(args: Sequence[str] | None = None) -> int:
             seed_everything_default=0,
             trainer_defaults={
                 "callbacks": [CorruptImageReport(), RunResults(), PredictionWriter()],
-                "plugins": [AtomicCheckpointIO()],  # a kill during a save never corrupts last.ckpt
+                "plugins": [{"class_path": f"{AtomicCheckpointIO.__module__}.{AtomicCheckpointIO.__name__}"}],  # a kill during a save never corrupts last.ckpt
                 # attacks in validate/test need autograd, which inference mode forbids even under enable_grad
                 "inference_mode": False,
             },

@@ -140,7 +140,8 @@ def test_quick_modes_and_the_reference_style_call(trained, points):
 
 # ------------------------------------------------------------------------------------------ the callback
 from robust_lightning.cli import main  # noqa: E402
-from robust_lightning.evaluation.autoattack import read_outcomes  # noqa: E402
+from robust_lightning.errors import UserError  # noqa: E402
+from robust_lightning.evaluation.autoattack import AutoAttackEvaluation, read_outcomes  # noqa: E402
 
 LINF = {"norm": "Linf", "eps": 4 / 255}
 
@@ -286,3 +287,14 @@ def test_ddp_evaluation_splits_points_and_gathers_them_exactly(tmp_path, checkpo
     assert len(per_rank) == 2 and not per_rank[0] & per_rank[1] and len(per_rank[0] | per_rank[1]) == 20
     direct = direct_outcomes(checkpoint, [keys for path in files for keys in saved_batches(path)])
     assert summary["num_points"] == 20 and summary["robust_accuracy"] == sum(direct.values()) / 20
+
+
+def test_images_sharing_a_key_are_refused_not_counted_once():
+    callback = AutoAttackEvaluation()
+    callback.seen = set()
+    batch = {"image": torch.zeros(2, 3, 8, 8), "label": torch.zeros(2, dtype=torch.long), "key": ["img_0", "img_0"]}
+    with pytest.raises(UserError, match="share the key 'img_0'"):
+        callback.on_test_batch_end(None, None, None, batch, 0)
+    callback.seen = {"img_0"}  # an earlier batch of this session had it
+    with pytest.raises(UserError, match="share the key 'img_0'"):
+        callback.on_test_batch_end(None, None, None, {**batch, "key": ["img_0", "img_1"]}, 1)

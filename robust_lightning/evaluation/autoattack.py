@@ -175,6 +175,7 @@ class AutoAttackEvaluation(Callback):
         if self.weights == "ema" and getattr(pl_module, "ema", None) is None:
             raise UserError("AutoAttackEvaluation.weights 'ema' needs a model trained with model.ema_decay")
         self.results_dir = results_dir
+        self.seen: set[str] = set()  # keys of this session's images
         for threat in self.threat_models:
             claim_directory(self._directory(threat), self._identity(trainer, pl_module, threat),
                             trainer.is_global_zero, "AutoAttackEvaluation")
@@ -209,6 +210,11 @@ class AutoAttackEvaluation(Callback):
     # --------------------------------------------------------------------------------------- per batch
     def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         images, labels, keys = batch["image"], batch["label"], list(batch["key"])
+        repeated = [key for key in keys if key in self.seen] or [key for key in set(keys) if keys.count(key) > 1]
+        if repeated:  # outcomes are saved per key: a repeated key would silently count two images as one
+            raise UserError(f"two test images share the key {repeated[0]!r} (the file name without extension); "
+                            "AutoAttack outcomes are saved per key, so every image needs its own file name")
+        self.seen.update(keys)
         for threat in self.threat_models:
             todo = [i for i, key in enumerate(keys) if key not in self.done[threat.name]]
             if not todo:
