@@ -1,5 +1,8 @@
 """ImageNet-C: CE / mCE arithmetic against the data files read independently, the data files themselves,
-no re-resizing of the released 224 images, layout errors, and one run through the CLI on a tiny replica."""
+no re-resizing of the released 224 images, layout errors, and one run through the CLI on a tiny replica.
+ImageNet-C generated on the fly (source: generated): a CLI run on a tiny val tree against a direct computation,
+its checks before any work, and (in the DDP test) each image counted once across ranks.
+(The corruptions themselves are tested against the reference in tests/test_corruptions.py.)"""
 
 import csv
 import json
@@ -15,6 +18,7 @@ from PIL import Image
 
 from helpers import make_image_tree
 from robust_lightning.errors import UserError
+from robust_lightning.evaluation.corruptions import CorruptedEvalTransform
 from robust_lightning.evaluation.imagenet_c import (
     ALEXNET_CLEAN_ERROR,
     ALL,
@@ -225,8 +229,11 @@ def checkpoint(tmp_path_factory) -> Path:
     return path
 
 
-def cli_config(tmp_path: Path, callback_args: dict) -> Path:
+def cli_config(tmp_path: Path, *callback_args: dict) -> Path:
+    """A test run on a 5-image ImageNet val tree with an ImageNetC callback for each ``callback_args``."""
     make_image_tree(tmp_path / "imagenet" / "val", {WNIDS[0]: 2, WNIDS[1]: 2, WNIDS[2]: 1})
+    callbacks = [{"class_path": "robust_lightning.evaluation.imagenet_c.ImageNetC",
+                  "init_args": {"batch_size": 7, "num_workers": 0, **args}} for args in callback_args]
     config = {
         "seed_everything": 0,
         "trainer": {
@@ -234,8 +241,7 @@ def cli_config(tmp_path: Path, callback_args: dict) -> Path:
             "default_root_dir": str(tmp_path / "runs"),
             "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
                        "init_args": {"save_dir": str(tmp_path / "runs"), "name": "c"}},
-            "callbacks": [{"class_path": "robust_lightning.evaluation.imagenet_c.ImageNetC",
-                           "init_args": {"batch_size": 7, "num_workers": 0, **callback_args}}],
+            "callbacks": callbacks,
         },
         "model": {"arch": "test_resnet"},
         "data": {"source": "folder", "root": str(tmp_path / "imagenet"), "class_map": "imagenet", "image_size": 32,
@@ -314,7 +320,11 @@ def test_ddp_splits_the_images_over_ranks_and_counts_each_once(tmp_path, checkpo
     import sys
 
     root = imagenet_c_tree(tmp_path / "imagenet-c", corruptions=("brightness",), per_class=3)  # 6 per cell: odd splits
-    config = cli_config(tmp_path, {"root": str(root), "corruptions": ["brightness"], "severities": [1, 4]})
+    # the same run also generates corruptions from the 5 val images (3 + 2 over the ranks); its section is replaced
+    # by the released one (the last callback), so it is read back from the logged metrics (other corruptions)
+    generated = {"source": "generated", "corruptions": ["glass_blur", "fog"], "severities": [2, 5], "batch_size": 2}
+    released = {"root": str(root), "corruptions": ["brightness"], "severities": [1, 4]}
+    config = cli_config(tmp_path, generated, released)
     settings = yaml.safe_load(config.read_text())
     settings["trainer"].update(devices=2, strategy="ddp")
     config.write_text(yaml.safe_dump(settings))
@@ -326,3 +336,97 @@ def test_ddp_splits_the_images_over_ranks_and_counts_each_once(tmp_path, checkpo
     for s in (1, 4):
         expected = direct_accuracy(checkpoint, root / "brightness" / str(s))
         assert section["corruptions"]["brightness"]["acc1"][str(s)] == pytest.approx(expected, abs=1e-12)
+    # generated: each val image counted once over the ranks (checked in the run), with the draws of one process
+    metrics = next((tmp_path / "runs" / "c").glob("version_*/metrics.csv")).read_text().splitlines()
+    rows = [dict(zip(metrics[0].split(","), line.split(","))) for line in metrics[1:]]
+
+    def logged(key: str) -> list[float]:
+        return [float(row[key]) for row in rows if row.get(key)]
+
+    for corruption in ("glass_blur", "fog"):
+        acc, ece = direct_generated(checkpoint, tmp_path / "imagenet" / "val", corruption, [2, 5])
+        assert logged(f"imagenet_c/{corruption}/ece") == [pytest.approx(ece, abs=1e-9)]
+        for s in (2, 5):
+            assert logged(f"imagenet_c/{corruption}/{s}/acc1") == [pytest.approx(acc[s], abs=1e-9)]
+
+
+# ------------------------------------------------------------------------------------- generated on the fly
+def direct_generated(checkpoint: Path, val: Path, corruption: str, severities: list[int],
+                     seed: int = 0) -> tuple[dict[int, float], float]:
+    """(top-1 per severity, ECE over the severities pooled) of generated cells without the callback, the data
+    module or Lightning: each image alone through the pipeline (so the draws cannot depend on batches, workers or
+    ranks). The tiny model predicts class 0 for nearly every image, so the top-1 hardly tells images apart; the
+    ECE (here |top-1 - mean confidence|) does: it is a fingerprint of the exact images."""
+    from robust_lightning.data.classes import class_map
+    from robust_lightning.evaluation.benchmarks import expected_calibration_error
+    from robust_lightning.training.classifier import ImageClassifier
+
+    module = ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=True).eval()
+    transform = CorruptedEvalTransform(corruption, severities, resolution=32, seed=seed)
+    labels = class_map("imagenet")
+    paths = sorted(val.glob("*/*.JPEG"))
+    images = torch.stack([transform(Image.open(path)) for path in paths]).float() / 255  # N x S x 3 x 32 x 32
+    with torch.no_grad():
+        confidence, prediction = module(images.flatten(0, 1)).softmax(1).max(1)
+    target = torch.tensor([labels[path.parent.name] for path in paths]).repeat_interleave(len(severities))
+    correct = prediction == target
+    acc = {s: correct.view(len(paths), -1)[:, i].double().mean().item() for i, s in enumerate(severities)}
+    return acc, expected_calibration_error(confidence.double(), correct)
+
+
+def test_generated_cli_run_writes_its_section(tmp_path, checkpoint):
+    from robust_lightning.cli import main
+
+    config = cli_config(tmp_path, {"source": "generated", "corruptions": ["gaussian_noise", "contrast", "frost"],
+                                   "severities": [1, 5], "seed": 3, "batch_size": 3, "num_workers": 2})
+    assert main(["test", "--config", str(config), "--ckpt_path", str(checkpoint)]) == 0
+    results_file = next((tmp_path / "runs" / "c").glob("version_*/results.json"))
+    results = json.loads(results_file.read_text())
+    section = results["imagenet_c"]
+    assert section["source"] == "generated" and "root" not in section  # never mistaken for the released set
+
+    generated = section["generated"]
+    assert generated["from"].startswith("ImageNet val") and generated["num_source_images"] == 5
+    assert generated["seed"] == 3 and generated["resolution"] == 32  # the model's
+    assert "resize shorter side to 36 (bicubic), centre crop 32, corrupt, JPEG quality 85" in generated["pipeline"]
+    assert "robust_lightning.evaluation.corruptions" in generated["implementation"]
+    assert Path(generated["frost_textures"], "frost1.png").is_file()
+    assert "approximations" in section["alexnet"]["note"]
+    assert section["num_images"] == 5 * 3 * 2 and section["severities"] == [1, 5]
+    alexnet = {r["corruption"]: [float(r[f"sev{s}"]) for s in range(1, 6)]
+               for r in read_csv("imagenet_c_alexnet_err_per_severity.csv")}
+    for corruption, group in (("gaussian_noise", "noise"), ("contrast", "digital"), ("frost", "weather")):
+        values = section["corruptions"][corruption]
+        assert values["group"] == group and values["num_images"] == 10
+        acc, ece = direct_generated(checkpoint, tmp_path / "imagenet" / "val", corruption, [1, 5], seed=3)
+        assert values["acc1"] == {"1": pytest.approx(acc[1], abs=1e-12), "5": pytest.approx(acc[5], abs=1e-12)}
+        assert values["ece"] == pytest.approx(ece, abs=1e-9)
+        if corruption != "contrast":  # the check tells the draws apart: another seed gives other images
+            _, other = direct_generated(checkpoint, tmp_path / "imagenet" / "val", corruption, [1, 5], seed=4)
+            assert abs(other - ece) > 1e-7
+        errors = [values["error"]["1"], values["error"]["5"]]
+        assert values["ce"] == pytest.approx(sum(errors) / (alexnet[corruption][0] + alexnet[corruption][4]), abs=1e-12)
+    assert "mce" not in section and section["mce_partial"]["corruptions"] == ["gaussian_noise", "frost", "contrast"]
+    assert section["clean_error"] == pytest.approx(1 - results["test"]["metrics"]["test/acc1"], abs=1e-6)
+    plot = results_file.parent / "imagenet_c_errors.png"
+    assert section["plot"] == str(plot.resolve()) and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    logged = (results_file.parent / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"imagenet_c/mce_partial", "imagenet_c/frost/acc1", "imagenet_c/contrast/5/acc1"} <= set(logged)
+
+
+def test_generated_checks_before_any_work(tmp_path):
+    for kwargs, message in (({"source": "generated", "seed": -1}, "seed must be a non-negative integer"),
+                            ({"source": "generated", "root": str(tmp_path)}, "leave root out"),
+                            ({"source": "generated", "max_images": 10}, "data.eval_subset / data.eval_limit"),
+                            ({"source": "made up"}, "'released' \\(with root\\) or 'generated'"),
+                            ({}, "ImageNetC needs root")):
+        with pytest.raises(UserError, match=message):
+            ImageNetC(**kwargs)
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(eval_dataloader_with=None, image_size=224))
+    callback = ImageNetC(source="generated", corruptions=["frost"], frost_dir=str(tmp_path))
+    with pytest.raises(UserError, match=r"frost texture folder .* lacks frost1.png"):
+        callback.on_test_start(trainer, Recorder(224))
+    with pytest.raises(UserError, match="at least 32 px"):
+        ImageNetC(source="generated", corruptions=["fog"]).on_test_start(trainer, Recorder(16))
+    with pytest.raises(UserError, match="needs robust_lightning's ImageNetDataModule"):
+        ImageNetC(source="generated").on_test_start(SimpleNamespace(datamodule=None), Recorder(224))

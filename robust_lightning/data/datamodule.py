@@ -576,23 +576,24 @@ class ImageNetDataModule(LightningDataModule):
             persistent_workers=self.num_workers > 0, collate_fn=augmenting,
         )
 
-    def _eval_dataloader(self, dataset: Dataset | None = None, batch_size: int | None = None) -> DataLoader:
+    def _eval_dataloader(self, dataset: Dataset | None = None, batch_size: int | None = None, **kwargs) -> DataLoader:
         dataset = self.eval_set if dataset is None else dataset
         batch_size = batch_size or self.eval_batch_size
         if isinstance(dataset, ShardStream):
-            return self._loader(dataset, batch_size)
+            return self._loader(dataset, batch_size, **kwargs)
         sampler = ExactDistributedSampler(dataset, self.world_size, self.rank)
-        return self._loader(dataset, batch_size, sampler=sampler)
+        return self._loader(dataset, batch_size, sampler=sampler, **kwargs)
 
     def val_dataloader(self) -> DataLoader:
         return self._eval_dataloader()
 
     test_dataloader = predict_dataloader = val_dataloader
 
-    def eval_dataloader_with(self, transform, batch_size: int | None = None) -> DataLoader:
+    def eval_dataloader_with(self, transform, batch_size: int | None = None, num_workers: int | None = None) -> DataLoader:
         """The evaluation images of the last ``setup`` (same subset, limit and share of this rank) through
         another per-image transform: e.g. another resolution, or corruptions generated on the fly.
-        ``transform`` takes a lazily opened PIL image and returns a uint8 CHW tensor."""
+        ``transform`` takes a lazily opened PIL image and returns a uint8 tensor. ``num_workers``: default
+        data.num_workers."""
         if not hasattr(self, "eval_set"):
             raise RuntimeError("eval_dataloader_with needs setup('test') (or 'validate') first")
         dataset = copy.copy(self.eval_set)
@@ -600,7 +601,8 @@ class ImageNetDataModule(LightningDataModule):
         if isinstance(dataset, Subset):  # a folder subset or limit: swap the transform of a copy of the folder
             inner = dataset.dataset = copy.copy(dataset.dataset)
         inner.transform = transform
-        return self._eval_dataloader(dataset, batch_size)
+        workers = {} if num_workers is None else {"num_workers": num_workers}
+        return self._eval_dataloader(dataset, batch_size, **workers)
 
     def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
         # uint8 crossed to the device; augment training batches and scale to [0, 1] there

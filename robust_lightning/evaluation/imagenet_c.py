@@ -18,6 +18,12 @@ Protocol (REFERENCE.md section 3; constants in data/, see data/PROVENANCE.md):
 Like DistributionShiftBenchmarks: the layout is checked in ``on_test_start`` (a wrong root fails before any
 work), everything runs in ``on_test_end`` after the model's own test set, and under DDP the images are split
 over the ranks and gathered exactly by ``benchmarks.predict_split``.
+
+With ``source: generated`` (configs/eval/imagenet_c_generated.yaml) the corruptions are made on the fly from
+the datamodule's evaluation images (e.g. the RobustBench 5000-image subset) at any resolution, as the release was
+made (eval resize and centre crop, corruption by robust_lightning.evaluation.corruptions, JPEG quality 85); the
+metrics are the same code, and the results.json section says how the images were made (``source``,
+``generated``).
 """
 
 import csv
@@ -26,11 +32,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning import Callback
 from lightning.pytorch.loggers import WandbLogger
 from PIL import Image
+from torch.utils.data import IterableDataset
+from tqdm import tqdm
 
 from robust_lightning.data.classes import class_map
+from robust_lightning.data.transforms import eval_resize_size
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.benchmarks import (
     ECE_BINS,
@@ -40,7 +50,15 @@ from robust_lightning.evaluation.benchmarks import (
     accuracy,
     evaluation_resolution,
     expected_calibration_error,
+    predict,
     predict_split,
+)
+from robust_lightning.evaluation.corruptions import (
+    CORRUPTIONS,
+    MIN_SIZE,
+    RELEASED_JPEG_QUALITY,
+    CorruptedEvalTransform,
+    frost_directory,
 )
 from robust_lightning.evaluation.results import update_results
 from robust_lightning.paths import DATA_DIR
@@ -50,13 +68,25 @@ STANDARD = ("gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "gl
             "jpeg_compression")
 EXTRA = ("speckle_noise", "gaussian_blur", "spatter", "saturate")
 ALL = STANDARD + EXTRA
+assert tuple(CORRUPTIONS) == ALL, "corruptions.py and imagenet_c.py list the corruptions differently"
 GROUPS = ("noise", "blur", "weather", "digital", "extra")
+# the paper's groups (the 4 extra corruptions are the held-out validation set)
+GROUP_OF = {c: group for group, names in zip(GROUPS, (STANDARD[:3], STANDARD[3:7], STANDARD[7:11], STANDARD[11:],
+                                                      EXTRA)) for c in names}
 SEVERITIES = (1, 2, 3, 4, 5)
 RELEASED_SIZE = 224
 # AlexNet's clean top-1 error: torchvision's pretrained AlexNet (acc@1 56.522%, the model the ImageNet-C paper
 # evaluates; its Table 1 rounds the error to 43.5%). Not in data/: an init arg overrides it.
 ALEXNET_CLEAN_ERROR = 0.43478
 ALEXNET_CLEAN_SOURCE = "torchvision alexnet IMAGENET1K_V1 acc@1 56.522% (paper: 43.5% clean error)"
+ALEXNET_ON_RELEASED = ("the AlexNet errors were measured on the released ImageNet-C (all 50,000 val images, 224 px, "
+                       "the original generation code): on a subset of the images or at another resolution the CE, "
+                       "mCE and their relative versions are approximations, and even on all of val at 224 px the "
+                       "generated images are not the released ones (other random draws, today's JPEG encoder, the "
+                       "numpy motion blur instead of ImageMagick's)")
+IMPLEMENTATION = ("robust_lightning.evaluation.corruptions (numpy / OpenCV / scikit-image, in the loader workers): "
+                  "the per-severity parameters of Hendrycks' make_imagenet_c.py; motion blur (motion_blur, snow) as "
+                  "the imagecorruptions numpy port of ImageMagick's")
 
 EXPECTED = (f"<root>/<corruption>/<severity 1..5>/<wnid>/*.JPEG (the released ImageNet-C layout), optionally "
             f"under group folders <root>/{{{','.join(GROUPS)}}}/<corruption>/<severity>/<wnid>/*.JPEG; "
@@ -221,41 +251,76 @@ def imagenet_val_test_set(datamodule) -> str | None:
 
 # -------------------------------------------------------------------------------------------------- callback
 class ImageNetC(Callback):
-    """ImageNet-C top-1, error, CE / mCE, relative CE / mCE and ECE after ``test`` (see the module docstring).
+    """ImageNet-C top-1, error, CE / mCE, relative CE / mCE and ECE after ``test`` (see the module docstring),
+    on the released images (``source: released``, the default, with ``root``) or on corruptions generated on
+    the fly from the data module's evaluation images (``source: generated``).
+
+    Generated: each evaluation image (e.g. data.eval_subset robustbench, the RobustBench 5000) goes through the
+    eval preprocessing at resolution r (bicubic resize of the shorter side to floor(r / crop_pct), centre crop r:
+    256 / 224 at r = 224, as the release), the corruption (robust_lightning.evaluation.corruptions, Hendrycks'
+    parameters) and a JPEG round trip at quality 85 (as released). The random draws of an image come from
+    (seed, corruption, severity, a digest of its clean pixels), so they do not depend on workers, ranks or
+    batch size. The corruptions are made in the data loader workers, all severities of a corruption from one
+    decode of the image; under DDP each rank makes and evaluates its share and the results are gathered
+    exactly. results.json records how the images were made, and that the AlexNet errors behind CE / mCE come
+    from the released set (all of val at 224 px): on a subset, or at another resolution, CE and mCE are
+    approximations.
 
     Args:
-        root: the released ImageNet-C folder (flat or with group folders; see ``EXPECTED``).
+        root: the released ImageNet-C folder (flat or with group folders; see ``EXPECTED``); source released only.
+        source: "released" (the images under ``root``) or "generated" (made from the data module's evaluation
+            images; needs robust_lightning's ImageNetDataModule).
         corruptions: "standard" (the 15 of mCE, default), "all" (the 15 + the 4 extra) or a list of names.
         severities: severities to evaluate (default 1..5). mCE proper needs the 15 standard at all 5.
         clean_error: the model's clean top-1 error for the relative CE. None: 1 - ``test/acc1`` of this run's
             own test loop when the datamodule's test set is ImageNet val (results.json says which was used);
             otherwise relative values are None.
         alexnet_clean_error: AlexNet's clean top-1 error (the relative CE's baseline).
-        limit_per_class: evaluate only the first n images (sorted by file name) of each class in each cell.
-        max_images: evaluate only n images per cell, evenly spaced over the (class-sorted) list: a quick,
-            class-balanced look (e.g. 1000 = one image of each class). Both: subsampled results are
-            labelled in results.json and are not comparable with published numbers.
+        limit_per_class: released only: evaluate only the first n images (sorted by file name) of each class in
+            each cell.
+        max_images: released only: evaluate only n images per cell, evenly spaced over the (class-sorted) list:
+            a quick, class-balanced look (e.g. 1000 = one image of each class). Both: subsampled results are
+            labelled in results.json and are not comparable with published numbers. (Generated: subsample
+            with data.eval_subset / data.eval_limit.)
+        seed: generated only: base seed of the corruptions' random draws (a non-negative integer).
+        crop_pct: generated only: the eval resize is floor(r / crop_pct) (0.875: 256 for 224, as the release).
+        frost_dir: generated only: folder of the frost textures frost1.png ... frost5.jpg (default: those
+            shipped with the installed imagecorruptions package).
         image_size: evaluation resolution (default: the model's ``image_size``, else the data's, else 224).
-            Images are resized (bicubic, to image_size x image_size) only when it is not their size.
-        batch_size: images per forward pass on each device.
-        num_workers: decoding processes per device.
+            Released images are resized (bicubic, to image_size x image_size) only when it is not their size;
+            generated ones are made at it (at least 32).
+        batch_size: images per forward pass on each device (generated: batch_size // len(severities) source
+            images, each at every severity).
+        num_workers: decoding (and generating) processes per device; None: data.num_workers, else 4.
         plot: save a bar plot of the error per corruption (imagenet_c_errors.png beside results.json).
     """
 
     def __init__(
         self,
-        root: str,
+        root: str | None = None,
+        source: str = "released",
         corruptions: str | list[str] = "standard",
         severities: list[int] = list(SEVERITIES),
         clean_error: float | None = None,
         alexnet_clean_error: float = ALEXNET_CLEAN_ERROR,
         limit_per_class: int | None = None,
         max_images: int | None = None,
+        seed: int = 0,
+        crop_pct: float = 0.875,
+        frost_dir: str | None = None,
         image_size: int | None = None,
         batch_size: int = 64,
-        num_workers: int = 4,
+        num_workers: int | None = None,
         plot: bool = True,
     ):
+        if source not in ("released", "generated"):
+            raise UserError(f"ImageNetC source must be 'released' (with root) or 'generated', got {source!r}")
+        if source == "released" and root is None:
+            raise UserError(f"ImageNetC needs root, the released ImageNet-C folder: {EXPECTED}; or source: generated "
+                            "to make the corruptions from the evaluation images")
+        if source == "generated" and root is not None:
+            raise UserError("ImageNetC root is the released ImageNet-C folder; with source: generated the corruptions "
+                            "are made from the data module's evaluation images: leave root out")
         if corruptions in ("standard", "all"):
             corruptions = list(STANDARD if corruptions == "standard" else ALL)
         elif isinstance(corruptions, str):
@@ -270,21 +335,167 @@ class ImageNetC(Callback):
         for name, value in (("limit_per_class", limit_per_class), ("max_images", max_images)):
             if value is not None and value < 1:
                 raise UserError(f"ImageNetC {name} must be a positive number of images, got {value}")
+            if value is not None and source == "generated":
+                raise UserError(f"ImageNetC {name} is for the released set; with source: generated choose the "
+                                "images with data.eval_subset / data.eval_limit")
         if clean_error is not None and not 0 <= clean_error <= 1:
             raise UserError(f"ImageNetC clean_error is a fraction in [0, 1], got {clean_error}")
-        self.root = root
+        if not isinstance(seed, int) or seed < 0:
+            raise UserError(f"ImageNetC seed must be a non-negative integer, got {seed!r}")
+        if not 0 < crop_pct <= 1:
+            raise UserError(f"ImageNetC crop_pct must be in (0, 1], got {crop_pct}")
+        if batch_size < 1:
+            raise UserError(f"ImageNetC batch_size must be a positive number of images, got {batch_size}")
+        self.root, self.source = root, source
         self.corruptions = [c for c in ALL if c in corruptions]  # canonical order
         self.severities = sorted(set(severities))
         self.clean_error, self.alexnet_clean_error = clean_error, alexnet_clean_error
         self.limit_per_class, self.max_images = limit_per_class, max_images
+        self.seed, self.crop_pct, self.frost_dir = seed, crop_pct, frost_dir
         self.image_size, self.batch_size, self.num_workers, self.plot = image_size, batch_size, num_workers, plot
 
     def on_test_start(self, trainer, pl_module) -> None:
-        """Check the whole layout before any work: a wrong root fails the run at once, not hours in."""
-        self.cells, self.groups = imagenet_c_cells(self.root, self.corruptions, self.severities,
-                                                   self.limit_per_class, self.max_images)
+        """Check everything that can be checked before any work: a wrong root (or missing frost textures) fails
+        the run at once, not hours in."""
         self.resolution = evaluation_resolution(trainer, pl_module, self.image_size)
+        if self.source == "released":
+            self.cells, self.groups = imagenet_c_cells(self.root, self.corruptions, self.severities,
+                                                       self.limit_per_class, self.max_images)
+            return
+        if not hasattr(trainer.datamodule, "eval_dataloader_with"):
+            raise UserError("ImageNetC source: generated makes the corruptions from the evaluation images of the data "
+                            "module: it needs robust_lightning's ImageNetDataModule (the data: section of the config)")
+        if self.resolution < MIN_SIZE:
+            raise UserError(f"ImageNetC source: generated needs a resolution of at least {MIN_SIZE} px, got "
+                            f"{self.resolution}")
+        self.textures = str(frost_directory(self.frost_dir)) if "frost" in self.corruptions else None
 
+    def _workers(self, trainer) -> int:
+        return self.num_workers if self.num_workers is not None else getattr(trainer.datamodule, "num_workers", 4)
+
+    def on_test_end(self, trainer, pl_module) -> None:
+        was_training = pl_module.training
+        pl_module.eval()
+        evaluate = self._released if self.source == "released" else self._generated
+        section = evaluate(trainer, pl_module)  # every rank takes part; None on all but global rank zero
+        pl_module.train(was_training)
+        run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # a collective under DDP: every rank calls it
+        if section is None:
+            return
+        section["plot"] = self._plot(run_dir, section) if self.plot else "not requested"
+        update_results(run_dir / "results.json", {"imagenet_c": section})
+        metrics = flat_metrics(section)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+            if isinstance(logger, WandbLogger) and self.plot:
+                logger.log_image("imagenet_c/errors", [section["plot"]])
+        mce = section.get("mce", (section.get("mce_partial") or {}).get("value"))
+        print(f"imagenet_c ({self.source}): mean acc1 {section['mean_acc1']:.4f}, "
+              f"{'mCE' if 'mce' in section else 'partial mCE'} {mce}", flush=True)
+
+    # ----------------------------------------------------------------------------------------- released
+    def _released(self, trainer, pl_module) -> dict[str, Any] | None:
+        # one dataset over every cell: one loader, one gather; cell_of maps each image back to its cell
+        keys = list(self.cells)
+        samples = [s for key in keys for s in self.cells[key]]
+        cell_of = torch.tensor([k for k, key in enumerate(keys) for _ in self.cells[key]])
+        predictions = predict_split(trainer, pl_module, Split("imagenet_c", samples), ExactSize(self.resolution), None,
+                                    batch_size=self.batch_size, num_workers=self._workers(trainer))
+        cell_of = cell_of[predictions.index]  # unreadable images are skipped (and named in the results)
+        if not trainer.is_global_zero:
+            return None
+        with Image.open(self.cells[keys[0]][0][0]) as image:
+            released = image.size
+        r = self.resolution
+        subsampled = self.limit_per_class is not None or self.max_images is not None
+        return {
+            "source": "released",
+            "root": str(Path(self.root).resolve()),
+            "layout": "group folders" if any(self.groups.values()) else "flat",
+            **self._metrics(trainer, keys, cell_of, predictions.target, predictions.prediction,
+                            predictions.confidence, self.groups),
+            "preprocessing": ("none (decoded as released)" if released == (r, r)
+                              else f"resize {released[0]} x {released[1]} to {r} x {r} (bicubic)"),
+            "conditions": {"image_size": r, "released_image_size": list(released), "ece_bins": ECE_BINS,
+                           "subsampled": subsampled, "limit_per_class": self.limit_per_class,
+                           "max_images": self.max_images, "checkpoint": trainer.ckpt_path},
+            "corrupt_images": predictions.corrupt,
+        }
+
+    # ---------------------------------------------------------------------------------------- generated
+    @torch.no_grad()
+    def _predict_generated(self, trainer, pl_module, corruption: str) -> tuple[list, list[str]]:
+        """(key, label, predictions per severity, confidences per severity) of this rank's readable images, and
+        the unreadable ones."""
+        transform = CorruptedEvalTransform(corruption, self.severities, self.resolution, self.seed, self.crop_pct,
+                                           self.textures)
+        loader = trainer.datamodule.eval_dataloader_with(transform, max(1, self.batch_size // len(self.severities)),
+                                                         self.num_workers)
+        rows, corrupt = [], []
+        for batch in tqdm(loader, desc=f"imagenet_c {corruption}", disable=not trainer.is_global_zero, leave=False):
+            corrupt += batch["corrupt"]
+            if not len(batch["label"]):
+                continue
+            images = batch["image"]  # B x S x 3 x r x r uint8: every severity of each image
+            with trainer.precision_plugin.test_step_context():
+                prediction, confidence = predict(pl_module(images.flatten(0, 1).to(pl_module.device).float().div_(255)))
+            shape = images.shape[:2]
+            rows += zip(batch["key"], batch["label"].tolist(), prediction.view(shape).tolist(),
+                        confidence.view(shape).tolist())
+        return rows, corrupt
+
+    def _generated(self, trainer, pl_module) -> dict[str, Any] | None:
+        mine = {c: self._predict_generated(trainer, pl_module, c) for c in self.corruptions}
+        parts = [mine]
+        if dist.is_available() and dist.is_initialized():
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, mine)
+        if not trainer.is_global_zero:
+            return None
+        rows = {c: sorted(row for part in parts for row in part[c][0]) for c in self.corruptions}
+        corrupt = sorted({reason for part in parts for c in self.corruptions for reason in part[c][1]})
+        counts = {len(rows[c]) + sum(len(part[c][1]) for part in parts) for c in self.corruptions}
+        expected = _evaluation_images(trainer.datamodule)
+        assert len(counts) == 1 and expected in (None, *counts), "images lost or counted twice across ranks"
+        keys = [(c, s) for c in self.corruptions for s in self.severities]
+        cell_of, target, prediction, confidence = [], [], [], []
+        for c_index, c in enumerate(self.corruptions):
+            for _, label, predicted, confident in rows[c]:
+                for s_index in range(len(self.severities)):
+                    cell_of.append(c_index * len(self.severities) + s_index)
+                    target.append(label)
+                    prediction.append(predicted[s_index])
+                    confidence.append(confident[s_index])
+        metrics = self._metrics(trainer, keys, torch.tensor(cell_of, dtype=torch.long),
+                                torch.tensor(target, dtype=torch.long), torch.tensor(prediction, dtype=torch.long),
+                                torch.tensor(confidence, dtype=torch.double), GROUP_OF)
+        metrics["alexnet"]["note"] = ALEXNET_ON_RELEASED
+        r = self.resolution
+        data = imagenet_val_test_set(trainer.datamodule) or (
+            f"data.source {trainer.datamodule.source} evaluation split (not ImageNet val: CE / mCE are not "
+            "comparable with AlexNet's)")
+        return {
+            "source": "generated",
+            "generated": {
+                "from": data,
+                "num_source_images": len(rows[self.corruptions[0]]),
+                "seed": self.seed,
+                "resolution": r,
+                "pipeline": f"resize shorter side to {eval_resize_size(r, self.crop_pct)} (bicubic), centre crop "
+                            f"{r}, corrupt, JPEG quality {RELEASED_JPEG_QUALITY} round trip (Pillow)",
+                "implementation": IMPLEMENTATION,
+                "per_image_seed": "numpy SeedSequence(seed, corruption index, severity, blake2b digest of the "
+                                  "image's clean preprocessed pixels) -> MT19937",
+                "frost_textures": self.textures,
+            },
+            **metrics,
+            "preprocessing": "generated at the evaluation resolution (see generated.pipeline)",
+            "conditions": {"image_size": r, "crop_pct": self.crop_pct, "ece_bins": ECE_BINS,
+                           "checkpoint": trainer.ckpt_path},
+            "corrupt_images": corrupt,
+        }
+
+    # ------------------------------------------------------------------------------------------ metrics
     def _clean_error(self, trainer) -> tuple[float | None, str]:
         if self.clean_error is not None:
             return self.clean_error, "init arg clean_error"
@@ -294,35 +505,11 @@ class ImageNetC(Callback):
             return 1 - float(acc1), f"1 - test/acc1 of this run's test loop on {test_set}"
         return None, "none: set clean_error, or test on ImageNet val in the same run"
 
-    def on_test_end(self, trainer, pl_module) -> None:
-        # one dataset over every cell: one loader, one gather; cell_of maps each image back to its cell
-        keys = list(self.cells)
-        samples = [s for key in keys for s in self.cells[key]]
-        cell_of = torch.tensor([k for k, key in enumerate(keys) for _ in self.cells[key]])
-        was_training = pl_module.training
-        pl_module.eval()
-        predictions = predict_split(trainer, pl_module, Split("imagenet_c", samples), ExactSize(self.resolution), None,
-                                    batch_size=self.batch_size, num_workers=self.num_workers)
-        cell_of = cell_of[predictions.index]  # unreadable images are skipped (and named in the results)
-        target, prediction, confidence = predictions.target, predictions.prediction, predictions.confidence
-        pl_module.train(was_training)
-        run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # a collective under DDP: every rank calls it
-        if not trainer.is_global_zero:
-            return
-        section = self._section(trainer, keys, cell_of, target, prediction, confidence)
-        section["corrupt_images"] = predictions.corrupt
-        section["plot"] = self._plot(run_dir, section) if self.plot else "not requested"
-        update_results(run_dir / "results.json", {"imagenet_c": section})
-        metrics = flat_metrics(section)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-            if isinstance(logger, WandbLogger) and self.plot:
-                logger.log_image("imagenet_c/errors", [section["plot"]])
-        mce = section.get("mce", (section.get("mce_partial") or {}).get("value"))
-        print(f"imagenet_c: mean acc1 {section['mean_acc1']:.4f}, "
-              f"{'mCE' if 'mce' in section else 'partial mCE'} {mce}", flush=True)
-
-    def _section(self, trainer, keys, cell_of, target, prediction, confidence) -> dict[str, Any]:
+    def _metrics(self, trainer, keys: list[tuple[str, int]], cell_of: torch.Tensor, target: torch.Tensor,
+                 prediction: torch.Tensor, confidence: torch.Tensor, groups: dict[str, str | None]) -> dict[str, Any]:
+        """Top-1 and error per cell, per-corruption means, ECE (severities pooled), CE / mCE and their relative
+        versions, for both sources. ``cell_of[i]``: the index in ``keys`` of the (corruption, severity) cell of
+        prediction i."""
         correct = prediction == target
         acc = {key: accuracy(prediction[cell_of == k], target[cell_of == k]) for k, key in enumerate(keys)}
         errors = {c: {s: 1 - acc[c, s] for s in self.severities} for c in self.corruptions}
@@ -332,7 +519,7 @@ class ImageNetC(Callback):
         for c in self.corruptions:
             mine = torch.isin(cell_of, torch.tensor([k for k, key in enumerate(keys) if key[0] == c]))
             per_corruption[c] = {
-                "group": self.groups[c],
+                "group": groups[c],
                 "num_images": int(mine.sum()),
                 "acc1": {str(s): acc[c, s] for s in self.severities},
                 "error": {str(s): errors[c][s] for s in self.severities},
@@ -342,14 +529,7 @@ class ImageNetC(Callback):
                 "ce": derived["ce"][c],
                 "relative_ce": derived["relative_ce"][c],
             }
-        first = self.cells[keys[0]][0][0]
-        with Image.open(first) as image:
-            released = image.size
-        r = self.resolution
-        subsampled = self.limit_per_class is not None or self.max_images is not None
         return {
-            "root": str(Path(self.root).resolve()),
-            "layout": "group folders" if any(self.groups.values()) else "flat",
             "corruptions": per_corruption,
             "severities": self.severities,
             "num_images": len(target),
@@ -363,15 +543,9 @@ class ImageNetC(Callback):
                         else "init arg alexnet_clean_error",
                         "errors": "data/imagenet_c_alexnet_err_per_severity.csv (standard 15), "
                                   "data/imagenet_c_alexnet_baselines.csv means (extra 4)"},
-            "preprocessing": ("none (decoded as released)" if released == (r, r)
-                              else f"resize {released[0]} x {released[1]} to {r} x {r} (bicubic)"),
-            "conditions": {"image_size": r, "released_image_size": list(released), "ece_bins": ECE_BINS,
-                           "subsampled": subsampled, "limit_per_class": self.limit_per_class,
-                           "max_images": self.max_images, "checkpoint": trainer.ckpt_path},
         }
 
-    @staticmethod
-    def _plot(run_dir: Path, section: dict[str, Any]) -> str:
+    def _plot(self, run_dir: Path, section: dict[str, Any]) -> str:
         import matplotlib  # noqa: PLC0415 (imported only when a plot is drawn: it is slow to import)
 
         matplotlib.use("Agg")  # no display on compute nodes
@@ -383,7 +557,7 @@ class ImageNetC(Callback):
         ax.bar(names, errors)
         ax.set_ylabel("top-1 error (mean over severities)")
         ax.set_ylim(0, 1)
-        ax.set_title("ImageNet-C error per corruption")
+        ax.set_title(f"ImageNet-C ({self.source}) error per corruption")
         ax.tick_params(axis="x", rotation=60)
         fig.tight_layout()
         path = run_dir / "imagenet_c_errors.png"
@@ -391,6 +565,12 @@ class ImageNetC(Callback):
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return str(path.resolve())
+
+
+def _evaluation_images(datamodule) -> int | None:
+    """How many images the data module's evaluation set holds, where it knows exactly (not for shard streams)."""
+    dataset = getattr(datamodule, "eval_set", None)
+    return None if dataset is None or isinstance(dataset, IterableDataset) else len(dataset)
 
 
 def flat_metrics(section: dict[str, Any]) -> dict[str, float]:
