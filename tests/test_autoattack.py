@@ -298,3 +298,10 @@ def test_images_sharing_a_key_are_refused_not_counted_once():
     callback.seen = {"img_0"}  # an earlier batch of this session had it
     with pytest.raises(UserError, match="share the key 'img_0'"):
         callback.on_test_batch_end(None, None, None, {**batch, "key": ["img_0", "img_1"]}, 1)
+
+
+def test_l1_quick_modes_need_an_iteration_per_stage_of_the_eps_schedule():
+    with pytest.raises(UserError, match="n_iter must be at least 3 with an L1 threat model"):
+        AutoAttackEvaluation(threat_models=[{"norm": "L1", "eps": 1.0}], version="apgd-ce", n_iter=2)
+    with pytest.raises(ValueError, match="n_iter must be at least 3"):
+        AutoAttack(nn.Identity(), norm="L1", eps=1.0, version="apgd-ce", n_iter=2)

@@ -101,6 +101,9 @@ def numerics(precision: str, device: torch.device):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
+L1_MIN_ITER = 3  # one iteration for each stage of the L1 eps schedule
+
+
 class AutoAttack:
     """The standard AutoAttack ensemble (or a quick mode) against ``model``: [0, 1] inputs, logits out.
 
@@ -150,6 +153,9 @@ class AutoAttack:
         self.device = torch.device(device)
         quick = version != "standard"
         self.n_iter = n_iter or (40 if version == "apgd-t" else 100)
+        if norm == "L1" and self.n_iter < L1_MIN_ITER:
+            raise ValueError(f"L1 APGD splits its iterations 30/30/40 % over 3, 2 and 1 x eps: n_iter must be at "
+                             f"least {L1_MIN_ITER}, got {self.n_iter}")
         self.n_target_classes = n_target_classes or (3 if quick else (5 if norm == "L1" else 9))
         self.n_fab_targets = 9
         self.n_queries = n_queries

@@ -25,7 +25,10 @@ from lightning import Callback
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 
-from robust_lightning.attacks.autoattack import ENGINES, PRECISIONS, VERSIONS, AutoAttack, precision_note
+from robust_lightning.attacks.autoattack import (
+    ENGINES, L1_MIN_ITER, PRECISIONS, VERSIONS, AutoAttack, precision_note,
+)
+from robust_lightning.attacks.projections import NORMS
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.results import file_sha256, update_results
 
@@ -42,6 +45,22 @@ class ThreatModel:
 
 
 DEFAULT_THREAT_MODELS = (ThreatModel("Linf", 4 / 255), ThreatModel("L2", 2.0), ThreatModel("L1", 75.0))
+
+
+def parse_threat_models(items, owner: str, n_iter: int | None) -> list[ThreatModel]:
+    """Threat models from a config list of {norm, eps} (or ThreatModel), checked; ``owner`` names the setting."""
+    threats = [ThreatModel(t.norm, float(t.eps)) if isinstance(t, ThreatModel) else ThreatModel(**t) for t in items]
+    if not threats:
+        raise UserError(f"{owner}.threat_models is empty")
+    for threat in threats:
+        if threat.norm not in NORMS or threat.eps <= 0:
+            raise UserError(f"{owner} threat model {threat}: norm must be one of {NORMS} and eps > 0")
+    if len({t.name for t in threats}) != len(threats):
+        raise UserError(f"{owner}.threat_models has duplicates: {[t.name for t in threats]}")
+    if n_iter is not None and n_iter < L1_MIN_ITER and any(t.norm == "L1" for t in threats):
+        raise UserError(f"{owner}.n_iter must be at least {L1_MIN_ITER} with an L1 threat model (its 3/2/1 x eps "
+                        f"schedule gives each stage at least one iteration), got {n_iter}")
+    return threats
 
 
 def read_outcomes(directory: Path) -> dict[str, dict[str, Any]]:
@@ -141,10 +160,7 @@ class AutoAttackEvaluation(Callback):
                                      ("precision", precision, PRECISIONS), ("weights", weights, ("raw", "ema"))):
             if value not in allowed:
                 raise UserError(f"AutoAttackEvaluation.{name} must be one of {allowed}, got {value!r}")
-        if not threat_models:
-            raise UserError("AutoAttackEvaluation.threat_models is empty")
-        self.threat_models = [ThreatModel(t.norm, float(t.eps)) if isinstance(t, ThreatModel) else ThreatModel(**t)
-                              for t in threat_models]
+        self.threat_models = parse_threat_models(threat_models, "AutoAttackEvaluation", n_iter)
         self.version, self.engine, self.precision, self.seed = version, engine, precision, seed
         self.n_iter, self.batch_size, self.weights, self.fit_images = n_iter, batch_size, weights, fit_images
         self.results_dir = Path(results_dir) if results_dir else None

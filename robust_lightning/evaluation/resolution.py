@@ -50,10 +50,11 @@ from torch import nn
 from tqdm import tqdm
 
 from robust_lightning.attacks.autoattack import ENGINES, PRECISIONS, VERSIONS, AutoAttack, numerics, precision_note
-from robust_lightning.attacks.projections import NORMS
 from robust_lightning.data.transforms import eval_resize_size, eval_transform
 from robust_lightning.errors import UserError
-from robust_lightning.evaluation.autoattack import ThreatModel, append_record, claim_directory, read_outcomes, summarise
+from robust_lightning.evaluation.autoattack import (
+    ThreatModel, append_record, claim_directory, parse_threat_models, read_outcomes, summarise,
+)
 from robust_lightning.evaluation.benchmarks import evaluation_resolution
 from robust_lightning.evaluation.results import file_sha256, update_results
 
@@ -253,15 +254,8 @@ class ResolutionSweep(Callback):
                             ("reference_resolution", reference_resolution)):
             if value is not None and value < 1:
                 raise UserError(f"ResolutionSweep.{name} must be a positive number, got {value}")
-        self.threat_models = [ThreatModel(t.norm, float(t.eps)) if isinstance(t, ThreatModel) else ThreatModel(**t)
-                              for t in threat_models] if attack is not None else []
-        if attack is not None and not self.threat_models:
-            raise UserError("ResolutionSweep.threat_models is empty; set attack: null for clean accuracy only")
-        for threat in self.threat_models:
-            if threat.norm not in NORMS or threat.eps <= 0:
-                raise UserError(f"ResolutionSweep threat model {threat}: norm must be one of {NORMS} and eps > 0")
-        if len({t.name for t in self.threat_models}) != len(self.threat_models):
-            raise UserError(f"ResolutionSweep.threat_models has duplicates: {[t.name for t in self.threat_models]}")
+        # without an attack: clean accuracy only
+        self.threat_models = [] if attack is None else parse_threat_models(threat_models, "ResolutionSweep", n_iter)
         self.resolutions, self.crop_pct = sorted(resolutions), float(crop_pct)
         self.attack, self.n_iter, self.engine, self.precision, self.seed = attack, n_iter, engine, precision, seed
         self.scale_l2, self.scale_l1 = scale_l2_with_resolution, scale_l1_with_resolution
