@@ -1,0 +1,313 @@
+"""The robustness card: ``robust-lightning test --config configs/eval/card.yaml --ckpt_path CKPT``.
+
+One callback runs every evaluation of the project on one checkpoint, with every dataset root given once
+(``datasets``): AutoAttack in the three threat models on the test set, the distribution-shift benchmarks
+(ImageNet-R, -A, -Sketch, -V2, -O, -9), ImageNet-C (released, or generated from the test images), ImageNet-P
+and the resolution sweep. Each part is the project's own callback, built here and driven through the same
+hooks; each writes its section of results.json as usual. At the end the card renders those sections into
+``robustness_card.md`` beside results.json: tables laid out like the papers' (with the published numbers
+beside ours when the architecture is one of theirs, data/paper_results.csv), the plots, and the list of
+everything that was skipped and why (no dataset root, or a model whose classes are not ImageNet's 1000).
+"""
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+from lightning import Callback
+from lightning.pytorch.loggers import WandbLogger
+
+from robust_lightning.errors import UserError
+from robust_lightning.evaluation.autoattack import AutoAttackEvaluation, ThreatModel
+from robust_lightning.evaluation.benchmarks import DistributionShiftBenchmarks, evaluation_resolution
+from robust_lightning.evaluation.imagenet_c import ImageNetC
+from robust_lightning.evaluation.imagenet_p import ImageNetP
+from robust_lightning.evaluation.resolution import ResolutionSweep
+from robust_lightning.evaluation.results import update_results
+from robust_lightning.paths import DATA_DIR
+
+DATASETS = ("imagenet_c", "imagenet_p", "imagenet_r", "imagenet_a", "imagenet_sketch", "imagenet_v2", "imagenet_o",
+            "imagenet_val", "imagenet_9")
+# benchmarks whose labels are ImageNet-1k classes: they need a 1000-class model
+IMAGENET_LABELLED = ("imagenet_c", "imagenet_p", "imagenet_r", "imagenet_a", "imagenet_sketch", "imagenet_v2",
+                     "imagenet_o", "imagenet_9")
+CARD_FILE = "robustness_card.md"
+
+
+def paper_rows(arch: str) -> list[dict[str, str]]:
+    """Published results for this architecture (data/paper_results.csv), any resolution."""
+    with open(DATA_DIR / "paper_results.csv", newline="") as f:
+        return [row for row in csv.DictReader(f) if row["arch"] == arch]
+
+
+class RobustnessCard(Callback):
+    """Every evaluation on one checkpoint, and one card (see the module docstring).
+
+    Args:
+        datasets: dataset roots, set once: imagenet_c (the released folder, or "generated" to corrupt the test
+            images on the fly), imagenet_p, imagenet_r, imagenet_a, imagenet_sketch, imagenet_v2, imagenet_o,
+            imagenet_val (in-distribution images of ImageNet-O; default ``<data.root>/val`` for a folder
+            dataset) and imagenet_9. A missing or null root skips that benchmark (listed in the card).
+        autoattack: settings of the AutoAttack part (AutoAttackEvaluation's arguments; default: standard
+            AutoAttack, Linf 4/255, L2 2.0 and L1 75, fp32). None: no AutoAttack.
+        benchmarks, imagenet_c, imagenet_p: settings of those parts (batch_size, num_workers, image_size, ...).
+        resolution_sweep: settings of the resolution sweep (ResolutionSweep's arguments). None: no sweep.
+        paper_results: show the published numbers of data/paper_results.csv for the model's architecture.
+    """
+
+    def __init__(
+        self,
+        datasets: dict[str, str | None] | None = None,
+        autoattack: dict[str, Any] | None = {},
+        benchmarks: dict[str, Any] | None = None,
+        imagenet_c: dict[str, Any] | None = None,
+        imagenet_p: dict[str, Any] | None = None,
+        resolution_sweep: dict[str, Any] | None = {},
+        paper_results: bool = True,
+    ):
+        datasets = dict(datasets or {})
+        unknown = sorted(set(datasets) - set(DATASETS))
+        if unknown:
+            raise UserError(f"RobustnessCard.datasets: unknown {unknown}; the datasets are {', '.join(DATASETS)}")
+        self.datasets = {name: datasets.get(name) for name in DATASETS}
+        self.settings = {"autoattack": autoattack, "benchmarks": benchmarks or {}, "imagenet_c": imagenet_c or {},
+                         "imagenet_p": imagenet_p or {}, "resolution_sweep": resolution_sweep}
+        self.paper_results = paper_results
+        self.parts: dict[str, Callback] = {}
+        self.skipped: list[dict[str, str]] = []
+        self._build_parts(num_classes=1000)  # wrong settings fail here, at start-up
+
+    # ------------------------------------------------------------------------------------------- parts
+    def _part(self, name: str, cls, **kwargs) -> Callback:
+        try:
+            return cls(**kwargs)
+        except TypeError as e:  # an unknown or missing setting: name the part, not a frame deep inside
+            raise UserError(f"RobustnessCard.{name}: {e}") from None
+
+    def _build_parts(self, num_classes: int, imagenet_val: str | None = None) -> None:
+        roots, settings = self.datasets, self.settings
+        self.parts, self.skipped = {}, []
+
+        def skip(name: str, reason: str) -> None:
+            self.skipped.append({"benchmark": name, "reason": reason})
+
+        if settings["autoattack"] is not None:
+            self.parts["autoattack"] = self._part("autoattack", AutoAttackEvaluation, **settings["autoattack"])
+        else:
+            skip("autoattack", "not requested (autoattack: null)")
+        if num_classes != 1000:
+            # generated ImageNet-C corrupts the test set itself, whatever its labels: it still applies
+            foreign = [name for name in IMAGENET_LABELLED if not (name == "imagenet_c" and roots[name] == "generated")]
+            for name in foreign:
+                skip(name, f"the model has {num_classes} classes; this benchmark is labelled with ImageNet's 1000")
+            roots = {name: None if name in foreign else root for name, root in roots.items()}
+        shifts = {name: roots[name] for name in ("imagenet_r", "imagenet_a", "imagenet_sketch", "imagenet_v2",
+                                                 "imagenet_o", "imagenet_9")}
+        if any(shifts.values()):
+            self.parts["benchmarks"] = self._part("benchmarks", DistributionShiftBenchmarks, **shifts,
+                                                  imagenet_val=roots["imagenet_val"] or imagenet_val,
+                                                  **settings["benchmarks"])
+        elif num_classes == 1000:
+            skip("distribution shifts (imagenet_r, _a, _sketch, _v2, _o, _9)", "no dataset root given")
+        if roots["imagenet_c"] == "generated":
+            self.parts["imagenet_c"] = self._part("imagenet_c", ImageNetC, source="generated", **settings["imagenet_c"])
+        elif roots["imagenet_c"]:
+            self.parts["imagenet_c"] = self._part("imagenet_c", ImageNetC, root=roots["imagenet_c"],
+                                                  **settings["imagenet_c"])
+        elif num_classes == 1000:
+            skip("imagenet_c", "no dataset root given (a folder, or 'generated')")
+        if roots["imagenet_p"]:
+            self.parts["imagenet_p"] = self._part("imagenet_p", ImageNetP, root=roots["imagenet_p"],
+                                                  **settings["imagenet_p"])
+        elif num_classes == 1000:
+            skip("imagenet_p", "no dataset root given")
+        if settings["resolution_sweep"] is not None:
+            self.parts["resolution_sweep"] = self._part("resolution_sweep", ResolutionSweep,
+                                                        **settings["resolution_sweep"])
+        else:
+            skip("resolution_sweep", "not requested (resolution_sweep: null)")
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage != "test":
+            raise UserError("RobustnessCard runs under `robust-lightning test` only")
+        num_classes = int(getattr(pl_module, "hparams", {}).get("num_classes", 1000))
+        datamodule = trainer.datamodule
+        default_val = None
+        if getattr(datamodule, "source", None) == "folder" and (Path(datamodule.root) / "val").is_dir():
+            default_val = str(Path(datamodule.root) / "val")
+        self._build_parts(num_classes, default_val)
+        for part in self.parts.values():
+            part.setup(trainer, pl_module, stage)
+
+    def _forward(hook: str):
+        def forward(self, trainer, pl_module, *args, **kwargs) -> None:
+            for part in self.parts.values():
+                getattr(part, hook)(trainer, pl_module, *args, **kwargs)
+        forward.__name__ = hook
+        return forward
+
+    on_test_start = _forward("on_test_start")
+    on_test_batch_end = _forward("on_test_batch_end")
+    on_test_epoch_end = _forward("on_test_epoch_end")
+    teardown = _forward("teardown")
+    del _forward
+
+    def on_test_end(self, trainer, pl_module) -> None:
+        for part in self.parts.values():
+            part.on_test_end(trainer, pl_module)
+        run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # a collective under DDP: all ranks call it
+        if not trainer.is_global_zero:
+            return
+        results_path = run_dir / "results.json"
+        results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+        test_metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test")}
+        header = {
+            "arch": getattr(pl_module, "hparams", {}).get("arch", type(pl_module).__name__),
+            "checkpoint": trainer.ckpt_path,
+            "resolution": evaluation_resolution(trainer, pl_module, None),
+            "data": trainer.datamodule.conditions() if hasattr(trainer.datamodule, "conditions") else None,
+        }
+        papers = paper_rows(header["arch"]) if self.paper_results else []
+        card = render_card(header, test_metrics, results, self.skipped, papers)
+        (run_dir / CARD_FILE).write_text(card)
+        update_results(results_path, {"card": {"markdown": str((run_dir / CARD_FILE).resolve()),
+                                               "parts": list(self.parts), "skipped": self.skipped}})
+        print(f"robustness card: {(run_dir / CARD_FILE).resolve()}", flush=True)
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                columns, row = summary_row(test_metrics, results)
+                logger.log_table("card/summary", columns=columns, data=[row])
+
+
+# ------------------------------------------------------------------------------------------------ rendering
+def percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.2f}"
+
+
+def mean_over(section: dict[str, Any], key: str) -> str:
+    """A benchmark mean (mCE, mFR, ...), marked partial when the section has it over a subset only."""
+    if section.get(key) is not None:
+        return percent(section[key])
+    partial = (section.get(f"{key}_partial") or {}).get("value")
+    return "-" if partial is None else f"{percent(partial)} (partial)"
+
+
+def table(columns: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def threat_label(section: dict[str, Any]) -> str:
+    return ThreatModel(section["norm"], section["eps"]).name.replace("-", " ").replace("_", "/")
+
+
+SHIFT_COLUMNS = (("IN-R", "imagenet_r"), ("IN-A", "imagenet_a"), ("IN-Sketch", "imagenet_sketch"),
+                 ("IN-V2", "imagenet_v2"))
+
+
+def _shift_values(test_metrics: dict[str, float], results: dict[str, Any]) -> dict[str, str]:
+    """The distribution-shift row: accuracies in %, mCE and flip rates in % (lower is better where marked)."""
+    benchmarks, c, p = results.get("benchmarks", {}), results.get("imagenet_c") or {}, results.get("imagenet_p") or {}
+    row = {"IN val": percent(test_metrics.get("test/acc1")), "IN-C mCE ↓": mean_over(c, "mce"),
+           "IN-C acc": percent(c.get("mean_acc1"))}
+    for label, name in SHIFT_COLUMNS:
+        row[label] = percent(benchmarks.get(name, {}).get("acc1"))
+    row["IN-O AUPR"] = percent(benchmarks.get("imagenet_o", {}).get("aupr"))
+    row["IN-9 BG-gap ↓"] = percent(benchmarks.get("imagenet_9", {}).get("bg_gap"))
+    row["IN-P mFR ↓"] = mean_over(p, "mfr")
+    row["IN-P mT5D ↓"] = mean_over(p, "mt5d")
+    return row
+
+
+def summary_row(test_metrics: dict[str, float], results: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """One row with every headline number (the W&B table of the card)."""
+    row = {"clean": percent(test_metrics.get("test/acc1"))}
+    for section in results.get("autoattack", {}).get("threat_models", {}).values():
+        if section.get("num_points"):
+            row[f"AA {threat_label(section)}"] = percent(section["robust_accuracy"])
+    row |= _shift_values(test_metrics, results)
+    return list(row), list(row.values())
+
+
+def _sweep_lines(sweep: dict[str, Any]) -> list[str]:
+    """Accuracy per test resolution; the best resolution in bold."""
+    entries = [e for e in sweep.get("resolutions", {}).values() if e.get("clean_accuracy") is not None]
+    if not entries:
+        return []
+    names = list(entries[0].get("threat_models", {}))
+    best = sweep.get("best", {})
+    chosen = (best.get("by_robust") or best.get("by_clean") or {}).get("resolution")
+    attack = sweep.get("conditions", {}).get("attack")
+    rows = []
+    for e in entries:
+        label = f"**{e['resolution']}**" if e["resolution"] == chosen else str(e["resolution"])
+        robust = [percent(e["threat_models"][n]["robust_accuracy"]) for n in names]
+        rows.append([label, str(e["num_images"]), percent(e["clean_accuracy"]), *robust])
+    columns = ["resolution", "images", "clean", *(f"{n} ({attack})" for n in names)]
+    return [f"## Test resolution (best: {chosen} px)", "", table(columns, rows), ""]
+
+
+def render_card(header: dict[str, Any], test_metrics: dict[str, float], results: dict[str, Any],
+                skipped: list[dict[str, str]], papers: list[dict[str, str]]) -> str:
+    """The card as markdown, from the results.json sections of the run (all numbers in %)."""
+    r = header["resolution"]
+    data = header.get("data") or {}
+    lines = [f"# Robustness card: {header['arch']}", "",
+             f"- checkpoint: `{header.get('checkpoint')}`",
+             f"- resolution: {r} px; test set: {data.get('source', '?')}"
+             + (f", subset {data['eval_subset']}" if data.get("eval_subset") else "")
+             + (f", {data['eval_images']} images" if data.get("eval_images") else ""),
+             "- all numbers in %; ↓ marks metrics where lower is better", ""]
+
+    autoattack = results.get("autoattack", {})
+    threats = {name: s for name, s in autoattack.get("threat_models", {}).items() if s.get("num_points")}
+    if threats:
+        conditions = autoattack.get("conditions", {})
+        points = {s["num_points"] for s in threats.values()}
+        lines += [f"## Adversarial robustness (AutoAttack {conditions.get('version')}, {conditions.get('precision')}, "
+                  f"{'/'.join(map(str, sorted(points)))} images)", ""]
+        labels = [threat_label(s) for s in threats.values()]
+        rows = [[f"this checkpoint ({r} px)", percent(next(iter(threats.values()))["clean_accuracy"]),
+                 *(percent(s["robust_accuracy"]) for s in threats.values())]]
+        for paper in papers:  # the papers report Linf 4/255 only
+            linf = [paper["autoattack_linf_4_255"] if label == "Linf 4/255" else "-" for label in labels]
+            note = f", {paper['note']}" if paper["note"] else ""
+            rows.append([f"{paper['model']}, {paper['paper']} ({paper['resolution']} px{note})", paper["clean"], *linf])
+        lines += [table(["model", "clean", *labels], rows), ""]
+        if papers:
+            lines += ["Published numbers: data/paper_results.csv (same architecture; not necessarily the same "
+                      "weights).", ""]
+
+    shift = _shift_values(test_metrics, results)
+    if any(v != "-" for k, v in shift.items() if k != "IN val"):
+        lines += ["## Distribution shifts (top-1 unless marked)", "", table(["model", *shift], [["this checkpoint",
+                                                                                                  *shift.values()]]), ""]
+    ece = {"IN val": test_metrics.get("test/ece")}
+    ece |= {label: results.get("benchmarks", {}).get(name, {}).get("ece") for label, name in SHIFT_COLUMNS}
+    corruptions = (results.get("imagenet_c") or {}).get("corruptions", {})
+    if corruptions:
+        ece["IN-C"] = sum(c["ece"] for c in corruptions.values()) / len(corruptions)
+    if any(v is not None for v in ece.values()):
+        lines += ["## Calibration (expected calibration error, 15 bins) ↓", "",
+                  table(list(ece), [[percent(v) for v in ece.values()]]), ""]
+    if corruptions:
+        lines += ["## ImageNet-C per corruption (error, mean over severities) ↓", "",
+                  table(["corruption", "error", "CE"], [[name, percent(c["mean_error"]), percent(c.get("ce"))]
+                                                       for name, c in corruptions.items()]), ""]
+
+    sweep = results.get("resolution_sweep")
+    if sweep:
+        lines += _sweep_lines(sweep)
+
+    plots = [(title, Path(path).name) for title, path in (
+        ("ImageNet-C", (results.get("imagenet_c") or {}).get("plot")),
+        ("ImageNet-P", (results.get("imagenet_p") or {}).get("plot")),
+        ("Resolution sweep", (sweep or {}).get("plot"))) if path and path != "not requested"]
+    if plots:
+        lines += ["## Plots", "", *(f"![{title}]({name})" for title, name in plots), ""]
+
+    everything_skipped = skipped + results.get("benchmarks", {}).get("skipped", [])
+    lines += ["## Skipped", ""]
+    lines += [f"- {s['benchmark']}: {s['reason']}" for s in everything_skipped] or ["- nothing"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,144 @@
+"""The robustness card: one command runs every evaluation and renders one markdown card from results.json."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from robust_lightning.cli import main
+from robust_lightning.errors import UserError
+from robust_lightning.evaluation.card import RobustnessCard, paper_rows, percent, render_card
+from test_benchmarks import benchmark_trees
+from test_benchmarks import checkpoint as imagenet_checkpoint  # noqa: F401 (a fixture: 1000-class tiny model)
+from test_imagenet_c import imagenet_c_tree
+from test_imagenet_p import imagenet_p_tree
+
+REPO = Path(__file__).resolve().parents[1]
+QUICK_ATTACK = {"version": "apgd-ce", "n_iter": 3}
+
+
+def test_render_card_lays_out_our_numbers_beside_the_papers():
+    results = {
+        "autoattack": {"threat_models": {
+            "Linf-4_255": {"norm": "Linf", "eps": 4 / 255, "num_points": 50, "clean_accuracy": 0.76, "robust_accuracy": 0.56},
+            "L2-2": {"norm": "L2", "eps": 2.0, "num_points": 50, "clean_accuracy": 0.76, "robust_accuracy": 0.4},
+        }, "conditions": {"version": "standard", "precision": "fp32"}},
+        "benchmarks": {"imagenet_r": {"acc1": 0.5, "ece": 0.1}, "skipped": [{"benchmark": "imagenet_a", "reason": "no root"}]},
+        "imagenet_c": {"mce_partial": {"value": 0.61}, "mean_acc1": 0.45, "corruptions": {
+            "fog": {"mean_error": 0.5, "ce": 0.6, "ece": 0.2}}},
+        "resolution_sweep": {"resolutions": {
+            "224": {"resolution": 224, "num_images": 50, "clean_accuracy": 0.7,
+                    "threat_models": {"Linf-4_255": {"robust_accuracy": 0.5}}},
+            "256": {"resolution": 256, "num_images": 50, "clean_accuracy": 0.72,
+                    "threat_models": {"Linf-4_255": {"robust_accuracy": 0.52}}}},
+            "best": {"by_robust": {"resolution": 256}}, "conditions": {"attack": "apgd-t"}},
+    }
+    header = {"arch": "convnext_base_convstem", "checkpoint": "x.ckpt", "resolution": 224, "data": {}}
+    papers = paper_rows("convnext_base_convstem")
+    assert [p["resolution"] for p in papers] == ["224", "256"]
+    card = render_card(header, {"test/acc1": 0.75, "test/ece": 0.03}, results, [{"benchmark": "imagenet_p",
+                                                                                  "reason": "no dataset root given"}], papers)
+    lines = card.splitlines()
+    assert "| this checkpoint (224 px) | 76.00 | 56.00 | 40.00 |" in lines
+    # the papers report Linf 4/255 only: their L2 cell stays empty
+    assert "| ConvNeXt-B + ConvStem, Singh et al. 2023 (224 px, 250 epochs) | 75.90 | 56.14 | - |" in lines
+    assert any(line.startswith("| this checkpoint | 75.00 | 61.00 (partial) | 45.00 | 50.00 | - |") for line in lines)
+    assert "| **256** | 50 | 72.00 | 52.00 |" in lines and "| 224 | 50 | 70.00 | 50.00 |" in lines
+    assert "- imagenet_p: no dataset root given" in lines and "- imagenet_a: no root" in lines
+    assert render_card(header | {"arch": "resnet18"}, {}, results, [], paper_rows("resnet18")).count("Singh") == 0
+
+
+def test_bad_settings_fail_at_start_naming_the_part():
+    with pytest.raises(UserError, match="unknown \\['imagenet_x'\\]"):
+        RobustnessCard(datasets={"imagenet_x": "/x"})
+    with pytest.raises(UserError, match="RobustnessCard.resolution_sweep: .*resolution"):
+        RobustnessCard(resolution_sweep={"resolution": [224]})
+
+
+def _load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def test_the_card_runs_every_benchmark_that_has_data(tmp_path, imagenet_checkpoint):  # noqa: F811
+    roots = benchmark_trees(tmp_path)
+    roots["imagenet_c"] = str(imagenet_c_tree(tmp_path / "imagenet_c"))
+    imagenet_p_tree(tmp_path / "imagenet_p")
+    roots["imagenet_p"] = str(tmp_path / "imagenet_p")
+    roots.pop("imagenet_val")  # the card finds <data.root>/val itself
+    for image in (tmp_path / "imagenet" / "val").glob("*/*"):  # unique file names, as in ImageNet val
+        image.rename(image.with_name(f"{image.parent.name}_{image.name}"))
+    quick = {"batch_size": 4, "num_workers": 0}
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "cpu", "devices": 1, "enable_progress_bar": False, "inference_mode": False,
+            "default_root_dir": str(tmp_path / "runs"),
+            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                       "init_args": {"save_dir": str(tmp_path / "runs"), "name": "card"}},
+            "callbacks": [{"class_path": "robust_lightning.evaluation.card.RobustnessCard", "init_args": {
+                "datasets": roots,
+                "autoattack": {**QUICK_ATTACK, "threat_models": [{"norm": "Linf", "eps": 4 / 255},
+                                                                 {"norm": "L2", "eps": 0.3}]},
+                "benchmarks": quick, "imagenet_p": {"batch_size": 2, "num_workers": 0, "perturbations": ["brightness", "gaussian_noise"]},
+                "imagenet_c": {**quick, "corruptions": ["gaussian_noise", "brightness"], "clean_error": 0.5},
+                "resolution_sweep": {"resolutions": [32, 48], "attack": "apgd-ce", "n_iter": 2},
+            }}],
+        },
+        "model": {"arch": "test_resnet"},
+        "data": {"source": "folder", "root": str(tmp_path / "imagenet"), "class_map": "imagenet", "image_size": 32,
+                 "eval_batch_size": 8, "num_workers": 0},
+    }
+    path = tmp_path / "card.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["test", "--config", str(path), "--ckpt_path", str(imagenet_checkpoint)]) == 0
+    run = tmp_path / "runs" / "card" / "version_0"
+    results = _load(run / "results.json")
+    assert {"autoattack", "benchmarks", "imagenet_c", "imagenet_p", "resolution_sweep", "card", "test"} <= set(results)
+    card = (run / "robustness_card.md").read_text()
+    bench = results["benchmarks"]
+    shift_row = next(line for line in card.splitlines() if line.startswith("| this checkpoint |"))
+    for value in (bench["imagenet_r"]["acc1"], bench["imagenet_a"]["acc1"], bench["imagenet_v2"]["acc1"],
+                  bench["imagenet_o"]["aupr"], bench["imagenet_9"]["bg_gap"], results["imagenet_c"]["mean_acc1"]):
+        assert f" {percent(value)} " in shift_row
+    linf = results["autoattack"]["threat_models"]["Linf-4_255"]
+    assert linf["num_points"] == 6 and f"| {percent(linf['robust_accuracy'])} |" in card
+    assert "- imagenet_sketch: no root given (init arg imagenet_sketch)" in card  # no data: listed, not dropped
+    for plot in ("imagenet_c_errors.png", "imagenet_p.png", "resolution_sweep.png"):
+        assert f"]({plot})" in card and (run / plot).is_file()
+    assert results["card"]["parts"] == ["autoattack", "benchmarks", "imagenet_c", "imagenet_p", "resolution_sweep"]
+
+
+def test_the_quickstart_card_config_on_a_quickstart_model(tmp_path):
+    """configs/eval/quickstart_card.yaml as shipped, on a quickstart-shaped (10 synthetic classes, 32 px) model."""
+    from lightning import Trainer
+
+    from robust_lightning.training.classifier import ImageClassifier
+
+    torch.manual_seed(0)
+    module = ImageClassifier(arch="test_resnet", num_classes=10, image_size=32)
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.strategy.connect(module)
+    trainer.save_checkpoint(tmp_path / "quick.ckpt")
+
+    config = yaml.safe_load((REPO / "configs" / "eval" / "quickstart_card.yaml").read_text())
+    config["ckpt_path"] = str(tmp_path / "quick.ckpt")
+    config["trainer"] |= {"default_root_dir": str(tmp_path / "runs"), "enable_progress_bar": False}
+    config["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path / "runs")
+    card_args = config["trainer"]["callbacks"][0]["init_args"]
+    card_args["autoattack"] |= QUICK_ATTACK
+    card_args["imagenet_c"] |= {"corruptions": ["gaussian_noise", "contrast"], "severities": [1, 5], "num_workers": 0}
+    card_args["resolution_sweep"] |= {"resolutions": [24, 32], "attack": "apgd-ce", "n_iter": 3}
+    config["data"] |= {"eval_limit": 8, "num_workers": 0}
+    config["data"]["synthetic"] |= {"train_per_class": 2, "val_per_class": 2, "root": str(tmp_path / "synthetic")}
+    path = tmp_path / "quickstart_card.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["test", "--config", str(path)]) == 0
+    run = tmp_path / "runs" / "quickstart_card" / "version_0"
+    results, card = _load(run / "results.json"), (run / "robustness_card.md").read_text()
+    assert results["card"]["parts"] == ["autoattack", "imagenet_c", "resolution_sweep"]
+    assert {t["num_points"] for t in results["autoattack"]["threat_models"].values()} == {8}
+    assert set(results["imagenet_c"]["corruptions"]) == {"gaussian_noise", "contrast"}
+    assert "- imagenet_r: the model has 10 classes; this benchmark is labelled with ImageNet's 1000" in card
+    assert "## Test resolution" in card and "## Adversarial robustness" in card
