@@ -30,9 +30,9 @@ def test_render_card_lays_out_our_numbers_beside_the_papers():
             "fog": {"mean_error": 0.5, "ce": 0.6, "ece": 0.2}}},
         "resolution_sweep": {"resolutions": {
             "224": {"resolution": 224, "num_images": 50, "clean_accuracy": 0.7,
-                    "threat_models": {"Linf-4_255": {"robust_accuracy": 0.5}}},
+                    "threat_models": {"Linf-4_255": {"norm": "Linf", "eps": 4 / 255, "robust_accuracy": 0.5}}},
             "256": {"resolution": 256, "num_images": 50, "clean_accuracy": 0.72,
-                    "threat_models": {"Linf-4_255": {"robust_accuracy": 0.52}}}},
+                    "threat_models": {"Linf-4_255": {"norm": "Linf", "eps": 4 / 255, "robust_accuracy": 0.52}}}},
             "best": {"by_robust": {"resolution": 256}}, "conditions": {"attack": "apgd-t"}},
     }
     header = {"arch": "convnext_base_convstem", "checkpoint": "x.ckpt", "resolution": 224, "data": {}}
@@ -46,6 +46,10 @@ def test_render_card_lays_out_our_numbers_beside_the_papers():
     assert "| ConvNeXt-B + ConvStem, Singh et al. 2023 (224 px, 250 epochs) | 75.90 | 56.14 | - |" in lines
     assert any(line.startswith("| this checkpoint | 75.00 | 61.00 (partial) | 45.00 | 50.00 | - |") for line in lines)
     assert "| **256** | 50 | 72.00 | 52.00 |" in lines and "| 224 | 50 | 70.00 | 50.00 |" in lines
+    assert "| resolution | images | clean | Linf 4/255 (apgd-t) |" in lines
+    # a model of other classes: no mCE against AlexNet's ImageNet errors
+    other = render_card(header | {"num_classes": 10}, {}, results, [], [])
+    assert "- (not ImageNet)" in other and "61.00" not in other
     assert "- imagenet_p: no dataset root given" in lines and "- imagenet_a: no root" in lines
     assert render_card(header | {"arch": "resnet18"}, {}, results, [], paper_rows("resnet18")).count("Singh") == 0
 
@@ -141,4 +145,5 @@ def test_the_quickstart_card_config_on_a_quickstart_model(tmp_path):
     assert {t["num_points"] for t in results["autoattack"]["threat_models"].values()} == {8}
     assert set(results["imagenet_c"]["corruptions"]) == {"gaussian_noise", "contrast"}
     assert "- imagenet_r: the model has 10 classes; this benchmark is labelled with ImageNet's 1000" in card
+    assert "| L2 0.286 | L1 1.53 |" in card  # radii quoted as the papers do
     assert "## Test resolution" in card and "## Adversarial robustness" in card

@@ -164,6 +164,7 @@ class RobustnessCard(Callback):
         test_metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test")}
         header = {
             "arch": getattr(pl_module, "hparams", {}).get("arch", type(pl_module).__name__),
+            "num_classes": int(getattr(pl_module, "hparams", {}).get("num_classes", 1000)),
             "checkpoint": trainer.ckpt_path,
             "resolution": evaluation_resolution(trainer, pl_module, None),
             "data": trainer.datamodule.conditions() if hasattr(trainer.datamodule, "conditions") else None,
@@ -176,7 +177,7 @@ class RobustnessCard(Callback):
         print(f"robustness card: {(run_dir / CARD_FILE).resolve()}", flush=True)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
-                columns, row = summary_row(test_metrics, results)
+                columns, row = summary_row(test_metrics, results, header["num_classes"] == 1000)
                 logger.log_table("card/summary", columns=columns, data=[row])
 
 
@@ -199,17 +200,22 @@ def table(columns: list[str], rows: list[list[str]]) -> str:
 
 
 def threat_label(section: dict[str, Any]) -> str:
-    return ThreatModel(section["norm"], section["eps"]).name.replace("-", " ").replace("_", "/")
+    """"Linf 4/255", "L2 2", "L1 1.53": radii as the papers quote them."""
+    if section["norm"] == "Linf":
+        return ThreatModel("Linf", section["eps"]).name.replace("-", " ").replace("_", "/")
+    return f"{section['norm']} {section['eps']:.3g}"
 
 
 SHIFT_COLUMNS = (("IN-R", "imagenet_r"), ("IN-A", "imagenet_a"), ("IN-Sketch", "imagenet_sketch"),
                  ("IN-V2", "imagenet_v2"))
 
 
-def _shift_values(test_metrics: dict[str, float], results: dict[str, Any]) -> dict[str, str]:
-    """The distribution-shift row: accuracies in %, mCE and flip rates in % (lower is better where marked)."""
+def _shift_values(test_metrics: dict[str, float], results: dict[str, Any], imagenet: bool = True) -> dict[str, str]:
+    """The distribution-shift row: accuracies in %, mCE and flip rates in % (lower is better where marked).
+    ``imagenet``: a 1000-class model; otherwise mCE (normalised by AlexNet's ImageNet errors) means nothing."""
     benchmarks, c, p = results.get("benchmarks", {}), results.get("imagenet_c") or {}, results.get("imagenet_p") or {}
-    row = {"IN val": percent(test_metrics.get("test/acc1")), "IN-C mCE ↓": mean_over(c, "mce"),
+    row = {"test set": percent(test_metrics.get("test/acc1")),
+           "IN-C mCE ↓": mean_over(c, "mce") if imagenet else "- (not ImageNet)",
            "IN-C acc": percent(c.get("mean_acc1"))}
     for label, name in SHIFT_COLUMNS:
         row[label] = percent(benchmarks.get(name, {}).get("acc1"))
@@ -220,13 +226,14 @@ def _shift_values(test_metrics: dict[str, float], results: dict[str, Any]) -> di
     return row
 
 
-def summary_row(test_metrics: dict[str, float], results: dict[str, Any]) -> tuple[list[str], list[str]]:
+def summary_row(test_metrics: dict[str, float], results: dict[str, Any],
+                imagenet: bool = True) -> tuple[list[str], list[str]]:
     """One row with every headline number (the W&B table of the card)."""
     row = {"clean": percent(test_metrics.get("test/acc1"))}
     for section in results.get("autoattack", {}).get("threat_models", {}).values():
         if section.get("num_points"):
             row[f"AA {threat_label(section)}"] = percent(section["robust_accuracy"])
-    row |= _shift_values(test_metrics, results)
+    row |= _shift_values(test_metrics, results, imagenet)
     return list(row), list(row.values())
 
 
@@ -235,7 +242,10 @@ def _sweep_lines(sweep: dict[str, Any]) -> list[str]:
     entries = [e for e in sweep.get("resolutions", {}).values() if e.get("clean_accuracy") is not None]
     if not entries:
         return []
-    names = list(entries[0].get("threat_models", {}))
+    threats = entries[0].get("threat_models", {})
+    names = list(threats)
+    # radii as quoted at the reference resolution (a scaled L2 / L1 radius differs per row)
+    labels = [threat_label({**t, "eps": t.get("eps_nominal", t["eps"])}) for t in threats.values()]
     best = sweep.get("best", {})
     chosen = (best.get("by_robust") or best.get("by_clean") or {}).get("resolution")
     attack = sweep.get("conditions", {}).get("attack")
@@ -244,7 +254,7 @@ def _sweep_lines(sweep: dict[str, Any]) -> list[str]:
         label = f"**{e['resolution']}**" if e["resolution"] == chosen else str(e["resolution"])
         robust = [percent(e["threat_models"][n]["robust_accuracy"]) for n in names]
         rows.append([label, str(e["num_images"]), percent(e["clean_accuracy"]), *robust])
-    columns = ["resolution", "images", "clean", *(f"{n} ({attack})" for n in names)]
+    columns = ["resolution", "images", "clean", *(f"{label} ({attack})" for label in labels)]
     return [f"## Test resolution (best: {chosen} px)", "", table(columns, rows), ""]
 
 
@@ -279,11 +289,11 @@ def render_card(header: dict[str, Any], test_metrics: dict[str, float], results:
             lines += ["Published numbers: data/paper_results.csv (same architecture; not necessarily the same "
                       "weights).", ""]
 
-    shift = _shift_values(test_metrics, results)
-    if any(v != "-" for k, v in shift.items() if k != "IN val"):
+    shift = _shift_values(test_metrics, results, header.get("num_classes", 1000) == 1000)
+    if any(not v.startswith("-") for k, v in shift.items() if k != "test set"):
         lines += ["## Distribution shifts (top-1 unless marked)", "", table(["model", *shift], [["this checkpoint",
                                                                                                   *shift.values()]]), ""]
-    ece = {"IN val": test_metrics.get("test/ece")}
+    ece = {"test set": test_metrics.get("test/ece")}
     ece |= {label: results.get("benchmarks", {}).get(name, {}).get("ece") for label, name in SHIFT_COLUMNS}
     corruptions = (results.get("imagenet_c") or {}).get("corruptions", {})
     if corruptions:
