@@ -1,0 +1,95 @@
+"""One cell of a sweep: ``python -m robust_lightning.scale.task MANIFEST [INDEX]`` (INDEX: $SLURM_ARRAY_TASK_ID).
+
+The array script of ``robust-lightning sweep`` runs this under srun, in every process (srun task) of an array
+task. It runs the cell's ``robust-lightning`` command in this process (so SLURM's SIGUSR1 reaches Lightning's
+requeue handler) and records the outcome in the ``sweep`` section of the cell's results.json: ``running`` at the start,
+then ``done``, ``failed`` or ``interrupted``. Only ``done`` counts as a result; anything else is retried by the
+next ``robust-lightning sweep`` and listed by ``robust-lightning report``.
+"""
+
+import json
+import os
+import re
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from robust_lightning.evaluation.results import update_results
+from robust_lightning.scale.srun import shield_forked_children
+
+
+def slurm_layout() -> list[str]:
+    """trainer.devices / num_nodes from the allocation: Lightning requires devices == --ntasks-per-node and
+    num_nodes == --nodes, whatever the config says (``devices: auto`` would take every GPU of the node)."""
+    per_node = re.match(r"\d+", os.environ.get("SLURM_NTASKS_PER_NODE", ""))
+    nodes = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES")
+    if not per_node or not nodes:
+        return []
+    return [f"--trainer.devices={per_node.group()}", f"--trainer.num_nodes={nodes}"]
+
+
+def run_cell(manifest_path: str, index: int) -> int:
+    manifest = json.loads(Path(manifest_path).read_text())
+    cell = manifest["cells"][index]
+    os.chdir(manifest["workdir"])
+    rank_zero = os.environ.get("SLURM_PROCID", "0") == "0"
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    log = os.environ.get("RL_SWEEP_LOG") or (manifest["log_pattern"].format(job=array, task=task)
+                                             if array and task else None)
+    record: dict[str, Any] = {
+        "sweep": manifest["sweep"], "cell": cell["id"], "labels": cell["labels"], "values": cell["values"],
+        "job": f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID"),
+        "restarts": int(os.environ.get("SLURM_RESTART_COUNT", 0)), "log": log,
+    }
+    results = Path(cell["dir"]) / "results.json"
+
+    def mark(status: str, **extra: Any) -> None:
+        if rank_zero:
+            update_results(results, {"sweep": {**record, "status": status, **extra,
+                                               "updated": time.strftime("%Y-%m-%dT%H:%M:%S")}})
+
+    if manifest.get("wandb"):  # read by every WandbLogger of the cell: one group and the same tags per sweep
+        os.environ.setdefault("WANDB_RUN_GROUP", manifest["wandb"]["group"])
+        os.environ.setdefault("WANDB_TAGS", ",".join(manifest["wandb"]["tags"]))
+    argv = list(cell["argv"]) + slurm_layout()
+    sys.argv = ["robust-lightning", *argv]  # what results.json records as the command
+    mark("running")
+    shield_forked_children()
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from robust_lightning.cli import main
+
+    try:
+        code = main(argv)
+    except SIGTERMException:  # SLURM stopping the job (time limit, requeue, scancel): a retry resumes it
+        mark("interrupted", error="SIGTERM")
+        raise
+    except SystemExit as e:  # the argument parser's exit, or Lightning's after Ctrl-C
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    except BaseException as e:
+        mark("failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
+        raise
+    if code == 0:
+        mark("done", exit_code=0)
+    else:
+        mark("failed", exit_code=code, error=f"robust-lightning exited with status {code}")
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) not in (1, 2):
+        print("usage: python -m robust_lightning.scale.task MANIFEST [INDEX]  (INDEX: $SLURM_ARRAY_TASK_ID)",
+              file=sys.stderr)
+        return 2
+    index = argv[1] if len(argv) == 2 else os.environ.get("SLURM_ARRAY_TASK_ID")
+    if index is None:
+        print("no cell index given and SLURM_ARRAY_TASK_ID is not set", file=sys.stderr)
+        return 2
+    return run_cell(argv[0], int(index))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""On a real single-node SLURM cluster (munged + slurmctld + slurmd started by the fixture, see slurm_cluster.py):
+a sweep array job and its merged report, a 2-task srun DDP fit through Lightning's SLURM environment, and a
+SIGUSR1 requeue that resumes from the checkpoint. CPU only; deselect with ``pytest -m "not slurm"``."""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from robust_lightning.cli import main
+from slurm_cluster import ClusterUnavailable, SlurmCluster
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    started = time.time()
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+    except ClusterUnavailable as e:
+        cluster.stop()
+        pytest.skip(f"no SLURM cluster in this environment: {e}")
+    print(f"SLURM cluster up in {time.time() - started:.1f} s", file=sys.stderr)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def slurm_env(cluster, monkeypatch):
+    """SLURM clients of this process and the jobs (sbatch passes the environment on) see the test cluster;
+    one thread per task keeps concurrent tasks from fighting over the 2 cores."""
+    monkeypatch.setenv("SLURM_CONF", str(cluster.conf))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.chdir(REPO)  # sweep files name configs relative to the checkout
+    return cluster
+
+
+def synthetic(root: Path, per_shard: int = 10) -> dict:
+    return {"num_classes": 10, "train_per_class": 4, "val_per_class": 2, "image_size": 32,
+            "samples_per_shard": per_shard, "root": str(root)}
+
+
+def fit_config(tmp_path: Path, name: str, num_workers: int = 0, **trainer) -> Path:
+    config = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "max_epochs": 1, "num_sanity_val_steps": 0, "enable_progress_bar": False,
+                    "enable_model_summary": False, **trainer},
+        "model": {"arch": "test_resnet", "warmup_epochs": 0.5},
+        # 10-image shards: 4 training and 2 validation shards, enough for two ranks
+        "data": {"source": "synthetic", "image_size": 32, "batch_size": 8, "num_workers": num_workers,
+                 "synthetic": synthetic(tmp_path / "synthetic", per_shard=10)},
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def submit_training(cluster: SlurmCluster, config: Path, run_dir: Path, tasks: int) -> str:
+    """slurm/train_multinode.sbatch on this 1-node CPU cluster: the template as shipped, with the node, task and
+    GPU counts overridden on the sbatch command line as a user would."""
+    out = cluster.run(
+        "sbatch", "--parsable", "--nodes=1", f"--ntasks-per-node={tasks}", "--gpus-per-node=0", "--cpus-per-task=1",
+        "--mem=0", "--time=10", f"--output={run_dir}.out", str(REPO / "slurm" / "train_multinode.sbatch"),
+        env={"CONFIG": str(config), "RUN_DIR": str(run_dir), "PYTHON": sys.executable}, cwd=REPO,
+    )
+    return out.stdout.strip().split(";")[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A tiny 10-class model on the quickstart's synthetic data source (the quickstart's ResNet-18 takes minutes)."""
+    tmp_path = tmp_path_factory.mktemp("tiny")
+    config = fit_config(tmp_path, "fit", limit_train_batches=3, default_root_dir=str(tmp_path / "run"),
+                        logger=False)
+    assert main(["fit", "--config", str(config), "--checkpoint.dirpath", str(tmp_path / "ckpt")]) == 0
+    return tmp_path / "ckpt" / "last.ckpt", tmp_path / "synthetic"
+
+
+def test_sweep_array_job_then_report(slurm_env, tiny_checkpoint, tmp_path, capsys):
+    cluster = slurm_env
+    checkpoint, synthetic_root = tiny_checkpoint
+    # configs/sweeps/quickstart.yaml as shipped (2 resolutions x clean / APGD-CE), on the tiny model and data
+    spec = yaml.safe_load((REPO / "configs" / "sweeps" / "quickstart.yaml").read_text())
+    spec["grid"]["ckpt_path"] = {"tiny": str(checkpoint)}
+    spec["grid"]["benchmark"]["apgd_ce"]["args"]["trainer.callbacks.init_args.n_iter"] = 3
+    spec["args"].update({"data.eval_limit": 10, "data.eval_batch_size": 10, "data.num_workers": 0,
+                         "data.synthetic": synthetic(synthetic_root), "trainer.accelerator": "cpu",
+                         "trainer.enable_progress_bar": False, "trainer.enable_model_summary": False})
+    spec["output_dir"] = str(tmp_path / "sweep")
+    spec["slurm"] = {"time": "00:10:00", "cpus-per-task": 1}
+    sweep_file = tmp_path / "quickstart.yaml"
+    sweep_file.write_text(yaml.safe_dump(spec))
+
+    assert main(["sweep", "--config", str(sweep_file)]) == 0
+    out = capsys.readouterr().out
+    assert "4 cells, 0 done, 0 in the queue, 4 to run: submitted array job" in out
+    output = tmp_path / "sweep"
+    submissions = json.loads((output / "submissions.json").read_text())
+    assert len(submissions) == 1 and len(submissions[0]["cells"]) == 4
+    records = cluster.wait(submissions[0]["job_id"], timeout=300)
+    assert len(records) == 4
+    logs = {r["JobId"]: (output / "logs" / f"{submissions[0]['job_id']}_{r['ArrayTaskId']}.out") for r in records}
+    for record in records:
+        assert record["JobState"] == "COMPLETED", logs[record["JobId"]].read_text()[-3000:]
+
+    # every cell ran with its own values, in its own directory
+    description = json.loads((output / "sweep.json").read_text())
+    for cell in description["cells"]:
+        results = json.loads((output / cell["dir"] / "results.json").read_text())
+        assert results["sweep"]["status"] == "done" and results["sweep"]["cell"] == cell["id"]
+        assert results["test"]["conditions"]["data"]["image_size"] == int(cell["labels"]["data.image_size"])
+        assert ("autoattack" in results) == (cell["labels"]["benchmark"] == "apgd_ce")
+
+    # a re-run submits nothing
+    assert main(["sweep", "--config", str(sweep_file)]) == 0
+    assert "4 done, 0 in the queue, 0 to run: nothing to submit" in capsys.readouterr().out
+    assert len(json.loads((output / "submissions.json").read_text())) == 1
+
+    assert main(["report", str(output)]) == 0
+    report = json.loads((output / "report.json").read_text())
+    assert report["done"] == report["cells"] == 4 and report["missing_or_failed"] == []
+    cells = {(r["data.image_size"], r["benchmark"]): r for r in report["rows"]}
+    assert set(cells) == {("32", "clean"), ("32", "apgd_ce"), ("48", "clean"), ("48", "apgd_ce")}
+    for (size, benchmark), row in cells.items():
+        assert row["status"] == "done" and row["test/num_images"] == 10
+        robust = row.get("autoattack.Linf-4_255.robust_accuracy")
+        assert (robust is not None) == (benchmark == "apgd_ce")
+        if robust is not None:
+            assert 0 <= robust <= row["autoattack.Linf-4_255.clean_accuracy"] <= 1
+    assert (output / "report.md").read_text().count("| tiny |") == 4
+    assert len((output / "report.csv").read_text().splitlines()) == 5
+    before = {name: (output / name).read_bytes() for name in ("report.md", "report.csv", "report.json")}
+    assert main(["report", str(output)]) == 0
+    assert {name: (output / name).read_bytes() for name in before} == before
+
+    # a cell that failed is retried by the next sweep and listed, with its SLURM log, by the report
+    failed = description["cells"][1]
+    results_path = output / failed["dir"] / "results.json"
+    results = json.loads(results_path.read_text())
+    results["sweep"].update(status="failed", error="simulated failure")
+    results_path.write_text(json.dumps(results))
+    capsys.readouterr()
+    assert main(["sweep", "--config", str(sweep_file), "--dry-run"]) == 0
+    dry = capsys.readouterr().out
+    assert "#SBATCH --array=0-0" in dry and f"[0] {failed['id']}" in dry and "3 done" in dry
+    assert main(["report", str(output)]) == 0
+    report = json.loads((output / "report.json").read_text())
+    assert report["done"] == 3 and [p["cell"] for p in report["missing_or_failed"]] == [failed["id"]]
+    problem = report["missing_or_failed"][0]
+    assert problem["reason"] == "simulated failure" and "test finished" in problem["log_tail"]
+
+
+def test_srun_ddp_fit_with_two_tasks(slurm_env, tmp_path):
+    cluster = slurm_env
+    config = fit_config(tmp_path, "ddp", strategy="ddp")
+    run_dir = tmp_path / "run"
+    job = submit_training(cluster, config, run_dir, tasks=2)
+    record = cluster.wait(job, timeout=240)[0]
+    log = Path(f"{run_dir}.out").read_text()
+    assert record["JobState"] == "COMPLETED", log[-3000:]
+    # two processes started by srun, ranks from SLURM (not spawned by Lightning), over gloo
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in log and "distributed_backend=gloo" in log
+    assert log.count("SLURM auto-requeueing enabled") == 2
+    fit = json.loads((run_dir / "results.json").read_text())["fit"]
+    assert fit["conditions"]["world_size"] == 2
+    assert fit["metrics"]["val/num_images"] == 20  # 10 classes x 2 validation images, each counted once
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_sigusr1_requeues_and_resumes_from_the_checkpoint(slurm_env, tmp_path):
+    cluster = slurm_env
+    record = tmp_path / "batches.jsonl"
+    pace = {"class_path": "slurm_cluster.Pace", "init_args": {"record": str(record), "seconds": 0.4}}
+    # 3 epochs x 5 batches; a forked DataLoader worker, which SLURM signals too
+    config = fit_config(tmp_path, "slow", num_workers=1, max_epochs=3, callbacks=[pace])
+    run_dir = tmp_path / "run"
+    job = submit_training(cluster, config, run_dir, tasks=1)
+
+    def batches() -> list[dict]:
+        return [json.loads(line) for line in record.read_text().splitlines()] if record.is_file() else []
+
+    deadline = time.time() + 180
+    while len(batches()) < 7:  # in the second epoch
+        assert time.time() < deadline and cluster.job(job).get("JobState") in ("PENDING", "RUNNING"), \
+            Path(f"{run_dir}.out").read_text()[-3000:] if Path(f"{run_dir}.out").is_file() else cluster.job(job)
+        time.sleep(0.2)
+    # what SLURM sends 90 s before the time limit with #SBATCH --signal=SIGUSR1@90
+    cluster.run("scancel", "--signal=USR1", job)
+    while cluster.job(job).get("Restarts") != "1" or cluster.job(job).get("JobState") not in ("PENDING", "RUNNING"):
+        assert time.time() < deadline, cluster.job(job)
+        time.sleep(0.5)
+    # SLURM holds a requeued batch job for about two minutes (BeginTime); let it start now
+    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
+    final = cluster.wait(job, timeout=180)[0]
+    log = Path(f"{run_dir}.out").read_text()  # both attempts (open-mode=append)
+    assert final["JobState"] == "COMPLETED" and final["Restarts"] == "1", log[-3000:]
+    # the training process alone handled the signal (not the DataLoader worker) and requeued the job once
+    assert log.count("Handling auto-requeue signal") == 1 and "attempt 2:" in log
+    assert f"Restored all states from the checkpoint at {run_dir / 'hpc_ckpt_1.ckpt'}" in log
+    saved = torch.load(run_dir / "hpc_ckpt_1.ckpt", map_location="cpu", weights_only=True)["global_step"]
+    second = [b["step"] for b in batches() if b["attempt"] == 1]
+    assert saved >= 7 and second[0] == saved + 1  # resumed at the step it was signalled in, not from the start
+    assert second[-1] == 15
+    fit = json.loads((run_dir / "results.json").read_text())["fit"]
+    assert fit["steps"] == 15 and fit["epochs"] == 3
+
+
+def test_eval_array_template_gives_each_checkpoint_its_directory(slurm_env, tiny_checkpoint, tmp_path):
+    cluster = slurm_env
+    checkpoint, synthetic_root = tiny_checkpoint
+    ckpts = tmp_path / "ckpts.txt"
+    ckpts.write_text(f"# one checkpoint per line\n\n{checkpoint}\n")
+    job = cluster.run(
+        "sbatch", "--parsable", "--array=0-0", "--gpus-per-node=0", "--cpus-per-task=1", "--mem=0", "--time=10",
+        f"--output={tmp_path}/eval_%A_%a.out", str(REPO / "slurm" / "eval_array.sbatch"),
+        "--trainer.accelerator=cpu", "--data.eval_limit=10", "--data.num_workers=0",
+        f"--data.synthetic={json.dumps(synthetic(synthetic_root))}", "--trainer.callbacks.init_args.version=apgd-ce",
+        "--trainer.callbacks.init_args.n_iter=3",
+        '--trainer.callbacks.init_args.threat_models=[{"norm": "Linf", "eps": 0.01568627450980392}]',
+        env={"CKPTS": str(ckpts), "EVAL_CONFIG": "configs/eval/quickstart_autoattack.yaml",
+             "OUT_ROOT": str(tmp_path / "eval"), "PYTHON": sys.executable}, cwd=REPO,
+    ).stdout.strip().split(";")[0]
+    record = cluster.wait(job, timeout=180)[0]
+    log = next(tmp_path.glob("eval_*_0.out")).read_text()
+    assert record["JobState"] == "COMPLETED", log[-3000:]
+    (results_path,) = (tmp_path / "eval" / "quickstart_autoattack").glob("*/results.json")
+    assert results_path.parent.name.endswith("_ckpt_last")  # named after the checkpoint's path
+    results = json.loads(results_path.read_text())
+    assert results["test"]["checkpoint"]["path"] == str(checkpoint)
+    assert results["autoattack"]["threat_models"]["Linf-4_255"]["num_points"] == 10
+    assert (results_path.parent / "autoattack" / "Linf-4_255").is_dir()  # resumable outcomes, in its own directory
+
+
+def test_the_fixture_says_why_when_slurm_cannot_be_installed(monkeypatch):
+    import slurm_cluster
+
+    monkeypatch.setattr(slurm_cluster.shutil, "which", lambda *args, **kwargs: None)
+    monkeypatch.setattr(slurm_cluster.os, "geteuid", lambda: 1000)
+    with pytest.raises(ClusterUnavailable, match=r"SLURM binaries missing \(munged, .*\) and they cannot be installed"):
+        slurm_cluster.install_packages()
