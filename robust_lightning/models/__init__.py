@@ -4,7 +4,13 @@ Importing this package registers the project's architectures with timm (``timm.c
 ``convnext_tiny_convstem``, ``vit_small_patch16_224_convstem``, ``convnext_iso_small``, ...).
 """
 
-from robust_lightning.models import convstem, isotropic_convnext  # noqa: F401  (registers with timm)
+from robust_lightning.models import (  # noqa: F401  (registers with timm)
+    alternet,
+    convstem,
+    isotropic_convnext,
+    large_kernel_convnext,
+    replknet,
+)
 from robust_lightning.models.classifier import InputNormalization, RobustClassifier, build_classifier
 from robust_lightning.models.convstem import CONVSTEM_PATCHSTEM_PAIRS, CONVSTEM_STEM_PREFIX, ConvStem
 from robust_lightning.models.weights import (
