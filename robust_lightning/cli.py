@@ -21,7 +21,9 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from robust_lightning.data.corrupt_report import CorruptImageReport
 from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.errors import UserError
+from robust_lightning.loggers import SaveConfigToWandb
 from robust_lightning.evaluation.results import PredictionWriter, RunResults
+from robust_lightning.scale.srun import shield_forked_children
 from robust_lightning.training.checkpoint_io import AtomicCheckpointIO
 from robust_lightning.training.classifier import ImageClassifier
 
@@ -166,6 +168,7 @@ def main(args: Sequence[str] | None = None) -> int:
         print(_usage())
         return 0 if args else 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights and data come from local paths only
+    shield_forked_children()  # SLURM's requeue signal is for this process, not its DataLoader workers
     _wandb_offline_without_credentials()
     try:
         if args[0] in TOOL_COMMANDS:
@@ -184,6 +187,7 @@ def main(args: Sequence[str] | None = None) -> int:
                 # attacks in validate/test need autograd, which inference mode forbids even under enable_grad
                 "inference_mode": False,
             },
+            save_config_callback=SaveConfigToWandb,  # config.yaml, and the full config in W&B runs
             save_config_kwargs={"overwrite": True},
             parser_kwargs={"default_env": True, "env_prefix": "RL"},
         )

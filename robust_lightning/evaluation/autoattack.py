@@ -44,7 +44,8 @@ class ThreatModel:
         return f"Linf-{self.eps * 255:g}_255" if self.norm == "Linf" else f"{self.norm}-{self.eps:g}"
 
 
-DEFAULT_THREAT_MODELS = (ThreatModel("Linf", 4 / 255), ThreatModel("L2", 2.0), ThreatModel("L1", 75.0))
+# plain dicts, as a config writes them: the saved config.yaml of a run can then be run again as it is
+DEFAULT_THREAT_MODELS = ({"norm": "Linf", "eps": 4 / 255}, {"norm": "L2", "eps": 2.0}, {"norm": "L1", "eps": 75.0})
 
 
 def parse_threat_models(items, owner: str, n_iter: int | None) -> list[ThreatModel]:
@@ -145,7 +146,7 @@ class AutoAttackEvaluation(Callback):
 
     def __init__(
         self,
-        threat_models: list[ThreatModel] = list(DEFAULT_THREAT_MODELS),
+        threat_models: list[dict[str, Any]] = list(DEFAULT_THREAT_MODELS),
         version: str = "standard",
         engine: str = "fast",
         precision: str = "fp32",

@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from lightning import Callback
+from lightning.pytorch.loggers import WandbLogger
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, default_collate
 from torchvision.transforms import v2 as T
@@ -416,6 +417,9 @@ class DistributionShiftBenchmarks(Callback):
         metrics = flat_metrics(sections)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+            if isinstance(logger, WandbLogger) and metrics:  # one table: benchmark, metric (e.g. mixed_rand/acc1)
+                rows = [key.removeprefix("benchmarks/").split("/", 1) + [value] for key, value in metrics.items()]
+                logger.log_table("benchmarks/summary", columns=["benchmark", "metric", "value"], data=rows)
         shown = ", ".join(f"{k.removeprefix('benchmarks/')}={v:.4f}" for k, v in metrics.items())
         print(f"benchmarks: {shown or 'none run'}; skipped: {[s['benchmark'] for s in self.skipped]}", flush=True)
 

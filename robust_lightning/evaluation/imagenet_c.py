@@ -387,8 +387,17 @@ class ImageNetC(Callback):
         metrics = flat_metrics(section)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
-            if isinstance(logger, WandbLogger) and self.plot:
-                logger.log_image("imagenet_c/errors", [section["plot"]])
+            if isinstance(logger, WandbLogger):  # tables: one W&B panel compares the runs of a sweep cell by cell
+                per = section["corruptions"]
+                logger.log_table("imagenet_c/per_severity", columns=["corruption", "severity", "acc1", "error"],
+                                 data=[[c, int(s), v["acc1"][s], v["error"][s]]
+                                       for c, v in per.items() for s in v["acc1"]])
+                logger.log_table("imagenet_c/per_corruption",
+                                 columns=["corruption", "mean_acc1", "mean_error", "ce", "relative_ce", "ece"],
+                                 data=[[c, v["mean_acc1"], v["mean_error"], v["ce"], v["relative_ce"], v["ece"]]
+                                       for c, v in per.items()])
+                if self.plot:
+                    logger.log_image("imagenet_c/errors", [section["plot"]])
         mce = section.get("mce", (section.get("mce_partial") or {}).get("value"))
         print(f"imagenet_c ({self.source}): mean acc1 {section['mean_acc1']:.4f}, "
               f"{'mCE' if 'mce' in section else 'partial mCE'} {mce}", flush=True)

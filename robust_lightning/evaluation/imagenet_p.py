@@ -400,8 +400,12 @@ class ImageNetP(Callback):
         metrics = flat_metrics(section)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
-            if isinstance(logger, WandbLogger) and self.plot:
-                logger.log_image("imagenet_p/plot", [section["plot"]])
+            if isinstance(logger, WandbLogger):  # a table per perturbation, beside the scalars and the plot
+                columns = ["split", "num_sequences", "fp", "alexnet_fp", "fr", "t5d"]
+                logger.log_table("imagenet_p/per_perturbation", columns=["perturbation", *columns],
+                                 data=[[p, *(v[k] for k in columns)] for p, v in section["perturbations"].items()])
+                if self.plot:
+                    logger.log_image("imagenet_p/plot", [section["plot"]])
         mfr = section.get("mfr", (section.get("mfr_partial") or {}).get("value"))
         mt5d = section.get("mt5d", (section.get("mt5d_partial") or {}).get("value"))
         partial = "" if "mfr" in section else "partial "

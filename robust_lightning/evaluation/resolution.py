@@ -226,7 +226,7 @@ class ResolutionSweep(Callback):
         self,
         resolutions: list[int] = list(DEFAULT_RESOLUTIONS),
         crop_pct: float = 0.875,
-        threat_models: list[ThreatModel] = [ThreatModel("Linf", 4 / 255)],
+        threat_models: list[dict[str, Any]] = [{"norm": "Linf", "eps": 4 / 255}],
         attack: str | None = "apgd-t",
         n_iter: int | None = None,
         engine: str = "fast",

@@ -1,0 +1,238 @@
+"""W&B end to end, offline: a tiny APGD-AT fit and a tiny evaluation run through robust_lightning.cli.main with
+configs/loggers/wandb.yaml composed in, then what they logged read back from the offline runs' own files (the
+run-*.wandb record log and the files/ folder), never through the network."""
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+import wandb
+import yaml
+from wandb.proto import wandb_internal_pb2
+
+from helpers import make_image_tree
+from robust_lightning.cli import main
+from robust_lightning.loggers import WANDB_CONFIG_FILE
+from test_cli import tiny_config
+from test_imagenet_c import cli_config, imagenet_c_tree
+from test_imagenet_p import imagenet_p_tree
+
+REPO = Path(__file__).resolve().parents[1]
+WANDB_YAML = str(REPO / "configs" / "loggers" / "wandb.yaml")
+
+
+# --------------------------------------------------------------------------- reading an offline run back
+def read_records(path: Path) -> list[wandb_internal_pb2.Record]:
+    """The records of a run-*.wandb file. wandb >= 0.19 has no Python reader left; the format is LevelDB's log
+    (the W&B header ':W&B', 0xBEE1, version; then 32 KiB blocks of chunks, each with a 7-byte header: CRC32,
+    length, type FULL=1 / FIRST=2 / MIDDLE=3 / LAST=4; a block tail under 7 bytes is padding)."""
+    data = path.read_bytes()
+    assert struct.unpack("<4sHB", data[:7])[:2] == (b":W&B", 0xBEE1)
+    records, chunks, pos = [], [], 7
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if left < 7 or kind == 0:  # padding to the end of the block
+            pos += left
+            continue
+        chunks.append(data[pos + 7:pos + 7 + length])
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(b"".join(chunks))
+            records.append(record)
+            chunks = []
+    return records
+
+
+class OfflineRun:
+    """What one offline run logged: run (group, tags), config, history rows, saved files."""
+
+    def __init__(self, run_dir: Path):
+        self.dir = run_dir
+        [wandb_file] = run_dir.glob("run-*.wandb")
+        records = read_records(wandb_file)
+        assert records[-1].WhichOneof("record_type") == "exit", "the run's file is incomplete"
+        self.run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+        self.config, self.history, self.saved = {}, [], []
+        for r in records:
+            kind = r.WhichOneof("record_type")
+            if kind == "config":
+                self.config.update({item.key: json.loads(item.value_json) for item in r.config.update})
+            elif kind == "history":
+                row = {}
+                for item in r.history.item:  # media (tables, images) come as one item per field: nested_key
+                    *parents, leaf = item.nested_key or [item.key]
+                    node = row
+                    for key in parents:
+                        node = node.setdefault(key, {})
+                    node[leaf] = json.loads(item.value_json)
+                self.history.append(row)
+            elif kind == "files":
+                self.saved += [f.path for f in r.files.files]
+
+    def logged(self, key: str) -> list:
+        return [row[key] for row in self.history if key in row]
+
+    def table(self, key: str) -> dict:
+        [value] = self.logged(key)
+        assert value["_type"] == "table-file"
+        return json.loads((self.dir / "files" / value["path"]).read_text())
+
+    def image(self, key: str) -> bytes:
+        [value] = self.logged(key)
+        [name] = value["filenames"]
+        return (self.dir / "files" / name).read_bytes()
+
+
+# -------------------------------------------------------------------------------------------- the two runs
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """Offline W&B inside a temporary directory, which is also the working directory: configs/loggers/wandb.yaml
+    writes to ./runs. wandb.setup() reads the environment once per process, hence a teardown before the first run
+    and after every run (the rest of the suite goes back to WANDB_MODE=disabled)."""
+    tmp_path = tmp_path_factory.mktemp("wandb")
+    wandb.finish()  # a WandbLogger would attach to a run another test left open
+    wandb.teardown()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        for name, value in {"WANDB_MODE": "offline", "WANDB_DIR": tmp_path, "WANDB_CONFIG_DIR": tmp_path / "config",
+                            "WANDB_CACHE_DIR": tmp_path / "cache", "WANDB_DATA_DIR": tmp_path / "data",
+                            "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true"}.items():
+            patch.setenv(name, str(value))
+        patch.delenv("WANDB_API_KEY", raising=False)
+        yield tmp_path
+
+
+def run_cli(workdir: Path, *args: str) -> OfflineRun:
+    """main(args), then the offline run it created."""
+    before = set(workdir.glob("runs/wandb/offline-run-*"))
+    assert main(list(args)) == 0
+    # A command line run ends with its process, which finishes the W&B run. Here: finish it, then wait for W&B's
+    # service to write the rest of the run's file (wandb.finish alone may return before that).
+    wandb.finish()
+    wandb.teardown()
+    [run_dir] = set(workdir.glob("runs/wandb/offline-run-*")) - before
+    return OfflineRun(run_dir)
+
+
+@pytest.fixture(scope="module")
+def fitted(workdir):
+    """APGD-AT (1 step) for 3 steps; group and tags set on the command line."""
+    config = tiny_config(workdir, workdir / "synthetic")
+    return run_cli(workdir, "fit", "--config", str(config), "--config", WANDB_YAML,
+                   "--model.attack", "apgd", "--model.attack_steps", "1", "--trainer.log_every_n_steps", "1",
+                   "--trainer.logger.init_args.group", "sweep-a", "--trainer.logger.init_args.tags", "[at, tiny]")
+
+
+@pytest.fixture(scope="module")
+def evaluated(workdir, fitted):
+    """A test run with ImageNet-C (released layout), quick AutoAttack, ImageNet-V2, ImageNet-P and a resolution
+    sweep on tiny replicas; group and tags from the environment, as `robust-lightning sweep` sets them."""
+    torch.manual_seed(0)
+    from lightning import Trainer
+
+    from robust_lightning.training.classifier import ImageClassifier
+
+    module = ImageClassifier(arch="test_resnet", num_classes=1000, image_size=32)
+    with torch.no_grad():
+        module.model.net.fc.bias[0] += 3.0  # favours class 0: accuracies are not all zero
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.strategy.connect(module)
+    checkpoint = workdir / "tiny.ckpt"
+    trainer.save_checkpoint(checkpoint)
+
+    imagenet_c = imagenet_c_tree(workdir / "imagenet-c", per_class=1)
+    imagenet_p_tree(workdir / "imagenet-p")
+    v2 = make_image_tree(workdir / "v2", {"n01440764": 2, "n01443537": 1})
+    path = cli_config(workdir, {"root": str(imagenet_c), "corruptions": ["gaussian_noise", "brightness"]})
+    config = yaml.safe_load(path.read_text())
+    config["trainer"]["logger"]["init_args"]["name"] = "tiny"  # the fit's CSV run folder: version_1 next to it
+    config["trainer"]["callbacks"] += [
+        {"class_path": "robust_lightning.evaluation.autoattack.AutoAttackEvaluation",
+         "init_args": {"threat_models": [{"norm": "Linf", "eps": 4 / 255}], "version": "apgd-ce", "n_iter": 2,
+                       "results_dir": str(workdir / "outcomes")}},
+        {"class_path": "robust_lightning.evaluation.benchmarks.DistributionShiftBenchmarks",
+         "init_args": {"imagenet_v2": str(v2), "batch_size": 4, "num_workers": 0}},
+        {"class_path": "robust_lightning.evaluation.imagenet_p.ImageNetP",
+         "init_args": {"root": str(workdir / "imagenet-p"), "perturbations": ["gaussian_noise", "brightness"],
+                       "batch_size": 4, "num_workers": 0, "max_videos_per_perturbation": 1}},
+        {"class_path": "robust_lightning.evaluation.resolution.ResolutionSweep",
+         "init_args": {"resolutions": [24, 32], "attack": None, "results_dir": str(workdir / "sweep")}},
+    ]
+    path.write_text(yaml.safe_dump(config))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WANDB_RUN_GROUP", "sweep-b")
+        patch.setenv("WANDB_TAGS", "sweep:b,paper")
+        return run_cli(workdir, "test", "--config", str(path), "--config", WANDB_YAML, "--ckpt_path", str(checkpoint))
+
+
+# --------------------------------------------------------------------------------------------------- tests
+def test_the_full_config_and_the_training_curves_are_logged(fitted):
+    config = fitted.config
+    # the whole parsed config under the command line's key names, beside the model's own hyperparameters
+    assert config["trainer.max_epochs"] == 1 and config["trainer.limit_train_batches"] == 3
+    assert config["data.image_size"] == 32 and config["data.synthetic.num_classes"] == 4
+    assert config["model.attack"] == "apgd" and config["model.attack_steps"] == 1
+    assert config["checkpoint.monitor"] == "val/select_acc" and "ckpt_path" in config
+    assert [entry["class_path"].rsplit(".", 1)[1] for entry in config["trainer.logger"]] == ["CSVLogger", "WandbLogger"]
+    assert config["arch"] == "convnext_atto_convstem"  # Lightning's model hyperparameters, still there
+    # the exact YAML is one of the run's files
+    assert WANDB_CONFIG_FILE in fitted.saved
+    saved = yaml.safe_load((fitted.dir / "files" / WANDB_CONFIG_FILE).read_text())
+    assert saved["model"]["attack_steps"] == 1 and saved["trainer"]["max_epochs"] == 1
+    # training curves: one point per step (3 steps), then the epoch's metrics
+    for key in ("train/clean_loss", "train/adv_loss", "train/lr", "train/eps"):
+        assert len(fitted.logged(key)) == 3, key
+    assert fitted.logged("train/eps") == pytest.approx([4 / 255] * 3)
+    assert fitted.logged("train/lr")[0] < fitted.logged("train/lr")[1]  # the warm-up
+    for key in ("train/clean_acc1", "train/adv_acc1", "val/acc1", "val/loss"):
+        assert len(fitted.logged(key)) == 1, key
+
+
+def test_group_and_tags_come_from_the_config_or_the_environment(fitted, evaluated):
+    assert fitted.run.run_group == "sweep-a" and list(fitted.run.tags) == ["at", "tiny"]
+    assert evaluated.run.run_group == "sweep-b" and list(evaluated.run.tags) == ["sweep:b", "paper"]
+
+
+def test_each_run_keeps_its_own_config_yaml(workdir, fitted, evaluated):
+    runs = workdir / "runs"
+    fit, test = (yaml.safe_load((runs / "tiny" / v / "config.yaml").read_text()) for v in ("version_0", "version_1"))
+    assert fit["model"]["attack"] == "apgd" and fit["ckpt_path"] is None
+    assert test["ckpt_path"].endswith("tiny.ckpt") and len(test["trainer"]["callbacks"]) == 5
+    assert not (runs / "config.yaml").exists()
+    assert evaluated.config["ckpt_path"] == test["ckpt_path"]
+
+
+def test_evaluation_tables_and_plots_are_logged(evaluated):
+    per_severity = evaluated.table("imagenet_c/per_severity")
+    assert per_severity["columns"] == ["corruption", "severity", "acc1", "error"]
+    assert len(per_severity["data"]) == 2 * 5
+    assert {(c, s) for c, s, *_ in per_severity["data"]} == {(c, s) for c in ("gaussian_noise", "brightness")
+                                                            for s in range(1, 6)}
+    assert all(acc1 + error == pytest.approx(1) for _, _, acc1, error in per_severity["data"])
+    per_corruption = evaluated.table("imagenet_c/per_corruption")
+    assert per_corruption["columns"] == ["corruption", "mean_acc1", "mean_error", "ce", "relative_ce", "ece"]
+    assert [row[0] for row in per_corruption["data"]] == ["gaussian_noise", "brightness"]
+    assert all(row[3] > 0 for row in per_corruption["data"])  # CE against AlexNet
+
+    autoattack = evaluated.table("autoattack/summary")
+    assert autoattack["columns"] == ["threat_model", "images", "clean", "robust", "apgd-ce"]
+    assert len(autoattack["data"]) == 1 and autoattack["data"][0][1] == 5
+
+    benchmarks = evaluated.table("benchmarks/summary")
+    assert benchmarks["columns"] == ["benchmark", "metric", "value"]
+    assert [row[:2] for row in benchmarks["data"]] == [["imagenet_v2", "acc1"], ["imagenet_v2", "ece"]]
+    assert benchmarks["data"][0][2] == evaluated.logged("benchmarks/imagenet_v2/acc1")[0]
+
+    imagenet_p = evaluated.table("imagenet_p/per_perturbation")
+    assert imagenet_p["columns"] == ["perturbation", "split", "num_sequences", "fp", "alexnet_fp", "fr", "t5d"]
+    assert [row[:3] for row in imagenet_p["data"]] == [["gaussian_noise", "test", 1], ["brightness", "test", 1]]
+
+    resolution = evaluated.table("resolution_sweep/summary")
+    assert [row[0] for row in resolution["data"]] == [24, 32]
+
+    for key in ("imagenet_c/errors", "imagenet_p/plot", "resolution_sweep/plot"):
+        assert evaluated.image(key)[:8] == b"\x89PNG\r\n\x1a\n", key
