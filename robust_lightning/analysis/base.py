@@ -43,6 +43,10 @@ class Analysis(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if trainer.world_size > 1:
             raise UserError(f"{type(self).__name__} runs in one process: set trainer.devices 1")
+        self.check(trainer, pl_module)
+
+    def check(self, trainer, pl_module) -> None:
+        """Refuse (UserError) a model the analysis does not apply to, before the test loop spends any time."""
 
     def model(self, pl_module) -> nn.Module:
         """The classifier in eval mode: [0, 1] images in, logits out (its timm network is ``.net``)."""
@@ -71,6 +75,15 @@ class Analysis(Callback):
         if not parts:
             raise UserError(f"{type(self).__name__}: the test set has no images")
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    @torch.no_grad()
+    def accuracy(self, model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:
+        """Top-1 accuracy of ``model`` on ``images`` ([0, 1], on the model's device), ``batch_size`` at a time."""
+        correct = 0
+        for start in range(0, len(images), self.batch_size):
+            logits = model(images[start:start + self.batch_size])
+            correct += int((logits.argmax(-1) == labels[start:start + self.batch_size]).sum())
+        return correct / max(len(images), 1)
 
     # ----------------------------------------------------------------------------------------- running
     def analyse(self, trainer, pl_module) -> tuple[dict[str, Any], dict[str, float], Any]:

@@ -1,0 +1,172 @@
+"""Lesion study (Bhojanapalli et al. 2021, Fig. 8; Chen et al. 2024 for RepLKNet): accuracy when residual units
+are removed at inference, so information flows through their skip connections.
+
+Cases: each unit removed on its own ("block"), and, where units have parts, only one part of it (the attention
+or the MLP branch of a transformer block; the large-kernel block or the FFN of a RepLKNet pair); then n units
+drawn at random and removed together, ``samples`` draws per n (mean, standard error, min and max). A
+ConvNeXt or ResNet block has one residual branch, so it has no parts: asking for an attention-only lesion of
+one is refused. Chen et al.'s RepLKNet protocol (one random stage-3 block pair, 10 draws) is
+``random_counts: [1], samples: 10, random_stages: [2]``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from robust_lightning.analysis.base import Analysis, new_figure
+from robust_lightning.analysis.blocks import find_blocks, lesioned, removable_units
+from robust_lightning.errors import UserError
+
+__all__ = ["LesionStudy", "summary"]
+
+
+def summary(values: list[float]) -> dict[str, Any]:
+    """Mean, standard error of the mean, min and max of repeated measurements."""
+    n = len(values)
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
+    return {"mean": mean, "stderr": math.sqrt(var / n), "min": min(values), "max": max(values), "samples": n,
+            "accuracies": list(values)}
+
+
+class LesionStudy(Analysis):
+    """Accuracy with residual units (or their parts) removed.
+
+    Args:
+        modes: single-unit lesions to run: "block" and/or part names ("attention", "mlp", "large_kernel").
+            null: "block" and every part the model has. A part the model does not have is refused.
+        random_counts: numbers n of units removed together at random (e.g. [2, 4, 6]); [] for none.
+        samples: random draws per n (Bhojanapalli et al. 25, Chen et al. 10).
+        random_part: what the random lesions remove: "block" or a part name.
+        random_stages: draw only among units of these stages (0-based; RepLKNet's stage 3 is 2); null: all units.
+        seed: seed of the random draws.
+        max_images, batch_size, weights, plot: see Analysis.
+    """
+
+    name = "lesion"
+
+    def __init__(self, modes: list[str] | None = None, random_counts: list[int] = (2, 4, 6), samples: int = 25,
+                 random_part: str = "block", random_stages: list[int] | None = None, seed: int = 0,
+                 max_images: int = 256, batch_size: int = 64, weights: str = "raw", plot: bool = True):
+        super().__init__(max_images=max_images, batch_size=batch_size, weights=weights, plot=plot)
+        if samples < 1 or any(n < 1 for n in random_counts):
+            raise UserError("LesionStudy: samples and every random_counts entry must be positive")
+        self.modes = None if modes is None else list(modes)
+        self.random_counts, self.samples = sorted(set(random_counts)), samples
+        self.random_part, self.random_stages, self.seed = random_part, random_stages, seed
+
+    def check(self, trainer, pl_module) -> None:
+        bmap = find_blocks(pl_module.model.net)
+        parts = bmap.part_names()
+        for mode in [*(self.modes or []), self.random_part]:
+            if mode != "block" and mode not in parts:
+                raise UserError(
+                    f"LesionStudy: a {bmap.family} model has no {mode!r} branch to remove on its own "
+                    f"(its units have: {', '.join(['block', *parts])}); the {mode} lesion does not apply to it")
+        if self.random_stages is not None:
+            stages = sorted({u.stage for u in bmap.units})
+            if not set(self.random_stages) <= set(stages):
+                raise UserError(f"LesionStudy.random_stages {self.random_stages}: the model has stages {stages}")
+        pool = [u for u in bmap.units if (self.random_stages is None or u.stage in self.random_stages)
+                and (self.random_part == "block" or self.random_part in u.parts)]
+        too_many = [n for n in self.random_counts if n > len(pool)]
+        if too_many:
+            raise UserError(f"LesionStudy.random_counts {too_many}: this {bmap.family} model has only {len(pool)} "
+                            "units to draw from")
+
+    def analyse(self, trainer, pl_module):
+        images, labels = self.images(trainer, pl_module)
+        model = copy.deepcopy(self.model(pl_module))  # lesions swap modules of this copy only
+        net = model.net
+        bmap = find_blocks(net)
+        units, fixed = removable_units(net, bmap, model.normalize(images[:1]))
+        modes = self.modes if self.modes is not None else ["block", *bmap.part_names()]
+        pool = [u for u in units if self.random_stages is None or u.stage in self.random_stages]
+        if self.random_part != "block":
+            pool = [u for u in pool if self.random_part in u.parts]
+        too_many = [n for n in self.random_counts if n > len(pool)]
+        if too_many:
+            raise UserError(f"LesionStudy.random_counts {too_many}: only {len(pool)} units can be drawn from")
+
+        cases = [(mode, [u]) for mode in modes for u in units if mode == "block" or mode in u.parts]
+        generator = torch.Generator().manual_seed(self.seed)
+        draws = [(n, [pool[i] for i in sorted(torch.randperm(len(pool), generator=generator)[:n].tolist())])
+                 for n in self.random_counts for _ in range(self.samples)]
+        bar = tqdm(total=1 + len(cases) + len(draws), desc="lesion", disable=not trainer.is_global_zero, leave=False)
+        intact = self.accuracy(model, images, labels)
+        bar.update()
+        single: dict[str, list[dict]] = {mode: [] for mode in modes}
+        for mode, (unit,) in cases:
+            with lesioned(net, [unit], mode):
+                single[mode].append({"unit": unit.name, "stage": unit.stage, "accuracy": self.accuracy(model, images, labels)})
+            bar.update()
+        random: dict[str, dict] = {}
+        for n, chosen in draws:
+            with lesioned(net, chosen, self.random_part):
+                acc = self.accuracy(model, images, labels)
+            entry = random.setdefault(str(n), {"accuracies": [], "removed": []})
+            entry["accuracies"].append(acc)
+            entry["removed"].append([u.name for u in chosen])
+            bar.update()
+        bar.close()
+        random = {n: {**summary(e["accuracies"]), "removed": e["removed"]} for n, e in random.items()}
+
+        section = {
+            "family": bmap.family,
+            "units": [u.name for u in units],
+            "not_removable": fixed,  # blocks that change the shape of their input and have no known shortcut
+            "intact_accuracy": intact,
+            "single": single,
+            "random": random,
+            "conditions": {"arch": pl_module.hparams.get("arch"), "modes": modes, "random_part": self.random_part,
+                           "random_stages": self.random_stages, "samples": self.samples, "seed": self.seed,
+                           "lesion": "residual branch removed (block -> its shortcut); part -> branch output zeroed"},
+        }
+        metrics = {"intact_accuracy": intact}
+        for mode, rows in single.items():
+            if rows:
+                metrics[f"{mode}/min_accuracy"] = min(r["accuracy"] for r in rows)
+                metrics[f"{mode}/mean_accuracy"] = sum(r["accuracy"] for r in rows) / len(rows)
+        for n, entry in random.items():
+            metrics[f"random_{n}/mean_accuracy"] = entry["mean"]
+        return section, metrics, self.figure(section) if self.plot else None
+
+    @staticmethod
+    def figure(section: dict):
+        single, random = section["single"], section["random"]
+        fig, axes = new_figure(1, 2 if random else 1, figsize=(11 if random else 6, 4), squeeze=False)
+        ax = axes[0][0]
+        names = section["units"]
+        for mode, rows in single.items():
+            index = {r["unit"]: r["accuracy"] for r in rows}
+            xs = [i + 1 for i, name in enumerate(names) if name in index]
+            ax.plot(xs, [100 * index[names[x - 1]] for x in xs], marker="o", label=f"{mode} removed")
+        ax.axhline(100 * section["intact_accuracy"], color="gray", linestyle="--", label="intact")
+        from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("removed unit (1 = first)")
+        ax.set_ylabel("top-1 accuracy (%)")
+        ax.set_title(f"Single-unit lesions ({section['family']})")
+        ax.legend(fontsize=8)
+        if random:
+            ax = axes[0][1]
+            ns = sorted(random, key=int)
+            xs = [int(n) for n in ns]
+            ax.errorbar(xs, [100 * random[n]["mean"] for n in ns], yerr=[100 * random[n]["stderr"] for n in ns],
+                        marker="o", capsize=3, label="mean ± s.e.")
+            ax.fill_between(xs, [100 * random[n]["min"] for n in ns], [100 * random[n]["max"] for n in ns],
+                            alpha=0.2, label="min-max")
+            ax.axhline(100 * section["intact_accuracy"], color="gray", linestyle="--", label="intact")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_xlabel(f"units removed at random ({section['conditions']['random_part']})")
+            ax.set_ylabel("top-1 accuracy (%)")
+            ax.set_title(f"Random lesions ({section['conditions']['samples']} draws each)")
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        return fig

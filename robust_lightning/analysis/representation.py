@@ -1,0 +1,303 @@
+"""What the hidden states of a model look like, block by block.
+
+- ``LayerCorrelation`` (Bhojanapalli et al. 2021): Pearson correlation between the outputs of every pair of
+  units, over all images, tokens (or positions) and channels ("all"), or over the CLS token only ("cls": ViTs).
+  Outputs of different shapes (ConvNet stages) have no correlation: those cells are null.
+- ``FeatureVariance`` (Park & Kim 2022, Fig. 9): spatial variance of each feature map, averaged over channels
+  and images. MSAs lower it (they aggregate), convolutions and MLPs raise it.
+- ``FourierFeatures`` (Park & Kim 2022, Figs. 2a and 8): log amplitude of the 2-D Fourier transform of each
+  feature map, averaged over channels and images, along the diagonal from frequency 0 to pi, relative to
+  frequency 0; the value at pi (the highest frequency) per block. MSAs act as low-pass filters (it drops),
+  convolutions as high-pass filters (it rises).
+
+Token features (ViTs) drop their CLS / register tokens and go onto the patch grid for the last two; with
+``sublayers`` a transformer block gives two points (after its attention and after its MLP branch), as in the
+paper's plots, and the stem (patch embedding) output is the first point.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from robust_lightning.analysis.base import Analysis, new_figure
+from robust_lightning.analysis.blocks import BlockMap, FeatureTap, as_map, find_blocks
+from robust_lightning.errors import UserError
+
+__all__ = ["CorrelationAccumulator", "FeatureVariance", "FourierFeatures", "LayerCorrelation", "feature_variance",
+           "relative_log_amplitude"]
+
+LOG_EPS = 1e-6  # added to Fourier amplitudes before the log (as Park & Kim do): dead channels give log(eps) flat
+
+
+# --------------------------------------------------------------------------------------------- measures
+def feature_variance(maps: torch.Tensor) -> torch.Tensor:
+    """(B,) spatial variance of (B, C, H, W) maps (unbiased, over H x W), averaged over channels; NaN for 1x1 maps."""
+    flat = maps.float().flatten(2)
+    if flat.shape[-1] < 2:
+        return flat.new_full(flat.shape[:1], float("nan"))
+    return flat.var(dim=-1).mean(dim=1)
+
+
+def relative_log_amplitude(maps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(frequencies in units of pi, (B, K) log amplitude relative to frequency 0) along the spectrum's diagonal.
+
+    For (B, C, H, W) maps: |FFT2| per channel, log(. + eps), averaged over channels, read at the K + 1 = min(H, W)
+    // 2 + 1 diagonal bins (k, k) from frequency 0 to the highest (pi for even sizes), minus the value at 0."""
+    height, width = maps.shape[-2:]
+    steps = min(height, width) // 2
+    log_amp = torch.log(torch.fft.fft2(maps.float()).abs() + LOG_EPS).mean(dim=1)  # (B, H, W)
+    rows = [round(k * (height // 2) / steps) if steps else 0 for k in range(steps + 1)]
+    cols = [round(k * (width // 2) / steps) if steps else 0 for k in range(steps + 1)]
+    diagonal = log_amp[:, torch.tensor(rows, device=maps.device), torch.tensor(cols, device=maps.device)]
+    frequencies = 2 * torch.tensor(rows, dtype=torch.float64) / height  # of the row bin, in units of pi
+    return frequencies, diagonal - diagonal[:, :1]
+
+
+class CorrelationAccumulator:
+    """Pearson correlations between L features, accumulated over batches (sums in float64).
+
+    ``add`` takes one batch as a list of L tensors; features of the same shape (beyond the batch dimension) are
+    correlated, others get NaN."""
+
+    def __init__(self):
+        self.groups: dict[tuple, dict[str, Any]] = {}
+
+    def add(self, features: list[torch.Tensor]) -> None:
+        by_shape: dict[tuple, list[int]] = {}
+        for i, f in enumerate(features):
+            by_shape.setdefault(tuple(f.shape[1:]), []).append(i)
+        for shape, index in by_shape.items():
+            stacked = torch.stack([features[i].detach().reshape(-1) for i in index]).double()  # (Lg, M)
+            group = self.groups.setdefault(shape, {"index": index, "n": 0, "sum": 0.0, "gram": 0.0})
+            if group["index"] != index:
+                raise UserError("the layers' feature shapes changed between batches")
+            group["n"] += stacked.shape[1]
+            group["sum"] = group["sum"] + stacked.sum(dim=1)
+            group["gram"] = group["gram"] + stacked @ stacked.T
+
+    def matrix(self, num_layers: int) -> torch.Tensor:
+        corr = torch.full((num_layers, num_layers), float("nan"), dtype=torch.float64)
+        for group in self.groups.values():
+            mean = group["sum"] / group["n"]
+            cov = group["gram"] / group["n"] - torch.outer(mean, mean)
+            std = cov.diagonal().clamp_min(0).sqrt()
+            block = cov / torch.outer(std, std)  # NaN for a constant feature
+            index = torch.tensor(group["index"])
+            corr[index[:, None], index[None, :]] = block.cpu()
+        return corr
+
+
+def _nullable(matrix: torch.Tensor) -> list[list[float | None]]:
+    return [[None if math.isnan(v) else v for v in row] for row in matrix.tolist()]
+
+
+def _depth_axis(ax, points: list[tuple[str, str]], values: list[float | None], ylabel: str, title: str) -> None:
+    """Values per point against normalised depth, with attention sublayers shaded (as Park & Kim plot them)."""
+    depth = max(len(points) - 1, 1)
+    xs = [i / depth for i in range(len(points))]
+    for i, (_, kind) in enumerate(points):
+        if kind == "attention":
+            ax.axvspan((i - 1) / depth, i / depth, color="tab:gray", alpha=0.15, lw=0)
+    kept = [(x, v) for x, v in zip(xs, values) if v is not None]
+    ax.plot([x for x, _ in kept], [v for _, v in kept], marker="o")
+    ax.set_xlabel("normalised depth (shaded: attention)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+
+
+class _FeatureAnalysis(Analysis):
+    """Runs the model over the images with a FeatureTap and hands each batch's features to ``consume``."""
+
+    def __init__(self, sublayers: bool, stem: bool, max_images: int, batch_size: int, weights: str, plot: bool):
+        super().__init__(max_images=max_images, batch_size=batch_size, weights=weights, plot=plot)
+        self.sublayers, self.stem = sublayers, stem
+
+    def check(self, trainer, pl_module) -> None:
+        find_blocks(pl_module.model.net)
+
+    def run(self, trainer, pl_module, consume) -> tuple[BlockMap, FeatureTap]:
+        model = self.model(pl_module)
+        bmap = find_blocks(model.net)
+        tap = FeatureTap(model.net, bmap, sublayers=self.sublayers, stem=self.stem)
+        with tap, torch.no_grad():
+            for images, _ in tqdm(self.batches(trainer, pl_module), desc=self.name, leave=False,
+                                  disable=not trainer.is_global_zero, total=math.ceil(self.max_images / self.batch_size)):
+                model(images)
+                consume(bmap, tap.ordered(), tuple(images.shape[-2:]))
+        return bmap, tap
+
+
+class LayerCorrelation(_FeatureAnalysis):
+    """Correlation of unit outputs across depth (Bhojanapalli et al.).
+
+    Args:
+        tokens: "all" (all tokens / positions and channels) and/or "cls" (the CLS token only; ViTs).
+        stem: also the stem output (the patch embeddings) as layer 0.
+        max_images, batch_size, weights, plot: see Analysis.
+    """
+
+    name = "layer_correlation"
+
+    def __init__(self, tokens: list[str] = ("all", "cls"), stem: bool = False, max_images: int = 256,
+                 batch_size: int = 64, weights: str = "raw", plot: bool = True):
+        super().__init__(False, stem, max_images, batch_size, weights, plot)
+        self.tokens = list(tokens)
+        if not self.tokens or not set(self.tokens) <= {"all", "cls"}:
+            raise UserError(f"LayerCorrelation.tokens must be a non-empty list of 'all' and 'cls', got {tokens!r}")
+
+    def check(self, trainer, pl_module) -> None:
+        bmap = find_blocks(pl_module.model.net)
+        if "cls" in self.tokens:
+            try:
+                bmap.require_cls("LayerCorrelation with tokens 'cls'")
+            except UserError as e:
+                raise UserError(f"{e}; set tokens: [all] for the correlation over all positions") from None
+
+    def analyse(self, trainer, pl_module):
+        accumulators = {t: CorrelationAccumulator() for t in self.tokens}
+
+        def consume(bmap, features, image_hw):
+            if "all" in accumulators:
+                accumulators["all"].add(features)
+            if "cls" in accumulators:
+                accumulators["cls"].add([f[:, 0] for f in features])
+
+        bmap, tap = self.run(trainer, pl_module, consume)
+        layers = [label for label, _ in tap.points]
+        section: dict[str, Any] = {"family": bmap.family, "layers": layers}
+        metrics: dict[str, float] = {}
+        for kind, acc in accumulators.items():
+            corr = acc.matrix(len(layers))
+            section[kind] = _nullable(corr)
+            adjacent = [corr[i, i + 1].item() for i in range(len(layers) - 1) if not math.isnan(corr[i, i + 1])]
+            if adjacent:
+                metrics[f"{kind}/mean_adjacent"] = sum(adjacent) / len(adjacent)
+            if len(layers) > 1 and not math.isnan(corr[0, -1]):
+                metrics[f"{kind}/first_last"] = corr[0, -1].item()
+        section["conditions"] = {"arch": pl_module.hparams.get("arch"), "tokens": self.tokens,
+                                 "measure": "Pearson correlation over images x tokens x channels (float64 sums)"}
+        return section, metrics, self.figure(section) if self.plot else None
+
+    def figure(self, section):
+        fig, axes = new_figure(1, len(self.tokens), figsize=(5.5 * len(self.tokens), 4.5), squeeze=False)
+        labels = section["layers"]
+        for ax, kind in zip(axes[0], self.tokens):
+            matrix = torch.tensor([[float("nan") if v is None else v for v in row] for row in section[kind]])
+            image = ax.imshow(matrix.numpy(), vmin=-1, vmax=1, cmap="RdBu_r")
+            step = max(1, len(labels) // 12)
+            ticks = list(range(0, len(labels), step))
+            ax.set_xticks(ticks, [labels[i] for i in ticks], rotation=90, fontsize=7)
+            ax.set_yticks(ticks, [labels[i] for i in ticks], fontsize=7)
+            ax.set_title("all tokens" if kind == "all" else "CLS token")
+            fig.colorbar(image, ax=ax, fraction=0.046)
+        fig.suptitle(f"Correlation between layer outputs ({section['family']})")
+        fig.tight_layout()
+        return fig
+
+
+class FeatureVariance(_FeatureAnalysis):
+    """Feature-map variance per block (Park & Kim, Fig. 9).
+
+    Args:
+        sublayers: one point per residual branch (attention / MLP of a transformer block) instead of per block.
+        stem: include the stem output as the first point.
+        max_images, batch_size, weights, plot: see Analysis.
+    """
+
+    name = "feature_variance"
+
+    def __init__(self, sublayers: bool = True, stem: bool = True, max_images: int = 256, batch_size: int = 64,
+                 weights: str = "raw", plot: bool = True):
+        super().__init__(sublayers, stem, max_images, batch_size, weights, plot)
+
+    def analyse(self, trainer, pl_module):
+        totals: list[float] = []
+        count = [0]
+
+        def consume(bmap, features, image_hw):
+            values = [feature_variance(as_map(f, bmap, image_hw)) for f in features]
+            if not totals:
+                totals.extend([0.0] * len(values))
+            for i, v in enumerate(values):
+                totals[i] += float(v.sum())
+            count[0] += len(values[0])
+
+        bmap, tap = self.run(trainer, pl_module, consume)
+        variances = [t / count[0] for t in totals]
+        variances = [None if math.isnan(v) else v for v in variances]  # a 1x1 map has no spatial variance
+        points = [{"name": label, "kind": kind, "variance": v} for (label, kind), v in zip(tap.points, variances)]
+        section = {"family": bmap.family, "points": points,
+                   "conditions": {"arch": pl_module.hparams.get("arch"), "sublayers": self.sublayers,
+                                  "measure": "unbiased spatial variance per channel, mean over channels and images"}}
+        known = [v for v in variances if v is not None]
+        metrics = {"last": known[-1], "max": max(known)} if known else {}
+        if not self.plot:
+            return section, metrics, None
+        fig, ax = new_figure(figsize=(7, 4))
+        _depth_axis(ax, tap.points, variances, "feature map variance", f"Feature map variance ({bmap.family})")
+        fig.tight_layout()
+        return section, metrics, fig
+
+
+class FourierFeatures(_FeatureAnalysis):
+    """Relative log amplitude of Fourier-transformed feature maps (Park & Kim, Figs. 2a and 8).
+
+    Args:
+        sublayers: one point per residual branch (attention / MLP of a transformer block) instead of per block.
+        stem: include the stem output as the first point.
+        max_images, batch_size, weights, plot: see Analysis.
+    """
+
+    name = "fourier_features"
+
+    def __init__(self, sublayers: bool = True, stem: bool = True, max_images: int = 256, batch_size: int = 64,
+                 weights: str = "raw", plot: bool = True):
+        super().__init__(sublayers, stem, max_images, batch_size, weights, plot)
+
+    def analyse(self, trainer, pl_module):
+        totals: list[torch.Tensor] = []
+        frequencies: list[torch.Tensor] = []
+        count = [0]
+
+        def consume(bmap, features, image_hw):
+            for i, f in enumerate(features):
+                freqs, relative = relative_log_amplitude(as_map(f, bmap, image_hw))
+                if len(totals) <= i:
+                    totals.append(torch.zeros(relative.shape[1], dtype=torch.float64))
+                    frequencies.append(freqs)
+                totals[i] += relative.double().sum(dim=0).cpu()
+            count[0] += len(features[0])
+
+        bmap, tap = self.run(trainer, pl_module, consume)
+        points = []
+        for (label, kind), total, freqs in zip(tap.points, totals, frequencies):
+            curve = (total / count[0]).tolist()
+            points.append({"name": label, "kind": kind, "frequencies": freqs.tolist(), "relative_log_amplitude": curve,
+                           # a 1x1 map has only frequency 0: no high-frequency value
+                           "high_frequency": curve[-1] if len(curve) > 1 else None})
+        section = {"family": bmap.family, "points": points,
+                   "conditions": {"arch": pl_module.hparams.get("arch"), "sublayers": self.sublayers,
+                                  "measure": f"log(|FFT2| + {LOG_EPS}) averaged over channels and images, on the "
+                                             "diagonal, minus its value at frequency 0; frequencies in units of pi"}}
+        known = [p["high_frequency"] for p in points if p["high_frequency"] is not None]
+        metrics = {"last_high_frequency": known[-1]} if known else {}
+        if not self.plot:
+            return section, metrics, None
+        import matplotlib  # noqa: PLC0415
+
+        fig, (left, right) = new_figure(1, 2, figsize=(11, 4))
+        cmap = matplotlib.colormaps["plasma_r"]
+        for i, p in enumerate(points):
+            if p["high_frequency"] is not None:
+                left.plot(p["frequencies"], p["relative_log_amplitude"], color=cmap(i / max(len(points) - 1, 1)))
+        left.set_xlabel("frequency (x pi); colour: depth (light = early)")
+        left.set_ylabel("Δ log amplitude")
+        left.set_title("Relative log amplitude per point (Fig. 2a)")
+        _depth_axis(right, tap.points, [p["high_frequency"] for p in points], "Δ log amplitude at the highest frequency",
+                    f"High-frequency amplitude over depth (Fig. 8, {bmap.family})")
+        fig.tight_layout()
+        return section, metrics, fig
