@@ -99,7 +99,8 @@ class Analysis(Callback):
 
     def publish(self, trainer, section: dict[str, Any], metrics: dict[str, float], figure) -> None:
         run_dir = Path(trainer.log_dir or trainer.default_root_dir)
-        section = {**section, "conditions": {**section.get("conditions", {}), "images": self.max_images,
+        # "images": the analysis's own count when it gives one (e.g. a dataset of its own), else max_images
+        section = {**section, "conditions": {"images": self.max_images, **section.get("conditions", {}),
                                              "weights": self.weights, "checkpoint": trainer.ckpt_path}}
         if figure is not None:
             import matplotlib.pyplot as plt  # noqa: PLC0415 (slow to import; only when plotting)

@@ -1,5 +1,5 @@
 """Adversarial attacks on plain callables ``model(x) -> logits`` (no Lightning): APGD, FAB-T, Square, FGSM(-RS),
-PGD, and the AutoAttack ensemble built from them (or run by the reference package)."""
+PGD, the spatial grid attack, and the AutoAttack ensemble built from them (or run by the reference package)."""
 
 from .apgd import (
     LOSSES,
@@ -16,6 +16,7 @@ from .autoattack import AutoAttack, AutoAttackReport
 from .fab import FABResult, fab_targeted
 from .projections import NORMS, l1_projection, lp_norm, normalize, project, project_l1, project_l2, project_linf
 from .simple import fgsm, pgd
+from .spatial import SpatialResult, spatial_grid, spatial_grid_attack
 from .square import SquareResult, square_attack
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "AutoAttack",
     "AutoAttackReport",
     "FABResult",
+    "SpatialResult",
     "SquareResult",
     "LOSSES",
     "NORMS",
@@ -43,5 +45,7 @@ __all__ = [
     "project_l2",
     "project_linf",
     "random_start_point",
+    "spatial_grid",
+    "spatial_grid_attack",
     "square_attack",
 ]

@@ -1,0 +1,167 @@
+"""Kernel attention distance of depthwise large kernels (Chen et al., "Revealing the Dark Secrets of Extremely
+Large Kernel ConvNets on Robustness", ICML 2024; repo Lauch1ng/LKRobust, kernel_attention_pattern/).
+
+For each channel of a depthwise k x k kernel W, with R = (k - 1) / 2 and d(i, j) the distance of tap (i, j) to
+the kernel centre:
+
+    distance = sum_ij |W_ij| * d(i, j) / (R * sqrt(2)) / sum_ij |W_ij|
+
+i.e. the |W|-weighted mean distance of the taps from the centre, as a fraction of the corner distance R * sqrt(2):
+0 when all weight sits on the centre tap, 1 when it all sits on the corners, about 0.77 for a uniform 3 x 3
+kernel. The reference code leaves out the division by sum |W| (``normalize: false`` reproduces it); that raw
+sum also grows with the scale of the weights, which differs between layers and models, so the normalised form
+is the default. Large values mean the kernel "attends" far from the centre, as attention in a ViT does.
+
+Layers are found by shape, not by name, so every model family works: any ``nn.Conv2d`` with
+``groups == in_channels`` (depthwise) and a kernel side of at least ``min_kernel_size`` (timm ConvNeXt's
+``conv_dw``, RepLKNet's large kernels, merged or not). Non-square kernels use the corner distance
+sqrt(Rh^2 + Rw^2). A model without such layers (ResNet, ViT) gets a clear "does not apply" error before the
+test runs. No images are needed: the analysis reads the weights only.
+"""
+
+import math
+import re
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from robust_lightning.analysis.base import Analysis, new_figure
+from robust_lightning.errors import UserError
+
+
+def kernel_distance(weight: Tensor, normalize: bool = True) -> Tensor:
+    """Per output channel of a depthwise kernel (C, 1, kh, kw) (or (C, kh, kw)): the |W|-weighted distance of
+    its taps from the centre in units of the corner distance. Channels whose weights are all zero give NaN
+    when normalised."""
+    w = weight.detach().float().abs()
+    if w.dim() == 4:
+        w = w.reshape(w.shape[0], -1, *w.shape[-2:]).sum(1)  # one input channel per group in a depthwise conv
+    if w.dim() != 3:
+        raise ValueError(f"expected a depthwise kernel (C, 1, kh, kw), got shape {tuple(weight.shape)}")
+    kh, kw = w.shape[-2:]
+    rh, rw = (kh - 1) / 2, (kw - 1) / 2
+    corner = math.hypot(rh, rw)
+    if corner == 0:
+        return torch.zeros(w.shape[0])  # a 1 x 1 kernel is all centre
+    rows = torch.arange(kh, dtype=torch.float32) - rh
+    cols = torch.arange(kw, dtype=torch.float32) - rw
+    distance = torch.sqrt(rows[:, None] ** 2 + cols[None, :] ** 2) / corner
+    total = (w * distance).sum((1, 2))
+    if not normalize:
+        return total
+    mass = w.sum((1, 2))
+    return torch.where(mass > 0, total / mass.clamp_min(1e-30), torch.full_like(total, math.nan))
+
+
+def is_depthwise(module: nn.Module) -> bool:
+    return (isinstance(module, nn.Conv2d) and module.groups > 1 and module.groups == module.in_channels
+            and module.out_channels % module.in_channels == 0)
+
+
+def depthwise_convs(net: nn.Module, min_kernel_size: int = 7) -> list[tuple[str, nn.Conv2d]]:
+    """(name, conv) of every depthwise conv whose larger kernel side is at least ``min_kernel_size``."""
+    return [(name, m) for name, m in net.named_modules() if is_depthwise(m) and max(m.kernel_size) >= min_kernel_size]
+
+
+def stage_of(name: str) -> str:
+    """The stage a layer belongs to, from its name: everything up to the first numeric component
+    (``stages.2.blocks.5.conv_dw`` -> ``stages.2``, ``layers.1.0.conv`` -> ``layers.1``); "all" if none."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if re.fullmatch(r"\d+", part):
+            return ".".join(parts[: i + 1])
+    return "all"
+
+
+class KernelAttentionDistance(Analysis):
+    """Kernel attention distance per depthwise large-kernel layer and stage (Chen et al.).
+
+    Args:
+        min_kernel_size: smallest kernel side that counts as large (7 includes ConvNeXt's 7 x 7; Chen et al.
+            study RepLKNet's 31/29/27/13 and ConvNeXt with 3-51).
+        normalize: divide by sum |W| per channel (a weighted mean distance in [0, 1]); false gives the raw sum
+            of the reference code.
+        weights, plot: see Analysis (max_images and batch_size are unused: only weights are read).
+    """
+
+    name = "kernel_distance"
+
+    def __init__(self, min_kernel_size: int = 7, normalize: bool = True, weights: str = "raw", plot: bool = True,
+                 max_images: int = 1, batch_size: int = 1):
+        super().__init__(max_images=max_images, batch_size=batch_size, weights=weights, plot=plot)
+        if min_kernel_size < 2:
+            raise UserError(f"KernelAttentionDistance.min_kernel_size must be >= 2, got {min_kernel_size}")
+        self.min_kernel_size, self.normalize = min_kernel_size, normalize
+
+    def layers(self, pl_module) -> list[tuple[str, nn.Conv2d]]:
+        """The measured layers, or a UserError saying why the analysis does not apply to this model."""
+        net = getattr(self.model(pl_module), "net", self.model(pl_module))
+        found = depthwise_convs(net, self.min_kernel_size)
+        if not found:
+            sizes = sorted({max(m.kernel_size) for _, m in depthwise_convs(net, 1)})
+            arch = getattr(pl_module, "hparams", {}).get("arch") or type(net).__name__
+            seen = f"its depthwise kernels are {sizes} px" if sizes else "it has no depthwise convolutions"
+            raise UserError(
+                f"KernelAttentionDistance does not apply to {arch}: it measures depthwise large kernels (kernel "
+                f">= min_kernel_size {self.min_kernel_size}) and {seen}. Use a large-kernel ConvNet checkpoint "
+                "(RepLKNet, ConvNeXt with 7x7 or larger kernels), or lower min_kernel_size."
+            )
+        return found
+
+    def on_test_start(self, trainer, pl_module) -> None:
+        super().on_test_start(trainer, pl_module)
+        self.layers(pl_module)  # fail before the test loop, not after it
+
+    def analyse(self, trainer, pl_module):
+        per_layer, channels = [], {}
+        for name, conv in self.layers(pl_module):
+            d = kernel_distance(conv.weight, self.normalize)
+            valid = d[~d.isnan()]
+            channels[name] = valid
+            per_layer.append({
+                "layer": name, "stage": stage_of(name), "kernel_size": list(conv.kernel_size),
+                "channels": int(d.numel()), "zero_channels": int(d.isnan().sum()),
+                "mean": float(valid.mean()) if valid.numel() else math.nan,
+                "std": float(valid.std()) if valid.numel() > 1 else 0.0,
+                "median": float(valid.median()) if valid.numel() else math.nan,
+                "min": float(valid.min()) if valid.numel() else math.nan,
+                "max": float(valid.max()) if valid.numel() else math.nan,
+            })
+        stages: dict[str, Any] = {}
+        for stage in dict.fromkeys(row["stage"] for row in per_layer):
+            values = torch.cat([channels[row["layer"]] for row in per_layer if row["stage"] == stage])
+            stages[stage] = {"layers": sum(row["stage"] == stage for row in per_layer),
+                             "mean": float(values.mean()) if values.numel() else math.nan}
+        everything = torch.cat(list(channels.values()))
+        mean = float(everything.mean()) if everything.numel() else math.nan
+        section = {"mean": mean, "stages": stages, "layers": per_layer,
+                   "conditions": {"images": 0, "min_kernel_size": self.min_kernel_size, "normalize": self.normalize,
+                                  "definition": "sum |W| d / (R sqrt 2)" + (" / sum |W| per channel" if self.normalize
+                                                                             else " per channel (raw, as the reference code)")}}
+        figure = self._plot(per_layer, channels) if self.plot else None
+        metrics = {"mean": mean, **{f"{stage}/mean": s["mean"] for stage, s in stages.items()}}
+        return section, metrics, figure
+
+    def _plot(self, per_layer: list[dict], channels: dict[str, Tensor]):
+        figure, (left, right) = new_figure(1, 2, figsize=(12, 4.5))
+        stages = list(dict.fromkeys(row["stage"] for row in per_layer))
+        colours = {s: f"C{i % 10}" for i, s in enumerate(stages)}
+        for i, row in enumerate(per_layer):
+            left.scatter(i, row["mean"], color=colours[row["stage"]])
+            left.errorbar(i, row["mean"], yerr=row["std"], color=colours[row["stage"]], alpha=0.5)
+            values = channels[row["layer"]].sort().values
+            if values.numel():  # Chen et al.'s view: sorted per-channel distances of each layer
+                right.plot(torch.linspace(0, 1, values.numel()), values, color=colours[row["stage"]], alpha=0.6)
+        for stage in stages:
+            left.scatter([], [], color=colours[stage], label=stage)
+        unit = "weighted mean distance / (R sqrt 2)" if self.normalize else "sum |W| d / (R sqrt 2)"
+        left.set_xlabel("layer (depth order)")
+        left.set_ylabel(f"kernel attention distance ({unit})")
+        left.set_title("Mean over channels (+/- std) per layer")
+        left.legend(fontsize=8)
+        right.set_xlabel("channel (sorted, fraction of the layer's channels)")
+        right.set_ylabel("kernel attention distance")
+        right.set_title("Per-channel distribution, one line per layer")
+        figure.tight_layout()
+        return figure

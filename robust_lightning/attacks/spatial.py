@@ -1,0 +1,140 @@
+"""The spatial grid attack (Engstrom et al. 2019, as run by Bhojanapalli et al. 2021): every combination of
+x-shifts, y-shifts and rotations on a grid, zero fill outside the image; a point is robust only if every
+transformed copy is classified correctly.
+
+The default grid is the papers': 9 x-shifts and 9 y-shifts in [-16, 16] px and 31 rotations in [-30, 30] deg,
+2511 transforms. All of them are applied with batched ``affine_grid`` / ``grid_sample`` (bilinear, zero
+padding); each forward pass holds at most ``batch_size`` transformed images, whatever the number of images and
+transforms, so memory stays bounded. Conventions: a positive shift moves the content right (x) or down (y), a
+positive angle rotates it counter-clockwise on screen, about the image centre; the rotation is applied first,
+then the shift.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .apgd import Model
+
+
+@dataclass
+class SpatialResult:
+    """Outcome of :func:`spatial_grid_attack` for B images and T transforms.
+
+    transforms: (T, 3) the grid, rows (dx px, dy px, angle deg).
+    correct: (B, T) bool, image b classified correctly under transform t.
+    margins: (B, T) true-class logit minus the largest other logit (negative = misclassified).
+    robust: (B,) bool, correct under every transform.
+    worst: (B,) index of each image's worst transform (lowest margin; a misclassifying one when there is one).
+    clean_correct: (B,) bool, correct on the untransformed image.
+    """
+
+    transforms: Tensor
+    correct: Tensor
+    margins: Tensor
+    robust: Tensor
+    worst: Tensor
+    clean_correct: Tensor
+
+    @property
+    def worst_transform(self) -> Tensor:
+        """(B, 3) the worst (dx, dy, angle) of each image."""
+        return self.transforms[self.worst]
+
+    def robust_under(self, keep: Tensor) -> Tensor:
+        """(B,) robust against the subset of transforms selected by the (T,) bool mask ``keep``."""
+        return self.correct[:, keep].all(1)
+
+
+def _axis(count: int, limit: float) -> Tensor:
+    """``count`` evenly spaced values in [-limit, limit]; a single value is 0 (no transform on that axis)."""
+    if count < 1:
+        raise ValueError(f"grid sizes must be >= 1, got {count}")
+    if count == 1:
+        return torch.zeros(1, dtype=torch.float64)
+    values = torch.linspace(-limit, limit, count, dtype=torch.float64)
+    return values.where(values.abs() > 1e-9 * limit, 0.0)  # the middle value is exactly 0 (the identity)
+
+
+def spatial_grid(translations: int = 9, max_shift: float = 16.0, rotations: int = 31, max_angle: float = 30.0) -> Tensor:
+    """(T, 3) float64 rows (dx, dy, angle): every combination, T = translations^2 * rotations (2511 by default)."""
+    shifts, angles = _axis(translations, max_shift), _axis(rotations, max_angle)
+    dx, dy, angle = torch.meshgrid(shifts, shifts, angles, indexing="ij")
+    return torch.stack([dx.flatten(), dy.flatten(), angle.flatten()], 1)
+
+
+def affine_matrices(transforms: Tensor, height: int, width: int) -> Tensor:
+    """(T, 2, 3) ``affine_grid`` matrices (align_corners=False) for rows (dx px, dy px, angle deg).
+
+    grid_sample looks up, for each output pixel, where it comes from: the inverse of "rotate by angle about the
+    centre, then shift". In pixel units relative to the centre p_in = R(-angle) (p_out - t); normalised
+    coordinates divide x by W/2 and y by H/2, so non-square images rotate without shearing.
+    """
+    t = transforms.to(torch.float64)
+    a = torch.deg2rad(t[:, 2])
+    # counter-clockwise on screen, where y points down: x' = x cos + y sin, y' = -x sin + y cos
+    cos, sin = torch.cos(a), torch.sin(a)
+    inv = torch.stack([torch.stack([cos, -sin], -1), torch.stack([sin, cos], -1)], -2)  # R(-angle), y down
+    scale = torch.tensor([width / 2, height / 2], dtype=torch.float64)
+    linear = inv * scale[None, None, :] / scale[None, :, None]  # S^-1 R^-1 S
+    offset = -(inv @ t[:, :2, None]).squeeze(-1) / scale  # -S^-1 R^-1 t
+    return torch.cat([linear, offset[..., None]], -1)
+
+
+def transform_images(x: Tensor, transforms: Tensor) -> Tensor:
+    """Image i under transform i: x (N, C, H, W), transforms (N, 3) -> (N, C, H, W), zero fill. Identity rows
+    return their image unchanged (bit for bit), so a grid holding the identity reproduces clean predictions."""
+    theta = affine_matrices(transforms.cpu(), x.shape[-2], x.shape[-1]).to(x.device, x.dtype)
+    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+    warped = F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    identity = (transforms == 0).all(1).to(x.device)
+    return torch.where(identity[:, None, None, None], x, warped)
+
+
+@torch.no_grad()
+def spatial_grid_attack(
+    model: Model,
+    x: Tensor,
+    y: Tensor,
+    translations: int = 9,
+    max_shift: float = 16.0,
+    rotations: int = 31,
+    max_angle: float = 30.0,
+    batch_size: int = 512,
+) -> SpatialResult:
+    """Classify every image under every transform of :func:`spatial_grid` and keep the worst case per image.
+
+    ``model`` maps [0, 1] images to logits (in eval mode: the attack leaves the mode alone); ``x`` (B, C, H, W)
+    in [0, 1], ``y`` (B,) int64 labels. Shifts are in pixels of ``x`` (scale them for images smaller than the
+    papers' 224 px). ``batch_size`` caps the transformed images per forward pass.
+    """
+    if x.dim() != 4 or y.shape != x.shape[:1]:
+        raise ValueError(f"expected images (B, C, H, W) and labels (B,), got {tuple(x.shape)} and {tuple(y.shape)}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    grid = spatial_grid(translations, max_shift, rotations, max_angle)
+    n_images, n_transforms = x.shape[0], grid.shape[0]
+    margins = torch.empty(n_images * n_transforms, device=x.device)
+    correct = torch.empty(n_images * n_transforms, dtype=torch.bool, device=x.device)
+    # (image, transform) pairs in image-major order, batch_size pairs per forward pass
+    for start in range(0, n_images * n_transforms, batch_size):
+        pairs = torch.arange(start, min(start + batch_size, n_images * n_transforms))
+        images, labels = x[pairs // n_transforms], y[pairs // n_transforms]
+        logits = model(transform_images(images, grid[pairs % n_transforms])).float()
+        true = logits.gather(1, labels[:, None]).squeeze(1)
+        other = logits.scatter(1, labels[:, None], -math.inf).amax(1)
+        margins[start : start + len(pairs)] = true - other
+        correct[start : start + len(pairs)] = logits.argmax(1) == labels
+    margins, correct = margins.view(n_images, n_transforms), correct.view(n_images, n_transforms)
+    # worst = lowest margin; a misclassifying transform always counts as worse than a correct one (argmax ties)
+    wrong_only = margins.masked_fill(correct, math.inf)
+    worst = torch.where((~correct).any(1), wrong_only.argmin(1), margins.argmin(1))
+    identity = (grid == 0).all(1).nonzero()
+    if identity.numel():
+        clean = correct[:, identity[0, 0]]
+    else:
+        clean = model(x).float().argmax(1) == y
+    return SpatialResult(grid, correct, margins, correct.all(1), worst, clean)
