@@ -39,6 +39,8 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath
 from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, register_model
 
+from robust_lightning.models.head import LinearHeadMixin
+
 __all__ = ["AlterNet", "AlterNetStage", "MSABlock", "PreActBottleneck", "WindowAttention2d", "msa_layout"]
 
 EXPANSION = 4  # bottleneck: block output = 4 x block width
@@ -183,7 +185,7 @@ class AlterNetStage(nn.Module):
         return self.blocks(x)
 
 
-class AlterNet(nn.Module):
+class AlterNet(LinearHeadMixin, nn.Module):
     """AlterNet classifier with the timm model API (forward_features / forward_head / reset_classifier)."""
 
     def __init__(
@@ -243,20 +245,6 @@ class AlterNet(nn.Module):
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         for stage in self.stages:
             stage.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        self.num_classes = num_classes
-        if global_pool is not None:
-            if global_pool not in ("avg", ""):
-                raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
-            self.global_pool = global_pool
-        w = self.norm.weight
-        self.head = nn.Linear(self.num_features, num_classes, device=w.device, dtype=w.dtype) if num_classes > 0 \
-            else nn.Identity()
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Unpooled features (N, C, H/32, W/32) after the final BN-ReLU."""

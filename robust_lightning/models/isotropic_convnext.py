@@ -25,11 +25,12 @@ from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_c
 from timm.models.convnext import ConvNeXtBlock
 
 from robust_lightning.models.convstem import VIT_STEM_CHANNELS, ConvStem
+from robust_lightning.models.head import LinearHeadMixin
 
 __all__ = ["IsotropicConvNeXt"]
 
 
-class IsotropicConvNeXt(nn.Module):
+class IsotropicConvNeXt(LinearHeadMixin, nn.Module):
     """ConvNeXt without downsampling stages: one stem to 1/16, ``depth`` blocks of width ``dim``."""
 
     def __init__(
@@ -101,22 +102,6 @@ class IsotropicConvNeXt(nn.Module):
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        self.num_classes = num_classes
-        if global_pool is not None:
-            if global_pool not in ("avg", ""):
-                raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
-            self.global_pool = global_pool
-        if num_classes > 0:
-            w = self.norm.weight
-            self.head = nn.Linear(self.num_features, num_classes, device=w.device, dtype=w.dtype)
-        else:
-            self.head = nn.Identity()
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Unpooled features (N, dim, H/16, W/16), like timm's forward_features."""

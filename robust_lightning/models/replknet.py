@@ -42,6 +42,8 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath
 from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, register_model
 
+from robust_lightning.models.head import LinearHeadMixin
+
 __all__ = ["ConvFFN", "RepLKBlock", "RepLKNet", "RepLKNetStage", "ReparamLargeKernelConv", "reparameterize"]
 
 
@@ -186,7 +188,7 @@ class RepLKNetStage(nn.Module):
         return self.blocks(x)
 
 
-class RepLKNet(nn.Module):
+class RepLKNet(LinearHeadMixin, nn.Module):
     """RepLKNet classifier with the timm model API (forward_features / forward_head / reset_classifier)."""
 
     def __init__(
@@ -253,20 +255,6 @@ class RepLKNet(nn.Module):
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         for stage in self.stages:
             stage.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        self.num_classes = num_classes
-        if global_pool is not None:
-            if global_pool not in ("avg", ""):
-                raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
-            self.global_pool = global_pool
-        w = self.norm.weight
-        self.head = nn.Linear(self.num_features, num_classes, device=w.device, dtype=w.dtype) if num_classes > 0 \
-            else nn.Identity()
 
     def reparameterize(self) -> "RepLKNet":
         """Merge every large/small kernel pair for inference (in place); see ``reparameterize``."""

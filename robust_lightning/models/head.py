@@ -1,0 +1,27 @@
+"""The classifier-head part of timm's model API, shared by the project's own architectures."""
+
+import torch
+from torch import nn
+
+
+class LinearHeadMixin:
+    """``get_classifier`` / ``reset_classifier`` for a model with ``self.head`` (a Linear on ``num_features``
+    pooled features, or Identity), ``self.norm`` (whose weight gives device and dtype) and ``global_pool``."""
+
+    head: nn.Module
+    norm: nn.Module
+    num_features: int
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        self.num_classes = num_classes
+        if global_pool is not None:
+            if global_pool not in ("avg", ""):
+                raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
+            self.global_pool = global_pool
+        w = self.norm.weight
+        self.head = nn.Linear(self.num_features, num_classes, device=w.device, dtype=w.dtype) if num_classes > 0 \
+            else nn.Identity()
