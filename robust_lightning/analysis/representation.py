@@ -112,7 +112,8 @@ def _depth_axis(ax, points: list[tuple[str, str]], values: list[float | None], y
 class _FeatureAnalysis(Analysis):
     """Runs the model over the images with a FeatureTap and hands each batch's features to ``consume``."""
 
-    def __init__(self, sublayers: bool, stem: bool, max_images: int, batch_size: int, weights: str, plot: bool):
+    def __init__(self, sublayers: bool = True, stem: bool = True, max_images: int = 256, batch_size: int = 64,
+                 weights: str = "raw", plot: bool = True):
         super().__init__(max_images=max_images, batch_size=batch_size, weights=weights, plot=plot)
         self.sublayers, self.stem = sublayers, stem
 
@@ -210,10 +211,6 @@ class FeatureVariance(_FeatureAnalysis):
 
     name = "feature_variance"
 
-    def __init__(self, sublayers: bool = True, stem: bool = True, max_images: int = 256, batch_size: int = 64,
-                 weights: str = "raw", plot: bool = True):
-        super().__init__(sublayers, stem, max_images, batch_size, weights, plot)
-
     def analyse(self, trainer, pl_module):
         totals: list[float] = []
         count = [0]
@@ -253,10 +250,6 @@ class FourierFeatures(_FeatureAnalysis):
     """
 
     name = "fourier_features"
-
-    def __init__(self, sublayers: bool = True, stem: bool = True, max_images: int = 256, batch_size: int = 64,
-                 weights: str = "raw", plot: bool = True):
-        super().__init__(sublayers, stem, max_images, batch_size, weights, plot)
 
     def analyse(self, trainer, pl_module):
         totals: list[torch.Tensor] = []

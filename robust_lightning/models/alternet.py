@@ -37,9 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath
-from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, register_model
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
-from robust_lightning.models.head import LinearHeadMixin
+from robust_lightning.models.timm_api import BlockStage, LinearHeadMixin
 
 __all__ = ["AlterNet", "AlterNetStage", "MSABlock", "PreActBottleneck", "WindowAttention2d", "msa_layout"]
 
@@ -164,10 +164,9 @@ class MSABlock(nn.Module):
         return x + self.drop_path(self.attn(out))
 
 
-class AlterNetStage(nn.Module):
+class AlterNetStage(BlockStage):
     def __init__(self, in_chs: int, width: int, stride: int, is_msa: Sequence[bool], num_heads: int, head_dim: int,
                  window_size: int, drop_path: Sequence[float], device=None, dtype=None):
-        super().__init__()
         dd = {"device": device, "dtype": dtype}
         blocks: list[nn.Module] = []
         for i, msa in enumerate(is_msa):
@@ -176,13 +175,7 @@ class AlterNetStage(nn.Module):
             else:
                 blocks.append(PreActBottleneck(in_chs, width, stride if i == 0 else 1, drop_path[i], **dd))
             in_chs = width * EXPANSION
-        self.blocks = nn.Sequential(*blocks)
-        self.grad_checkpointing = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.grad_checkpointing and not torch.jit.is_scripting():
-            return checkpoint_seq(self.blocks, x)
-        return self.blocks(x)
+        super().__init__(blocks)
 
 
 class AlterNet(LinearHeadMixin, nn.Module):

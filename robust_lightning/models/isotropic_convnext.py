@@ -25,7 +25,7 @@ from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_c
 from timm.models.convnext import ConvNeXtBlock
 
 from robust_lightning.models.convstem import VIT_STEM_CHANNELS, ConvStem
-from robust_lightning.models.head import LinearHeadMixin
+from robust_lightning.models.timm_api import LinearHeadMixin
 
 __all__ = ["IsotropicConvNeXt"]
 

@@ -40,9 +40,9 @@ import torch.nn.functional as F
 from torch import nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath
-from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, register_model
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
-from robust_lightning.models.head import LinearHeadMixin
+from robust_lightning.models.timm_api import BlockStage, LinearHeadMixin
 
 __all__ = ["ConvFFN", "RepLKBlock", "RepLKNet", "RepLKNetStage", "ReparamLargeKernelConv", "reparameterize"]
 
@@ -166,26 +166,19 @@ class ConvFFN(nn.Module):
         return x + self.drop_path(self.pw2(self.nonlinear(self.pw1(self.preffn_bn(x)))))
 
 
-class RepLKNetStage(nn.Module):
+class RepLKNetStage(BlockStage):
     """``blocks``: RepLKBlock, ConvFFN, RepLKBlock, ConvFFN, ... (two residual blocks per layer)."""
 
     def __init__(self, channels: int, num_layers: int, kernel_size: int, small_kernel: int | None,
                  drop_path: Sequence[float], dw_ratio: float = 1.0, ffn_ratio: float = 4.0,
                  small_kernel_merged: bool = False, device=None, dtype=None):
-        super().__init__()
         dd = {"device": device, "dtype": dtype}
         blocks: list[nn.Module] = []
         for i in range(num_layers):
             blocks.append(RepLKBlock(channels, int(channels * dw_ratio), kernel_size, small_kernel, drop_path[i],
                                      small_kernel_merged, **dd))
             blocks.append(ConvFFN(channels, int(channels * ffn_ratio), drop_path[i], **dd))
-        self.blocks = nn.Sequential(*blocks)
-        self.grad_checkpointing = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.grad_checkpointing and not torch.jit.is_scripting():
-            return checkpoint_seq(self.blocks, x)
-        return self.blocks(x)
+        super().__init__(blocks)
 
 
 class RepLKNet(LinearHeadMixin, nn.Module):

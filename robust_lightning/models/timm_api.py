@@ -1,6 +1,7 @@
-"""The classifier-head part of timm's model API, shared by the project's own architectures."""
+"""Pieces of timm's model API shared by the project's own architectures."""
 
 import torch
+from timm.models import checkpoint_seq
 from torch import nn
 
 
@@ -25,3 +26,17 @@ class LinearHeadMixin:
         w = self.norm.weight
         self.head = nn.Linear(self.num_features, num_classes, device=w.device, dtype=w.dtype) if num_classes > 0 \
             else nn.Identity()
+
+
+class BlockStage(nn.Module):
+    """A stage of residual ``blocks`` run in order, with timm's gradient checkpointing switch."""
+
+    def __init__(self, blocks: list[nn.Module]):
+        super().__init__()
+        self.blocks = nn.Sequential(*blocks)
+        self.grad_checkpointing = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.grad_checkpointing and not torch.jit.is_scripting():
+            return checkpoint_seq(self.blocks, x)
+        return self.blocks(x)
