@@ -252,6 +252,25 @@ def direct_metrics(checkpoint: Path, root: str, benchmark: str) -> tuple[float, 
     return float(np.mean(correct)), numpy_ece(np.array(confidence), np.array(correct, dtype=float))
 
 
+def direct_in9_metrics(checkpoint: Path, variant_root: Path) -> tuple[float, float]:
+    """ImageNet-9 top-1 (1000-way argmax mapped to the 9 classes) and ECE (1000-way max softmax), directly."""
+    from PIL import Image
+    from torchvision.transforms import v2 as T
+
+    from robust_lightning.training.classifier import ImageClassifier
+
+    module = ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=True).eval()
+    resize, to_in9 = T.Resize((32, 32), interpolation=T.InterpolationMode.BICUBIC), in9_map()
+    correct, confidence = [], []
+    for path in sorted(variant_root.glob("*/*.JPEG")):
+        image = T.functional.pil_to_tensor(resize(Image.open(path).convert("RGB")))
+        with torch.no_grad():
+            probabilities = module(image[None].float() / 255)[0].softmax(0)
+        correct.append(int(to_in9[probabilities.argmax()]) == IN9_FOLDERS.index(path.parent.name))
+        confidence.append(float(probabilities.max()))
+    return float(np.mean(correct)), numpy_ece(np.array(confidence), np.array(correct, dtype=float))
+
+
 def test_cli_run_writes_every_benchmark_and_lists_the_skipped_one(tmp_path, checkpoint):
     from robust_lightning.cli import main
 
@@ -283,6 +302,9 @@ def test_cli_run_writes_every_benchmark_and_lists_the_skipped_one(tmp_path, chec
     assert all(v["num_images"] == 6 for v in in9["variants"].values())
     assert in9["bg_gap"] == in9["variants"]["mixed_same"]["acc1"] - in9["variants"]["mixed_rand"]["acc1"]
     assert in9["preprocessing"] == "resize to 32 x 32 (bicubic)"
+    for variant, values in in9["variants"].items():
+        acc1, ece = direct_in9_metrics(checkpoint, tmp_path / "in9" / variant / "val")
+        assert values["acc1"] == acc1 and values["ece"] == pytest.approx(ece, abs=1e-6)
     assert section["conditions"]["image_size"] == 32
 
     logged = (results_file.parent / "metrics.csv").read_text().splitlines()[0].split(",")

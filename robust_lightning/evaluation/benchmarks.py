@@ -12,7 +12,7 @@ Protocols (REFERENCE.md section 3; class lists in data/, see data/PROVENANCE.md)
   200 classes; anomaly score = -max softmax over the 200 sliced logits. AUPR (average precision), AUROC and
   FPR at 95% TPR, computed exactly (ties as in scikit-learn).
 - ImageNet-9 (backgrounds challenge): original, mixed_same and mixed_rand; the 1000-way argmax is mapped to the
-  9 classes by data/in_to_in9.json (an unmapped prediction is wrong). Accuracy per variant and
+  9 classes by data/in_to_in9.json (an unmapped prediction is wrong). Accuracy and ECE per variant and
   BG-gap = mixed_same - mixed_rand. Its images are 224 x 224 already: only resized at another model resolution.
 
 Preprocessing: the project's eval transform (resize floor(r / crop_pct) bicubic, centre crop r) for all but
@@ -396,7 +396,10 @@ class DistributionShiftBenchmarks(Callback):
             for split in splits:
                 p = self._predict(trainer, pl_module, split, transform, None)
                 corrupt += p.corrupt
-                variants[split.name] = {"num_images": len(p.target), "acc1": accuracy(to_in9[p.prediction], p.target)}
+                correct = to_in9[p.prediction] == p.target
+                # confidence: the max of the 1000-way softmax, whose argmax gave the (mapped) prediction
+                variants[split.name] = {"num_images": len(p.target), "acc1": correct.double().mean().item(),
+                                        "ece": expected_calibration_error(p.confidence, correct)}
             section.update(variants=variants, bg_gap=bg_gap({k: v["acc1"] for k, v in variants.items()}))
         section["corrupt_images"] = corrupt
         return section
@@ -433,4 +436,5 @@ def flat_metrics(sections: dict[str, dict[str, Any]]) -> dict[str, float]:
                 metrics[f"benchmarks/{name}/{key}"] = float(section[key])
         for variant, values in section.get("variants", {}).items():
             metrics[f"benchmarks/{name}/{variant}/acc1"] = float(values["acc1"])
+            metrics[f"benchmarks/{name}/{variant}/ece"] = float(values["ece"])
     return metrics
