@@ -77,6 +77,16 @@ def in9_map() -> torch.Tensor:
     return torch.tensor([mapping[str(i)] for i in range(1000)])
 
 
+def choose(names: str | list[str], standard: tuple[str, ...], every: tuple[str, ...], what: str) -> list[str]:
+    """A config's selection: "standard", "all", one name or a list, checked against ``every``, in its order."""
+    chosen = list(standard if names == "standard" else every if names == "all" else [names] if isinstance(names, str)
+                  else names)
+    unknown = [name for name in chosen if name not in every]
+    if unknown or not chosen:
+        raise UserError(f"{what}: unknown {unknown}; use 'standard', 'all' or names among {', '.join(every)}")
+    return [name for name in every if name in chosen]
+
+
 # ---------------------------------------------------------------------------------------------------- metrics
 def accuracy(predictions: torch.Tensor, targets: torch.Tensor) -> float:
     return (predictions == targets).double().mean().item()

@@ -48,6 +48,7 @@ from robust_lightning.evaluation.benchmarks import (
     ExactSize,
     Split,
     accuracy,
+    choose,
     evaluation_resolution,
     expected_calibration_error,
     predict,
@@ -321,14 +322,7 @@ class ImageNetC(Callback):
         if source == "generated" and root is not None:
             raise UserError("ImageNetC root is the released ImageNet-C folder; with source: generated the corruptions "
                             "are made from the data module's evaluation images: leave root out")
-        if corruptions in ("standard", "all"):
-            corruptions = list(STANDARD if corruptions == "standard" else ALL)
-        elif isinstance(corruptions, str):
-            corruptions = [corruptions]
-        unknown = [c for c in corruptions if c not in ALL]
-        if unknown or not corruptions:
-            raise UserError(f"ImageNetC corruptions: unknown {unknown}; use 'standard', 'all' or names among "
-                            f"{', '.join(ALL)}")
+        corruptions = choose(corruptions, STANDARD, ALL, "ImageNetC corruptions")
         bad = [s for s in severities if s not in SEVERITIES]
         if bad or not severities:
             raise UserError(f"ImageNetC severities must be among 1..5, got {list(severities)}")
@@ -347,7 +341,7 @@ class ImageNetC(Callback):
         if batch_size < 1:
             raise UserError(f"ImageNetC batch_size must be a positive number of images, got {batch_size}")
         self.root, self.source = root, source
-        self.corruptions = [c for c in ALL if c in corruptions]  # canonical order
+        self.corruptions = corruptions
         self.severities = sorted(set(severities))
         self.clean_error, self.alexnet_clean_error = clean_error, alexnet_clean_error
         self.limit_per_class, self.max_images = limit_per_class, max_images

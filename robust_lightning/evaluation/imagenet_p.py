@@ -57,7 +57,7 @@ from tqdm import tqdm
 from robust_lightning.data.classes import class_map
 from robust_lightning.data.datamodule import ExactDistributedSampler
 from robust_lightning.errors import UserError
-from robust_lightning.evaluation.benchmarks import IMAGE_SUFFIXES, ExactSize, evaluation_resolution
+from robust_lightning.evaluation.benchmarks import IMAGE_SUFFIXES, ExactSize, choose, evaluation_resolution
 from robust_lightning.evaluation.results import update_results
 from robust_lightning.paths import DATA_DIR
 
@@ -350,21 +350,14 @@ class ImageNetP(Callback):
         max_videos_per_perturbation: int | None = None,
         plot: bool = True,
     ):
-        if perturbations in ("standard", "all"):
-            perturbations = list(TEST if perturbations == "standard" else ALL)
-        elif isinstance(perturbations, str):
-            perturbations = [perturbations]
-        unknown = [p for p in perturbations if p not in ALL]
-        if unknown or not perturbations:
-            raise UserError(f"ImageNetP perturbations: unknown {unknown}; use 'standard', 'all' or names among "
-                            f"{', '.join(ALL)}")
+        perturbations = choose(perturbations, TEST, ALL, "ImageNetP perturbations")
         if difficulty not in DIFFICULTIES:
             raise UserError(f"ImageNetP difficulty must be 1, 2 or 3, got {difficulty}")
         if max_videos_per_perturbation is not None and max_videos_per_perturbation < 1:
             raise UserError(f"ImageNetP max_videos_per_perturbation must be a positive number, got "
                             f"{max_videos_per_perturbation}")
         self.root = root
-        self.perturbations = [p for p in ALL if p in perturbations]  # canonical order
+        self.perturbations = perturbations
         self.difficulty, self.image_size = difficulty, image_size
         self.batch_size, self.num_workers = batch_size, num_workers
         self.max_videos, self.plot = max_videos_per_perturbation, plot
