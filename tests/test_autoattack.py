@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import yaml
 
 from robust_lightning.attacks import lp_norm
-from robust_lightning.attacks.autoattack import AutoAttack
+from robust_lightning.attacks.autoattack import AutoAttack, batched_runs
 
 REPO = Path(__file__).resolve().parents[1]
 EPS = {"Linf": 10 / 255, "L2": 0.75, "L1": 9.0}
@@ -118,7 +118,7 @@ def test_each_attack_only_sees_the_survivors_of_the_previous_ones(trained, point
 
 def test_claimed_successes_are_verified_in_fp32(trained, points, monkeypatch):
     # an attack that "succeeds" on every point (as a bf16 forward could wrongly suggest) without moving it
-    monkeypatch.setattr(AutoAttack, "_apgd_ce", lambda self, x, y: x + 0.0)
+    monkeypatch.setattr(AutoAttack, "_apgd_ce", lambda self, x, y, bs: x + 0.0)
     x, y = points
     report = AutoAttack(trained, norm="Linf", eps=EPS["Linf"], version="apgd-ce", precision="bf16").evaluate(x, y)
     assert torch.equal(report.robust, report.clean)
@@ -136,6 +136,50 @@ def test_quick_modes_and_the_reference_style_call(trained, points):
         AutoAttack(trained, norm="L3")
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         selection.evaluate(x * 2 - 1, y)
+
+
+def test_batched_runs_keep_the_sequential_semantics():
+    """Runs batched up to bs rows give each point what one run at a time would: the earliest run that breaks
+    it, and no run on a point already broken by an earlier batch."""
+    n_points, runs = 6, range(2, 11)
+    # breaks[p, r]: run r breaks point p (a fixed table, so the expected outcome is known in advance)
+    breaks = torch.zeros(n_points, 11, dtype=torch.bool)
+    breaks[0, 2] = breaks[1, 5] = breaks[1, 7] = breaks[2, 10] = breaks[4, 3] = breaks[4, 4] = True
+    x = torch.arange(n_points, dtype=torch.float32).view(n_points, 1, 1, 1).expand(n_points, 1, 2, 2)
+    for bs in (1, 6, 13, 1000):
+        calls = []
+
+        def attack(rows, run_ids):
+            calls.append((rows.tolist(), run_ids.tolist()))
+            candidates = x[rows] + run_ids.view(-1, 1, 1, 1) / 100  # encodes the run that produced it
+            return candidates, ~breaks[rows, run_ids]
+
+        x_adv = batched_runs(attack, x, runs, bs)
+        for p in range(n_points):
+            hits = [r for r in runs if breaks[p, r]]
+            expected = p + hits[0] / 100 if hits else p
+            assert torch.allclose(x_adv[p], torch.full((1, 2, 2), float(expected))), (bs, p)
+        attacked = [(row, run) for rows, run_ids in calls for row, run in zip(rows, run_ids)]
+        assert sorted({run for _, run in attacked}) == list(runs)  # every run happens, each once per point
+        assert len(attacked) == len(set(attacked))
+        for rows, run_ids in calls:
+            assert len(rows) <= max(bs, n_points)
+            for row, run in zip(rows, run_ids):  # only points not broken by an earlier batch are attacked
+                assert not any(breaks[row, r] for r in runs if r < min(run_ids))
+    assert len(calls) == 1  # bs=1000: all nine runs in one batch
+
+
+def test_fab_target_ranks_batched_in_one_run_match_one_rank_at_a_time(trained, points):
+    """FAB-T has no randomness: attacking all target ranks in one batch finds what one rank at a time does."""
+    x, y = points
+    adversary = AutoAttack(trained, norm="Linf", eps=EPS["Linf"], seed=0)
+    clean = trained(x).argmax(1) == y
+    one_at_a_time = adversary._fab_t(x[clean], y[clean], bs=1)
+    all_at_once = adversary._fab_t(x[clean], y[clean], bs=10_000)
+    moved = (one_at_a_time != x[clean]).flatten(1).any(1)
+    assert moved.any() and not moved.all()
+    assert torch.equal(moved, (all_at_once != x[clean]).flatten(1).any(1))
+    assert torch.allclose(one_at_a_time, all_at_once, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------ the callback

@@ -15,7 +15,8 @@ not hold in fp32.
   seed reset before every attack on every batch, so the result is the package's own.
 * ``engine="fast"`` runs our implementations (robust_lightning.attacks: APGD, FAB-T, Square) with the same
   settings: input-only gradients, no host syncs inside attack loops, and survivors re-batched between target
-  classes and restarts so broken points are not attacked again.
+  classes and restarts so broken points are not attacked again; while few survivors are left, several
+  target classes (restarts) run in one batch of up to ``bs`` rows (:func:`batched_runs`).
 
 Quick modes (``version``): "apgd-t" (targeted APGD-DLR only, 40 iterations, 3 target classes: the paper's
 sweeps) and "apgd-ce" (``n_iter``-step APGD-CE, e.g. 10 for checkpoint selection).
@@ -228,7 +229,7 @@ class AutoAttack:
         for i in range(0, len(x), bs):
             xb, yb = x[i : i + bs].to(self.device), y[i : i + bs].to(self.device)
             with numerics(self.precision, self.device):
-                outputs.append(run[attack](xb, yb).detach().float().to(x.device))
+                outputs.append(run[attack](xb, yb, bs).detach().float().to(x.device))
         return torch.cat(outputs)
 
     # ------------------------------------------------------------------------------------- fast engine
@@ -257,46 +258,35 @@ class AutoAttack:
             start = result.x_best
         return result.x_adv, result.robust
 
-    def _apgd_ce(self, x: Tensor, y: Tensor) -> Tensor:
+    def _apgd_ce(self, x: Tensor, y: Tensor, bs: int) -> Tensor:
         generator = self._generator()
-        x_adv, robust = x.clone(), torch.ones(len(x), dtype=torch.bool, device=x.device)
-        for _ in range(5 if self.norm == "L1" and self.version == "standard" else 1):  # restarts
-            todo = robust.nonzero().flatten()
-            if not len(todo):
-                break
-            candidate, still = self._apgd(x[todo], y[todo], generator, loss="ce")
-            x_adv[todo[~still]] = candidate[~still]
-            robust[todo[~still]] = False
-        return x_adv
 
-    def _apgd_t(self, x: Tensor, y: Tensor) -> Tensor:
+        def attack(rows: Tensor, restarts: Tensor) -> tuple[Tensor, Tensor]:  # each row its own random start
+            return self._apgd(x[rows], y[rows], generator, loss="ce")
+
+        return batched_runs(attack, x, range(5 if self.norm == "L1" and self.version == "standard" else 1), bs)
+
+    def _apgd_t(self, x: Tensor, y: Tensor, bs: int) -> Tensor:
         generator = self._generator()
         ranked = self._logits(x).sort(dim=1)[1]  # target of rank r: the r-th highest clean logit
-        x_adv, robust = x.clone(), torch.ones(len(x), dtype=torch.bool, device=x.device)
-        for rank in range(2, self.n_target_classes + 2):
-            todo = robust.nonzero().flatten()
-            if not len(todo):
-                break
-            candidate, still = self._apgd(x[todo], y[todo], generator, loss="dlr-targeted",
-                                          y_target=ranked[todo, -rank])
-            x_adv[todo[~still]] = candidate[~still]
-            robust[todo[~still]] = False
-        return x_adv
 
-    def _fab_t(self, x: Tensor, y: Tensor) -> Tensor:
+        def attack(rows: Tensor, ranks: Tensor) -> tuple[Tensor, Tensor]:
+            target = ranked[rows, ranked.shape[1] - ranks]
+            return self._apgd(x[rows], y[rows], generator, loss="dlr-targeted", y_target=target)
+
+        return batched_runs(attack, x, range(2, self.n_target_classes + 2), bs)
+
+    def _fab_t(self, x: Tensor, y: Tensor, bs: int) -> Tensor:
         logits = self._logits(x)
-        x_adv, robust = x.clone(), torch.ones(len(x), dtype=torch.bool, device=x.device)
-        for rank in range(2, self.n_fab_targets + 2):
-            todo = robust.nonzero().flatten()
-            if not len(todo):
-                break
-            result = fab_targeted(self.model, x[todo], y[todo], norm=self.norm, eps=self.eps, n_iter=100,
-                                  target_rank=rank, logits_clean=logits[todo])
-            x_adv[todo[~result.robust]] = result.x_adv[~result.robust]
-            robust[todo[~result.robust]] = False
-        return x_adv
 
-    def _square(self, x: Tensor, y: Tensor) -> Tensor:
+        def attack(rows: Tensor, ranks: Tensor) -> tuple[Tensor, Tensor]:
+            result = fab_targeted(self.model, x[rows], y[rows], norm=self.norm, eps=self.eps, n_iter=100,
+                                  target_rank=ranks, logits_clean=logits[rows])
+            return result.x_adv, result.robust
+
+        return batched_runs(attack, x, range(2, self.n_fab_targets + 2), bs)
+
+    def _square(self, x: Tensor, y: Tensor, bs: int) -> Tensor:
         result = square_attack(self.model, x, y, norm=self.norm, eps=self.eps, n_queries=self.n_queries,
                                p_init=0.8, generator=self._generator())
         return torch.where(result.robust.view(-1, *[1] * (x.dim() - 1)), x, result.x_adv)
@@ -324,3 +314,35 @@ class AutoAttack:
         reference.attacks_to_run = [attack]
         x_adv, _ = reference.run_standard_evaluation(x.to(self.device), y.to(self.device), batch_size=bs)
         return x_adv.to(x.device)
+
+
+def batched_runs(attack: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], x: Tensor, runs: range, bs: int
+                 ) -> Tensor:
+    """Attack runs one after the other (restarts, or target ranks) on the points not broken yet; the
+    adversarial images.
+
+    ``attack(rows, run_ids)`` attacks the points ``x[rows]``, row i in run ``run_ids[i]`` (a target rank, a
+    restart), and returns (candidates, robust) per row. Runs go in order, as in the reference, and a point
+    broken in one run is not attacked in the later ones. While few points are left, consecutive runs are
+    batched: each survivor is repeated once per run, up to ``bs`` rows, so a small survivor set still fills
+    the device's batch. A point broken in several runs of one batch keeps the earliest run's image.
+    """
+    x_adv, robust = x.clone(), torch.ones(len(x), dtype=torch.bool, device=x.device)
+    pending = list(runs)
+    while pending:
+        todo = robust.nonzero().flatten()
+        if not len(todo):
+            break
+        per_batch = max(1, bs // len(todo))
+        group, pending = pending[:per_batch], pending[per_batch:]
+        rows = todo.repeat(len(group))  # run-major: the first len(todo) rows belong to group[0]
+        run_ids = torch.tensor(group, device=x.device).repeat_interleave(len(todo))
+        candidates, still = attack(rows, run_ids)
+        broken = ~still.view(len(group), len(todo))
+        first = broken.to(torch.uint8).argmax(0)  # the earliest run that broke each point (argmax: first max)
+        hit = broken.any(0)
+        points = torch.arange(len(todo), device=x.device)
+        chosen = candidates.view(len(group), len(todo), *x.shape[1:])[first, points]
+        x_adv[todo[hit]] = chosen[hit]
+        robust[todo[hit]] = False
+    return x_adv

@@ -210,7 +210,7 @@ def fab_targeted(
     norm: str = "Linf",
     eps: float,
     n_iter: int = 100,
-    target_rank: int = 2,
+    target_rank: int | Tensor = 2,
     alpha_max: float = 0.1,
     eta: float = 1.05,
     beta: float = 0.9,
@@ -224,7 +224,8 @@ def fab_targeted(
         eps: a point is broken when an adversarial example within ``eps`` is found.
         n_iter: FAB steps (each: one forward + backward for the step, one forward to check the iterate).
         target_rank: the target is the class ranked ``target_rank`` by the clean logits (2 = the most
-            likely class after the top one; standard AutoAttack runs ranks 2..10).
+            likely class after the top one; standard AutoAttack runs ranks 2..10); an int64 tensor (B,)
+            gives each point its own rank (several ranks of one point attacked in one batch).
         alpha_max, eta, beta: FAB's bias towards the original point, overshoot and backward step.
         logits_clean: the model's logits on ``x``, if already computed (saves one forward).
 
@@ -238,18 +239,20 @@ def fab_targeted(
         raise ValueError(f"expected x (B, ...) and int64 y (B,), got {tuple(x.shape)} and {y.dtype} {tuple(y.shape)}")
 
     x = x.detach().float()
+    batch = x.shape[0]
     if logits_clean is None:
         with torch.no_grad():
             logits_clean = model(x)
     logits_clean = logits_clean.detach().float()
-    if not 2 <= target_rank <= logits_clean.shape[1]:
-        raise ValueError(f"target_rank must be in [2, {logits_clean.shape[1]}], got {target_rank}")
+    n_classes = logits_clean.shape[1]
+    ranks = torch.as_tensor(target_rank, device=x.device).expand(batch)
+    if isinstance(target_rank, int) and not 2 <= target_rank <= n_classes:  # a tensor is not checked: no sync
+        raise ValueError(f"target_rank must be in [2, {n_classes}], got {target_rank}")
     # Same sort as the reference, so ties between logits pick the same target.
-    target = logits_clean.sort(dim=1).indices[:, -target_rank]
+    target = logits_clean.sort(dim=1).indices.gather(1, (n_classes - ranks)[:, None]).squeeze(1)
     attacked = logits_clean.argmax(1) == y  # only correctly classified points are attacked
 
     project = _PROJECTIONS[norm]
-    batch = x.shape[0]
     x0 = x.flatten(1)
     x1 = x.clone()
     x_best = x.clone()
