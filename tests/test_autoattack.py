@@ -125,6 +125,17 @@ def test_claimed_successes_are_verified_in_fp32(trained, points, monkeypatch):
     assert "verified in fp32" in report.summary()["precision"]
 
 
+def test_the_reference_engine_runs_in_true_fp32(trained, points, monkeypatch):
+    # PyTorch lets cuDNN convolutions use TF32 by default; an "fp32" reference number must not
+    seen = []
+    monkeypatch.setattr(AutoAttack, "_reference_attack", lambda self, attack, x, y, bs: seen.append(
+        (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)) or x)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    x, y = points
+    report = AutoAttack(trained, norm="Linf", eps=EPS["Linf"], version="apgd-ce", engine="reference").evaluate(x, y)
+    assert seen == [(False, False)] and torch.backends.cudnn.allow_tf32  # off during the attack, restored after
+    assert report.summary()["precision"] == "fp32 (TF32 off)"
+
 def test_quick_modes_and_the_reference_style_call(trained, points):
     x, y = points
     quick = AutoAttack(trained, norm="Linf", eps=EPS["Linf"], version="apgd-t")

@@ -223,7 +223,8 @@ class AutoAttack:
 
     def _attack(self, attack: str, x: Tensor, y: Tensor, bs: int) -> Tensor:
         if self.engine == "reference":
-            return self._reference_attack(attack, x, y, bs)
+            with numerics("fp32", self.device):  # TF32 off: PyTorch lets cuDNN convolutions use it by default
+                return self._reference_attack(attack, x, y, bs)
         run = {"apgd-ce": self._apgd_ce, "apgd-t": self._apgd_t, "fab-t": self._fab_t, "square": self._square}
         outputs = []
         for i in range(0, len(x), bs):
