@@ -17,7 +17,8 @@ from pyautoattack.square import SquareAttack
 
 from robust_lightning.attacks import square as square_module
 from robust_lightning.attacks.projections import l1_projection, lp_norm
-from robust_lightning.attacks.square import SquareResult, _eta_pair, _p_selection, square_attack
+from robust_lightning.attacks.square import (SquareResult, _corner, _eta_pair, _p_selection, _square_side,
+                                             _StepDraws, square_attack)
 
 NUM_CLASSES = 10
 # Radii at which about half of the correctly classified points break within a few hundred queries.
@@ -105,36 +106,36 @@ class SharedDraws(square_module._Draws):
     the replay in step for every point even where two trajectories part). Every draw is queued, one queue
     per kind, in the order in which the reference consumes it."""
 
-    def __init__(self, norm):
+    def __init__(self, norm, side=16):
         super().__init__(torch.Generator().manual_seed(123), torch.device("cpu"))
-        self.norm = norm
+        self.norm, self.side = norm, side
         self.ints, self.signs_q, self.flips_q = [], [], []
 
-    def offsets(self, n, high):
-        v = super().offsets(1, high)
-        self.ints.append(int(v))
-        return v.expand(n)
-
-    def flips(self, shape):
-        if len(shape) == 3:  # initial L2/L1 tiles: one orientation per tile, rows first
-            f = super().flips(shape[1:])
-            self.flips_q += f.flatten().tolist()
-            return f.expand(shape)
-        f = super().flips((1,))
-        self.flips_q.append(bool(f))
+    def flips(self, shape):  # the start's L2/L1 tiles: one orientation per tile, rows first
+        f = super().flips(shape[1:])
+        self.flips_q += f.flatten().tolist()
         return f.expand(shape)
 
-    def signs(self, shape, dtype):
-        if shape[2:] == (1, 1):  # an iteration: one sign per channel
-            t = super().signs(shape[1:], dtype)
-            self.signs_q.append(t)
-            return t.expand(shape)
-        t = super().signs(shape, dtype)  # the start: per point
+    def signs(self, shape, dtype):  # the start: per point
+        t = super().signs(shape, dtype)
         if self.norm == "Linf":  # stripes
             self.signs_q.append(t)
         else:  # tiles, rows first
             self.signs_q += [t[:, :, i, j, None, None] for i in range(shape[2]) for j in range(shape[3])]
         return t
+
+    def steps(self, n, n_iter, c, n_windows, dtype):  # one row, shared by every point
+        g = self.generator
+        corners = torch.rand((1, n_iter, 2 * n_windows), generator=g)
+        signs = (2 * torch.randint(0, 2, (1, n_iter, c), generator=g) - 1).to(dtype)
+        flips = torch.randint(0, 2, (1, n_iter), generator=g).bool()
+        for i in range(n_iter):
+            high = torch.tensor(self.side - _square_side(i, 0.8, self.norm, c, self.side))
+            self.ints += [int(_corner(corners[0, i, j], high)) for j in range(2 * n_windows)]
+            self.signs_q.append(signs[0, i].view(c, 1, 1))
+            if self.norm != "Linf":
+                self.flips_q.append(bool(flips[0, i]))
+        return _StepDraws(corners.expand(n, -1, -1), signs.expand(n, -1, -1), flips.expand(n, -1))
 
 
 def _replaying_reference(model, norm, eps, n_queries, draws: SharedDraws) -> SquareAttack:
@@ -277,8 +278,31 @@ def test_forward_only_and_logits_clean(setup):
     b = square_attack(counting, x, y, eps=EPS["Linf"], n_queries=40, generator=0, logits_clean=logits)
     assert len(calls) == n_calls - 1  # the clean forward was skipped
     assert torch.equal(a.x_adv, b.x_adv) and torch.equal(a.queries, b.queries)
-    # Each forward only sees the points still under attack.
+    # One iteration per point per pass: each forward only sees the points still under attack.
+    calls.clear()
+    square_attack(counting, x, y, eps=EPS["Linf"], n_queries=40, generator=0, logits_clean=logits, batch_size=1)
     assert sum(calls) == int(b.queries.sum())
+
+
+@pytest.mark.parametrize("norm", ["Linf", "L2", "L1"])
+def test_speculative_passes_change_the_cost_not_the_result(setup, norm):
+    """Several iterations of each point in one pass (while few points are left) give the result of one
+    iteration at a time, in fewer passes, none larger than batch_size."""
+    model, x, y = setup
+    x, y = x[:48], y[:48]
+    calls = []
+
+    def counting(inp):
+        calls.append(len(inp))
+        return model(inp)
+
+    one = square_attack(counting, x, y, norm=norm, eps=EPS[norm], n_queries=300, generator=3, batch_size=1)
+    one_calls, calls[:] = list(calls), []
+    many = square_attack(counting, x, y, norm=norm, eps=EPS[norm], n_queries=300, generator=3, batch_size=128)
+    assert 0 < one.robust.sum() < (~one.robust).sum()  # a non-trivial case: points broken at many iterations
+    assert torch.equal(one.robust, many.robust) and torch.equal(one.queries, many.queries)
+    torch.testing.assert_close(one.x_adv, many.x_adv, atol=1e-6, rtol=0)
+    assert max(calls) <= 128 and len(calls) < len(one_calls) / 2
 
 
 def test_rejects_bad_arguments(setup):

@@ -289,7 +289,7 @@ class AutoAttack:
 
     def _square(self, x: Tensor, y: Tensor, bs: int) -> Tensor:
         result = square_attack(self.model, x, y, norm=self.norm, eps=self.eps, n_queries=self.n_queries,
-                               p_init=0.8, generator=self._generator())
+                               p_init=0.8, generator=self._generator(), batch_size=bs)
         return torch.where(result.robust.view(-1, *[1] * (x.dim() - 1)), x, result.x_adv)
 
     # -------------------------------------------------------------------------------- reference engine

@@ -7,8 +7,13 @@ the L1 variant of Croce et al. (2022): the same initialisations (vertical stripe
 schedule of the square size p, the same window updates, margin loss, acceptance only of strict
 improvements (or of a misclassified point), the query budget, and early stop of broken points.
 
-Only forward passes are made (under ``torch.no_grad``), each iteration on the shrinking set of points
-not yet broken.
+Only forward passes are made (under ``torch.no_grad``), on the shrinking set of points not yet broken.
+While fewer points are left than a forward pass can take (``batch_size``), each point evaluates its next
+few iterations in one pass, all proposed from its current best point: a rejected proposal leaves the state
+unchanged, so the proposals after it are the ones the sequential attack would make, up to the first
+accepted one, after which the rest are dropped. The random numbers are drawn up front per point and per
+iteration, so this speculation changes how many forward passes are made, not what any point does: the result
+is the one-iteration-at-a-time result (up to float rounding of the model in a larger batch).
 
 Deviations from the reference (none changes the distribution of any single point's trajectory):
 
@@ -16,6 +21,7 @@ Deviations from the reference (none changes the distribution of any single point
   one window (and, for Linf, one sign per channel; for L2/L1 one eta orientation) per iteration shared by
   the whole batch. Each point sees the same distribution; only the correlation between points is gone.
   The random numbers come from ``torch`` via ``generator``, so the streams differ from the reference's.
+  A window corner is ``floor(high * U)`` like the reference's, from a float32 U drawn up front.
 * A point counts as broken when ``argmax(logits) != y`` (the reference stops at margin <= 0 but later
   reports robustness from the argmax; they differ only for exact logit ties).
 * The L1 projection is :func:`~robust_lightning.attacks.projections.l1_projection` (exact to float
@@ -53,11 +59,23 @@ class SquareResult:
 # ------------------------------------------------------------------------------------ random draws
 
 
+@dataclass
+class _StepDraws:
+    """The iterations' random numbers, indexed [point, iteration]."""
+
+    corners: Tensor  # float32 U in [0, 1), (n, n_iter, 2 per window): window corners floor(high * U)
+    signs: Tensor  # +-1 per channel (n, n_iter, c), the data's dtype
+    flips: Tensor  # bool (n, n_iter): transpose the eta pattern (L2 / L1)
+
+
 class _Draws:
     """All random numbers of the attack, drawn on the generator's device and moved to the data's device.
 
-    Kept in one place so that the distributions are easy to check against the reference (and so a test
-    can substitute draws shared across the batch, to replay the reference exactly).
+    The start's are drawn when it is built; the iterations' come as one table per point and per iteration
+    (:meth:`steps`), so what a point draws at its i-th iteration depends neither on which other points are
+    still attacked nor on how many of its iterations one forward pass evaluates. Kept in one place so that
+    the distributions are easy to check against the reference (and so a test can substitute draws shared
+    across the batch, to replay the reference exactly).
     """
 
     def __init__(self, generator: torch.Generator | None, device: torch.device):
@@ -68,11 +86,6 @@ class _Draws:
     def _randint(self, high: int, shape) -> Tensor:
         return torch.randint(0, high, tuple(shape), generator=self.generator, device=self.source).to(self.device)
 
-    def offsets(self, n: int, high: int) -> Tensor:
-        """Window corners, uniform on {0, ..., high - 1} (0 if high == 0): the reference's
-        ``floor(high * U)``, which never places a window against the last row/column."""
-        return self._randint(max(high, 1), (n,))
-
     def signs(self, shape, dtype: torch.dtype) -> Tensor:
         """Independent +-1 entries."""
         return (2 * self._randint(2, shape) - 1).to(dtype)
@@ -80,6 +93,16 @@ class _Draws:
     def flips(self, shape) -> Tensor:
         """Bool: transpose the eta pattern (probability 1/2)."""
         return self._randint(2, shape).bool()
+
+    def steps(self, n: int, n_iter: int, c: int, n_windows: int, dtype: torch.dtype) -> _StepDraws:
+        corners = torch.rand((n, n_iter, 2 * n_windows), generator=self.generator, device=self.source)
+        return _StepDraws(corners.to(self.device), self.signs((n, n_iter, c), dtype), self.flips((n, n_iter)))
+
+
+def _corner(u: Tensor, high: Tensor) -> Tensor:
+    """Window corner uniform on {0, ..., high - 1} (0 if high == 0): the reference's ``floor(high * U)``,
+    which never places a window against the last row/column."""
+    return torch.minimum((u * high).floor().long(), (high - 1).clamp(min=0))
 
 
 def _as_generator(generator: torch.Generator | int | None, device: torch.device) -> torch.Generator | None:
@@ -140,25 +163,37 @@ def _eta_pair(s: int, norm: str, dtype: torch.dtype, device: torch.device) -> Te
     return torch.stack([eta, eta.t()]).to(device=device, dtype=dtype)
 
 
-def _place(patterns: Tensor, vh: Tensor, vw: Tensor, h: int) -> tuple[Tensor, Tensor]:
-    """Put per-point (n, s, s) patterns into (n, 1, h, h) images with top-left corners (vh, vw).
+def _patterns(sides: Tensor, flips: Tensor, norm: str, dtype: torch.dtype) -> Tensor:
+    """(n, S, S): each row's eta pattern of its own side (transposed where ``flips``), zero-padded to the
+    largest side S in the batch (a batch spans at most a few sides of the schedule)."""
+    patterns = torch.zeros(len(sides), int(sides.max()), int(sides.max()), dtype=dtype, device=sides.device)
+    for side in sides.unique().tolist():
+        rows = sides == side
+        patterns[rows, :side, :side] = _eta_pair(side, norm, dtype, sides.device)[flips[rows].long()]
+    return patterns
+
+
+def _place(patterns: Tensor, vh: Tensor, vw: Tensor, sides: Tensor, h: int) -> tuple[Tensor, Tensor]:
+    """Put per-point patterns (n, S, S), of sides ``sides`` (n,), into (n, 1, h, h) images with top-left
+    corners (vh, vw).
 
     Returns (images, window mask): zero / False outside the window. A gather, so no loop over points.
     """
-    n, s = patterns.shape[0], patterns.shape[-1]
+    n, size = patterns.shape[0], patterns.shape[-1]
     grid = torch.arange(h, device=vh.device)
     r, c = grid[None, :] - vh[:, None], grid[None, :] - vw[:, None]  # position inside the window
-    mask = ((r >= 0) & (r < s))[:, :, None] & ((c >= 0) & (c < s))[:, None, :]
-    rows, cols = r.clamp(0, s - 1)[:, :, None], c.clamp(0, s - 1)[:, None, :]
+    inside = lambda t: (t >= 0) & (t < sides[:, None])  # noqa: E731
+    mask = inside(r)[:, :, None] & inside(c)[:, None, :]
+    rows, cols = r.clamp(0, size - 1)[:, :, None], c.clamp(0, size - 1)[:, None, :]
     placed = patterns[torch.arange(n, device=vh.device)[:, None, None], rows, cols] * mask
     return placed[:, None], mask[:, None]
 
 
-def _window_mask(vh: Tensor, vw: Tensor, s: int, h: int) -> Tensor:
-    """(n, 1, h, h) bool mask of the s x s windows with top-left corners (vh, vw)."""
+def _window_mask(vh: Tensor, vw: Tensor, sides: Tensor, h: int) -> Tensor:
+    """(n, 1, h, h) bool mask of the windows with top-left corners (vh, vw) and sides ``sides`` (n,)."""
     grid = torch.arange(h, device=vh.device)
-    rows = (grid[None, :] >= vh[:, None]) & (grid[None, :] < vh[:, None] + s)
-    cols = (grid[None, :] >= vw[:, None]) & (grid[None, :] < vw[:, None] + s)
+    rows = (grid[None, :] >= vh[:, None]) & (grid[None, :] < (vh + sides)[:, None])
+    cols = (grid[None, :] >= vw[:, None]) & (grid[None, :] < (vw + sides)[:, None])
     return (rows[:, :, None] & cols[:, None, :])[:, None]
 
 
@@ -213,35 +248,34 @@ def _init(x: Tensor, norm: str, eps: float, draws: _Draws) -> Tensor:
     return _l2_to_ball(x, delta, eps) if norm == "L2" else _l1_to_ball(x, delta, eps)
 
 
-def _propose_linf(x: Tensor, x_best: Tensor, s: int, eps: float, draws: _Draws) -> Tensor:
-    """Move one s x s window (all channels) to a random vertex: +-2 eps per channel, then clip."""
-    n, c, h, _ = x.shape
-    vh, vw = draws.offsets(n, h - s), draws.offsets(n, h - s)
-    step = _window_mask(vh, vw, s, h) * (2.0 * eps * draws.signs((n, c, 1, 1), x.dtype))
+def _propose_linf(x: Tensor, x_best: Tensor, sides: Tensor, eps: float, corners: Tensor, signs: Tensor) -> Tensor:
+    """Move one window per point (all channels) to a random vertex: +-2 eps per channel, then clip."""
+    h = x.shape[2]
+    vh, vw = _corner(corners[:, 0], h - sides), _corner(corners[:, 1], h - sides)
+    step = _window_mask(vh, vw, sides, h) * (2.0 * eps * signs[:, :, None, None])
     x_new = torch.minimum(torch.maximum(x_best + step, x - eps), x + eps)
     return x_new.clamp(0.0, 1.0)
 
 
-def _propose_lp(x: Tensor, x_best: Tensor, s: int, norm: str, eps: float, draws: _Draws) -> Tensor:
+def _propose_lp(x: Tensor, x_best: Tensor, sides: Tensor, norm: str, eps: float, corners: Tensor, signs: Tensor,
+                flips: Tensor) -> Tensor:
     """L2 / L1 update: clear a second random window and pour its mass (and the unused budget) into the
     first, as a fresh +-eta pattern added to the first window's normalised old content (per channel).
 
     Written on full-size images with window masks, so every point gets its own windows without a loop.
     """
-    n, c, h, _ = x.shape
+    c, h = x.shape[1], x.shape[2]
     delta = x_best - x
-    vh, vw = draws.offsets(n, h - s), draws.offsets(n, h - s)
-    vh2, vw2 = draws.offsets(n, h - s), draws.offsets(n, h - s)
-    flips = draws.flips((n,))
-    eta, mask1 = _place(_eta_pair(s, norm, x.dtype, x.device)[flips.long()], vh, vw, h)
-    mask2 = _window_mask(vh2, vw2, s, h)
+    vh, vw, vh2, vw2 = (_corner(corners[:, i], h - sides) for i in range(4))
+    eta, mask1 = _place(_patterns(sides, flips, norm, x.dtype), vh, vw, sides, h)
+    mask2 = _window_mask(vh2, vw2, sides, h)
 
     hw = (-2, -1)
     norm_window1 = _norm_per(delta * mask1, norm, hw)  # (n, c, 1, 1)
     norm_windows = _norm_per(delta * (mask1 | mask2), norm, hw)  # the mass the two windows hold
     norm_image = _norm_per(delta, norm, (1, 2, 3))  # (n, 1, 1, 1)
 
-    new = eta * draws.signs((n, c, 1, 1), x.dtype) + delta * mask1 / (1e-12 + norm_window1)
+    new = eta * signs[:, :, None, None] + delta * mask1 / (1e-12 + norm_window1)
     if norm == "L2":
         budget = ((eps**2 - norm_image**2).clamp(min=0.0) / c + norm_windows**2).sqrt()
     else:  # the reference's L1 formula (the final projection restores the eps budget)
@@ -274,6 +308,7 @@ def square_attack(
     p_init: float = 0.8,
     generator: torch.Generator | int | None = None,
     logits_clean: Tensor | None = None,
+    batch_size: int | None = None,
 ) -> SquareResult:
     """Untargeted Square Attack with the margin loss on the batch ``x`` (B, C, H, H), values in [0, 1].
 
@@ -281,11 +316,14 @@ def square_attack(
         model: callable batch -> logits (B, C), called as is (put it in eval mode); forward passes only.
         y: int64 labels (B,).
         norm: "Linf", "L2" or "L1"; ``eps`` the radius of the ball.
-        n_queries: iterations after the initial query, so at most ``n_queries + 1`` forwards per point.
+        n_queries: iterations after the initial query, so at most ``n_queries + 1`` queries per point.
         p_init: initial fraction of pixels in a square.
         generator: ``torch.Generator`` (ideally on ``x``'s device), an int seed, or None (global RNG).
         logits_clean: the model's logits on ``x``, if already known (saves one forward pass; not counted
             as a query either way).
+        batch_size: rows a forward pass may take (default: ``len(x)``). While fewer points are left, each
+            evaluates its next ``batch_size // points left`` iterations in one pass (see the module
+            docstring); 1 evaluates one iteration per point per pass.
 
     Points misclassified at ``x`` are not attacked: ``robust`` False, ``queries`` 0, ``x_adv = x``.
     """
@@ -297,9 +335,12 @@ def square_attack(
         raise ValueError(f"x must be a batch of square images (B, C, H, H), got shape {tuple(x.shape)}")
     if y.shape != x.shape[:1] or y.dtype != torch.int64:
         raise ValueError(f"y must be int64 of shape ({x.shape[0]},), got {y.dtype} of shape {tuple(y.shape)}")
+    batch_size = x.shape[0] if batch_size is None else batch_size
+    check_count("batch_size", batch_size, 1)
 
     with torch.no_grad():
         x = x.detach()
+        c, h = x.shape[1], x.shape[2]
         draws = _Draws(_as_generator(generator, x.device), x.device)
         if logits_clean is None:
             logits_clean = model(x)
@@ -316,32 +357,49 @@ def square_attack(
         x_a, y_a = x[active], y[active]
         x_best = _init(x_a, norm, eps, draws)
         margin_best, fooled = _margin(model, x_best, y_a)
-        used = 1  # forward passes spent on every active point so far
+        steps = draws.steps(len(active), n_queries, c, 1 if norm == "Linf" else 2, x.dtype)
+        slot = torch.arange(len(active), device=x.device)  # each point's row in the draw table
+        done = torch.zeros(len(active), dtype=torch.int64, device=x.device)  # iterations spent per point
+        sides = torch.tensor([_square_side(i, p_init, norm, c, h) for i in range(n_queries)], dtype=torch.int64,
+                             device=x.device)
 
-        for it in range(n_queries + 1):
-            if fooled.any():  # retire broken points (one host sync per iteration, like the reference)
-                broken = active[fooled]
-                x_adv[broken], robust[broken], queries[broken] = x_best[fooled], False, used
-                keep = ~fooled
-                active, x_a, y_a, x_best, margin_best = (t[keep] for t in (active, x_a, y_a, x_best, margin_best))
+        while True:
+            # Retire broken points and points out of queries (one host sync per pass, like the reference).
+            retire = fooled | (done == n_queries)
+            if retire.any():
+                gone = active[retire]
+                x_adv[gone], robust[gone], queries[gone] = x_best[retire], ~fooled[retire], 1 + done[retire]
+                keep = ~retire
+                active, x_a, y_a, x_best, margin_best, done, slot = (
+                    t[keep] for t in (active, x_a, y_a, x_best, margin_best, done, slot))
                 if active.numel() == 0:
                     break
-            if it == n_queries:
-                break
 
-            s = _square_side(it, p_init, norm, x.shape[1], x.shape[2])
+            # The next `ahead` iterations of every point, all proposed from its current best point.
+            n, ahead = len(active), max(1, batch_size // len(active))
+            iteration = done[None, :] + torch.arange(ahead, device=x.device)[:, None]  # (ahead, n)
+            k, point = (iteration < n_queries).nonzero(as_tuple=True)  # iteration-major rows
+            it, row_slot = iteration[k, point], slot[point]
+            corners, signs = steps.corners[row_slot, it], steps.signs[row_slot, it]
             if norm == "Linf":
-                x_new = _propose_linf(x_a, x_best, s, eps, draws)
+                x_new = _propose_linf(x_a[point], x_best[point], sides[it], eps, corners, signs)
             else:
-                x_new = _propose_lp(x_a, x_best, s, norm, eps, draws)
-            margin, fooled = _margin(model, x_new, y_a)
-            used += 1
+                x_new = _propose_lp(x_a[point], x_best[point], sides[it], norm, eps, corners, signs,
+                                    steps.flips[row_slot, it])
+            margin, misclassified = _margin(model, x_new, y_a[point])
 
-            # Keep strict improvements of the margin, and any misclassified point.
-            accept = (margin < margin_best) | fooled
-            margin_best = torch.where(accept, margin, margin_best)
-            x_best = torch.where(accept[:, None, None, None], x_new, x_best)
+            # Each point takes its first accepted proposal (a strict improvement of the margin, or a
+            # misclassified point); the proposals after it were made from a stale best point and are dropped.
+            accept = torch.zeros(ahead, n, dtype=torch.bool, device=x.device)
+            accept[k, point] = (margin < margin_best[point]) | misclassified
+            row_of = torch.zeros(ahead, n, dtype=torch.int64, device=x.device)
+            row_of[k, point] = torch.arange(len(k), device=x.device)
+            accepted = accept.any(0)
+            first = accept.to(torch.uint8).argmax(0)  # argmax returns the first maximum
+            row = row_of[first, torch.arange(n, device=x.device)]
+            x_best = torch.where(accepted[:, None, None, None], x_new[row], x_best)
+            margin_best = torch.where(accepted, margin[row], margin_best)
+            fooled = accepted & misclassified[row]
+            done = done + torch.where(accepted, first + 1, (iteration < n_queries).sum(0))
 
-        # Points never broken: report the lowest-margin point found.
-        x_adv[active], queries[active] = x_best, used
     return SquareResult(x_adv, robust, queries)
