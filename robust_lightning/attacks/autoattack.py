@@ -16,7 +16,8 @@ not hold in fp32.
 * ``engine="fast"`` runs our implementations (robust_lightning.attacks: APGD, FAB-T, Square) with the same
   settings: input-only gradients, no host syncs inside attack loops, and survivors re-batched between target
   classes and restarts so broken points are not attacked again; while few survivors are left, several
-  target classes (restarts) run in one batch of up to ``bs`` rows (:func:`batched_runs`).
+  target classes (restarts) run in one batch of up to ``bs`` rows (:func:`batched_runs`), and Square
+  evaluates several of each point's next queries in one pass (speculatively, with the one-at-a-time result).
 
 Quick modes (``version``): "apgd-t" (targeted APGD-DLR only, 40 iterations, 3 target classes: the paper's
 sweeps) and "apgd-ce" (``n_iter``-step APGD-CE, e.g. 10 for checkpoint selection).

@@ -73,7 +73,8 @@ class _Draws:
 
     The start's are drawn when it is built; the iterations' come as one table per point and per iteration
     (:meth:`steps`), so what a point draws at its i-th iteration depends neither on which other points are
-    still attacked nor on how many of its iterations one forward pass evaluates. Kept in one place so that
+    still attacked nor on how many of its iterations one forward pass evaluates (about 30 bytes per point
+    and iteration with 3 channels: 36 MB for 250 points and 5000 queries). Kept in one place so that
     the distributions are easy to check against the reference (and so a test can substitute draws shared
     across the batch, to replay the reference exactly).
     """
