@@ -183,8 +183,8 @@ def _place(patterns: Tensor, vh: Tensor, vw: Tensor, sides: Tensor, h: int) -> t
     n, size = patterns.shape[0], patterns.shape[-1]
     grid = torch.arange(h, device=vh.device)
     r, c = grid[None, :] - vh[:, None], grid[None, :] - vw[:, None]  # position inside the window
-    inside = lambda t: (t >= 0) & (t < sides[:, None])  # noqa: E731
-    mask = inside(r)[:, :, None] & inside(c)[:, None, :]
+    r_inside, c_inside = (r >= 0) & (r < sides[:, None]), (c >= 0) & (c < sides[:, None])
+    mask = r_inside[:, :, None] & c_inside[:, None, :]
     rows, cols = r.clamp(0, size - 1)[:, :, None], c.clamp(0, size - 1)[:, None, :]
     placed = patterns[torch.arange(n, device=vh.device)[:, None, None], rows, cols] * mask
     return placed[:, None], mask[:, None]
