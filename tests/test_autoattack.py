@@ -136,6 +136,7 @@ def test_the_reference_engine_runs_in_true_fp32(trained, points, monkeypatch):
     assert seen == [(False, False)] and torch.backends.cudnn.allow_tf32  # off during the attack, restored after
     assert report.summary()["precision"] == "fp32 (TF32 off)"
 
+
 def test_quick_modes_and_the_reference_style_call(trained, points):
     x, y = points
     quick = AutoAttack(trained, norm="Linf", eps=EPS["Linf"], version="apgd-t")
