@@ -31,15 +31,15 @@ default, as in the reference. No pretrained weights are registered.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
-from robust_lightning.models.timm_api import BlockStage, LinearHeadMixin
+from robust_lightning.models.timm_api import BlockStage, LinearHeadMixin, pretrained_cfg
 
 __all__ = ["AlterNet", "AlterNetStage", "MSABlock", "PreActBottleneck", "WindowAttention2d", "msa_layout"]
 
@@ -253,21 +253,7 @@ class AlterNet(LinearHeadMixin, nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
-def _cfg(**kwargs):
-    return {
-        "url": "",  # no weights registered: nothing here may download
-        "num_classes": 1000,
-        "input_size": (3, 224, 224),
-        "pool_size": (7, 7),
-        "crop_pct": 0.875,
-        "interpolation": "bicubic",
-        "mean": IMAGENET_DEFAULT_MEAN,
-        "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "stem.0",
-        "classifier": "head",
-        "paper_ids": "arXiv:2202.06709",
-        **kwargs,
-    }
+_cfg = partial(pretrained_cfg, first_conv="stem.0", classifier="head", paper_ids="arXiv:2202.06709")
 
 
 default_cfgs = generate_default_cfgs(

@@ -20,6 +20,7 @@ still works through timm's own mechanism: ``pretrained=True, pretrained_cfg_over
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 from torch import nn
 from timm.layers import LayerNorm2d, PatchEmbed, to_2tuple
@@ -29,6 +30,8 @@ from timm.models.convnext import checkpoint_filter_fn as convnext_filter_fn
 from timm.models.vision_transformer import VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as vit_filter_fn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
+
+from robust_lightning.models.timm_api import pretrained_cfg
 
 __all__ = [
     "CONVSTEM_PATCHSTEM_PAIRS",
@@ -142,21 +145,7 @@ class ConvNeXtConvStem(ConvNeXt):
         self.stem = stem
 
 
-def _convnext_cfg(**kwargs):
-    return {
-        "url": "",
-        "num_classes": 1000,
-        "input_size": (3, 224, 224),
-        "pool_size": (7, 7),
-        "crop_pct": 0.875,
-        "interpolation": "bicubic",
-        "mean": IMAGENET_DEFAULT_MEAN,
-        "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "stem.0",
-        "classifier": "head.fc",
-        "paper_ids": "arXiv:2303.01870",
-        **kwargs,
-    }
+_convnext_cfg = partial(pretrained_cfg, first_conv="stem.0", classifier="head.fc", paper_ids="arXiv:2303.01870")
 
 
 def _vit_cfg(**kwargs):

@@ -16,16 +16,16 @@ Liu et al.'s checkpoint names (dwconv / pwconv1 / pwconv2) for timm's pretrained
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import torch
 from torch import nn
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import trunc_normal_
 from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, register_model
 from timm.models.convnext import ConvNeXtBlock
 
 from robust_lightning.models.convstem import VIT_STEM_CHANNELS, ConvStem
-from robust_lightning.models.timm_api import LinearHeadMixin
+from robust_lightning.models.timm_api import LinearHeadMixin, pretrained_cfg
 
 __all__ = ["IsotropicConvNeXt"]
 
@@ -132,21 +132,8 @@ def checkpoint_filter_fn(state_dict: dict, model: nn.Module) -> dict:
     return out
 
 
-def _cfg(**kwargs):
-    return {
-        "url": "",  # no weights registered: nothing here may download
-        "num_classes": 1000,
-        "input_size": (3, 224, 224),
-        "pool_size": (14, 14),
-        "crop_pct": 0.875,
-        "interpolation": "bicubic",
-        "mean": IMAGENET_DEFAULT_MEAN,
-        "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "stem",
-        "classifier": "head",
-        "paper_ids": "arXiv:2201.03545",
-        **kwargs,
-    }
+_cfg = partial(pretrained_cfg, first_conv="stem", classifier="head", paper_ids="arXiv:2201.03545",
+               pool_size=(14, 14))
 
 
 # register_model reads the module-level ``default_cfgs`` of the module that defines the entrypoint.

@@ -14,9 +14,12 @@ No pretrained weights are registered, so nothing here downloads.
 
 from __future__ import annotations
 
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from functools import partial
+
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.convnext import ConvNeXt, checkpoint_filter_fn
+
+from robust_lightning.models.timm_api import pretrained_cfg
 
 __all__ = ["KERNEL_SIZE_RANGE", "check_kernel_sizes"]
 
@@ -32,21 +35,7 @@ def check_kernel_sizes(kernel_size: int | tuple[int, ...]) -> tuple[int, int, in
     return sizes  # type: ignore[return-value]
 
 
-def _cfg(**kwargs):
-    return {
-        "url": "",  # no weights registered: nothing here may download
-        "num_classes": 1000,
-        "input_size": (3, 224, 224),
-        "pool_size": (7, 7),
-        "crop_pct": 0.875,
-        "interpolation": "bicubic",
-        "mean": IMAGENET_DEFAULT_MEAN,
-        "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "stem.0",
-        "classifier": "head.fc",
-        "paper_ids": "arXiv:2407.08972",
-        **kwargs,
-    }
+_cfg = partial(pretrained_cfg, first_conv="stem.0", classifier="head.fc", paper_ids="arXiv:2407.08972")
 
 
 default_cfgs = generate_default_cfgs(

@@ -34,15 +34,15 @@ tests). No pretrained weights are registered, so nothing here downloads.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
-from robust_lightning.models.timm_api import BlockStage, LinearHeadMixin
+from robust_lightning.models.timm_api import BlockStage, LinearHeadMixin, pretrained_cfg
 
 __all__ = ["ConvFFN", "RepLKBlock", "RepLKNet", "RepLKNetStage", "ReparamLargeKernelConv", "reparameterize"]
 
@@ -284,21 +284,7 @@ def reparameterize(model: nn.Module) -> nn.Module:
     return model
 
 
-def _cfg(**kwargs):
-    return {
-        "url": "",  # no weights registered: nothing here may download
-        "num_classes": 1000,
-        "input_size": (3, 224, 224),
-        "pool_size": (7, 7),
-        "crop_pct": 0.875,
-        "interpolation": "bicubic",
-        "mean": IMAGENET_DEFAULT_MEAN,
-        "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "stem.0.conv",
-        "classifier": "head",
-        "paper_ids": "arXiv:2203.06717",
-        **kwargs,
-    }
+_cfg = partial(pretrained_cfg, first_conv="stem.0.conv", classifier="head", paper_ids="arXiv:2203.06717")
 
 
 default_cfgs = generate_default_cfgs(

@@ -1,8 +1,29 @@
 """Pieces of timm's model API shared by the project's own architectures."""
 
 import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import checkpoint_seq
 from torch import nn
+
+
+def pretrained_cfg(*, first_conv: str, classifier: str, paper_ids: str, **overrides) -> dict:
+    """timm's pretrained_cfg for an architecture registered here: ImageNet-1k at 224 px, crop 0.875, bicubic,
+    ImageNet mean/std, a 7 x 7 final map; ``overrides`` change any of these. No URL: nothing may download,
+    weights come from local files."""
+    return {
+        "url": "",
+        "num_classes": 1000,
+        "input_size": (3, 224, 224),
+        "pool_size": (7, 7),
+        "crop_pct": 0.875,
+        "interpolation": "bicubic",
+        "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD,
+        "first_conv": first_conv,
+        "classifier": classifier,
+        "paper_ids": paper_ids,
+        **overrides,
+    }
 
 
 class LinearHeadMixin:
