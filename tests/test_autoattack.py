@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import yaml
 
 from robust_lightning.attacks import lp_norm
-from robust_lightning.attacks.autoattack import AutoAttack, batched_runs
+from robust_lightning.attacks.autoattack import AutoAttack, batched_runs, channels_last_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 EPS = {"Linf": 10 / 255, "L2": 0.75, "L1": 9.0}
@@ -135,6 +135,30 @@ def test_the_reference_engine_runs_in_true_fp32(trained, points, monkeypatch):
     report = AutoAttack(trained, norm="Linf", eps=EPS["Linf"], version="apgd-ce", engine="reference").evaluate(x, y)
     assert seen == [(False, False)] and torch.backends.cudnn.allow_tf32  # off during the attack, restored after
     assert report.summary()["precision"] == "fp32 (TF32 off)"
+
+
+def test_channels_last_inputs_change_the_layout_not_the_result(trained, points):
+    x, y = points
+    layouts = []
+
+    def recording(images):
+        layouts.append(images.is_contiguous(memory_format=torch.channels_last) and not images.is_contiguous())
+        return trained(images)
+
+    # the gradient reaches the attack in the standard layout, with the plain model's values
+    x_req = x[:8].clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(channels_last_inputs(recording)(x_req).logsumexp(1).sum(), x_req)
+    x_req = x[:8].clone().requires_grad_(True)
+    (plain,) = torch.autograd.grad(trained(x_req).logsumexp(1).sum(), x_req)
+    assert layouts == [True] and grad.is_contiguous() and torch.allclose(grad, plain, rtol=1e-4, atol=1e-7)
+
+    on, off = (evaluate(trained, points, "Linf", "fast", channels_last=flag) for flag in (True, False))
+    assert on.summary()["channels_last"] and not off.summary()["channels_last"]
+    assert torch.equal(on.clean, off.clean) and torch.equal(on.robust, off.robust)
+    assert AutoAttack(trained).channels_last  # the CPU default
+    assert not AutoAttack(trained, engine="reference").channels_last
+    with pytest.raises(ValueError, match="fast engine only"):
+        AutoAttack(trained, engine="reference", channels_last=True)
 
 
 def test_quick_modes_and_the_reference_style_call(trained, points):

@@ -18,6 +18,8 @@ not hold in fp32.
   classes and restarts so broken points are not attacked again; while few survivors are left, several
   target classes (restarts) run in one batch of up to ``bs`` rows (:func:`batched_runs`), and Square
   evaluates several of each point's next queries in one pass (speculatively, with the one-at-a-time result).
+  On the CPU the model gets its inputs in the channels_last layout, where oneDNN's convolutions and pooling
+  run faster (:func:`channels_last_inputs`).
 
 Quick modes (``version``): "apgd-t" (targeted APGD-DLR only, 40 iterations, 3 target classes: the paper's
 sweeps) and "apgd-ce" (``n_iter``-step APGD-CE, e.g. 10 for checkpoint selection).
@@ -57,6 +59,7 @@ class AutoAttackReport:
     precision: str
     seed: int
     attacks: tuple[str, ...]
+    channels_last: bool  # the attacks fed the model channels_last inputs (fast engine)
     clean: Tensor  # bool: correctly classified without attack
     robust: Tensor  # bool: correctly classified after every attack
     broken_by: list[str | None]  # per point: the attack that broke it ("clean" if misclassified anyway)
@@ -77,6 +80,7 @@ class AutoAttackReport:
         return {
             "norm": self.norm, "eps": self.eps, "version": self.version, "engine": self.engine,
             "precision": precision_note(self.precision), "seed": self.seed, "attacks": list(self.attacks),
+            "channels_last": self.channels_last,
             "num_points": len(self.clean), "clean_accuracy": self.clean_accuracy,
             "robust_accuracy": self.robust_accuracy, "robust_accuracy_after": dict(self.robust_after),
             "seconds": dict(self.seconds), "total_seconds": sum(self.seconds.values()),
@@ -103,6 +107,29 @@ def numerics(precision: str, device: torch.device):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
+class _ToChannelsLast(torch.autograd.Function):
+    """A channels_last copy of the input whose gradient comes back in the standard layout, so the attacks'
+    tensors keep their usual strides."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.clone(memory_format=torch.channels_last)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
+def channels_last_inputs(model: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    """``model`` called on channels_last copies of 4-d inputs; logits and input gradients are unchanged up to
+    float rounding. On the CPU this runs oneDNN's NHWC kernels (max pooling in NCHW is many times slower)."""
+
+    def forward(x: Tensor) -> Tensor:
+        return model(_ToChannelsLast.apply(x) if x.dim() == 4 else x)
+
+    return forward
+
+
 L1_MIN_ITER = 3  # one iteration for each stage of the L1 eps schedule
 
 
@@ -119,6 +146,9 @@ class AutoAttack:
             verified in fp32.
         n_iter, n_target_classes: override the version's iterations / target classes (quick modes).
         n_queries: Square's query budget.
+        channels_last: fast engine only: give the model channels_last inputs. Default: on the CPU, where it
+            measured faster (benchmarks/RESULTS.md); off elsewhere, where it has not been measured. The fp32
+            verification of successes always sees the standard layout.
     """
 
     def __init__(
@@ -134,6 +164,7 @@ class AutoAttack:
         n_iter: int | None = None,
         n_target_classes: int | None = None,
         n_queries: int = 5000,
+        channels_last: bool | None = None,
     ):
         if norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
@@ -145,6 +176,8 @@ class AutoAttack:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         if engine == "reference" and precision != "fp32":
             raise ValueError("the reference engine runs in fp32 only (as the package does)")
+        if engine == "reference" and channels_last:
+            raise ValueError("channels_last applies to the fast engine only; the reference runs the model as is")
         if eps <= 0:
             raise ValueError(f"eps must be positive, got {eps}")
         self.model, self.norm, self.eps, self.version = model, norm, float(eps), version
@@ -153,6 +186,10 @@ class AutoAttack:
             parameter = next(iter(getattr(model, "parameters", lambda: iter(()))()), None)
             device = parameter.device if parameter is not None else "cpu"
         self.device = torch.device(device)
+        if channels_last is None:
+            channels_last = engine == "fast" and self.device.type == "cpu"
+        self.channels_last = bool(channels_last)
+        self.attack_model = channels_last_inputs(model) if channels_last else model  # the fast engine's
         quick = version != "standard"
         self.n_iter = n_iter or (40 if version == "apgd-t" else 100)
         if norm == "L1" and self.n_iter < L1_MIN_ITER:
@@ -209,7 +246,7 @@ class AutoAttack:
                 progress(f"{attack}: robust accuracy {robust_after[attack]:.2%} ({seconds[attack]:.1f} s)")
         return AutoAttackReport(
             norm=self.norm, eps=self.eps, version=self.version, engine=self.engine, precision=self.precision,
-            seed=self.seed, attacks=self.attacks, clean=clean.cpu(), robust=robust.cpu(), broken_by=broken_by,
+            seed=self.seed, attacks=self.attacks, channels_last=self.channels_last, clean=clean.cpu(), robust=robust.cpu(), broken_by=broken_by,
             robust_after=robust_after, seconds=seconds, x_adv=x_adv,
         )
 
@@ -240,13 +277,13 @@ class AutoAttack:
 
     def _logits(self, x: Tensor) -> Tensor:
         with torch.no_grad():
-            return self.model(x).float()
+            return self.attack_model(x).float()
 
     def _apgd(self, x: Tensor, y: Tensor, generator: torch.Generator, **kwargs) -> tuple[Tensor, Tensor]:
         """One APGD run (x_adv, robust); for L1 the reference's 3/2/1 x eps schedule (30/30/40 % of the
         iterations) from a random point, each stage starting from the previous stage's best point."""
         if self.norm != "L1":
-            result = apgd(self.model, x, y, norm=self.norm, eps=self.eps, n_iter=self.n_iter, random_start=True,
+            result = apgd(self.attack_model, x, y, norm=self.norm, eps=self.eps, n_iter=self.n_iter, random_start=True,
                           generator=generator, **kwargs)
             return result.x_adv, result.robust
         stages = [math.ceil(0.3 * self.n_iter), math.ceil(0.3 * self.n_iter)]
@@ -255,7 +292,7 @@ class AutoAttack:
         start = x + l1_projection(x, noise, 3 * self.eps)
         for factor, n_iter in zip((3, 2, 1), stages):
             start = x + l1_projection(x, start - x, factor * self.eps)
-            result = apgd(self.model, x, y, norm="L1", eps=factor * self.eps, n_iter=n_iter, x_init=start,
+            result = apgd(self.attack_model, x, y, norm="L1", eps=factor * self.eps, n_iter=n_iter, x_init=start,
                           generator=generator, **kwargs)
             start = result.x_best
         return result.x_adv, result.robust
@@ -282,14 +319,14 @@ class AutoAttack:
         logits = self._logits(x)
 
         def attack(rows: Tensor, ranks: Tensor) -> tuple[Tensor, Tensor]:
-            result = fab_targeted(self.model, x[rows], y[rows], norm=self.norm, eps=self.eps, n_iter=100,
+            result = fab_targeted(self.attack_model, x[rows], y[rows], norm=self.norm, eps=self.eps, n_iter=100,
                                   target_rank=ranks, logits_clean=logits[rows])
             return result.x_adv, result.robust
 
         return batched_runs(attack, x, range(2, self.n_fab_targets + 2), bs)
 
     def _square(self, x: Tensor, y: Tensor, bs: int) -> Tensor:
-        result = square_attack(self.model, x, y, norm=self.norm, eps=self.eps, n_queries=self.n_queries,
+        result = square_attack(self.attack_model, x, y, norm=self.norm, eps=self.eps, n_queries=self.n_queries,
                                p_init=0.8, generator=self._generator(), batch_size=bs)
         return torch.where(result.robust.view(-1, *[1] * (x.dim() - 1)), x, result.x_adv)
 
