@@ -1,0 +1,70 @@
+"""What one model pass costs: the floor under any exact AutoAttack engine.
+
+    python benchmarks/model_passes.py                                   # the quickstart's model, CPU
+    python benchmarks/model_passes.py --ckpt CKPT --rows 35 52 250 --device cuda
+
+Every robust point costs standard Linf AutoAttack 900 APGD-T and 900 FAB-T forward-backward passes, 900 FAB-T
+checking forwards and 5000 Square forwards, whichever engine runs them. This times one forward pass
+(no_grad) and one forward pass plus the input's gradient (what the attacks take) on random images at the
+model's resolution, for each ``--rows`` batch size, with the standard and the channels_last input layout
+(the fast engine's default on the CPU). The last line printed is a JSON object with the milliseconds.
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+from robust_lightning.attacks.autoattack import channels_last_inputs
+from robust_lightning.training.classifier import ImageClassifier
+
+
+def milliseconds(model, x: torch.Tensor, gradient: bool, repeats: int) -> float:
+    def one_pass():
+        if gradient:
+            x_req = x.clone().requires_grad_(True)
+            torch.autograd.grad(model(x_req).logsumexp(1).sum(), x_req)
+        else:
+            with torch.no_grad():
+                model(x)
+
+    for _ in range(3):  # warm-up: kernel selection, allocator
+        one_pass()
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        one_pass()
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - started) / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ckpt", default="runs/quickstart/checkpoints/last.ckpt")
+    parser.add_argument("--rows", type=int, nargs="+", default=[35, 52, 135, 250])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+
+    module = ImageClassifier.load_from_checkpoint(args.ckpt, map_location="cpu", weights_only=True, init_from=None)
+    model = module.model.to(args.device).eval().requires_grad_(False)
+    size = module.hparams.image_size
+    layouts = {"standard": model, "channels_last": channels_last_inputs(model)}
+    figures = []
+    for rows in args.rows:
+        x = torch.rand(rows, 3, size, size, device=args.device)
+        for layout, run in layouts.items():
+            forward = milliseconds(run, x, gradient=False, repeats=args.repeats)
+            with_gradient = milliseconds(run, x, gradient=True, repeats=args.repeats)
+            figures.append({"rows": rows, "layout": layout, "forward_ms": round(forward, 2),
+                            "forward_backward_ms": round(with_gradient, 2)})
+            print(f"{rows:>5} rows, {layout:>13}: forward {forward:7.2f} ms, forward + input gradient "
+                  f"{with_gradient:7.2f} ms", flush=True)
+    print(json.dumps({"ckpt": args.ckpt, "device": args.device, "image_size": size, "passes": figures}))
+
+
+if __name__ == "__main__":
+    main()
