@@ -246,8 +246,8 @@ class AutoAttack:
                 progress(f"{attack}: robust accuracy {robust_after[attack]:.2%} ({seconds[attack]:.1f} s)")
         return AutoAttackReport(
             norm=self.norm, eps=self.eps, version=self.version, engine=self.engine, precision=self.precision,
-            seed=self.seed, attacks=self.attacks, channels_last=self.channels_last, clean=clean.cpu(), robust=robust.cpu(), broken_by=broken_by,
-            robust_after=robust_after, seconds=seconds, x_adv=x_adv,
+            seed=self.seed, attacks=self.attacks, channels_last=self.channels_last, clean=clean.cpu(),
+            robust=robust.cpu(), broken_by=broken_by, robust_after=robust_after, seconds=seconds, x_adv=x_adv,
         )
 
     @torch.no_grad()
@@ -283,8 +283,8 @@ class AutoAttack:
         """One APGD run (x_adv, robust); for L1 the reference's 3/2/1 x eps schedule (30/30/40 % of the
         iterations) from a random point, each stage starting from the previous stage's best point."""
         if self.norm != "L1":
-            result = apgd(self.attack_model, x, y, norm=self.norm, eps=self.eps, n_iter=self.n_iter, random_start=True,
-                          generator=generator, **kwargs)
+            result = apgd(self.attack_model, x, y, norm=self.norm, eps=self.eps, n_iter=self.n_iter,
+                          random_start=True, generator=generator, **kwargs)
             return result.x_adv, result.robust
         stages = [math.ceil(0.3 * self.n_iter), math.ceil(0.3 * self.n_iter)]
         stages.append(self.n_iter - sum(stages))
