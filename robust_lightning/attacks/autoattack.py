@@ -125,7 +125,15 @@ def channels_last_inputs(model: Callable[[Tensor], Tensor]) -> Callable[[Tensor]
     float rounding. On the CPU this runs oneDNN's NHWC kernels (max pooling in NCHW is many times slower)."""
 
     def forward(x: Tensor) -> Tensor:
-        return model(_ToChannelsLast.apply(x) if x.dim() == 4 else x)
+        if x.dim() != 4:
+            return model(x)
+        try:
+            return model(_ToChannelsLast.apply(x))
+        except RuntimeError as error:
+            if "view size is not compatible" not in str(error):
+                raise
+            raise RuntimeError("the model cannot take channels_last inputs (it calls .view on an image or feature "
+                               "map); run AutoAttack with channels_last=False") from error
 
     return forward
 
