@@ -160,9 +160,16 @@ def test_channels_last_inputs_change_the_layout_not_the_result(trained, points):
     with pytest.raises(ValueError, match="fast engine only"):
         AutoAttack(trained, engine="reference", channels_last=True)
 
-    # a model that views its input as (B, -1) cannot take channels_last inputs: a clear error, and the way out
-    flat = nn.Sequential(nn.Unflatten(1, (-1,)), nn.Linear(3 * 16 * 16, 10))
-    flat[0].forward = lambda images: images.view(len(images), -1)
+    class ViewsItsInput(nn.Module):  # as older code does: images.view(batch, -1) before a linear layer
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(3 * 16 * 16, 10)
+
+        def forward(self, images):
+            return self.linear(images.view(len(images), -1))
+
+    # such a model cannot take channels_last inputs: a clear error, and the way out
+    flat = ViewsItsInput()
     predicted = flat(x[:4]).argmax(1)  # labels it gets right, so the attack runs
     with pytest.raises(RuntimeError, match="channels_last=False"):
         AutoAttack(flat, version="apgd-ce", n_iter=2).evaluate(x[:4], predicted)

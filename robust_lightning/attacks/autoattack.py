@@ -197,7 +197,7 @@ class AutoAttack:
         if channels_last is None:
             channels_last = engine == "fast" and self.device.type == "cpu"
         self.channels_last = bool(channels_last)
-        self.attack_model = channels_last_inputs(model) if channels_last else model  # the fast engine's
+        self.attack_model = channels_last_inputs(model) if channels_last else model  # what the fast engine calls
         quick = version != "standard"
         self.n_iter = n_iter or (40 if version == "apgd-t" else 100)
         if norm == "L1" and self.n_iter < L1_MIN_ITER:
