@@ -237,7 +237,7 @@ def test_fab_target_ranks_batched_in_one_run_match_one_rank_at_a_time(trained, p
 # ------------------------------------------------------------------------------------------ the callback
 from robust_lightning.cli import main  # noqa: E402
 from robust_lightning.errors import UserError  # noqa: E402
-from robust_lightning.evaluation.autoattack import AutoAttackEvaluation, read_outcomes  # noqa: E402
+from robust_lightning.evaluation.autoattack import AutoAttackEvaluation, append_record, read_outcomes  # noqa: E402
 
 LINF = {"norm": "Linf", "eps": 4 / 255}
 
@@ -368,6 +368,9 @@ def test_a_line_cut_short_by_a_kill_is_redone(tmp_path):
     good = {"key": ["a"], "label": [0], "clean": [True], "robust": [True], "broken_by": [None], "seconds": {}}
     (directory / "rank0.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(good)[:20])
     assert list(read_outcomes(directory)) == ["a"]
+    # the resumed run's next batch starts on a line of its own, not glued onto the cut one
+    append_record(directory / "rank0.jsonl", {**good, "key": ["b"]})
+    assert list(read_outcomes(directory)) == ["a", "b"]
 
 
 def test_ddp_evaluation_splits_points_and_gathers_them_exactly(tmp_path, checkpoint):

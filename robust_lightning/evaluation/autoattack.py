@@ -83,8 +83,12 @@ def read_outcomes(directory: Path) -> dict[str, dict[str, Any]]:
 
 def append_record(path: Path, record: dict) -> None:
     """Append one batch's outcomes as a JSON line, on disk (fsynced) before the next batch starts."""
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    with open(path, "a+b") as f:  # appends go to the end whatever the read position
+        if f.seek(0, os.SEEK_END):
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":  # a line a kill cut short: ours must not be glued onto it
+                f.write(b"\n")
+        f.write((json.dumps(record) + "\n").encode())
         f.flush()
         os.fsync(f.fileno())
 
