@@ -1,6 +1,7 @@
 """AutoAttack: the fast engine against the reference (pyautoattack), ensemble semantics, invariants, the fp32
 safeguard, and the Lightning callback (results, resume, DDP)."""
 
+import copy
 import json
 import subprocess
 import sys
@@ -117,10 +118,21 @@ def test_each_attack_only_sees_the_survivors_of_the_previous_ones(trained, point
 
 
 def test_claimed_successes_are_verified_in_fp32(trained, points, monkeypatch):
-    # an attack that "succeeds" on every point (as a bf16 forward could wrongly suggest) without moving it
-    monkeypatch.setattr(AutoAttack, "_apgd_ce", lambda self, x, y, bs: x + 0.0)
+    attack_numerics, check_numerics = [], []
+
+    def attack(self, x, y, bs):  # "succeeds" on every point (as a bf16 forward could wrongly suggest) unmoved
+        attack_numerics.append(torch.is_autocast_enabled("cpu"))
+        return x + 0.0
+
+    def model(images):  # with the attack stubbed, every forward is a check of clean or claimed images
+        check_numerics.append((torch.is_autocast_enabled("cpu"), torch.backends.cudnn.allow_tf32))
+        return trained(images)
+
+    monkeypatch.setattr(AutoAttack, "_apgd_ce", attack)
     x, y = points
-    report = AutoAttack(trained, norm="Linf", eps=EPS["Linf"], version="apgd-ce", precision="bf16").evaluate(x, y)
+    report = AutoAttack(model, norm="Linf", eps=EPS["Linf"], version="apgd-ce", precision="bf16").evaluate(x, y)
+    assert attack_numerics == [True]  # the attack ran in bf16 ...
+    assert len(check_numerics) == 2 and not any(a or b for a, b in check_numerics)  # ... the checks in fp32
     assert torch.equal(report.robust, report.clean)
     assert "verified in fp32" in report.summary()["precision"]
 
@@ -175,6 +187,20 @@ def test_channels_last_inputs_change_the_layout_not_the_result(trained, points):
         AutoAttack(flat, version="apgd-ce", n_iter=2).evaluate(x[:4], predicted)
     report = AutoAttack(flat, version="apgd-ce", n_iter=2, channels_last=False).evaluate(x[:4], predicted)
     assert report.clean.all()
+
+
+def test_the_reference_keeps_the_l1_restarts_when_the_iterations_are_changed(trained, points, monkeypatch):
+    pyautoattack = pytest.importorskip("pyautoattack")
+    settings = []
+
+    def record(self, x, y, batch_size):
+        settings.append((self.apgd.n_restarts, self.apgd.n_iter, self.apgd.use_largereps))
+        return x, None
+
+    monkeypatch.setattr(pyautoattack.AutoAttack, "run_standard_evaluation", record)
+    x, y = points
+    AutoAttack(trained, norm="L1", eps=EPS["L1"], engine="reference", n_iter=10).evaluate(x, y)
+    assert settings[0] == (5, 10, True)  # as the fast engine: 5 restarts of the 3/2/1 x eps schedule
 
 
 def test_quick_modes_and_the_reference_style_call(trained, points):
@@ -238,6 +264,7 @@ def test_fab_target_ranks_batched_in_one_run_match_one_rank_at_a_time(trained, p
 from robust_lightning.cli import main  # noqa: E402
 from robust_lightning.errors import UserError  # noqa: E402
 from robust_lightning.evaluation.autoattack import AutoAttackEvaluation, append_record, read_outcomes  # noqa: E402
+from robust_lightning.evaluation.results import weights_sha256  # noqa: E402
 
 LINF = {"norm": "Linf", "eps": 4 / 255}
 
@@ -355,11 +382,30 @@ def test_callback_results_match_a_direct_evaluation_and_resume_without_double_co
     assert 0 < sum(direct.values()) < final["clean_accuracy"] * 20  # the comparison is not vacuous
 
 
-def test_outcomes_of_another_evaluation_are_refused(tmp_path, checkpoint):
-    run_test(tmp_path, checkpoint, "--trainer.limit_test_batches", "1")
+def test_outcomes_of_another_evaluation_are_refused(tmp_path, checkpoint, capsys):
+    first = run_test(tmp_path, checkpoint, "--trainer.limit_test_batches", "1")
+    assert first["conditions"]["channels_last"]  # the fast engine's CPU default
     ckpt, synthetic_root = checkpoint
     config = eval_config(tmp_path, synthetic_root, n_iter=7)
     assert main(["test", "--config", str(config), "--ckpt_path", str(ckpt)]) == 2  # a clear error, nothing mixed
+    assert "(n_iter differ)" in capsys.readouterr().err
+    # other images (another resolution, so other preprocessing) are another evaluation too
+    config = eval_config(tmp_path, synthetic_root)
+    assert main(["test", "--config", str(config), "--ckpt_path", str(ckpt), "--data.image_size", "24"]) == 2
+    assert "(data_image_size differ)" in capsys.readouterr().err
+    # the input layout only changes float rounding: the evaluation resumes, and results.json says which ran
+    resumed = run_test(tmp_path, checkpoint, channels_last=False)
+    assert resumed["threat_models"]["Linf-4_255"]["num_points"] == 20 and not resumed["conditions"]["channels_last"]
+
+
+def test_the_weights_hash_covers_every_value_of_the_evaluated_weights():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    same = copy.deepcopy(model)
+    assert weights_sha256(model) == weights_sha256(same)
+    with torch.no_grad():
+        same[1].running_var[2] += 1e-6  # a buffer, not a parameter
+    assert weights_sha256(model) != weights_sha256(same)
+    assert weights_sha256(copy.deepcopy(model).to(torch.bfloat16)) != weights_sha256(model)
 
 
 def test_a_line_cut_short_by_a_kill_is_redone(tmp_path):

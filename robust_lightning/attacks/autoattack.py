@@ -138,6 +138,14 @@ def channels_last_inputs(model: Callable[[Tensor], Tensor]) -> Callable[[Tensor]
     return forward
 
 
+def uses_channels_last(engine: str, device: torch.device, requested: bool | None = None) -> bool:
+    """Whether the attacks feed the model channels_last inputs: as ``requested`` (fast engine only), by default
+    on the CPU, where it measured faster (benchmarks/RESULTS.md), and not elsewhere, where it is unmeasured."""
+    if engine == "reference" and requested:
+        raise ValueError("channels_last applies to the fast engine only; the reference runs the model as is")
+    return engine == "fast" and (device.type == "cpu" if requested is None else bool(requested))
+
+
 L1_MIN_ITER = 3  # one iteration for each stage of the L1 eps schedule
 
 
@@ -184,8 +192,6 @@ class AutoAttack:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         if engine == "reference" and precision != "fp32":
             raise ValueError("the reference engine runs in fp32 only (as the package does)")
-        if engine == "reference" and channels_last:
-            raise ValueError("channels_last applies to the fast engine only; the reference runs the model as is")
         if eps <= 0:
             raise ValueError(f"eps must be positive, got {eps}")
         self.model, self.norm, self.eps, self.version = model, norm, float(eps), version
@@ -194,10 +200,8 @@ class AutoAttack:
             parameter = next(iter(getattr(model, "parameters", lambda: iter(()))()), None)
             device = parameter.device if parameter is not None else "cpu"
         self.device = torch.device(device)
-        if channels_last is None:
-            channels_last = engine == "fast" and self.device.type == "cpu"
-        self.channels_last = bool(channels_last)
-        self.attack_model = channels_last_inputs(model) if channels_last else model  # what the fast engine calls
+        self.channels_last = uses_channels_last(engine, self.device, channels_last)
+        self.attack_model = channels_last_inputs(model) if self.channels_last else model  # the fast engine calls it
         quick = version != "standard"
         self.n_iter = n_iter or (40 if version == "apgd-t" else 100)
         if norm == "L1" and self.n_iter < L1_MIN_ITER:
@@ -358,6 +362,8 @@ class AutoAttack:
         reference.square.n_queries = self.n_queries
         if self.version == "apgd-ce":
             reference.apgd.n_restarts = 1
+        elif self.norm == "L1":  # standard L1 restarts APGD-CE 5 times, also when rebuilt above
+            reference.apgd.n_restarts = 5
         reference.attacks_to_run = [attack]
         x_adv, _ = reference.run_standard_evaluation(x.to(self.device), y.to(self.device), batch_size=bs)
         return x_adv.to(x.device)

@@ -26,11 +26,11 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 from robust_lightning.attacks.autoattack import (
-    ENGINES, L1_MIN_ITER, PRECISIONS, VERSIONS, AutoAttack, precision_note,
+    ENGINES, L1_MIN_ITER, PRECISIONS, VERSIONS, AutoAttack, precision_note, uses_channels_last,
 )
 from robust_lightning.attacks.projections import NORMS
 from robust_lightning.errors import UserError
-from robust_lightning.evaluation.results import file_sha256, update_results
+from robust_lightning.evaluation.results import update_results, weights_sha256
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,11 @@ def append_record(path: Path, record: dict) -> None:
         os.fsync(f.fileno())
 
 
+def as_json(value: Any) -> Any:
+    """``value`` as it reads back from a JSON manifest (paths as strings)."""
+    return str(value) if isinstance(value, Path) else value
+
+
 def claim_directory(directory: Path, identity: dict[str, Any], is_global_zero: bool, owner: str) -> None:
     """Refuse to mix outcomes of another checkpoint or setting into ``directory``; record ours.
     ``owner``: the callback whose ``results_dir`` the error message tells the user to change."""
@@ -141,6 +146,8 @@ class AutoAttackEvaluation(Callback):
         n_iter: iterations for the quick modes (default 40 for apgd-t, 100 otherwise).
         batch_size: points attacked at once (default: the loader's batch).
         weights: evaluate the raw weights or the EMA weights ("ema", when the model has them).
+        channels_last: fast engine: give the model channels_last inputs (default: on the CPU only; see
+            :class:`~robust_lightning.attacks.AutoAttack`); False for a model that cannot take them.
         fit_images: after ``fit``, evaluate the final model on this many validation images (split over ranks);
             None: only under ``test``.
         results_dir: where per-point outcomes go (default ``<trainer.default_root_dir>/autoattack``). A re-run
@@ -158,6 +165,7 @@ class AutoAttackEvaluation(Callback):
         n_iter: int | None = None,
         batch_size: int | None = None,
         weights: str = "raw",
+        channels_last: bool | None = None,
         fit_images: int | None = None,
         results_dir: str | None = None,
     ):
@@ -165,9 +173,12 @@ class AutoAttackEvaluation(Callback):
                                      ("precision", precision, PRECISIONS), ("weights", weights, ("raw", "ema"))):
             if value not in allowed:
                 raise UserError(f"AutoAttackEvaluation.{name} must be one of {allowed}, got {value!r}")
+        if engine == "reference" and channels_last:
+            raise UserError("AutoAttackEvaluation.channels_last applies to the fast engine only")
         self.threat_models = parse_threat_models(threat_models, "AutoAttackEvaluation", n_iter)
         self.version, self.engine, self.precision, self.seed = version, engine, precision, seed
         self.n_iter, self.batch_size, self.weights, self.fit_images = n_iter, batch_size, weights, fit_images
+        self.channels_last = channels_last
         self.results_dir = Path(results_dir) if results_dir else None
         self.done: dict[str, set[str]] = {}
         self.seconds: dict[str, dict[str, float]] = {}
@@ -177,12 +188,14 @@ class AutoAttackEvaluation(Callback):
         return self.results_dir / threat.name
 
     def _identity(self, trainer, pl_module, threat: ThreatModel) -> dict[str, Any]:
-        """What the saved outcomes must have been computed with for a re-run to resume from them."""
-        # the weights: a checkpoint given with --ckpt_path, else the file the model was initialised from
-        weights = trainer.ckpt_path or getattr(pl_module, "hparams", {}).get("init_from")
+        """What the saved outcomes must have been computed with for a re-run to resume from them: the weights
+        evaluated (also after fit, where no checkpoint file names them), the images and the attack."""
+        data = trainer.datamodule
         return {
-            "weights_sha256": file_sha256(weights) if weights and Path(weights).is_file() else None,
-            "weights": self.weights, "norm": threat.norm, "eps": threat.eps, "version": self.version,
+            "weights_sha256": weights_sha256(self._network(pl_module)), "weights": self.weights,
+            **{f"data_{name}": as_json(getattr(data, name, None))
+               for name in ("source", "root", "val_shards", "image_size", "crop_pct", "eval_subset")},
+            "norm": threat.norm, "eps": threat.eps, "version": self.version,
             "engine": self.engine, "precision": self.precision, "seed": self.seed, "n_iter": self.n_iter,
         }
 
@@ -224,9 +237,11 @@ class AutoAttackEvaluation(Callback):
         self._finish(trainer, pl_module)
         pl_module.train(was_training)
 
+    def _network(self, pl_module):
+        return pl_module.ema.module if self.weights == "ema" else pl_module.model
+
     def _model(self, pl_module):
-        network = pl_module.ema.module if self.weights == "ema" else pl_module.model
-        return partial(pl_module._run, network)
+        return partial(pl_module._run, self._network(pl_module))
 
     # --------------------------------------------------------------------------------------- per batch
     def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
@@ -242,7 +257,7 @@ class AutoAttackEvaluation(Callback):
                 continue
             adversary = AutoAttack(self._model(pl_module), norm=threat.norm, eps=threat.eps, version=self.version,
                                    seed=self.seed, engine=self.engine, device=pl_module.device,
-                                   precision=self.precision, n_iter=self.n_iter)
+                                   precision=self.precision, n_iter=self.n_iter, channels_last=self.channels_last)
             index = torch.tensor(todo, device=images.device)
             with torch.enable_grad():
                 report = adversary.evaluate(images[index], labels[index], bs=self.batch_size or len(todo))
@@ -274,6 +289,7 @@ class AutoAttackEvaluation(Callback):
                 rows.append([threat.name, summary["num_points"], summary["clean_accuracy"],
                              summary["robust_accuracy"], *summary["robust_accuracy_after"].values()])
         conditions = {"version": self.version, "engine": self.engine, "precision": precision_note(self.precision),
+                      "channels_last": uses_channels_last(self.engine, pl_module.device, self.channels_last),
                       "seed": self.seed, "weights": self.weights, "attacks": list(VERSIONS[self.version]),
                       "results_dir": str(self.results_dir.resolve())}
         run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # a collective under DDP: all ranks call it

@@ -56,7 +56,7 @@ from robust_lightning.evaluation.autoattack import (
     ThreatModel, append_record, claim_directory, parse_threat_models, read_outcomes, summarise,
 )
 from robust_lightning.evaluation.benchmarks import evaluation_resolution
-from robust_lightning.evaluation.results import file_sha256, update_results
+from robust_lightning.evaluation.results import update_results, weights_sha256
 
 __all__ = ["DEFAULT_RESOLUTIONS", "ResolutionSweep", "best_resolutions", "check_runs_at", "input_size_adaptation",
            "network_at", "scaled_eps"]
@@ -305,9 +305,8 @@ class ResolutionSweep(Callback):
         self.reference = evaluation_resolution(trainer, pl_module, self.reference_resolution)
         # not the versioned log dir: a re-run of the same command must find the saved outcomes
         self.results_dir = self.results_dir or Path(trainer.default_root_dir) / "resolution_sweep"
-        weights = trainer.ckpt_path or getattr(pl_module, "hparams", {}).get("init_from")
-        self.weights_sha256 = file_sha256(weights) if weights and Path(weights).is_file() else None
         network = self._network(pl_module)
+        self.weights_sha256 = weights_sha256(network)  # the weights evaluated, however they were loaded
         arch = getattr(pl_module, "hparams", {}).get("arch", type(network).__name__)
         was_training = pl_module.training
         pl_module.eval()  # the trial forwards must not touch BatchNorm statistics

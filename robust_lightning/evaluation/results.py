@@ -46,6 +46,17 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def weights_sha256(module: torch.nn.Module) -> str:
+    """sha256 of a module's parameters and buffers (names, dtypes, shapes and values): the weights actually
+    evaluated, whether they came from a checkpoint file or from training in the same process."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        values = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{name} {values.dtype} {tuple(tensor.shape)}".encode())
+        digest.update(values.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def software_versions() -> dict[str, str]:
     versions = {"python": platform.python_version(), "robust_lightning": robust_lightning.__version__}
     for package in ("torch", "torchvision", "lightning", "timm", "torchmetrics", "webdataset", "kornia"):
