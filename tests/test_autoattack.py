@@ -117,23 +117,28 @@ def test_each_attack_only_sees_the_survivors_of_the_previous_ones(trained, point
     assert report.robust_after["square"] == report.robust_accuracy
 
 
-def test_claimed_successes_are_verified_in_fp32(trained, points, monkeypatch):
-    attack_numerics, check_numerics = [], []
+def test_claimed_successes_are_verified_in_fp32_and_refuted_ones_attacked_again_in_fp32(trained, points, monkeypatch):
+    attacks, check_numerics = [], []
 
-    def attack(self, x, y, bs):  # "succeeds" on every point (as a bf16 forward could wrongly suggest) unmoved
-        attack_numerics.append(torch.is_autocast_enabled("cpu"))
-        return x + 0.0
+    def attack(self, x, y, bs):
+        attacks.append((len(x), torch.is_autocast_enabled("cpu")))
+        if torch.is_autocast_enabled("cpu"):  # "succeeds" on every point unmoved, as bf16 could wrongly suggest
+            return x + 0.0, torch.zeros(len(x), dtype=torch.bool)
+        return apgd_ce(self, x, y, bs)  # in fp32: the real attack
 
-    def model(images):  # with the attack stubbed, every forward is a check of clean or claimed images
+    def model(images):  # every forward outside the stubbed bf16 attack is an fp32 check or the fp32 attack
         check_numerics.append((torch.is_autocast_enabled("cpu"), torch.backends.cudnn.allow_tf32))
         return trained(images)
 
+    apgd_ce = AutoAttack._apgd_ce
     monkeypatch.setattr(AutoAttack, "_apgd_ce", attack)
     x, y = points
     report = AutoAttack(model, norm="Linf", eps=EPS["Linf"], version="apgd-ce", precision="bf16").evaluate(x, y)
-    assert attack_numerics == [True]  # the attack ran in bf16 ...
-    assert len(check_numerics) == 2 and not any(a or b for a, b in check_numerics)  # ... the checks in fp32
-    assert torch.equal(report.robust, report.clean)
+    n_clean = int(report.clean.sum())
+    assert attacks == [(n_clean, True), (n_clean, False)]  # bf16, then fp32 for every refuted claim
+    assert check_numerics and not any(a or b for a, b in check_numerics)
+    fp32 = AutoAttack(trained, norm="Linf", eps=EPS["Linf"], version="apgd-ce").evaluate(x, y)
+    assert torch.equal(report.robust, fp32.robust) and not torch.equal(report.robust, report.clean)
     assert "verified in fp32" in report.summary()["precision"]
 
 
@@ -232,11 +237,12 @@ def test_batched_runs_keep_the_sequential_semantics():
             candidates = x[rows] + run_ids.view(-1, 1, 1, 1) / 100  # encodes the run that produced it
             return candidates, ~breaks[rows, run_ids]
 
-        x_adv = batched_runs(attack, x, runs, bs)
+        x_adv, robust = batched_runs(attack, x, runs, bs)
         for p in range(n_points):
             hits = [r for r in runs if breaks[p, r]]
             expected = p + hits[0] / 100 if hits else p
             assert torch.allclose(x_adv[p], torch.full((1, 2, 2), float(expected))), (bs, p)
+            assert robust[p] == (not hits)
         attacked = [(row, run) for rows, run_ids in calls for row, run in zip(rows, run_ids)]
         assert sorted({run for _, run in attacked}) == list(runs)  # every run happens, each once per point
         assert len(attacked) == len(set(attacked))
@@ -252,11 +258,11 @@ def test_fab_target_ranks_batched_in_one_run_match_one_rank_at_a_time(trained, p
     x, y = points
     adversary = AutoAttack(trained, norm="Linf", eps=EPS["Linf"], seed=0)
     clean = trained(x).argmax(1) == y
-    one_at_a_time = adversary._fab_t(x[clean], y[clean], bs=1)
-    all_at_once = adversary._fab_t(x[clean], y[clean], bs=10_000)
+    one_at_a_time, robust_one = adversary._fab_t(x[clean], y[clean], bs=1)
+    all_at_once, robust_all = adversary._fab_t(x[clean], y[clean], bs=10_000)
     moved = (one_at_a_time != x[clean]).flatten(1).any(1)
-    assert moved.any() and not moved.all()
-    assert torch.equal(moved, (all_at_once != x[clean]).flatten(1).any(1))
+    assert moved.any() and not moved.all() and torch.equal(moved, ~robust_one)
+    assert torch.equal(moved, (all_at_once != x[clean]).flatten(1).any(1)) and torch.equal(robust_one, robust_all)
     assert torch.allclose(one_at_a_time, all_at_once, atol=1e-5)
 
 
@@ -396,6 +402,15 @@ def test_outcomes_of_another_evaluation_are_refused(tmp_path, checkpoint, capsys
     # the input layout only changes float rounding: the evaluation resumes, and results.json says which ran
     resumed = run_test(tmp_path, checkpoint, channels_last=False)
     assert resumed["threat_models"]["Linf-4_255"]["num_points"] == 20 and not resumed["conditions"]["channels_last"]
+
+
+def test_listed_images_that_never_arrive_are_reported_not_silently_left_out(tmp_path, checkpoint):
+    # shards are filtered by key as they stream, so a listed image missing from them shows only at the end
+    subset = tmp_path / "subset.txt"
+    subset.write_text("c/synthetic_val_000003\nc/synthetic_val_000000\nc/synthetic_val_999999")
+    section = run_test(tmp_path, checkpoint, "--data.eval_subset", str(subset))["threat_models"]["Linf-4_255"]
+    assert section["num_points"] == 2 and section["images_not_evaluated"] == 1
+    assert section["keys_not_evaluated"] == ["synthetic_val_999999"]
 
 
 def test_the_weights_hash_covers_every_value_of_the_evaluated_weights():

@@ -270,6 +270,18 @@ def test_a_subset_naming_missing_images_is_a_clear_error(tmp_path):
         ImageNetDataModule(source="folder", root=str(root), eval_subset=str(tmp_path / "nope.txt")).setup("test")
 
 
+def test_fewer_evaluation_images_than_processes_is_a_clear_error(tmp_path):
+    # a rank without a batch would skip the evaluation loop and leave the others waiting at its barriers
+    root, _ = _subset_tree(tmp_path)
+    dm = ImageNetDataModule(source="folder", root=str(root), image_size=16, num_workers=0, eval_limit=2)
+    dm.setup("test")
+    dm.world_size, dm.rank = 4, 3
+    with pytest.raises(UserError, match="2 evaluation images cannot be split over 4 processes"):
+        dm.test_dataloader()
+    dm.world_size, dm.rank = 2, 1
+    assert [b["key"] for b in dm.test_dataloader()] == [[f"{WNIDS[0]}_1"]]
+
+
 def test_the_robustbench_subset_file_is_the_5000_image_list():
     lines = (Path(__file__).resolve().parents[1] / "data" / "robustbench_imagenet_test_image_ids.txt").read_text()
     entries = lines.splitlines()

@@ -8,7 +8,8 @@ Both engines share the ensemble logic here: clean points only, attacks in order 
 APGD-T -> FAB-T -> Square), each attack only on the points that survived the previous ones, robust accuracy
 as the per-point worst case. Every adversarial example an attack returns is re-checked here with an fp32
 forward before the point counts as broken, so a low-precision attack can never claim a success that does
-not hold in fp32.
+not hold in fp32; and since such a false success also ended the point's attack early (no further targets,
+restarts or queries), a point whose claim fp32 refutes goes through that attack again, in fp32.
 
 * ``engine="reference"`` runs the attacks of the ``pyautoattack`` package (the code RobustBench pins)
   unchanged, one attack at a time on the survivors: its own batching of survivors in index order and its
@@ -159,7 +160,7 @@ class AutoAttack:
         engine: "fast" (ours) or "reference" (pyautoattack 0.2.0, unchanged).
         device: where the attacks run (default: the model's parameters' device).
         precision: "fp32" (default, TF32 off), "tf32" or "bf16" (fast engine only); successes are always
-            verified in fp32.
+            verified in fp32, and refuted ones attacked again in fp32.
         n_iter, n_target_classes: override the version's iterations / target classes (quick modes).
         n_queries: Square's query budget.
         channels_last: fast engine only: give the model channels_last inputs. Default: on the CPU, where it
@@ -244,9 +245,17 @@ class AutoAttack:
             started = time.perf_counter()
             survivors = robust.nonzero().flatten()
             if len(survivors):
-                candidates = self._attack(attack, x[survivors], y[survivors], bs)
+                candidates, claimed_robust = self._attack(attack, x[survivors], y[survivors], bs)
                 # a success counts only if an fp32 forward agrees
                 held = self._correct(candidates, y[survivors], bs)
+                if self.precision != "fp32":
+                    # a low-precision success that fp32 refutes also ended the point's attack early (its other
+                    # targets, restarts, queries): those points get this attack again, in fp32
+                    redo = (~claimed_robust & held).nonzero().flatten()
+                    if len(redo):
+                        again, _ = self._attack(attack, x[survivors[redo]], y[survivors[redo]], bs, "fp32")
+                        candidates[redo] = again
+                        held[redo] = self._correct(again, y[survivors[redo]], bs)
                 newly_broken = survivors[~held]
                 robust[newly_broken] = False
                 x_adv[newly_broken] = candidates[~held].to(x_adv.device)
@@ -271,17 +280,21 @@ class AutoAttack:
                 for i in range(0, len(x), bs)
             ])
 
-    def _attack(self, attack: str, x: Tensor, y: Tensor, bs: int) -> Tensor:
+    def _attack(self, attack: str, x: Tensor, y: Tensor, bs: int, precision: str | None = None
+                ) -> tuple[Tensor, Tensor | None]:
+        """The attack's candidate images and, for the fast engine, its own robust flags (at ``precision``)."""
         if self.engine == "reference":
             with numerics("fp32", self.device):  # TF32 off: PyTorch lets cuDNN convolutions use it by default
-                return self._reference_attack(attack, x, y, bs)
+                return self._reference_attack(attack, x, y, bs), None
         run = {"apgd-ce": self._apgd_ce, "apgd-t": self._apgd_t, "fab-t": self._fab_t, "square": self._square}
-        outputs = []
+        images, robust = [], []
         for i in range(0, len(x), bs):
             xb, yb = x[i : i + bs].to(self.device), y[i : i + bs].to(self.device)
-            with numerics(self.precision, self.device):
-                outputs.append(run[attack](xb, yb, bs).detach().float().to(x.device))
-        return torch.cat(outputs)
+            with numerics(precision or self.precision, self.device):
+                candidates, still = run[attack](xb, yb, bs)
+            images.append(candidates.detach().float().to(x.device))
+            robust.append(still.to(x.device))
+        return torch.cat(images), torch.cat(robust)
 
     # ------------------------------------------------------------------------------------- fast engine
     def _generator(self) -> torch.Generator:
@@ -309,7 +322,7 @@ class AutoAttack:
             start = result.x_best
         return result.x_adv, result.robust
 
-    def _apgd_ce(self, x: Tensor, y: Tensor, bs: int) -> Tensor:
+    def _apgd_ce(self, x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
         generator = self._generator()
 
         def attack(rows: Tensor, restarts: Tensor) -> tuple[Tensor, Tensor]:  # each row its own random start
@@ -317,7 +330,7 @@ class AutoAttack:
 
         return batched_runs(attack, x, range(5 if self.norm == "L1" and self.version == "standard" else 1), bs)
 
-    def _apgd_t(self, x: Tensor, y: Tensor, bs: int) -> Tensor:
+    def _apgd_t(self, x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
         generator = self._generator()
         ranked = self._logits(x).sort(dim=1)[1]  # target of rank r: the r-th highest clean logit
 
@@ -327,7 +340,7 @@ class AutoAttack:
 
         return batched_runs(attack, x, range(2, self.n_target_classes + 2), bs)
 
-    def _fab_t(self, x: Tensor, y: Tensor, bs: int) -> Tensor:
+    def _fab_t(self, x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
         logits = self._logits(x)
 
         def attack(rows: Tensor, ranks: Tensor) -> tuple[Tensor, Tensor]:
@@ -337,10 +350,10 @@ class AutoAttack:
 
         return batched_runs(attack, x, range(2, self.n_fab_targets + 2), bs)
 
-    def _square(self, x: Tensor, y: Tensor, bs: int) -> Tensor:
+    def _square(self, x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
         result = square_attack(self.attack_model, x, y, norm=self.norm, eps=self.eps, n_queries=self.n_queries,
                                p_init=0.8, generator=self._generator(), batch_size=bs)
-        return torch.where(result.robust.view(-1, *[1] * (x.dim() - 1)), x, result.x_adv)
+        return torch.where(result.robust.view(-1, *[1] * (x.dim() - 1)), x, result.x_adv), result.robust
 
     # -------------------------------------------------------------------------------- reference engine
     def _reference_attack(self, attack: str, x: Tensor, y: Tensor, bs: int) -> Tensor:
@@ -370,9 +383,9 @@ class AutoAttack:
 
 
 def batched_runs(attack: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], x: Tensor, runs: range, bs: int
-                 ) -> Tensor:
+                 ) -> tuple[Tensor, Tensor]:
     """Attack runs one after the other (restarts, or target ranks) on the points not broken yet; the
-    adversarial images.
+    adversarial images (``x`` where no run succeeded) and the robust flags.
 
     ``attack(rows, run_ids)`` attacks the points ``x[rows]``, row i in run ``run_ids[i]`` (a target rank, a
     restart), and returns (candidates, robust) per row. Runs go in order, as in the reference, and a point
@@ -398,4 +411,4 @@ def batched_runs(attack: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], x: T
         chosen = candidates.view(len(group), len(todo), *x.shape[1:])[first, points]
         x_adv[todo[hit]] = chosen[hit]
         robust[todo[hit]] = False
-    return x_adv
+    return x_adv, robust

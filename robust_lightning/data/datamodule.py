@@ -333,6 +333,7 @@ class ImageNetDataModule(LightningDataModule):
         self.worker_augment = self.device_augment = None
         self.train_set = self.eval_set = None
         self.train_images = self.eval_images = None
+        self.eval_keys: frozenset[str] | None = None
 
         if source == "folder":
             if root is None:
@@ -433,6 +434,7 @@ class ImageNetDataModule(LightningDataModule):
         if subset is not None:
             keys = frozenset(Path(name).stem.replace(".", "_") for name in subset)
             self.eval_images = len(keys)
+            self.eval_keys = keys  # a listed image missing from the shards can only be told after reading them
             self.eval_set = ShardStream(self._rank_share(urls, "val"), evaluation, repeat=False, keys=keys)
         elif self.eval_limit:
             # the first n samples of the val shards, split sample by sample over ranks and workers
@@ -581,6 +583,9 @@ class ImageNetDataModule(LightningDataModule):
         batch_size = batch_size or self.eval_batch_size
         if isinstance(dataset, ShardStream):
             return self._loader(dataset, batch_size, **kwargs)
+        if len(dataset) < self.world_size:  # a rank with no batch skips the loop and its hooks: the others hang
+            raise UserError(f"{len(dataset)} evaluation images cannot be split over {self.world_size} processes; "
+                            "evaluate more images or on fewer devices")
         sampler = ExactDistributedSampler(dataset, self.world_size, self.rank)
         return self._loader(dataset, batch_size, sampler=sampler, **kwargs)
 

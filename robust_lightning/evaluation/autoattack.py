@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from lightning import Callback
 from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from robust_lightning.attacks.autoattack import (
     ENGINES, L1_MIN_ITER, PRECISIONS, VERSIONS, AutoAttack, precision_note, uses_channels_last,
@@ -46,6 +46,9 @@ class ThreatModel:
 
 # plain dicts, as a config writes them: the saved config.yaml of a run can then be run again as it is
 DEFAULT_THREAT_MODELS = ({"norm": "Linf", "eps": 4 / 255}, {"norm": "L2", "eps": 2.0}, {"norm": "L1", "eps": 75.0})
+
+
+MISSING_KEYS_LISTED = 20  # results.json names at most this many images that were not evaluated
 
 
 def parse_threat_models(items, owner: str, n_iter: int | None) -> list[ThreatModel]:
@@ -272,9 +275,13 @@ class AutoAttackEvaluation(Callback):
 
     # -------------------------------------------------------------------------------------------- end
     def on_test_epoch_end(self, trainer, pl_module) -> None:
-        self._finish(trainer, pl_module)
+        data = trainer.datamodule
+        self._finish(trainer, pl_module, getattr(data, "eval_images", None), getattr(data, "eval_keys", None))
 
-    def _finish(self, trainer, pl_module) -> None:
+    def _finish(self, trainer, pl_module, expected: int | None = None, expected_keys: frozenset | None = None) -> None:
+        """Summarise every saved outcome into results.json and the loggers. ``expected``: the evaluation set's
+        size, so that images that never arrived (missing from shards, unreadable, cut by limit_test_batches)
+        are reported rather than silently left out; ``expected_keys`` names them where the set is a list."""
         if dist.is_available() and dist.is_initialized():
             dist.barrier()  # every rank's outcomes are on disk before anyone reads them
         sections, rows, metrics = {}, [], {}
@@ -282,6 +289,10 @@ class AutoAttackEvaluation(Callback):
             outcomes = read_outcomes(self._directory(threat))
             summary = summarise(outcomes, VERSIONS[self.version])
             summary["seconds_this_session"] = self._gathered_seconds(threat)
+            if expected and summary["num_points"] < expected:
+                summary["images_not_evaluated"] = expected - summary["num_points"]
+                if expected_keys is not None:
+                    summary["keys_not_evaluated"] = sorted(expected_keys - outcomes.keys())[:MISSING_KEYS_LISTED]
             sections[threat.name] = {"norm": threat.norm, "eps": threat.eps, **summary}
             if summary["num_points"]:
                 metrics[f"autoattack/{threat.name}/clean_acc"] = summary["clean_accuracy"]
@@ -300,6 +311,10 @@ class AutoAttackEvaluation(Callback):
             if section["num_points"]:
                 print(f"AutoAttack {name}: clean {section['clean_accuracy']:.2%}, robust "
                       f"{section['robust_accuracy']:.2%} on {section['num_points']} images", flush=True)
+            if section.get("images_not_evaluated"):
+                rank_zero_warn(f"AutoAttack {name}: {section['images_not_evaluated']} of the {expected} evaluation "
+                               f"images were not evaluated (missing from the data, unreadable, or cut short by a "
+                               f"limit); results.json lists them under keys_not_evaluated where known")
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
             if isinstance(logger, WandbLogger) and rows:
