@@ -306,7 +306,12 @@ class AutoAttack:
 
     def _apgd(self, x: Tensor, y: Tensor, generator: torch.Generator, **kwargs) -> tuple[Tensor, Tensor]:
         """One APGD run (x_adv, robust); for L1 the reference's 3/2/1 x eps schedule (30/30/40 % of the
-        iterations) from a random point, each stage starting from the previous stage's best point."""
+        iterations) from a random point, each stage starting from the previous stage's best point.
+
+        One known difference: the reference re-projects each stage's start as a correction (``x_init +=``),
+        which leaves ~1e-8 residues where coordinates are zeroed, and its initial step sparsity counts them
+        (the start's L0 distance); ours starts exactly sparse, so its first steps may be sparser. Matching it
+        would need the reference's own projection bit for bit (ours agrees to float error only)."""
         if self.norm != "L1":
             result = apgd(self.attack_model, x, y, norm=self.norm, eps=self.eps, n_iter=self.n_iter,
                           random_start=True, generator=generator, **kwargs)
