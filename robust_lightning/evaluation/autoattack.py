@@ -190,12 +190,12 @@ class AutoAttackEvaluation(Callback):
     def _directory(self, threat: ThreatModel) -> Path:
         return self.results_dir / threat.name
 
-    def _identity(self, trainer, pl_module, threat: ThreatModel) -> dict[str, Any]:
+    def _identity(self, trainer, weights_hash: str, threat: ThreatModel) -> dict[str, Any]:
         """What the saved outcomes must have been computed with for a re-run to resume from them: the weights
         evaluated (also after fit, where no checkpoint file names them), the images and the attack."""
         data = trainer.datamodule
         return {
-            "weights_sha256": weights_sha256(self._network(pl_module)), "weights": self.weights,
+            "weights_sha256": weights_hash, "weights": self.weights,
             **{f"data_{name}": as_json(getattr(data, name, None))
                for name in ("source", "root", "val_shards", "image_size", "crop_pct", "eval_subset")},
             "norm": threat.norm, "eps": threat.eps, "version": self.version,
@@ -213,8 +213,9 @@ class AutoAttackEvaluation(Callback):
             raise UserError("AutoAttackEvaluation.weights 'ema' needs a model trained with model.ema_decay")
         self.results_dir = results_dir
         self.seen: set[str] = set()  # keys of this session's images
+        weights_hash = weights_sha256(self._network(pl_module))  # once: it reads every weight
         for threat in self.threat_models:
-            claim_directory(self._directory(threat), self._identity(trainer, pl_module, threat),
+            claim_directory(self._directory(threat), self._identity(trainer, weights_hash, threat),
                             trainer.is_global_zero, "AutoAttackEvaluation")
             self.done[threat.name] = set(read_outcomes(self._directory(threat)))
             self.seconds[threat.name] = {}
