@@ -14,7 +14,8 @@ import torch.nn.functional as F
 import yaml
 
 from robust_lightning.attacks import lp_norm
-from robust_lightning.attacks.autoattack import AutoAttack, batched_runs, channels_last_inputs
+from robust_lightning.attacks import autoattack
+from robust_lightning.attacks.autoattack import AutoAttack, batched_runs, channels_last_inputs, folded_batchnorm
 
 REPO = Path(__file__).resolve().parents[1]
 EPS = {"Linf": 10 / 255, "L2": 0.75, "L1": 9.0}
@@ -34,9 +35,9 @@ def synthetic_points(n: int, seed: int, classes: int = 10) -> tuple[torch.Tensor
 def trained():
     """A small CNN trained (with FGSM-RS at a small radius, so that some points are robust) in a few seconds."""
     torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(128, 10),
+    model = nn.Sequential(  # with BatchNorm: the fast engine attacks a folded copy (checked against the reference)
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2, padding=1),
+        nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(128, 10),
     )
     x, y = synthetic_points(2048, seed=0)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -99,9 +100,9 @@ def test_each_attack_only_sees_the_survivors_of_the_previous_ones(trained, point
     seen = {}
     original = AutoAttack._attack
 
-    def spy(self, attack, x, y, bs):
+    def spy(self, attack, model, x, y, bs, precision=None):
         seen[attack] = len(x)
-        return original(self, attack, x, y, bs)
+        return original(self, attack, model, x, y, bs, precision)
 
     monkeypatch.setattr(AutoAttack, "_attack", spy)
     report = evaluate(trained, points, "Linf", "fast")
@@ -120,11 +121,11 @@ def test_each_attack_only_sees_the_survivors_of_the_previous_ones(trained, point
 def test_claimed_successes_are_verified_in_fp32_and_refuted_ones_attacked_again_in_fp32(trained, points, monkeypatch):
     attacks, check_numerics = [], []
 
-    def attack(self, x, y, bs):
+    def attack(self, model, x, y, bs):
         attacks.append((len(x), torch.is_autocast_enabled("cpu")))
         if torch.is_autocast_enabled("cpu"):  # "succeeds" on every point unmoved, as bf16 could wrongly suggest
             return x + 0.0, torch.zeros(len(x), dtype=torch.bool)
-        return apgd_ce(self, x, y, bs)  # in fp32: the real attack
+        return apgd_ce(self, model, x, y, bs)  # in fp32: the real attack
 
     def model(images):  # every forward outside the stubbed bf16 attack is an fp32 check or the fp32 attack
         check_numerics.append((torch.is_autocast_enabled("cpu"), torch.backends.cudnn.allow_tf32))
@@ -194,6 +195,81 @@ def test_channels_last_inputs_change_the_layout_not_the_result(trained, points):
     assert report.clean.all()
 
 
+def batchnorm_net() -> nn.Module:
+    """A conv net with BatchNorm whose running statistics are not the initial ones (so folding changes weights)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                        nn.Linear(8 * 16 * 16, 10), nn.BatchNorm1d(10))
+    with torch.no_grad():
+        for _ in range(3):
+            net(torch.rand(16, 3, 16, 16) * 2)
+    return net.eval()
+
+
+def test_batchnorm_is_folded_into_a_copy_with_the_same_logits():
+    net = batchnorm_net()
+    state = copy.deepcopy(net.state_dict())
+    folded = folded_batchnorm(net)
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in folded.modules())
+    assert not any(p.requires_grad for p in folded.parameters())  # input gradients only
+    x = torch.rand(4, 3, 16, 16)
+    torch.testing.assert_close(folded(x), net(x), rtol=1e-5, atol=1e-5)
+    # the model itself is left as it was
+    assert isinstance(net[1], nn.BatchNorm2d) and all(torch.equal(v, net.state_dict()[k]) for k, v in state.items())
+
+    assert folded_batchnorm(net.train()) is None  # training mode normalises with batch statistics: nothing to fold
+    assert folded_batchnorm(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()) is None  # no BatchNorm
+    assert folded_batchnorm(nn.Sequential(nn.BatchNorm2d(3), nn.Conv2d(3, 8, 3)).eval()) is None  # none after a layer
+    assert folded_batchnorm(lambda images: net.eval()(images)) is None  # not a module
+
+    class Branches(nn.Module):  # control flow on the data: torch.fx cannot trace it
+        def __init__(self):
+            super().__init__()
+            self.net = batchnorm_net()
+
+        def forward(self, images):
+            return self.net(images) if images.mean() > 0.5 else -self.net(images)
+
+    with pytest.warns(UserWarning, match="cannot trace"):
+        assert folded_batchnorm(Branches().eval()) is None
+
+
+def test_folding_follows_the_weights_and_its_claims_are_checked_on_the_model(trained, points, monkeypatch):
+    x, y = points
+    net = copy.deepcopy(trained)
+    adversary = AutoAttack(net, norm="Linf", eps=EPS["Linf"], version="apgd-ce", n_iter=10)
+    first = adversary.evaluate(x, y)
+    assert first.batchnorm_folded and first.summary()["batchnorm_folded"]
+    unfolded = AutoAttack(net, norm="Linf", eps=EPS["Linf"], version="apgd-ce", n_iter=10, fold_batchnorm=False)
+    assert not unfolded.evaluate(x, y).batchnorm_folded
+    with pytest.raises(ValueError, match="fast engine only"):
+        AutoAttack(net, engine="reference", fold_batchnorm=True)
+
+    # the folded copy is made per evaluation: after the weights change it attacks the new ones
+    with torch.no_grad():
+        for m in net.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean += 0.05
+    second, expected = adversary.evaluate(x, y), unfolded.evaluate(x, y)
+    assert not torch.equal(second.robust, first.robust)
+    assert torch.equal(second.clean, expected.clean) and torch.equal(second.robust, expected.robust)
+
+    # a stand-in that misleads the attack (here: it misclassifies every point, so every point looks broken at
+    # once) claims nothing the model refutes: those points are attacked again on the model as given
+    attacked = []
+    original = AutoAttack._attack
+
+    def spy(self, attack, model, x, y, bs, precision=None):
+        attacked.append(model)
+        return original(self, attack, model, x, y, bs, precision)
+
+    monkeypatch.setattr(autoattack, "folded_batchnorm", lambda model: (lambda images: -model(images)))
+    monkeypatch.setattr(AutoAttack, "_attack", spy)
+    misled = adversary.evaluate(x, y)
+    assert misled.batchnorm_folded and attacked[-1] is net and len(attacked) == 2
+    assert torch.equal(misled.robust, expected.robust) and not torch.equal(misled.robust, misled.clean)
+
+
 def test_the_reference_keeps_the_l1_restarts_when_the_iterations_are_changed(trained, points, monkeypatch):
     pyautoattack = pytest.importorskip("pyautoattack")
     settings = []
@@ -258,8 +334,8 @@ def test_fab_target_ranks_batched_in_one_run_match_one_rank_at_a_time(trained, p
     x, y = points
     adversary = AutoAttack(trained, norm="Linf", eps=EPS["Linf"], seed=0)
     clean = trained(x).argmax(1) == y
-    one_at_a_time, robust_one = adversary._fab_t(x[clean], y[clean], bs=1)
-    all_at_once, robust_all = adversary._fab_t(x[clean], y[clean], bs=10_000)
+    one_at_a_time, robust_one = adversary._fab_t(trained, x[clean], y[clean], bs=1)
+    all_at_once, robust_all = adversary._fab_t(trained, x[clean], y[clean], bs=10_000)
     moved = (one_at_a_time != x[clean]).flatten(1).any(1)
     assert moved.any() and not moved.all() and torch.equal(moved, ~robust_one)
     assert torch.equal(moved, (all_at_once != x[clean]).flatten(1).any(1)) and torch.equal(robust_one, robust_all)
@@ -391,6 +467,7 @@ def test_callback_results_match_a_direct_evaluation_and_resume_without_double_co
 def test_outcomes_of_another_evaluation_are_refused(tmp_path, checkpoint, capsys):
     first = run_test(tmp_path, checkpoint, "--trainer.limit_test_batches", "1")
     assert first["conditions"]["channels_last"]  # the fast engine's CPU default
+    assert first["conditions"]["batchnorm_folded"]  # test_resnet has BatchNorm after its convolutions
     ckpt, synthetic_root = checkpoint
     config = eval_config(tmp_path, synthetic_root, n_iter=7)
     assert main(["test", "--config", str(config), "--ckpt_path", str(ckpt)]) == 2  # a clear error, nothing mixed

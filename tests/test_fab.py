@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from robust_lightning.attacks import fab
 from robust_lightning.attacks.fab import (
     FABResult,
     fab_targeted,
@@ -124,11 +125,14 @@ def test_matches_reference_norms_other_rank(norm):
     assert (res.robust[attacked] != ref_robust[attacked]).sum() <= 1
 
 
+@pytest.mark.parametrize("prefix", [2, 256, 10**9])
 @pytest.mark.parametrize("n", [1, 2, 7, 64, 768])
-def test_projections_match_reference(n):
+def test_projections_match_reference(n, prefix, monkeypatch):
     """The vectorised projections equal the reference's, including unreachable hyperplanes, zero weights,
-    coordinates at the box bounds and ties."""
+    coordinates at the box bounds and ties; whether the CPU sorts a few keys per row first and more for the
+    rows that need them (prefix 2: most rows need more), or every key at once (as on GPUs)."""
     ref = pytest.importorskip("pyautoattack.fab_projections")
+    monkeypatch.setattr(fab, "_PREFIX", prefix)
     g = torch.Generator().manual_seed(n)
     rows = 48
     t = torch.rand(rows, n, generator=g)

@@ -7,9 +7,11 @@
 Both engines share the ensemble logic here: clean points only, attacks in order (standard: APGD-CE ->
 APGD-T -> FAB-T -> Square), each attack only on the points that survived the previous ones, robust accuracy
 as the per-point worst case. Every adversarial example an attack returns is re-checked here with an fp32
-forward before the point counts as broken, so a low-precision attack can never claim a success that does
-not hold in fp32; and since such a false success also ended the point's attack early (no further targets,
-restarts or queries), a point whose claim fp32 refutes goes through that attack again, in fp32.
+forward of the model as given before the point counts as broken, so an attack that ran a faster stand-in
+(low precision, another memory layout, BatchNorm folded) can never claim a success that does not hold for
+the model; and since such a false success also ended the point's attack early (no further targets,
+restarts or queries), a point whose claim the check refutes goes through that attack again, on the model as
+given, in fp32.
 
 * ``engine="reference"`` runs the attacks of the ``pyautoattack`` package (the code RobustBench pins)
   unchanged, one attack at a time on the survivors: its own batching of survivors in index order and its
@@ -20,7 +22,8 @@ restarts or queries), a point whose claim fp32 refutes goes through that attack 
   target classes (restarts) run in one batch of up to ``bs`` rows (:func:`batched_runs`), and Square
   evaluates several of each point's next queries in one pass (speculatively, with the one-at-a-time result).
   On the CPU the model gets its inputs in the channels_last layout, where oneDNN's convolutions and pooling
-  run faster (:func:`channels_last_inputs`).
+  run faster (:func:`channels_last_inputs`), and eval-mode BatchNorm is folded into the convolutions before
+  it (:func:`folded_batchnorm`): one op instead of two, forward and backward.
 
 Quick modes (``version``): "apgd-t" (targeted APGD-DLR only, 40 iterations, 3 target classes: the paper's
 sweeps) and "apgd-ce" (``n_iter``-step APGD-CE, e.g. 10 for checkpoint selection).
@@ -29,11 +32,12 @@ sweeps) and "apgd-ce" (``n_iter``-step APGD-CE, e.g. 10 for checkpoint selection
 import contextlib
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .apgd import apgd
 from .fab import fab_targeted
@@ -61,6 +65,7 @@ class AutoAttackReport:
     seed: int
     attacks: tuple[str, ...]
     channels_last: bool  # the attacks fed the model channels_last inputs (fast engine)
+    batchnorm_folded: bool  # the attacks ran a copy of the model with BatchNorm folded (fast engine)
     clean: Tensor  # bool: correctly classified without attack
     robust: Tensor  # bool: correctly classified after every attack
     broken_by: list[str | None]  # per point: the attack that broke it ("clean" if misclassified anyway)
@@ -81,7 +86,7 @@ class AutoAttackReport:
         return {
             "norm": self.norm, "eps": self.eps, "version": self.version, "engine": self.engine,
             "precision": precision_note(self.precision), "seed": self.seed, "attacks": list(self.attacks),
-            "channels_last": self.channels_last,
+            "channels_last": self.channels_last, "batchnorm_folded": self.batchnorm_folded,
             "num_points": len(self.clean), "clean_accuracy": self.clean_accuracy,
             "robust_accuracy": self.robust_accuracy, "robust_accuracy_after": dict(self.robust_after),
             "seconds": dict(self.seconds), "total_seconds": sum(self.seconds.values()),
@@ -139,6 +144,27 @@ def channels_last_inputs(model: Callable[[Tensor], Tensor]) -> Callable[[Tensor]
     return forward
 
 
+def folded_batchnorm(model: Callable[[Tensor], Tensor]) -> nn.Module | None:
+    """A copy of ``model`` (an ``nn.Module`` in eval mode) with each BatchNorm folded into the convolution or
+    linear layer before it, so that the pair costs one op, forward and backward; logits agree up to float
+    rounding. None where nothing folds, or where torch.fx cannot trace the model (with a warning)."""
+    if not isinstance(model, nn.Module) or model.training:
+        return None
+    batchnorms = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    if not batchnorms:
+        return None
+    from torch.fx.experimental.optimization import fuse
+
+    try:
+        folded = fuse(model)  # works on a deep copy
+    except Exception as error:  # noqa: BLE001 - tracing fails in many ways on dynamic code; the model still runs
+        warnings.warn(f"BatchNorm not folded for the attacks: torch.fx cannot trace the model ({error})")
+        return None
+    if sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in folded.modules()) == batchnorms:
+        return None  # no BatchNorm follows a convolution or linear layer directly
+    return folded.requires_grad_(False)
+
+
 def uses_channels_last(engine: str, device: torch.device, requested: bool | None = None) -> bool:
     """Whether the attacks feed the model channels_last inputs: as ``requested`` (fast engine only), by default
     on the CPU, where it measured faster (benchmarks/RESULTS.md), and not elsewhere, where it is unmeasured."""
@@ -166,6 +192,9 @@ class AutoAttack:
         channels_last: fast engine only: give the model channels_last inputs. Default: on the CPU, where it
             measured faster (benchmarks/RESULTS.md); off elsewhere, where it has not been measured. The fp32
             verification of successes always sees the standard layout.
+        fold_batchnorm: fast engine only (default on): attack a copy of the model with BatchNorm folded into
+            the layers before it (:func:`folded_batchnorm`, made afresh by every ``evaluate``); successes are
+            verified on the model as given.
     """
 
     def __init__(
@@ -182,6 +211,7 @@ class AutoAttack:
         n_target_classes: int | None = None,
         n_queries: int = 5000,
         channels_last: bool | None = None,
+        fold_batchnorm: bool | None = None,
     ):
         if norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
@@ -193,6 +223,8 @@ class AutoAttack:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         if engine == "reference" and precision != "fp32":
             raise ValueError("the reference engine runs in fp32 only (as the package does)")
+        if engine == "reference" and fold_batchnorm:
+            raise ValueError("fold_batchnorm applies to the fast engine only; the reference runs the model as is")
         if eps <= 0:
             raise ValueError(f"eps must be positive, got {eps}")
         self.model, self.norm, self.eps, self.version = model, norm, float(eps), version
@@ -202,7 +234,7 @@ class AutoAttack:
             device = parameter.device if parameter is not None else "cpu"
         self.device = torch.device(device)
         self.channels_last = uses_channels_last(engine, self.device, channels_last)
-        self.attack_model = channels_last_inputs(model) if self.channels_last else model  # the fast engine calls it
+        self.fold_batchnorm = engine == "fast" and fold_batchnorm is not False
         quick = version != "standard"
         self.n_iter = n_iter or (40 if version == "apgd-t" else 100)
         if norm == "L1" and self.n_iter < L1_MIN_ITER:
@@ -232,9 +264,17 @@ class AutoAttack:
             if was_training:
                 self.model.train()
 
+    def _stand_in(self) -> tuple[Callable[[Tensor], Tensor], bool]:
+        """What the fast engine's attacks run (the model, maybe folded, maybe fed channels_last) and whether
+        BatchNorm is folded in it. Made per evaluation, so that it has the model's current weights."""
+        folded = folded_batchnorm(self.model) if self.fold_batchnorm else None
+        model = folded if folded is not None else self.model
+        return (channels_last_inputs(model) if self.channels_last else model), folded is not None
+
     # ------------------------------------------------------------------------------------------ ensemble
     def _evaluate(self, x: Tensor, y: Tensor, bs: int, progress) -> AutoAttackReport:
         started = time.perf_counter()
+        stand_in, folded = self._stand_in() if self.engine == "fast" else (self.model, False)
         clean = self._correct(x, y, bs)
         robust = clean.clone()
         broken_by: list[str | None] = [None if ok else "clean" for ok in clean.tolist()]
@@ -245,15 +285,15 @@ class AutoAttack:
             started = time.perf_counter()
             survivors = robust.nonzero().flatten()
             if len(survivors):
-                candidates, claimed_robust = self._attack(attack, x[survivors], y[survivors], bs)
-                # a success counts only if an fp32 forward agrees
+                candidates, claimed_robust = self._attack(attack, stand_in, x[survivors], y[survivors], bs)
+                # a success counts only if an fp32 forward of the model as given agrees
                 held = self._correct(candidates, y[survivors], bs)
-                if self.precision != "fp32":
-                    # a low-precision success that fp32 refutes also ended the point's attack early (its other
-                    # targets, restarts, queries): those points get this attack again, in fp32
+                if self.engine == "fast":
+                    # a success the check refutes also ended the point's attack early (its other targets,
+                    # restarts, queries): those points get this attack again, on the model as given, in fp32
                     redo = (~claimed_robust & held).nonzero().flatten()
                     if len(redo):
-                        again, _ = self._attack(attack, x[survivors[redo]], y[survivors[redo]], bs, "fp32")
+                        again, _ = self._attack(attack, self.model, x[survivors[redo]], y[survivors[redo]], bs, "fp32")
                         candidates[redo] = again
                         held[redo] = self._correct(again, y[survivors[redo]], bs)
                 newly_broken = survivors[~held]
@@ -267,8 +307,9 @@ class AutoAttack:
                 progress(f"{attack}: robust accuracy {robust_after[attack]:.2%} ({seconds[attack]:.1f} s)")
         return AutoAttackReport(
             norm=self.norm, eps=self.eps, version=self.version, engine=self.engine, precision=self.precision,
-            seed=self.seed, attacks=self.attacks, channels_last=self.channels_last, clean=clean.cpu(),
-            robust=robust.cpu(), broken_by=broken_by, robust_after=robust_after, seconds=seconds, x_adv=x_adv,
+            seed=self.seed, attacks=self.attacks, channels_last=self.channels_last, batchnorm_folded=folded,
+            clean=clean.cpu(), robust=robust.cpu(), broken_by=broken_by, robust_after=robust_after,
+            seconds=seconds, x_adv=x_adv,
         )
 
     @torch.no_grad()
@@ -280,9 +321,10 @@ class AutoAttack:
                 for i in range(0, len(x), bs)
             ])
 
-    def _attack(self, attack: str, x: Tensor, y: Tensor, bs: int, precision: str | None = None
-                ) -> tuple[Tensor, Tensor | None]:
-        """The attack's candidate images and, for the fast engine, its own robust flags (at ``precision``)."""
+    def _attack(self, attack: str, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int,
+                precision: str | None = None) -> tuple[Tensor, Tensor | None]:
+        """The attack's candidate images and, for the fast engine, its own robust flags (``model`` attacked at
+        ``precision``)."""
         if self.engine == "reference":
             with numerics("fp32", self.device):  # TF32 off: PyTorch lets cuDNN convolutions use it by default
                 return self._reference_attack(attack, x, y, bs), None
@@ -291,7 +333,7 @@ class AutoAttack:
         for i in range(0, len(x), bs):
             xb, yb = x[i : i + bs].to(self.device), y[i : i + bs].to(self.device)
             with numerics(precision or self.precision, self.device):
-                candidates, still = run[attack](xb, yb, bs)
+                candidates, still = run[attack](model, xb, yb, bs)
             images.append(candidates.detach().float().to(x.device))
             robust.append(still.to(x.device))
         return torch.cat(images), torch.cat(robust)
@@ -300,11 +342,13 @@ class AutoAttack:
     def _generator(self) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(self.seed)  # reset per attack per batch
 
-    def _logits(self, x: Tensor) -> Tensor:
+    @staticmethod
+    def _logits(model: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
         with torch.no_grad():
-            return self.attack_model(x).float()
+            return model(x).float()
 
-    def _apgd(self, x: Tensor, y: Tensor, generator: torch.Generator, **kwargs) -> tuple[Tensor, Tensor]:
+    def _apgd(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, generator: torch.Generator, **kwargs
+              ) -> tuple[Tensor, Tensor]:
         """One APGD run (x_adv, robust); for L1 the reference's 3/2/1 x eps schedule (30/30/40 % of the
         iterations) from a random point, each stage starting from the previous stage's best point.
 
@@ -313,7 +357,7 @@ class AutoAttack:
         (the start's L0 distance); ours starts exactly sparse, so its first steps may be sparser. Matching it
         would need the reference's own projection bit for bit (ours agrees to float error only)."""
         if self.norm != "L1":
-            result = apgd(self.attack_model, x, y, norm=self.norm, eps=self.eps, n_iter=self.n_iter,
+            result = apgd(model, x, y, norm=self.norm, eps=self.eps, n_iter=self.n_iter,
                           random_start=True, generator=generator, **kwargs)
             return result.x_adv, result.robust
         stages = [math.ceil(0.3 * self.n_iter), math.ceil(0.3 * self.n_iter)]
@@ -322,41 +366,41 @@ class AutoAttack:
         start = x + l1_projection(x, noise, 3 * self.eps)
         for factor, n_iter in zip((3, 2, 1), stages):
             start = x + l1_projection(x, start - x, factor * self.eps)
-            result = apgd(self.attack_model, x, y, norm="L1", eps=factor * self.eps, n_iter=n_iter, x_init=start,
+            result = apgd(model, x, y, norm="L1", eps=factor * self.eps, n_iter=n_iter, x_init=start,
                           generator=generator, **kwargs)
             start = result.x_best
         return result.x_adv, result.robust
 
-    def _apgd_ce(self, x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
+    def _apgd_ce(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
         generator = self._generator()
 
         def attack(rows: Tensor, restarts: Tensor) -> tuple[Tensor, Tensor]:  # each row its own random start
-            return self._apgd(x[rows], y[rows], generator, loss="ce")
+            return self._apgd(model, x[rows], y[rows], generator, loss="ce")
 
         return batched_runs(attack, x, range(5 if self.norm == "L1" and self.version == "standard" else 1), bs)
 
-    def _apgd_t(self, x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
+    def _apgd_t(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
         generator = self._generator()
-        ranked = self._logits(x).sort(dim=1)[1]  # target of rank r: the r-th highest clean logit
+        ranked = self._logits(model, x).sort(dim=1)[1]  # target of rank r: the r-th highest clean logit
 
         def attack(rows: Tensor, ranks: Tensor) -> tuple[Tensor, Tensor]:
             target = ranked[rows, ranked.shape[1] - ranks]
-            return self._apgd(x[rows], y[rows], generator, loss="dlr-targeted", y_target=target)
+            return self._apgd(model, x[rows], y[rows], generator, loss="dlr-targeted", y_target=target)
 
         return batched_runs(attack, x, range(2, self.n_target_classes + 2), bs)
 
-    def _fab_t(self, x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
-        logits = self._logits(x)
+    def _fab_t(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
+        logits = self._logits(model, x)
 
         def attack(rows: Tensor, ranks: Tensor) -> tuple[Tensor, Tensor]:
-            result = fab_targeted(self.attack_model, x[rows], y[rows], norm=self.norm, eps=self.eps, n_iter=100,
+            result = fab_targeted(model, x[rows], y[rows], norm=self.norm, eps=self.eps, n_iter=100,
                                   target_rank=ranks, logits_clean=logits[rows])
             return result.x_adv, result.robust
 
         return batched_runs(attack, x, range(2, self.n_fab_targets + 2), bs)
 
-    def _square(self, x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
-        result = square_attack(self.attack_model, x, y, norm=self.norm, eps=self.eps, n_queries=self.n_queries,
+    def _square(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
+        result = square_attack(model, x, y, norm=self.norm, eps=self.eps, n_queries=self.n_queries,
                                p_init=0.8, generator=self._generator(), batch_size=bs)
         return torch.where(result.robust.view(-1, *[1] * (x.dim() - 1)), x, result.x_adv), result.robust
 

@@ -10,26 +10,27 @@ point (factor ``beta``). A point is broken when the closest adversarial found is
 
 It follows the reference (``pyautoattack.fab_base.FABAttack.attack_single_run`` with ``is_targeted=True``,
 ``fab_projections.projection_{linf,l2,l1}``, AutoAttack 'standard': one restart, no random start,
-``n_iter=100``, ``alpha_max=0.1``, ``eta=1.05``, ``beta=0.9``, target ranks 2..10) operation for
-operation, so for the same inputs the two agree to float precision (bit for bit on CPU in our tests).
-One call attacks one target rank; the ensemble loops over the ranks on the points that are still robust.
+``n_iter=100``, ``alpha_max=0.1``, ``eta=1.05``, ``beta=0.9``, target ranks 2..10) step for step, so for
+the same inputs the two agree to float rounding. One call attacks one target rank, or one rank per point.
 
 Differences in structure, not in results:
 
 * every point stays in the batch for all iterations (the reference attacks only the correctly classified
   ones; here they are masked out and returned as non-robust with ``x_adv = x`` and norm 0);
-* the projections run their bisections on every row and pick each row's case with ``torch.where``, where
-  the reference indexes the rows of each case (the probes and the arithmetic are the same);
+* the projections compute the same minimal-norm solutions differently: each row's case is picked with
+  ``torch.where`` where the reference indexes the rows of each case, the Linf and L2 ones share one
+  water-filling solver, and on the CPU only the smallest keys of the sort are sorted (see below);
 * gradients are taken with respect to the input only, one backward of ``sum(z_t - z_y)`` per iteration;
   parameters' ``.grad`` are never touched and the model's train/eval mode is left to the caller;
-* no host-device synchronisation (no ``.item()``, no data-dependent shapes or control flow), also in the
-  set-up as long as ``eps`` is a Python number.
+* no host-device synchronisation on GPUs (no ``.item()``, no data-dependent shapes or control flow), also
+  in the set-up as long as ``eps`` is a Python number; on the CPU, where it costs nothing, the projections
+  check whether a partial sort sufficed.
 
 Batch composition can change float rounding in the model (e.g. matmul blocking), and FAB's iterates are
 sensitive to it, so a borderline point can flip when compared with a reference run on another batch.
 """
 
-import math
+from collections.abc import Callable
 from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
@@ -51,23 +52,38 @@ class FABResult:
 
 
 # ------------------------------------------------------------------ projections onto hyperplane and box
+#
+# Each projection orders the coordinates (by the radius where they saturate for Linf and L2, by weight for
+# L1), but only as far as its solution reaches, and few coordinates saturate or move. A full sort of every
+# row was FAB's largest cost on the CPU, so there only the smallest keys are sorted, more for the rows that
+# need them. Orders agree with the reference's up to ties, which change float rounding only.
+
+_PREFIX = 256  # keys per row sorted at first on the CPU
 
 
-def _bisect(cond: Tensor, hi: int, n_coords: int) -> Tensor:
-    """Per row, the last index ``k`` in ``[0, hi]`` with ``cond[:, k]`` True, for predicates True...False.
+def _on_smallest(solve: Callable[..., tuple[Tensor, Tensor]], keys: Tensor, *per_row: Tensor) -> Tensor:
+    """``solve(order, *per_row)``, with ``order`` the indices of each row's ``m`` smallest keys (ascending).
 
-    ``ceil(log2(n_coords))`` halvings with ``torch.where`` updates (the reference's probe sequence), so all
-    rows are searched at once without synchronising. Rows whose predicate is not of that shape get some
-    index in range, which the callers discard.
+    ``solve`` returns its answer per row and whether that answer is complete with the first ``m`` keys. On
+    the CPU ``m`` starts at ``_PREFIX`` and the incomplete rows are solved again with 4x more keys (the check
+    costs nothing there); on other devices all keys are sorted at once, so that nothing waits for the host.
     """
-    lo = torch.zeros(cond.shape[0], dtype=torch.long, device=cond.device)
-    up = torch.full_like(lo, hi)
-    for _ in range(math.ceil(math.log2(n_coords))):
-        mid = (lo + up) // 2
-        ok = cond.gather(1, mid[:, None]).squeeze(1)
-        lo = torch.where(ok, mid, lo)
-        up = torch.where(ok, up, mid)
-    return lo
+    def smallest(keys: Tensor, m: int) -> Tensor:
+        return torch.topk(keys, m, dim=1, largest=False).indices if m < n else torch.argsort(keys, dim=1)
+
+    n = keys.shape[1]
+    m = min(n, _PREFIX) if keys.device.type == "cpu" else n
+    answer, complete = solve(smallest(keys, m), *per_row)
+    while m < n and not bool(complete.all()):
+        m = min(n, 4 * m)
+        rows = (~complete).nonzero().squeeze(1)
+        answer[rows], complete[rows] = solve(smallest(keys[rows], m), *(x[rows] for x in per_row))
+    return answer
+
+
+def _cumsum_from_zero(x: Tensor) -> Tensor:
+    """Per row, the sums of the first k entries for k = 0..n (n + 1 columns)."""
+    return F.pad(torch.cumsum(x, dim=1), (1, 0))
 
 
 def _orient(t: Tensor, w: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
@@ -80,105 +96,85 @@ def _orient(t: Tensor, w: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     return w * side[:, None], gap * side
 
 
+def _water_fill_radius(order: Tensor, rate: Tensor, radius: Tensor, c: Tensor, reachable: Tensor
+                       ) -> tuple[Tensor, Tensor]:
+    """``lam`` with ``sum_i rate_i * min(lam, radius_i) = c``, from the radii in ``order`` (the smallest)."""
+    rate_s, radius_s = rate.gather(1, order), radius.gather(1, order)
+    saturated_gap = _cumsum_from_zero(rate_s * radius_s)  # closed by the k smallest radii, k = 0..m
+    # (clamped: rounding must not leave a negative rate, which huge radii would turn into a large gap)
+    free_rate = (rate.sum(1, keepdim=True) - _cumsum_from_zero(rate_s)).clamp_min(0)  # of the other coordinates
+    # The gap closed at lam = the k-th smallest radius; it is below c for the radii lam passes.
+    closed = saturated_gap[:, :-1] + radius_s * free_rate[:, :-1]
+    k = (closed < c[:, None]).sum(1, keepdim=True)
+    free_k = free_rate.gather(1, k)
+    lam = (c[:, None] - saturated_gap.gather(1, k)) / torch.where(free_k > 0, free_k, 1.0)
+    return lam, (k.squeeze(1) < order.shape[1]) | ~reachable
+
+
+def _water_fill(w: Tensor, v: Tensor, radius: Tensor, c: Tensor, reachable: Tensor) -> Tensor:
+    """The move ``d_i = -v_i * min(lam, radius_i)`` with ``w.d = -c`` (``v_i w_i >= 0``) in reachable rows,
+    ``d_i = -v_i * radius_i`` (every coordinate saturated) in the others.
+
+    ``-w.d(lam) = sum_i v_i w_i min(lam, radius_i)`` is piecewise linear and increasing in ``lam``, with a kink
+    where a coordinate saturates; with the radii sorted, the piece that reaches ``c`` follows from cumulative
+    sums.
+    """
+    lam = _on_smallest(_water_fill_radius, radius, v * w, radius, c, reachable)
+    return -v * torch.where(reachable[:, None], torch.minimum(lam, radius), radius)
+
+
 def project_hyperplane_linf(t: Tensor, w: Tensor, b: Tensor) -> Tensor:
     """Smallest-Linf ``d`` (rows of (N, n)) with ``w.(t + d) = b`` and ``t + d`` in [0, 1]^n.
 
     Where the box makes the hyperplane unreachable, ``d`` moves every coordinate to the bound that lowers
     ``|w.(t + d) - b|`` (the best effort, as in the reference). With Linf radius ``lam`` each coordinate
-    moves by ``min(lam, room_i)`` towards its bound, so ``w.d(lam)`` is piecewise linear in ``lam`` with
-    kinks at the rooms; sorting the rooms (largest first) and bisecting finds the piece that hits ``b``.
+    moves by ``min(lam, room_i)`` towards that bound.
     """
     w, c = _orient(t, w, b)  # w.z has to decrease by c
-    moves = w != 0
-    up = (w < 0).float()  # coordinates that move up (to 1), the others move down (to 0)
-    d_box = (up - t) * moves.float()  # the full move to the bound
-    room = up - t * (2 * up - 1)  # |move to the bound|: 1 - t upwards, t downwards
-    desc = torch.argsort(room, dim=1).flip(1)  # the reference's ascending sort, flipped: ties order alike
-
-    need = -c  # required change of w.z (<= 0)
-    full = (w * d_box).sum(1)  # change with every coordinate at its bound
-    w_desc = w.gather(1, desc)
-    s = torch.cumsum(w_desc.abs(), dim=1)
-    sb = torch.cumsum(-w_desc * d_box.gather(1, desc), dim=1) + full[:, None]
-    # reach[:, k]: w.d(lam) at lam = the k-th largest room (the k+1 largest unsaturated, the rest at bounds).
-    reach = sb - s * room.gather(1, desc)
-
-    no_saturation = need - reach[:, -1] > 0  # reachable before any coordinate hits its bound
-    partial = (need - full > 0) & ~no_saturation
-    k = _bisect(need[:, None] - reach > 0, w.shape[1] - 1, w.shape[1])[:, None]
-
-    lam = torch.clamp_min((need - sb[:, -1]) / (-s[:, -1]), min=0)[:, None]
-    d_free = (2 * up - 1) * lam
-    lam_k = torch.clamp_min((need[:, None] - sb.gather(1, k)) / (-s.gather(1, k)), min=0)
-    d_partial = torch.min(lam_k, d_box) * up + torch.max(-lam_k, d_box) * (1 - up)
-
-    d = torch.where(no_saturation[:, None], d_free, torch.where(partial[:, None], d_partial, d_box))
-    return d * moves.float()
+    up = w < 0  # coordinates that move up (to 1); the others move down (to 0)
+    room = torch.where(up, 1 - t, t)
+    reachable = c < (w.abs() * room).sum(1)
+    return _water_fill(w, torch.sign(w), room, c, reachable)
 
 
 def project_hyperplane_l2(t: Tensor, w: Tensor, b: Tensor) -> Tensor:
     """Smallest-L2 ``d`` with ``w.(t + d) = b`` and ``t + d`` in [0, 1]^n (best effort where unreachable).
 
-    The solution is ``d_i = clip(-lam * w_i)`` to the box for some ``lam >= 0``; coordinate ``i`` saturates
-    at ``lam = r_i``. Sorting the ``r_i`` makes ``w.d(lam)`` piecewise linear, and bisection finds the piece.
+    The solution is ``d_i = -lam * w_i`` clipped to the box: coordinate ``i`` saturates at ``lam = r_i``.
     """
-    w, c = _orient(t, w, b)  # c = w.t - b >= 0: w.d must equal -c
-    tiny = w.abs() < 1e-8
+    w, c = _orient(t, w, b)  # w.d must equal -c
+    moves = w.abs() > 1e-8  # as in the reference: smaller weights never saturate and do not move
     r = torch.max(t / w, (t - 1) / w).clamp(min=-_BIG, max=_BIG)
-    r = torch.where(tiny, _BIG, r)  # (near-)zero weights never saturate, and their 0/0 NaNs are dropped
-    r = torch.where(r == -_BIG, _BIG, r)  # (r >= 0 for t in the box; kept from the reference)
-    rs, order = torch.sort(r, dim=1)
-    rs_next = F.pad(rs[:, 1:], (0, 1))
-    rs = torch.where(rs == _BIG, 0.0, rs)
-    rs_next = torch.where(rs_next == _BIG, 0.0, rs_next)
+    r = torch.where(moves & (r != -_BIG), r, _BIG)  # (r >= 0 for t in the box)
+    reachable = c <= torch.where(moves, w * w * r, 0.0).sum(1)
+    return torch.where(moves, _water_fill(w, w, r, c, reachable), 0.0)
 
-    w2 = (w**2).gather(1, order)
-    w2_total = w2.sum(dim=1, keepdim=True)
-    w2_free = w2_total - torch.cumsum(w2, dim=1)  # squared weight of the coordinates not yet saturated
-    d_box = -(r * w) * (w.abs() > 1e-8).float()  # every coordinate at its bound
-    # s[:, k]: w.d(lam) at lam = rs[:, k] (and one trailing value past the last kink).
-    start = -w2_total * rs[:, 0:1]
-    s = torch.cat((start, torch.cumsum((-rs_next + rs) * w2_free, dim=1) + start), 1)
 
-    no_saturation = s[:, 0] + c < 0
-    unreachable = (d_box * w).sum(dim=1) + c > 0
-    partial = ~(no_saturation | unreachable)
-    k = _bisect(s[:, :-1] + c[:, None] > 0, w.shape[1] - 1, w.shape[1])[:, None]
-
-    d_free = -(c / w2_total.squeeze(-1))[:, None] * w  # plain projection onto the hyperplane
-    free_k = w2_free.gather(1, k)
-    lam = (s.gather(1, k) + c[:, None]) / free_k + rs.gather(1, k)
-    lam = torch.where(free_k == 0, 0.0, lam)
-    saturated = (lam > r).float()
-    d_partial = d_box * saturated - lam * w * (1 - saturated)
-
-    d = torch.where(no_saturation[:, None], d_free, torch.where(partial[:, None], d_partial, d_box))
-    return d * (w.abs() > 1e-8).float()
+def _greedy_l1(order: Tensor, t: Tensor, w: Tensor, c: Tensor, d_box: Tensor, gain: Tensor, reachable: Tensor
+               ) -> tuple[Tensor, Tensor]:
+    """Full moves along ``order`` until the next coordinate only needs a partial one (see below)."""
+    gap = torch.cumsum(torch.cat((c[:, None], gain.gather(1, order)), 1), 1)  # after k full moves, k = 0..m
+    k = ((gap > 0).sum(1, keepdim=True) - 1).clamp(0, order.shape[1] - 1)  # full moves before the partial one
+    last = order.gather(1, k)
+    first_k = torch.arange(order.shape[1], device=order.device) < k
+    d = torch.zeros_like(t).scatter(1, order, torch.where(first_k, d_box.gather(1, order), 0.0))
+    d = d.scatter(1, last, -gap.gather(1, k) / w.gather(1, last))
+    return d, (gap[:, -1] <= 0) | ~reachable
 
 
 def project_hyperplane_l1(t: Tensor, w: Tensor, b: Tensor) -> Tensor:
     """Smallest-L1 ``d`` with ``w.(t + d) = b`` and ``t + d`` in [0, 1]^n (best effort where unreachable).
 
     L1 moves the coordinates with the largest ``|w_i|`` first, each to its bound, until the next one only
-    needs a partial move; the cumulative change along that order is bisected.
+    needs a partial move.
     """
     w, c = _orient(t, w, b)  # w.d must equal -c <= 0
-    order = torch.argsort((1 / w).abs().clamp_max(_BIG), dim=1)  # largest |w_i| first
-    positions = torch.arange(w.shape[1], device=w.device).expand_as(order)
-    rank = torch.empty_like(order).scatter_(1, order, positions)  # inverse permutation: rank of each coordinate
-
-    d_box = (-t + (w < 0).float()) * (w != 0).float()  # every coordinate at the bound that lowers w.z
-    gain = torch.min(-w * t, w * (1 - t)).gather(1, order)  # change of w.z of each full move (<= 0)
-    s = torch.cumsum(torch.cat((c[:, None], gain), 1), dim=1)  # remaining gap after the first k full moves
-
-    reachable = s[:, -1] < 0
-    k = _bisect(s > 0, w.shape[1], w.shape[1])  # k full moves leave a positive gap, k + 1 overshoot
-    last = order.gather(1, k[:, None])  # the coordinate that only moves partially
-    step = -s.gather(1, k[:, None]) / w.gather(1, last)
-    d_partial = (d_box * (rank < k[:, None]).float()).scatter(1, last, step)
-
-    d = torch.where(reachable[:, None], d_partial, d_box)
-    return d * (w.abs() > 1e-8).float()
+    d_box = torch.where(w != 0, (w < 0).float() - t, 0.0)  # every coordinate at the bound that lowers w.z
+    gain = torch.min(-w * t, w * (1 - t))  # change of w.z of each full move (<= 0)
+    reachable = c + gain.sum(1) < 0
+    key = (1 / w).abs().clamp_max(_BIG)  # the reference's key: largest |w_i| first
+    d = torch.where(reachable[:, None], _on_smallest(_greedy_l1, key, t, w, c, d_box, gain, reachable), d_box)
+    return torch.where(w.abs() > 1e-8, d, 0.0)
 
 
 _PROJECTIONS = {"Linf": project_hyperplane_linf, "L2": project_hyperplane_l2, "L1": project_hyperplane_l1}

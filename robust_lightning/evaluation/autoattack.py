@@ -15,7 +15,6 @@ of the validation data (the quickstart reports AutoAttack this way).
 import json
 import os
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from robust_lightning.attacks.autoattack import (
-    ENGINES, L1_MIN_ITER, PRECISIONS, VERSIONS, AutoAttack, precision_note, uses_channels_last,
+    ENGINES, L1_MIN_ITER, PRECISIONS, VERSIONS, AutoAttack, folded_batchnorm, precision_note, uses_channels_last,
 )
 from robust_lightning.attacks.projections import NORMS
 from robust_lightning.errors import UserError
@@ -151,6 +150,8 @@ class AutoAttackEvaluation(Callback):
         weights: evaluate the raw weights or the EMA weights ("ema", when the model has them).
         channels_last: fast engine: give the model channels_last inputs (default: on the CPU only; see
             :class:`~robust_lightning.attacks.AutoAttack`); False for a model that cannot take them.
+        fold_batchnorm: fast engine: attack a copy of the model with BatchNorm folded into the layers before
+            it (default on; successes are verified on the model as given).
         fit_images: after ``fit``, evaluate the final model on this many validation images (split over ranks);
             None: only under ``test``.
         results_dir: where per-point outcomes go (default ``<trainer.default_root_dir>/autoattack``). A re-run
@@ -169,6 +170,7 @@ class AutoAttackEvaluation(Callback):
         batch_size: int | None = None,
         weights: str = "raw",
         channels_last: bool | None = None,
+        fold_batchnorm: bool | None = None,
         fit_images: int | None = None,
         results_dir: str | None = None,
     ):
@@ -176,12 +178,13 @@ class AutoAttackEvaluation(Callback):
                                      ("precision", precision, PRECISIONS), ("weights", weights, ("raw", "ema"))):
             if value not in allowed:
                 raise UserError(f"AutoAttackEvaluation.{name} must be one of {allowed}, got {value!r}")
-        if engine == "reference" and channels_last:
-            raise UserError("AutoAttackEvaluation.channels_last applies to the fast engine only")
+        for name, value in (("channels_last", channels_last), ("fold_batchnorm", fold_batchnorm)):
+            if engine == "reference" and value:
+                raise UserError(f"AutoAttackEvaluation.{name} applies to the fast engine only")
         self.threat_models = parse_threat_models(threat_models, "AutoAttackEvaluation", n_iter)
         self.version, self.engine, self.precision, self.seed = version, engine, precision, seed
         self.n_iter, self.batch_size, self.weights, self.fit_images = n_iter, batch_size, weights, fit_images
-        self.channels_last = channels_last
+        self.channels_last, self.fold_batchnorm = channels_last, fold_batchnorm
         self.results_dir = Path(results_dir) if results_dir else None
         self.done: dict[str, set[str]] = {}
         self.seconds: dict[str, dict[str, float]] = {}
@@ -244,9 +247,6 @@ class AutoAttackEvaluation(Callback):
     def _network(self, pl_module):
         return pl_module.ema.module if self.weights == "ema" else pl_module.model
 
-    def _model(self, pl_module):
-        return partial(pl_module._run, self._network(pl_module))
-
     # --------------------------------------------------------------------------------------- per batch
     def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         images, labels, keys = batch["image"], batch["label"], list(batch["key"])
@@ -259,9 +259,10 @@ class AutoAttackEvaluation(Callback):
             todo = [i for i, key in enumerate(keys) if key not in self.done[threat.name]]
             if not todo:
                 continue
-            adversary = AutoAttack(self._model(pl_module), norm=threat.norm, eps=threat.eps, version=self.version,
+            adversary = AutoAttack(self._network(pl_module), norm=threat.norm, eps=threat.eps, version=self.version,
                                    seed=self.seed, engine=self.engine, device=pl_module.device,
-                                   precision=self.precision, n_iter=self.n_iter, channels_last=self.channels_last)
+                                   precision=self.precision, n_iter=self.n_iter, channels_last=self.channels_last,
+                                   fold_batchnorm=self.fold_batchnorm)
             index = torch.tensor(todo, device=images.device)
             with torch.enable_grad():
                 report = adversary.evaluate(images[index], labels[index], bs=self.batch_size or len(todo))
@@ -302,6 +303,8 @@ class AutoAttackEvaluation(Callback):
                              summary["robust_accuracy"], *summary["robust_accuracy_after"].values()])
         conditions = {"version": self.version, "engine": self.engine, "precision": precision_note(self.precision),
                       "channels_last": uses_channels_last(self.engine, pl_module.device, self.channels_last),
+                      "batchnorm_folded": self.engine == "fast" and self.fold_batchnorm is not False
+                      and folded_batchnorm(self._network(pl_module)) is not None,
                       "seed": self.seed, "weights": self.weights, "attacks": list(VERSIONS[self.version]),
                       "results_dir": str(self.results_dir.resolve())}
         run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # a collective under DDP: all ranks call it
