@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from robust_lightning.attacks import projections
 from robust_lightning.attacks import (
     apgd,
     dlr_loss,
@@ -287,8 +288,10 @@ def _slow_l1_projection(x, delta, eps):
     return torch.stack(out).view(delta.shape)
 
 
+@pytest.mark.parametrize("prefix", [2, 256, 10**9])  # kinks sorted first on the CPU (all of them on GPUs)
 @pytest.mark.parametrize("scale,eps", [(0.02, 0.5), (0.05, 5.0), (0.3, 12.0), (1.0, 2.0), (0.001, 5.0)])
-def test_l1_projection_is_exact(scale, eps):
+def test_l1_projection_is_exact(scale, eps, prefix, monkeypatch):
+    monkeypatch.setattr(projections, "_PREFIX", prefix)
     g = torch.Generator().manual_seed(0)
     x = torch.rand(6, 3, 8, 8, generator=g)
     x[:, 0, 0, :4] = torch.tensor([0.0, 1.0, 0.0, 1.0])  # points on the box's faces

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from robust_lightning.attacks import fab
+from robust_lightning.attacks import projections
 from robust_lightning.attacks.fab import (
     FABResult,
     fab_targeted,
@@ -132,7 +132,7 @@ def test_projections_match_reference(n, prefix, monkeypatch):
     coordinates at the box bounds and ties; whether the CPU sorts a few keys per row first and more for the
     rows that need them (prefix 2: most rows need more), or every key at once (as on GPUs)."""
     ref = pytest.importorskip("pyautoattack.fab_projections")
-    monkeypatch.setattr(fab, "_PREFIX", prefix)
+    monkeypatch.setattr(projections, "_PREFIX", prefix)
     g = torch.Generator().manual_seed(n)
     rows = 48
     t = torch.rand(rows, n, generator=g)

@@ -30,14 +30,12 @@ Batch composition can change float rounding in the model (e.g. matmul blocking),
 sensitive to it, so a borderline point can flip when compared with a reference run on another batch.
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .apgd import Model
-from .projections import _per_sample, check_count, check_threat_model, lp_norm
+from .projections import _cumsum_from_zero, _on_smallest, _per_sample, check_count, check_threat_model, lp_norm
 
 _BIG = 1e12  # stands for "never saturates" in the L2/L1 projections (as in the reference)
 
@@ -54,37 +52,8 @@ class FABResult:
 # ------------------------------------------------------------------ projections onto hyperplane and box
 #
 # Each projection orders the coordinates (by the radius where they saturate for Linf and L2, by weight for
-# L1), but only as far as its solution reaches, and few coordinates saturate or move. A full sort of every
-# row was FAB's largest cost on the CPU, so there only the smallest keys are sorted, more for the rows that
-# need them. Orders agree with the reference's up to ties, which change float rounding only.
-
-_PREFIX = 256  # keys per row sorted at first on the CPU
-
-
-def _on_smallest(solve: Callable[..., tuple[Tensor, Tensor]], keys: Tensor, *per_row: Tensor) -> Tensor:
-    """``solve(order, *per_row)``, with ``order`` the indices of each row's ``m`` smallest keys (ascending).
-
-    ``solve`` returns its answer per row and whether that answer is complete with the first ``m`` keys. On
-    the CPU ``m`` starts at ``_PREFIX`` and the incomplete rows are solved again with 4x more keys (the check
-    costs nothing there); on other devices all keys are sorted at once, so that nothing waits for the host.
-    """
-    def smallest(keys: Tensor, m: int) -> Tensor:
-        return torch.topk(keys, m, dim=1, largest=False).indices if m < n else torch.argsort(keys, dim=1)
-
-    n = keys.shape[1]
-    m = min(n, _PREFIX) if keys.device.type == "cpu" else n
-    answer, complete = solve(smallest(keys, m), *per_row)
-    while m < n and not bool(complete.all()):
-        m = min(n, 4 * m)
-        rows = (~complete).nonzero().squeeze(1)
-        answer[rows], complete[rows] = solve(smallest(keys[rows], m), *(x[rows] for x in per_row))
-    return answer
-
-
-def _cumsum_from_zero(x: Tensor) -> Tensor:
-    """Per row, the sums of the first k entries for k = 0..n (n + 1 columns)."""
-    return F.pad(torch.cumsum(x, dim=1), (1, 0))
-
+# L1), but only as far as its solution reaches (``_on_smallest``): few coordinates saturate or move. Orders
+# agree with the reference's up to ties, which change float rounding only.
 
 def _orient(t: Tensor, w: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     """Flip the hyperplane ``w.z = b`` so that ``t`` lies on its non-negative side.

@@ -1,12 +1,16 @@
 """Norms, normalisations and projections onto {x + delta : ||delta||_p <= eps, 0 <= x + delta <= 1}.
 
 Everything works per sample on batches of any shape (B, ...), and is written without host-device
-synchronisation (no ``.item()``, no data-dependent shapes) so the attacks can call it inside their loops.
+synchronisation on GPUs (no ``.item()``, no data-dependent shapes) so the attacks can call it inside their
+loops; on the CPU, where it costs nothing, the exact L1 projection checks whether a partial sort sufficed.
 The Linf and L2 versions reproduce the arithmetic of the AutoAttack reference (``pyautoattack``) so that
 attacks built on them match it to float precision.
 """
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 NORMS = ("Linf", "L2", "L1")
@@ -65,7 +69,55 @@ def project_l2(x: Tensor, x_adv: Tensor, eps: float) -> Tensor:
     return torch.clamp(x + normalize(delta, "L2") * radius, 0.0, 1.0)
 
 
-def l1_projection(x: Tensor, delta: Tensor, eps: float, n_bisect: int = 40) -> Tensor:
+# ------------------------------------------------------------------ piecewise-linear solves on sorted keys
+#
+# The exact projections (L1 here, FAB's onto a hyperplane) solve a piecewise-linear equation whose kinks
+# have to be taken in sorted order, but only as far as the solution reaches, and in practice that is a few
+# hundred of the n coordinates. A full sort of every row is what made them expensive on the CPU, so there
+# only the smallest keys are sorted first.
+
+_PREFIX = 256  # keys per row sorted at first on the CPU
+
+
+def _on_smallest(solve: Callable[..., tuple[Tensor, Tensor]], keys: Tensor, *per_row: Tensor) -> Tensor:
+    """``solve(order, *per_row)``, with ``order`` the indices of each row's ``m`` smallest keys (ascending).
+
+    ``solve`` returns its answer per row and whether that answer is complete with the first ``m`` keys. On
+    the CPU ``m`` starts at ``_PREFIX`` and the incomplete rows are solved again with 4x more keys (the check
+    costs nothing there); on other devices all keys are sorted at once, so that nothing waits for the host.
+    """
+    def smallest(keys: Tensor, m: int) -> Tensor:
+        return torch.topk(keys, m, dim=1, largest=False).indices if m < n else torch.argsort(keys, dim=1)
+
+    n = keys.shape[1]
+    m = min(n, _PREFIX) if keys.device.type == "cpu" else n
+    answer, complete = solve(smallest(keys, m), *per_row)
+    while m < n and not bool(complete.all()):
+        m = min(n, 4 * m)
+        rows = (~complete).nonzero().squeeze(1)
+        answer[rows], complete[rows] = solve(smallest(keys[rows], m), *(x[rows] for x in per_row))
+    return answer
+
+
+def _cumsum_from_zero(x: Tensor) -> Tensor:
+    """Per row, the sums of the first k entries for k = 0..n (n + 1 columns)."""
+    return F.pad(torch.cumsum(x, dim=1), (1, 0))
+
+
+
+def _l1_threshold(order: Tensor, negated_kinks: Tensor, eps: Tensor, binding: Tensor) -> tuple[Tensor, Tensor]:
+    """``lam`` with ``f(lam) = eps`` from the kinks of ``f`` in ``order`` (the largest first; see below)."""
+    kinks_s = -negated_kinks.gather(1, order)
+    # walking down: a coordinate leaves zero at a kink of the first half and reaches its cap at one of the second
+    shrinking = torch.cumsum(torch.where(order < negated_kinks.shape[1] // 2, 1.0, -1.0), 1)
+    f = _cumsum_from_zero(shrinking[:, :-1] * (kinks_s[:, :-1] - kinks_s[:, 1:]))  # f at each kink (0 at the first)
+    k = (f <= eps[:, None]).sum(1, keepdim=True) - 1  # the last kink with f <= eps: lam lies just below it
+    rate = shrinking.gather(1, k)
+    lam = kinks_s.gather(1, k) - (eps[:, None] - f.gather(1, k)) / torch.where(rate > 0, rate, 1.0)
+    return lam.squeeze(1), (k.squeeze(1) < order.shape[1] - 1) | ~binding
+
+
+def l1_projection(x: Tensor, delta: Tensor, eps: float) -> Tensor:
     """Exact Euclidean projection of the perturbation ``delta`` onto {d : ||d||_1 <= eps, 0 <= x + d <= 1}.
 
     Returns the projected **perturbation** (``x + result`` is the projected point), unlike the reference's
@@ -74,31 +126,21 @@ def l1_projection(x: Tensor, delta: Tensor, eps: float, n_bisect: int = 40) -> T
     The KKT conditions give, per coordinate, ``d_i = sign(delta_i) * clip(|delta_i| - lam, 0, m_i)``, where
     ``m_i = min(|delta_i|, room_i)`` is what the box allows in the direction of ``delta_i`` (``1 - x_i``
     upwards, ``x_i`` downwards) and ``lam >= 0`` is the smallest value with ``||d||_1 <= eps``.
-    ``f(lam) = ||d(lam)||_1`` is continuous and non-increasing, so a bisection on ``lam`` with a fixed
-    number of steps finds it (no data-dependent control flow, hence no device sync). 40 halvings of
-    [0, max |delta_i|] reach the float32 resolution of ``lam``, so the result is exact up to float error;
-    we keep the upper end of the bracket, which is feasible: ``||d||_1 <= eps`` as computed.
+    ``f(lam) = ||d(lam)||_1`` is continuous, non-increasing and piecewise linear: coordinate i starts to
+    shrink below ``|delta_i| - m_i`` and reaches zero at ``|delta_i|``. Walking these kinks from the largest
+    down, ``f`` grows by the number of shrinking coordinates times the distance; ``lam`` is where it reaches
+    ``eps`` (exact up to float rounding). Only the largest kinks are sorted (see ``_on_smallest``).
     """
     shape = delta.shape
     x_flat, d_flat = x.flatten(1).to(delta.dtype), delta.flatten(1)
     mag = d_flat.abs()
     room = torch.where(d_flat > 0, 1.0 - x_flat, x_flat).clamp(min=0.0)
     cap = torch.minimum(mag, room)  # box-clipped magnitudes: the answer when the ball is inactive
-
-    def shrink(lam: Tensor) -> Tensor:
-        return (mag - lam[:, None]).clamp(min=0.0).minimum(cap)
-
-    # Invariant: f(lo) > eps >= f(hi) wherever the ball is active (f(max |delta|) = 0).
-    lo = torch.zeros_like(mag[:, 0])
-    hi = mag.amax(1)
-    for _ in range(n_bisect):
-        mid = 0.5 * (lo + hi)
-        above = shrink(mid).sum(1) > eps
-        lo = torch.where(above, mid, lo)
-        hi = torch.where(above, hi, mid)
-    # Where the box-clipped delta is already inside the ball, lam = 0 exactly (not a bisection residue).
-    lam = torch.where(cap.sum(1) > eps, hi, torch.zeros_like(hi))
-    return (torch.sign(d_flat) * shrink(lam)).view(shape)
+    binding = cap.sum(1) > eps
+    negated_kinks = torch.cat((-mag, cap - mag), 1)  # negated: the largest kinks are the smallest keys
+    budget = torch.full_like(mag[:, 0], eps)
+    lam = torch.where(binding, _on_smallest(_l1_threshold, negated_kinks, negated_kinks, budget, binding), 0.0)
+    return (torch.sign(d_flat) * (mag - lam[:, None]).clamp(min=0.0).minimum(cap)).view(shape)
 
 
 def project_l1(x: Tensor, x_adv: Tensor, eps: float) -> Tensor:

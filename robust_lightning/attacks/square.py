@@ -24,9 +24,9 @@ Deviations from the reference (none changes the distribution of any single point
   A window corner is ``floor(high * U)`` like the reference's, from a float32 U drawn up front.
 * A point counts as broken when ``argmax(logits) != y`` (the reference stops at margin <= 0 but later
   reports robustness from the argmax; they differ only for exact logit ties).
-* The L1 projection is :func:`~robust_lightning.attacks.projections.l1_projection` (exact to float
-  precision, by bisection; the reference sorts, and its float32 cumulative sums can be off by ~1e-5), and
-  L1 iterates are clipped to [0, 1] to remove round-off.
+* The L1 projection is :func:`~robust_lightning.attacks.projections.l1_projection` (exact up to float
+  rounding; the reference's float32 cumulative sums can be off by ~1e-5), and L1 iterates are clipped to
+  [0, 1] to remove round-off.
 * For images smaller than the reference supports (side < 5, or sides where its L2/L1 initial tiles
   would overflow the image), the initial tiles are shrunk / dropped to fit instead of failing.
 
