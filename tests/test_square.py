@@ -34,7 +34,7 @@ def _synthetic(n: int, templates: torch.Tensor, g: torch.Generator):
 
 @pytest.fixture(scope="module", autouse=True)
 def single_thread():
-    """The attacks run many small ops (e.g. the L1 projection's bisection) on tiny tensors: a second
+    """The attacks run many small ops (e.g. the L1 projection's sorts and sums) on tiny tensors: a second
     intra-op thread buys nothing and, on a busy 2-core machine, makes every op wait for it."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
