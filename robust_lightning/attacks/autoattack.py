@@ -21,9 +21,9 @@ given, in fp32.
   classes and restarts so broken points are not attacked again; while few survivors are left, several
   target classes (restarts) run in one batch of up to ``bs`` rows (:func:`batched_runs`), and Square
   evaluates several of each point's next queries in one pass (speculatively, with the one-at-a-time result).
-  On the CPU the model gets its inputs in the channels_last layout, where oneDNN's convolutions and pooling
-  run faster (:func:`channels_last_inputs`), and eval-mode BatchNorm is folded into the convolutions before
-  it (:func:`folded_batchnorm`): one op instead of two, forward and backward.
+  The attacks run a copy of the model with eval-mode BatchNorm folded into the convolutions before it
+  (:func:`folded_batchnorm`: one op instead of two, forward and backward), and on the CPU give it inputs in
+  the channels_last layout, where oneDNN's convolutions and pooling run faster (:func:`channels_last_inputs`).
 
 Quick modes (``version``): "apgd-t" (targeted APGD-DLR only, 40 iterations, 3 target classes: the paper's
 sweeps) and "apgd-ce" (``n_iter``-step APGD-CE, e.g. 10 for checkpoint selection).

@@ -104,7 +104,6 @@ def _cumsum_from_zero(x: Tensor) -> Tensor:
     return F.pad(torch.cumsum(x, dim=1), (1, 0))
 
 
-
 def _l1_threshold(order: Tensor, negated_kinks: Tensor, eps: Tensor, binding: Tensor) -> tuple[Tensor, Tensor]:
     """``lam`` with ``f(lam) = eps`` from the kinks of ``f`` in ``order`` (the largest first; see below)."""
     kinks_s = -negated_kinks.gather(1, order)
@@ -126,10 +125,11 @@ def l1_projection(x: Tensor, delta: Tensor, eps: float) -> Tensor:
     The KKT conditions give, per coordinate, ``d_i = sign(delta_i) * clip(|delta_i| - lam, 0, m_i)``, where
     ``m_i = min(|delta_i|, room_i)`` is what the box allows in the direction of ``delta_i`` (``1 - x_i``
     upwards, ``x_i`` downwards) and ``lam >= 0`` is the smallest value with ``||d||_1 <= eps``.
-    ``f(lam) = ||d(lam)||_1`` is continuous, non-increasing and piecewise linear: coordinate i starts to
-    shrink below ``|delta_i| - m_i`` and reaches zero at ``|delta_i|``. Walking these kinks from the largest
-    down, ``f`` grows by the number of shrinking coordinates times the distance; ``lam`` is where it reaches
-    ``eps`` (exact up to float rounding). Only the largest kinks are sorted (see ``_on_smallest``).
+    ``f(lam) = ||d(lam)||_1`` is continuous, non-increasing and piecewise linear: coordinate i stays at its
+    cap ``m_i`` up to ``lam = |delta_i| - m_i``, then shrinks, and is zero from ``|delta_i|`` on. Walking these
+    kinks from the largest down, ``f`` grows by the number of shrinking coordinates times the distance; ``lam``
+    is where it reaches ``eps`` (exact up to float rounding). Only the largest kinks are sorted (see
+    ``_on_smallest``).
     """
     shape = delta.shape
     x_flat, d_flat = x.flatten(1).to(delta.dtype), delta.flatten(1)
