@@ -6,8 +6,10 @@
 Every robust point costs standard Linf AutoAttack 900 APGD-T and 900 FAB-T forward-backward passes, 900 FAB-T
 checking forwards and 5000 Square forwards, whichever engine runs them. This times one forward pass
 (no_grad) and one forward pass plus the input's gradient (what the attacks take) on random images at the
-model's resolution, for each ``--rows`` batch size, with the standard and the channels_last input layout
-(the fast engine's default on the CPU). The last line printed is a JSON object with the milliseconds.
+model's resolution, for each ``--rows`` batch size: the model as given and the fast engine's stand-in for it
+(BatchNorm folded, :func:`~robust_lightning.attacks.autoattack.folded_batchnorm`), each with the standard and
+the channels_last input layout (the fast engine's default on the CPU). The last line printed is a JSON object
+with the milliseconds.
 """
 
 import argparse
@@ -16,7 +18,7 @@ import time
 
 import torch
 
-from robust_lightning.attacks.autoattack import channels_last_inputs
+from robust_lightning.attacks.autoattack import channels_last_inputs, folded_batchnorm
 from robust_lightning.training.classifier import ImageClassifier
 
 
@@ -52,17 +54,20 @@ def main() -> None:
     module = ImageClassifier.load_from_checkpoint(args.ckpt, map_location="cpu", weights_only=True, init_from=None)
     model = module.model.to(args.device).eval().requires_grad_(False)
     size = module.hparams.image_size
-    layouts = {"standard": model, "channels_last": channels_last_inputs(model)}
+    folded = folded_batchnorm(model)
+    variants = {(weights, layout): channels_last_inputs(net) if layout == "channels_last" else net
+                for weights, net in (("as given", model), ("folded", folded)) if net is not None
+                for layout in ("standard", "channels_last")}
     figures = []
     for rows in args.rows:
         x = torch.rand(rows, 3, size, size, device=args.device)
-        for layout, run in layouts.items():
+        for (weights, layout), run in variants.items():
             forward = milliseconds(run, x, gradient=False, repeats=args.repeats)
             with_gradient = milliseconds(run, x, gradient=True, repeats=args.repeats)
-            figures.append({"rows": rows, "layout": layout, "forward_ms": round(forward, 2),
+            figures.append({"rows": rows, "model": weights, "layout": layout, "forward_ms": round(forward, 2),
                             "forward_backward_ms": round(with_gradient, 2)})
-            print(f"{rows:>5} rows, {layout:>13}: forward {forward:7.2f} ms, forward + input gradient "
-                  f"{with_gradient:7.2f} ms", flush=True)
+            print(f"{rows:>5} rows, {weights:>8}, {layout:>13}: forward {forward:7.2f} ms, forward + input "
+                  f"gradient {with_gradient:7.2f} ms", flush=True)
     print(json.dumps({"ckpt": args.ckpt, "device": args.device, "image_size": size, "passes": figures}))
 
 
