@@ -59,7 +59,8 @@ def main() -> None:
     fast_s, reference_s = sum(fast.seconds.values()), sum(reference.seconds.values())
     print(json.dumps({
         "ckpt": args.ckpt, "n": len(x), "norm": args.norm, "eps": eps, "device": args.device,
-        "precision": args.precision, "channels_last_fast": fast.channels_last, "batchnorm_folded_fast": fast.batchnorm_folded,
+        "precision": args.precision, "channels_last_fast": fast.channels_last,
+        "batchnorm_folded_fast": fast.batchnorm_folded,
         "clean_fast": fast.clean_accuracy, "clean_reference": reference.clean_accuracy,
         "robust_fast": fast.robust_accuracy, "robust_reference": reference.robust_accuracy,
         "time_fast": round(fast_s, 2), "time_reference": round(reference_s, 2),
