@@ -90,9 +90,9 @@ def test_matches_reference_perturb(norm):
         ref_robust = model(ref_adv).argmax(1) == y
     res = ours(norm)
 
-    # Both run the same float32 operations and agree exactly on this machine; another torch build may round
-    # differently (the reference runs on the correctly classified points only, we on the whole batch), and a
-    # point whose best norm is within rounding of eps could flip: allow one.
+    # Both take the same steps and agree to float rounding (the projections sum in other orders, and the
+    # reference runs on the correctly classified points only, we on the whole batch): a point whose best norm
+    # is within rounding of eps could flip, so allow one.
     assert (res.robust != ref_robust).sum() <= 1
     same = res.robust == ref_robust
     assert ((res.x_adv[same] - ref_adv[same]).abs() <= 1e-5).float().mean() > 0.99
