@@ -148,10 +148,10 @@ def folded_batchnorm(model: Callable[[Tensor], Tensor]) -> nn.Module | None:
     """A copy of ``model`` (an ``nn.Module`` in eval mode) with each BatchNorm folded into the convolution or
     linear layer before it, so that the pair costs one op, forward and backward; logits agree up to float
     rounding. None where nothing folds, or where torch.fx cannot trace the model (with a warning)."""
-    if not isinstance(model, nn.Module) or model.training:
-        return None
-    batchnorms = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    if not batchnorms:
+    def batchnorms(module: nn.Module) -> int:
+        return sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+    if not isinstance(model, nn.Module) or model.training or not batchnorms(model):
         return None
     from torch.fx.experimental.optimization import fuse
 
@@ -160,7 +160,7 @@ def folded_batchnorm(model: Callable[[Tensor], Tensor]) -> nn.Module | None:
     except Exception as error:  # noqa: BLE001 - tracing fails in many ways on dynamic code; the model still runs
         warnings.warn(f"BatchNorm not folded for the attacks: torch.fx cannot trace the model ({error})")
         return None
-    if sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in folded.modules()) == batchnorms:
+    if batchnorms(folded) == batchnorms(model):
         return None  # no BatchNorm follows a convolution or linear layer directly
     return folded.requires_grad_(False)
 
