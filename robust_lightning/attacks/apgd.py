@@ -185,9 +185,14 @@ def _l1_sparse_direction(grad: Tensor, topk: Tensor, n_fts: int) -> Tensor:
     Returns ``sign(g_sparse) / ||sign(g_sparse)||_1``, so that a step of size ``s`` moves ``s`` in L1.
     """
     flat = grad.abs().flatten(1)
-    # Threshold = the value at rank (1 - topk) * n_fts of |grad| sorted ascending (per-point k, hence sort).
+    # Threshold = the value at rank (1 - topk) * n_fts of |grad| sorted ascending, i.e. the
+    # (n_fts - rank)-th largest: a per-point k.
     rank = ((1.0 - topk) * n_fts).clamp(0, n_fts - 1).long()
-    threshold = flat.sort(1).values.gather(1, rank[:, None])
+    if flat.device.type == "cpu":  # only the largest values need sorting (and the sync costs nothing here)
+        largest = flat.topk(int((n_fts - rank).max()), dim=1).values
+    else:
+        largest = flat.sort(1, descending=True).values
+    threshold = largest.gather(1, (n_fts - 1 - rank)[:, None])
     sparse_sign = torch.sign(grad) * (grad.abs() >= _per_sample(threshold.squeeze(1), grad)).to(grad.dtype)
     return sparse_sign / (_per_sample(lp_norm(sparse_sign, "L1"), grad) + 1e-10)
 
