@@ -165,9 +165,10 @@ def _eta_pair(s: int, norm: str, dtype: torch.dtype, device: torch.device) -> Te
 
 
 def _patterns(sides: Tensor, flips: Tensor, norm: str, dtype: torch.dtype) -> Tensor:
-    """(n, S, S): each row's eta pattern of its own side (transposed where ``flips``), zero-padded to the
-    largest side S in the batch (a batch spans at most a few sides of the schedule)."""
-    patterns = torch.zeros(len(sides), int(sides.max()), int(sides.max()), dtype=dtype, device=sides.device)
+    """(..., S, S): each proposal's eta pattern of its own side (transposed where ``flips``), zero-padded to
+    the largest side S in the batch (a batch spans at most a few sides of the schedule)."""
+    size = int(sides.max())
+    patterns = torch.zeros(*sides.shape, size, size, dtype=dtype, device=sides.device)
     for side in sides.unique().tolist():
         rows = sides == side
         patterns[rows, :side, :side] = _eta_pair(side, norm, dtype, sides.device)[flips[rows].long()]
@@ -175,27 +176,26 @@ def _patterns(sides: Tensor, flips: Tensor, norm: str, dtype: torch.dtype) -> Te
 
 
 def _place(patterns: Tensor, vh: Tensor, vw: Tensor, sides: Tensor, h: int) -> tuple[Tensor, Tensor]:
-    """Put per-point patterns (n, S, S), of sides ``sides`` (n,), into (n, 1, h, h) images with top-left
-    corners (vh, vw).
+    """Put per-proposal patterns (..., S, S), of sides ``sides`` (...), into (..., 1, h, h) images with
+    top-left corners (vh, vw).
 
-    Returns (images, window mask): zero / False outside the window. A gather, so no loop over points.
+    Returns (images, window mask): zero / False outside the window. A gather, so no loop over proposals.
     """
-    n, size = patterns.shape[0], patterns.shape[-1]
+    size = patterns.shape[-1]
     grid = torch.arange(h, device=vh.device)
-    r, c = grid[None, :] - vh[:, None], grid[None, :] - vw[:, None]  # position inside the window
-    r_inside, c_inside = (r >= 0) & (r < sides[:, None]), (c >= 0) & (c < sides[:, None])
-    mask = r_inside[:, :, None] & c_inside[:, None, :]
-    rows, cols = r.clamp(0, size - 1)[:, :, None], c.clamp(0, size - 1)[:, None, :]
-    placed = patterns[torch.arange(n, device=vh.device)[:, None, None], rows, cols] * mask
-    return placed[:, None], mask[:, None]
+    r, c = grid - vh[..., None], grid - vw[..., None]  # position inside the window
+    mask = _window_mask(vh, vw, sides, h)
+    inside = r.clamp(0, size - 1)[..., :, None] * size + c.clamp(0, size - 1)[..., None, :]  # (..., h, h)
+    placed = patterns.flatten(-2).gather(-1, inside.flatten(-2)).view(inside.shape).unsqueeze(-3) * mask
+    return placed, mask
 
 
 def _window_mask(vh: Tensor, vw: Tensor, sides: Tensor, h: int) -> Tensor:
-    """(n, 1, h, h) bool mask of the windows with top-left corners (vh, vw) and sides ``sides`` (n,)."""
+    """(..., 1, h, h) bool mask of the windows with top-left corners (vh, vw) and sides ``sides`` (...)."""
     grid = torch.arange(h, device=vh.device)
-    rows = (grid[None, :] >= vh[:, None]) & (grid[None, :] < (vh + sides)[:, None])
-    cols = (grid[None, :] >= vw[:, None]) & (grid[None, :] < (vw + sides)[:, None])
-    return (rows[:, :, None] & cols[:, None, :])[:, None]
+    rows = (grid >= vh[..., None]) & (grid < (vh + sides)[..., None])
+    cols = (grid >= vw[..., None]) & (grid < (vw + sides)[..., None])
+    return (rows[..., :, None] & cols[..., None, :]).unsqueeze(-3)
 
 
 # ------------------------------------------------------------------------------------ norm helpers
@@ -210,7 +210,7 @@ def _norm_per(t: Tensor, norm: str, dims) -> Tensor:
 
 def _l2_to_ball(x: Tensor, delta: Tensor, eps: float) -> Tensor:
     """The reference's L2 iterate: rescale the perturbation to norm eps, then clip to [0, 1]."""
-    return (x + delta / (_norm_per(delta, "L2", (1, 2, 3)) + 1e-12) * eps).clamp(0.0, 1.0)
+    return (x + delta / (_norm_per(delta, "L2", (-3, -2, -1)) + 1e-12) * eps).clamp(0.0, 1.0)
 
 
 def _l1_to_ball(x: Tensor, delta: Tensor, eps: float) -> Tensor:
@@ -221,8 +221,9 @@ def _l1_to_ball(x: Tensor, delta: Tensor, eps: float) -> Tensor:
     unit-mass pattern if they fall in its window. Keeping the arithmetic keeps that behaviour (and lets a
     test replay the reference exactly). The clip only removes round-off beyond [0, 1].
     """
-    correction = l1_projection(x, delta, eps * (1.0 - 1e-6)) - delta
-    return (x + delta + correction).clamp(0.0, 1.0)
+    images = delta.reshape(-1, *delta.shape[-3:])  # the projection takes one batch dimension
+    projected = l1_projection(x.expand_as(delta).reshape(images.shape), images, eps * (1.0 - 1e-6))
+    return (x + delta + (projected.view_as(delta) - delta)).clamp(0.0, 1.0)
 
 
 # ------------------------------------------------------------------------------------ init and updates
@@ -249,13 +250,18 @@ def _init(x: Tensor, norm: str, eps: float, draws: _Draws) -> Tensor:
     return _l2_to_ball(x, delta, eps) if norm == "L2" else _l1_to_ball(x, delta, eps)
 
 
+# The proposals below take the points (n, C, H, H) and draws with any leading dimensions ending in n (the
+# main loop's (iterations ahead, n)), and return images of the draws' shape: the points are broadcast, not
+# copied per proposal.
+
+
 def _propose_linf(x: Tensor, x_best: Tensor, sides: Tensor, eps: float, corners: Tensor, signs: Tensor) -> Tensor:
-    """Move one window per point (all channels) to a random vertex: +-2 eps per channel, then clip."""
-    h = x.shape[2]
-    vh, vw = _corner(corners[:, 0], h - sides), _corner(corners[:, 1], h - sides)
-    step = _window_mask(vh, vw, sides, h) * (2.0 * eps * signs[:, :, None, None])
-    x_new = torch.minimum(torch.maximum(x_best + step, x - eps), x + eps)
-    return x_new.clamp(0.0, 1.0)
+    """Move one window per proposal (all channels) to a random vertex: +-2 eps per channel, then clip."""
+    h = x.shape[-1]
+    vh, vw = _corner(corners[..., 0], h - sides), _corner(corners[..., 1], h - sides)
+    step = _window_mask(vh, vw, sides, h) * (2.0 * eps * signs[..., None, None])
+    # The eps-ball and the box in one clamp: the same values as clipping to one and then the other.
+    return (x_best + step).clamp((x - eps).clamp(min=0.0), (x + eps).clamp(max=1.0))
 
 
 def _propose_lp(x: Tensor, x_best: Tensor, sides: Tensor, norm: str, eps: float, corners: Tensor, signs: Tensor,
@@ -263,27 +269,28 @@ def _propose_lp(x: Tensor, x_best: Tensor, sides: Tensor, norm: str, eps: float,
     """L2 / L1 update: clear a second random window and pour its mass (and the unused budget) into the
     first, as a fresh +-eta pattern added to the first window's normalised old content (per channel).
 
-    Written on full-size images with window masks, so every point gets its own windows without a loop.
+    Written on full-size images with window masks, so every proposal gets its own windows without a loop.
     """
-    c, h = x.shape[1], x.shape[2]
+    c, h = x.shape[-3], x.shape[-1]
     delta = x_best - x
-    vh, vw, vh2, vw2 = (_corner(corners[:, i], h - sides) for i in range(4))
+    vh, vw, vh2, vw2 = (_corner(corners[..., i], h - sides) for i in range(4))
     eta, mask1 = _place(_patterns(sides, flips, norm, x.dtype), vh, vw, sides, h)
     mask2 = _window_mask(vh2, vw2, sides, h)
 
     hw = (-2, -1)
-    norm_window1 = _norm_per(delta * mask1, norm, hw)  # (n, c, 1, 1)
+    window1 = delta * mask1
+    norm_window1 = _norm_per(window1, norm, hw)  # (..., c, 1, 1)
     norm_windows = _norm_per(delta * (mask1 | mask2), norm, hw)  # the mass the two windows hold
-    norm_image = _norm_per(delta, norm, (1, 2, 3))  # (n, 1, 1, 1)
+    norm_image = _norm_per(delta, norm, (-3, -2, -1))  # (n, 1, 1, 1)
 
-    new = eta * signs[:, :, None, None] + delta * mask1 / (1e-12 + norm_window1)
+    new = eta * signs[..., None, None] + window1 / (1e-12 + norm_window1)
     if norm == "L2":
         budget = ((eps**2 - norm_image**2).clamp(min=0.0) / c + norm_windows**2).sqrt()
     else:  # the reference's L1 formula (the final projection restores the eps budget)
         budget = ((eps - norm_image).clamp(min=0.0) / c + norm_windows) * c
     new = new / (1e-12 + _norm_per(new, norm, hw)) * budget
 
-    delta = torch.where(mask1, new, delta.masked_fill(mask2, 0.0))
+    delta = torch.where(mask1, new, torch.where(mask2, 0.0, delta))
     return _l2_to_ball(x, delta, eps) if norm == "L2" else _l1_to_ball(x, delta, eps)
 
 
@@ -376,31 +383,27 @@ def square_attack(
                 if active.numel() == 0:
                     break
 
-            # The next `ahead` iterations of every point, all proposed from its current best point.
+            # The next `ahead` iterations of every point, all proposed from its current best point. Iterations
+            # past a point's budget (only near the end) are evaluated too, to keep the shape, and never accepted.
             n, ahead = len(active), max(1, batch_size // len(active))
-            iteration = done[None, :] + torch.arange(ahead, device=x.device)[:, None]  # (ahead, n)
-            k, point = (iteration < n_queries).nonzero(as_tuple=True)  # iteration-major rows
-            it, row_slot = iteration[k, point], slot[point]
-            corners, signs = steps.corners[row_slot, it], steps.signs[row_slot, it]
+            iteration = done + torch.arange(ahead, device=x.device)[:, None]  # (ahead, n)
+            in_budget = iteration < n_queries
+            it = iteration.clamp(max=n_queries - 1)
+            corners, signs = steps.corners[slot, it], steps.signs[slot, it]
             if norm == "Linf":
-                x_new = _propose_linf(x_a[point], x_best[point], sides[it], eps, corners, signs)
+                x_new = _propose_linf(x_a, x_best, sides[it], eps, corners, signs)
             else:
-                x_new = _propose_lp(x_a[point], x_best[point], sides[it], norm, eps, corners, signs,
-                                    steps.flips[row_slot, it])
-            margin, misclassified = _margin(model, x_new, y_a[point])
+                x_new = _propose_lp(x_a, x_best, sides[it], norm, eps, corners, signs, steps.flips[slot, it])
+            margin, misclassified = (t.view(ahead, n) for t in _margin(model, x_new.flatten(0, 1), y_a.repeat(ahead)))
 
             # Each point takes its first accepted proposal (a strict improvement of the margin, or a
             # misclassified point); the proposals after it were made from a stale best point and are dropped.
-            accept = torch.zeros(ahead, n, dtype=torch.bool, device=x.device)
-            accept[k, point] = (margin < margin_best[point]) | misclassified
-            row_of = torch.zeros(ahead, n, dtype=torch.int64, device=x.device)
-            row_of[k, point] = torch.arange(len(k), device=x.device)
+            accept = ((margin < margin_best) | misclassified) & in_budget
             accepted = accept.any(0)
-            first = accept.to(torch.uint8).argmax(0)  # argmax returns the first maximum
-            row = row_of[first, torch.arange(n, device=x.device)]
-            x_best = torch.where(accepted[:, None, None, None], x_new[row], x_best)
-            margin_best = torch.where(accepted, margin[row], margin_best)
-            fooled = accepted & misclassified[row]
-            done = done + torch.where(accepted, first + 1, (iteration < n_queries).sum(0))
+            first = (accept.to(torch.uint8).argmax(0), torch.arange(n, device=x.device))  # argmax: the first maximum
+            x_best = torch.where(accepted[:, None, None, None], x_new[first], x_best)
+            margin_best = torch.where(accepted, margin[first], margin_best)
+            fooled = accepted & misclassified[first]
+            done = done + torch.where(accepted, first[0] + 1, in_budget.sum(0))
 
     return SquareResult(x_adv, robust, queries)
