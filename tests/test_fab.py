@@ -125,7 +125,7 @@ def test_matches_reference_norms_other_rank(norm):
     assert (res.robust[attacked] != ref_robust[attacked]).sum() <= 1
 
 
-@pytest.mark.parametrize("prefix", [2, 256, 10**9])
+@pytest.mark.parametrize("prefix", [2, 32, 10**9])
 @pytest.mark.parametrize("n", [1, 2, 7, 64, 768])
 def test_projections_match_reference(n, prefix, monkeypatch):
     """The vectorised projections equal the reference's, including unreachable hyperplanes, zero weights,
