@@ -328,6 +328,17 @@ def test_batched_runs_keep_the_sequential_semantics():
                 assert not any(breaks[row, r] for r in runs if r < min(run_ids))
     assert len(calls) == 1  # bs=1000: all nine runs in one batch
 
+    # As few batches as bs allows, evenly filled: with room for four runs of the six points, nine runs go
+    # three by three (not 4 + 4 + 1).
+    runs_per_call = []
+
+    def unbroken(rows, run_ids):
+        runs_per_call.append(len(set(run_ids.tolist())))
+        return x[rows], torch.ones(len(rows), dtype=torch.bool)
+
+    batched_runs(unbroken, x, runs, bs=24)
+    assert runs_per_call == [3, 3, 3]
+
 
 def test_fab_target_ranks_batched_in_one_run_match_one_rank_at_a_time(trained, points):
     """FAB-T has no randomness: attacking all target ranks in one batch finds what one rank at a time does."""

@@ -448,7 +448,9 @@ def batched_runs(attack: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], x: T
         todo = robust.nonzero().flatten()
         if not len(todo):
             break
-        per_batch = max(1, bs // len(todo))
+        # as few batches as bs allows, filled evenly (rather than a small last one, which uses the cores less well)
+        n_batches = -(-len(pending) // max(1, bs // len(todo)))
+        per_batch = -(-len(pending) // n_batches)
         group, pending = pending[:per_batch], pending[per_batch:]
         rows = todo.repeat(len(group))  # run-major: the first len(todo) rows belong to group[0]
         run_ids = torch.tensor(group, device=x.device).repeat_interleave(len(todo))
