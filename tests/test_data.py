@@ -246,6 +246,54 @@ def test_eval_subset_from_shards_keeps_exactly_the_listed_images(tmp_path):
     assert sorted(keys) == sorted(Path(name).stem for name in listed) and dm.conditions()["eval_images"] == 5
 
 
+def test_shard_images_of_another_class_than_listed_are_a_clear_error(tmp_path):
+    root, listed = _subset_tree(tmp_path)
+    convert_image_folder(root / "val", tmp_path / "val_shards", samples_per_shard=5, workers=1, progress=False)
+    moved = f"{WNIDS[1]}/{Path(listed[1]).name}"  # an image listed under another class than its own
+    (tmp_path / "subset.txt").write_text("\n".join([listed[0], moved]))
+    dm = ImageNetDataModule(source="shards", val_shards=str(tmp_path / "val_shards"), image_size=16,
+                            num_workers=0, eval_subset=str(tmp_path / "subset.txt"))
+    dm.setup("test")
+    with pytest.raises(UserError, match=f"is of class {WNIDS[0]}, but data.eval_subset lists it under {WNIDS[1]}"):
+        list(dm.test_dataloader())
+
+
+def _robustbench_tree(tmp_path: Path, n: int) -> Path:
+    """A val tree (and a train tree of the same classes) holding the first n images of the RobustBench subset."""
+    lines = (Path(__file__).resolve().parents[1] / "data" / "robustbench_imagenet_test_image_ids.txt").read_text()
+    root = tmp_path / "imagenet"
+    for seed, entry in enumerate(lines.splitlines()[:n]):
+        write_image(root / "val" / entry, seed)
+        (root / "train" / entry.split("/")[0]).mkdir(parents=True, exist_ok=True)
+    return root
+
+
+@pytest.mark.parametrize("source", ["folder", "shards"])
+def test_the_robustbench_subset_needs_the_imagenet_labels(tmp_path, source):
+    """Its labels are ImageNet's: a class map that labels its classes otherwise is refused, not evaluated."""
+    root = _robustbench_tree(tmp_path, 3)
+    imagenet = class_map("imagenet")
+    for labels in ("imagenet", "folders"):  # folders: the three classes become 0, 1, 2
+        if source == "folder":
+            where = {"root": str(root), "class_map": labels}
+        else:
+            out = tmp_path / f"shards_{labels}"
+            convert_image_folder(root / "val", out, samples_per_shard=2, class_map=labels, workers=1, progress=False)
+            where = {"val_shards": str(out)}
+        dm = ImageNetDataModule(source=source, image_size=16, num_workers=0, eval_subset="robustbench",
+                                eval_limit=3, **where)
+        if labels == "imagenet":
+            dm.setup("test")
+            batch = next(iter(dm.test_dataloader()))
+            assert len(batch["key"]) == 3
+            wnids = {Path(e).stem: e.split("/")[0] for e in dm._subset_files()}
+            assert batch["label"].tolist() == [imagenet[wnids[k]] for k in batch["key"]]
+        else:
+            with pytest.raises(UserError, match="standard ImageNet map"):
+                dm.setup("test")
+                list(dm.test_dataloader())
+
+
 def test_eval_limit_takes_the_first_images_of_any_eval_set(tmp_path):
     root, _ = _subset_tree(tmp_path)
     convert_image_folder(root / "val", tmp_path / "val_shards", samples_per_shard=5, workers=1, progress=False)

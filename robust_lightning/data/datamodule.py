@@ -106,6 +106,30 @@ class LabelledImageFolder(ImageFolder):
         return {**fields, "label": label, "key": Path(path).stem}
 
 
+@dataclass(frozen=True)
+class ListedImages:
+    """An evaluation subset read from shards: each listed image's class folder by sample key, and the label map
+    the shards' labels must follow (None: not checked)."""
+
+    folders: dict[str, str]
+    labels: dict[str, int] | None
+
+    def check(self, sample: dict, label: int) -> None:
+        """A shard sample of another class than listed, or labelled by another map, is an error, not a skip:
+        it means the shards do not hold the listed images or their labels are not the subset's."""
+        key, where = sample["__key__"], sample.get("__url__", "?")
+        listed = self.folders[key]
+        wnid = sample["wnid"].decode() if isinstance(sample.get("wnid"), bytes) else sample.get("wnid")
+        if wnid is not None and wnid != listed:
+            raise UserError(f"{where}:{key} is of class {wnid}, but data.eval_subset lists it under {listed}: "
+                            "these shards do not hold the listed images")
+        if self.labels is not None and self.labels.get(listed) != label:
+            raise UserError(
+                f"{where}:{key} ({listed}) has label {label} but {self.labels.get(listed)} in the standard ImageNet "
+                "map, which the RobustBench subset's labels follow: write the val shards with class_map imagenet"
+            )
+
+
 class ShardStream(IterableDataset):
     """Decoded samples from one rank's shards, split between the DataLoader workers.
 
@@ -115,10 +139,10 @@ class ShardStream(IterableDataset):
     """
 
     def __init__(self, urls: list[str], transform, *, repeat: bool, shuffle_buffer: int = 0, seed: int = 0,
-                 keys: frozenset[str] | None = None):
+                 subset: ListedImages | None = None):
         self.urls = urls
         self.transform = transform
-        self.keys = keys  # evaluate only these samples (an evaluation subset); None: all
+        self.subset = subset  # evaluate only these samples (an evaluation subset); None: all
         self.repeat = repeat
         self.shuffle_buffer = shuffle_buffer
         self.seed = seed
@@ -144,8 +168,13 @@ class ShardStream(IterableDataset):
             rng = random.Random(f"{self.seed}-{self.epoch}-{worker}")
             samples = wds.shuffle(self.shuffle_buffer, min(100, self.shuffle_buffer), rng=rng)(samples)
         for sample in samples:
-            if self.keys is None or sample.get("__key__") in self.keys:
+            if self.subset is None:
                 yield self.decode(sample)
+            elif sample.get("__key__") in self.subset.folders:
+                decoded = self.decode(sample)
+                if not isinstance(decoded, Corrupt):
+                    self.subset.check(sample, decoded["label"])
+                yield decoded
 
     def decode(self, sample: dict) -> dict | Corrupt:
         key = sample.get("__key__", "?")
@@ -262,7 +291,9 @@ class ImageNetDataModule(LightningDataModule):
         eval_subset: evaluate (test/predict, and validate without holdout) only the images listed in a file of
             ``class_folder/file_name`` lines, in its order: "robustbench" is the RobustBench 5000-image ImageNet
             subset (data/robustbench_imagenet_test_image_ids.txt), anything else a path. Folder trees are read
-            in the file's order; shards are filtered by sample key (the file name's stem) in stream order.
+            in the file's order; shards are filtered by sample key (the file name's stem) in stream order, and
+            each image must be of the class the file lists. The RobustBench subset's labels must be ImageNet's
+            (data.class_map imagenet, shards written with it): anything else is an error.
         eval_limit: evaluate only the first n images (of the subset, if one is set).
         holdout: training images held out for checkpoint selection (the paper holds out 4000 ImageNet train
             images, disjoint from the evaluation images). When > 0, validation runs on them instead of the
@@ -432,10 +463,12 @@ class ImageNetDataModule(LightningDataModule):
         urls, self.eval_images = self._resolve_shards(val_spec, None)
         subset = self._subset_files()
         if subset is not None:
-            keys = frozenset(Path(name).stem.replace(".", "_") for name in subset)
-            self.eval_images = len(keys)
-            self.eval_keys = keys  # a listed image missing from the shards can only be told after reading them
-            self.eval_set = ShardStream(self._rank_share(urls, "val"), evaluation, repeat=False, keys=keys)
+            listed = ListedImages({Path(name).stem.replace(".", "_"): name.split("/")[0] for name in subset},
+                                  self._robustbench_labels())
+            self.eval_images = len(listed.folders)
+            # a listed image missing from the shards can only be told after reading them
+            self.eval_keys = frozenset(listed.folders)
+            self.eval_set = ShardStream(self._rank_share(urls, "val"), evaluation, repeat=False, subset=listed)
         elif self.eval_limit:
             # the first n samples of the val shards, split sample by sample over ranks and workers
             self.eval_images = min(self.eval_limit, self.eval_images or self.eval_limit)
@@ -470,6 +503,11 @@ class ImageNetDataModule(LightningDataModule):
             raise UserError(f"data.eval_subset {path}: lines must read class_folder/file_name, got {malformed[0]!r}")
         return entries[: self.eval_limit] if self.eval_limit else entries
 
+    def _robustbench_labels(self) -> dict[str, int] | None:
+        """The label map the evaluation subset's labels must follow: ImageNet's for the RobustBench subset (its
+        models and numbers use it), none for other subsets."""
+        return load_class_map("imagenet") if self.eval_subset == "robustbench" else None
+
     def _folder_subset(self, dataset: LabelledImageFolder) -> Dataset:
         """The subset's images in the subset file's order, or the first eval_limit images, or all."""
         subset = self._subset_files()
@@ -482,6 +520,16 @@ class ImageNetDataModule(LightningDataModule):
                 f"{len(missing)} of the {len(subset)} images of data.eval_subset are not in {dataset.root} "
                 f"(first: {missing[0]}); expected {dataset.root}/<wnid>/<file name> for every listed image"
             )
+        required = self._robustbench_labels()
+        if required is not None:
+            classes = {name.split("/")[0] for name in subset}
+            wrong = sorted(w for w in classes if dataset.class_to_label.get(w) != required.get(w))
+            if wrong:
+                raise UserError(
+                    f"data.class_map {self.class_map} labels the RobustBench subset's class {wrong[0]} "
+                    f"{dataset.class_to_label.get(wrong[0])}, not {required[wrong[0]]} as the standard ImageNet map "
+                    f"does ({len(wrong)} classes differ): its labels follow that map; use data.class_map imagenet"
+                )
         return Subset(dataset, [index[name] for name in subset])
 
     def _split_folder_holdout(self, train: LabelledImageFolder, evaluation) -> tuple[Subset, Subset]:
