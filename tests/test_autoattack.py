@@ -495,7 +495,8 @@ def test_outcomes_of_another_evaluation_are_refused(tmp_path, checkpoint, capsys
 def test_listed_images_that_never_arrive_are_reported_not_silently_left_out(tmp_path, checkpoint):
     # shards are filtered by key as they stream, so a listed image missing from them shows only at the end
     subset = tmp_path / "subset.txt"
-    subset.write_text("c/synthetic_val_000003\nc/synthetic_val_000000\nc/synthetic_val_999999")
+    # (synthetic image i is of class i % 4, listed under its class folder)
+    subset.write_text("plus/synthetic_val_000003\ncircle/synthetic_val_000000\ncircle/synthetic_val_999999")
     section = run_test(tmp_path, checkpoint, "--data.eval_subset", str(subset))["threat_models"]["Linf-4_255"]
     assert section["num_points"] == 2 and section["images_not_evaluated"] == 1
     assert section["keys_not_evaluated"] == ["synthetic_val_999999"]
