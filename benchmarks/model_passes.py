@@ -7,7 +7,7 @@ Every robust point costs standard Linf AutoAttack 900 APGD-T and 900 FAB-T forwa
 checking forwards and 5000 Square forwards, whichever engine runs them. This times one forward pass
 (no_grad) and one forward pass plus the input's gradient (what the attacks take) on random images at the
 model's resolution, for each ``--rows`` batch size: the model as given and the fast engine's stand-in for it
-(BatchNorm folded, :func:`~robust_lightning.attacks.autoattack.folded_batchnorm`), each with the standard and
+(:func:`~robust_lightning.attacks.autoattack.attack_stand_in`: BatchNorm folded), each with the standard and
 the channels_last input layout (the fast engine's default on the CPU). The last line printed is a JSON object
 with the milliseconds.
 """
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from robust_lightning.attacks.autoattack import channels_last_inputs, folded_batchnorm
+from robust_lightning.attacks.autoattack import attack_stand_in
 from robust_lightning.training.classifier import ImageClassifier
 
 
@@ -54,10 +54,12 @@ def main() -> None:
     module = ImageClassifier.load_from_checkpoint(args.ckpt, map_location="cpu", weights_only=True, init_from=None)
     model = module.model.to(args.device).eval().requires_grad_(False)
     size = module.hparams.image_size
-    folded = folded_batchnorm(model)
-    variants = {(weights, layout): channels_last_inputs(net) if layout == "channels_last" else net
-                for weights, net in (("as given", model), ("folded", folded)) if net is not None
-                for layout in ("standard", "channels_last")}
+    variants = {}
+    for fold in (False, True):
+        for layout in ("standard", "channels_last"):
+            net, folded = attack_stand_in(model, fold, layout == "channels_last")
+            if folded == fold:  # (a model without BatchNorm to fold has no folded variant)
+                variants["folded" if fold else "as given", layout] = net
     figures = []
     for rows in args.rows:
         x = torch.rand(rows, 3, size, size, device=args.device)

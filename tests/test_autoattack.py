@@ -263,7 +263,15 @@ def test_folding_follows_the_weights_and_its_claims_are_checked_on_the_model(tra
         attacked.append(model)
         return original(self, attack, model, x, y, bs, precision)
 
-    monkeypatch.setattr(autoattack, "folded_batchnorm", lambda model: (lambda images: -model(images)))
+    class Negated(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, images):
+            return -self.model(images)
+
+    monkeypatch.setattr(autoattack, "folded_batchnorm", Negated)
     monkeypatch.setattr(AutoAttack, "_attack", spy)
     misled = adversary.evaluate(x, y)
     assert misled.batchnorm_folded and attacked[-1] is net and len(attacked) == 2

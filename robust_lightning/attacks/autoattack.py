@@ -126,6 +126,20 @@ class _ToChannelsLast(torch.autograd.Function):
         return grad.contiguous()
 
 
+def attack_stand_in(model: Callable[[Tensor], Tensor], fold_batchnorm: bool, channels_last: bool
+                    ) -> tuple[Callable[[Tensor], Tensor], bool]:
+    """What the fast engine's attacks run instead of ``model``: a copy with BatchNorm folded
+    (:func:`folded_batchnorm`, where it applies) and/or fed channels_last inputs; and whether BatchNorm is
+    folded in it."""
+    folded = folded_batchnorm(model) if fold_batchnorm else None
+    if folded is not None and channels_last:
+        # the copy's weights in the inputs' layout: else oneDNN reorders them at every call (ResNet-18 at 32 px,
+        # 24 rows: a forward pass 18 ms instead of 11 ms)
+        folded = folded.to(memory_format=torch.channels_last)
+    net = folded if folded is not None else model
+    return (channels_last_inputs(net) if channels_last else net), folded is not None
+
+
 def channels_last_inputs(model: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
     """``model`` called on channels_last copies of 4-d inputs; logits and input gradients are unchanged up to
     float rounding. On the CPU this runs oneDNN's NHWC kernels (max pooling in NCHW is many times slower)."""
@@ -265,11 +279,8 @@ class AutoAttack:
                 self.model.train()
 
     def _stand_in(self) -> tuple[Callable[[Tensor], Tensor], bool]:
-        """What the fast engine's attacks run (the model, maybe folded, maybe fed channels_last) and whether
-        BatchNorm is folded in it. Made per evaluation, so that it has the model's current weights."""
-        folded = folded_batchnorm(self.model) if self.fold_batchnorm else None
-        model = folded if folded is not None else self.model
-        return (channels_last_inputs(model) if self.channels_last else model), folded is not None
+        """:func:`attack_stand_in` of the model, made per evaluation, so that it has the model's current weights."""
+        return attack_stand_in(self.model, self.fold_batchnorm, self.channels_last)
 
     # ------------------------------------------------------------------------------------------ ensemble
     def _evaluate(self, x: Tensor, y: Tensor, bs: int, progress) -> AutoAttackReport:
