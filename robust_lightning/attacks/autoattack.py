@@ -179,6 +179,12 @@ def folded_batchnorm(model: Callable[[Tensor], Tensor]) -> nn.Module | None:
     return folded.requires_grad_(False)
 
 
+def folds_batchnorm(engine: str, requested: bool | None = None) -> bool:
+    """Whether the attacks may run a BatchNorm-folded copy of the model: as ``requested`` (fast engine only),
+    by default on (whether anything folds depends on the model: :func:`folded_batchnorm`)."""
+    return engine == "fast" and requested is not False
+
+
 def uses_channels_last(engine: str, device: torch.device, requested: bool | None = None) -> bool:
     """Whether the attacks feed the model channels_last inputs: as ``requested`` (fast engine only), by default
     on the CPU, where it measured faster (benchmarks/RESULTS.md), and not elsewhere, where it is unmeasured."""
@@ -248,7 +254,7 @@ class AutoAttack:
             device = parameter.device if parameter is not None else "cpu"
         self.device = torch.device(device)
         self.channels_last = uses_channels_last(engine, self.device, channels_last)
-        self.fold_batchnorm = engine == "fast" and fold_batchnorm is not False
+        self.fold_batchnorm = folds_batchnorm(engine, fold_batchnorm)
         quick = version != "standard"
         self.n_iter = n_iter or (40 if version == "apgd-t" else 100)
         if norm == "L1" and self.n_iter < L1_MIN_ITER:

@@ -25,7 +25,8 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from robust_lightning.attacks.autoattack import (
-    ENGINES, L1_MIN_ITER, PRECISIONS, VERSIONS, AutoAttack, folded_batchnorm, precision_note, uses_channels_last,
+    ENGINES, L1_MIN_ITER, PRECISIONS, VERSIONS, AutoAttack, folded_batchnorm, folds_batchnorm, precision_note,
+    uses_channels_last,
 )
 from robust_lightning.attacks.projections import NORMS
 from robust_lightning.errors import UserError
@@ -303,7 +304,7 @@ class AutoAttackEvaluation(Callback):
                              summary["robust_accuracy"], *summary["robust_accuracy_after"].values()])
         conditions = {"version": self.version, "engine": self.engine, "precision": precision_note(self.precision),
                       "channels_last": uses_channels_last(self.engine, pl_module.device, self.channels_last),
-                      "batchnorm_folded": self.engine == "fast" and self.fold_batchnorm is not False
+                      "batchnorm_folded": folds_batchnorm(self.engine, self.fold_batchnorm)
                       and folded_batchnorm(self._network(pl_module)) is not None,
                       "seed": self.seed, "weights": self.weights, "attacks": list(VERSIONS[self.version]),
                       "results_dir": str(self.results_dir.resolve())}
