@@ -1,11 +1,16 @@
-"""Test helpers: tiny ImageFolder trees with real images, and a callback recording which samples each rank saw."""
+"""Test helpers: tiny ImageFolder trees with real images, a callback recording which samples each rank saw, and a
+recorder of the ops that would make the host wait for a GPU."""
 
 import json
 from pathlib import Path
 
+import traceback
+
 import numpy as np
+import torch
 from lightning import Callback
 from PIL import Image
+from torch.utils._python_dispatch import TorchDispatchMode
 
 WNIDS = ("n01440764", "n01443537", "n15075141")  # ImageNet labels 0, 1 and 999
 
@@ -63,3 +68,29 @@ class KeyRecorder(Callback):
     def on_validation_epoch_end(self, trainer, pl_module):
         if not trainer.sanity_checking:
             self._dump(trainer, "val")
+
+
+class HostReads(TorchDispatchMode):
+    """Records every op that reads tensor values back to the host (``.item()``, ``bool(t)``, ``nonzero``,
+    boolean-mask indexing, ...): on a GPU each would wait for the device's queue to drain. Works on the CPU,
+    so the test suite checks the GPU code paths without a GPU. ``calls`` holds (op, where it was called)."""
+
+    _aten = torch.ops.aten
+    READS = {_aten._local_scalar_dense.default, _aten.nonzero.default, _aten.masked_select.default,
+             _aten._unique2.default, _aten.unique_dim.default, _aten.unique_consecutive.default,
+             _aten.bincount.default, _aten.equal.default, _aten.repeat_interleave.Tensor}
+    MASK_INDEXING = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default,
+                     _aten._index_put_impl_.default}
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        reads = func in self.READS and not (func is self._aten.repeat_interleave.Tensor and kwargs.get("output_size"))
+        if func in self.MASK_INDEXING:  # a boolean mask's nonzero entries become indices on the host
+            reads = any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+        if reads:
+            self.calls.append((str(func), "".join(traceback.format_stack(limit=4)[:-1])))
+        return func(*args, **kwargs)

@@ -4,10 +4,13 @@ Where the reference (pyautoattack) has the same thing, the results are compared 
 network; the rest is checked against invariants and small independent re-implementations.
 """
 
+import importlib
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import HostReads
 
 from robust_lightning.attacks import projections
 from robust_lightning.attacks import (
@@ -498,6 +501,26 @@ def test_attacks_leave_parameters_and_mode_alone(training):
     grads = [p.grad.clone() for p in model.parameters()]
     apgd(model, x, y, n_iter=2)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+
+
+@pytest.mark.parametrize("norm", ["Linf", "L2", "L1"])
+def test_apgd_device_path_never_reads_back(norm, monkeypatch):
+    """The path GPUs take reads no value back to the host, in the set-up or any iteration (checked op by op on
+    the CPU, so without a GPU), and gives the CPU path's result."""
+    model = make_model()
+    x, y = make_batch(model)
+    kwargs = dict(norm=norm, eps=EPS[norm], n_iter=10, random_start=True, generator=0)
+    expected = apgd(model, x, y, **kwargs)
+    with HostReads() as cpu_path:
+        apgd(model, x, y, **kwargs)
+    assert (len(cpu_path.calls) > 0) == (norm == "L1")  # the recorder sees the CPU path's reads
+    for module in (projections, importlib.import_module("robust_lightning.attacks.apgd")):
+        monkeypatch.setattr(module, "host_reads_are_cheap", lambda t: False)
+    with HostReads() as device_path:
+        result = apgd(model, x, y, **kwargs)
+    assert device_path.calls == [], "reads back:\n" + "\n".join(op + "\n" + where for op, where in device_path.calls)
+    torch.testing.assert_close(result.x_adv, expected.x_adv)
+    assert torch.equal(result.robust, expected.robust)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA to detect host-device synchronisation")

@@ -2,6 +2,7 @@
 safeguard, and the Lightning callback (results, resume, DDP)."""
 
 import copy
+import importlib
 import json
 import subprocess
 import sys
@@ -12,8 +13,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import yaml
+from helpers import HostReads
 
-from robust_lightning.attacks import lp_norm
+from robust_lightning.attacks import lp_norm, projections
 from robust_lightning.attacks import autoattack
 from robust_lightning.attacks.autoattack import AutoAttack, batched_runs, channels_last_inputs, folded_batchnorm
 
@@ -303,6 +305,25 @@ def test_quick_modes_and_the_reference_style_call(trained, points):
         AutoAttack(trained, norm="L3")
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         selection.evaluate(x * 2 - 1, y)
+
+
+@pytest.mark.parametrize("norm", ["Linf", "L1"])
+@pytest.mark.parametrize("version", ["apgd-ce", "apgd-t"])
+def test_the_fast_engine_reads_back_between_runs_not_per_iteration(trained, points, norm, version, monkeypatch):
+    """On the path GPUs take, what the fast engine reads back to the host (to re-batch the survivors between
+    target classes and restarts, to verify successes) does not grow with the attacks' iterations."""
+    for module in (projections, importlib.import_module("robust_lightning.attacks.apgd")):
+        monkeypatch.setattr(module, "host_reads_are_cheap", lambda t: False)
+    x, y = points
+    reads = []
+    for n_iter in (6, 12):
+        # a radius that breaks nothing, so that both runs batch the same survivors the same way
+        adversary = AutoAttack(trained, norm=norm, eps=1e-4, version=version, n_iter=n_iter)
+        with HostReads() as recorder:
+            report = adversary.evaluate(x, y, bs=32)
+        assert torch.equal(report.robust, report.clean)
+        reads.append(len(recorder.calls))
+    assert reads[0] == reads[1] > 0
 
 
 def test_batched_runs_keep_the_sequential_semantics():

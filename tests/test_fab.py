@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import HostReads
 
 from robust_lightning.attacks import projections
 from robust_lightning.attacks.fab import (
@@ -235,6 +236,25 @@ def test_target_rank_and_argument_checks():
         fab_targeted(model, x, y, norm="L0", eps=0.1)
     with pytest.raises(ValueError, match="int64"):
         fab_targeted(model, x, y.int(), eps=0.1)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_device_path_never_reads_back(norm, monkeypatch):
+    """The path GPUs take (every key of the projections sorted at once) reads no value back to the host, in the
+    set-up or any iteration (checked op by op on the CPU, so without a GPU), and gives the CPU path's result."""
+    model, x, y = setup()
+    with torch.no_grad():
+        logits = model(x)
+    kwargs = dict(norm=norm, eps=EPS[norm], n_iter=10, target_rank=torch.arange(len(x)) % 9 + 2, logits_clean=logits)
+    with HostReads() as cpu_path:
+        expected = fab_targeted(model, x, y, **kwargs)
+    assert cpu_path.calls  # the recorder sees the CPU path's reads (whether a partial sort sufficed)
+    monkeypatch.setattr(projections, "host_reads_are_cheap", lambda t: False)
+    with HostReads() as device_path:
+        result = fab_targeted(model, x, y, **kwargs)
+    assert device_path.calls == [], "reads back:\n" + "\n".join(op + "\n" + where for op, where in device_path.calls)
+    torch.testing.assert_close(result.x_adv, expected.x_adv)
+    assert torch.equal(result.robust, expected.robust)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA to detect host-device synchronisation")

@@ -25,7 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .projections import _per_sample, check_count, check_threat_model, l1_projection, lp_norm, normalize, project
+from .projections import (
+    _per_sample, check_count, check_threat_model, host_reads_are_cheap, l1_projection, lp_norm, normalize, project,
+)
 
 LOSSES = ("ce", "dlr", "dlr-targeted")
 
@@ -188,7 +190,7 @@ def _l1_sparse_direction(grad: Tensor, topk: Tensor, n_fts: int) -> Tensor:
     # Threshold = the value at rank (1 - topk) * n_fts of |grad| sorted ascending, i.e. the
     # (n_fts - rank)-th largest: a per-point k.
     rank = ((1.0 - topk) * n_fts).clamp(0, n_fts - 1).long()
-    if flat.device.type == "cpu":  # only the largest values need sorting (and the sync costs nothing here)
+    if host_reads_are_cheap(flat):  # only the largest values need sorting
         largest = flat.topk(int((n_fts - rank).max()), dim=1).values
     else:
         largest = flat.sort(1, descending=True).values

@@ -29,6 +29,13 @@ def check_count(name: str, value: int, minimum: int) -> None:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
+def host_reads_are_cheap(t: Tensor) -> bool:
+    """Whether code may branch on ``t``'s values: on the CPU reading them costs nothing, on a GPU it waits for
+    the device's queue to drain. The one switch between the two paths (a test forces the device path on the CPU
+    to check that it never reads back)."""
+    return t.device.type == "cpu"
+
+
 def _per_sample(v: Tensor, like: Tensor) -> Tensor:
     """Reshape a (B,) tensor to (B, 1, 1, ...) so it broadcasts against ``like``."""
     return v.view(-1, *([1] * (like.dim() - 1)))
@@ -91,7 +98,7 @@ def _on_smallest(solve: Callable[..., tuple[Tensor, Tensor]], keys: Tensor, *per
         return torch.topk(keys, m, dim=1, largest=False).indices if m < n else torch.argsort(keys, dim=1)
 
     n = keys.shape[1]
-    m = min(n, _PREFIX) if keys.device.type == "cpu" else n
+    m = min(n, _PREFIX) if host_reads_are_cheap(keys) else n
     answer, complete = solve(smallest(keys, m), *per_row)
     while m < n and not bool(complete.all()):
         m = min(n, 8 * m)
