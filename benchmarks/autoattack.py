@@ -68,6 +68,7 @@ def main() -> None:
         "seconds_fast": {k: round(v, 2) for k, v in fast.seconds.items()},
         "seconds_reference": {k: round(v, 2) for k, v in reference.seconds.items()},
         "agreement": (fast.robust == reference.robust).float().mean().item(),
+        "claims_refuted_in_fp32_fast": fast.refuted,
     }))
 
 

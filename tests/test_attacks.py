@@ -129,6 +129,49 @@ def test_apgd_invariants(norm):
     assert not torch.equal(other.x_best, res.x_best)
 
 
+@pytest.mark.parametrize("norm", ["Linf", "L2", "L1"])
+def test_apgd_exit_broken_settles_the_same_points_with_fewer_passes(norm, monkeypatch):
+    """Rows of broken points leave the run after iterations 1, 2, 4, ... (one read back each time, none
+    between): the same robust flags, in-ball misclassified x_adv, the staying rows' trajectories unchanged,
+    fewer rows forwarded; with several rows per point, a point's rows leave together."""
+    for module in (projections, importlib.import_module("robust_lightning.attacks.apgd")):
+        monkeypatch.setattr(module, "host_reads_are_cheap", lambda t: False)  # the GPU path: only the exits read
+    model = make_model()
+    x, y = make_batch(model)
+    kwargs = dict(norm=norm, eps=EPS[norm], n_iter=20, random_start=True, generator=0)
+    full = apgd(model, x, y, **kwargs)
+    rec = Recorder(model)
+    with HostReads() as reads:
+        early = apgd(rec, x, y, exit_broken=torch.arange(len(x)), **kwargs)
+    assert len(reads.calls) == 5  # after iterations 1, 2, 4, 8 and 16
+    assert torch.equal(early.robust, full.robust) and full.robust.any() and not full.robust.all()
+    torch.testing.assert_close(early.x_best[full.robust], full.x_best[full.robust])
+    torch.testing.assert_close(early.loss_best[full.robust], full.loss_best[full.robust])
+    assert_in_ball(early.x_adv, x, norm, EPS[norm])
+    with torch.no_grad():
+        assert (model(early.x_adv[~early.robust]).argmax(1) != y[~early.robust]).all()
+    assert sum(len(batch) for batch in rec.inputs) < 21 * len(x)
+    assert len(rec.inputs[-1]) == int(full.robust.sum())
+
+    # two target classes of each point in one batch (as AutoAttack batches them): the same points are broken,
+    # and a row leaves unbroken when its point's other row broke it
+    points = torch.arange(len(x)).repeat(2)
+    with torch.no_grad():
+        ranked = model(x).argsort(1)
+    kwargs.update(eps=EPS[norm] / 2, loss="dlr-targeted", y_target=torch.cat([ranked[:, -2], ranked[:, 0]]))
+    both = apgd(model, x[points], y[points], **kwargs).robust.view(2, -1)
+    assert (both[0] != both[1]).any()  # points that one target breaks and the other does not
+    rec = Recorder(model)
+    result = apgd(rec, x[points], y[points], exit_broken=points, **kwargs)
+    with torch.no_grad():  # every row called broken is broken, also where the row left because of the other
+        assert (model(result.x_adv[~result.robust]).argmax(1) != y[points][~result.robust]).all()
+    both_early = result.robust.view(2, -1)
+    assert torch.equal(both_early.all(0), both.all(0))
+    assert len(rec.inputs[-1]) == 2 * int(both.all(0).sum())  # only the rows of unbroken points went on
+    with pytest.raises(ValueError, match="exit_broken"):
+        apgd(model, x, y, exit_broken=torch.arange(len(x) - 1))
+
+
 def test_apgd_no_random_start_starts_at_clean_point():
     model = make_model()
     x, y = make_batch(model)

@@ -81,6 +81,8 @@ def test_fast_engine_matches_the_reference(trained, points, norm):
     # the same broken points up to seed effects (random starts, Square's draws): at most 2 of 48 differ
     assert (fast.robust != reference.robust).sum() <= 2
     assert abs(fast.robust_accuracy - reference.robust_accuracy) <= 2 / 48
+    # the attacks' own verdicts hold: the fp32 check of the model refutes none of their claims
+    assert set(fast.refuted) == set(fast.attacks) and sum(fast.refuted.values()) == 0
 
 
 @pytest.mark.parametrize("norm", ["Linf", "L2", "L1"])
@@ -139,6 +141,7 @@ def test_claimed_successes_are_verified_in_fp32_and_refuted_ones_attacked_again_
     report = AutoAttack(model, norm="Linf", eps=EPS["Linf"], version="apgd-ce", precision="bf16").evaluate(x, y)
     n_clean = int(report.clean.sum())
     assert attacks == [(n_clean, True), (n_clean, False)]  # bf16, then fp32 for every refuted claim
+    assert report.refuted == {"apgd-ce": n_clean} and report.summary()["claims_refuted_in_fp32"] == report.refuted
     assert check_numerics and not any(a or b for a, b in check_numerics)
     fp32 = AutoAttack(trained, norm="Linf", eps=EPS["Linf"], version="apgd-ce").evaluate(x, y)
     assert torch.equal(report.robust, fp32.robust) and not torch.equal(report.robust, report.clean)
@@ -311,12 +314,15 @@ def test_quick_modes_and_the_reference_style_call(trained, points):
 @pytest.mark.parametrize("version", ["apgd-ce", "apgd-t"])
 def test_the_fast_engine_reads_back_between_runs_not_per_iteration(trained, points, norm, version, monkeypatch):
     """On the path GPUs take, what the fast engine reads back to the host (to re-batch the survivors between
-    target classes and restarts, to verify successes) does not grow with the attacks' iterations."""
+    target classes and restarts, to verify successes, to let broken points leave an APGD run after its
+    iterations 1, 2, 4, 8, ...) does not grow with the attacks' iterations."""
     for module in (projections, importlib.import_module("robust_lightning.attacks.apgd")):
         monkeypatch.setattr(module, "host_reads_are_cheap", lambda t: False)
     x, y = points
     reads = []
-    for n_iter in (6, 12):
+    # iterations with the same exits: after 1, 2, 4, 8 (L1: in the last stage of its eps schedule, 6 and 8
+    # iterations long, after 1, 2, 4)
+    for n_iter in {"Linf": (9, 16), "L1": (16, 20)}[norm]:
         # a radius that breaks nothing, so that both runs batch the same survivors the same way
         adversary = AutoAttack(trained, norm=norm, eps=1e-4, version=version, n_iter=n_iter)
         with HostReads() as recorder:

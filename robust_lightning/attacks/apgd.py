@@ -3,7 +3,8 @@
 One implementation serves adversarial training (Singh et al.: 2 steps, Linf, no random start, soft-target
 cross-entropy, the highest-loss iterate) and evaluation (the AutoAttack ensemble is built on top of
 :func:`apgd`: restarts via ``generator``, targeted runs via ``loss="dlr-targeted"`` + ``y_target``, the L1
-eps schedule via ``x_init`` + ``step_size``, early exit via ``robust``).
+eps schedule via ``x_init`` + ``step_size``, points broken in one run not attacked in the next via ``robust``,
+and broken points leaving a run early via ``exit_broken``).
 
 It follows the reference implementation (``pyautoattack.autopgd_base.APGDAttack.attack_single_run``)
 step for step, including its indexing quirks, so the two agree to float precision for the same start.
@@ -12,7 +13,8 @@ Design constraints:
 * gradients are taken with respect to the input only (``torch.autograd.grad``), so parameters' ``.grad``
   are never touched; the model's train/eval mode is left to the caller;
 * no host-device synchronisation in the iteration loop (per-point decisions are ``torch.where`` masks,
-  control flow depends on Python integers only), so it does not stall a CUDA stream; the set-up does not
+  control flow depends on Python integers only; ``exit_broken`` reads back after iterations 1, 2, 4, 8, ...
+  only), so it does not stall a CUDA stream; the set-up does not
   synchronise either as long as ``eps`` and ``step_size`` are Python numbers and a ``generator`` lives on
   the data's device (a CPU generator with CUDA data costs one host-to-device copy of the start);
 * perturbations and losses are float32 even when the caller runs the model under bf16/fp16 autocast.
@@ -215,6 +217,7 @@ def apgd(
     generator: torch.Generator | int | None = None,
     step_size: float | None = None,
     last_forward: Model | None = None,
+    exit_broken: Tensor | None = None,
 ) -> APGDResult:
     """Run one APGD attack of ``n_iter`` steps on the batch ``x`` (values in [0, 1]) with labels ``y``.
 
@@ -238,6 +241,14 @@ def apgd(
         last_forward: computes the logits of the last iterate instead of ``model``, with gradients enabled;
             its output is returned as is in ``logits_last`` (adversarial training reuses this forward, graph
             included, for the update where the highest-loss iterate is the last one).
+        exit_broken: for evaluation, where a misclassified iterate settles a point: the point each row belongs
+            to (int64 (B,); ``torch.arange(B)`` for one run, a point's id on each of its rows when several
+            target classes or restarts of it share the batch). After iterations 1, 2, 4, 8, ... the rows of
+            every point that one of its rows has misclassified leave the run (one read back to the host each
+            time, log2(n_iter) in all), so later forward passes skip them. The other rows go on unchanged. A
+            row that left has its results as of then: ``robust`` and ``x_adv`` as final as the others',
+            ``x_best``, ``loss_best``, ``logits_last`` and ``best_is_last`` of its last iterate; a row that left
+            because another row broke its point may still be ``robust``.
 
     The last iterate only needs its loss (no further step follows), so it gets a forward without the input
     gradient: n_iter + 1 forwards and n_iter input-gradient backwards in all.
@@ -250,6 +261,11 @@ def apgd(
         raise ValueError("pass either random_start=True or x_init, not both")
     if x_init is not None and x_init.shape != x.shape:
         raise ValueError(f"x_init must have the shape of x {tuple(x.shape)}, got {tuple(x_init.shape)}")
+    if exit_broken is not None and (exit_broken.shape != x.shape[:1] or exit_broken.dtype != torch.int64):
+        raise ValueError(f"exit_broken must hold int64 point ids of shape ({x.shape[0]},), got {exit_broken.dtype} "
+                         f"of shape {tuple(exit_broken.shape)}")
+    if exit_broken is not None and last_forward is not None:
+        raise ValueError("exit_broken is for evaluation; last_forward (training) needs every row's last iterate")
 
     x = x.detach().float()
     gen = _generator(generator, x.device)
@@ -289,6 +305,8 @@ def apgd(
 
     x_adv_old = x_adv.clone()
     since_check = 0
+    rows = torch.arange(batch, device=x.device)  # the caller's row of each row still attacked
+    exited = []  # (rows, x_best, loss_best, x_best_adv, logits, improved, robust) of the rows that left
     for i in range(n_iter):
         # --- step: projected (sparse) ascent step, then momentum for Linf/L2 (none at the first step)
         momentum = x_adv - x_adv_old
@@ -340,6 +358,31 @@ def apgd(
             grad = torch.where(_per_sample(restart, x), grad_best, grad)
             since_check = 0
 
+        # --- early exit: the rows of broken points leave (at iterations 1, 2, 4, ...: one read back each time)
+        if exit_broken is not None and i < n_iter - 1 and (i + 1) & i == 0:
+            leave = ((exit_broken[:, None] == exit_broken[None, :]) & ~robust).any(1)  # a row of its point broke
+            n_leave = int(leave.sum())
+            if n_leave:
+                by_leave = leave.to(torch.uint8).argsort(stable=True)  # the rows that stay, then those that leave
+                stay, gone = by_leave[: len(leave) - n_leave], by_leave[len(leave) - n_leave :]
+                exited.append(tuple(t[gone] for t in (rows, x_best, loss_best, x_best_adv, logits, improved, robust)))
+                (rows, exit_broken, x, y, x_adv, x_adv_old, grad, x_best, x_best_adv, grad_best, loss_best, step,
+                 robust, loss_best_last_check, reduced_last_check) = (
+                    t[stay] for t in (rows, exit_broken, x, y, x_adv, x_adv_old, grad, x_best, x_best_adv, grad_best,
+                                      loss_best, step, robust, loss_best_last_check, reduced_last_check))
+                loss_steps = loss_steps[:, stay]
+                if y_target is not None:
+                    y_target = y_target[stay]
+                if norm == "L1":
+                    topk, sparsity_old = topk[stay], sparsity_old[stay]
+                if not len(rows):
+                    break
+
+    if exited:  # put the rows that left and those that stayed back in the caller's order
+        parts = [*exited, (rows, x_best, loss_best, x_best_adv, logits, improved, robust)]
+        order = torch.cat([part[0] for part in parts]).argsort()
+        x_best, loss_best, x_best_adv, logits, improved, robust = (
+            torch.cat([part[j] for part in parts])[order] for j in range(1, 7))
     return APGDResult(x_best=x_best, loss_best=loss_best, x_adv=x_best_adv, robust=robust, logits_last=logits,
                       logits_start=logits_start, best_is_last=improved)
 

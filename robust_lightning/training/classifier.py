@@ -334,7 +334,8 @@ class ImageClassifier(LightningModule):
         hp = self.hparams
         with torch.enable_grad():  # Lightning evaluates under no_grad (inference_mode is off in our CLI)
             result = apgd(partial(self._run, model), images, labels, norm=hp.attack_norm, eps=hp.attack_eps,
-                          n_iter=hp.select_attack_steps, loss="ce")
+                          n_iter=hp.select_attack_steps, loss="ce",
+                          exit_broken=torch.arange(len(images), device=images.device))  # only the flags are used
         return result.robust
 
     def _eval_epoch_end(self, stage: str) -> None:
