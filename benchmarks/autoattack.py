@@ -5,7 +5,8 @@
 
 The points are the first ``--n`` images of the checkpoint's evaluation data (the built-in synthetic set by
 default, ``--data-root`` for an ImageFolder tree with val/). Both engines run the standard ensemble
-(APGD-CE, APGD-T, FAB-T, Square) with the same seed and batch size, one after the other. The last line printed
+(APGD-CE, APGD-T, FAB-T, Square; or a quick mode, ``--version``) with the same seed and batch size, one after
+the other. The last line printed
 is a JSON object with both clean and robust accuracies, both times (in all and per attack), ``speedup`` =
 reference time / fast time and ``agreement`` = the fraction of points both engines call robust or both call
 broken.
@@ -16,7 +17,7 @@ import json
 
 import torch
 
-from robust_lightning.attacks.autoattack import AutoAttack
+from robust_lightning.attacks.autoattack import VERSIONS, AutoAttack
 from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.training.classifier import ImageClassifier
 
@@ -41,6 +42,9 @@ def main() -> None:
     parser.add_argument("--bs", type=int, default=250)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16"])
+    parser.add_argument("--version", default="standard", choices=list(VERSIONS),
+                        help="standard, or a quick mode: apgd-t (40 iterations, 3 targets), apgd-ce (--n-iter steps)")
+    parser.add_argument("--n-iter", type=int, default=None, help="the quick modes' iterations")
     args = parser.parse_args()
     eps = args.eps if args.eps is not None else {"Linf": 4 / 255, "L2": 2.0, "L1": 75.0}[args.norm]
 
@@ -50,6 +54,7 @@ def main() -> None:
     reports = {}
     for engine in ("fast", "reference"):
         adversary = AutoAttack(module, norm=args.norm, eps=eps, seed=0, engine=engine, device=args.device,
+                               version=args.version, n_iter=args.n_iter,
                                precision=args.precision if engine == "fast" else "fp32")
         reports[engine] = report = adversary.evaluate(x, y, bs=args.bs, progress=lambda line: print("   ", line))
         total = sum(report.seconds.values())
@@ -58,7 +63,7 @@ def main() -> None:
     fast, reference = reports["fast"], reports["reference"]
     fast_s, reference_s = sum(fast.seconds.values()), sum(reference.seconds.values())
     print(json.dumps({
-        "ckpt": args.ckpt, "n": len(x), "norm": args.norm, "eps": eps, "device": args.device,
+        "ckpt": args.ckpt, "n": len(x), "norm": args.norm, "eps": eps, "version": args.version, "device": args.device,
         "precision": args.precision, "channels_last_fast": fast.channels_last,
         "batchnorm_folded_fast": fast.batchnorm_folded,
         "clean_fast": fast.clean_accuracy, "clean_reference": reference.clean_accuracy,

@@ -500,6 +500,7 @@ def test_callback_results_match_a_direct_evaluation_and_resume_without_double_co
     assert partial["threat_models"]["Linf-4_255"]["num_points"] == 12
     final = run_test(tmp_path, checkpoint)["threat_models"]["Linf-4_255"]
     assert final["num_points"] == 20  # 4 classes x 5 val images, each exactly once
+    assert final["claims_refuted_in_fp32_this_session"] == {"apgd-ce": 0}  # of the resumed session's 2 images
     batches = saved_batches(tmp_path / "outcomes" / "Linf-4_255" / "rank0.jsonl")
     assert [len(keys) for keys in batches] == [6, 6, 6, 2]  # the resumed run only did the rest
 

@@ -188,7 +188,9 @@ class AutoAttackEvaluation(Callback):
         self.channels_last, self.fold_batchnorm = channels_last, fold_batchnorm
         self.results_dir = Path(results_dir) if results_dir else None
         self.done: dict[str, set[str]] = {}
+        # this session's totals per threat model and attack (not saved per point: a resumed run counts anew)
         self.seconds: dict[str, dict[str, float]] = {}
+        self.refuted: dict[str, dict[str, int]] = {}  # claims the fp32 check refuted (AutoAttackReport.refuted)
 
     # ----------------------------------------------------------------------------------------- set-up
     def _directory(self, threat: ThreatModel) -> Path:
@@ -222,7 +224,7 @@ class AutoAttackEvaluation(Callback):
             claim_directory(self._directory(threat), self._identity(trainer, weights_hash, threat),
                             trainer.is_global_zero, "AutoAttackEvaluation")
             self.done[threat.name] = set(read_outcomes(self._directory(threat)))
-            self.seconds[threat.name] = {}
+            self.seconds[threat.name], self.refuted[threat.name] = {}, {}
             if self.done[threat.name] and trainer.is_global_zero:
                 rank_zero_info(f"AutoAttack {threat.name}: resuming, {len(self.done[threat.name])} images already done")
 
@@ -273,8 +275,9 @@ class AutoAttackEvaluation(Callback):
             }
             append_record(self._directory(threat) / f"rank{trainer.global_rank}.jsonl", record)
             self.done[threat.name].update(record["key"])
-            for attack, seconds in report.seconds.items():
-                self.seconds[threat.name][attack] = self.seconds[threat.name].get(attack, 0.0) + seconds
+            for totals, counts in ((self.seconds, report.seconds), (self.refuted, report.refuted)):
+                for attack, value in counts.items():
+                    totals[threat.name][attack] = totals[threat.name].get(attack, 0) + value
 
     # -------------------------------------------------------------------------------------------- end
     def on_test_epoch_end(self, trainer, pl_module) -> None:
@@ -291,7 +294,10 @@ class AutoAttackEvaluation(Callback):
         for threat in self.threat_models:
             outcomes = read_outcomes(self._directory(threat))
             summary = summarise(outcomes, VERSIONS[self.version])
-            summary["seconds_this_session"] = self._gathered_seconds(threat)
+            seconds = _summed_over_ranks(self.seconds.get(threat.name, {}))
+            summary["seconds_this_session"] = {attack: round(value, 2) for attack, value in seconds.items()}
+            if self.engine == "fast":
+                summary["claims_refuted_in_fp32_this_session"] = _summed_over_ranks(self.refuted.get(threat.name, {}))
             if expected and summary["num_points"] < expected:
                 summary["images_not_evaluated"] = expected - summary["num_points"]
                 if expected_keys is not None:
@@ -326,15 +332,15 @@ class AutoAttackEvaluation(Callback):
                 columns = ["threat_model", "images", "clean", "robust", *VERSIONS[self.version]]
                 logger.log_table("autoattack/summary", columns=columns, data=rows)
 
-    def _gathered_seconds(self, threat: ThreatModel) -> dict[str, float]:
-        """Attack time of this session, summed over ranks (device-seconds)."""
-        mine = self.seconds.get(threat.name, {})
-        if not (dist.is_available() and dist.is_initialized()):
-            return {k: round(v, 2) for k, v in mine.items()}
-        everyone: list[dict[str, float]] = [{} for _ in range(dist.get_world_size())]
-        dist.all_gather_object(everyone, mine)
-        total: dict[str, float] = {}
-        for seconds in everyone:
-            for attack, value in seconds.items():
-                total[attack] = total.get(attack, 0.0) + value
-        return {k: round(v, 2) for k, v in total.items()}
+
+def _summed_over_ranks(per_attack: dict[str, float]) -> dict[str, float]:
+    """Per-attack totals summed over the ranks (for times: device-seconds)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return dict(per_attack)
+    everyone: list[dict[str, float]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, per_attack)
+    total: dict[str, float] = {}
+    for totals in everyone:
+        for attack, value in totals.items():
+            total[attack] = total.get(attack, 0) + value
+    return total

@@ -22,8 +22,8 @@ from robust_lightning.scale.sweep import cell_status, write_json
 
 RUN_SECTIONS = ("fit", "validate", "test")
 # conditions and bookkeeping, not measurements (eps is in the threat model's name already)
-SKIPPED = {"conditions", "seconds_this_session", "checkpoint", "best_checkpoint", "last_checkpoint", "corrupt_images",
-           "eps"}
+SKIPPED = {"conditions", "seconds_this_session", "claims_refuted_in_fp32_this_session", "checkpoint", "best_checkpoint",
+           "last_checkpoint", "corrupt_images", "eps"}
 DROPPED = {"metrics", "threat_models"}  # containers whose name adds nothing to a column name
 LOG_LINES = 20
 REASONS = {
