@@ -1,10 +1,10 @@
 """Test helpers: tiny ImageFolder trees with real images, a callback recording which samples each rank saw, and a
 recorder of the ops that would make the host wait for a GPU."""
 
+import importlib
 import json
-from pathlib import Path
-
 import traceback
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -94,3 +94,26 @@ class HostReads(TorchDispatchMode):
         if reads:
             self.calls.append((str(func), "".join(traceback.format_stack(limit=4)[:-1])))
         return func(*args, **kwargs)
+
+    def listing(self) -> str:
+        return "reads back:\n" + "\n".join(f"{op}\n{where}" for op, where in self.calls)
+
+
+def force_device_path(monkeypatch) -> None:
+    """Make the attacks take, on the CPU, the path they take on GPUs (where reading values back is not cheap)."""
+    for module in ("robust_lightning.attacks.projections", "robust_lightning.attacks.apgd"):
+        monkeypatch.setattr(importlib.import_module(module), "host_reads_are_cheap", lambda t: False)
+
+
+def device_path_reads_nothing(attack, monkeypatch) -> list[tuple[str, str]]:
+    """Runs ``attack()`` (returning ``x_adv`` and ``robust``) on the CPU path, then on the device path: the latter
+    must read nothing back and give the same result. Returns the CPU path's reads."""
+    with HostReads() as cpu_path:
+        expected = attack()
+    force_device_path(monkeypatch)
+    with HostReads() as device_path:
+        result = attack()
+    assert device_path.calls == [], device_path.listing()
+    torch.testing.assert_close(result.x_adv, expected.x_adv)
+    assert torch.equal(result.robust, expected.robust)
+    return cpu_path.calls

@@ -4,13 +4,11 @@ Where the reference (pyautoattack) has the same thing, the results are compared 
 network; the rest is checked against invariants and small independent re-implementations.
 """
 
-import importlib
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import HostReads
+from helpers import HostReads, device_path_reads_nothing, force_device_path
 
 from robust_lightning.attacks import projections
 from robust_lightning.attacks import (
@@ -134,8 +132,7 @@ def test_apgd_exit_broken_settles_the_same_points_with_fewer_passes(norm, monkey
     """Rows of broken points leave the run after iterations 1, 2, 4, ... (one read back each time, none
     between): the same robust flags, in-ball misclassified x_adv, the staying rows' trajectories unchanged,
     fewer rows forwarded; with several rows per point, a point's rows leave together."""
-    for module in (projections, importlib.import_module("robust_lightning.attacks.apgd")):
-        monkeypatch.setattr(module, "host_reads_are_cheap", lambda t: False)  # the GPU path: only the exits read
+    force_device_path(monkeypatch)  # where only the exits read back
     model = make_model()
     x, y = make_batch(model)
     kwargs = dict(norm=norm, eps=EPS[norm], n_iter=20, random_start=True, generator=0)
@@ -553,17 +550,8 @@ def test_apgd_device_path_never_reads_back(norm, monkeypatch):
     model = make_model()
     x, y = make_batch(model)
     kwargs = dict(norm=norm, eps=EPS[norm], n_iter=10, random_start=True, generator=0)
-    expected = apgd(model, x, y, **kwargs)
-    with HostReads() as cpu_path:
-        apgd(model, x, y, **kwargs)
-    assert (len(cpu_path.calls) > 0) == (norm == "L1")  # the recorder sees the CPU path's reads
-    for module in (projections, importlib.import_module("robust_lightning.attacks.apgd")):
-        monkeypatch.setattr(module, "host_reads_are_cheap", lambda t: False)
-    with HostReads() as device_path:
-        result = apgd(model, x, y, **kwargs)
-    assert device_path.calls == [], "reads back:\n" + "\n".join(op + "\n" + where for op, where in device_path.calls)
-    torch.testing.assert_close(result.x_adv, expected.x_adv)
-    assert torch.equal(result.robust, expected.robust)
+    cpu_reads = device_path_reads_nothing(lambda: apgd(model, x, y, **kwargs), monkeypatch)
+    assert bool(cpu_reads) == (norm == "L1")  # the recorder sees the CPU path's reads (L1's partial sorts)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA to detect host-device synchronisation")

@@ -2,7 +2,6 @@
 safeguard, and the Lightning callback (results, resume, DDP)."""
 
 import copy
-import importlib
 import json
 import subprocess
 import sys
@@ -13,9 +12,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import yaml
-from helpers import HostReads
+from helpers import HostReads, force_device_path
 
-from robust_lightning.attacks import lp_norm, projections
+from robust_lightning.attacks import lp_norm
 from robust_lightning.attacks import autoattack
 from robust_lightning.attacks.autoattack import AutoAttack, batched_runs, channels_last_inputs, folded_batchnorm
 
@@ -316,8 +315,7 @@ def test_the_fast_engine_reads_back_between_runs_not_per_iteration(trained, poin
     """On the path GPUs take, what the fast engine reads back to the host (to re-batch the survivors between
     target classes and restarts, to verify successes, to let broken points leave an APGD run after its
     iterations 1, 2, 4, 8, ...) does not grow with the attacks' iterations."""
-    for module in (projections, importlib.import_module("robust_lightning.attacks.apgd")):
-        monkeypatch.setattr(module, "host_reads_are_cheap", lambda t: False)
+    force_device_path(monkeypatch)
     x, y = points
     reads = []
     # iterations with the same exits: after 1, 2, 4, 8 (L1: in the last stage of its eps schedule, 6 and 8
