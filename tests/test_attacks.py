@@ -165,6 +165,12 @@ def test_apgd_exit_broken_settles_the_same_points_with_fewer_passes(norm, monkey
     both_early = result.robust.view(2, -1)
     assert torch.equal(both_early.all(0), both.all(0))
     assert len(rec.inputs[-1]) == 2 * int(both.all(0).sum())  # only the rows of unbroken points went on
+    # every point broken: all rows leave, and the results are still complete, in the caller's order
+    kwargs.update(eps=EPS[norm] * 20, loss="ce", y_target=None)
+    gone = apgd(model, x, y, exit_broken=torch.arange(len(x)), **kwargs)
+    assert not gone.robust.any() and gone.logits_last.shape == (len(x), NUM_CLASSES)
+    with torch.no_grad():
+        assert (model(gone.x_adv).argmax(1) != y).all()
     with pytest.raises(ValueError, match="exit_broken"):
         apgd(model, x, y, exit_broken=torch.arange(len(x) - 1))
 

@@ -367,9 +367,10 @@ def apgd(
                 stay, gone = by_leave[: len(leave) - n_leave], by_leave[len(leave) - n_leave :]
                 exited.append(tuple(t[gone] for t in (rows, x_best, loss_best, x_best_adv, logits, improved, robust)))
                 (rows, exit_broken, x, y, x_adv, x_adv_old, grad, x_best, x_best_adv, grad_best, loss_best, step,
-                 robust, loss_best_last_check, reduced_last_check) = (
+                 robust, loss_best_last_check, reduced_last_check, logits, improved) = (
                     t[stay] for t in (rows, exit_broken, x, y, x_adv, x_adv_old, grad, x_best, x_best_adv, grad_best,
-                                      loss_best, step, robust, loss_best_last_check, reduced_last_check))
+                                      loss_best, step, robust, loss_best_last_check, reduced_last_check, logits,
+                                      improved))
                 loss_steps = loss_steps[:, stay]
                 if y_target is not None:
                     y_target = y_target[stay]
