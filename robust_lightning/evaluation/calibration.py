@@ -4,6 +4,12 @@ Equal-width confidence bins (lo, hi]: ECE = sum over bins of |accuracy - mean co
 torchmetrics' CalibrationError bins [lo, hi), which moves confidences that sit on a bin edge, and it softmaxes
 logits itself; ``CalibrationError`` here keeps our binning and sums per-bin counts across ranks, so the
 distributed value is exact.
+
+RMS calibration error: the number Hendrycks et al. publish for ImageNet-A/R (``calib_err(p='2', beta=100)`` in
+the calibration_tools.py of hendrycks/natural-adv-examples): images sorted by confidence into adaptive bins of
+100 (the last bin takes the remainder), sqrt of the share-weighted squared |mean confidence - accuracy| per
+bin. That code's loop stops one bin early, so the most confident bin never counts; we follow the code, since
+that is what the published numbers measure.
 """
 
 import torch
@@ -30,6 +36,26 @@ def ece_from_bins(sums: torch.Tensor) -> float:
 
 def expected_calibration_error(confidence: torch.Tensor, correct: torch.Tensor, bins: int = ECE_BINS) -> float:
     return ece_from_bins(calibration_bins(confidence, correct, bins))
+
+
+RMS_BIN_SIZE = 100
+
+
+def rms_calibration_error(confidence: torch.Tensor, correct: torch.Tensor, bin_size: int = RMS_BIN_SIZE) -> float:
+    """RMS calibration error over adaptive bins of ``bin_size`` images (see the module docstring); NaN with fewer
+    than two bins' worth of images, where the reference code measures nothing (one bin, skipped) or fails."""
+    count = len(confidence)
+    if count < 2 * bin_size:
+        return float("nan")
+    order = torch.argsort(confidence.double(), stable=True)
+    confidence, correct = confidence.double()[order], correct.double()[order]
+    bins = count // bin_size
+    edges = [i * bin_size for i in range(bins)] + [count]  # the last bin runs to the end
+    total = 0.0
+    for lo, hi in zip(edges[:-2], edges[1:-1]):  # every bin but the last, as the reference's loop
+        gap = confidence[lo:hi].mean() - correct[lo:hi].mean()
+        total += (hi - lo) / count * gap.item() ** 2
+    return total ** 0.5
 
 
 class CalibrationError(Metric):
