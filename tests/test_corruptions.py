@@ -30,6 +30,7 @@ import cv2
 import numpy as np
 import pytest
 import torch
+import torchvision
 from PIL import Image
 
 from robust_lightning.errors import UserError
@@ -259,12 +260,15 @@ def test_bad_inputs_and_missing_frost_textures(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- the pipeline
-def test_pipeline_at_224_is_resize_256_crop_224_corrupt_jpeg_85(tmp_path):
+def test_pipeline_at_224_is_the_release_resize_256_crop_224_corrupt_jpeg_85(tmp_path):
     path = tmp_path / "source.JPEG"
     Image.fromarray(natural_image(300, 400, seed=3)).save(path, quality=95)
-    # by hand with Pillow: shorter side 300 -> 256 (bicubic), so 400 -> int(256 * 400 / 300) = 341; centre crop 224
-    resized = Image.open(path).convert("RGB").resize((341, 256), Image.BICUBIC)
-    clean = np.asarray(resized.crop((58, 16, 58 + 224, 16 + 224)))  # left = round((341 - 224) / 2), top = 16
+    # the release's own preprocessing: torchvision Resize(256) at its default interpolation, CenterCrop(224)
+    release = torchvision.transforms.Compose([torchvision.transforms.Resize(256), torchvision.transforms.CenterCrop(224)])
+    clean = np.asarray(release(Image.open(path).convert("RGB")))
+    # which is bilinear, not the bicubic resize of the clean evaluation
+    bicubic = Image.open(path).convert("RGB").resize((341, 256), Image.BICUBIC).crop((58, 16, 58 + 224, 16 + 224))
+    assert not np.array_equal(clean, np.asarray(bicubic))
     for name in ("contrast", "gaussian_noise"):
         transform = CorruptedEvalTransform(name, [2, 5], resolution=224, seed=7)
         out = transform(Image.open(path))

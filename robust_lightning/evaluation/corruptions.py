@@ -532,24 +532,34 @@ def image_seed(seed: int, corruption: str, severity: int, pixels: np.ndarray) ->
     return np.random.RandomState(np.random.MT19937(np.random.SeedSequence(entropy)))
 
 
+def release_transform(resolution: int, crop_pct: float = 0.875):
+    """The released ImageNet-C's preprocessing: torchvision ``Resize(256)`` with its default (bilinear, on PIL
+    images) and ``CenterCrop(224)`` (create_c/make_imagenet_c.py of hendrycks/robustness), at resolution r:
+    shorter side to floor(r / crop_pct), centre crop r. Not the bicubic resize of our clean evaluation."""
+    # imported here: the corruptions themselves need only numpy, OpenCV, scikit-image and Pillow
+    from torchvision.transforms import v2 as T  # noqa: PLC0415
+
+    from robust_lightning.data.transforms import decode_rgb, eval_resize_size  # noqa: PLC0415
+
+    resize = T.Resize(eval_resize_size(resolution, crop_pct), interpolation=T.InterpolationMode.BILINEAR)
+    return T.Compose([decode_rgb, resize, T.CenterCrop(resolution), T.PILToTensor()])
+
+
 class CorruptedEvalTransform:
     """Per-image transform of the on-the-fly benchmark: lazily opened PIL image -> S x 3 x r x r uint8 tensor,
-    one slice per severity, made as the released ImageNet-C was made: the eval preprocessing (bicubic resize
-    of the shorter side to floor(r / crop_pct), centre crop r; 256 / 224 at r = 224), the corruption, a JPEG
-    round trip at quality 85 (the release saved with optimize=True too, which changes only the file size)."""
+    one slice per severity, made as the released ImageNet-C was made: its resize (``release_transform``), the
+    corruption, a JPEG round trip at quality 85 (the release saved with optimize=True too, which changes only
+    the file size)."""
 
     def __init__(self, corruption: str, severities: list[int], resolution: int, seed: int = 0,
                  crop_pct: float = 0.875, frost_dir: str | Path | None = None):
-        # imported here: the corruptions themselves need only numpy, OpenCV, scikit-image and Pillow
-        from robust_lightning.data.transforms import eval_transform  # noqa: PLC0415
-
         if corruption not in CORRUPTIONS:
             raise UserError(f"unknown corruption {corruption!r}; expected one of {', '.join(CORRUPTIONS)}")
         if resolution < MIN_SIZE:
             raise UserError(f"corruptions need images of at least {MIN_SIZE} px, got resolution {resolution}")
         self.corruption, self.severities, self.seed = corruption, list(severities), seed
         self.frost_dir = str(frost_directory(frost_dir)) if corruption == "frost" else None
-        self.preprocess = eval_transform(resolution, crop_pct)
+        self.preprocess = release_transform(resolution, crop_pct)
 
     def __call__(self, image: Image.Image):
         import torch  # noqa: PLC0415 (see __init__)

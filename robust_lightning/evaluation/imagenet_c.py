@@ -257,8 +257,8 @@ class ImageNetC(Callback):
     the fly from the data module's evaluation images (``source: generated``).
 
     Generated: each evaluation image (e.g. data.eval_subset robustbench, the RobustBench 5000) goes through the
-    eval preprocessing at resolution r (bicubic resize of the shorter side to floor(r / crop_pct), centre crop r:
-    256 / 224 at r = 224, as the release), the corruption (robust_lightning.evaluation.corruptions, Hendrycks'
+    release's preprocessing at resolution r (bilinear resize of the shorter side to floor(r / crop_pct), centre
+    crop r: torchvision's Resize(256), CenterCrop(224) at r = 224), the corruption (robust_lightning.evaluation.corruptions, Hendrycks'
     parameters) and a JPEG round trip at quality 85 (as released). The random draws of an image come from
     (seed, corruption, severity, a digest of its clean pixels), so they do not depend on workers, ranks or
     batch size. The corruptions are made in the data loader workers, all severities of a corruption from one
@@ -484,7 +484,7 @@ class ImageNetC(Callback):
                 "num_source_images": len(rows[self.corruptions[0]]),
                 "seed": self.seed,
                 "resolution": r,
-                "pipeline": f"resize shorter side to {eval_resize_size(r, self.crop_pct)} (bicubic), centre crop "
+                "pipeline": f"resize shorter side to {eval_resize_size(r, self.crop_pct)} (bilinear, as the release), centre crop "
                             f"{r}, corrupt, JPEG quality {RELEASED_JPEG_QUALITY} round trip (Pillow)",
                 "implementation": IMPLEMENTATION,
                 "per_image_seed": "numpy SeedSequence(seed, corruption index, severity, blake2b digest of the "
