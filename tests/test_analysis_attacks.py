@@ -226,6 +226,8 @@ def test_shape_bias_is_1_for_a_shape_reader_and_0_for_a_texture_reader(tmp_path)
         assert table["shape_bias"] == expected
         assert table["num_conflict_images"] == 4 and table["excluded_same_category"] == 1  # cat1-cat4 left out
         assert table["per_category"]["cat"]["images"] == 1
+        # Bhojanapalli et al.'s shape accuracy counts all 5 stimuli: cat1-cat is decided "cat" by both readers
+        assert table["shape_accuracy"] == {0: 5 / 5, 1: 1 / 5}[channel]
     assert table["texture_decisions"] == 4 and table["other_decisions"] == 0
 
 

@@ -12,8 +12,10 @@ and texture categories differ:
 
     shape bias = shape decisions / (shape decisions + texture decisions)
 
-(decisions that are neither do not count). Per category (of the shape, as Geirhos et al.'s per-category plot)
-the same ratio. Preprocessing: the whole stimulus resized to the model's resolution (bicubic; crop_pct < 1 adds
+(decisions that are neither do not count; model-vs-human's ShapeBias analysis counts the same way). Per category
+(of the shape, as Geirhos et al.'s per-category plot) the same ratio. Bhojanapalli et al. (Sec. 3.7, Fig. 6,
+Table 3) report another count, the shape accuracy: the fraction of ALL stimuli (1280, the ones whose shape and
+texture agree included) whose decision is their shape category; it is ``shape_accuracy``. Preprocessing: the whole stimulus resized to the model's resolution (bicubic; crop_pct < 1 adds
 the project's centre crop). A model with another label space than ImageNet's 1000 classes does not apply.
 """
 
@@ -114,6 +116,7 @@ def decisions(model: nn.Module, files: list[Path], mapping: dict[str, list[int]]
 def shape_bias_table(stimuli: list[tuple[Path, str, str]], decided: list[str], categories: list[str]) -> dict[str, Any]:
     """Counts and ratios over the cue-conflict images (shape != texture), overall and per shape category."""
     conflict = [(s, t, d) for (_, s, t), d in zip(stimuli, decided) if s != t]
+    shape_correct = sum(d == s for (_, s, _), d in zip(stimuli, decided))  # every stimulus: Bhojanapalli et al.
     shape = sum(d == s for s, _, d in conflict)
     texture = sum(d == t for _, t, d in conflict)
 
@@ -127,6 +130,7 @@ def shape_bias_table(stimuli: list[tuple[Path, str, str]], decided: list[str], c
         per_category[c] = {"images": len(rows), "shape": cs, "texture": ct, "shape_bias": ratio(cs, ct)}
     return {
         "shape_bias": ratio(shape, texture),
+        "shape_accuracy": shape_correct / len(stimuli) if stimuli else None,
         "shape_decisions": shape, "texture_decisions": texture, "other_decisions": len(conflict) - shape - texture,
         "fraction_shape": shape / len(conflict) if conflict else None,
         "fraction_texture": texture / len(conflict) if conflict else None,
@@ -184,7 +188,8 @@ class ShapeBias(Analysis):
                                   "mapping": str(self.mapping_path),
                                   "image_size": size, "crop_pct": self.crop_pct,
                                   "decision": "argmax of the mean softmax probability over each category's classes"}}
-        metrics = {k: section[k] for k in ("shape_bias", "fraction_shape", "fraction_texture") if section[k] is not None}
+        metrics = {k: section[k] for k in ("shape_bias", "shape_accuracy", "fraction_shape", "fraction_texture")
+                   if section[k] is not None}
         return section, metrics, self._plot(section) if self.plot else None
 
     @staticmethod
