@@ -1,0 +1,83 @@
+"""The declared dependencies (pyproject.toml) against what the code imports: every third-party package the
+package or the benchmarks import is a runtime dependency, every one the tests import is a runtime or test
+dependency, and every declared dependency is imported somewhere (the few that are not say why below)."""
+import ast
+import importlib.metadata
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Declared but never imported by name, each for a reason:
+NOT_IMPORTED = {
+    "jsonargparse": "LightningCLI (lightning.pytorch.cli) parses the command line and configs with it",
+    "kornia": "to be used by the attacks and analyses",
+    "imagecorruptions": "the frost textures are read from its package folder",
+}
+
+
+def normalise(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def declared() -> tuple[set[str], set[str]]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    runtime = {normalise(Requirement(r).name) for r in project["dependencies"]}
+    test = {normalise(Requirement(r).name) for r in project["optional-dependencies"]["test"]}
+    return runtime, test
+
+
+def imported_modules(folder: str) -> set[str]:
+    """Top-level names of the absolute imports in the folder's .py files, less the standard library and the
+    folder's own modules (the tests import their helpers by file name)."""
+    names = set()
+    for path in (ROOT / folder).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    local = {p.stem for p in (ROOT / folder).glob("*.py")} | {"robust_lightning"}
+    return {n for n in names if n not in sys.stdlib_module_names and n not in local}
+
+
+def distributions(modules: set[str]) -> set[str]:
+    """The installed distributions that provide the modules (e.g. cv2 -> opencv-python-headless)."""
+    provided_by = importlib.metadata.packages_distributions()
+    missing = sorted(m for m in modules if m not in provided_by)
+    assert not missing, f"imported but not installed: {missing}"
+    return {normalise(d) for m in modules for d in provided_by[m]}
+
+
+def test_every_import_is_declared():
+    runtime, test = declared()
+    package = distributions(imported_modules("robust_lightning") | imported_modules("benchmarks"))
+    assert package - runtime == set(), "imported by the package or benchmarks, not a runtime dependency"
+    tests = distributions(imported_modules("tests"))
+    assert tests - runtime - test == set(), "imported by the tests, not declared"
+    assert {"braceexpand", "pyautoattack"} <= package  # the two that were once missing
+
+
+def test_every_declared_dependency_is_imported():
+    runtime, test = declared()
+    package = distributions(imported_modules("robust_lightning") | imported_modules("benchmarks"))
+    tests = distributions(imported_modules("tests"))
+    assert runtime - package == set(NOT_IMPORTED)
+    assert test - tests == set()
+    assert not (runtime & test), "listed twice"
+
+
+def test_jsonargparse_bound_is_lightnings():
+    """jsonargparse's range is the one lightning (its pytorch extra, which LightningCLI needs) requires."""
+    ours = next(Requirement(r) for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+                if Requirement(r).name == "jsonargparse")
+    lightnings = [Requirement(r) for r in importlib.metadata.requires("lightning")
+                  if r.startswith("jsonargparse") and "pytorch-extra" in r]
+    assert lightnings, "lightning no longer lists jsonargparse under its pytorch-extra"
+    upper = {s.version for s in lightnings[0].specifier if s.operator == "<"}
+    assert upper and upper == {s.version for s in ours.specifier if s.operator == "<"}
+    assert "signatures" in ours.extras
