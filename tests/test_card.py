@@ -147,3 +147,13 @@ def test_the_quickstart_card_config_on_a_quickstart_model(tmp_path):
     assert "- imagenet_r: the model has 10 classes; this benchmark is labelled with ImageNet's 1000" in card
     assert "| L2 0.286 | L1 1.53 |" in card  # radii quoted as the papers do
     assert "## Test resolution" in card and "## Adversarial robustness" in card
+
+
+def test_the_card_shows_mt5d_unnormalised_and_mfr_in_percent():
+    results = {"imagenet_p": {"mfr": 0.1234, "mt5d": 1.8765}}
+    card = render_card({"arch": "resnet18", "checkpoint": "x.ckpt", "resolution": 224, "data": {}}, {}, results, [], [])
+    header = next(line for line in card.splitlines() if "IN-P mFR" in line)
+    row = card.splitlines()[card.splitlines().index(header) + 2]
+    cells = dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in row.split("|")]))
+    assert cells["IN-P mFR ↓"] == "12.34"  # a rate, in %
+    assert cells["IN-P mT5D (unnormalised) ↓"] == "1.877"  # a distance, as measured

@@ -12,6 +12,7 @@ everything that was skipped and why (no dataset root, or a model whose classes a
 
 import csv
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -186,12 +187,16 @@ def percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.2f}"
 
 
-def mean_over(section: dict[str, Any], key: str) -> str:
+def plain(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def mean_over(section: dict[str, Any], key: str, shown: Callable[[float | None], str] = percent) -> str:
     """A benchmark mean (mCE, mFR, ...), marked partial when the section has it over a subset only."""
     if section.get(key) is not None:
-        return percent(section[key])
+        return shown(section[key])
     partial = (section.get(f"{key}_partial") or {}).get("value")
-    return "-" if partial is None else f"{percent(partial)} (partial)"
+    return "-" if partial is None else f"{shown(partial)} (partial)"
 
 
 def table(columns: list[str], rows: list[list[str]]) -> str:
@@ -222,7 +227,8 @@ def _shift_values(test_metrics: dict[str, float], results: dict[str, Any], image
     row["IN-O AUPR"] = percent(benchmarks.get("imagenet_o", {}).get("aupr"))
     row["IN-9 BG-gap ↓"] = percent(benchmarks.get("imagenet_9", {}).get("bg_gap"))
     row["IN-P mFR ↓"] = mean_over(p, "mfr")
-    row["IN-P mT5D ↓"] = mean_over(p, "mt5d")
+    # a mean top-5 distance, not AlexNet-normalised (no published AlexNet constants): not a percentage
+    row["IN-P mT5D (unnormalised) ↓"] = mean_over(p, "mt5d", plain)
     return row
 
 
