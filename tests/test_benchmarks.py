@@ -98,8 +98,29 @@ def test_ood_metrics_match_sklearn_with_ties(seed):
     ours = ood_metrics(torch.tensor(scores), torch.tensor(is_ood))
     assert ours["aupr"] == pytest.approx(average_precision_score(is_ood, scores), abs=1e-12)
     assert ours["auroc"] == pytest.approx(roc_auc_score(is_ood, scores), abs=1e-12)
+    assert ours["fpr95"] == pytest.approx(reference_fpr95(is_ood, scores), abs=1e-12)
+
+
+def reference_fpr95(is_ood: np.ndarray, scores: np.ndarray) -> float:
+    """FPR at the threshold hendrycks/natural-adv-examples' fpr_and_fdr_at_recall picks: of the thresholds up to
+    the first with full recall, the one whose recall is closest to 95%; of tied ones the lowest threshold, as its
+    search runs from the lowest threshold up."""
     fpr, tpr, _ = roc_curve(is_ood, scores, drop_intermediate=False)
-    assert ours["fpr95"] == pytest.approx(fpr[np.searchsorted(tpr, 0.95)], abs=1e-12)
+    fpr, tpr = fpr[1:], tpr[1:]  # roc_curve starts at (0, 0), before any threshold
+    full = int(np.argmax(tpr == tpr[-1]))
+    best = min(reversed(range(full + 1)), key=lambda k: abs(tpr[k] - 0.95))  # min keeps the first of ties
+    return float(fpr[best])
+
+
+def test_fpr95_takes_the_recall_closest_to_95_percent_not_the_first_above_it():
+    # 94 OOD first, then a tie of 5 OOD and 3 in-distribution, then 1 OOD and 97 in-distribution: recall jumps
+    # from 0.94 (no false positive yet) to 0.99 (3 false positives); 0.94 is the closer one
+    scores = np.concatenate([np.arange(200, 106, -1), np.zeros(8), -np.arange(1, 99)]).astype(float)
+    is_ood = np.concatenate([np.ones(94), [1, 1, 1, 1, 1, 0, 0, 0], [1], np.zeros(97)]).astype(bool)
+    assert is_ood.sum() == 100 and (~is_ood).sum() == 100
+    assert ood_metrics(torch.tensor(scores), torch.tensor(is_ood))["fpr95"] == 0.0 == reference_fpr95(is_ood, scores)
+    fpr, tpr, _ = roc_curve(is_ood, scores, drop_intermediate=False)
+    assert fpr[np.searchsorted(tpr, 0.95)] == 0.03  # what the first threshold at or above 95% would give
 
 
 def test_bg_gap_maps_the_1000_way_prediction_and_counts_unmapped_ones_wrong():
@@ -290,6 +311,9 @@ def test_cli_run_writes_every_benchmark_and_lists_the_skipped_one(tmp_path, chec
         assert section[name]["preprocessing"] == "resize shorter side to 36 (bicubic), centre crop 32"
     # the favoured first class is right on its own folder's images only: 2 of 6 (R), 2 of 4 (A)
     assert (section["imagenet_r"]["acc1"], section["imagenet_a"]["acc1"]) == (1 / 3, 1 / 2)
+    # RMS calibration error needs two bins of 100 images: reported, as None, for the 6 and 4 here
+    assert section["imagenet_r"]["rms_calibration_error"] is None and "rms_calibration_error" in section["imagenet_a"]
+    assert "rms_calibration_error" not in section["imagenet_v2"]
     for name in ("imagenet_r", "imagenet_a"):
         acc1, ece = direct_metrics(checkpoint, roots[name], name)
         assert section[name]["acc1"] == acc1 and section[name]["ece"] == pytest.approx(ece, abs=1e-6)

@@ -5,12 +5,15 @@ Protocols (REFERENCE.md section 3; class lists in data/, see data/PROVENANCE.md)
 
 - ImageNet-R, ImageNet-A: 200 classes each. The 1000 logits are sliced to the 200 classes before the argmax;
   targets are positions in the sorted 200 wnids. Top-1 and ECE (15 equal-width bins, on the softmax over the
-  200 sliced logits).
+  200 sliced logits), and the RMS calibration error Hendrycks et al. publish for them (adaptive bins of 100,
+  ``calibration.rms_calibration_error``).
 - ImageNet-Sketch, ImageNet-V2: 1000 classes, folders named by wnid or (V2's release) by class index 0..999.
   Top-1 and ECE (softmax over the 1000 logits).
 - ImageNet-O: OOD detection of its 2000 images (positive class) against the ImageNet val images of the same
-  200 classes; anomaly score = -max softmax over the 200 sliced logits. AUPR (average precision), AUROC and
-  FPR at 95% TPR, computed exactly (ties as in scikit-learn).
+  200 classes; anomaly score = -max softmax over the 200 sliced logits. AUPR (average precision) and AUROC,
+  computed exactly (ties as in scikit-learn), and FPR at 95% TPR at the threshold the reference code picks
+  (``fpr_and_fdr_at_recall`` in the calibration_tools.py of hendrycks/natural-adv-examples: the recall closest to
+  95%, not the first one at or above it).
 - ImageNet-9 (backgrounds challenge): original, mixed_same and mixed_rand; the 1000-way argmax is mapped to the
   9 classes by data/in_to_in9.json (an unmapped prediction is wrong). Accuracy and ECE per variant and
   BG-gap = mixed_same - mixed_rand. Its images are 224 x 224 already: only resized at another model resolution.
@@ -26,6 +29,7 @@ reported as skipped, with the reason, in results.json.
 """
 
 import json
+import math
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -44,7 +48,12 @@ from robust_lightning.data.classes import class_map
 from robust_lightning.data.datamodule import ExactDistributedSampler
 from robust_lightning.data.transforms import BICUBIC, decode_rgb, eval_resize_size, eval_transform
 from robust_lightning.errors import UserError
-from robust_lightning.evaluation.calibration import ECE_BINS, expected_calibration_error
+from robust_lightning.evaluation.calibration import (
+    ECE_BINS,
+    RMS_BIN_SIZE,
+    expected_calibration_error,
+    rms_calibration_error,
+)
 from robust_lightning.evaluation.results import update_results
 from robust_lightning.paths import DATA_DIR
 
@@ -113,9 +122,17 @@ def ood_metrics(scores: torch.Tensor, is_ood: torch.Tensor) -> dict[str, float]:
     return {
         "aupr": (recall_steps * precision).sum().item(),
         "auroc": torch.trapezoid(tpr0, fpr0).item(),
-        # the first threshold that catches 95% of the OOD images (tpr is non-decreasing)
-        "fpr95": fpr[torch.searchsorted(tpr, torch.tensor([0.95], dtype=torch.float64))].item(),
+        "fpr95": fpr[recall_threshold(tpr, 0.95)].item(),
     }
+
+
+def recall_threshold(tpr: torch.Tensor, recall: float) -> int:
+    """The threshold whose recall (TPR) is closest to ``recall``, as hendrycks/natural-adv-examples'
+    fpr_and_fdr_at_recall picks it: among the thresholds up to the first that reaches full recall, searched from
+    the lowest threshold up, so of tied ones the lowest threshold wins."""
+    full = int(torch.searchsorted(tpr, tpr[-1]))  # the first threshold with every OOD image caught
+    distance = (tpr[: full + 1] - recall).abs().flip(0)
+    return full - int(torch.argmin(distance))  # argmin returns the first minimum: the lowest threshold's
 
 
 def predict(logits: torch.Tensor, classes: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -392,6 +409,9 @@ class DistributionShiftBenchmarks(Callback):
             section.update(num_images=len(p.target), num_classes=len(classes or range(1000)),
                            acc1=accuracy(p.prediction, p.target),
                            ece=expected_calibration_error(p.confidence, p.prediction == p.target))
+            if name in ("imagenet_r", "imagenet_a"):
+                rms = rms_calibration_error(p.confidence, p.prediction == p.target)
+                section["rms_calibration_error"] = None if math.isnan(rms) else rms  # None: under 2 bins of images
         elif name == "imagenet_o":
             classes = subset_classes(name)[1]
             ood, known = (self._predict(trainer, pl_module, split, transform, classes) for split in splits)
@@ -425,6 +445,7 @@ class DistributionShiftBenchmarks(Callback):
         update_results(run_dir / "results.json", {"benchmarks": {
             **sections, "skipped": self.skipped,
             "conditions": {"image_size": self.resolution, "crop_pct": self.crop_pct, "ece_bins": ECE_BINS,
+                           "rms_calibration_bin_size": RMS_BIN_SIZE,
                            "checkpoint": trainer.ckpt_path},
         }})
         metrics = flat_metrics(sections)
@@ -441,8 +462,8 @@ def flat_metrics(sections: dict[str, dict[str, Any]]) -> dict[str, float]:
     """The scalar metrics of the results sections as ``benchmarks/<name>/<metric>`` logger keys."""
     metrics = {}
     for name, section in sections.items():
-        for key in ("acc1", "ece", "aupr", "auroc", "fpr95", "bg_gap"):
-            if key in section:
+        for key in ("acc1", "ece", "rms_calibration_error", "aupr", "auroc", "fpr95", "bg_gap"):
+            if section.get(key) is not None:
                 metrics[f"benchmarks/{name}/{key}"] = float(section[key])
         for variant, values in section.get("variants", {}).items():
             metrics[f"benchmarks/{name}/{variant}/acc1"] = float(values["acc1"])
