@@ -15,7 +15,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # Declared but never imported by name, each for a reason:
 NOT_IMPORTED = {
     "jsonargparse": "LightningCLI (lightning.pytorch.cli) parses the command line and configs with it",
-    "kornia": "to be used by the attacks and analyses",
     "imagecorruptions": "the frost textures are read from its package folder",
 }
 

@@ -3,18 +3,18 @@ x-shifts, y-shifts and rotations on a grid, zero fill outside the image; a point
 transformed copy is classified correctly.
 
 The default grid is the papers': 9 x-shifts and 9 y-shifts in [-16, 16] px and 31 rotations in [-30, 30] deg,
-2511 transforms. All of them are applied with batched ``affine_grid`` / ``grid_sample`` (bilinear, zero
-padding); each forward pass holds at most ``batch_size`` transformed images, whatever the number of images and
-transforms, so memory stays bounded. Conventions: a positive shift moves the content right (x) or down (y), a
-positive angle rotates it counter-clockwise on screen, about the image centre; the rotation is applied first,
-then the shift.
+2511 transforms. All of them are applied with kornia's batched ``warp_affine`` (bilinear, zero padding,
+``align_corners=False``: the half-pixel convention of ``grid_sample``); each forward pass holds at most
+``batch_size`` transformed images, whatever the number of images and transforms, so memory stays bounded.
+Conventions: a positive shift moves the content right (x) or down (y), a positive angle rotates it
+counter-clockwise on screen, about the image centre; the rotation is applied first, then the shift.
 """
 
 import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+from kornia.geometry.transform import get_rotation_matrix2d, warp_affine
 from torch import Tensor
 
 from .apgd import Model
@@ -67,29 +67,21 @@ def spatial_grid(translations: int = 9, max_shift: float = 16.0, rotations: int 
 
 
 def affine_matrices(transforms: Tensor, height: int, width: int) -> Tensor:
-    """(T, 2, 3) ``affine_grid`` matrices (align_corners=False) for rows (dx px, dy px, angle deg).
-
-    grid_sample looks up, for each output pixel, where it comes from: the inverse of "rotate by angle about the
-    centre, then shift". In pixel units relative to the centre p_in = R(-angle) (p_out - t); normalised
-    coordinates divide x by W/2 and y by H/2, so non-square images rotate without shearing.
-    """
+    """(T, 2, 3) float64 pixel matrices, source -> destination, for rows (dx px, dy px, angle deg): rotate by
+    angle about the image centre ((W - 1) / 2, (H - 1) / 2), counter-clockwise on screen (OpenCV's convention,
+    which kornia's ``get_rotation_matrix2d`` follows), then shift by (dx, dy)."""
     t = transforms.to(torch.float64)
-    a = torch.deg2rad(t[:, 2])
-    # counter-clockwise on screen, where y points down: x' = x cos + y sin, y' = -x sin + y cos
-    cos, sin = torch.cos(a), torch.sin(a)
-    inv = torch.stack([torch.stack([cos, -sin], -1), torch.stack([sin, cos], -1)], -2)  # R(-angle), y down
-    scale = torch.tensor([width / 2, height / 2], dtype=torch.float64)
-    linear = inv * scale[None, None, :] / scale[None, :, None]  # S^-1 R^-1 S
-    offset = -(inv @ t[:, :2, None]).squeeze(-1) / scale  # -S^-1 R^-1 t
-    return torch.cat([linear, offset[..., None]], -1)
+    centre = torch.tensor([(width - 1) / 2, (height - 1) / 2], dtype=torch.float64).expand(len(t), 2)
+    rotation = get_rotation_matrix2d(centre, t[:, 2], torch.ones_like(centre))
+    return torch.cat([rotation[..., :2], rotation[..., 2:] + t[:, :2, None]], -1)
 
 
 def transform_images(x: Tensor, transforms: Tensor) -> Tensor:
     """Image i under transform i: x (N, C, H, W), transforms (N, 3) -> (N, C, H, W), zero fill. Identity rows
     return their image unchanged (bit for bit), so a grid holding the identity reproduces clean predictions."""
-    theta = affine_matrices(transforms.cpu(), x.shape[-2], x.shape[-1]).to(x.device, x.dtype)
-    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
-    warped = F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    height, width = x.shape[-2:]
+    matrices = affine_matrices(transforms.cpu(), height, width).to(x.device, x.dtype)
+    warped = warp_affine(x, matrices, (height, width), mode="bilinear", padding_mode="zeros", align_corners=False)
     identity = (transforms == 0).all(1).to(x.device)
     return torch.where(identity[:, None, None, None], x, warped)
 
