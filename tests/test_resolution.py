@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ from robust_lightning.evaluation.resolution import (
     ResolutionSweep,
     best_resolutions,
     check_runs_at,
+    interpolate_pos_embed_singh,
     network_at,
     scaled_eps,
 )
@@ -114,13 +116,17 @@ def test_vit_position_embeddings_are_interpolated_on_a_copy():
         x = torch.rand(2, 3, 32, 32)
         assert network_at(network, 32) is network  # at the trained size: the model itself, output unchanged
         r = 3 * patch
-        resized = network_at(network, r)
+        resized = network_at(network, r, pos_embed_interpolation="timm")
         grid = (r // patch, r // patch)
         assert resized is not network and resized.net.patch_embed.grid_size == grid
         assert resized.net.pos_embed.shape == (1, 1 + grid[0] * grid[1], network.net.embed_dim)
         expected = resample_abs_pos_embed(network.net.pos_embed, new_size=grid, old_size=(32 // patch,) * 2,
                                           num_prefix_tokens=1)
         assert torch.equal(resized.net.pos_embed, expected)
+        # the default is Singh et al.'s interpolation (tested against a direct bicubic below): not timm's
+        singh = network_at(network, r)
+        assert singh.net.patch_embed.grid_size == grid and not torch.allclose(singh.net.pos_embed, expected)
+        assert torch.equal(singh.net.pos_embed[:, 0], network.net.pos_embed[:, 0])  # the class token's is kept
         assert resized(torch.rand(2, 3, r, r)).shape == (2, 3)
         # the original is untouched: same weights, same grid, same outputs
         assert network.net.patch_embed.grid_size == (32 // patch,) * 2
@@ -129,6 +135,39 @@ def test_vit_position_embeddings_are_interpolated_on_a_copy():
             assert torch.equal(network(x), network_at(network, 32)(x))
     with pytest.raises(UserError, match="not a multiple of the model's patch size"):
         network_at(ImageClassifier(num_classes=3, image_size=32, **TINY_VIT).model, 36)
+
+
+def bicubic_numpy(grid: np.ndarray, out: int, scale: float, a: float = -0.75) -> np.ndarray:
+    """Separable bicubic resize of an (n, n, C) array to (out, out, C): Keys' cubic convolution with a = -0.75,
+    source coordinate (dst + 0.5) / scale - 0.5 (half-pixel centres), taps clamped at the borders."""
+
+    def kernel(x):
+        x = abs(x)
+        if x <= 1:
+            return ((a + 2) * x - (a + 3)) * x * x + 1
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a if x < 2 else 0.0
+
+    n = grid.shape[0]
+    weights = np.zeros((out, n))
+    for dst in range(out):
+        src = (dst + 0.5) / scale - 0.5
+        base = int(np.floor(src))
+        for tap in range(base - 1, base + 3):
+            weights[dst, min(max(tap, 0), n - 1)] += kernel(src - tap)
+    return np.einsum("ij,jkc,lk->ilc", weights, grid, weights)
+
+
+def test_singh_position_embedding_interpolation_is_a_direct_bicubic_with_the_dino_scale_factor():
+    torch.manual_seed(0)
+    dim, old, new = 5, 4, 7
+    pos_embed = torch.randn(1, 1 + old * old, dim, dtype=torch.float64)
+    ours = interpolate_pos_embed_singh(pos_embed, (old, old), (new, new), num_prefix_tokens=1)
+    expected = bicubic_numpy(pos_embed[0, 1:].reshape(old, old, dim).numpy(), new, (new + 0.1) / old)
+    assert ours.shape == (1, 1 + new * new, dim) and torch.equal(ours[:, 0], pos_embed[:, 0])
+    assert np.allclose(ours[0, 1:].reshape(new, new, dim).numpy(), expected, atol=1e-12)
+    # timm's resampling to the exact size differs (size ratio 7/4, not 7.1/4)
+    timm = resample_abs_pos_embed(pos_embed.float(), new_size=(new, new), old_size=(old, old), num_prefix_tokens=1)
+    assert not torch.allclose(ours.float(), timm, atol=1e-3)
 
 
 def test_convnets_need_nothing_and_fixed_size_models_are_refused():

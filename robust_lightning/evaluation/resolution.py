@@ -5,9 +5,13 @@ Clean accuracy and (quick or full) AutoAttack robust accuracy of one model over 
 with the paper's preprocessing at each resolution r: resize the shorter side to floor(r / crop_pct) (bicubic),
 centre-crop r (REFERENCE.md section 2). Singh et al. find the best test resolution at 256-288 for every model.
 
-- Input size: ViTs (any timm model with ``set_input_size``) run on a copy of the network set to r x r, which
-  resamples the absolute position embeddings bicubically (timm's ``resample_abs_pos_embed``) from the trained
-  grid; the model itself is never changed, so the sweep leaves it exactly as it found it. Convolutional models
+- Input size: ViTs (any timm model with ``set_input_size``) run on a copy of the network set to r x r; the
+  model itself is never changed, so the sweep leaves it exactly as it found it. The absolute position
+  embeddings are interpolated from the trained grid as Singh et al.'s evaluation code does it
+  (``pos_embed_interpolation: singh``, the default: interpolate_pos_encoding in utils_architecture.py of
+  nmndeep/revisiting-at, after DINO: plain bicubic with the scale factor (new grid + 0.1) / old grid), so ViT
+  numbers at 256-384 px are comparable with the paper's; ``timm`` keeps timm's own resampling
+  (``resample_abs_pos_embed``: bicubic to the exact size, antialiased). Convolutional models
   take any size as they are. Before any work each resolution is tried with one forward; a model that cannot
   run at a resolution (a fixed-size MLP, a ViT at a size that is not a multiple of its patch) is a UserError.
 - Radii: Linf is per pixel and never scaled. With ``scale_l2_with_resolution`` the L2 radius is scaled by
@@ -42,6 +46,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from lightning import Callback
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
@@ -59,9 +64,10 @@ from robust_lightning.evaluation.benchmarks import evaluation_resolution
 from robust_lightning.evaluation.results import update_results, weights_sha256
 
 __all__ = ["DEFAULT_RESOLUTIONS", "ResolutionSweep", "best_resolutions", "check_runs_at", "input_size_adaptation",
-           "network_at", "scaled_eps"]
+           "interpolate_pos_embed_singh", "network_at", "scaled_eps"]
 
 DEFAULT_RESOLUTIONS = (192, 224, 256, 288, 320, 384)
+POS_EMBED_INTERPOLATIONS = ("singh", "timm")
 CLEAN = "clean"
 
 
@@ -85,19 +91,49 @@ def _resizable(network: nn.Module) -> tuple[str, nn.Module] | None:
     return None
 
 
-def input_size_adaptation(network: nn.Module) -> str:
+def input_size_adaptation(network: nn.Module, pos_embed_interpolation: str = "singh") -> str:
     """How the network is set to another resolution, for results.json."""
     found = _resizable(network)
     if found is None:
         return "none (the network takes any input size as it is)"
-    return (f"{type(found[1]).__name__}.set_input_size on a copy (timm: absolute position embeddings resampled "
-            "bicubically, antialiased, from the trained grid)")
+    if pos_embed_interpolation == "singh" and _grid_pos_embed(found[1]) is not None:
+        how = ("interpolated as Singh et al.'s evaluation code (DINO-style: bicubic, scale factor (new grid + 0.1) / "
+               "old grid, no antialiasing)")
+    else:
+        how = "resampled by timm (bicubic to the exact grid, antialiased)"
+    return f"{type(found[1]).__name__}.set_input_size on a copy; absolute position embeddings {how}"
 
 
-def network_at(network: nn.Module, resolution: int) -> nn.Module:
+def _grid_pos_embed(module: nn.Module) -> tuple[int, tuple[int, int]] | None:
+    """(prefix tokens in pos_embed, grid) of a timm ViT with a learned absolute position embedding, else None."""
+    pos_embed, patch_embed = getattr(module, "pos_embed", None), getattr(module, "patch_embed", None)
+    if not isinstance(pos_embed, torch.Tensor) or getattr(patch_embed, "grid_size", None) is None:
+        return None
+    prefix = 0 if getattr(module, "no_embed_class", False) else getattr(module, "num_prefix_tokens", 0)
+    return prefix, tuple(patch_embed.grid_size)
+
+
+def interpolate_pos_embed_singh(pos_embed: torch.Tensor, old_grid: tuple[int, int], new_grid: tuple[int, int],
+                                num_prefix_tokens: int) -> torch.Tensor:
+    """Position embeddings for ``new_grid`` as Singh et al.'s evaluation code computes them (interpolate_pos_encoding
+    in utils_architecture.py of nmndeep/revisiting-at, adapted from DINO): the prefix (class token) embedding
+    kept, the patch grid resized bicubically with the scale factor (new + 0.1) / old (the 0.1 guards the output
+    size against floating-point error), no antialiasing."""
+    prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
+    dim = pos_embed.shape[-1]
+    grid = grid.reshape(1, *old_grid, dim).permute(0, 3, 1, 2)
+    scale = tuple((new + 0.1) / old for new, old in zip(new_grid, old_grid))
+    grid = F.interpolate(grid, scale_factor=scale, mode="bicubic", align_corners=False)
+    if tuple(grid.shape[-2:]) != tuple(new_grid):
+        raise ValueError(f"position-embedding grid {tuple(grid.shape[-2:])} after interpolation, expected {new_grid}")
+    return torch.cat([prefix, grid.permute(0, 2, 3, 1).reshape(1, -1, dim)], dim=1)
+
+
+def network_at(network: nn.Module, resolution: int, pos_embed_interpolation: str = "singh") -> nn.Module:
     """``network`` set up for ``resolution`` x ``resolution`` inputs: itself when nothing in it depends on the
     input size (ConvNets) or it is at that size already, else a copy whose input size (and with it the ViT
-    position-embedding grid) is changed. ``network`` itself is never modified."""
+    position-embedding grid, see ``pos_embed_interpolation`` in the module docstring) is changed. ``network``
+    itself is never modified."""
     found = _resizable(network)
     if found is None:
         return network
@@ -111,7 +147,14 @@ def network_at(network: nn.Module, resolution: int) -> nn.Module:
         return network
     resized = copy.deepcopy(network)
     try:
-        resized.get_submodule(name).set_input_size(img_size=(resolution, resolution))
+        target = resized.get_submodule(name)
+        target.set_input_size(img_size=(resolution, resolution))
+        trained = _grid_pos_embed(module)
+        if pos_embed_interpolation == "singh" and trained is not None:
+            prefix, old_grid = trained
+            with torch.no_grad():  # replaces timm's resampling from the same trained embedding
+                target.pos_embed.data = interpolate_pos_embed_singh(module.pos_embed, old_grid,
+                                                                    tuple(target.patch_embed.grid_size), prefix)
     except (ValueError, RuntimeError, AssertionError, NotImplementedError, TypeError) as e:
         raise UserError(f"the {type(module).__name__} cannot be set to {resolution} x {resolution} inputs "
                         f"({type(e).__name__}: {e}); leave this resolution out of ResolutionSweep.resolutions") from e
@@ -217,6 +260,8 @@ class ResolutionSweep(Callback):
         max_images: evaluate only the first n evaluation images (split over the ranks; with folder data
             exactly the first n, with shards n images of the ranks' streams); None: all of them.
         weights: "raw" or "ema" (the EMA weights of a model trained with model.ema_decay).
+        pos_embed_interpolation: ViTs at another resolution: "singh" (Singh et al.'s evaluation code, DINO-style
+            bicubic; the default) or "timm" (timm's resample_abs_pos_embed).
         plot: draw resolution_sweep.png beside results.json.
         results_dir: where per-image outcomes go (default ``<trainer.default_root_dir>/resolution_sweep``); a
             re-run with the same directory resumes. It must be on a filesystem all ranks share.
@@ -238,11 +283,13 @@ class ResolutionSweep(Callback):
         batch_size: int | None = None,
         max_images: int | None = None,
         weights: str = "raw",
+        pos_embed_interpolation: str = "singh",
         plot: bool = True,
         results_dir: str | None = None,
     ):
         for name, value, allowed in (("attack", attack, (*VERSIONS, None)), ("engine", engine, ENGINES),
-                                     ("precision", precision, PRECISIONS), ("weights", weights, ("raw", "ema"))):
+                                     ("precision", precision, PRECISIONS), ("weights", weights, ("raw", "ema")),
+                                     ("pos_embed_interpolation", pos_embed_interpolation, POS_EMBED_INTERPOLATIONS)):
             if value not in allowed:
                 raise UserError(f"ResolutionSweep.{name} must be one of {allowed}, got {value!r}")
         resolutions = [int(r) for r in resolutions]
@@ -260,7 +307,7 @@ class ResolutionSweep(Callback):
         self.attack, self.n_iter, self.engine, self.precision, self.seed = attack, n_iter, engine, precision, seed
         self.scale_l2, self.scale_l1 = scale_l2_with_resolution, scale_l1_with_resolution
         self.reference_resolution, self.batch_size, self.max_images = reference_resolution, batch_size, max_images
-        self.weights, self.plot = weights, plot
+        self.weights, self.plot, self.pos_embed_interpolation = weights, plot, pos_embed_interpolation
         self.results_dir = Path(results_dir) if results_dir else None
 
     # ------------------------------------------------------------------------------------------- set-up
@@ -287,7 +334,7 @@ class ResolutionSweep(Callback):
         data = trainer.datamodule
         identity = {
             "weights_sha256": self.weights_sha256, "weights": self.weights, "resolution": cell.resolution,
-            "crop_pct": self.crop_pct, "cell": cell.name,
+            "crop_pct": self.crop_pct, "cell": cell.name, "pos_embed_interpolation": self.pos_embed_interpolation,
             "eval_subset": getattr(data, "eval_subset", None), "eval_limit": getattr(data, "eval_limit", None),
         }
         if cell.threat is not None:
@@ -319,7 +366,8 @@ class ResolutionSweep(Callback):
                 if all(cell.complete for cell in cells):
                     rank_zero_info(f"resolution sweep {r} px: complete in {cells[0].directory.parent}, skipped")
                     continue
-                check_runs_at(self._model(pl_module, network_at(network, r)), r, pl_module.device, arch)
+                check_runs_at(self._model(pl_module, network_at(network, r, self.pos_embed_interpolation)), r,
+                              pl_module.device, arch)
         pl_module.train(was_training)
 
     # ------------------------------------------------------------------------------------------ running
@@ -348,7 +396,7 @@ class ResolutionSweep(Callback):
             return
         if _distributed():
             dist.barrier()  # no rank reads this resolution's saved outcomes while another is already adding to them
-        network = network_at(self._network(pl_module), resolution).eval()
+        network = network_at(self._network(pl_module), resolution, self.pos_embed_interpolation).eval()
         model = self._model(pl_module, network)
         loader = trainer.datamodule.eval_dataloader_with(eval_transform(resolution, self.crop_pct), self.batch_size)
         done = {cell.name: set(read_outcomes(cell.directory)) for cell in todo}
@@ -467,7 +515,8 @@ class ResolutionSweep(Callback):
             "scale_l2_with_resolution": self.scale_l2, "scale_l1_with_resolution": self.scale_l1,
             "eps_scaling": "Linf never; L2 x r/reference when scale_l2_with_resolution; L1 x (r/reference)^2 when "
                            "scale_l1_with_resolution",
-            "input_size": input_size_adaptation(network), "max_images": self.max_images,
+            "input_size": input_size_adaptation(network, self.pos_embed_interpolation),
+            "pos_embed_interpolation": self.pos_embed_interpolation, "max_images": self.max_images,
             "checkpoint": trainer.ckpt_path, "weights_sha256": self.weights_sha256,
             "results_dir": str(self.results_dir.resolve()),
             "seconds": "device-seconds per cell, summed over ranks and sessions",
