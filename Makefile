@@ -8,10 +8,16 @@ BIN := $(VENV)/bin
 env: $(VENV)/.installed
 
 # Registry wheels: torchvision pins its matching torch build (the CUDA one, which also runs on CPU machines).
+# OpenCV is the headless build. The tests' reference ImageNet-C code, imagecorruptions 1.1.2, goes in with
+# --no-deps: it requires the GUI build opencv-python, which shares the cv2 folder and must not sit beside it
+# (it runs on the headless one; `pip check` names that requirement as unmet). An older env's opencv-python is
+# removed first, for the same reason.
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip uninstall --quiet --yes opencv-python
 	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet --no-deps imagecorruptions==1.1.2
 	touch $@
 
 # Stage 1 trains a clean model, stage 2 adversarially fine-tunes it (APGD-AT), as the paper's recipe does.

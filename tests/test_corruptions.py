@@ -44,6 +44,7 @@ from robust_lightning.evaluation.corruptions import (
     image_seed,
     jpeg_round_trip,
 )
+from robust_lightning.paths import DATA_DIR
 
 SEVERITIES = (1, 2, 3, 4, 5)
 EXACT = ("gaussian_noise", "shot_noise", "impulse_noise", "speckle_noise", "defocus_blur", "glass_blur",
@@ -256,7 +257,16 @@ def test_bad_inputs_and_missing_frost_textures(tmp_path):
         corrupt(image[:20], "fog", 1)
     with pytest.raises(UserError, match=r"lacks frost1.png, .*frost5.jpg; expected a folder holding"):
         corrupt(image, "frost", 1, rng=0, frost_dir=tmp_path)
-    assert (frost_directory() / "frost1.png").is_file()  # found in the installed imagecorruptions, not imported
+    assert frost_directory() == DATA_DIR / "imagenet_c_frost"  # shipped with the repository
+
+
+def test_the_shipped_frost_textures_are_the_reference_packages(reference):
+    """data/imagenet_c_frost holds the six textures of imagecorruptions 1.1.2 byte for byte."""
+    shipped, packaged = DATA_DIR / "imagenet_c_frost", Path(reference.__file__).parent / "frost"
+    names = sorted(p.name for p in packaged.iterdir())
+    assert names == sorted(p.name for p in shipped.iterdir()) == [*FROST_FILES, "frost6.jpg"]
+    for name in names:
+        assert (shipped / name).read_bytes() == (packaged / name).read_bytes(), name
 
 
 # ----------------------------------------------------------------------------------------------- the pipeline

@@ -1,6 +1,7 @@
 """The declared dependencies (pyproject.toml) against what the code imports: every third-party package the
 package or the benchmarks import is a runtime dependency, every one the tests import is a runtime or test
-dependency, and every declared dependency is imported somewhere (the few that are not say why below)."""
+dependency (or a reference the Makefile installs), and every declared dependency is imported somewhere (the
+few that are not say why below). OpenCV is the headless build, and nothing installed pulls in the GUI one."""
 import ast
 import importlib.metadata
 import re
@@ -12,10 +13,9 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Declared but never imported by name, each for a reason:
+# Declared although they need not be imported by name, each for a reason:
 NOT_IMPORTED = {
     "jsonargparse": "LightningCLI (lightning.pytorch.cli) parses the command line and configs with it",
-    "imagecorruptions": "the frost textures are read from its package folder",
 }
 
 
@@ -28,6 +28,13 @@ def declared() -> tuple[set[str], set[str]]:
     runtime = {normalise(Requirement(r).name) for r in project["dependencies"]}
     test = {normalise(Requirement(r).name) for r in project["optional-dependencies"]["test"]}
     return runtime, test
+
+
+def makefile_references() -> set[str]:
+    """Packages `make env` installs with --no-deps: test references whose declared requirements must not be
+    installed (imagecorruptions requires opencv-python, the GUI build)."""
+    pins = re.findall(r"pip install --quiet --no-deps (\S+)", (ROOT / "Makefile").read_text())
+    return {normalise(Requirement(pin).name) for pin in pins}
 
 
 def imported_modules(folder: str) -> set[str]:
@@ -57,7 +64,7 @@ def test_every_import_is_declared():
     package = distributions(imported_modules("robust_lightning") | imported_modules("benchmarks"))
     assert package - runtime == set(), "imported by the package or benchmarks, not a runtime dependency"
     tests = distributions(imported_modules("tests"))
-    assert tests - runtime - test == set(), "imported by the tests, not declared"
+    assert tests - runtime - test - makefile_references() == set(), "imported by the tests, not declared"
     assert {"braceexpand", "pyautoattack"} <= package  # the two that were once missing
 
 
@@ -65,7 +72,7 @@ def test_every_declared_dependency_is_imported():
     runtime, test = declared()
     package = distributions(imported_modules("robust_lightning") | imported_modules("benchmarks"))
     tests = distributions(imported_modules("tests"))
-    assert runtime - package == set(NOT_IMPORTED)
+    assert runtime - package <= set(NOT_IMPORTED)
     assert test - tests == set()
     assert not (runtime & test), "listed twice"
 
@@ -80,3 +87,17 @@ def test_jsonargparse_bound_is_lightnings():
     upper = {s.version for s in lightnings[0].specifier if s.operator == "<"}
     assert upper and upper == {s.version for s in ours.specifier if s.operator == "<"}
     assert "signatures" in ours.extras
+
+
+def test_opencv_is_the_headless_build_alone():
+    runtime, _ = declared()
+    assert "opencv-python-headless" in runtime and "opencv-python" not in runtime
+    assert makefile_references() == {"imagecorruptions"}
+    installed = {normalise(d.metadata["Name"]) for d in importlib.metadata.distributions()}
+    assert "opencv-python-headless" in installed
+    assert "opencv-python" not in installed, "the GUI build is installed beside the headless one"
+    # no installed distribution but the --no-deps reference requires the GUI build
+    wanting_gui = {normalise(d.metadata["Name"]) for d in importlib.metadata.distributions()
+                   for r in d.requires or [] if normalise(Requirement(r).name) == "opencv-python"
+                   and not (Requirement(r).marker and "extra" in str(Requirement(r).marker))}
+    assert wanting_gui <= makefile_references()

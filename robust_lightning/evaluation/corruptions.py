@@ -23,7 +23,6 @@ edge pixels repeated; ImageMagick's 16-bit intermediate and 8-bit PNG output are
 """
 
 import hashlib
-import importlib.util
 import math
 from functools import cache
 from io import BytesIO
@@ -39,6 +38,7 @@ from skimage.color import hsv2rgb, rgb2hsv
 from skimage.filters import gaussian
 
 from robust_lightning.errors import UserError
+from robust_lightning.paths import DATA_DIR
 
 RNG = int | np.random.Generator | np.random.RandomState | None
 MIN_SIZE = 32
@@ -325,20 +325,13 @@ def snow(image: np.ndarray, severity: int = 1, rng: RNG = None) -> np.ndarray:
 
 
 def frost_directory(frost_dir: str | Path | None = None) -> Path:
-    """The folder of the frost textures: ``frost_dir``, else the ``frost`` folder of the installed
-    ``imagecorruptions`` package (located without importing it: its import fails with current setuptools)."""
-    if frost_dir is None:
-        spec = importlib.util.find_spec("imagecorruptions")
-        if spec is None or not spec.submodule_search_locations:
-            raise UserError("frost needs its texture images frost1.png, frost2.png, frost3.png, frost4.jpg, "
-                            "frost5.jpg: install imagecorruptions==1.1.2 (they ship in its imagecorruptions/frost "
-                            "folder) or give frost_dir, a folder holding them")
-        frost_dir = Path(spec.submodule_search_locations[0]) / "frost"
-    folder = Path(frost_dir)
+    """The folder of the frost textures: ``frost_dir``, else data/imagenet_c_frost, the textures of ImageNet-C
+    as the imagecorruptions 1.1.2 wheel ships them (byte-identical; see data/PROVENANCE.md)."""
+    folder = Path(frost_dir) if frost_dir is not None else DATA_DIR / "imagenet_c_frost"
     missing = [name for name in FROST_FILES if not (folder / name).is_file()]
     if missing:
         raise UserError(f"frost texture folder {folder} lacks {', '.join(missing)}; expected a folder holding "
-                        f"{', '.join(FROST_FILES)} (e.g. imagecorruptions/frost of imagecorruptions==1.1.2)")
+                        f"{', '.join(FROST_FILES)} (e.g. data/imagenet_c_frost of this repository)")
     return folder
 
 
@@ -508,7 +501,7 @@ def corrupt(image: np.ndarray, corruption: str, severity: int, rng: RNG = None,
             frost_dir: str | Path | None = None) -> np.ndarray:
     """``image`` (H x W x 3 uint8, H and W >= 32) corrupted by ``corruption`` at ``severity`` 1..5, as
     H x W x 3 uint8. ``rng`` feeds the random corruptions (see the module docstring; None: fresh OS entropy);
-    ``frost_dir``: the frost textures (default: those of the installed imagecorruptions package)."""
+    ``frost_dir``: the frost textures (default: data/imagenet_c_frost)."""
     if corruption not in CORRUPTIONS:
         raise UserError(f"unknown corruption {corruption!r}; expected one of {', '.join(CORRUPTIONS)}")
     if severity not in (1, 2, 3, 4, 5):

@@ -285,8 +285,8 @@ class ImageNetC(Callback):
             with data.eval_subset / data.eval_limit.)
         seed: generated only: base seed of the corruptions' random draws (a non-negative integer).
         crop_pct: generated only: the eval resize is floor(r / crop_pct) (0.875: 256 for 224, as the release).
-        frost_dir: generated only: folder of the frost textures frost1.png ... frost5.jpg (default: those
-            shipped with the installed imagecorruptions package).
+        frost_dir: generated only: folder of the frost textures frost1.png ... frost5.jpg (default:
+            data/imagenet_c_frost, shipped with this repository).
         image_size: evaluation resolution (default: the model's ``image_size``, else the data's, else 224).
             Released images are resized (bicubic, to image_size x image_size) only when it is not their size;
             generated ones are made at it (at least 32).
