@@ -101,3 +101,30 @@ def test_opencv_is_the_headless_build_alone():
                    for r in d.requires or [] if normalise(Requirement(r).name) == "opencv-python"
                    and not (Requirement(r).marker and "extra" in str(Requirement(r).marker))}
     assert wanting_gui <= makefile_references()
+
+
+def test_results_record_the_version_of_everything_that_shapes_a_number():
+    import cv2
+    import numpy
+    import PIL
+    import pyautoattack  # noqa: F401 (importable: the reference engine can run)
+    import scipy
+    import skimage
+    import torch
+
+    from robust_lightning.evaluation.results import software_versions
+
+    versions = software_versions()
+    # the modules' own version strings, independent of the package metadata software_versions() reads
+    assert versions["pillow"] == PIL.__version__
+    assert versions["numpy"] == numpy.__version__
+    assert versions["scipy"] == scipy.__version__
+    assert versions["scikit-image"] == skimage.__version__
+    assert versions["opencv"] == cv2.__version__
+    assert versions["torch"] == torch.__version__.split("+")[0]  # the wheel metadata drops the local +cuXXX
+    # the distributions as installed: the headless OpenCV wheel, not the GUI one
+    for name in ("pillow", "numpy", "scipy", "scikit-image", "opencv-python-headless", "pyautoattack", "torchvision",
+                 "lightning", "timm", "torchmetrics", "webdataset", "kornia"):
+        assert versions[name] == importlib.metadata.distribution(name).metadata["Version"], name
+    assert "opencv-python" not in versions
+    assert versions["opencv-python-headless"].startswith(cv2.__version__)

@@ -58,12 +58,23 @@ def weights_sha256(module: torch.nn.Module) -> str:
 
 
 def software_versions() -> dict[str, str]:
+    """Versions of everything that shapes a number: the model and training stack, the image decoding and the
+    corruptions (Pillow, OpenCV, numpy, SciPy, scikit-image), the reference AutoAttack. Keys are distribution
+    names; OpenCV under whichever of its wheels is installed, and "opencv" the library's own version."""
     versions = {"python": platform.python_version(), "robust_lightning": robust_lightning.__version__}
-    for package in ("torch", "torchvision", "lightning", "timm", "torchmetrics", "webdataset", "kornia"):
+    for package in ("torch", "torchvision", "lightning", "timm", "torchmetrics", "webdataset", "kornia", "pillow",
+                    "numpy", "scipy", "scikit-image", "opencv-python-headless", "opencv-python",
+                    "opencv-contrib-python-headless", "opencv-contrib-python", "pyautoattack"):
         try:
             versions[package] = version(package)
         except PackageNotFoundError:
             pass
+    try:
+        import cv2  # noqa: PLC0415 (only for its version)
+
+        versions["opencv"] = cv2.__version__
+    except ImportError:
+        pass
     versions["cuda"] = torch.version.cuda or "none"
     if torch.cuda.is_available():
         versions["gpu"] = torch.cuda.get_device_name()
