@@ -26,6 +26,7 @@ from robust_lightning.evaluation.imagenet_c import ImageNetC
 from robust_lightning.evaluation.imagenet_p import ImageNetP
 from robust_lightning.evaluation.resolution import ResolutionSweep
 from robust_lightning.evaluation.results import update_results
+from robust_lightning.models.robustbench import is_robustbench_arch, robustbench_entry
 from robust_lightning.paths import DATA_DIR
 
 DATASETS = ("imagenet_c", "imagenet_p", "imagenet_r", "imagenet_a", "imagenet_sketch", "imagenet_v2", "imagenet_o",
@@ -37,9 +38,19 @@ CARD_FILE = "robustness_card.md"
 
 
 def paper_rows(arch: str) -> list[dict[str, str]]:
-    """Published results for this architecture (data/paper_results.csv), any resolution."""
+    """Published results for this architecture (data/paper_results.csv), any resolution. For
+    ``robustbench:<name>`` first the leaderboard's numbers of those very weights, then the papers' for its
+    architecture."""
+    rows = []
+    if is_robustbench_arch(arch):
+        entry = robustbench_entry(arch)
+        rows.append({"paper": "RobustBench leaderboard", "model": entry.name, "arch": arch,
+                     "resolution": str(entry.preprocessing.image_size), "clean": f"{entry.clean_acc:.2f}",
+                     "autoattack_linf_4_255": f"{entry.autoattack_acc:.2f}", "note": "these weights",
+                     "source": "data/robustbench_imagenet_linf.csv"})
+        arch = entry.timm_arch
     with open(DATA_DIR / "paper_results.csv", newline="") as f:
-        return [row for row in csv.DictReader(f) if row["arch"] == arch]
+        return rows + [row for row in csv.DictReader(f) if row["arch"] == arch]
 
 
 class RobustnessCard(Callback):
@@ -291,7 +302,10 @@ def render_card(header: dict[str, Any], test_metrics: dict[str, float], results:
             note = f", {paper['note']}" if paper["note"] else ""
             rows.append([f"{paper['model']}, {paper['paper']} ({paper['resolution']} px{note})", paper["clean"], *linf])
         lines += [table(["model", "clean", *labels], rows), ""]
-        if papers:
+        if any(paper.get("source") for paper in papers):
+            lines += ["Leaderboard numbers: data/robustbench_imagenet_linf.csv (the same weights, RobustBench's "
+                      "5000 images and preprocessing).", ""]
+        if any(not paper.get("source") for paper in papers):
             lines += ["Published numbers: data/paper_results.csv (same architecture; not necessarily the same "
                       "weights).", ""]
 

@@ -13,8 +13,11 @@ from robust_lightning.models import (  # noqa: F401  (registers with timm)
 )
 from robust_lightning.models.classifier import InputNormalization, RobustClassifier, build_classifier
 from robust_lightning.models.convstem import CONVSTEM_PATCHSTEM_PAIRS, CONVSTEM_STEM_PREFIX, ConvStem
+from robust_lightning.models.robustbench import robustbench_entries, robustbench_entry
 from robust_lightning.models.weights import (
     WarmStartReport,
+    adopt_normalizer,
+    load_model,
     load_pretrained,
     read_checkpoint,
     read_state_dict,
@@ -28,9 +31,13 @@ __all__ = [
     "InputNormalization",
     "RobustClassifier",
     "WarmStartReport",
+    "adopt_normalizer",
     "build_classifier",
+    "load_model",
     "load_pretrained",
     "read_checkpoint",
     "read_state_dict",
+    "robustbench_entries",
+    "robustbench_entry",
     "save_net_weights",
 ]

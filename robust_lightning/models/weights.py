@@ -3,7 +3,21 @@
 Checkpoints come in many wrappers: Lightning ``.ckpt`` (``state_dict`` with ``model.net.`` keys), timm train
 checkpoints (``state_dict`` / ``state_dict_ema``), plain ``.pt``/``.pth`` state dicts (maybe ``module.``-prefixed
 from DDP or ``_orig_mod.`` from torch.compile), ``.safetensors``. ``read_checkpoint`` unwraps all of them into
-the key space of the timm net (``model.net``) and sets aside our ``normalize.*`` buffers.
+the key space of the timm net (``model.net``) and sets aside the input normaliser (our ``normalize.*`` buffers,
+or the one a file carries in another layout).
+
+Released robust models load as they are published:
+
+- nmndeep/revisiting-at (Singh et al. 2023) main.py saves ``weights_N.pt`` (the DDP model:
+  ``module.base_model.normalize.*`` + ``module.base_model.model.*``; without the normaliser layer
+  ``module.base_model.*``), ``weights_ema_N.pt`` (the same without ``module.``) and ``full_model_N.pth``: a
+  dict of state dicts (``model_state_dict``, ``state_dict_ema``, the optimiser's and the loss scaler's), not
+  a pickled module. Its only non-tensor objects are numpy float64 learning rates, so it is read with
+  ``weights_only=True`` plus exactly numpy's scalar and dtype reconstructors (data, no code); a file that
+  pickles anything else (e.g. a whole ``nn.Module``) is refused with the way to extract its weights.
+- RobustBench files (``robustbench:<name>``, see ``models.robustbench``), including those written by the
+  MadryLab robustness library (``module.model.*``, a duplicate ``module.attacker.*`` dropped, the
+  normaliser ``module.normalizer.new_mean/new_std``) and old-timm Swin layouts.
 
 Nothing is unpickled beyond tensors and plain containers (``torch.load(weights_only=True)``): a checkpoint is
 data, and a pickle that needs arbitrary classes is refused rather than executed.
@@ -22,22 +36,35 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+import safetensors
 import safetensors.torch
 import torch
 from torch import nn
 from timm.layers import resample_abs_pos_embed
 from timm.models.convnext import ConvNeXt
 from timm.models.convnext import checkpoint_filter_fn as convnext_filter_fn
+from timm.models.swin_transformer import SwinTransformer
+from timm.models.swin_transformer import checkpoint_filter_fn as swin_filter_fn
 from timm.models.vision_transformer import VisionTransformer
 
 from robust_lightning.errors import UserError
+from robust_lightning.models.classifier import (
+    InputNormalization,
+    RobustClassifier,
+    build_classifier,
+    use_small_input_strides,
+)
 from robust_lightning.models.convstem import find_convstem_prefix
+from robust_lightning.models.robustbench import is_robustbench_arch, resolve_arch, robustbench_entry
 from robust_lightning.models.isotropic_convnext import IsotropicConvNeXt
 from robust_lightning.models.isotropic_convnext import checkpoint_filter_fn as iso_filter_fn
 
 __all__ = [
     "CheckpointWeights",
     "WarmStartReport",
+    "adopt_normalizer",
+    "load_model",
     "load_pretrained",
     "read_checkpoint",
     "read_state_dict",
@@ -45,9 +72,16 @@ __all__ = [
 ]
 
 # Wrapper prefixes, stripped wherever they lead a key (repeatedly, in any order): DDP, torch.compile, the
-# LightningModule attribute holding the model, our RobustClassifier's net.
-WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.", "net.")
+# LightningModule attribute holding the model, our RobustClassifier's net, the WrappedModel of
+# nmndeep/revisiting-at (main.py: the attack wrapper keeps the net as base_model).
+WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.", "net.", "base_model.")
 NORMALIZE_PREFIX = "normalize."
+# MadryLab robustness library (AttackerModel): its normaliser, and the Attacker's second reference to the net
+ROBUSTNESS_LIB_NORMALIZE = {"normalizer.new_mean": "mean", "normalizer.new_std": "std"}
+ROBUSTNESS_LIB_ATTACKER = "attacker."
+# What numpy scalars in a pickle (e.g. the float64 learning rates in an optimiser state) need to be rebuilt:
+# numpy's scalar-from-bytes function and the dtypes. They construct numbers, they run no code.
+NUMPY_SCALAR_GLOBALS = {"numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar", "numpy.dtype"}
 EMA_PREFIX = "ema.module."  # ImageClassifier keeps its timm ModelEmaV3 copy under .ema
 MAX_LISTED_KEYS = 20
 
@@ -74,22 +108,47 @@ def _strip_prefixes(key: str) -> str:
     return key
 
 
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors, plus the normaliser that ``save_net_weights`` keeps in the metadata as ``normalize.*``."""
+    try:
+        tensors = safetensors.torch.load_file(str(path), device="cpu")
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise UserError(f"cannot read safetensors checkpoint {path}: {e}") from e
+    for name in ("mean", "std"):
+        if f"normalize_{name}" in meta and f"{NORMALIZE_PREFIX}{name}" not in tensors:
+            values = [float(v) for v in meta[f"normalize_{name}"].split(",")]
+            tensors[f"{NORMALIZE_PREFIX}{name}"] = torch.tensor(values).view(1, -1, 1, 1)
+    return tensors
+
+
+def _numpy_scalar_safe_globals() -> list:
+    scalar = np._core.multiarray.scalar
+    dtype_classes = sorted({type(np.dtype(code)) for code in "?bBhHiIlLqQefdgFDG"}, key=str)
+    return [(scalar, "numpy.core.multiarray.scalar"), (scalar, "numpy._core.multiarray.scalar"), np.dtype,
+            *dtype_classes]
+
+
 def _load_file(path: Path) -> object:
     if path.suffix == ".safetensors":
-        try:
-            return safetensors.torch.load_file(str(path), device="cpu")
-        except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise UserError(f"cannot read safetensors checkpoint {path}: {e}") from e
+        return _load_safetensors(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         unsafe = _unsafe_globals(path)
+        if unsafe and set(unsafe) <= NUMPY_SCALAR_GLOBALS:
+            # e.g. revisiting-at's full_model_N.pth: float64 learning rates in the optimiser state
+            with torch.serialization.safe_globals(_numpy_scalar_safe_globals()):
+                return torch.load(path, map_location="cpu", weights_only=True)
         if unsafe:
             raise UserError(
                 f"refusing to load {path}: it pickles Python objects ({', '.join(unsafe[:5])}), and checkpoints "
                 "are loaded with torch.load(weights_only=True) so that unpickling cannot run arbitrary code. "
-                "Expected a state dict of tensors (.pt/.pth/.ckpt) or a .safetensors file; if you trust the "
-                "file, re-save just its state_dict."
+                "Expected a state dict of tensors (.pt/.pth/.ckpt) or a .safetensors file. If you trust the "
+                "file, extract its weights once in Python: obj = torch.load(PATH, weights_only=False); "
+                "torch.save(obj.state_dict() if hasattr(obj, 'state_dict') else obj['model_state_dict'], "
+                "'weights.pt'); then load weights.pt."
             ) from e
         raise UserError(
             f"cannot read checkpoint {path}: expected a PyTorch state dict (.pt/.pth/.ckpt) or a .safetensors "
@@ -115,7 +174,8 @@ def _pick_state_dict(obj: object, path: Path, prefer_ema: bool) -> dict[str, tor
         raise UserError(f"checkpoint {path} holds a {type(obj).__name__}; expected a dict of tensors")
     if prefer_ema and isinstance(obj.get("state_dict_ema"), dict):
         return obj["state_dict_ema"]
-    for key in ("state_dict", "model"):  # Lightning and timm train checkpoints; DeiT/ConvNeXt releases
+    # Lightning and timm train checkpoints; DeiT/ConvNeXt releases; revisiting-at's full_model_N.pth
+    for key in ("state_dict", "model", "model_state_dict"):
         if isinstance(obj.get(key), dict):
             return obj[key]
     if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
@@ -149,7 +209,9 @@ def read_checkpoint(path: str | Path, prefer_ema: bool = False) -> CheckpointWei
         key = _strip_prefixes(key)
         if key.startswith(NORMALIZE_PREFIX):
             normalize[key[len(NORMALIZE_PREFIX):]] = value
-        else:
+        elif key in ROBUSTNESS_LIB_NORMALIZE:
+            normalize[ROBUSTNESS_LIB_NORMALIZE[key]] = value.reshape(1, -1, 1, 1)
+        elif not key.startswith(ROBUSTNESS_LIB_ATTACKER):
             state_dict[key] = value
     if not state_dict:
         raise UserError(f"checkpoint {path} contains no weight tensors")
@@ -243,6 +305,11 @@ def _adapt_foreign_layout(
     elif isinstance(net, IsotropicConvNeXt) and any(".dwconv." in k or ".pwconv" in k for k in sd):
         sd = iso_filter_fn(sd, net)  # Liu et al.'s isotropic release
         notes.append("keys mapped from the facebookresearch/ConvNeXt isotropic layout")
+    elif isinstance(net, SwinTransformer) and any(
+        k == "head.weight" or k.endswith((".relative_position_index", ".attn_mask")) for k in sd
+    ):
+        sd = swin_filter_fn(sd, net)  # Swin checkpoints of older timm / microsoft/Swin-Transformer
+        notes.append("keys mapped from the older Swin layout")
     return sd
 
 
@@ -273,7 +340,7 @@ def _classifier_prefix(net: nn.Module) -> str | None:
 
 def load_pretrained(
     model: nn.Module,
-    path: str | Path,
+    path: str | Path | CheckpointWeights,
     allow_new_stem: bool = True,
     *,
     new_head: bool = False,
@@ -288,10 +355,11 @@ def load_pretrained(
     - ``new_head``: the classifier keeps its fresh init (transfer to another label set).
     - ViT ``pos_embed`` of another grid size is resampled to the net's grid.
     Anything else raises UserError listing the mismatched keys and naming the expected architecture.
-    The normaliser of ``model`` is not touched; the checkpoint's one is in ``report.checkpoint_normalize``.
+    The normaliser of ``model`` is not touched; the checkpoint's one is in ``report.checkpoint_normalize``
+    (``adopt_normalizer`` takes it over). ``path`` may also be what ``read_checkpoint`` returned.
     """
     net = getattr(model, "net", model)
-    ckpt = read_checkpoint(path, prefer_ema=prefer_ema)
+    ckpt = path if isinstance(path, CheckpointWeights) else read_checkpoint(path, prefer_ema=prefer_ema)
     target = net.state_dict()
     stem_prefix = find_convstem_prefix(net)
     notes: list[str] = []
@@ -334,7 +402,7 @@ def load_pretrained(
         more = f"\n  ... and {len(problems) - MAX_LISTED_KEYS} more" if len(problems) > MAX_LISTED_KEYS else ""
         hint = ""
         if stem_prefix is not None and not allow_new_stem and any(stem_prefix in p for p in problems):
-            hint = "\n(the stems differ: pass allow_new_stem=True to keep the ConvStem at its fresh init)"
+            hint = "\n(the stems differ; to warm-start with a fresh ConvStem pass allow_new_stem=True)"
         raise UserError(
             f"checkpoint {ckpt.path} does not match the expected architecture {_arch_name(net)!r}: "
             f"{len(shape_problems)} shape mismatches, {len(unexpected_problems)} unexpected and "
@@ -372,3 +440,73 @@ def _same_normalizer(module: nn.Module | None, saved: dict[str, torch.Tensor]) -
         and torch.allclose(getattr(module, name).detach().cpu().float(), saved[name].float())
         for name in ("mean", "std")
     )
+
+
+def adopt_normalizer(model: RobustClassifier, saved: dict[str, torch.Tensor]) -> bool:
+    """Give ``model`` the input normaliser a checkpoint was saved with (``{'mean', 'std'}``); True if it changed.
+
+    The normaliser belongs to the weights (they were trained behind it), so a checkpoint that records one
+    decides it: evaluating it behind another normaliser, or none, silently gives wrong numbers.
+    """
+    if set(saved) != {"mean", "std"} or _same_normalizer(model.normalize, saved):
+        return False
+    mean, std = (saved[name].detach().float().flatten().tolist() for name in ("mean", "std"))
+    model.normalize = InputNormalization(mean, std)
+    return True
+
+
+def _checkpoint_num_classes(model: RobustClassifier, state_dict: dict[str, torch.Tensor]) -> int | None:
+    prefix = _classifier_prefix(model.net)
+    weight = state_dict.get(f"{prefix}weight") if prefix else None
+    return int(weight.shape[0]) if weight is not None and weight.ndim >= 1 else None
+
+
+def load_model(
+    arch: str | None,
+    checkpoint: str | Path,
+    *,
+    prefer_ema: bool = False,
+    num_classes: int | None = None,
+    image_size: int | None = None,
+    mean: tuple[float, float, float] | None = None,
+    std: tuple[float, float, float] | None = None,
+    arch_kwargs: dict | None = None,
+) -> RobustClassifier:
+    """The model of ``checkpoint`` in eval mode, taking images in [0, 1] (its normaliser inside).
+
+    ``arch``: a timm / project architecture (``convnext_tiny_convstem``), ``robustbench:<name>`` (architecture,
+    normaliser and input size of that RobustBench entry), or None for one of our Lightning checkpoints (its
+    hyper-parameters name it). ``checkpoint``: our Lightning ``.ckpt`` or weight exports, the released
+    ``weights_N.pt`` / ``weights_ema_N.pt`` / ``full_model_N.pth`` of Singh et al., a RobustBench file, or any
+    state dict ``read_checkpoint`` reads. ``prefer_ema`` takes the EMA weights where the file has both.
+
+    The normaliser is, in order: ``mean``/``std`` given here, the one stored in the file, the RobustBench
+    entry's, none. ``num_classes`` defaults to the checkpoint's head. Every tensor must match (a mismatch is a
+    UserError naming the file and the expected architecture); a ViT position embedding of another grid is
+    resampled to ``image_size``.
+    """
+    ckpt = read_checkpoint(checkpoint, prefer_ema=prefer_ema)
+    hparams = ckpt.hyper_parameters
+    if arch is None:
+        if "arch" not in hparams:
+            raise UserError(f"{checkpoint} does not name its architecture (not a robust-lightning .ckpt): pass arch")
+        arch = hparams["arch"]
+    ours = hparams.get("arch") == arch  # our Lightning checkpoint of this architecture: take its settings
+    if ours:
+        arch_kwargs = {**(hparams.get("arch_kwargs") or {}), **(arch_kwargs or {})}
+        image_size = image_size or hparams.get("image_size")
+        num_classes = num_classes or hparams.get("num_classes")
+    if is_robustbench_arch(arch) and image_size is None:
+        image_size = robustbench_entry(arch).preprocessing.image_size
+    timm_arch, entry_mean, entry_std = resolve_arch(arch, mean, std)
+
+    model = build_classifier(timm_arch, num_classes or 1000, image_size, entry_mean, entry_std, arch_kwargs)
+    found = _checkpoint_num_classes(model, ckpt.state_dict)
+    if num_classes is None and found is not None and found != 1000:
+        model = build_classifier(timm_arch, found, image_size, entry_mean, entry_std, arch_kwargs)
+    if ours and hparams.get("small_input"):
+        use_small_input_strides(model.net)
+    load_pretrained(model, ckpt, allow_new_stem=False)
+    if mean is None and std is None:
+        adopt_normalizer(model, ckpt.normalize)
+    return model.eval()

@@ -6,13 +6,14 @@ trains on adversarial examples of the augmented, mixed batch. Validation measure
 score that ModelCheckpoint keeps the best of (``val/select_acc``).
 """
 
+import copy
 from functools import partial
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from lightning import LightningModule
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from timm.layers import DropPath
 from timm.optim import create_optimizer_v2
 from timm.utils import ModelEmaV3
@@ -25,7 +26,8 @@ from robust_lightning.attacks import apgd, fgsm, pgd
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.calibration import CalibrationError
 from robust_lightning.models.classifier import build_classifier, use_small_input_strides
-from robust_lightning.models.weights import load_pretrained
+from robust_lightning.models.robustbench import is_robustbench_arch, preprocessing_mismatch, resolve_arch
+from robust_lightning.models.weights import adopt_normalizer, load_pretrained
 from robust_lightning.training.schedule import warmup_cosine
 
 ATTACKS = ("none", "apgd", "pgd", "fgsm", "fgsm_rs")
@@ -64,15 +66,17 @@ class ImageClassifier(LightningModule):
     """A timm model on [0, 1] images, trained clean or adversarially with the recipe of Singh et al.
 
     Args:
-        arch: timm model name (any timm model or tag, or a registered ConvStem variant).
+        arch: timm model name (any timm model or tag, or a registered ConvStem variant), or
+            ``robustbench:<name>``: the architecture and normaliser of that RobustBench ImageNet entry.
         num_classes: size of the label space (linked from the data module by the CLI).
         image_size: input resolution, passed to architectures that need it (ViTs); linked from the data.
         mean: per-channel mean of the model's normaliser; None = the model takes [0, 1] input as is.
         std: per-channel std of the normaliser (set with mean).
         arch_kwargs: extra keyword arguments for timm.create_model (e.g. drop_path_rate).
-        init_from: warm start from a local checkpoint (.ckpt, .pt/.pth state dict or .safetensors); a
-            ConvStem model takes all non-stem weights from its PatchStem counterpart. Ignored when the
-            trainer resumes from a checkpoint.
+        init_from: warm start from a local checkpoint (.ckpt, .pt/.pth state dict or .safetensors, the released
+            files of Singh et al. and RobustBench included); a ConvStem model takes all non-stem weights from
+            its PatchStem counterpart. An input normaliser stored in the file replaces the model's. Ignored
+            when the trainer resumes from a checkpoint.
         init_from_ema: take the EMA weights of init_from when it has them (fine-tuning a robust model).
         new_head: start with a fresh classifier head instead of the checkpoint's (transfer to another label
             space, e.g. CIFAR-10).
@@ -139,7 +143,8 @@ class ImageClassifier(LightningModule):
             raise UserError(f"model.attack {attack!r} is Linf only; use apgd or pgd for {attack_norm}")
         if select_on == "ema" and ema_decay is None:
             raise UserError("model.select_on 'ema' needs model.ema_decay")
-        self.model = build_classifier(arch, num_classes, image_size, mean, std, arch_kwargs or {})
+        timm_arch, mean, std = resolve_arch(arch, mean, std)
+        self.model = build_classifier(timm_arch, num_classes, image_size, mean, std, arch_kwargs or {})
         if small_input:
             use_small_input_strides(self.model.net)
         if channels_last:
@@ -179,8 +184,22 @@ class ImageClassifier(LightningModule):
             self.warm_start_report = load_pretrained(self.model, self.hparams.init_from, new_head=self.hparams.new_head,
                                                      prefer_ema=self.hparams.init_from_ema)
             rank_zero_info(str(self.warm_start_report))
+            if adopt_normalizer(self.model, self.warm_start_report.checkpoint_normalize):
+                # the weights were trained behind this normaliser; recorded so a resumed run rebuilds it
+                self.hparams.mean = self.model.normalize.mean.flatten().tolist()
+                self.hparams.std = self.model.normalize.std.flatten().tolist()
+                self.warm_start_report.notes.append(f"input normaliser taken from the checkpoint: {self.model.normalize}")
+                rank_zero_info(self.warm_start_report.notes[-1])
+                if self.ema is not None:
+                    self.ema.module.normalize = copy.deepcopy(self.model.normalize)
             if self.ema is not None:  # the average starts from the warm-start weights, not the random init
                 self.ema.set(self.model)
+
+        data = getattr(self.trainer, "datamodule", None)
+        if is_robustbench_arch(self.hparams.arch) and hasattr(data, "crop_pct"):
+            mismatch = preprocessing_mismatch(self.hparams.arch, data.image_size, data.crop_pct)
+            if mismatch:
+                rank_zero_warn(mismatch)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Refuse a checkpoint of another architecture with one clear message instead of a state_dict traceback."""
@@ -382,7 +401,8 @@ class ImageClassifier(LightningModule):
             "arch": hp.arch,
             "num_classes": hp.num_classes,
             "num_params": sum(p.numel() for p in self.model.parameters()),
-            "input": "[0,1] RGB" + (f", normalised inside the model with mean {hp.mean} std {hp.std}" if hp.mean else ""),
+            "input": "[0,1] RGB" + (f", normalised inside the model: {self.model.normalize}"
+                                    if hasattr(self.model.normalize, "mean") else ""),
             "init_from": hp.init_from,
             "warm_start": None if self.warm_start_report is None else str(self.warm_start_report),
             "training": training,
