@@ -2,22 +2,23 @@
 
 Trainer subcommands go to LightningCLI unchanged (configs compose left to right, ``--print_config``,
 ``RL_FIT__TRAINER__MAX_EPOCHS``-style environment variables). Commands that do not drive a Trainer
-(``shards``) are plain functions dispatched before LightningCLI sees the arguments.
+(``shards``, ``export``, ``sweep``, ``report``, ``cell``) are typed functions dispatched before LightningCLI sees
+the arguments; they parse their options with the same parser (robust_lightning.argument_parsing).
 """
 
-import difflib
 import itertools
 import netrc
 import os
-import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+import robust_lightning
+from robust_lightning.argument_parsing import ArgumentParser
 from robust_lightning.data.corrupt_report import CorruptImageReport
 from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.errors import UserError
@@ -59,30 +60,19 @@ def _report(argv: list[str]) -> int:
     return report_main(argv)
 
 
+def _cell(argv: list[str]) -> int:
+    from robust_lightning.scale.task import cell_main
+
+    return cell_main(argv, run=main)
+
+
 TOOL_COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "shards": ("convert an ImageFolder tree into WebDataset shards (parallel, resumable)", _shards),
-    "export": ("write the raw or EMA weights of a checkpoint to a .safetensors file", _export),
+    "export": ("write the raw or EMA weights of a checkpoint to a .safetensors file or a timm model folder", _export),
     "sweep": ("submit a grid of runs (configs/sweeps/*.yaml) as one SLURM array job, skipping done cells", _sweep),
     "report": ("merge the results.json of a sweep's cells into one table (markdown, CSV, JSON)", _report),
+    "cell": ("run one cell of a sweep's array job (what the sweep's array script runs under srun)", _cell),
 }
-
-
-class ArgumentParser(LightningArgumentParser):
-    """Reports a bad option or value in one message (plus a close match for a misspelt key) instead of
-    jsonargparse's full usage dump, which buries the message under every option of the Trainer."""
-
-    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        if not self.exit_on_error:
-            super().error(message, ex)
-        parser = getattr(ex, "subcommand_parser", None) or self
-        lines = [f"{parser.prog.replace(' [options]', '')}: error: {message}"]
-        known = [action.dest for action in parser._actions]
-        for key in re.findall(r"(?:--|option ')([\w.]+)", message):
-            if key not in known and (close := difflib.get_close_matches(key, known, n=3)):
-                lines.append(f"did you mean: {', '.join(close)}?")
-        lines.append(f"options: {parser.prog.replace(' [options]', '')} --help")
-        print("\n".join(lines), file=sys.stderr)
-        sys.exit(2)
 
 
 def continue_in_latest_run_directory(trainer_config) -> None:
@@ -138,12 +128,14 @@ class RobustLightningCLI(LightningCLI):
 
 def _usage() -> str:
     width = max(map(len, [*TRAINER_COMMANDS, *TOOL_COMMANDS]))
-    lines = ["usage: robust-lightning <command> [--config FILE ...] [--key value ...]", "", "commands:"]
+    lines = ["usage: robust-lightning <command> [--config FILE ...] [--key value ...]",
+             "       robust-lightning --version", "", "commands:"]
     lines += [f"  {name:<{width}}  {text}" for name, text in TRAINER_COMMANDS.items()]
     lines += [f"  {name:<{width}}  {text}" for name, (text, _) in TOOL_COMMANDS.items()]
     lines += [
         "",
-        "Run 'robust-lightning <command> --help' for the options of a command.",
+        "Run 'robust-lightning <command> --help' for the options of a command. Every command takes",
+        "--config FILE (repeatable) and --print_config.",
         "Example: robust-lightning fit --config configs/quickstart.yaml --trainer.max_epochs 2",
     ]
     return "\n".join(lines)
@@ -167,6 +159,9 @@ def main(args: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0 if args else 2
+    if args[0] == "--version":
+        print(f"robust-lightning {robust_lightning.__version__}")
+        return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights and data come from local paths only
     shield_forked_children()  # SLURM's requeue signal is for this process, not its DataLoader workers
     _wandb_offline_without_credentials()

@@ -130,8 +130,8 @@ def test_dry_run_prints_the_array_script_and_writes_nothing(tmp_path, capsys):
                  "#SBATCH --open-mode=append", "#SBATCH --partition=gpu", "#SBATCH --gpus-per-node=1",
                  f"#SBATCH --output={tmp_path / 'out' / 'logs' / '%A_%a.out'}", "module load cuda",
                  f"cd {Path.cwd()}", 'export WANDB_MODE="${WANDB_MODE:-offline}"',
-                 f'srun "$PYTHON" -m robust_lightning.scale.task {tmp_path / "out" / "arrays" / "000.json"} '
-                 '"$SLURM_ARRAY_TASK_ID"']:
+                 f'srun "$PYTHON" -m robust_lightning cell {tmp_path / "out" / "arrays" / "000.json"} '
+                 '--index "$SLURM_ARRAY_TASK_ID"']:
         assert line in script.splitlines(), line
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     assert " 8 cells, 0 done, 0 in the queue, 8 to run" in listing and listing.count("\n# [") == 8
@@ -179,7 +179,7 @@ def test_rerun_submits_only_cells_without_results_nor_a_place_in_the_queue(tmp_p
 def test_sweep_without_sbatch_says_what_to_do(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch, no squeue
     assert main(["sweep", "--config", str(write_sweep(tmp_path))]) == 2
-    assert "sbatch not found: submit from a SLURM login node, or use --dry-run / --local" in capsys.readouterr().err
+    assert "sbatch not found: submit from a SLURM login node, or use --dry_run / --local" in capsys.readouterr().err
 
 
 def test_slurm_layout_sets_devices_and_nodes_from_the_allocation(monkeypatch):
@@ -203,7 +203,7 @@ def test_task_records_a_failed_cell_with_its_exit_status(tmp_path, monkeypatch):
     manifest.write_text(json.dumps({"sweep": "demo", "workdir": str(REPO), "log_pattern": "", "wandb": None, "cells": [
         {"id": "bad", "labels": {"x": "1"}, "values": {"x": 1}, "dir": str(cell_dir),
          "argv": ["validate", "--no_such_option=1"]}]}))
-    assert run_cell(str(manifest), 0) == 2
+    assert run_cell(str(manifest), 0, main) == 2
     status = json.loads((cell_dir / "results.json").read_text())["sweep"]
     assert status["status"] == "failed" and status["exit_code"] == 2 and status["cell"] == "bad"
     assert status["log"] == str(tmp_path / "task.log") and status["labels"] == {"x": "1"}
@@ -301,7 +301,7 @@ def test_slurm_templates(tmp_path):
         # Lightning: devices == --ntasks-per-node, num_nodes == --nodes, processes started by srun
         assert '--trainer.devices="$SLURM_NTASKS_PER_NODE"' in text
         assert '--trainer.num_nodes="$SLURM_JOB_NUM_NODES"' in text
-        assert 'srun "$PYTHON" -m robust_lightning.scale.srun' in text and "--trainer.default_root_dir=" in text
+        assert 'srun "$PYTHON" -m robust_lightning ' in text and "--trainer.default_root_dir=" in text
 
 
 def test_forked_children_ignore_sigusr1(monkeypatch):

@@ -15,11 +15,11 @@ leaves a half-written file under its final name.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
 import re
+import sys
 import textwrap
 from collections import Counter
 from collections.abc import Iterable
@@ -435,47 +435,37 @@ def convert_image_folder(
 # --------------------------------------------------------------------------------------------------------------
 
 
-def shards_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="robust-lightning shards",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=textwrap.dedent(
-            """\
-            Convert an ImageFolder tree (SRC/<class folder>/<images>) into WebDataset shards in OUT, with a
-            manifest.json the data module reads. Image bytes are stored as they are (no re-encoding); each
-            sample also holds its integer label (cls) and class folder name (wnid). Conversion is parallel
-            and resumable: re-run the same command after an interruption and only missing shards are written.
+def shards(
+    src: str,
+    out: str,
+    prefix: str | None = None,
+    samples_per_shard: int = 1000,
+    class_map: str = "imagenet",
+    shuffle: bool = True,
+    seed: int = 0,
+    verify: bool = True,
+    workers: int | None = None,
+    overwrite: bool = False,
+) -> int:
+    """Convert an ImageFolder tree (SRC/<class folder>/<images>) into WebDataset shards in OUT.
 
-            Example (ImageNet; val must already be sorted into wnid folders):
-              robust-lightning shards /datasets/imagenet/train /datasets/imagenet-wds/train
-              robust-lightning shards /datasets/imagenet/val /datasets/imagenet-wds/val --no-shuffle
-            """
-        ),
-    )
-    parser.add_argument("src", metavar="SRC", help="ImageFolder root: SRC/<class folder>/<images>")
-    parser.add_argument("out", metavar="OUT", help="output directory for the shards and manifest.json")
-    parser.add_argument("--prefix", help="shard file prefix (default: name of SRC, e.g. 'train')")
-    parser.add_argument("--samples-per-shard", type=int, default=1000, metavar="N",
-                        help="images per shard (default: 1000, ~110 MB for ImageNet)")
-    parser.add_argument("--class-map", default="imagenet", metavar="imagenet|folders|FILE",
-                        help="labels: 'imagenet' (standard 1000-class order, the default), 'folders' (sorted "
-                             "folder names) or a JSON file mapping folder name -> label")
-    parser.add_argument("--no-shuffle", dest="shuffle", action="store_false",
-                        help="keep sorted file order (for validation sets); by default files are shuffled with "
-                             "--seed so every shard mixes classes")
-    parser.add_argument("--seed", type=int, default=0, help="shuffle seed (default: 0)")
-    parser.add_argument("--no-verify", dest="verify", action="store_false",
-                        help="do not decode images to check them (faster; corrupt files then end up in shards)")
-    parser.add_argument("--workers", type=int, default=os.cpu_count(), metavar="N",
-                        help=f"parallel processes, one shard each (default: {os.cpu_count()})")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="delete shards and plan of an earlier, different conversion in OUT first")
-    args = parser.parse_args(argv)
-
+    Args:
+        src: ImageFolder root: SRC/<class folder>/<images>
+        out: output directory for the shards and manifest.json
+        prefix: shard file prefix (default: the name of SRC, e.g. 'train')
+        samples_per_shard: images per shard (1000 is ~110 MB for ImageNet)
+        class_map: labels: 'imagenet' (the standard 1000-class order), 'folders' (sorted folder names) or a
+            JSON file mapping folder name -> label
+        shuffle: shuffle the files with seed so every shard mixes classes; false keeps the sorted order
+            (for validation sets)
+        seed: shuffle seed
+        verify: decode every image to check it (false is faster; corrupt files then end up in shards)
+        workers: parallel processes, one shard each (default: the number of CPUs)
+        overwrite: delete shards and plan of an earlier, different conversion in OUT first
+    """
     manifest = convert_image_folder(
-        args.src, args.out, prefix=args.prefix, samples_per_shard=args.samples_per_shard,
-        class_map=args.class_map, shuffle=args.shuffle, seed=args.seed, verify=args.verify,
-        workers=args.workers, overwrite=args.overwrite,
+        src, out, prefix=prefix, samples_per_shard=samples_per_shard, class_map=class_map, shuffle=shuffle,
+        seed=seed, verify=verify, workers=workers or os.cpu_count(), overwrite=overwrite,
     )
     size = sum(s["bytes"] for s in manifest["shards"]) / 1e9
     print(
@@ -483,6 +473,25 @@ def shards_main(argv: list[str] | None = None) -> int:
         f"(class map {manifest['class_map']!r}, {manifest['num_classes']} labels) into "
         f"{len(manifest['shards'])} shards ({size:.2f} GB); skipped {len(manifest['skipped'])} undecodable "
         f"files{' (listed in the manifest)' if manifest['skipped'] else ''}. "
-        f"Manifest: {Path(args.out).resolve() / MANIFEST_NAME}"
+        f"Manifest: {Path(out).resolve() / MANIFEST_NAME}"
     )
     return 0
+
+
+def shards_main(argv: list[str] | None = None) -> int:
+    from robust_lightning.argument_parsing import run_tool
+
+    description = textwrap.dedent(
+        """\
+        Convert an ImageFolder tree (SRC/<class folder>/<images>) into WebDataset shards in OUT, with a
+        manifest.json the data module reads. Image bytes are stored as they are (no re-encoding); each
+        sample also holds its integer label (cls) and class folder name (wnid). Conversion is parallel
+        and resumable: re-run the same command after an interruption and only missing shards are written.
+
+        Example (ImageNet; val must already be sorted into wnid folders):
+          robust-lightning shards /datasets/imagenet/train /datasets/imagenet-wds/train
+          robust-lightning shards /datasets/imagenet/val /datasets/imagenet-wds/val --shuffle false
+        """
+    )
+    return run_tool(shards, sys.argv[1:] if argv is None else argv, prog="robust-lightning shards",
+                    description=description)

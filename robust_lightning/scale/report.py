@@ -2,21 +2,23 @@
 
 Reads the cells that ``sweep.json`` of DIR lists (or, without it, every ``cells/*/results.json``), flattens the
 scalar metrics of each done cell's results.json into one row keyed by its grid labels, and writes
-``report.md``, ``report.csv`` and ``report.json`` into DIR (and a W&B table with ``--wandb`` or when the sweep
-logs to W&B). One row per cell, whatever was appended to its results over retries; cells that are missing,
-failed or still running are listed with their reason and the tail of their SLURM log. Nothing depends on the
-time or on the order of the file system: running it twice gives the same bytes.
+``report.md``, ``report.csv`` and ``report.json`` into DIR (and a W&B table with ``--wandb true`` or when the
+sweep logs to W&B, unless ``--wandb false``). One row per cell, whatever was appended to its results over
+retries; cells that are missing, failed or still running are listed with their reason and the tail of their
+SLURM log. Nothing depends on the time or on the order of the file system: running it twice gives the same
+bytes.
 """
 
-import argparse
 import csv
 import fnmatch
 import io
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
+from robust_lightning.argument_parsing import run_tool
 from robust_lightning.errors import UserError
 from robust_lightning.scale.sweep import cell_status, write_json
 
@@ -168,26 +170,31 @@ def log_wandb_table(report: dict[str, Any], directory: Path) -> None:
     run.finish()
 
 
-def report_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="robust-lightning report",
-        description="Merge the results.json of every cell of a sweep into report.md, report.csv and report.json.")
-    parser.add_argument("directory", help="the sweep's output_dir (holding sweep.json and cells/)")
-    parser.add_argument("--columns", nargs="+", metavar="GLOB",
-                        help="keep only the metrics matching these patterns, e.g. 'test/*' 'autoattack.*'")
-    parser.add_argument("--wandb", action="store_true", help="also log the table to W&B (default: when the sweep does)")
-    parser.add_argument("--no-wandb", action="store_true", help="never log to W&B")
-    options = parser.parse_args(argv)
-    directory = Path(options.directory)
-    if not directory.is_dir():
-        raise UserError(f"{directory} is not a directory")
-    report = build_report(directory, options.columns)
-    markdown = render_markdown(report)
-    _write_text(directory / "report.md", markdown)
-    _write_text(directory / "report.csv", render_csv(report))
-    write_json(directory / "report.json", report)
-    if (options.wandb or report["wandb"]) and not options.no_wandb:
-        log_wandb_table(report, directory)
+def report(directory: str, columns: list[str] | None = None, wandb: bool | None = None) -> int:
+    """Merge the results.json of every cell of a sweep into report.md, report.csv and report.json.
+
+    Args:
+        directory: the sweep's output_dir (holding sweep.json and cells/)
+        columns: keep only the metrics matching these patterns, e.g. ['test/*', 'autoattack.*']
+        wandb: also log the table to W&B (true), never (false), or when the sweep does (null)
+    """
+    path = Path(directory)
+    if not path.is_dir():
+        raise UserError(f"{path} is not a directory")
+    table = build_report(path, columns)
+    markdown = render_markdown(table)
+    _write_text(path / "report.md", markdown)
+    _write_text(path / "report.csv", render_csv(table))
+    write_json(path / "report.json", table)
+    if wandb or (wandb is None and table["wandb"]):
+        log_wandb_table(table, path)
     print(markdown)
-    print(f"written: {directory / 'report.md'}, report.csv, report.json")
+    print(f"written: {path / 'report.md'}, report.csv, report.json")
     return 0
+
+
+def report_main(argv: list[str] | None = None) -> int:
+    return run_tool(report, sys.argv[1:] if argv is None else argv, prog="robust-lightning report",
+                    description="Merge the results.json of every cell of a sweep into report.md, report.csv and "
+                    "report.json, e.g.\n  robust-lightning report runs/sweeps/quickstart --columns 'test/*' "
+                    "'autoattack.*'")

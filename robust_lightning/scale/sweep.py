@@ -20,12 +20,15 @@ A sweep file names a command and its base configs, fixed overrides, the grid axe
 Every cell gets a stable id (the axis labels plus a hash of the values) and its own run directory
 ``<output_dir>/cells/<id>/``: default_root_dir, logger save_dir and checkpoint dirpath all point there, so
 results.json, checkpoints, AutoAttack outcomes and SLURM's hpc_ckpt_N.ckpt never mix between cells. A cell is
-done when its results.json holds a ``sweep`` section with status ``done`` (written by
-robust_lightning.scale.task after the command succeeded); re-running the sweep submits only the cells that are
+done when its results.json holds a ``sweep`` section with status ``done`` (written by ``robust-lightning cell``,
+robust_lightning.scale.task, after the command succeeded); re-running the sweep submits only the cells that are
 neither done nor still in the queue, so a failed or interrupted cell is retried and a finished one never redone.
+
+The sweep file is the config file of the ``sweep`` command: ``--config FILE`` reads it (several compose left to
+right), ``--print_config`` prints the composed sweep, and any key can be set on the command line
+(``--output_dir DIR``, ``--dry_run``, ``--local``).
 """
 
-import argparse
 import getpass
 import hashlib
 import json
@@ -42,6 +45,7 @@ from typing import Any
 
 import yaml
 
+from robust_lightning.argument_parsing import parse_tool_arguments
 from robust_lightning.errors import UserError
 
 COMMANDS = ("fit", "validate", "test")
@@ -124,6 +128,7 @@ def _axis(name: Any, spec: Any) -> Axis:
 
 
 def load_sweep(path: str | Path, wandb: bool = False, output_dir: str | None = None) -> Sweep:
+    """The sweep of a sweep file; ``wandb`` adds W&B logging when the file has none, ``output_dir`` overrides."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"sweep file {path} not found")
@@ -133,41 +138,55 @@ def load_sweep(path: str | Path, wandb: bool = False, output_dir: str | None = N
     unknown = sorted(set(spec) - set(SPEC_KEYS))
     if unknown:
         raise UserError(f"{path}: unknown key(s) {', '.join(unknown)}; expected {', '.join(SPEC_KEYS)}")
-    name = str(spec.get("name") or path.stem)
+    if wandb and not spec.get("wandb"):
+        spec["wandb"] = True
+    if output_dir:
+        spec["output_dir"] = output_dir
+    spec.setdefault("name", None)
+    spec["name"] = spec["name"] or path.stem
+    return sweep_from_spec(spec, source=str(path))
+
+
+def sweep_from_spec(spec: dict[str, Any], source: str) -> Sweep:
+    """Check a sweep's description (the keys of a sweep file) and build the Sweep; ``source`` names where the
+    description came from in the error messages."""
+    name = str(spec.get("name") or "")
+    if not name:
+        raise UserError(f"{source}: the sweep has no name (give a sweep file with --config FILE, or --name)")
     if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
-        raise UserError(f"{path}: name {name!r} may hold only letters, digits, '.', '_' and '-'")
+        raise UserError(f"{source}: name {name!r} may hold only letters, digits, '.', '_' and '-'")
     command = spec.get("command", "test")
     if command not in COMMANDS:
-        raise UserError(f"{path}: command must be one of {', '.join(COMMANDS)}, got {command!r}")
+        raise UserError(f"{source}: command must be one of {', '.join(COMMANDS)}, got {command!r}")
     configs = spec.get("configs") or []
     args = spec.get("args") or {}
     grid = spec.get("grid") or {}
     slurm = spec.get("slurm") or {}
     if not isinstance(configs, list) or not isinstance(args, dict) or not isinstance(grid, dict) \
             or not isinstance(slurm, dict):
-        raise UserError(f"{path}: configs is a list of files; args, grid and slurm are mappings")
+        raise UserError(f"{source}: configs is a list of files; args, grid and slurm are mappings")
     for key in args:
         if not KEY_PATTERN.match(str(key)):
-            raise UserError(f"{path}: args key {key!r} is not a config key like data.image_size")
+            raise UserError(f"{source}: args key {key!r} is not a config key like data.image_size")
     own = sorted(k for k in slurm if str(k).replace("_", "-") in SBATCH_OWN)
     if own:
-        raise UserError(f"{path}: slurm.{own[0]} is set by the sweep itself (one array task and log per cell)")
+        raise UserError(f"{source}: slurm.{own[0]} is set by the sweep itself (one array task and log per cell)")
     wandb_spec = spec.get("wandb")
-    if wandb_spec is True or (wandb and not wandb_spec):
+    if wandb_spec is True:
         wandb_spec = {}
     elif wandb_spec in (None, False):
         wandb_spec = None
     elif not isinstance(wandb_spec, dict):
-        raise UserError(f"{path}: wandb is true or a mapping (project, tags, entity)")
+        raise UserError(f"{source}: wandb is true or a mapping (project, tags, entity)")
     sweep = Sweep(
         name=name, command=command, configs=[str(c) for c in configs], args=args,
         axes=[_axis(k, v) for k, v in grid.items()],
-        output_dir=Path(output_dir or spec.get("output_dir") or f"runs/sweeps/{name}").absolute(),
+        output_dir=Path(spec.get("output_dir") or f"runs/sweeps/{name}").absolute(),
         slurm=slurm, wandb=wandb_spec,
     )
     for config in sweep.configs + [c for a in sweep.axes if a.bundle for v in a.values for c in v.get("configs", [])]:
         if not Path(config).is_file():
-            raise UserError(f"{path}: config file {config} not found (paths are relative to {Path.cwd()})")
+            raise UserError(f"{source}: config file {config} not found (paths are relative to {Path.cwd()})")
     return sweep
 
 
@@ -333,7 +352,7 @@ def array_script(sweep: Sweep, cells: list[Cell], manifest: Path) -> str:
         *setup,
         f"PYTHON=\"${{RL_PYTHON:-{sys.executable}}}\"",
         "# one process per task (= per device); Lightning's SLURM environment wires up DDP and the requeue",
-        f'srun "$PYTHON" -m robust_lightning.scale.task {shlex.quote(str(manifest))} "$SLURM_ARRAY_TASK_ID"',
+        f'srun "$PYTHON" -m robust_lightning cell {shlex.quote(str(manifest))} --index "$SLURM_ARRAY_TASK_ID"',
         "",
     ]
     return "\n".join(lines)
@@ -392,20 +411,40 @@ def _describe(cells: list[Cell], states: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
-def sweep_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="robust-lightning sweep",
-        description="Expand a sweep file into cells and submit those without results as one SLURM array job.")
-    parser.add_argument("--config", required=True, help="the sweep file, e.g. configs/sweeps/quickstart.yaml")
-    parser.add_argument("--dry-run", action="store_true", help="print the array script and the cells; submit nothing")
-    parser.add_argument("--local", action="store_true", help="run the cells one after another here, without SLURM")
-    parser.add_argument("--wandb", action="store_true", help="add a WandbLogger to every cell (one group per sweep)")
-    parser.add_argument("--output-dir", help="override the sweep's output_dir")
-    options = parser.parse_args(argv)
+def sweep(
+    name: str | None = None,
+    command: str = "test",
+    configs: list[str] | None = None,
+    args: dict[str, Any] | None = None,
+    grid: dict[str, Any] | None = None,
+    output_dir: str | None = None,
+    slurm: dict[str, Any] | None = None,
+    wandb: bool | dict[str, Any] | None = None,
+    dry_run: bool = False,
+    local: bool = False,
+) -> int:
+    """Expand a sweep into cells and submit those without results as one SLURM array job.
 
-    sweep = load_sweep(options.config, wandb=options.wandb, output_dir=options.output_dir)
+    The sweep file is the tool's config file: robust-lightning sweep --config configs/sweeps/NAME.yaml,
+    and any of its keys can be overridden on the command line.
+
+    Args:
+        name: the sweep's name (default: the sweep file's name)
+        command: the robust-lightning command of every cell: fit, validate or test
+        configs: config files of every cell, composed left to right
+        args: fixed overrides of every cell, {config key: value}
+        grid: the axes, {config key or bundle name: [values] or {label: value}}
+        output_dir: where the cells, logs and report go (default: runs/sweeps/<name>)
+        slurm: sbatch options, plus max_parallel (array throttle) and setup (shell lines)
+        wandb: a WandbLogger for every cell, one group per sweep: true, or {project, tags, entity}
+        dry_run: print the array script and the cells; submit nothing
+        local: run the cells one after another here, without SLURM
+    """
+    spec = {"name": name, "command": command, "configs": configs, "args": args, "grid": grid,
+            "output_dir": output_dir, "slurm": slurm, "wandb": wandb}
+    sweep = sweep_from_spec(spec, source=f"sweep {name}" if name else "sweep")
     cells = expand(sweep)
-    queued = {} if options.local else queued_cells(sweep.output_dir)
+    queued = {} if local else queued_cells(sweep.output_dir)
     states = {}
     for cell in cells:
         state = cell_state(cell.dir)
@@ -419,7 +458,7 @@ def sweep_main(argv: list[str]) -> int:
     manifest = sweep.output_dir / "arrays" / f"{number:03d}.json"
     script = array_script(sweep, todo, manifest) if todo else ""
 
-    if options.dry_run:
+    if dry_run:
         print(script if todo else "# nothing to submit")
         print(f"# {summary}\n" + "\n".join(f"# {line}" for line in _describe(todo, states).splitlines()))
         return 0
@@ -430,10 +469,10 @@ def sweep_main(argv: list[str]) -> int:
     write_json(manifest, manifest_content(sweep, todo))
     manifest.with_suffix(".sbatch").write_text(script)
     (sweep.output_dir / "logs").mkdir(parents=True, exist_ok=True)
-    if options.local:
+    if local:
         return _run_local(sweep, todo, manifest, summary)
     if not shutil.which("sbatch"):
-        raise UserError("sbatch not found: submit from a SLURM login node, or use --dry-run / --local")
+        raise UserError("sbatch not found: submit from a SLURM login node, or use --dry_run / --local")
     out = subprocess.run(["sbatch", "--parsable", str(manifest.with_suffix(".sbatch"))], capture_output=True,
                          text=True, cwd=sweep.workdir, timeout=120)
     if out.returncode != 0:
@@ -447,6 +486,16 @@ def sweep_main(argv: list[str]) -> int:
     return 0
 
 
+def sweep_main(argv: list[str] | None = None) -> int:
+    options, files = parse_tool_arguments(
+        sweep, sys.argv[1:] if argv is None else argv, prog="robust-lightning sweep",
+        description="Expand a sweep file into cells and submit those without results as one SLURM array job, e.g.\n"
+        "  robust-lightning sweep --config configs/sweeps/quickstart.yaml --dry_run")
+    if not options["name"] and files:
+        options["name"] = files[-1].stem
+    return sweep(**options)
+
+
 def _run_local(sweep: Sweep, cells: list[Cell], manifest: Path, summary: str) -> int:
     print(summary, flush=True)
     failed = 0
@@ -454,8 +503,8 @@ def _run_local(sweep: Sweep, cells: list[Cell], manifest: Path, summary: str) ->
         log = sweep.output_dir / "logs" / f"local_{manifest.stem}_{index}.out"
         print(f"[{index + 1}/{len(cells)}] {cell.id} (log: {log})", flush=True)
         with open(log, "a") as f:
-            code = subprocess.run([sys.executable, "-m", "robust_lightning.scale.task", str(manifest), str(index)],
-                                  stdout=f, stderr=subprocess.STDOUT, cwd=sweep.workdir,
+            command = [sys.executable, "-m", "robust_lightning", "cell", str(manifest), "--index", str(index)]
+            code = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, cwd=sweep.workdir,
                                   env={**os.environ, "RL_SWEEP_LOG": str(log)}).returncode
         failed += code != 0
     print(f"{len(cells) - failed} of {len(cells)} cells succeeded\nreport: robust-lightning report {sweep.output_dir}")

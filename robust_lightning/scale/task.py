@@ -1,8 +1,8 @@
-"""One cell of a sweep: ``python -m robust_lightning.scale.task MANIFEST [INDEX]`` (INDEX: $SLURM_ARRAY_TASK_ID).
+"""One cell of a sweep: ``python -m robust_lightning cell MANIFEST [INDEX]`` (INDEX: $SLURM_ARRAY_TASK_ID).
 
 The array script of ``robust-lightning sweep`` runs this under srun, in every process (srun task) of an array
 task. It runs the cell's ``robust-lightning`` command in this process (so SLURM's SIGUSR1 reaches Lightning's
-requeue handler) and records the outcome in the ``sweep`` section of the cell's results.json: ``running`` at the start,
+requeue handler); the command line's entry point hands itself in as ``run``, so this module never imports it and records the outcome in the ``sweep`` section of the cell's results.json: ``running`` at the start,
 then ``done``, ``failed`` or ``interrupted``. Only ``done`` counts as a result; anything else is retried by the
 next ``robust-lightning sweep`` and listed by ``robust-lightning report``.
 """
@@ -13,9 +13,12 @@ import re
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from robust_lightning.argument_parsing import run_tool
+from robust_lightning.errors import UserError
 from robust_lightning.evaluation.results import update_results
 from robust_lightning.scale.srun import shield_forked_children
 
@@ -30,7 +33,8 @@ def slurm_layout() -> list[str]:
     return [f"--trainer.devices={per_node.group()}", f"--trainer.num_nodes={nodes}"]
 
 
-def run_cell(manifest_path: str, index: int) -> int:
+def run_cell(manifest_path: str, index: int, run: Callable[[list[str]], int]) -> int:
+    """Run cell ``index`` of the manifest with ``run`` (robust_lightning.cli.main) and record its outcome."""
     manifest = json.loads(Path(manifest_path).read_text())
     cell = manifest["cells"][index]
     os.chdir(manifest["workdir"])
@@ -59,10 +63,8 @@ def run_cell(manifest_path: str, index: int) -> int:
     shield_forked_children()
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from robust_lightning.cli import main
-
     try:
-        code = main(argv)
+        code = run(argv)
     except SIGTERMException:  # SLURM stopping the job (time limit, requeue, scancel): a retry resumes it
         mark("interrupted", error="SIGTERM")
         raise
@@ -78,18 +80,19 @@ def run_cell(manifest_path: str, index: int) -> int:
     return code
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) not in (1, 2):
-        print("usage: python -m robust_lightning.scale.task MANIFEST [INDEX]  (INDEX: $SLURM_ARRAY_TASK_ID)",
-              file=sys.stderr)
-        return 2
-    index = argv[1] if len(argv) == 2 else os.environ.get("SLURM_ARRAY_TASK_ID")
-    if index is None:
-        print("no cell index given and SLURM_ARRAY_TASK_ID is not set", file=sys.stderr)
-        return 2
-    return run_cell(argv[0], int(index))
+def cell_main(argv: list[str], run: Callable[[list[str]], int]) -> int:
+    def cell(manifest: str, index: int | None = None) -> int:
+        """Run one cell of a sweep's array job and record its outcome in the cell's results.json.
 
+        Args:
+            manifest: the array's manifest (<output_dir>/arrays/NNN.json, written by robust-lightning sweep)
+            index: the cell's index in the manifest (default: $SLURM_ARRAY_TASK_ID)
+        """
+        if index is None:
+            if not os.environ.get("SLURM_ARRAY_TASK_ID", "").isdigit():
+                raise UserError("no cell index given and SLURM_ARRAY_TASK_ID is not set")
+            index = int(os.environ["SLURM_ARRAY_TASK_ID"])
+        return run_cell(manifest, index, run)
 
-if __name__ == "__main__":
-    sys.exit(main())
+    return run_tool(cell, argv, prog="robust-lightning cell",
+                    description="Run cell INDEX of a sweep's array manifest (the sweep's array script does).")

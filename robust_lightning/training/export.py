@@ -1,18 +1,35 @@
-"""``robust-lightning export``: the raw or EMA weights of a training checkpoint as a standalone weights file.
+"""``robust-lightning export``: the raw or EMA weights of a training checkpoint, for use outside training.
 
-The file holds the timm net's state dict (plus the input normaliser in its metadata) and loads anywhere the
-project takes weights (``--model.init_from FILE``) and in timm itself.
+Two forms:
+
+- a weights file (``OUT.safetensors``, ``.pt``, ``.pth``): the timm net's state dict, the input normaliser in
+  the safetensors metadata. Loads with ``--model.init_from FILE`` and in timm with ``pretrained_cfg_overlay``.
+- a timm model folder (any other OUT): ``config.json`` and ``model.safetensors`` as timm's ``save_for_hf``
+  writes them, which ``timm.create_model("local-dir:OUT", pretrained=True)`` loads. The folder's
+  ``pretrained_cfg`` holds the preprocessing: the model's normaliser as mean/std (0 and 1 for a model that
+  takes raw [0, 1] images), the training resolution, and the project's evaluation resize (bicubic, crop 0.875).
 """
 
-import argparse
+import json
+import sys
 from pathlib import Path
 
+from timm.models import model_entrypoint, save_for_hf
+
+from robust_lightning.argument_parsing import run_tool
 from robust_lightning.errors import UserError
+from robust_lightning.models.classifier import RobustClassifier
 from robust_lightning.models.weights import read_checkpoint, save_net_weights
 
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".pt", ".pth")
+# the evaluation preprocessing of robust_lightning.data.transforms.eval_transform at its default
+EVAL_CROP_PCT = 0.875
+EVAL_INTERPOLATION = "bicubic"
+RELEASE_FIELDS = ("tag", "license", "hf_hub_id", "url", "paper_ids", "paper_name", "origin_url", "notes")
 
-def export_weights(checkpoint: str | Path, out: str | Path, ema: bool = False) -> Path:
-    """Write the net of ``checkpoint`` (its EMA copy with ``ema``) to ``out`` (.safetensors, .pt or .pth)."""
+
+def _restore(checkpoint: str | Path, ema: bool) -> tuple[RobustClassifier, dict]:
+    """The classifier of a training checkpoint (its EMA weights with ``ema``) and the checkpoint's hparams."""
     from robust_lightning.training.classifier import ImageClassifier
 
     ckpt = read_checkpoint(checkpoint, prefer_ema=ema)
@@ -21,28 +38,86 @@ def export_weights(checkpoint: str | Path, out: str | Path, ema: bool = False) -
         raise UserError(f"{checkpoint} is not a robust-lightning training checkpoint (no hyper_parameters)")
     if ema and not ckpt.has_ema:
         raise UserError(f"{checkpoint} holds no EMA weights (it was trained with model.ema_decay null)")
-    if Path(out).suffix not in (".safetensors", ".pt", ".pth"):
-        raise UserError(f"export to .safetensors, .pt or .pth, not {Path(out).name}")
     keep = ("arch", "num_classes", "image_size", "mean", "std", "arch_kwargs", "small_input")
     module = ImageClassifier(**{k: hparams[k] for k in keep if k in hparams})
     module.model.net.load_state_dict(ckpt.state_dict)
     if ckpt.normalize:
         module.model.normalize.load_state_dict(ckpt.normalize)
-    return save_net_weights(module.model, out)
+    return module.model, hparams
+
+
+def export_weights(checkpoint: str | Path, out: str | Path, ema: bool = False) -> Path:
+    """Write the net of ``checkpoint`` (its EMA copy with ``ema``) to ``out`` (.safetensors, .pt or .pth)."""
+    if Path(out).suffix not in WEIGHT_FILE_SUFFIXES:
+        raise UserError(f"export to .safetensors, .pt or .pth, not {Path(out).name}")
+    model, _ = _restore(checkpoint, ema)
+    return save_net_weights(model, out)
+
+
+def needs_robust_lightning(arch: str) -> bool:
+    """Whether ``arch`` is one of this project's architectures, which timm knows only after
+    ``import robust_lightning`` registered them."""
+    return model_entrypoint(arch.split(".", 1)[0]).__module__.startswith("robust_lightning.")
+
+
+def export_timm_folder(checkpoint: str | Path, out_dir: str | Path, ema: bool = False) -> Path:
+    """Write the net of ``checkpoint`` as a timm model folder (config.json + model.safetensors)."""
+    model, hparams = _restore(checkpoint, ema)
+    if hparams.get("small_input"):
+        # the strides are changed after timm built the net (use_small_input_strides); config.json cannot say so
+        raise UserError(f"{checkpoint} was trained with model.small_input: timm would rebuild it with the standard "
+                        "strides; export a .safetensors file instead and load it with robust-lightning")
+    net = model.net
+    channels = net.pretrained_cfg.get("input_size", (3,))[0]
+    if hasattr(model.normalize, "mean"):
+        mean, std = model.normalize.mean.flatten().tolist(), model.normalize.std.flatten().tolist()
+    else:  # the net takes [0, 1] images: timm's normalisation must be the identity
+        mean, std = [0.0] * channels, [1.0] * channels
+    size = hparams.get("image_size") or net.pretrained_cfg["input_size"][-1]
+    data_config = {"input_size": (channels, size, size), "mean": tuple(mean), "std": tuple(std),
+                   "interpolation": EVAL_INTERPOLATION, "crop_pct": EVAL_CROP_PCT, "crop_mode": "center"}
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"{out_dir} exists and is not a directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_for_hf(net, str(out_dir), safe_serialization=True, data_config=data_config)
+    # timm copies the fields of its own release of the architecture (tag, license, ...): not these weights'
+    config_path = out_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    for key in RELEASE_FIELDS:
+        config["pretrained_cfg"].pop(key, None)
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir
+
+
+def export(checkpoint: str, out: str, ema: bool = False) -> int:
+    """Write the raw or EMA weights of a training checkpoint to a weights file or a timm model folder.
+
+    Args:
+        checkpoint: a .ckpt written by robust-lightning fit
+        out: a .safetensors (or .pt, .pth) file, or a folder that timm loads with
+            timm.create_model("local-dir:OUT", pretrained=True)
+        ema: export the EMA weights instead of the raw ones
+    """
+    kind = "EMA" if ema else "raw"
+    if Path(out).suffix in WEIGHT_FILE_SUFFIXES:
+        path = export_weights(checkpoint, out, ema=ema)
+        print(f"wrote {kind} weights of {checkpoint} to {path}")
+        return 0
+    path = export_timm_folder(checkpoint, out, ema=ema)
+    print(f"wrote {kind} weights of {checkpoint} as a timm model folder {path}: "
+          f'timm.create_model("local-dir:{path}", pretrained=True)')
+    arch = json.loads((path / "config.json").read_text())["architecture"]
+    if needs_robust_lightning(arch):
+        print(f"note: {arch} is an architecture of robust-lightning, not of timm: a process loading this folder must "
+              "`import robust_lightning` first (it registers the architecture with timm)", file=sys.stderr)
+    return 0
 
 
 def export_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="robust-lightning export",
-        description="Write the raw or EMA weights of a training checkpoint to a weights file, e.g.\n"
-        "  robust-lightning export runs/at/version_0/checkpoints/last.ckpt model-ema.safetensors --ema\n"
-        "then evaluate it with --model.init_from model-ema.safetensors.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("checkpoint", help="a .ckpt written by robust-lightning fit")
-    parser.add_argument("out", help="output file: .safetensors (recommended), .pt or .pth")
-    parser.add_argument("--ema", action="store_true", help="export the EMA weights instead of the raw ones")
-    args = parser.parse_args(argv)
-    path = export_weights(args.checkpoint, args.out, ema=args.ema)
-    print(f"wrote {'EMA' if args.ema else 'raw'} weights of {args.checkpoint} to {path}")
-    return 0
+    return run_tool(export, sys.argv[1:] if argv is None else argv, prog="robust-lightning export",
+                    description="Write the raw or EMA weights of a training checkpoint, e.g.\n"
+                    "  robust-lightning export runs/at/version_0/checkpoints/last.ckpt model-ema.safetensors --ema\n"
+                    "  (then evaluate it with --model.init_from model-ema.safetensors), or\n"
+                    "  robust-lightning export runs/at/version_0/checkpoints/last.ckpt model-ema/ --ema\n"
+                    '  (a folder for timm.create_model("local-dir:model-ema/", pretrained=True)).')

@@ -1,0 +1,123 @@
+"""robust-lightning export to a timm model folder: plain timm, in a process that never imports robust_lightning,
+loads it with timm.create_model("local-dir:...") and gives our model's logits on the same [0, 1] images."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from robust_lightning.cli import main
+from robust_lightning.training.classifier import ImageClassifier
+
+# Runs in a fresh interpreter: only timm, preprocessing exactly as timm's data config of the folder says.
+PLAIN_TIMM = textwrap.dedent(
+    """
+    import json, sys
+    import torch, timm
+
+    folder, images, out = sys.argv[1:]
+    model = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
+    config = timm.data.resolve_model_data_config(model)
+    x = torch.load(images, weights_only=True)
+    mean = torch.tensor(config["mean"]).view(1, -1, 1, 1)
+    std = torch.tensor(config["std"]).view(1, -1, 1, 1)
+    with torch.no_grad():
+        logits = model((x - mean) / std)
+    assert "robust_lightning" not in sys.modules, "plain timm must not need robust_lightning"
+    json.dump({"logits": logits.tolist(), "config": {k: config[k] for k in ("input_size", "mean", "std",
+              "interpolation", "crop_pct")}}, open(out, "w"))
+    """
+)
+
+
+def write_checkpoint(path: Path, **hparams) -> ImageClassifier:
+    """A training checkpoint as Lightning writes one (state_dict + hyper_parameters), untrained; the EMA copy
+    (when there is one) is moved away from the raw weights so that exporting the wrong one shows."""
+    torch.manual_seed(0)
+    module = ImageClassifier(num_classes=5, **hparams).eval()
+    if module.ema is not None:
+        with torch.no_grad():
+            for p in module.ema.module.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        module.ema.module.eval()
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, path)
+    return module
+
+
+def load_with_plain_timm(folder: Path, x: torch.Tensor, tmp_path: Path) -> dict:
+    torch.save(x, tmp_path / "x.pt")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", PLAIN_TIMM, str(folder), str(tmp_path / "x.pt"),
+                             str(tmp_path / "out.json")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    return json.loads((tmp_path / "out.json").read_text())
+
+
+@pytest.mark.parametrize("hparams, ema", [
+    # a normaliser with its own mean/std, the raw weights
+    (dict(arch="test_resnet", image_size=32, mean=(0.4, 0.5, 0.6), std=(0.2, 0.25, 0.3)), False),
+    # a net on raw [0, 1] images (no normaliser), a ViT built for 32 px, its EMA weights
+    (dict(arch="test_vit", image_size=32, mean=None, std=None, ema_decay=0.9), True),
+])
+def test_timm_folder_loads_in_plain_timm_and_gives_our_logits(tmp_path, capsys, hparams, ema):
+    module = write_checkpoint(tmp_path / "m.ckpt", **hparams)
+    folder = tmp_path / "exported"
+    assert main(["export", str(tmp_path / "m.ckpt"), str(folder), *(["--ema"] if ema else [])]) == 0
+    assert f'timm.create_model("local-dir:{folder}", pretrained=True)' in capsys.readouterr().out
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architecture"] == hparams["arch"] and config["num_classes"] == 5
+    assert "tag" not in config["pretrained_cfg"]  # not timm's release of the architecture
+
+    x = torch.rand(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = (module.ema.module if ema else module.model)(x)
+        raw = module.model(x)
+    loaded = load_with_plain_timm(folder, x, tmp_path)
+    assert torch.allclose(torch.tensor(loaded["logits"]), expected, atol=1e-5)
+    if ema:  # the EMA weights, not the raw ones
+        assert not torch.allclose(expected, raw, atol=1e-3)
+    mean, std = (hparams["mean"], hparams["std"]) if hparams["mean"] else ((0.0,) * 3, (1.0,) * 3)
+    assert loaded["config"]["mean"] == pytest.approx(mean) and loaded["config"]["std"] == pytest.approx(std)
+    assert loaded["config"]["input_size"] == [3, 32, 32]
+    assert loaded["config"]["interpolation"] == "bicubic" and loaded["config"]["crop_pct"] == 0.875
+
+
+def test_export_takes_its_options_from_a_config_file(tmp_path, capsys):
+    module = write_checkpoint(tmp_path / "m.ckpt", arch="test_resnet", image_size=32, ema_decay=0.9)
+    options = tmp_path / "export.yaml"
+    options.write_text(yaml.safe_dump({"checkpoint": str(tmp_path / "m.ckpt"), "out": str(tmp_path / "w.safetensors"),
+                                       "ema": True}))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", "--config", str(options), "--print_config"])
+    assert exit_info.value.code == 0
+    assert yaml.safe_load(capsys.readouterr().out) == {"checkpoint": str(tmp_path / "m.ckpt"),
+                                                        "out": str(tmp_path / "w.safetensors"), "ema": True}
+    assert main(["export", "--config", str(options)]) == 0
+    assert "wrote EMA weights" in capsys.readouterr().out
+    from robust_lightning.models.weights import read_state_dict
+
+    exported = read_state_dict(tmp_path / "w.safetensors")
+    for key, value in module.ema.module.net.state_dict().items():
+        assert torch.equal(exported[key], value), key
+
+
+def test_folder_of_a_project_architecture_says_it_needs_robust_lightning(tmp_path, capsys):
+    write_checkpoint(tmp_path / "m.ckpt", arch="convnext_atto_convstem", image_size=32)
+    assert main(["export", str(tmp_path / "m.ckpt"), str(tmp_path / "folder")]) == 0
+    err = capsys.readouterr().err
+    assert "convnext_atto_convstem" in err and "import robust_lightning" in err
+    assert json.loads((tmp_path / "folder" / "config.json").read_text())["architecture"] == "convnext_atto_convstem"
+
+
+def test_small_input_model_is_refused_as_a_folder(tmp_path, capsys):
+    write_checkpoint(tmp_path / "m.ckpt", arch="test_convnext", image_size=32, small_input=True)
+    assert main(["export", str(tmp_path / "m.ckpt"), str(tmp_path / "folder")]) == 2
+    assert "small_input" in capsys.readouterr().err and not (tmp_path / "folder").exists()
