@@ -11,6 +11,7 @@ those of the released files (``stem.stem.0.weight``, ``patch_embed.proj.stem.0.w
 """
 
 import pickle
+import re
 from collections import OrderedDict
 
 import numpy as np
@@ -312,3 +313,22 @@ def test_card_shows_the_leaderboard_numbers_of_a_robustbench_arch():
     assert any(line.startswith("Published numbers: data/paper_results.csv") for line in lines)
     salman = paper_rows("robustbench:Salman2020Do_50_2")
     assert [(p["clean"], p["autoattack_linf_4_255"]) for p in salman] == [("68.46", "38.14")]
+
+
+def test_old_swin_layout(tmp_path):
+    # Liu2023Comprehensive_Swin-B/L were saved by an older timm (microsoft/Swin-Transformer names): downsampling
+    # at the end of a stage, head.weight, relative_position_index / attn_mask buffers
+    tiny_swin = dict(embed_dim=32, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1))
+    torch.manual_seed(0)
+    net = timm.create_model("swin_base_patch4_window7_224", num_classes=5, **tiny_swin)
+    old = {}
+    for k, v in net.state_dict().items():
+        k = re.sub(r"^layers\.(\d)\.downsample", lambda m: f"layers.{int(m.group(1)) - 1}.downsample", k)
+        old[k.replace("head.fc.", "head.")] = v
+        if k.endswith("attn.relative_position_bias_table"):
+            old[k.replace("relative_position_bias_table", "relative_position_index")] = torch.zeros(49, 49).long()
+    assert "layers.0.downsample.reduction.weight" in old and "head.weight" in old
+    path = tmp_path / "Liu2023Comprehensive_Swin-B.pt"
+    torch.save({f"module.{k}": v for k, v in old.items()}, path)
+    model = robust_lightning.load_model("robustbench:Liu2023Comprehensive_Swin-B", path, arch_kwargs=tiny_swin)
+    assert_same_logits(model, normalize_model(net), images(224, n=2))

@@ -456,6 +456,8 @@ def adopt_normalizer(model: RobustClassifier, saved: dict[str, torch.Tensor]) ->
 
 
 def _checkpoint_num_classes(model: RobustClassifier, state_dict: dict[str, torch.Tensor]) -> int | None:
+    """Size of the checkpoint's classifier, read in the net's own key names (after any layout mapping)."""
+    state_dict = _adapt_foreign_layout(model.net, state_dict, find_convstem_prefix(model.net), [])
     prefix = _classifier_prefix(model.net)
     weight = state_dict.get(f"{prefix}weight") if prefix else None
     return int(weight.shape[0]) if weight is not None and weight.ndim >= 1 else None
