@@ -262,8 +262,8 @@ def test_our_checkpoint_and_exports(tmp_path):
 
 def test_file_of_another_architecture_is_a_clear_error(tmp_path):
     path = tmp_path / "weights_20.pt"
-    torch.save({f"module.{k}": v for k, v in AttackWrapper(normalize_model(released_convnext_t(0))).state_dict().items()},
-               path)
+    released = AttackWrapper(normalize_model(released_convnext_t(0)))
+    torch.save({f"module.{k}": v for k, v in released.state_dict().items()}, path)
     with pytest.raises(UserError) as info:
         robust_lightning.load_model("robustbench:Singh2023Revisiting_ViT-S-ConvStem", path, image_size=32,
                                     arch_kwargs=TINY_VIT)
@@ -299,14 +299,16 @@ def test_card_shows_the_leaderboard_numbers_of_a_robustbench_arch():
     from robust_lightning.evaluation.card import paper_rows, render_card
 
     results = {"autoattack": {"threat_models": {
-        "Linf-4_255": {"norm": "Linf", "eps": 4 / 255, "num_points": 50, "clean_accuracy": 0.76, "robust_accuracy": 0.5},
+        "Linf-4_255": {"norm": "Linf", "eps": 4 / 255, "num_points": 50, "clean_accuracy": 0.76,
+                       "robust_accuracy": 0.5},
     }, "conditions": {"version": "standard", "precision": "fp32"}}}
     arch = "robustbench:Singh2023Revisiting_ConvNeXt-B-ConvStem"
     papers = paper_rows(arch)
     header = {"arch": arch, "checkpoint": "weights_249.pt", "resolution": 224, "data": {}}
     lines = render_card(header, {}, results, [], papers).splitlines()
     # the leaderboard's numbers for these weights (the paper's Table 2 has the same: 75.90 clean, 56.14 AA)
-    assert "| Singh2023Revisiting_ConvNeXt-B-ConvStem, RobustBench leaderboard (224 px, these weights) | 75.90 | 56.14 |" in lines
+    leaderboard = "| Singh2023Revisiting_ConvNeXt-B-ConvStem, RobustBench leaderboard (224 px, these weights) |"
+    assert f"{leaderboard} 75.90 | 56.14 |" in lines
     # and the paper's own rows for the architecture, with their footnote
     assert "| ConvNeXt-B + ConvStem, Singh et al. 2023 (224 px, 250 epochs) | 75.90 | 56.14 |" in lines
     assert any(line.startswith("Leaderboard numbers: data/robustbench_imagenet_linf.csv") for line in lines)
