@@ -316,3 +316,25 @@ def test_forked_children_ignore_sigusr1(monkeypatch):
         os._exit(0 if signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN else 1)
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
     assert signal.getsignal(signal.SIGUSR1) != signal.SIG_IGN  # the parent keeps its handler
+
+
+def test_local_sweep_runs_each_cell_through_the_cell_command(tmp_path, capsys):
+    """--local runs `python -m robust_lightning cell MANIFEST --index i` per cell, as the array script does under
+    srun: a cell that validates records done with its metrics, a cell with a bad option records failed."""
+    config = tmp_path / "validate.yaml"
+    config.write_text(yaml.safe_dump({
+        "trainer": {"accelerator": "cpu", "devices": 1, "enable_progress_bar": False, "limit_val_batches": 1},
+        "model": {"arch": "test_resnet"},
+        "data": {"source": "synthetic", "image_size": 32, "batch_size": 4, "num_workers": 0,
+                 "synthetic": {"num_classes": 4, "train_per_class": 1, "val_per_class": 1, "image_size": 32,
+                               "root": str(tmp_path / "synthetic")}},
+    }))
+    path = write_sweep(tmp_path, command="validate", configs=[str(config)], args={},
+                       grid={"seed_everything": [0, "not-a-seed"]})
+    assert main(["sweep", "--config", str(path), "--local"]) == 1  # one cell failed
+    assert "1 of 2 cells succeeded" in capsys.readouterr().out
+    cells = sorted((tmp_path / "out" / "cells").iterdir())
+    states = {cell.name.split("__")[0]: cell_state(cell) for cell in cells}
+    assert states == {"seed_everything=0": "done", "seed_everything=not-a-seed": "failed"}
+    done = json.loads((next(c for c in cells if "=0__" in c.name) / "results.json").read_text())
+    assert done["validate"]["metrics"]["val/num_images"] == 4
