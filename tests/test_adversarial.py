@@ -273,7 +273,7 @@ def test_holdout_needs_enough_training_images(tmp_path, tiny_data):
         dm.setup("fit")
 
 
-def test_global_batch_size_is_split_over_devices_or_refused(tiny_data):
+def test_global_batch_size_is_split_over_any_device_count(tiny_data):
     from robust_lightning.errors import UserError
 
     dm = ImageNetDataModule(**{**tiny_data, "global_batch_size": 12})
@@ -281,8 +281,15 @@ def test_global_batch_size_is_split_over_devices_or_refused(tiny_data):
     dm._rank_share = lambda urls, split: urls  # the tiny set has one shard; only the batch arithmetic matters here
     dm.setup("test")
     assert dm.batch_size == 4
-    dm.trainer.world_size = 5
-    with pytest.raises(UserError, match="does not split evenly over 5"):
+    dm.trainer.world_size = 5  # uneven: the first 12 % 5 = 2 ranks take one image more
+    shares = []
+    for rank in range(5):
+        dm.trainer.global_rank = rank
+        dm.setup("test")
+        shares.append(dm.batch_size)
+    assert shares == [3, 3, 2, 2, 2]
+    dm.trainer.world_size = 13
+    with pytest.raises(UserError, match="12 leaves some of the 13 devices without an image"):
         dm.setup("test")
 
 

@@ -235,6 +235,37 @@ class ShardTrainLoader(DataLoader):
         return itertools.islice(super().__iter__(), self.batches_per_epoch)
 
 
+def rank_batch_size(global_batch: int, world_size: int, rank: int) -> int:
+    """Rank ``rank``'s share of a global batch split as evenly as possible: the first ``global_batch % world_size``
+    ranks take one image more."""
+    return global_batch // world_size + (rank < global_batch % world_size)
+
+
+class GlobalBatchSampler(DistributedSampler):
+    """Training indices of this rank, one global batch of distinct images per step, however unevenly it splits.
+
+    Every epoch draws the permutation torch's DistributedSampler draws (seed + epoch, the same on all ranks)
+    and cuts it into global batches; rank r takes every world_size-th image of each, starting at the r-th:
+    ``rank_batch_size`` images per step, and the same number of steps on every rank (DDP needs it). When the
+    global batch splits evenly this is torch's DistributedSampler(shuffle=True, drop_last=True) batched by
+    the per-rank size, image for image. Being a DistributedSampler keeps Lightning from swapping in its own.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, global_batch: int, seed: int = 0):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self.global_batch = global_batch
+        self.steps = len(dataset) // global_batch
+
+    def __iter__(self):
+        order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        for step in range(self.steps):
+            batch = order[step * self.global_batch : (step + 1) * self.global_batch]
+            yield from batch[self.rank :: self.num_replicas].tolist()
+
+    def __len__(self) -> int:
+        return self.steps * rank_batch_size(self.global_batch, self.num_replicas, self.rank)
+
+
 class ExactDistributedSampler(DistributedSampler):
     """Each index exactly once across ranks, without the padding of torch's DistributedSampler.
 
@@ -301,7 +332,9 @@ class ImageNetDataModule(LightningDataModule):
         label_smoothing: smoothing of the MixUp/CutMix soft targets (linked from model.label_smoothing).
         batch_size: per-device training batch size.
         global_batch_size: the effective batch over all devices and nodes (the paper's recipes fix it); when
-            set, batch_size becomes global_batch_size / world size, which must divide evenly.
+            set, it is split over the devices as evenly as possible (batch_size becomes this rank's share: the
+            first global_batch_size % world size ranks take one image more) and the training loss is weighted
+            so that the update is that of the mean loss over the whole global batch (ImageClassifier).
         eval_batch_size: per-device evaluation batch size (default: batch_size).
         num_workers: decoding processes per device.
         shuffle_buffer: samples held for shuffling within the training shard stream.
@@ -405,13 +438,12 @@ class ImageNetDataModule(LightningDataModule):
         if self.trainer is not None:
             self.rank, self.world_size = self.trainer.global_rank, self.trainer.world_size
         if self.global_batch_size:
-            if self.global_batch_size % self.world_size:
-                fits = [n for n in range(1, 65) if self.global_batch_size % n == 0]
+            if self.global_batch_size < self.world_size:
                 raise UserError(
-                    f"data.global_batch_size {self.global_batch_size} does not split evenly over {self.world_size} "
-                    f"devices; use a device count among {fits}, or set data.batch_size per device instead"
+                    f"data.global_batch_size {self.global_batch_size} leaves some of the {self.world_size} devices "
+                    "without an image; use a global batch of at least one image per device"
                 )
-            self.batch_size = self.global_batch_size // self.world_size
+            self.batch_size = rank_batch_size(self.global_batch_size, self.world_size, self.rank)
         evaluation = eval_transform(self.image_size, self.crop_pct)
         if self.augment_on == "device":
             training = CanvasDecode(self.canvas_size)
@@ -593,6 +625,11 @@ class ImageNetDataModule(LightningDataModule):
             )
         return urls[self.rank :: self.world_size]
 
+    @property
+    def global_batch(self) -> int:
+        """Training images per optimiser step over all ranks."""
+        return self.global_batch_size or self.batch_size * self.world_size
+
     # ---------------------------------------------------------------------------------------- dataloaders
     def _loader(self, dataset, batch_size: int, **kwargs) -> DataLoader:
         kwargs.setdefault("num_workers", self.num_workers)
@@ -607,20 +644,22 @@ class ImageNetDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         augmenting = partial(collate, augment=self.worker_augment) if self.worker_augment else collate
         if isinstance(self.train_set, ShardStream):
-            batches = self.train_images // (self.world_size * self.batch_size)
+            # every rank reads its own shards, so the ranks' batches are distinct images
+            batches = self.train_images // self.global_batch
             if batches < 1:
                 raise UserError(
-                    f"{self.train_images} training images are fewer than one batch of {self.batch_size} per rank"
+                    f"{self.train_images} training images are fewer than one global batch of {self.global_batch}"
                 )
             return self._loader(
                 self.train_set, self.batch_size, loader_cls=ShardTrainLoader, batches_per_epoch=batches,
                 current_epoch=lambda: self.trainer.current_epoch if self.trainer else 0, drop_last=True,
                 collate_fn=augmenting,
             )
-        sampler = DistributedSampler(
-            self.train_set, num_replicas=self.world_size, rank=self.rank, shuffle=True, seed=self.seed,
-            drop_last=True,
-        )
+        if len(self.train_set) < self.global_batch:
+            raise UserError(
+                f"{len(self.train_set)} training images are fewer than one global batch of {self.global_batch}"
+            )
+        sampler = GlobalBatchSampler(self.train_set, self.world_size, self.rank, self.global_batch, self.seed)
         return self._loader(
             self.train_set, self.batch_size, sampler=sampler, drop_last=True,
             persistent_workers=self.num_workers > 0, collate_fn=augmenting,
@@ -695,6 +734,7 @@ class ImageNetDataModule(LightningDataModule):
             "eval_subset": self.eval_subset,
             "eval_limit": self.eval_limit,
             "batch_size": self.batch_size,
+            "global_batch_size": self.global_batch,
         }
 
 

@@ -259,7 +259,23 @@ class ImageClassifier(LightningModule):
         self.log("train/clean_loss", F.cross_entropy(clean_logits.detach().float(), targets), batch_size=labels.numel())
         self.log("train/loss", loss, prog_bar=True, batch_size=labels.numel())
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
-        return loss
+        return loss * self.global_batch_weight(labels.numel())
+
+    def global_batch_weight(self, images: int) -> torch.Tensor | float:
+        """The weight of this rank's mean loss that makes the update exact on any split of the global batch.
+
+        DDP averages the ranks' gradients, which is the gradient of the mean loss over all images only when
+        every rank holds as many. Rank r's mean loss over its n_r images, weighted by n_r * W / sum_k n_k,
+        makes the average the gradient of (1 / sum_k n_k) * sum_i loss_i over the whole global batch: exact for
+        uneven splits (data.global_batch_size) and for batches that lost corrupt images. The weight is exactly
+        1 when all ranks hold as many images. One scalar all-reduce per step, left on the device.
+        """
+        world_size = self.trainer.world_size
+        if world_size == 1:
+            return 1.0
+        count = torch.tensor(float(images), device=self.device)
+        total = self.trainer.strategy.reduce(count.clone(), reduce_op="sum")
+        return count * world_size / total
 
     def adversarial_loss(self, images, targets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Attack the (augmented, mixed) batch in eval mode, then the loss of the update in train mode.
