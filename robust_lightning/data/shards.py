@@ -31,6 +31,7 @@ import webdataset as wds
 from PIL import Image
 from tqdm import tqdm
 
+from robust_lightning.atomic import atomic_write, atomic_write_json
 from robust_lightning.data.classes import class_map as resolve_class_map
 from robust_lightning.errors import UserError
 
@@ -60,22 +61,8 @@ def shard_name(prefix: str, index: int) -> str:
     return f"{prefix}-{index:06d}.tar"
 
 
-def _temp_path(path: Path) -> Path:
-    # Same directory (so os.replace is an atomic rename), hidden, and unique per process.
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
 def write_json_atomic(path: str | Path, obj, indent: int | None = 1) -> None:
-    path = Path(path)
-    tmp = _temp_path(path)
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=indent)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    atomic_write_json(path, obj, indent=indent)
 
 
 def write_shard(path: str | Path, samples: Iterable[dict]) -> dict:
@@ -86,27 +73,19 @@ def write_shard(path: str | Path, samples: Iterable[dict]) -> dict:
     {label: n}, "wnid_counts": {wnid: n}}`` (JSON-ready: labels are string keys).
     """
     path = Path(path)
-    tmp = _temp_path(path)
     labels: Counter[int] = Counter()
     wnids: Counter[str] = Counter()
-    try:
-        with open(tmp, "wb") as f:
-            # A fixed mtime makes the tar a pure function of the samples (reproducible, comparable runs);
-            # PAX allows member names longer than 100 characters.
-            with wds.TarWriter(f, mtime=0, format="PAX_FORMAT") as writer:
-                for sample in samples:
-                    key = sample["__key__"]
-                    if not key or "." in key or "/" in key:
-                        raise ValueError(f"sample key {key!r} must be non-empty and contain no '.' or '/'")
-                    writer.write(sample)
-                    labels[int(sample["cls"])] += 1
-                    wnids[sample["wnid"]] += 1
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_write(path, "wb") as f:
+        # A fixed mtime makes the tar a pure function of the samples (reproducible, comparable runs);
+        # PAX allows member names longer than 100 characters.
+        with wds.TarWriter(f, mtime=0, format="PAX_FORMAT") as writer:
+            for sample in samples:
+                key = sample["__key__"]
+                if not key or "." in key or "/" in key:
+                    raise ValueError(f"sample key {key!r} must be non-empty and contain no '.' or '/'")
+                writer.write(sample)
+                labels[int(sample["cls"])] += 1
+                wnids[sample["wnid"]] += 1
     return {
         "file": path.name,
         "num_samples": sum(labels.values()),

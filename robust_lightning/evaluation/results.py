@@ -11,7 +11,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -22,6 +21,7 @@ from lightning import Callback
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 
 import robust_lightning
+from robust_lightning.atomic import atomic_write_json
 from robust_lightning.data.corrupt_report import CorruptImageReport
 
 
@@ -30,11 +30,7 @@ def update_results(path: str | Path, sections: dict[str, Any]) -> dict:
     path = Path(path)
     content = json.loads(path.read_text()) if path.is_file() else {}
     content.update(sections)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-        json.dump(content, f, indent=2, default=str)
-        tmp = f.name
-    os.replace(tmp, path)
+    atomic_write_json(path, content, default=str)
     return content
 
 

@@ -13,12 +13,12 @@ import csv
 import fnmatch
 import io
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from robust_lightning.argument_parsing import run_tool
+from robust_lightning.atomic import atomic_write_text
 from robust_lightning.errors import UserError
 from robust_lightning.scale.sweep import cell_status, write_json
 
@@ -153,9 +153,7 @@ def render_csv(report: dict[str, Any]) -> str:
 
 
 def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_write_text(path, text)
 
 
 def log_wandb_table(report: dict[str, Any], directory: Path) -> None:

@@ -38,7 +38,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ from typing import Any
 import yaml
 
 from robust_lightning.argument_parsing import parse_tool_arguments
+from robust_lightning.atomic import atomic_write_json
 from robust_lightning.errors import UserError
 
 COMMANDS = ("fit", "validate", "test")
@@ -387,11 +387,7 @@ def sweep_description(sweep: Sweep, cells: list[Cell]) -> dict[str, Any]:
 
 def write_json(path: Path, content: Any) -> None:
     """Write JSON atomically (a reader never sees half a file), with sorted keys so reruns give the same bytes."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-        json.dump(content, f, indent=2, sort_keys=True, default=str)
-        f.write("\n")
-    os.replace(f.name, path)
+    atomic_write_json(path, content, sort_keys=True, default=str)
 
 
 def _next_array(output_dir: Path) -> int:

@@ -1,0 +1,65 @@
+"""Files that a kill -9 never leaves half-written.
+
+The bytes go to a hidden temporary file beside the target (``.<name>.tmp-<pid>``: same directory, so the final
+``os.replace`` is one rename, which POSIX makes atomic within a directory), are flushed and fsynced, and replace
+the target in one step; the directory is fsynced too, so the rename itself survives a power cut. Readers see
+either the old file or the complete new one. (Lightning's fsspec transaction stages files in the system temp
+directory instead: across filesystems that final move is a copy, which a kill can cut short.)
+"""
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+TEMPORARY_MARK = ".tmp-"  # in every temporary name: a stale one left by a killed process is recognisable
+
+
+def temporary_path(path: str | os.PathLike) -> Path:
+    """Where ``atomic_write`` stages ``path``: hidden, beside it, unique per process."""
+    path = Path(path)
+    return path.with_name(f".{path.name}{TEMPORARY_MARK}{os.getpid()}")
+
+
+@contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
+    """``with atomic_write(path) as f: f.write(...)``: ``path`` changes only when the block completes.
+    ``mode``: "w" (text) or "wb" (bytes). The parent directory is created if missing."""
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_write mode must be 'w' or 'wb', got {mode!r}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = temporary_path(path)
+    try:
+        with open(temporary, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_write(path, "wb") as f:
+        f.write(data)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_write(path) as f:
+        f.write(text)
+
+
+def atomic_write_json(path: str | os.PathLike, content: Any, indent: int | None = 2, **dump_options) -> None:
+    """JSON with a final newline; ``dump_options`` go to ``json.dump`` (e.g. sort_keys, default)."""
+    with atomic_write(path) as f:
+        json.dump(content, f, indent=indent, **dump_options)
+        f.write("\n")
