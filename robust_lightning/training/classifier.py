@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from lightning import LightningModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from timm.layers import DropPath
+from timm.models.convnext import ConvNeXt
 from timm.optim import create_optimizer_v2
 from timm.utils import ModelEmaV3
 from torch import nn
@@ -26,6 +27,7 @@ from robust_lightning.attacks import apgd, fgsm, pgd
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.calibration import CalibrationError
 from robust_lightning.models.classifier import build_classifier, use_small_input_strides
+from robust_lightning.models.isotropic_convnext import IsotropicConvNeXt
 from robust_lightning.models.robustbench import is_robustbench_arch, preprocessing_mismatch, resolve_arch
 from robust_lightning.models.weights import adopt_normalizer, load_pretrained
 from robust_lightning.training.schedule import warmup_cosine
@@ -52,6 +54,24 @@ def soft_targets(labels: torch.Tensor, num_classes: int, smoothing: float) -> to
     return torch.full((labels.numel(), num_classes), off, device=labels.device).scatter_(
         1, labels.view(-1, 1), 1.0 - smoothing + off
     )
+
+
+def paper_warmup_epochs(max_epochs: int) -> int:
+    """Warm-up of Singh et al. (App. A): the peak lr is reached at epoch 10 in 50- and 100-epoch runs, at epoch 20
+    in 250- and 300-epoch runs (their code's rule: 20 when training for more than 100 epochs)."""
+    return 20 if max_epochs > 100 else 10
+
+
+def official_decayed_names(net: nn.Module) -> set[str]:
+    """Names of the parameters the code of Singh et al. decays (github.com/nmndeep/revisiting-at, main.py
+    ``create_optimizer``): in ConvNeXts (isotropic included) every parameter but the biases, so LayerNorm
+    weights and the layer scale ``gamma`` too; in every other model every tensor of two or more dimensions but
+    the biases, so a ViT's pos_embed and cls_token too. (timm's rule, the default, also spares 1-D tensors in
+    ConvNeXts and a model's ``no_weight_decay()`` list.)"""
+    trainable = {name: p for name, p in net.named_parameters() if p.requires_grad}
+    if isinstance(net, (ConvNeXt, IsotropicConvNeXt)):
+        return {name for name in trainable if not name.endswith(".bias")}
+    return {name for name, p in trainable.items() if p.ndim > 1 and not name.endswith(".bias")}
 
 
 def has_mode_dependent_layers(model: nn.Module) -> bool:
@@ -84,8 +104,12 @@ class ImageClassifier(LightningModule):
             CIFAR transfer setting).
         lr: peak learning rate.
         min_lr: final learning rate of the cosine decay.
-        warmup_epochs: linear warm-up length in epochs (may be fractional).
-        weight_decay: AdamW weight decay; biases, norm weights and embeddings are not decayed (timm rule).
+        warmup_epochs: linear warm-up length in epochs (may be fractional); None = the paper's rule for the
+            run's trainer.max_epochs: 10 up to 100 epochs, 20 beyond (``paper_warmup_epochs``).
+        weight_decay: AdamW weight decay.
+        weight_decay_rule: which parameters are decayed: "timm" (timm's optimizer factory: not biases, 1-D
+            tensors nor the model's no_weight_decay() list) or "official" (as the code of Singh et al.: ConvNeXt
+            norm weights and layer scales, ViT pos_embed and cls_token are decayed too; ``official_decayed_names``).
         betas: AdamW betas.
         label_smoothing: label smoothing of the cross-entropy (MixUp/CutMix targets are smoothed the same way).
         channels_last: run the model in channels_last memory format (faster convolutions on GPU).
@@ -119,8 +143,9 @@ class ImageClassifier(LightningModule):
         small_input: bool = False,
         lr: float = 1e-3,
         min_lr: float = 5e-6,
-        warmup_epochs: float = 10.0,
+        warmup_epochs: float | None = None,
         weight_decay: float = 0.05,
+        weight_decay_rule: Literal["timm", "official"] = "timm",
         betas: tuple[float, float] = (0.9, 0.95),
         label_smoothing: float = 0.1,
         channels_last: bool = False,
@@ -338,10 +363,18 @@ class ImageClassifier(LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        optimizer = create_optimizer_v2(self.model.net, "adamw", lr=hp.lr, weight_decay=hp.weight_decay, betas=hp.betas)
+        params = self.model.net  # timm's rule: create_optimizer_v2 spares biases, 1-D tensors, no_weight_decay()
+        if hp.weight_decay_rule == "official":
+            decayed = official_decayed_names(self.model.net)
+            named = [(name, p) for name, p in self.model.net.named_parameters() if p.requires_grad]
+            params = [group for group in (
+                {"params": [p for name, p in named if name in decayed], "weight_decay": hp.weight_decay},
+                {"params": [p for name, p in named if name not in decayed], "weight_decay": 0.0}) if group["params"]]
+        optimizer = create_optimizer_v2(params, "adamw", lr=hp.lr, weight_decay=hp.weight_decay, betas=hp.betas)
         total = self.trainer.estimated_stepping_batches
         epochs = max(1, self.trainer.max_epochs or 1)
-        warmup = round(total * hp.warmup_epochs / epochs)
+        warmup_epochs = paper_warmup_epochs(epochs) if hp.warmup_epochs is None else hp.warmup_epochs
+        warmup = round(total * warmup_epochs / epochs)
         # LambdaLR scales each group's lr by a factor, so the schedule is divided by the peak
         schedule = partial(warmup_cosine, total_steps=total, warmup_steps=warmup, peak_lr=1.0, min_lr=hp.min_lr / hp.lr)
         scheduler = LambdaLR(optimizer, schedule)
