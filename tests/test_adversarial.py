@@ -1,4 +1,4 @@
-"""The APGD-AT recipe: the training step, EMA, robust checkpoint selection, the held-out split, export, recipes."""
+"""The APGD-AT recipe: the training step, EMA, robust checkpoint selection, the held-out split, export (recipes: tests/test_recipes.py)."""
 
 import copy
 from pathlib import Path
@@ -6,11 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-import yaml
 from lightning import Trainer
 
 from robust_lightning.attacks import apgd
-from robust_lightning.cli import main
 from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
 from robust_lightning.models.weights import read_checkpoint
 from robust_lightning.training import classifier as classifier_module
@@ -316,51 +314,7 @@ def test_cpu_side_augmentation_stays_uint8_and_mixes_on_the_device(tiny_data):
     assert dm.on_after_batch_transfer(batch, 0)["target"].shape == (8, 4)
 
 
-# ------------------------------------------------------------------------------------------ recipes
-RECIPES = sorted((REPO / "configs" / "recipes").glob("*.yaml"))
-TABLE2 = {  # recipe: (epochs, warm-up epochs, effective batch) of Singh et al.
-    "convnext_tiny": (300, 20, 1392), "convnext_small": (50, 10, 1024), "convnext_base": (250, 20, 756),
-    "vit_small": (300, 20, 1392), "vit_medium": (50, 10, 1024), "vit_base": (250, 20, 864),
-    "convnext_iso_small": (300, 20, 1392),
-}
-
-
-def test_every_table2_model_has_a_recipe_with_and_without_convstem():
-    names = {p.stem for p in RECIPES}
-    for model in TABLE2:
-        assert {model, f"{model}_convstem"} <= names
-        assert (REPO / "configs" / "clean" / f"{model}_convstem.yaml").is_file()
-    assert {"finetune_eps8", "transfer_cifar10", "transfer_cifar100", "transfer_flowers102"} <= names
-
-
-@pytest.mark.parametrize("path", RECIPES + sorted((REPO / "configs" / "clean").glob("*.yaml")), ids=lambda p: f"{p.parent.name}/{p.stem}")
-def test_recipes_parse_and_carry_the_paper_settings(path, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", str(path), "--print_config"])
-    assert exit_info.value.code == 0
-    config = yaml.safe_load(capsys.readouterr().out)
-    model, data = config["model"], config["data"]
-    assert model["betas"] == [0.9, 0.95] and model["weight_decay"] == 0.05 and model["label_smoothing"] == 0.1
-    assert data["augmentation"] == "heavy"
-    name = path.stem.removesuffix("_convstem")
-    if path.parent.name == "recipes":
-        assert model["attack"] == "apgd" and model["attack_norm"] == "Linf" and not model["attack_random_start"]
-        assert config["checkpoint"]["monitor"] == "val/select_acc" and model["select_attack_steps"] >= 1
-    if name in TABLE2 and path.parent.name == "recipes":
-        epochs, warmup, batch = TABLE2[name]
-        assert config["trainer"]["max_epochs"] == epochs and model["warmup_epochs"] == warmup
-        assert data["global_batch_size"] == batch and data["holdout"] == 4000
-        assert model["attack_eps"] == pytest.approx(4 / 255) and model["attack_steps"] == 2
-        assert model["lr"] == 1e-3 and model["ema_decay"] == 0.9999
-        assert model["arch"].endswith("_convstem") == path.stem.endswith("_convstem")
-    if path.stem == "finetune_eps8":
-        assert model["attack_eps"] == pytest.approx(8 / 255) and config["trainer"]["max_epochs"] == 25
-        assert model["lr"] == 1e-4 and model["warmup_epochs"] == 5
-    if path.stem.startswith("transfer_cifar"):
-        assert model["small_input"] and data["image_size"] == 32 and model["attack_steps"] == 10
-        assert model["new_head"] and config["trainer"]["max_epochs"] == 20 and model["warmup_epochs"] == 2
-
-
+# ------------------------------------------------------------------------------------ transfer inputs
 def test_small_input_strides_keep_a_7x7_last_stage_on_32px():
     for arch in ("convnext_atto", "convnext_atto_convstem"):
         module = ImageClassifier(arch=arch, num_classes=10, small_input=True)

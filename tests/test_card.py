@@ -37,13 +37,16 @@ def test_render_card_lays_out_our_numbers_beside_the_papers():
     }
     header = {"arch": "convnext_base_convstem", "checkpoint": "x.ckpt", "resolution": 224, "data": {}}
     papers = paper_rows("convnext_base_convstem")
-    assert [p["resolution"] for p in papers] == ["224", "256"]
+    # Table 2's 50-epoch, 250-epoch and 250-epoch 3-step rows, and Table 3's best test resolution
+    assert [(p["resolution"], p["note"]) for p in papers] == [
+        ("224", "50 epochs"), ("224", "250 epochs"), ("224", "250 epochs, 3 steps"), ("256", "best test resolution, 250 epochs")]
     card = render_card(header, {"test/acc1": 0.75, "test/ece": 0.03}, results, [{"benchmark": "imagenet_p",
                                                                                   "reason": "no dataset root given"}], papers)
     lines = card.splitlines()
     assert "| this checkpoint (224 px) | 76.00 | 56.00 | 40.00 |" in lines
-    # the papers report Linf 4/255 only: their L2 cell stays empty
-    assert "| ConvNeXt-B + ConvStem, Singh et al. 2023 (224 px, 250 epochs) | 75.90 | 56.14 | - |" in lines
+    # the published L2 2 number beside ours; a paper row without one keeps an empty cell
+    assert "| ConvNeXt-B + ConvStem, Singh et al. 2023 (224 px, 250 epochs) | 75.90 | 56.14 | 49.12 |" in lines
+    assert "| ConvNeXt-B + ConvStem, Singh et al. 2023 (256 px, best test resolution, 250 epochs) | 76.9 | 57.3 | - |" in lines
     assert any(line.startswith("| this checkpoint | 75.00 | 61.00 (partial) | 45.00 | 50.00 | - |") for line in lines)
     assert "| **256** | 50 | 72.00 | 52.00 |" in lines and "| 224 | 50 | 70.00 | 50.00 |" in lines
     assert "| resolution | images | clean | Linf 4/255 (apgd-t) |" in lines

@@ -297,10 +297,12 @@ def render_card(header: dict[str, Any], test_metrics: dict[str, float], results:
         labels = [threat_label(s) for s in threats.values()]
         rows = [[f"this checkpoint ({r} px)", percent(next(iter(threats.values()))["clean_accuracy"]),
                  *(percent(s["robust_accuracy"]) for s in threats.values())]]
-        for paper in papers:  # the papers report Linf 4/255 only
-            linf = [paper["autoattack_linf_4_255"] if label == "Linf 4/255" else "-" for label in labels]
+        # published AutoAttack numbers at the radii of Singh et al.'s Table 2; other radii, or none given: "-"
+        published = {"Linf 4/255": "autoattack_linf_4_255", "L2 2": "autoattack_l2_2", "L1 75": "autoattack_l1_75"}
+        for paper in papers:
+            cells = [paper.get(published.get(label, "")) or "-" for label in labels]
             note = f", {paper['note']}" if paper["note"] else ""
-            rows.append([f"{paper['model']}, {paper['paper']} ({paper['resolution']} px{note})", paper["clean"], *linf])
+            rows.append([f"{paper['model']}, {paper['paper']} ({paper['resolution']} px{note})", paper["clean"], *cells])
         lines += [table(["model", "clean", *labels], rows), ""]
         if any(paper.get("source") for paper in papers):
             lines += ["Leaderboard numbers: data/robustbench_imagenet_linf.csv (the same weights, RobustBench's "
