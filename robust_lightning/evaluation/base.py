@@ -1,0 +1,225 @@
+"""The base of every evaluation callback (AutoAttack, benchmarks, ImageNet-C/-P, resolution sweep, card) and of
+every analysis: which weights are evaluated, the evaluation images, gathering over ranks, and one way to publish.
+
+An evaluation reads the data module only through its public interface: ``eval_dataloader_with(transform,
+batch_size, num_workers)`` (the evaluation images of the last ``setup``, this rank's share, through another
+per-image transform), ``image_size``, ``crop_pct`` and ``conditions()``. A batch carries the keys of
+``robust_lightning.data.batch``.
+
+Publishing (``Evaluation.publish``) is the same for all: the section ``name`` merged into results.json beside
+the run's other sections, the scalars to every logger, the plot saved beside results.json (and, with a
+WandbLogger, the plot and any tables to W&B), and one console line.
+"""
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning import Callback
+from lightning.pytorch.loggers import WandbLogger
+from torch import nn
+from tqdm import tqdm
+
+from robust_lightning.data.batch import IMAGE, KEY, LABEL
+from robust_lightning.data.transforms import eval_transform
+from robust_lightning.errors import UserError
+from robust_lightning.evaluation.results import update_results
+
+WEIGHTS = ("raw", "ema")
+
+
+# ------------------------------------------------------------------------------------------------ pieces
+def to_model_input(images: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """uint8 images (as the loaders emit them) -> float in [0, 1] on ``device``, the models' input."""
+    return images.to(device).float().div_(255)
+
+
+def rank_share(total: int, world_size: int, rank: int) -> int:
+    """How many of ``total`` images rank ``rank`` takes: as even as possible, the first ranks one more."""
+    return total // world_size + (rank < total % world_size)
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """Every rank's ``value`` (picklable), in rank order, on every rank; ``[value]`` in one process.
+    A collective under DDP: every rank calls it."""
+    if not distributed():
+        return [value]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone
+
+
+def sum_over_ranks(per_key: dict[str, float]) -> dict[str, float]:
+    """Per-key totals summed over the ranks (e.g. device-seconds per attack). A collective under DDP."""
+    total: dict[str, float] = {}
+    for part in gather_objects(dict(per_key)):
+        for key, value in part.items():
+            total[key] = total.get(key, 0) + value
+    return total
+
+
+def barrier(trainer) -> None:
+    """Wait for every rank (e.g. until all their outcomes are on disk); nothing in one process."""
+    trainer.strategy.barrier()
+
+
+@contextmanager
+def evaluating(module: nn.Module) -> Iterator[nn.Module]:
+    """``module`` in eval mode inside the block, back in the mode it had afterwards, whatever happens."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield module
+    finally:
+        module.train(was_training)
+
+
+def check_weights(owner: str, weights: str) -> None:
+    if weights not in WEIGHTS:
+        raise UserError(f"{owner}.weights must be 'raw' or 'ema', got {weights!r}")
+
+
+# ------------------------------------------------------------------------------------------------- base
+class Evaluation(Callback):
+    """Base class of the evaluation callbacks. Subclasses set ``name``: their results.json section, the prefix
+    of their logger keys and W&B panels, and the default plot file ``<name>.png``.
+
+    Attributes a subclass may set: ``weights`` ("raw" or "ema", for callbacks with that option),
+    ``plot_file`` (the plot's file name beside results.json) and ``plot_key`` (its W&B key ``<name>/<plot_key>``).
+    """
+
+    name = "evaluation"
+    weights = "raw"
+    plot_file: str | None = None
+    plot_key = "plot"
+
+    # ---------------------------------------------------------------------------------------- the model
+    def network(self, pl_module) -> nn.Module:
+        """The network evaluated: the raw weights, or the EMA copy (``weights: ema``) of a model trained with
+        model.ema_decay. [0, 1] images in, logits out. Its mode is left as it is (see ``evaluating``)."""
+        if self.weights == "ema":
+            if getattr(pl_module, "ema", None) is None:
+                raise UserError(f"{type(self).__name__}.weights 'ema' needs a model trained with model.ema_decay")
+            return pl_module.ema.module
+        return pl_module.model
+
+    # ----------------------------------------------------------------------------------------- the data
+    def check_data(self, trainer):
+        """The data module, if it can give the evaluation images (else a UserError, before any work)."""
+        data = trainer.datamodule
+        if not hasattr(data, "eval_dataloader_with"):
+            raise UserError(f"{type(self).__name__} reads the evaluation images through the datamodule: run it "
+                            "with robust_lightning's ImageNetDataModule (the data: section of the config)")
+        return data
+
+    def eval_loader(self, trainer, transform: Callable | None = None, batch_size: int | None = None,
+                    num_workers: int | None = None):
+        """This rank's evaluation images through ``transform`` (default: the data's own eval transform)."""
+        data = self.check_data(trainer)
+        transform = transform or eval_transform(data.image_size, data.crop_pct)
+        return data.eval_dataloader_with(transform, batch_size, num_workers)
+
+    def eval_batches(self, trainer, pl_module, transform: Callable | None = None, limit: int | None = None,
+                     batch_size: int | None = None, num_workers: int | None = None,
+                     progress: str | None = None) -> Iterator[dict[str, Any]]:
+        """Batches {image: [0, 1] float on the module's device, label: on the device, key: names} of this
+        rank's evaluation images. ``limit``: the first ``limit`` images over all ranks (each rank takes its
+        share). ``progress``: show a progress bar (rank zero) with this description."""
+        share = None if limit is None else rank_share(limit, trainer.world_size, trainer.global_rank)
+        if share == 0:
+            return
+        loader = self.eval_loader(trainer, transform, batch_size, num_workers)
+        bar = tqdm(loader, desc=progress, disable=progress is None or not trainer.is_global_zero, leave=False)
+        seen = 0
+        try:
+            for batch in bar:
+                take = len(batch[KEY]) if share is None else min(len(batch[KEY]), share - seen)
+                if take:
+                    seen += take
+                    yield {IMAGE: to_model_input(batch[IMAGE][:take], pl_module.device),
+                           LABEL: batch[LABEL][:take].to(pl_module.device), KEY: list(batch[KEY][:take])}
+                if share is not None and seen >= share:
+                    return
+        finally:
+            bar.close()
+
+    # ---------------------------------------------------------------------------------------- publishing
+    @staticmethod
+    def run_dir(trainer) -> Path:
+        """Where results.json and the plots go. A collective under DDP (every rank calls it)."""
+        return Path(trainer.log_dir or trainer.default_root_dir)
+
+    def publish(self, trainer, section: dict[str, Any] | None, metrics: dict[str, float] | None, figure=None,
+                tables: dict[str, tuple[list[str], list[list]]] | None = None,
+                message: str | list[str] | Callable[[dict[str, Any]], str] | None = None) -> dict[str, Any] | None:
+        """Publish one result. Every rank calls it; only global rank zero writes (elsewhere the arguments may
+        be None). Returns the section as written (None off rank zero).
+
+        - ``section`` goes into results.json under ``name`` (merged: other sections are kept);
+        - ``figure`` (matplotlib) is saved as ``plot_file`` beside results.json, its path under "plot", and
+          logged to W&B as ``<name>/<plot_key>``;
+        - ``metrics`` (logger keys, ``<name>/...``) go to every logger;
+        - ``tables`` {key: (columns, rows)} go to W&B as ``<name>/<key>`` (those with rows);
+        - ``message``: the console line(s), or a function of the section as written; default the metrics.
+        """
+        run_dir = self.run_dir(trainer)
+        if not trainer.is_global_zero:
+            _close(figure)
+            return None
+        section = dict(section)
+        if figure is not None:
+            path = run_dir / (self.plot_file or f"{self.name}.png")
+            run_dir.mkdir(parents=True, exist_ok=True)
+            figure.savefig(path, dpi=100, bbox_inches="tight")
+            _close(figure)
+            section["plot"] = str(path.resolve())
+        results = run_dir / "results.json"
+        update_results(results, {self.name: section})
+        metrics = {key: float(value) for key, value in (metrics or {}).items()}
+        for logger in trainer.loggers:
+            if metrics:
+                logger.log_metrics(metrics, step=trainer.global_step)
+            if isinstance(logger, WandbLogger):
+                for key, (columns, rows) in (tables or {}).items():
+                    if rows:
+                        logger.log_table(f"{self.name}/{key}", columns=columns, data=rows)
+                if figure is not None:
+                    logger.log_image(f"{self.name}/{self.plot_key}", [section["plot"]])
+        if callable(message):
+            message = message(section)
+        if message is None:
+            shown = ", ".join(f"{k.removeprefix(self.name + '/')}={v:.4g}" for k, v in metrics.items())
+            message = f"{self.name}: {shown or 'done'}; results: {results.resolve()}"
+        for line in [message] if isinstance(message, str) else message:
+            print(line, flush=True)
+        return section
+
+
+def _close(figure) -> None:
+    if figure is not None:
+        import matplotlib.pyplot as plt  # noqa: PLC0415 (slow to import; only when there is a figure)
+
+        plt.close(figure)
+
+
+def new_figure(*args, **kwargs):
+    """A matplotlib figure on the file-only backend (compute nodes have no display): ``plt.subplots(...)``."""
+    import matplotlib  # noqa: PLC0415 (slow to import; only when plotting)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    return plt.subplots(*args, **kwargs)
+
+
+def evaluation_resolution(trainer, pl_module, override: int | None) -> int:
+    """The resolution an evaluation runs at: the override, else the model's, else the data's, else 224."""
+    model_size = getattr(pl_module, "hparams", {}).get("image_size")
+    return int(override or model_size or getattr(trainer.datamodule, "image_size", None) or 224)

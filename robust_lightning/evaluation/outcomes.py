@@ -1,0 +1,98 @@
+"""The resumable per-image outcome store of AutoAttackEvaluation and ResolutionSweep.
+
+A directory per evaluated setting (a threat model, a resolution's cell) holds ``manifest.json`` (what the
+outcomes were computed with: a re-run with anything else is refused) and ``rank<r>.jsonl``: one JSON line per
+batch and rank, {"key", "label", "clean", "robust", "broken_by", "seconds"} with one entry per image, appended
+and fsynced before the next batch. A re-run skips the keys that already have an outcome, so an interrupted
+evaluation resumes without redoing or double-counting images; a line cut short by a kill is ignored (its batch
+is redone). Reading merges every rank and session, each key once.
+"""
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from robust_lightning.errors import UserError
+from robust_lightning.evaluation.results import update_results
+
+
+def read_outcomes(directory: Path) -> dict[str, dict[str, Any]]:
+    """Per-image outcomes saved in ``directory`` (all ranks, all sessions): key -> record; first record wins."""
+    outcomes: dict[str, dict[str, Any]] = {}
+    for path in sorted(directory.glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                batch = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a kill: its batch is simply redone
+                continue
+            for i, key in enumerate(batch["key"]):
+                outcomes.setdefault(key, {
+                    "label": batch["label"][i], "clean": batch["clean"][i], "robust": batch["robust"][i],
+                    "broken_by": batch["broken_by"][i],
+                })
+    return outcomes
+
+
+def append_record(path: Path, record: dict) -> None:
+    """Append one batch's outcomes as a JSON line, on disk (fsynced) before the next batch starts."""
+    with open(path, "a+b") as f:  # appends go to the end whatever the read position
+        if f.seek(0, os.SEEK_END):
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":  # a line a kill cut short: ours must not be glued onto it
+                f.write(b"\n")
+        f.write((json.dumps(record) + "\n").encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def as_json(value: Any) -> Any:
+    """``value`` as it reads back from a JSON manifest (paths as strings)."""
+    return str(value) if isinstance(value, Path) else value
+
+
+def claim_directory(directory: Path, identity: dict[str, Any], is_global_zero: bool, owner: str) -> None:
+    """Refuse to mix outcomes of another checkpoint or setting into ``directory``; record ours.
+    ``owner``: the callback whose ``results_dir`` the error message tells the user to change."""
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest = directory / "manifest.json"
+    if manifest.is_file():
+        saved = json.loads(manifest.read_text())
+        if saved != identity:
+            changed = sorted(k for k in identity if saved.get(k) != identity[k])
+            raise UserError(
+                f"{directory} holds outcomes of a different evaluation ({', '.join(changed)} differ); set "
+                f"{owner}.results_dir to a new directory, or delete it to start over"
+            )
+    elif is_global_zero:
+        update_results(manifest, identity)
+
+
+def summarise(outcomes: dict[str, dict[str, Any]], attacks: tuple[str, ...]) -> dict[str, Any]:
+    """Clean and robust accuracy, and robust accuracy after each attack, from per-image outcomes."""
+    n = len(outcomes)
+    if n == 0:
+        return {"num_points": 0}
+    broken = [o["broken_by"] for o in outcomes.values()]
+    after, survivors = {}, sum(o["clean"] for o in outcomes.values())
+    for attack in attacks:
+        survivors -= broken.count(attack)
+        after[attack] = survivors / n
+    return {
+        "num_points": n,
+        "clean_accuracy": sum(o["clean"] for o in outcomes.values()) / n,
+        "robust_accuracy": sum(o["robust"] for o in outcomes.values()) / n,
+        "robust_accuracy_after": after,
+    }
+
+
+def cell_seconds(directory: Path) -> float:
+    """Device-seconds spent on a cell, over every rank and session."""
+    total = 0.0
+    for path in sorted(directory.glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                total += sum(json.loads(line).get("seconds", {}).values())
+            except json.JSONDecodeError:  # a line cut short by a kill
+                continue
+    return round(total, 2)

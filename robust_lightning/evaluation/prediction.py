@@ -1,0 +1,137 @@
+"""The prediction loop of the dataset benchmarks (distribution shifts, ImageNet-C, ImageNet-P): a list of files,
+each rank its share, every item exactly once over all ranks, unreadable files skipped and named.
+
+``run_exactly_once`` is the loop; ``predict_split`` runs it over a list of labelled images and returns each
+image's prediction and confidence. Images reach the model in [0, 1] (``base.to_model_input``) under the
+trainer's precision.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, default_collate
+from torchvision.transforms import v2 as T
+from tqdm import tqdm
+
+from robust_lightning.data.batch import CORRUPT, IMAGE, LABEL
+from robust_lightning.data.datamodule import ExactDistributedSampler
+from robust_lightning.data.transforms import BICUBIC, decode_rgb
+from robust_lightning.evaluation.base import gather_objects, to_model_input
+
+
+@dataclass
+class Split:
+    """A named list of (image path, integer label)."""
+
+    name: str
+    samples: list[tuple[str, int]]
+
+
+class ImageList(Dataset):
+    """(path, label) pairs -> {image, label, index}, or {corrupt: reason, index} for a file that cannot be read."""
+
+    def __init__(self, samples: list[tuple[str, int]], transform: Callable):
+        self.samples, self.transform = samples, transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        path, label = self.samples[index]
+        try:
+            image = self.transform(Image.open(path))
+        except Exception as e:  # one unreadable file must not cost the whole benchmark: skip it, and name it
+            return {CORRUPT: f"{path} ({type(e).__name__}: {e})", "index": index}
+        return {IMAGE: image, LABEL: label, "index": index}
+
+
+def collate_readable(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """Batch the readable images; carry (index, reason) of the unreadable ones."""
+    good = [item for item in items if IMAGE in item]
+    batch = default_collate(good) if good else {}
+    batch[CORRUPT] = [(item["index"], item[CORRUPT]) for item in items if CORRUPT in item]
+    return batch
+
+
+class ExactSize:
+    """Decode; resize to ``size`` x ``size`` (bicubic) only when the image is not that size already (the
+    released ImageNet-C / -P / -9 images are 224 x 224 and are fed as they are at 224)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.resize = T.Resize((size, size), interpolation=BICUBIC)
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        image = decode_rgb(image)
+        if image.size != (self.size, self.size):
+            image = self.resize(image)
+        return T.functional.pil_to_tensor(image)
+
+
+@torch.no_grad()
+def run_exactly_once(trainer, dataset: Dataset, collate_fn: Callable, step: Callable[[dict], tuple[list, list]], *,
+                     batch_size: int, num_workers: int, desc: str, what: str = "images") -> tuple[list, list]:
+    """Run ``step`` on every batch of this rank's share of ``dataset`` and gather every rank's results.
+
+    ``collate_fn`` puts (index, reason) of unreadable items under ``corrupt``; ``step(batch)`` returns (rows,
+    more unreadable (index, reason)), each row a tuple starting with the item's dataset index. Returns (rows,
+    unreadable) of all ranks, sorted by index, on every rank, having checked each index came exactly once.
+    Ranks split the items without padding (``ExactDistributedSampler``; a rank may get none)."""
+    sampler = ExactDistributedSampler(dataset, trainer.world_size, trainer.global_rank)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                        collate_fn=collate_fn)
+    rows, corrupt = [], []
+    for batch in tqdm(loader, desc=desc, disable=not trainer.is_global_zero, leave=False):
+        corrupt += batch[CORRUPT]
+        more_rows, more_corrupt = step(batch)
+        rows += more_rows
+        corrupt += more_corrupt
+    parts = gather_objects((rows, corrupt))
+    rows = sorted(row for part in parts for row in part[0])
+    corrupt = sorted(item for part in parts for item in part[1])
+    seen = sorted([row[0] for row in rows] + [index for index, _ in corrupt])
+    assert seen == list(range(len(dataset))), f"{what} lost or counted twice across ranks"
+    return rows, corrupt
+
+
+def predict(logits: torch.Tensor, classes: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prediction, confidence = max softmax) from 1000-class logits. With ``classes`` (the 1000-class indices of a
+    200-class benchmark) the logits are sliced first, so the prediction is a position among those classes."""
+    if classes is not None:
+        logits = logits[:, torch.tensor(classes, device=logits.device)]
+    confidence, prediction = logits.float().softmax(1).max(1)
+    return prediction, confidence
+
+
+@dataclass
+class Predictions:
+    """Per readable image, in dataset order: its index in the dataset, label, prediction, confidence."""
+
+    index: torch.Tensor
+    label: torch.Tensor
+    prediction: torch.Tensor
+    confidence: torch.Tensor
+    corrupt: list[str]  # the unreadable images, skipped and named
+
+
+def predict_split(trainer, pl_module, split: Split, transform: Callable, classes: tuple[int, ...] | None, *,
+                  batch_size: int, num_workers: int) -> Predictions:
+    """Predictions for every readable image of ``split``, over all ranks, each image exactly once.
+    ``classes``: logit indices the softmax and argmax are restricted to (prediction = position in them)."""
+
+    def step(batch: dict[str, Any]) -> tuple[list, list]:
+        if IMAGE not in batch:
+            return [], []
+        with trainer.precision_plugin.test_step_context():
+            prediction, confidence = predict(pl_module(to_model_input(batch[IMAGE], pl_module.device)), classes)
+        return list(zip(batch["index"].tolist(), batch[LABEL].tolist(), prediction.tolist(),
+                        confidence.tolist())), []
+
+    rows, corrupt = run_exactly_once(trainer, ImageList(split.samples, transform), collate_readable, step,
+                                     batch_size=batch_size, num_workers=num_workers, desc=split.name)
+    index, label, prediction, confidence = (torch.tensor(column) for column in zip(*rows)) if rows else (
+        torch.empty(0, dtype=torch.long),) * 3 + (torch.empty(0, dtype=torch.double),)
+    return Predictions(index, label, prediction, confidence.double(), [reason for _, reason in corrupt])

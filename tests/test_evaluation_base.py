@@ -1,0 +1,151 @@
+"""The base of the evaluation callbacks: weights, images, gathering, eval mode, publishing, atomic writes, and the
+README's example evaluation run through a Trainer on synthetic data."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from lightning import Trainer
+from lightning.pytorch.loggers import CSVLogger
+
+from robust_lightning.atomic import atomic_write_json, atomic_write_text, temporary_path
+from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
+from robust_lightning.errors import UserError
+from robust_lightning.evaluation.base import Evaluation, evaluating, gather_objects, rank_share, sum_over_ranks
+from robust_lightning.evaluation.results import RunResults
+from robust_lightning.training.classifier import ImageClassifier
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def readme_example() -> dict:
+    """The code block of README's "Writing a new evaluation", executed as it is written there."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("### Writing a new evaluation"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    namespace: dict = {"__name__": "readme_example"}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 (the repository's own README)
+    return namespace
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    root = tmp_path_factory.mktemp("synthetic")
+    return SyntheticData(num_classes=4, train_per_class=4, val_per_class=5, image_size=32, root=str(root))
+
+
+def datamodule(synthetic) -> ImageNetDataModule:
+    return ImageNetDataModule(source="synthetic", image_size=32, batch_size=4, eval_batch_size=3, num_workers=0,
+                              synthetic=synthetic)
+
+
+def run_test(tmp_path, synthetic, callbacks, module=None):
+    torch.manual_seed(0)
+    module = module or ImageClassifier(arch="test_resnet", num_classes=4, image_size=32)
+    trainer = Trainer(accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False,
+                      logger=CSVLogger(tmp_path, name="run"), callbacks=callbacks, inference_mode=False)
+    trainer.test(module, datamodule=datamodule(synthetic))
+    return trainer, module
+
+
+def test_the_readme_example_measures_clean_top1_on_the_first_images(tmp_path, synthetic, capsys):
+    example = readme_example()["CleanTop1"](max_images=7)
+    trainer, module = run_test(tmp_path, synthetic, [RunResults(), example])
+    # independently: the first 7 evaluation images through the data module's own loader
+    data = datamodule(synthetic)
+    data.setup("test")
+    images, labels = zip(*((b["image"], b["label"]) for b in data.test_dataloader()))
+    images, labels = torch.cat(images)[:7].float() / 255, torch.cat(labels)[:7]
+    module.eval()
+    with torch.no_grad():
+        expected = (module.model(images).argmax(1) == labels).double().mean().item()
+    run = Path(trainer.log_dir)
+    results = json.loads((run / "results.json").read_text())
+    assert results["clean_top1"] == {"images": 7, "acc1": pytest.approx(expected)}
+    assert "test" in results  # the run's own section (written first) is kept beside it
+    logged = (run / "metrics.csv").read_text().splitlines()
+    assert "clean_top1/acc1" in logged[0]
+    assert f"clean_top1: acc1={expected:.4g}; results: {(run / 'results.json').resolve()}" in capsys.readouterr().out
+
+
+class Probe(Evaluation):
+    """Records what the base gives it, and publishes a figure and a table."""
+
+    name = "probe"
+
+    def __init__(self, limit=None, weights="raw"):
+        self.limit, self.weights = limit, weights
+
+    def on_test_end(self, trainer, pl_module):
+        self.batches = list(self.eval_batches(trainer, pl_module, limit=self.limit))
+        with evaluating(pl_module):
+            self.mode_inside = pl_module.training
+        import matplotlib.pyplot as plt
+
+        figure = plt.figure()
+        self.published = self.publish(trainer, {"n": 1}, {"probe/x": 2.0}, figure,
+                                      {"rows": (["a"], [[1]]), "empty": (["a"], [])}, message="probe done")
+
+
+def test_eval_batches_are_unit_floats_on_the_device_up_to_the_limit(tmp_path, synthetic, capsys):
+    probe = Probe(limit=5)
+    trainer, module = run_test(tmp_path, synthetic, [probe])
+    assert [len(b["key"]) for b in probe.batches] == [3, 2]  # eval_batch_size 3, cut at the limit
+    images = torch.cat([b["image"] for b in probe.batches])
+    assert images.dtype == torch.float32 and 0 <= images.min() and images.max() <= 1
+    assert images.device == module.device and len(set(k for b in probe.batches for k in b["key"])) == 5
+    assert probe.mode_inside is False
+    run = Path(trainer.log_dir)
+    section = json.loads((run / "results.json").read_text())["probe"]
+    assert section["n"] == 1 and section["plot"] == str((run / "probe.png").resolve()) and (run / "probe.png").is_file()
+    assert probe.published == section
+    assert "probe done" in capsys.readouterr().out
+
+
+def test_the_mode_is_restored_even_when_the_evaluation_fails():
+    module = torch.nn.Linear(2, 2)
+    module.train()
+    with pytest.raises(RuntimeError), evaluating(module):
+        assert not module.training
+        raise RuntimeError("boom")
+    assert module.training
+    module.eval()
+    with evaluating(module):
+        pass
+    assert not module.training
+
+
+def test_weights_raw_or_ema():
+    module = ImageClassifier(arch="test_resnet", num_classes=4, image_size=32)
+    assert Probe().network(module) is module.model
+    with pytest.raises(UserError, match="Probe.weights 'ema' needs a model trained with model.ema_decay"):
+        Probe(weights="ema").network(module)
+    ema = ImageClassifier(arch="test_resnet", num_classes=4, image_size=32, ema_decay=0.9)
+    assert Probe(weights="ema").network(ema) is ema.ema.module
+
+
+def test_one_process_gathers_itself_and_shares_split_exactly():
+    assert gather_objects({"a": 1}) == [{"a": 1}]
+    assert sum_over_ranks({"apgd-ce": 1.5}) == {"apgd-ce": 1.5}
+    for total in (0, 1, 7, 10):
+        for world in (1, 3, 4):
+            shares = [rank_share(total, world, rank) for rank in range(world)]
+            assert sum(shares) == total and max(shares) - min(shares) <= 1
+
+
+def test_atomic_writes_replace_whole_files_and_leave_nothing_on_failure(tmp_path):
+    path = tmp_path / "deep" / "results.json"
+    atomic_write_json(path, {"a": 1})
+    assert json.loads(path.read_text()) == {"a": 1}
+
+    class Unserialisable:
+        pass
+
+    with pytest.raises(TypeError):
+        atomic_write_json(path, {"b": Unserialisable()})
+    assert json.loads(path.read_text()) == {"a": 1}  # the old file, whole
+    assert not temporary_path(path).exists() and sorted(p.name for p in path.parent.iterdir()) == ["results.json"]
+    atomic_write_text(path, "x")
+    assert path.read_text() == "x"
