@@ -427,3 +427,140 @@ def test_parse_rand_augment_variants():
 def test_parse_rand_augment_rejects_unsupported(spec):
     with pytest.raises(ValueError, match="RandAugment spec"):
         parse_rand_augment(spec)
+
+
+# --------------------------------------------------------------- fill and noise: ImageNet defaults vs official
+@pytest.mark.parametrize("fill_name,expected", [("imagenet", [round(255 * v) for v in IMAGENET_MEAN]),
+                                                ("official", [0, 0, 0])])
+def test_rand_augment_fill_colour(monkeypatch, fill_name, expected):
+    augment = BatchAugment("heavy", 10, augmentation_fill=fill_name)
+    batch = to_batch(smooth_images(n=2, seed=7))
+    ours = to_uint8(augment.rand_augment.apply_op(batch, "TranslateXRel", 9.0, 1.0))
+    # timm's own op on PIL with the img_mean its transform factory derives from the transform's mean
+    monkeypatch.setattr(timm_aa, "_randomly_negate", lambda v: v)
+    op = timm_aa.AugmentOp("TranslateXRel", prob=1.0, magnitude=9.0,
+                           hparams={"img_mean": tuple(expected), "interpolation": Image.BICUBIC})
+    reference = np.stack([np.asarray(op(Image.fromarray(a))) for a in smooth_images(n=2, seed=7)]).astype(np.int64)
+    assert np.abs(ours - reference).max() <= 1
+    # a shift by 0.405 of the width (13 px) samples beyond the right edge: the right-most columns are fill
+    assert (ours[:, :, -12:] == np.array(expected)).all() and not (ours[:, :, :19] == np.array(expected)).all()
+
+
+def test_official_erasing_noise_is_unclamped_standard_normal():
+    augment = BatchAugment("heavy", 10, augmentation_fill="official", rand_augment="", erase_prob=1.0, mix=False,
+                           flip=False)
+    out, _ = augment(torch.full((64, 3, 32, 32), 0.5), torch.zeros(64, dtype=torch.long),
+                     generator=torch.Generator().manual_seed(0))
+    noise = out[out != 0.5]
+    assert noise.numel() > 10000
+    # timm's _get_pixels: N(0, 1) in the normalised space, which mean 0 / std 1 makes the [0, 1] space
+    assert abs(noise.mean().item()) < 0.02 and abs(noise.std().item() - 1) < 0.02
+    assert (noise < 0).float().mean() > 0.45 and (noise > 1).float().mean() > 0.13  # P(N > 1) = 0.159
+    for c in range(3):
+        values = out[:, c][out[:, c] != 0.5]
+        assert abs(values.mean().item()) < 0.03 and abs(values.std().item() - 1) < 0.03
+
+
+def test_default_fill_and_noise_stay_timm_imagenet_defaults():
+    augment = BatchAugment("heavy", 10, rand_augment="", erase_prob=1.0, mix=False, flip=False)
+    assert augment.rand_augment is None and augment.erasing.clamp
+    assert BatchAugment("heavy", 10).rand_augment.fill.tolist() == [round(255 * v) for v in IMAGENET_MEAN]
+    out, _ = augment(torch.full((64, 3, 32, 32), 0.5), torch.zeros(64, dtype=torch.long),
+                     generator=torch.Generator().manual_seed(0))
+    assert out.min() >= 0 and out.max() <= 1
+    for c in range(3):
+        values = out[:, c][out[:, c] != 0.5]
+        assert abs(values.mean().item() - IMAGENET_MEAN[c]) < 0.01
+        assert abs(values.std().item() - IMAGENET_STD[c]) < 0.015
+
+
+def test_unknown_fill_names_the_choices():
+    with pytest.raises(ValueError, match="imagenet, official"):
+        BatchAugment("heavy", 10, augmentation_fill="grey")
+
+
+# ------------------------------------------------------------------ the options in the data pipeline
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    from robust_lightning.data.datamodule import SyntheticData
+
+    synthetic = SyntheticData(num_classes=4, train_per_class=8, val_per_class=4, image_size=40,
+                              root=str(tmp_path_factory.mktemp("synthetic")))
+    return {"source": "synthetic", "image_size": 32, "batch_size": 8, "num_workers": 0, "synthetic": synthetic}
+
+
+def training_batch(data: dict, **options) -> tuple[dict, object]:
+    from robust_lightning.data.datamodule import ImageNetDataModule
+
+    dm = ImageNetDataModule(**data, **options)
+    dm.prepare_data()
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    dm.trainer = type("T", (), {"training": True})()
+    return batch, dm
+
+
+def test_official_noise_reaches_the_batch_on_both_paths(tiny_data):
+    for augment_on in ("device", "cpu"):
+        torch.manual_seed(0)
+        raw, dm = training_batch(tiny_data, augmentation="heavy", augment_on=augment_on,
+                                 augmentation_fill="official")
+        assert raw["image"].dtype == torch.uint8
+        assert dm.device_augment.erasing is not None and not dm.device_augment.erasing.clamp
+        if augment_on == "cpu":  # the workers erase nothing: their uint8 could not hold the noise
+            assert dm.worker_augment.erasing is None and dm.worker_augment.rand_augment.fill.sum() == 0
+        images = torch.cat([dm.on_after_batch_transfer(dict(raw), 0)["image"] for _ in range(8)])
+        assert images.min() < 0 and images.max() > 1
+
+
+def test_full_resolution_decode_crops_in_the_workers(tiny_data):
+    batch, dm = training_batch(tiny_data, full_resolution_decode=True)
+    assert "geometry" not in batch and batch["image"].shape == (8, 3, 32, 32)
+    conditions = dm.conditions()
+    assert conditions["full_resolution_decode"] and "canvas_size" not in conditions
+    assert not any("reduced scale" in d for d in conditions["differences_from_official_code"])
+    batch, dm = training_batch(tiny_data)
+    assert "geometry" in batch and dm.conditions()["full_resolution_decode"] is False
+    assert any("reduced scale" in d for d in dm.conditions()["differences_from_official_code"])
+
+
+def test_results_list_the_differences_from_the_official_code(tiny_data):
+    from robust_lightning.data.datamodule import ImageNetDataModule
+    from robust_lightning.training.classifier import ImageClassifier
+
+    def data_differences(**options) -> str:
+        dm = ImageNetDataModule(**tiny_data, augmentation="heavy", **options)
+        dm.prepare_data()
+        dm.setup("fit")
+        return " | ".join(dm.conditions()["differences_from_official_code"])
+
+    default = data_differences()
+    assert "ImageNet mean colour" in default and "reduced scale" in default and "global_batch_size" not in default
+    official = data_differences(augmentation_fill="official", full_resolution_decode=True, global_batch_size=8)
+    assert "ImageNet mean colour" not in official and "reduced scale" not in official
+    assert "global_batch_size" in official
+    assert "reproduced" in official  # RandAugment still runs on the device
+    assert "reproduced" not in data_differences(augment_on="cpu")
+
+    def model_differences(**options) -> str:
+        return " | ".join(ImageClassifier(arch="test_resnet", num_classes=4, **options).conditions()[
+            "differences_from_official_code"])
+
+    timm_rule = model_differences(select_attack_steps=1)
+    assert "weight decay: timm's rule" in timm_rule and "lr schedule" in timm_rule and "selection" in timm_rule
+    official = model_differences(weight_decay_rule="official")
+    assert "weight decay" not in official and "selection" not in official
+
+
+def test_recipes_use_the_official_fill_and_decode():
+    from pathlib import Path
+
+    import yaml
+
+    recipes = sorted((Path(__file__).resolve().parents[1] / "configs" / "recipes").glob("*.yaml"))
+    assert len(recipes) > 10
+    for path in recipes:
+        text = path.read_text()
+        data = yaml.safe_load(text)["data"]
+        assert data["augmentation_fill"] == "official" and data["full_resolution_decode"] is True, path.name
+        assert "timm's ImageNet defaults" not in text.split("seed_everything")[0], path.name  # header up to date

@@ -51,6 +51,16 @@ RAND_AUGMENT_OPS = (
 )
 GEOMETRIC_OPS = ("Rotate", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel")
 SCHEMES = ("basic", "3aug", "heavy")
+
+# RandAugment's fill colour and RandomErasing's noise (data.augmentation_fill), as timm derives them from the
+# mean/std its transform is built with.  'imagenet': timm's ImageNet defaults (fill = the mean colour, noise
+# mean + std * N(0, 1), clamped to [0, 1] here).  'official': Singh et al.'s code builds timm's transform with
+# mean 0 / std 1 (github.com/nmndeep/revisiting-at, dataset_convnext_like.py), so its fill is black and its
+# erasing noise N(0, 1) per pixel and channel in [0, 1] space, never clamped (timm's _get_pixels).
+AUGMENTATION_FILLS = {
+    "imagenet": {"mean": IMAGENET_MEAN, "std": IMAGENET_STD, "clamp": True},
+    "official": {"mean": (0.0, 0.0, 0.0), "std": (1.0, 1.0, 1.0), "clamp": False},
+}
 _MOVES = {"Rotate": "xy", "ShearX": "x", "TranslateXRel": "x", "ShearY": "y", "TranslateYRel": "y"}
 
 _LEVEL_DENOM = 10.0  # timm: magnitude M maps to the fraction M / 10 of each op's range
@@ -515,7 +525,8 @@ class RandomErasing(torch.nn.Module):
 
     timm erases normalised images; ours are in [0, 1], so its fills are mapped back through mean/std:
     'pixel' = per-pixel N(0, 1) -> mean + std * noise, 'rand' = one N(0, 1) colour per box, 'const' = 0 ->
-    the mean colour; results are clamped to [0, 1].
+    the mean colour; results are clamped to [0, 1] unless `clamp` is False (timm itself never clamps: with
+    mean 0 / std 1, as Singh et al.'s code builds it, the noise is N(0, 1) in [0, 1] space).
     """
 
     MODES = ("pixel", "rand", "const")
@@ -531,18 +542,20 @@ class RandomErasing(torch.nn.Module):
         mean: Sequence[float] = IMAGENET_MEAN,
         std: Sequence[float] = IMAGENET_STD,
         attempts: int = 10,
+        clamp: bool = True,
     ):
         super().__init__()
         if mode not in self.MODES:
             raise ValueError(f"unknown erasing mode {mode!r}; available: {', '.join(self.MODES)}")
         self.probability, self.min_area, self.max_area, self.mode = probability, min_area, max_area, mode
         self.log_aspect = (math.log(min_aspect), math.log(max_aspect or 1 / min_aspect))
-        self.attempts = attempts
+        self.attempts, self.clamp = attempts, clamp
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1), persistent=False)
 
     def extra_repr(self) -> str:
-        return f"probability={self.probability}, area=({self.min_area}, {self.max_area:.4f}), mode={self.mode!r}"
+        return (f"probability={self.probability}, area=({self.min_area}, {self.max_area:.4f}), mode={self.mode!r}, "
+                f"mean={self.mean.flatten().tolist()}, std={self.std.flatten().tolist()}, clamp={self.clamp}")
 
     def boxes(self, n: int, height: int, width: int, generator=None, device=None) -> Tensor:
         """(n, 4) int boxes (top, left, h, w) per image; h = w = 0 where the image is not erased."""
@@ -564,7 +577,8 @@ class RandomErasing(torch.nn.Module):
         return torch.stack([top, left, h, w], dim=1).long()
 
     def forward(self, images: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        """float (B, 3, H, W) in [0, 1] -> a new tensor with the erased boxes filled."""
+        """float (B, 3, H, W) in [0, 1] -> a new tensor with the erased boxes filled (outside [0, 1] there
+        only when `clamp` is False)."""
         _check_batch(images)
         n, c, height, width = images.shape
         top, left, h, w = self.boxes(n, height, width, generator, images.device).unbind(1)
@@ -581,7 +595,8 @@ class RandomErasing(torch.nn.Module):
         else:
             noise = torch.zeros((1, c, 1, 1), device=images.device)
         mean, std = self.mean.to(images.device), self.std.to(images.device)
-        fill = (mean + std * noise).clamp_(0, 1).to(images.dtype)
+        fill = mean + std * noise
+        fill = (fill.clamp_(0, 1) if self.clamp else fill).to(images.dtype)
         return torch.where(inside, fill, images)
 
 
@@ -669,9 +684,10 @@ class ThreeAugment(torch.nn.Module):
 class BatchAugment(torch.nn.Module):
     """The device side of a named augmentation scheme (the random-resized crop happens on the CPU side).
 
-    Takes a uint8 or float (B, 3, H, W) batch and int labels (B,); returns (float images in [0, 1],
-    targets): the int labels unless mixing is on, then soft targets (B, num_classes) from timm's Mixup
-    (label smoothing included: off-class mass smoothing / num_classes, true class 1 - smoothing + that).
+    Takes a uint8 or float (B, 3, H, W) batch and int labels (B,); returns (float images in [0, 1] but for
+    erased boxes under 'official', targets): the int labels unless mixing is on, then soft targets
+    (B, num_classes) from timm's Mixup (label smoothing included: off-class mass smoothing / num_classes,
+    true class 1 - smoothing + that).
 
     Schemes:
       'basic' - horizontal flip only.
@@ -679,12 +695,11 @@ class BatchAugment(torch.nn.Module):
       'heavy' - flip, RandAugment `rand_augment`, RandomErasing(`erase_prob`, 'pixel'), then MixUp
                 (`mixup_alpha`) / CutMix (`cutmix_alpha`), switching with `switch_prob`, per batch as timm.
     `mix` forces mixing on/off (default: on for 'heavy' only); without mixing the labels stay int and label
-    smoothing is the loss's business.  `color_jitter` is the 3-Augment jitter strength, `fill` the
-    RandAugment fill colour and `erase_mode` the RandomErasing mode; `rand_augment=""` / `erase_prob=0`
-    turn those steps off; `flip=False` leaves flipping to the CPU side.
-
-    Note: Singh et al.'s code builds timm's transform with mean 0 / std 1, so there the RandAugment fill is
-    black and the erasing noise N(0, 1) unclamped in [0, 1] space; `fill=(0, 0, 0)` gives the former.
+    smoothing is the loss's business.  `color_jitter` is the 3-Augment jitter strength, `augmentation_fill`
+    the RandAugment fill colour and RandomErasing noise (AUGMENTATION_FILLS: 'imagenet' = timm's ImageNet
+    defaults, 'official' = Singh et al.'s black fill and unclamped N(0, 1) noise, which leaves erased pixels
+    outside [0, 1]) and `erase_mode` the RandomErasing mode; `rand_augment=""` / `erase_prob=0` turn those
+    steps off; `flip=False` leaves flipping to the CPU side.
 
     Per-sample draws use `generator` (on the images' device) when given; timm's Mixup draws from NumPy's
     global RNG.  Mixup needs an even batch: with an odd batch the first B - 1 images are mixed and the last
@@ -705,16 +720,23 @@ class BatchAugment(torch.nn.Module):
         label_smoothing: float = 0.1,
         mix: bool | None = None,
         color_jitter: float = 0.3,
-        fill: Sequence[float] = IMAGENET_MEAN,
+        augmentation_fill: str = "imagenet",
         erase_mode: str = "pixel",
     ):
         super().__init__()
         if scheme not in SCHEMES:
             raise ValueError(f"unknown augmentation scheme {scheme!r}; available: {', '.join(SCHEMES)}")
+        if augmentation_fill not in AUGMENTATION_FILLS:
+            raise ValueError(f"unknown augmentation fill {augmentation_fill!r}; available: "
+                             f"{', '.join(AUGMENTATION_FILLS)}")
         self.scheme, self.num_classes, self.flip = scheme, num_classes, flip
+        self.augmentation_fill = augmentation_fill
+        fill = AUGMENTATION_FILLS[augmentation_fill]
         heavy = scheme == "heavy"
-        self.rand_augment = RandAugment.from_spec(rand_augment, fill=fill) if heavy and rand_augment else None
-        self.erasing = RandomErasing(erase_prob, mode=erase_mode) if heavy and erase_prob > 0 else None
+        self.rand_augment = (
+            RandAugment.from_spec(rand_augment, fill=fill["mean"]) if heavy and rand_augment else None
+        )
+        self.erasing = RandomErasing(erase_prob, mode=erase_mode, **fill) if heavy and erase_prob > 0 else None
         self.three_augment = ThreeAugment(color_jitter) if scheme == "3aug" else None
         mix = scheme == "heavy" if mix is None else mix
         self.mixup = (
@@ -736,7 +758,8 @@ class BatchAugment(torch.nn.Module):
             m = self.mixup
             mix = (f", mixup_alpha={m.mixup_alpha}, cutmix_alpha={m.cutmix_alpha}, switch_prob={m.switch_prob}, "
                    f"label_smoothing={m.label_smoothing}")
-        return f"scheme={self.scheme!r}, num_classes={self.num_classes}, flip={self.flip}{mix}"
+        return (f"scheme={self.scheme!r}, num_classes={self.num_classes}, flip={self.flip}, "
+                f"augmentation_fill={self.augmentation_fill!r}{mix}")
 
     def forward(
         self, images: Tensor, labels: Tensor, generator: torch.Generator | None = None

@@ -315,10 +315,20 @@ class ImageNetDataModule(LightningDataModule):
         augment_on: where the training augmentation runs: "device" (the accelerator, after the batch is
             transferred: RandomResizedCrop included, so the CPU workers only decode) or "cpu" (crop and
             per-image augmentation in the loader workers; MixUp/CutMix still on the device).
+        augmentation_fill: RandAugment's fill colour and RandomErasing's noise: "imagenet" (timm's ImageNet
+            defaults: the mean colour, noise mean + std * N(0, 1) clamped to [0, 1]) or "official" (the code of
+            Singh et al., whose timm transform has mean 0 / std 1: black fill, N(0, 1) noise never clamped, so
+            erased pixels leave [0, 1]). With augment_on "cpu" the erasing runs on the device with the mixing, in
+            float as in timm, so the noise is not rounded to uint8.
+        full_resolution_decode: decode every training image at full resolution and random-resized-crop it with
+            PIL in the loader workers, as the official pipeline does (torchvision's RandomResizedCrop on the full
+            image), instead of the reduced decode of canvases (see canvas_size); the augmentation after the crop
+            still runs where augment_on says. augment_on "cpu" always decodes at full resolution.
         crop_scale: area range of RandomResizedCrop.
         canvas_size: with augment_on "device", workers decode each training image into a canvas of this side
             (default 16/7 of image_size: 512 for 224) and ship it whole; larger images are decoded at reduced
-            scale to fit. Crop boxes are still drawn on the original size.
+            scale to fit (JPEG DCT scaling by 2, 4 or 8; benchmarks/decode_scale.py measures what that changes in
+            the crops). Crop boxes are still drawn on the original size.
         eval_subset: evaluate (test/predict, and validate without holdout) only the images listed in a file of
             ``class_folder/file_name`` lines, in its order: "robustbench" is the RobustBench 5000-image ImageNet
             subset (data/robustbench_imagenet_test_image_ids.txt), anything else a path. Folder trees are read
@@ -355,6 +365,8 @@ class ImageNetDataModule(LightningDataModule):
         crop_pct: float = 0.875,
         augmentation: Literal["basic", "3aug", "heavy"] = "basic",
         augment_on: Literal["device", "cpu"] = "device",
+        augmentation_fill: Literal["imagenet", "official"] = "imagenet",
+        full_resolution_decode: bool = False,
         crop_scale: tuple[float, float] = (0.08, 1.0),
         canvas_size: int | None = None,
         eval_subset: str | None = None,
@@ -378,6 +390,7 @@ class ImageNetDataModule(LightningDataModule):
         self.class_map = class_map
         self.image_size, self.crop_pct = image_size, crop_pct
         self.augmentation, self.augment_on, self.crop_scale = augmentation, augment_on, tuple(crop_scale)
+        self.augmentation_fill, self.full_resolution_decode = augmentation_fill, full_resolution_decode
         self.canvas_size = canvas_size or default_canvas_size(image_size)
         if self.canvas_size < image_size:
             raise UserError(f"data.canvas_size {canvas_size} must be at least data.image_size {image_size}")
@@ -445,7 +458,7 @@ class ImageNetDataModule(LightningDataModule):
                 )
             self.batch_size = rank_batch_size(self.global_batch_size, self.world_size, self.rank)
         evaluation = eval_transform(self.image_size, self.crop_pct)
-        if self.augment_on == "device":
+        if self.uses_canvases:
             training = CanvasDecode(self.canvas_size)
         else:
             training = train_transform(self.image_size, self.crop_scale)
@@ -513,14 +526,23 @@ class ImageNetDataModule(LightningDataModule):
         """Everything after the crop: on the device by default, or in the workers with MixUp/CutMix (which
         needs the whole batch's labels) still on the device."""
         scheme = self.augmentation
-        options = dict(flip=scheme != "basic", label_smoothing=self.label_smoothing)  # the paper's basic = crop only
+        options = dict(flip=scheme != "basic", label_smoothing=self.label_smoothing,  # the paper's basic = crop only
+                       augmentation_fill=self.augmentation_fill)
         self.worker_augment = None
         self.device_augment = BatchAugment(scheme, self.num_classes, **options)
         if self.augment_on == "cpu":
-            self.worker_augment = BatchAugment(scheme, self.num_classes, **options, mix=False)
-            mixing = scheme == "heavy"
-            self.device_augment = BatchAugment("basic", self.num_classes, flip=False, mix=True,
-                                               label_smoothing=self.label_smoothing) if mixing else None
+            # RandomErasing goes to the device with the mixing: timm erases float tensors, and the official
+            # noise leaves [0, 1], which the workers' uint8 batches cannot carry.
+            self.worker_augment = BatchAugment(scheme, self.num_classes, **options, mix=False, erase_prob=0)
+            heavy = scheme == "heavy"
+            self.device_augment = BatchAugment("heavy", self.num_classes, flip=False, rand_augment="", mix=True,
+                                               label_smoothing=self.label_smoothing,
+                                               augmentation_fill=self.augmentation_fill) if heavy else None
+
+    @property
+    def uses_canvases(self) -> bool:
+        """Training images decoded into canvases (reduced scale when large) and cropped on the device."""
+        return self.augment_on == "device" and not self.full_resolution_decode
 
     def _subset_files(self) -> list[str] | None:
         """The evaluation subset's ``class_folder/file_name`` entries in order (cut to eval_limit), or None."""
@@ -711,6 +733,30 @@ class ImageNetDataModule(LightningDataModule):
         return batch
 
     # ------------------------------------------------------------------------------------------ reporting
+    def differences_from_official_code(self) -> list[str]:
+        """How the training data pipeline departs from Singh et al.'s (github.com/nmndeep/revisiting-at:
+        ImageFolder, timm's create_transform with mean 0 / std 1 run per image on PIL, 8 GPUs)."""
+        differences = []
+        if self.source == "shards":
+            differences.append("training images read from WebDataset shards, shuffled through a buffer "
+                               "(official: ImageFolder with a full random permutation)")
+        if self.uses_canvases:
+            differences.append(
+                f"images larger than the {self.canvas_size}-px canvas decoded at reduced scale (JPEG DCT scaling "
+                "by 2, 4 or 8) before the random-resized crop, which runs on the device (official: full-resolution "
+                "decode, PIL crop; data.full_resolution_decode)")
+        if self.augmentation != "basic" and self.augment_on == "device":
+            differences.append("augmentation after the crop runs batched on the device, timm's PIL ops reproduced "
+                               "(colour ops exact, bilinear/bicubic geometric ops within 1/255 on rare pixels)")
+        if self.augmentation == "heavy" and self.augmentation_fill != "official":
+            differences.append("RandAugment fill = ImageNet mean colour and RandomErasing noise mean + std * N(0, 1) "
+                               "clamped to [0, 1] (official: black fill and unclamped N(0, 1) noise; "
+                               "data.augmentation_fill official)")
+        if self.global_batch_size:
+            differences.append("data.global_batch_size split over any device count, each rank's loss weighted so "
+                               "the update is that of the whole batch (official: per-GPU batch x 8 GPUs)")
+        return differences
+
     def conditions(self) -> dict[str, Any]:
         """What results.json records about the data."""
         where = {
@@ -729,7 +775,10 @@ class ImageNetDataModule(LightningDataModule):
             f"center crop {self.image_size}",
             "augmentation": self.augmentation,
             "augment_on": self.augment_on,
-            **({"canvas_size": self.canvas_size} if self.augment_on == "device" else {}),
+            "augmentation_fill": self.augmentation_fill,
+            "full_resolution_decode": not self.uses_canvases,
+            **({"canvas_size": self.canvas_size} if self.uses_canvases else {}),
+            "differences_from_official_code": self.differences_from_official_code(),
             "eval_split": f"{self.holdout} images held out of train" if self.holdout else "val",
             "eval_subset": self.eval_subset,
             "eval_limit": self.eval_limit,

@@ -39,10 +39,11 @@ def eval_transform(image_size: int, crop_pct: float = 0.875) -> T.Compose:
 
 
 def train_transform(image_size: int, scale: tuple[float, float] = (0.08, 1.0)) -> T.Compose:
-    """Decode and RandomResizedCrop (PIL bicubic) in the loader workers, as uint8 (data.augment_on 'cpu').
+    """Decode at full resolution and RandomResizedCrop (PIL bicubic) in the loader workers, as uint8: the
+    official pipeline's crop (data.augment_on 'cpu', or data.full_resolution_decode).
 
-    With data.augment_on 'device' the workers run ``CanvasDecode`` instead and the crop happens on the
-    device (robust_lightning.data.crop), like the rest of the augmentation (robust_lightning.data.augment).
+    Otherwise, with data.augment_on 'device', the workers run ``CanvasDecode`` instead and the crop happens on
+    the device (robust_lightning.data.crop), like the rest of the augmentation (robust_lightning.data.augment).
     """
     crop = T.RandomResizedCrop(image_size, scale=scale, interpolation=BICUBIC)
     return T.Compose([decode_rgb, crop, T.PILToTensor()])
@@ -59,6 +60,8 @@ class CanvasDecode:
 
     An image whose longer side exceeds ``size`` is decoded at a reduced scale: JPEGs through libjpeg's DCT
     scaling by 2, 4 or 8 (cheaper than a full decode), anything still too large by Pillow's box reduction.
+    Crops of a reduced image differ from those of the full-resolution one (benchmarks/decode_scale.py);
+    data.full_resolution_decode uses ``train_transform`` instead, as the official pipeline.
     """
 
     def __init__(self, size: int):

@@ -438,6 +438,27 @@ class ImageClassifier(LightningModule):
         return {"key": batch["key"], "label": batch["label"], "top5": top.indices, "top5_prob": top.values}
 
     # ------------------------------------------------------------------------------------------ reporting
+    def differences_from_official_code(self) -> list[str]:
+        """How this training recipe departs from Singh et al.'s code (github.com/nmndeep/revisiting-at, main.py);
+        the data pipeline's differences are the datamodule's."""
+        hp = self.hparams
+        differences = [
+            "lr schedule: linear warm-up from peak / warm-up steps, then an exact cosine, both per optimiser step "
+            "(official: warm-up from 1e-4 x peak, cosine values at whole epochs interpolated per iteration); "
+            "same peak, warm-up length and end",
+        ]
+        if hp.weight_decay_rule != "official":
+            differences.append("weight decay: timm's rule, no decay on biases, 1-D tensors and no_weight_decay() "
+                               "(official: ConvNeXt norm weights and layer scales, ViT pos_embed and cls_token "
+                               "decayed too; model.weight_decay_rule official)")
+        trainer = self._trainer
+        if trainer is not None and str(trainer.precision) != "16-mixed":
+            differences.append(f"precision {trainer.precision} (official: fp16 autocast with a GradScaler)")
+        if hp.select_attack_steps:
+            differences.append("checkpoint selection during training, at every validation, on the held-out images "
+                               "(official: weights saved every 2 epochs and selected afterwards)")
+        return differences
+
     def conditions(self) -> dict:
         """What results.json records about the model and the recipe."""
         hp = self.hparams
@@ -460,4 +481,5 @@ class ImageClassifier(LightningModule):
                 "metric": f"APGD-CE {hp.select_attack_steps} steps, {hp.attack_norm} eps {hp.attack_eps:.6g}, "
                           f"{hp.select_on} weights" if hp.select_attack_steps else f"clean top-1, {hp.select_on} weights",
             },
+            "differences_from_official_code": self.differences_from_official_code(),
         }
