@@ -117,16 +117,17 @@ def test_cls_attention_is_the_models_own_attention_and_loads_from_a_dino_style_f
 
 
 # --------------------------------------------------------------------------------- Fourier, variance
-def test_fourier_amplitude_of_a_constant_map_is_very_low_and_of_a_checkerboard_high():
+def test_fourier_amplitude_of_a_constant_map_is_very_low_and_of_a_fine_pattern_high():
     constant = torch.full((2, 3, 8, 8), 2.0)
     rows, cols = torch.meshgrid(torch.arange(8), torch.arange(8), indexing="ij")
-    checkerboard = ((rows + cols) % 2 * 2 - 1).float().expand(2, 3, 8, 8)
+    # Park & Kim's grid on 8x8 ends on the diagonal bin (3, 3), not the Nyquist bin (4, 4) of a checkerboard
+    fine = torch.cos(2 * torch.pi * 3 * (rows + cols) / 8).float().expand(2, 3, 8, 8)
     smooth = torch.cos(2 * torch.pi * rows / 8).float().expand(2, 3, 8, 8) + 1.5
     freqs, flat = relative_log_amplitude(constant)
-    assert freqs.tolist() == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert freqs.tolist() == pytest.approx([0.0, 1 / 3, 2 / 3, 1.0])
     assert flat[:, 0].abs().max() == 0  # relative to frequency 0
     assert torch.isfinite(flat).all() and (flat[:, -1] < torch.log(torch.tensor(LOG_EPS / (64 * 2.0))) + 1).all()
-    assert (relative_log_amplitude(checkerboard)[1][:, -1] > 10).all()
+    assert (relative_log_amplitude(fine)[1][:, -1] > 10).all()
     high = relative_log_amplitude(smooth)[1][:, -1]
     assert (high < -10).all()  # a low-frequency map has nothing at pi
     _, one = relative_log_amplitude(torch.rand(2, 3, 1, 1))
@@ -173,11 +174,14 @@ def test_the_shipped_configs_run_on_tiny_checkpoints(tmp_path):
     assert occlusion["conditions"]["saliency"]["source"] == "attention" and set(occlusion["salient"]) == {"0.5", "1"}
     assert occlusion["salient"]["1"] == occlusion["non_salient"]["1"]  # both drop every patch
     noise = results["frequency_noise"]
-    assert len(noise["bands"]) == 10 and noise["clean_accuracy"] == occlusion["clean_accuracy"]
+    assert len(noise["bands"]) == 11 and noise["clean_accuracy"] == occlusion["clean_accuracy"]  # 0, 0.1, ..., 1 pi
+    assert noise["protocol"]["follows"] == "code"
     assert all(b["drop"] == pytest.approx(noise["clean_accuracy"] - b["accuracy"]) for b in noise["bands"])
     fourier = results["fourier_features"]["points"]
     assert [p["kind"] for p in fourier] == ["stem", "attention", "mlp", "attention", "mlp"]
-    assert all(p["frequencies"] == [0.0, 0.5, 1.0] and p["relative_log_amplitude"][0] == 0 for p in fourier)
+    # 4x4 patch grid: the code's half-diagonal has bins 0 and 1 (true frequency 0.5 pi), plotted at 0 and 1.0 pi
+    assert all(p["frequencies"] == [0.0, 1.0] and p["dft_frequencies"] == [0.0, 0.5] and p["relative_log_amplitude"][0] == 0
+               for p in fourier)
     variance = results["feature_variance"]["points"]
     assert len(variance) == 5 and all(p["variance"] > 0 for p in variance)
     for name in ("occlusion", "frequency_noise", "fourier_features", "feature_variance"):

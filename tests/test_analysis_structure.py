@@ -14,7 +14,9 @@ import timm
 import torch
 import yaml
 
-from robust_lightning.analysis.attention import RestrictedAttention, cls_only_mask, local_mask, masked, permuted_mask
+from robust_lightning.analysis.attention import (
+    RestrictedAttention, cls_only_mask, local_mask, masked, patch_permutation, permuted_mask,
+)
 from robust_lightning.analysis.blocks import find_blocks, lesioned, removable_units
 from robust_lightning.analysis.lesion import LesionStudy
 from robust_lightning.analysis.representation import CorrelationAccumulator, LayerCorrelation
@@ -150,8 +152,8 @@ def test_lesion_modes_a_model_does_not_have_are_refused_before_the_test():
     LesionStudy(modes=None).check(None, convnext)  # the default: what the model has
     vit = module_with(tiny_vit())
     LesionStudy(modes=["attention", "mlp"], random_counts=[2], random_part="mlp").check(None, vit)
-    with pytest.raises(UserError, match="random_counts \\[4\\]: this vit model has only 3 units"):
-        LesionStudy(random_counts=[2, 4]).check(None, vit)
+    with pytest.raises(UserError, match="random_counts \\[3, 4\\]: this vit model has only 2 units"):
+        LesionStudy(random_counts=[2, 3, 4]).check(None, vit)  # the first block is always kept
 
 
 # --------------------------------------------------------------------------------------- correlation
@@ -189,10 +191,9 @@ def test_masks_keep_their_promises():
     zero = local_mask(grid, prefix, 0)
     assert zero[0].all() and zero[:, 0].all()  # CLS always allowed, both ways
     assert torch.equal(zero[1:, 1:], torch.eye(20, dtype=torch.bool))
-    near = local_mask(grid, prefix, 1.5)  # 8-neighbourhood
+    near = local_mask(grid, prefix, 1)  # |dy| <= 1 and |dx| <= 1: the 8-neighbourhood
     assert near[1:, 1:].sum(1).tolist()[:2] == [4, 6]
-    gen = torch.Generator().manual_seed(0)
-    shuffled = permuted_mask(near, prefix, gen)
+    shuffled = permuted_mask(near, prefix, patch_permutation(20, 0))
     assert shuffled.sum() == near.sum() and not torch.equal(shuffled, near)
     assert sorted(shuffled.sum(1).tolist()) == sorted(near.sum(1).tolist())
     assert shuffled[:, 0].all() and shuffled[0].all() and shuffled.diagonal().all()
@@ -259,8 +260,14 @@ def test_the_shipped_configs_run_on_tiny_checkpoints(tmp_path, capsys):
     # lesion_bhojanapalli_fig8.yaml on a quickstart-shaped ConvNet (10 synthetic classes, 32 px)
     resnet = checkpoint(tmp_path, "test_resnet")
     config = shipped_config(tmp_path, "lesion_bhojanapalli_fig8", resnet, random_counts=[1, 3], samples=2)
+    callback = yaml.safe_load((REPO / "configs" / "analysis" / "layer_correlation_bhojanapalli.yaml").read_text())
+    callback = callback["trainer"]["callbacks"][0]
+    callback["init_args"] |= {"max_images": 8, "batch_size": 8, "tokens": ["all"]}
+    config["trainer"]["callbacks"].append(callback)
     status, results, run_dir = run(tmp_path, config)
     assert status == 0
+    cka = results["layer_correlation"]  # stages of different shapes: linear CKA, no empty cell
+    assert cka["measures"] == {"all": "linear_cka"} and all(v is not None for row in cka["all"] for v in row)
     lesion = results["lesion"]
     assert lesion["family"] == "resnet" and list(lesion["single"]) == ["block"] and len(lesion["single"]["block"]) == 4
     assert lesion["random"]["3"]["samples"] == 2 and len(lesion["random"]["3"]["removed"][0]) == 3
@@ -276,8 +283,8 @@ def test_the_shipped_configs_run_on_tiny_checkpoints(tmp_path, capsys):
 
     # the Bhojanapalli configs together on a tiny ViT: correlation, restricted attention and the lesion modes
     vit = checkpoint(tmp_path, "vit_tiny_patch16_224", arch_kwargs={"patch_size": 8, "depth": 3})
-    config = shipped_config(tmp_path, "restricted_attention_bhojanapalli", vit, distances=[0, 1.5, float("inf")],
-                            permutations=2, cls_only=[1, 3])
+    config = shipped_config(tmp_path, "restricted_attention_bhojanapalli", vit, distances=[0, 1, float("inf")],
+                            permutations=1, cls_only=[1, 3])
     for name, args in (("layer_correlation_bhojanapalli", {}), ("lesion_bhojanapalli_fig8", {"random_counts": [2], "samples": 2})):
         callback = yaml.safe_load((REPO / "configs" / "analysis" / f"{name}.yaml").read_text())["trainer"]["callbacks"][0]
         callback["init_args"] |= {"max_images": 8, "batch_size": 8, **args}
@@ -289,6 +296,8 @@ def test_the_shipped_configs_run_on_tiny_checkpoints(tmp_path, capsys):
     unrestricted = next(r for r in restricted["local"] if r["distance"] == "inf")
     assert unrestricted["local_accuracy"] == restricted["full_accuracy"]
     assert unrestricted["allowed_pairs"] == 17 * 17 and restricted["local"][0]["allowed_pairs"] == 17 * 17 - 16 * 15
+    assert [r["allowed_patch_pairs"] for r in restricted["local"]] == [16, 100, 256]  # d = 0, 1, inf on 4x4
+    assert restricted["local"][1]["allowed_fraction"] == 100 / 256 and restricted["protocol"]["follows"] == "paper"
     assert [e["k"] for e in restricted["cls_only"]["last"]] == [1, 3]
     correlation = results["layer_correlation"]
     assert len(correlation["layers"]) == 3 and all(correlation[k][i][i] == pytest.approx(1) for k in ("all", "cls")

@@ -1,10 +1,13 @@
 """Restricted attention (Bhojanapalli et al. 2021): how much a ViT needs attention between distant patches.
 
-Local masks: a patch token may attend only to patches within ``distance`` (Euclidean, in patches) of itself;
-the CLS (and register) tokens are always allowed, both as queries and as keys. Control: the same mask under a
-random permutation of the patch positions (rows and columns permuted alike), which keeps the number of allowed
-pairs (and each token's count) but not their locality. CLS-only attention: in the first or the last k blocks,
-patch tokens attend only to the CLS (prefix) tokens, i.e. no patch-to-patch attention at all.
+Local masks: a patch token may attend only to patches within ``distance`` of itself along each axis
+(|dy| <= d and |dx| <= d on the patch grid: a (2d + 1) x (2d + 1) square, as in the paper's App. A, "mask out
+pairs whose distance along the x- or y- axis is greater than the restricted distance"); the CLS (and register)
+tokens are always allowed, both as queries and as keys. Control: the same mask under one random but fixed
+permutation of the patch positions (rows and columns permuted alike; "a random (but fixed across experiments)
+permutation of the mask matrix", Sec. 4), which keeps the number of allowed pairs (and each token's count) but
+not their locality. The same permutation serves every distance, block and image. CLS-only attention: in the
+first or the last k blocks, patch tokens attend only to the CLS (prefix) tokens, i.e. no patch-to-patch attention.
 
 Masks go into timm's attention (``attn_mask``, boolean, True = allowed) through a wrapper put around each
 block's ``attn`` for the duration of a measurement. ViTs only: a ConvNet has no attention to restrict.
@@ -23,29 +26,42 @@ from tqdm import tqdm
 
 from robust_lightning.analysis.base import Analysis, new_figure
 from robust_lightning.analysis.blocks import BlockMap, find_blocks, replace_module, token_grid
-from robust_lightning.analysis.lesion import summary
 from robust_lightning.errors import UserError
 
-__all__ = ["MaskedAttention", "RestrictedAttention", "cls_only_mask", "local_mask", "masked", "permuted_mask"]
+__all__ = ["MaskedAttention", "RestrictedAttention", "allowed_patch_pairs", "cls_only_mask", "local_mask", "masked",
+           "patch_permutation", "permuted_mask"]
 
 
 def local_mask(grid: tuple[int, int], num_prefix: int, distance: float) -> torch.Tensor:
-    """(N, N) boolean mask, N = num_prefix + h * w: patches within ``distance`` of each other, prefix tokens free."""
+    """(N, N) boolean mask, N = num_prefix + h * w: patches at most ``distance`` apart along each axis
+    (Chebyshev distance), prefix tokens free."""
     h, w = grid
     rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
     coords = torch.stack([rows.flatten(), cols.flatten()], dim=1).double()
-    near = torch.cdist(coords, coords) <= distance  # inf: every pair
+    near = torch.cdist(coords, coords, p=float("inf")) <= distance  # max(|dy|, |dx|); inf: every pair
     n = num_prefix + h * w
     mask = torch.ones(n, n, dtype=torch.bool)
     mask[num_prefix:, num_prefix:] = near
     return mask
 
 
-def permuted_mask(mask: torch.Tensor, num_prefix: int, generator: torch.Generator) -> torch.Tensor:
-    """``mask`` with its patch positions randomly permuted (same permutation for queries and keys)."""
+def patch_permutation(patches: int, seed: int) -> torch.Tensor:
+    """The one random but fixed permutation of ``patches`` patch positions drawn from ``seed``."""
+    return torch.randperm(patches, generator=torch.Generator().manual_seed(seed))
+
+
+def permuted_mask(mask: torch.Tensor, num_prefix: int, permutation: torch.Tensor) -> torch.Tensor:
+    """``mask`` with its patch positions permuted by ``permutation`` (same permutation for queries and keys)."""
     patches = mask.shape[0] - num_prefix
-    order = torch.cat([torch.arange(num_prefix), num_prefix + torch.randperm(patches, generator=generator)])
+    if sorted(permutation.tolist()) != list(range(patches)):
+        raise UserError(f"a permutation of {patches} patch positions is needed, got {len(permutation)} entries")
+    order = torch.cat([torch.arange(num_prefix), num_prefix + permutation])
     return mask[order][:, order]
+
+
+def allowed_patch_pairs(mask: torch.Tensor, num_prefix: int) -> int:
+    """Query-key pairs of patch tokens (prefix tokens left out) that ``mask`` allows."""
+    return int(mask[num_prefix:, num_prefix:].sum())
 
 
 def cls_only_mask(grid: tuple[int, int], num_prefix: int) -> torch.Tensor:
@@ -85,30 +101,39 @@ def masked(net: nn.Module, bmap: BlockMap, masks: dict[int, torch.Tensor]) -> It
             replace_module(net, path, old)
 
 
-def _distance_key(d: float) -> float | str:
-    return d if math.isfinite(d) else "inf"
+def _distance_key(d: float) -> int | str:
+    return int(d) if math.isfinite(d) else "inf"
 
 
 class RestrictedAttention(Analysis):
     """Accuracy of a ViT under restricted attention.
 
     Args:
-        distances: radii (in patches, Euclidean; .inf = unrestricted) of the local masks.
-        permutations: random permutations of each local mask (the control).
+        distances: maximum distances along each axis (whole patches, >= 0; .inf = unrestricted) of the local masks.
+        permutations: 1: also measure each local mask under the one random but fixed permutation (the control);
+            0: no control. The paper uses one permutation; more than one is refused (draw another with ``seed``).
         blocks: blocks whose attention the local masks restrict (0-based); null: every block.
         cls_only: numbers k of first / last blocks whose patch tokens attend only to the CLS token ([] for none).
-        seed: seed of the permutations.
+        seed: seed of the permutation.
         max_images, batch_size, weights, plot: see Analysis.
     """
 
     name = "restricted_attention"
 
-    def __init__(self, distances: list[float] = (0, 1, 1.5, 2, 3, 4, 6, 8), permutations: int = 3,
+    def __init__(self, distances: list[float] = (0, 1, 2, 3, 4, 6, 8, 12), permutations: int = 1,
                  blocks: list[int] | None = None, cls_only: list[int] = (1, 2, 4, 6), seed: int = 0,
                  max_images: int = 256, batch_size: int = 64, weights: str = "raw", plot: bool = True):
         super().__init__(max_images=max_images, batch_size=batch_size, weights=weights, plot=plot)
-        if any(d < 0 for d in distances) or permutations < 0 or any(k < 1 for k in cls_only):
-            raise UserError("RestrictedAttention: distances must be >= 0, permutations >= 0, cls_only entries >= 1")
+        if any(d < 0 for d in distances) or any(k < 1 for k in cls_only):
+            raise UserError("RestrictedAttention: distances must be >= 0 and cls_only entries >= 1")
+        fractional = [d for d in distances if math.isfinite(d) and d != int(d)]
+        if fractional:
+            raise UserError(f"RestrictedAttention.distances {fractional}: the distance along each axis is a whole "
+                            "number of patches (the paper's square neighbourhoods); use integers or .inf")
+        if permutations not in (0, 1):
+            raise UserError(f"RestrictedAttention.permutations {permutations}: the control is one random but fixed "
+                            "permutation of the mask (Bhojanapalli et al.), so permutations is 1 (or 0: no control); "
+                            "run again with another seed for another permutation")
         self.distances, self.permutations = sorted(float(d) for d in distances), permutations
         self.blocks, self.cls_only, self.seed = blocks, sorted(set(cls_only)), seed
 
@@ -136,7 +161,8 @@ class RestrictedAttention(Analysis):
         grid = token_grid(seen["n"] - prefix, tuple(images.shape[-2:]))
         depth = len(bmap.units)
         targets = range(depth) if self.blocks is None else self.blocks
-        generator = torch.Generator().manual_seed(self.seed)
+        patches = grid[0] * grid[1]
+        permutation = patch_permutation(patches, self.seed)
 
         total = 1 + sum(1 + self.permutations * (not local_mask(grid, prefix, d).all()) for d in self.distances) \
             + 2 * len(self.cls_only)
@@ -154,10 +180,12 @@ class RestrictedAttention(Analysis):
             mask = local_mask(grid, prefix, d)
             local = measure({i: mask for i in targets})
             # a mask that allows every pair is its own permutation: nothing to compare
-            shuffled = [] if mask.all() else [measure({i: permuted_mask(mask, prefix, generator) for i in targets})
-                                              for _ in range(self.permutations)]
-            rows.append({"distance": _distance_key(d), "allowed_pairs": int(mask.sum()), "local_accuracy": local,
-                         "permuted": summary(shuffled) if shuffled else None})
+            permuted = None
+            if self.permutations and not mask.all():
+                permuted = {"accuracy": measure({i: permuted_mask(mask, prefix, permutation) for i in targets})}
+            pairs = allowed_patch_pairs(mask, prefix)
+            rows.append({"distance": _distance_key(d), "allowed_pairs": int(mask.sum()), "allowed_patch_pairs": pairs,
+                         "allowed_fraction": pairs / patches ** 2, "local_accuracy": local, "permuted": permuted})
         cls_rows = {"first": [], "last": []}
         if self.cls_only:
             only = cls_only_mask(grid, prefix)
@@ -168,15 +196,20 @@ class RestrictedAttention(Analysis):
         section = {
             "family": bmap.family, "grid": list(grid), "num_prefix_tokens": prefix, "full_accuracy": full,
             "local": rows, "cls_only": cls_rows,
+            "permutation": permutation.tolist() if self.permutations else None,
+            "protocol": {"follows": "paper", "reference": "Bhojanapalli et al. 2021, Sec. 4 and App. A (Fig. 9); no "
+                         "public code", "differences": []},
             "conditions": {"arch": pl_module.hparams.get("arch"), "blocks": list(targets), "permutations": self.permutations,
-                           "seed": self.seed, "distance": "Euclidean, in patches; prefix (CLS) tokens always allowed",
+                           "seed": self.seed,
+                           "distance": "max(|dy|, |dx|) on the patch grid (square neighbourhood); prefix (CLS) tokens "
+                                       "always allowed; allowed_fraction: allowed patch-patch pairs / patches^2",
                            "cls_only": "patch tokens attend only to the prefix tokens in the first / last k blocks"},
         }
         metrics = {"full_accuracy": full}
         for row in rows:
             metrics[f"local_{row['distance']}"] = row["local_accuracy"]
             if row["permuted"]:
-                metrics[f"permuted_{row['distance']}"] = row["permuted"]["mean"]
+                metrics[f"permuted_{row['distance']}"] = row["permuted"]["accuracy"]
         for where, entries in cls_rows.items():
             for entry in entries:
                 metrics[f"cls_only_{where}_{entry['k']}"] = entry["accuracy"]
@@ -190,12 +223,10 @@ class RestrictedAttention(Analysis):
         left.plot(xs, [100 * r["local_accuracy"] for r in rows], marker="o", label="local mask")
         perm = [r for r in rows if r["permuted"]]
         if perm:
-            left.errorbar([r["distance"] for r in perm], [100 * r["permuted"]["mean"] for r in perm],
-                          yerr=[[100 * (r["permuted"]["mean"] - r["permuted"]["min"]) for r in perm],
-                                [100 * (r["permuted"]["max"] - r["permuted"]["mean"]) for r in perm]],
-                          marker="s", capsize=3, label="permuted mask (min-max)")
+            left.plot([r["distance"] for r in perm], [100 * r["permuted"]["accuracy"] for r in perm], marker="s",
+                      linestyle="--", label="permuted mask (one fixed permutation)")
         left.axhline(100 * section["full_accuracy"], color="gray", linestyle="--", label="full attention")
-        left.set_xlabel("attention radius (patches)")
+        left.set_xlabel("maximum distance along each axis (patches)")
         left.set_ylabel("top-1 accuracy (%)")
         left.set_title(f"Local vs permuted attention masks (grid {section['grid'][0]}x{section['grid'][1]})")
         left.legend(fontsize=8)

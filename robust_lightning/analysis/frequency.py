@@ -1,10 +1,20 @@
-"""Frequency-noise robustness (Park & Kim 2022, Fig. 2b; Chen et al. 2024): the accuracy drop under Gaussian
-noise restricted to one band of spatial frequencies.
+"""Frequency-noise robustness (Park & Kim 2022, Fig. 2b; Chen et al. 2024): the accuracy drop under random
+noise restricted to one band of spatial frequencies, x_noise = x + F^-1(F(delta) * M_f).
 
-x_noise = x + F^-1(F(delta) * M_f), delta ~ N(0, noise_std^2) per pixel and channel in [0, 1] pixel space
-(before the model's normaliser), M_f the band of normalised frequencies [f, f + width) (in units of pi; the
-last band includes pi). The normalised frequency of a 2-D DFT bin is max(|w_y|, |w_x|) / pi with w in [-pi,
-pi), so the bands of width 0.1 tile the spectrum [0, pi] exactly: the noise of all bands adds up to delta.
+Two protocols (``protocol``):
+
+- ``code`` (the default): Park & Kim's code, github.com/xxxnell/how-do-vits-work ops/adversarial.py,
+  ``FreqAttack(Random(eps), f=f, s=s)``. delta = eps * sign(N(0, 1)) per pixel and channel (``Random``), in the
+  model's input space (their datasets are normalised, so here delta is scaled by the normaliser's std into
+  [0, 1] pixels). The mask (``_fourier_mask``) is the difference of two squares centred on frequency 0 of the
+  rolled spectrum, of sides int((f +- s) n / 2 pi) * 2 (clipped to [0, n]): a square of side 2m covers the DFT
+  bins -m .. m - 1 along each axis; the filtered noise is the real part of the inverse FFT. Bands are centred
+  on f = 0, width, 2 width, ..., pi with s = width / 2 (the paper's window of 0.1 pi). Square, even-sized images
+  only, as their code.
+- ``paper``: the paper's text: delta ~ N(0, noise_std^2) in [0, 1] pixel space, M_f the DFT bins whose
+  normalised frequency max(|w_y|, |w_x|) / pi lies in [f, f + width) (the last band includes pi), so the bands
+  tile the spectrum and the noise of all bands adds up to delta.
+
 One delta per image and repeat is shared by every band, so the bands differ only in the frequencies they let
 through. Reported: accuracy per band and its drop from the clean accuracy.
 """
@@ -19,7 +29,10 @@ from tqdm import tqdm
 from robust_lightning.analysis.base import Analysis, new_figure
 from robust_lightning.errors import UserError
 
-__all__ = ["FrequencyNoise", "band_edges", "band_mask", "band_noise", "normalised_frequency"]
+__all__ = ["FrequencyNoise", "band_edges", "band_mask", "band_noise", "code_band_mask", "code_bands", "normalised_frequency",
+           "sign_noise"]
+
+PROTOCOLS = ("code", "paper")
 
 
 def normalised_frequency(height: int, width: int, device=None) -> torch.Tensor:
@@ -43,16 +56,51 @@ def band_edges(width: float) -> list[tuple[float, float]]:
 
 
 def band_noise(delta: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """F^-1(F(delta) * mask) over the last two dimensions (real: the mask is symmetric under w -> -w)."""
+    """Re F^-1(F(delta) * mask) over the last two dimensions (the real part, as Park & Kim's code takes; for a
+    mask symmetric under w -> -w the inverse is real anyway)."""
     return torch.fft.ifft2(torch.fft.fft2(delta) * mask).real
 
 
+def _code_half_side(size: int, edge: float) -> int:
+    """Half the side of Park & Kim's centred square for a band edge ``edge`` (radians): int(edge n / 2 pi)."""
+    side = int((edge * size) / (2 * math.pi)) * 2
+    return min(max(side, 0), size) // 2
+
+
+def code_band_mask(size: int, f: float, s: float, device=None) -> torch.Tensor:
+    """(n, n) 0/1 mask, unshifted DFT layout, of Park & Kim's ``FreqAttack._fourier_mask`` for centre ``f`` and
+    half-width ``s`` (radians): the square of DFT bins -m1 .. m1 - 1 along each axis minus that of m2, with
+    m = int((f +- s) n / 2 pi) (their ``_center_mask`` of side 2m padded to n in the spectrum rolled by n / 2)."""
+    outer, inner = _code_half_side(size, f + s), _code_half_side(size, f - s)
+    offset = torch.round(torch.fft.fftfreq(size, device=device) * size).long()  # signed bin: -n/2 .. n/2 - 1
+
+    def square(m: int) -> torch.Tensor:
+        inside = (offset >= -m) & (offset <= m - 1)
+        return inside[:, None] & inside[None, :]
+
+    return (square(outer) & ~square(inner)).float()
+
+
+def code_bands(width: float) -> list[float]:
+    """Band centres f (units of pi) 0, width, ..., 1 of the code protocol."""
+    return [round(i * width, 10) for i in range(round(1 / width) + 1) if i * width <= 1 + 1e-9]
+
+
+def sign_noise(shape, eps: float, generator: torch.Generator, device=None) -> torch.Tensor:
+    """eps * sign(N(0, 1)) (Park & Kim's ``Random`` attack): +-eps per entry."""
+    return eps * torch.randn(shape, generator=generator, device=device).sign()
+
+
 class FrequencyNoise(Analysis):
-    """Accuracy under band-limited Gaussian noise, one band at a time.
+    """Accuracy under band-limited random noise, one band at a time.
 
     Args:
+        protocol: "code" (Park & Kim's code: sign noise of size eps in the model's input space, centred square
+            bands) or "paper" (the paper's text: Gaussian noise of std noise_std in pixel space, tiling bands).
         width: band width in units of pi (0.1 as the papers).
-        noise_std: standard deviation of delta in [0, 1] pixel units.
+        eps: size of the sign noise (protocol code), in the model's normalised input units; 0.007 is the default
+            of the code's ``Random`` (its call site for Fig. 2b is not public).
+        noise_std: standard deviation of the Gaussian delta in [0, 1] pixel units (protocol paper).
         repeats: noise draws per image (accuracies averaged).
         clamp: clip the noisy image to [0, 1] (the papers do not).
         seed: seed of the noise.
@@ -61,17 +109,41 @@ class FrequencyNoise(Analysis):
 
     name = "frequency_noise"
 
-    def __init__(self, width: float = 0.1, noise_std: float = 0.1, repeats: int = 1, clamp: bool = False,
-                 seed: int = 0, max_images: int = 256, batch_size: int = 64, weights: str = "raw", plot: bool = True):
+    def __init__(self, protocol: str = "code", width: float = 0.1, eps: float = 0.007, noise_std: float = 0.1,
+                 repeats: int = 1, clamp: bool = False, seed: int = 0, max_images: int = 256, batch_size: int = 64,
+                 weights: str = "raw", plot: bool = True):
         super().__init__(max_images=max_images, batch_size=batch_size, weights=weights, plot=plot)
-        if not 0 < width <= 1 or noise_std < 0 or repeats < 1:
-            raise UserError("FrequencyNoise: width must be in (0, 1], noise_std >= 0 and repeats >= 1")
-        self.width, self.noise_std, self.repeats, self.clamp, self.seed = width, noise_std, repeats, clamp, seed
+        if protocol not in PROTOCOLS:
+            raise UserError(f"FrequencyNoise.protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+        if not 0 < width <= 1 or noise_std < 0 or eps < 0 or repeats < 1:
+            raise UserError("FrequencyNoise: width must be in (0, 1], eps and noise_std >= 0 and repeats >= 1")
+        self.protocol, self.width, self.eps, self.noise_std = protocol, width, eps, noise_std
+        self.repeats, self.clamp, self.seed = repeats, clamp, seed
+
+    def bands(self, height: int, width: int, device=None) -> list[tuple[dict, torch.Tensor]]:
+        """[(band description, (H, W) mask)] of the protocol."""
+        if self.protocol == "paper":
+            edges = band_edges(self.width)
+            return [({"low": lo, "high": hi, "centre": (lo + hi) / 2},
+                     band_mask(height, width, lo, hi, closed=i == len(edges) - 1, device=device))
+                    for i, (lo, hi) in enumerate(edges)]
+        if height != width or height % 2:
+            raise UserError(f"FrequencyNoise protocol code: Park & Kim's frequency mask is defined for square, "
+                            f"even-sized images, got {height}x{width}; use protocol paper")
+        half = self.width / 2
+        return [({"low": f - half, "high": f + half, "centre": f},
+                 code_band_mask(height, f * math.pi, half * math.pi, device=device)) for f in code_bands(self.width)]
+
+    def delta(self, images: torch.Tensor, generator: torch.Generator, std: torch.Tensor) -> torch.Tensor:
+        """One noise draw in [0, 1] pixel units."""
+        if self.protocol == "paper":
+            return torch.randn(images.shape, generator=generator, device=images.device) * self.noise_std
+        # the code adds eps * sign(N(0, 1)) to normalised inputs: that is std times it in pixel units
+        return sign_noise(images.shape, self.eps, generator, images.device) * std
 
     def analyse(self, trainer, pl_module):
         model = self.model(pl_module)
-        edges = band_edges(self.width)
-        correct = torch.zeros(len(edges) + 1, dtype=torch.long)  # + 1: the unfiltered (white) noise
+        correct, bands = None, None
         clean_correct, seen = 0, 0
         generator = None
         with torch.no_grad():
@@ -80,12 +152,16 @@ class FrequencyNoise(Analysis):
                 if generator is None:
                     generator = torch.Generator(device=images.device).manual_seed(self.seed)
                 height, width = images.shape[-2:]
-                masks = [band_mask(height, width, lo, hi, closed=i == len(edges) - 1, device=images.device)
-                         for i, (lo, hi) in enumerate(edges)]
+                bands = self.bands(height, width, images.device)
+                masks = [mask for _, mask in bands]
+                if correct is None:
+                    correct = torch.zeros(len(masks) + 1, dtype=torch.long)  # + 1: the unfiltered noise
+                std = getattr(getattr(model, "normalize", None), "std", None)
+                std = torch.ones((), device=images.device) if std is None else std.to(images.device)
                 clean_correct += int((model(images).argmax(-1) == labels).sum())
                 seen += len(images)
                 for _ in range(self.repeats):
-                    delta = torch.randn(images.shape, generator=generator, device=images.device) * self.noise_std
+                    delta = self.delta(images, generator, std)
                     for i, noise in enumerate([*(band_noise(delta, m) for m in masks), delta]):
                         noisy = images + noise
                         if self.clamp:
@@ -93,24 +169,40 @@ class FrequencyNoise(Analysis):
                         correct[i] += int((model(noisy).argmax(-1) == labels).sum())
         clean = clean_correct / seen
         accuracy = (correct.double() / (seen * self.repeats)).tolist()
-        bands = [{"low": lo, "high": hi, "centre": (lo + hi) / 2, "accuracy": acc, "drop": clean - acc}
-                 for (lo, hi), acc in zip(edges, accuracy)]
+        bands = [{**band, "bins": int(mask.sum()), "accuracy": acc, "drop": clean - acc}
+                 for (band, mask), acc in zip(bands, accuracy)]
+        code = self.protocol == "code"
         section = {
             "clean_accuracy": clean, "bands": bands, "white_noise": {"accuracy": accuracy[-1], "drop": clean - accuracy[-1]},
-            "conditions": {"arch": pl_module.hparams.get("arch"), "width": self.width, "noise_std": self.noise_std,
+            "protocol": {
+                "follows": self.protocol,
+                "reference": "github.com/xxxnell/how-do-vits-work ops/adversarial.py (FreqAttack, Random)" if code
+                else "Park & Kim 2022, Sec. 2.2 / Fig. 2b text: x + F^-1(F(delta) * M_f), delta Gaussian",
+                "differences": [
+                    "noise: code eps * sign(N(0, 1)) in normalised input space; paper text: Gaussian delta",
+                    ("band: code centred squares of bins -m .. m - 1 (int((f +- s) n / 2 pi)), real part of the "
+                     "inverse FFT; paper text: a frequency mask M_f (here max(|w_y|, |w_x|) in [f, f + width))"),
+                    ("size: the code's call site for Fig. 2b is not public; code protocol uses Random's default "
+                     "eps 0.007 and s = width / 2 (the paper's 0.1 pi window), not FreqAttack's default s = 0.2")]},
+            "conditions": {"arch": pl_module.hparams.get("arch"), "protocol": self.protocol, "width": self.width,
+                           **({"eps": self.eps} if code else {"noise_std": self.noise_std}),
                            "repeats": self.repeats, "clamp": self.clamp, "seed": self.seed,
-                           "image_size": [height, width], "space": "[0, 1] pixels, before the model's normaliser",
-                           "frequency": "max(|w_y|, |w_x|) / pi of the 2-D DFT bin"},
+                           "image_size": [height, width],
+                           "space": "eps in normalised input units (the model's normaliser), added as std * eps "
+                                    "to [0, 1] pixels" if code else "[0, 1] pixels, before the model's normaliser",
+                           "frequency": "band centre f +- width / 2 in units of pi, Chebyshev squares of DFT bins"
+                                        if code else "max(|w_y|, |w_x|) / pi of the 2-D DFT bin"},
         }
         metrics = {"clean_accuracy": clean, "white_noise_drop": clean - accuracy[-1],
-                   **{f"drop_{b['low']:g}": b["drop"] for b in bands}}
+                   **{f"drop_{b['centre' if code else 'low']:g}": b["drop"] for b in bands}}
         if not self.plot:
             return section, metrics, None
         fig, ax = new_figure(figsize=(6.5, 4))
         ax.plot([b["centre"] for b in bands], [100 * b["drop"] for b in bands], marker="o")
         ax.set_xlabel("noise frequency band centre (x pi)")
         ax.set_ylabel("accuracy drop (percentage points)")
-        ax.set_title(f"Band-limited Gaussian noise (σ={self.noise_std:g}, width {self.width:g}π)")
+        size = f"ε={self.eps:g} sign" if code else f"Gaussian σ={self.noise_std:g}"
+        ax.set_title(f"Band-limited noise ({size}, width {self.width:g}π, protocol {self.protocol})")
         ax.set_xlim(0, 1)
         fig.tight_layout()
         return section, metrics, fig

@@ -3,7 +3,8 @@ are removed at inference, so information flows through their skip connections.
 
 Cases: each unit removed on its own ("block"), and, where units have parts, only one part of it (the attention
 or the MLP branch of a transformer block; the large-kernel block or the FFN of a RepLKNet pair); then n units
-drawn at random and removed together, ``samples`` draws per n (mean, standard error, min and max). A
+drawn at random and removed together, ``samples`` draws per n (mean, standard error, min and max), "always
+keeping the first block" (Bhojanapalli et al., Fig. 8): the first unit of the network is never drawn. A
 ConvNeXt or ResNet block has one residual branch, so it has no parts: asking for an attention-only lesion of
 one is refused. Chen et al.'s RepLKNet protocol (one random stage-3 block pair, 10 draws) is
 ``random_counts: [1], samples: 10, random_stages: [2]``.
@@ -72,12 +73,12 @@ class LesionStudy(Analysis):
             stages = sorted({u.stage for u in bmap.units})
             if not set(self.random_stages) <= set(stages):
                 raise UserError(f"LesionStudy.random_stages {self.random_stages}: the model has stages {stages}")
-        pool = [u for u in bmap.units if (self.random_stages is None or u.stage in self.random_stages)
+        pool = [u for u in bmap.units[1:] if (self.random_stages is None or u.stage in self.random_stages)
                 and (self.random_part == "block" or self.random_part in u.parts)]
         too_many = [n for n in self.random_counts if n > len(pool)]
         if too_many:
             raise UserError(f"LesionStudy.random_counts {too_many}: this {bmap.family} model has only {len(pool)} "
-                            "units to draw from")
+                            "units to draw from (the first block is always kept)")
 
     def analyse(self, trainer, pl_module):
         images, labels = self.images(trainer, pl_module)
@@ -86,12 +87,15 @@ class LesionStudy(Analysis):
         bmap = find_blocks(net)
         units, fixed = removable_units(net, bmap, model.normalize(images[:1]))
         modes = self.modes if self.modes is not None else ["block", *bmap.part_names()]
-        pool = [u for u in units if self.random_stages is None or u.stage in self.random_stages]
+        # random lesions always keep the first block (Bhojanapalli et al., Fig. 8)
+        pool = [u for u in units if u.name != bmap.units[0].name
+                and (self.random_stages is None or u.stage in self.random_stages)]
         if self.random_part != "block":
             pool = [u for u in pool if self.random_part in u.parts]
         too_many = [n for n in self.random_counts if n > len(pool)]
         if too_many:
-            raise UserError(f"LesionStudy.random_counts {too_many}: only {len(pool)} units can be drawn from")
+            raise UserError(f"LesionStudy.random_counts {too_many}: only {len(pool)} units can be drawn from (the "
+                            "first block is always kept)")
 
         cases = [(mode, [u]) for mode in modes for u in units if mode == "block" or mode in u.parts]
         generator = torch.Generator().manual_seed(self.seed)
@@ -123,6 +127,10 @@ class LesionStudy(Analysis):
             "intact_accuracy": intact,
             "single": single,
             "random": random,
+            "random_pool": [u.name for u in pool],
+            "protocol": {"follows": "paper", "reference": "Bhojanapalli et al. 2021, Sec. 4 and Fig. 8 (no public code); "
+                         "Chen et al. 2024 (github.com/Lauch1ng/LKRobust, lession_study) for RepLKNet",
+                         "differences": []},
             "conditions": {"arch": pl_module.hparams.get("arch"), "modes": modes, "random_part": self.random_part,
                            "random_stages": self.random_stages, "samples": self.samples, "seed": self.seed,
                            "lesion": "residual branch removed (block -> its shortcut); part -> branch output zeroed"},

@@ -1,14 +1,17 @@
 """What the hidden states of a model look like, block by block.
 
-- ``LayerCorrelation`` (Bhojanapalli et al. 2021): Pearson correlation between the outputs of every pair of
-  units, over all images, tokens (or positions) and channels ("all"), or over the CLS token only ("cls": ViTs).
-  Outputs of different shapes (ConvNet stages) have no correlation: those cells are null.
+- ``LayerCorrelation`` (Bhojanapalli et al. 2021, Figs. 7, 31-33): the absolute value of the Pearson correlation
+  between the outputs of every pair of units, over all images, tokens (or positions) and channels ("all"), or
+  over the CLS token only ("cls": ViTs). For a model whose units differ in shape (ConvNet stages) every cell is
+  linear CKA instead, as the paper's App. F does for ResNets (Fig. 33: "Linear Centered Kernel Analysis. This
+  allows for the comparison of representations across stages which are of different shape").
 - ``FeatureVariance`` (Park & Kim 2022, Fig. 9): spatial variance of each feature map, averaged over channels
   and images. MSAs lower it (they aggregate), convolutions and MLPs raise it.
 - ``FourierFeatures`` (Park & Kim 2022, Figs. 2a and 8): log amplitude of the 2-D Fourier transform of each
-  feature map, averaged over channels and images, along the diagonal from frequency 0 to pi, relative to
-  frequency 0; the value at pi (the highest frequency) per block. MSAs act as low-pass filters (it drops),
-  convolutions as high-pass filters (it rises).
+  feature map, averaged over channels and images, along the diagonal from frequency 0 towards the corner,
+  relative to frequency 0; the value at the last point ("1.0 pi") per block. MSAs act as low-pass filters (it
+  drops), convolutions as high-pass filters (it rises). The grid is that of Park & Kim's code
+  (github.com/xxxnell/how-do-vits-work, fourier_analysis.ipynb): see ``relative_log_amplitude``.
 
 Token features (ViTs) drop their CLS / register tokens and go onto the patch grid for the last two; with
 ``sublayers`` a transformer block gives two points (after its attention and after its MLP branch), as in the
@@ -27,8 +30,8 @@ from robust_lightning.analysis.base import Analysis, new_figure
 from robust_lightning.analysis.blocks import BlockMap, FeatureTap, as_map, find_blocks
 from robust_lightning.errors import UserError
 
-__all__ = ["CorrelationAccumulator", "FeatureVariance", "FourierFeatures", "LayerCorrelation", "feature_variance",
-           "relative_log_amplitude"]
+__all__ = ["CorrelationAccumulator", "FeatureVariance", "FourierFeatures", "LayerCorrelation", "LinearCKAAccumulator",
+           "feature_variance", "fourier_grid", "relative_log_amplitude", "unbiased_hsic"]
 
 LOG_EPS = 1e-6  # added to Fourier amplitudes before the log (as Park & Kim do): dead channels give log(eps) flat
 
@@ -42,19 +45,29 @@ def feature_variance(maps: torch.Tensor) -> torch.Tensor:
     return flat.var(dim=-1).mean(dim=1)
 
 
-def relative_log_amplitude(maps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(frequencies in units of pi, (B, K) log amplitude relative to frequency 0) along the spectrum's diagonal.
+def fourier_grid(size: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """Park & Kim's frequency grid for an n x n map: (DFT bins k, plotted frequencies, true frequencies), in pi.
 
-    For (B, C, H, W) maps: |FFT2| per channel, log(. + eps), averaged over channels, read at the K + 1 = min(H, W)
-    // 2 + 1 diagonal bins (k, k) from frequency 0 to the highest (pi for even sizes), minus the value at 0."""
-    height, width = maps.shape[-2:]
-    steps = min(height, width) // 2
+    Their code rolls the 2-D FFT by n // 2 (DC to the centre) and keeps ``diag()[n // 2:]``: the diagonal bins
+    (k, k), k = 0 .. n - n // 2 - 1, plotted at ``np.linspace(0, 1, len)`` (0 to "1.0 pi"). The last point is bin
+    ceil(n / 2) - 1, whose true frequency 2k / n is pi (1 - 2 / n) for even n (14x14: 6/7 pi), not the Nyquist
+    bin n / 2, which the roll puts at index 0, outside the half-diagonal."""
+    bins = list(range(size - size // 2))
+    plotted = torch.linspace(0, 1, len(bins), dtype=torch.float64) if len(bins) > 1 else torch.zeros(1, dtype=torch.float64)
+    return bins, plotted, 2 * torch.tensor(bins, dtype=torch.float64) / size
+
+
+def relative_log_amplitude(maps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(plotted frequencies in units of pi, (B, K) log amplitude relative to frequency 0) on Park & Kim's grid.
+
+    For (B, C, H, W) maps: log(|FFT2| + eps) per channel, averaged over channels, read at the diagonal bins
+    (k, k) of ``fourier_grid(min(H, W))`` (their code reads square maps; a non-square map uses the bins of its
+    shorter side), minus the value at frequency 0."""
+    bins, plotted, _ = fourier_grid(min(maps.shape[-2:]))
     log_amp = torch.log(torch.fft.fft2(maps.float()).abs() + LOG_EPS).mean(dim=1)  # (B, H, W)
-    rows = [round(k * (height // 2) / steps) if steps else 0 for k in range(steps + 1)]
-    cols = [round(k * (width // 2) / steps) if steps else 0 for k in range(steps + 1)]
-    diagonal = log_amp[:, torch.tensor(rows, device=maps.device), torch.tensor(cols, device=maps.device)]
-    frequencies = 2 * torch.tensor(rows, dtype=torch.float64) / height  # of the row bin, in units of pi
-    return frequencies, diagonal - diagonal[:, :1]
+    index = torch.tensor(bins, device=maps.device)
+    diagonal = log_amp[:, index, index]
+    return plotted, diagonal - diagonal[:, :1]
 
 
 class CorrelationAccumulator:
@@ -89,6 +102,43 @@ class CorrelationAccumulator:
             index = torch.tensor(group["index"])
             corr[index[:, None], index[None, :]] = block.cpu()
         return corr
+
+
+def unbiased_hsic(grams: torch.Tensor) -> torch.Tensor:
+    """(L, L) unbiased HSIC (Song et al. 2012) between L (n, n) Gram matrices of the same n >= 4 examples."""
+    n = grams.shape[-1]
+    k = grams * (1 - torch.eye(n, dtype=grams.dtype, device=grams.device))  # zero diagonal
+    rows = k.sum(dim=-1)  # (L, n): K 1
+    totals = rows.sum(dim=-1)  # (L,): 1' K 1
+    trace = torch.einsum("iab,jab->ij", k, k)  # tr(K_i K_j), Gram matrices being symmetric
+    return (trace + torch.outer(totals, totals) / ((n - 1) * (n - 2)) - 2 / (n - 2) * rows @ rows.T) / (n * (n - 3))
+
+
+class LinearCKAAccumulator:
+    """Linear CKA between L features of any shapes, estimated over batches as Nguyen et al. (2021) do for
+    large networks: CKA_ij = mean HSIC_1(K_i, K_j) / sqrt(mean HSIC_1(K_i, K_i) mean HSIC_1(K_j, K_j)), with
+    K = X X^T the linear Gram matrix of a batch (each example's features flattened) and HSIC_1 the unbiased
+    estimator, so no batch needs every image's features. Batches of fewer than 4 examples cannot be used."""
+
+    MIN_BATCH = 4
+
+    def __init__(self):
+        self.hsic: torch.Tensor | float = 0.0
+        self.batches = 0
+
+    def add(self, features: list[torch.Tensor]) -> None:
+        if len(features[0]) < self.MIN_BATCH:
+            return
+        flat = [f.detach().reshape(len(f), -1).double() for f in features]
+        grams = torch.stack([x @ x.T for x in flat])  # (L, n, n)
+        self.hsic = self.hsic + unbiased_hsic(grams).cpu()
+        self.batches += 1
+
+    def matrix(self, num_layers: int) -> torch.Tensor:
+        if not self.batches:
+            raise UserError(f"linear CKA needs batches of at least {self.MIN_BATCH} images: raise batch_size")
+        scale = self.hsic.diagonal().sqrt()
+        return self.hsic / torch.outer(scale, scale)
 
 
 def _nullable(matrix: torch.Tensor) -> list[list[float | None]]:
@@ -132,23 +182,34 @@ class _FeatureAnalysis(Analysis):
         return bmap, tap
 
 
+MEASURES = ("auto", "abs_pearson", "linear_cka")
+
+
 class LayerCorrelation(_FeatureAnalysis):
-    """Correlation of unit outputs across depth (Bhojanapalli et al.).
+    """Similarity of unit outputs across depth (Bhojanapalli et al., Figs. 7 and 31-33).
 
     Args:
         tokens: "all" (all tokens / positions and channels) and/or "cls" (the CLS token only; ViTs).
         stem: also the stem output (the patch embeddings) as layer 0.
+        measure: "abs_pearson" (|Pearson correlation|, the paper's ViT plots), "linear_cka" (the paper's ResNet
+            plot, defined between outputs of different shapes) or "auto": abs_pearson when every output has the
+            same shape, else linear_cka for every cell. The CLS token is always compared with abs_pearson.
         max_images, batch_size, weights, plot: see Analysis.
     """
 
     name = "layer_correlation"
 
-    def __init__(self, tokens: list[str] = ("all", "cls"), stem: bool = False, max_images: int = 256,
-                 batch_size: int = 64, weights: str = "raw", plot: bool = True):
+    def __init__(self, tokens: list[str] = ("all", "cls"), stem: bool = False, measure: str = "auto",
+                 max_images: int = 256, batch_size: int = 64, weights: str = "raw", plot: bool = True):
         super().__init__(False, stem, max_images, batch_size, weights, plot)
         self.tokens = list(tokens)
         if not self.tokens or not set(self.tokens) <= {"all", "cls"}:
             raise UserError(f"LayerCorrelation.tokens must be a non-empty list of 'all' and 'cls', got {tokens!r}")
+        if measure not in MEASURES:
+            raise UserError(f"LayerCorrelation.measure must be one of {', '.join(MEASURES)}, got {measure!r}")
+        if measure == "linear_cka" and batch_size < LinearCKAAccumulator.MIN_BATCH:
+            raise UserError(f"LayerCorrelation: linear CKA needs batch_size >= {LinearCKAAccumulator.MIN_BATCH}")
+        self.measure = measure
 
     def check(self, trainer, pl_module) -> None:
         bmap = find_blocks(pl_module.model.net)
@@ -159,10 +220,20 @@ class LayerCorrelation(_FeatureAnalysis):
                 raise UserError(f"{e}; set tokens: [all] for the correlation over all positions") from None
 
     def analyse(self, trainer, pl_module):
-        accumulators = {t: CorrelationAccumulator() for t in self.tokens}
+        accumulators: dict[str, Any] = {"cls": CorrelationAccumulator()} if "cls" in self.tokens else {}
+        measures = {"cls": "abs_pearson"}
 
         def consume(bmap, features, image_hw):
-            if "all" in accumulators:
+            if "all" in self.tokens:
+                if "all" not in accumulators:  # the measure follows from the shapes of the first batch
+                    same_shape = len({tuple(f.shape[1:]) for f in features}) == 1
+                    if self.measure == "abs_pearson" and not same_shape:
+                        raise UserError(f"LayerCorrelation: the outputs of this {bmap.family} model differ in shape, "
+                                        "and have no Pearson correlation across stages; use measure linear_cka or auto")
+                    measures["all"] = self.measure if self.measure != "auto" else \
+                        "abs_pearson" if same_shape else "linear_cka"
+                    accumulators["all"] = CorrelationAccumulator() if measures["all"] == "abs_pearson" \
+                        else LinearCKAAccumulator()
                 accumulators["all"].add(features)
             if "cls" in accumulators:
                 accumulators["cls"].add([f[:, 0] for f in features])
@@ -171,16 +242,26 @@ class LayerCorrelation(_FeatureAnalysis):
         layers = [label for label, _ in tap.points]
         section: dict[str, Any] = {"family": bmap.family, "layers": layers}
         metrics: dict[str, float] = {}
-        for kind, acc in accumulators.items():
-            corr = acc.matrix(len(layers))
+        for kind in self.tokens:
+            corr = accumulators[kind].matrix(len(layers))
+            if measures[kind] == "abs_pearson":
+                corr = corr.abs()  # the paper plots |rho| (App. F)
             section[kind] = _nullable(corr)
             adjacent = [corr[i, i + 1].item() for i in range(len(layers) - 1) if not math.isnan(corr[i, i + 1])]
             if adjacent:
                 metrics[f"{kind}/mean_adjacent"] = sum(adjacent) / len(adjacent)
             if len(layers) > 1 and not math.isnan(corr[0, -1]):
                 metrics[f"{kind}/first_last"] = corr[0, -1].item()
-        section["conditions"] = {"arch": pl_module.hparams.get("arch"), "tokens": self.tokens,
-                                 "measure": "Pearson correlation over images x tokens x channels (float64 sums)"}
+        section["measures"] = {kind: measures[kind] for kind in self.tokens}
+        section["protocol"] = {
+            "follows": "paper", "reference": "Bhojanapalli et al. 2021, Sec. 4 and App. F (Figs. 7, 31-33); no public code",
+            "differences": [("how the paper pools the Pearson correlation is not stated: here over images x tokens "
+                             "x channels (one pair of long vectors per layer pair)"),
+                            ("linear CKA is estimated over batches with the unbiased HSIC (Nguyen et al. 2021), "
+                             "not on all images' Gram matrix at once")]}
+        section["conditions"] = {"arch": pl_module.hparams.get("arch"), "tokens": self.tokens, "measure": self.measure,
+                                 "abs_pearson": "|Pearson correlation| over images x tokens x channels (float64 sums)",
+                                 "linear_cka": "minibatch linear CKA, features flattened per image"}
         return section, metrics, self.figure(section) if self.plot else None
 
     def figure(self, section):
@@ -188,14 +269,15 @@ class LayerCorrelation(_FeatureAnalysis):
         labels = section["layers"]
         for ax, kind in zip(axes[0], self.tokens):
             matrix = torch.tensor([[float("nan") if v is None else v for v in row] for row in section[kind]])
-            image = ax.imshow(matrix.numpy(), vmin=-1, vmax=1, cmap="RdBu_r")
+            image = ax.imshow(matrix.numpy(), vmin=0, vmax=1, cmap="Blues")  # as the paper: white 0, blue 1
             step = max(1, len(labels) // 12)
             ticks = list(range(0, len(labels), step))
             ax.set_xticks(ticks, [labels[i] for i in ticks], rotation=90, fontsize=7)
             ax.set_yticks(ticks, [labels[i] for i in ticks], fontsize=7)
-            ax.set_title("all tokens" if kind == "all" else "CLS token")
+            what = "|Pearson correlation|" if section["measures"][kind] == "abs_pearson" else "linear CKA"
+            ax.set_title(f"{'all tokens' if kind == 'all' else 'CLS token'}: {what}")
             fig.colorbar(image, ax=ax, fraction=0.046)
-        fig.suptitle(f"Correlation between layer outputs ({section['family']})")
+        fig.suptitle(f"Similarity between layer outputs ({section['family']})")
         fig.tight_layout()
         return fig
 
@@ -228,6 +310,9 @@ class FeatureVariance(_FeatureAnalysis):
         variances = [None if math.isnan(v) else v for v in variances]  # a 1x1 map has no spatial variance
         points = [{"name": label, "kind": kind, "variance": v} for (label, kind), v in zip(tap.points, variances)]
         section = {"family": bmap.family, "points": points,
+                   "protocol": {"follows": "code", "reference": "github.com/xxxnell/how-do-vits-work, "
+                                "featuremap_variance.ipynb (Park & Kim 2022, Fig. 9): latent.var(dim=[-1, -2])"
+                                ".mean(dim=[0, 1])", "differences": []},
                    "conditions": {"arch": pl_module.hparams.get("arch"), "sublayers": self.sublayers,
                                   "measure": "unbiased spatial variance per channel, mean over channels and images"}}
         known = [v for v in variances if v is not None]
@@ -258,24 +343,34 @@ class FourierFeatures(_FeatureAnalysis):
 
         def consume(bmap, features, image_hw):
             for i, f in enumerate(features):
-                freqs, relative = relative_log_amplitude(as_map(f, bmap, image_hw))
+                maps = as_map(f, bmap, image_hw)
+                _, relative = relative_log_amplitude(maps)
                 if len(totals) <= i:
                     totals.append(torch.zeros(relative.shape[1], dtype=torch.float64))
-                    frequencies.append(freqs)
+                    frequencies.append(fourier_grid(min(maps.shape[-2:])))
                 totals[i] += relative.double().sum(dim=0).cpu()
             count[0] += len(features[0])
 
         bmap, tap = self.run(trainer, pl_module, consume)
         points = []
-        for (label, kind), total, freqs in zip(tap.points, totals, frequencies):
+        for (label, kind), total, (bins, plotted, true) in zip(tap.points, totals, frequencies):
             curve = (total / count[0]).tolist()
-            points.append({"name": label, "kind": kind, "frequencies": freqs.tolist(), "relative_log_amplitude": curve,
+            points.append({"name": label, "kind": kind, "frequencies": plotted.tolist(), "dft_bins": bins,
+                           "dft_frequencies": true.tolist(), "relative_log_amplitude": curve,
                            # a 1x1 map has only frequency 0: no high-frequency value
                            "high_frequency": curve[-1] if len(curve) > 1 else None})
         section = {"family": bmap.family, "points": points,
+                   "protocol": {"follows": "code", "reference": "github.com/xxxnell/how-do-vits-work, "
+                                "fourier_analysis.ipynb (Park & Kim 2022, Figs. 2a and 8)",
+                                "differences": [("the paper (App. A) reports the amplitude at f = pi; the code's "
+                                                 "last point, followed here, is the diagonal bin ceil(n/2) - 1 (true "
+                                                 "frequency 2k/n, e.g. 6/7 pi on 14x14), plotted at 1.0 pi")]},
                    "conditions": {"arch": pl_module.hparams.get("arch"), "sublayers": self.sublayers,
-                                  "measure": f"log(|FFT2| + {LOG_EPS}) averaged over channels and images, on the "
-                                             "diagonal, minus its value at frequency 0; frequencies in units of pi"}}
+                                  "measure": f"log(|FFT2| + {LOG_EPS}) averaged over channels and images, at the "
+                                             "diagonal bins (k, k), k = 0 .. ceil(n/2) - 1, minus its value at "
+                                             "frequency 0",
+                                  "frequencies": "the code's plotting axis linspace(0, 1, K), units of pi; "
+                                                 "dft_frequencies: the true frequency 2k/n of each bin along each axis"}}
         known = [p["high_frequency"] for p in points if p["high_frequency"] is not None]
         metrics = {"last_high_frequency": known[-1]} if known else {}
         if not self.plot:
