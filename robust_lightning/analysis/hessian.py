@@ -15,24 +15,37 @@ The l2 term (weight_decay / 2) * ||w||^2 adds weight_decay to every eigenvalue.
 BatchNorm uses its running statistics (eval mode, as PyHessian sets it) and dropout / drop-path are off, so the
 loss is a deterministic function of the weights.
 
+The loss is the training loss: cross-entropy against the targets training_step uses (MixUp/CutMix's soft
+targets, else the labels smoothed by the model's label_smoothing), plus the l2 term of the model's training
+weight decay on all weights (the paper: "l2 regularized NLL on augmented training datasets"; it neglects that
+the optimiser's decoupled weight decay, which may spare biases and norms, is not exactly an l2 term).
+
 Two ways to run it:
 
-- ``robust-lightning test``: on the first max_images evaluation images (no augmentation);
+- ``robust-lightning test`` (the paper's protocol, App. A.1, ``data: train``): a fixed random 10% of the
+  training set (``train_fraction``), augmented exactly as in training (the data config's transform, crop and
+  augmentation scheme), in minibatches of 16; ``max_images`` caps it for quick runs. ``data: eval`` uses the
+  clean evaluation images instead, and results.json says those numbers are not comparable with the paper's;
 - during ``fit``, every ``every_n_epochs`` epochs: on the first max_images augmented training images of the
-  epoch (the paper's data: augmentation and, with MixUp/CutMix, the mixed soft targets), with the weights at
-  the end of the epoch. results.json section "hessian" then holds the spectrum of every such epoch.
+  epoch, with the weights at the end of the epoch. results.json section "hessian" then holds the spectrum of
+  every such epoch.
 """
 
+import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from tqdm import tqdm
 
 from robust_lightning.analysis.base import Analysis, new_figure
 from robust_lightning.errors import UserError
+from robust_lightning.training.classifier import soft_targets
+
+MODEL_MODE = "eval (BatchNorm running statistics, no dropout / drop-path), fp32"
 
 
 # ------------------------------------------------------------------------------------------------ the method
@@ -132,69 +145,157 @@ def minibatch_spectrum(model: nn.Module, images: Tensor, targets: Tensor, *, top
 
 
 # ------------------------------------------------------------------------------------------------ the callback
+def training_targets(pl_module, batch: dict[str, Tensor]) -> Tensor:
+    """The targets of the training loss, formed as ImageClassifier.training_step forms them: MixUp/CutMix's soft
+    targets, else the labels smoothed by the model's label_smoothing (the labels themselves without it)."""
+    if "target" in batch:
+        return batch["target"]
+    smoothing = pl_module.hparams.get("label_smoothing") or 0.0
+    if not smoothing:
+        return batch["label"]
+    return soft_targets(batch["label"], pl_module.hparams["num_classes"], smoothing)
+
+
 class HessianSpectrum(Analysis):
     """Hessian max-eigenvalue spectrum (Park & Kim Fig. 4) at test time, or during fit every N epochs.
 
     Args:
+        data: at test time, "train" (the paper's protocol: a fixed random ``train_fraction`` of the training
+            set, augmented as in training, from the data config) or "eval" (the clean evaluation images, not
+            comparable with the paper's numbers).
+        train_fraction: share of the training set (the paper: 10%), drawn with ``seed``.
+        max_images: at most this many images (a cap for quick runs; None: the whole fraction, or with data
+            "eval" all evaluation images). During fit: the augmented images recorded per analysed epoch
+            (required there).
+        batch_size: minibatch size (the paper: 16).
         top_k: eigenvalues per minibatch (the paper: 5).
         max_iter: power-iteration steps per eigenvalue at most (PyHessian's default 100).
         tol: relative change of the eigenvalue estimate that stops its power iteration (PyHessian: 1e-3).
         weight_decay: coefficient of the l2 term (weight_decay / 2) * ||w||^2 of the loss; it adds weight_decay
-            to every eigenvalue. The paper uses the training weight decay of each model.
+            to every eigenvalue. None: the model's training weight decay (its hparam weight_decay), as the paper.
         every_n_epochs: during fit, compute the spectrum at the end of every n-th epoch (n, 2n, ...).
-        seed: seed of the power iterations' random start vectors.
-        max_images: images in all (max_images / batch_size minibatches).
-        batch_size: minibatch size (the paper: 16).
+        seed: seed of the training subset and of the power iterations' random start vectors.
         weights, plot: see Analysis.
     """
 
     name = "hessian"
 
-    def __init__(self, top_k: int = 5, max_iter: int = 100, tol: float = 1e-3, weight_decay: float = 0.0,
-                 every_n_epochs: int = 1, seed: int = 0, max_images: int = 64, batch_size: int = 16,
+    def __init__(self, data: Literal["train", "eval"] = "train", train_fraction: float = 0.1,
+                 max_images: int | None = None, batch_size: int = 16, top_k: int = 5, max_iter: int = 100,
+                 tol: float = 1e-3, weight_decay: float | None = None, every_n_epochs: int = 1, seed: int = 0,
                  weights: str = "raw", plot: bool = True):
-        super().__init__(max_images=max_images, batch_size=batch_size, weights=weights, plot=plot)
+        if max_images is not None and max_images < 1:
+            raise UserError(f"HessianSpectrum.max_images must be a positive count or null, got {max_images}")
+        super().__init__(max_images=max_images or 1, batch_size=batch_size, weights=weights, plot=plot)
+        self.max_images = max_images  # None: the whole subset (the base class only takes a count)
+        if data not in ("train", "eval"):
+            raise UserError(f"HessianSpectrum.data must be 'train' (the paper's protocol) or 'eval', got {data!r}")
+        if not 0 < train_fraction <= 1:
+            raise UserError(f"HessianSpectrum.train_fraction must be in (0, 1], got {train_fraction}")
         if top_k < 1 or max_iter < 1 or every_n_epochs < 1:
             raise UserError("HessianSpectrum: top_k, max_iter and every_n_epochs must be >= 1")
-        if not tol > 0 or weight_decay < 0:
-            raise UserError("HessianSpectrum: tol must be > 0 and weight_decay >= 0")
+        if not tol > 0 or (weight_decay is not None and weight_decay < 0):
+            raise UserError("HessianSpectrum: tol must be > 0 and weight_decay >= 0 (or null: the model's)")
+        self.data, self.train_fraction = data, train_fraction
         self.top_k, self.max_iter, self.tol, self.weight_decay = top_k, max_iter, tol, weight_decay
         self.every_n_epochs, self.seed = every_n_epochs, seed
         self.epochs: dict[int, dict[str, Any]] = {}  # fit: the spectrum of each analysed epoch
         self._recorded: list[tuple[Tensor, Tensor]] = []
 
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self.model_weight_decay(pl_module)  # a missing weight decay is refused before any work
+        if stage == "fit" and self.max_images is None:
+            raise UserError("HessianSpectrum during fit records max_images augmented images of each analysed epoch: "
+                            "set max_images")
+        if stage == "test" and self.data == "train" and not hasattr(trainer.datamodule, "training_sample"):
+            raise UserError("HessianSpectrum.data 'train' needs the training set of an ImageNetDataModule "
+                            "(robust_lightning.data.datamodule); use data 'eval' for another data module")
+
+    def model_weight_decay(self, pl_module) -> float:
+        """The coefficient of the l2 term: the one set, else the model's training weight decay."""
+        if self.weight_decay is not None:
+            return self.weight_decay
+        value = pl_module.hparams.get("weight_decay")
+        if value is None:
+            raise UserError("HessianSpectrum.weight_decay null means the model's training weight decay, but the "
+                            "model has no hparam weight_decay: set HessianSpectrum.weight_decay")
+        return float(value)
+
     # ------------------------------------------------------------------------------------------- compute
-    def spectrum(self, model: nn.Module, minibatches) -> dict[str, Any]:
+    def spectrum(self, model: nn.Module, minibatches, weight_decay: float) -> dict[str, Any]:
         """Top-k eigenvalues of every (images, targets) minibatch, NEP and APE over all of them."""
         was_training = model.training
         model.eval()  # BatchNorm running statistics, no dropout: the loss is a function of the weights only
-        eigenvalues, iterations = [], []
+        eigenvalues, iterations, images = [], [], 0
         try:
-            for i, (images, targets) in enumerate(minibatches):
-                values, steps = minibatch_spectrum(model, images, targets, top_k=self.top_k, max_iter=self.max_iter,
-                                                   tol=self.tol, weight_decay=self.weight_decay, seed=self.seed + i)
+            for i, (x, targets) in enumerate(minibatches):
+                values, steps = minibatch_spectrum(model, x, targets, top_k=self.top_k, max_iter=self.max_iter,
+                                                   tol=self.tol, weight_decay=weight_decay, seed=self.seed + i)
                 eigenvalues.append(values)
                 iterations.append(steps)
+                images += len(x)
         finally:
             model.train(was_training)
         if not eigenvalues:
             raise UserError("HessianSpectrum: no images to compute the spectrum on")
         flat = [v for values in eigenvalues for v in values]
-        return {**spectrum_summary(flat), "minibatches": eigenvalues, "iterations": iterations,
+        return {**spectrum_summary(flat), "minibatches": eigenvalues, "iterations": iterations, "images": images,
                 "converged": sum(s < self.max_iter for steps in iterations for s in steps) / len(flat)}
 
-    def _conditions(self, model: nn.Module, data: str) -> dict[str, Any]:
+    def _conditions(self, model: nn.Module, data: str, weight_decay: float) -> dict[str, Any]:
         return {"top_k": self.top_k, "minibatch_size": self.batch_size, "max_iter": self.max_iter, "tol": self.tol,
-                "weight_decay": self.weight_decay, "seed": self.seed, "data": data,
-                "mode": "eval (BatchNorm running statistics, no dropout / drop-path), fp32",
+                "weight_decay": weight_decay, "seed": self.seed, "data": data, "mode": MODEL_MODE,
                 "parameters": sum(p.numel() for p in model.parameters())}
 
     # ------------------------------------------------------------------------------------------ test time
     def analyse(self, trainer, pl_module):
         model = self.model(pl_module)
-        result = self.spectrum(model, self.batches(trainer, pl_module))
-        section = {**result, "conditions": self._conditions(model, "evaluation images, no augmentation")}
-        figure = self._plot({"evaluation images": result}) if self.plot else None
+        weight_decay = self.model_weight_decay(pl_module)
+        if self.data == "train":
+            sample = trainer.datamodule.training_sample(pl_module.device, fraction=self.train_fraction,
+                                                        max_images=self.max_images, batch_size=self.batch_size,
+                                                        seed=self.seed)
+            minibatches = ((b["image"], training_targets(pl_module, b)) for b in sample.batches)
+            total, label = math.ceil(sample.images / self.batch_size), "augmented training images"
+        else:
+            minibatches, total, label = self.batches(trainer, pl_module), None, "evaluation images"
+        bar = tqdm(minibatches, total=total, desc="hessian", unit="minibatch", leave=False,
+                   disable=not trainer.is_global_zero)
+        result = self.spectrum(model, bar, weight_decay)
+        if self.data == "train":
+            data = trainer.datamodule
+            complete = sample.images == sample.subset_images
+            comparability = {
+                "comparable_with_paper": complete,
+                "comparability": "the paper's protocol (App. A.1)" if complete else
+                f"the paper's protocol on {sample.images} of the {sample.subset_images} images of the "
+                f"{self.train_fraction:.0%} subset (max_images): a sample of its minibatches",
+                "protocol": {
+                    "data": "augmented training images: the training transform, crop and augmentation",
+                    "train_fraction": self.train_fraction, "training_images": sample.training_images,
+                    "subset_images": sample.subset_images, "max_images": self.max_images,
+                    "images": result["images"], "minibatch_size": self.batch_size, "top_k": self.top_k,
+                    "augmentation": data.augmentation, "augment_on": data.augment_on,
+                    "crop_scale": list(data.crop_scale), "image_size": data.image_size,
+                    "mixup_cutmix": data.augmentation == "heavy",
+                    "label_smoothing": pl_module.hparams.get("label_smoothing") or 0.0,
+                    "weight_decay": weight_decay,
+                    "weight_decay_from": "set" if self.weight_decay is not None else "the model's hparams",
+                    "model_mode": MODEL_MODE,
+                },
+            }
+            described = f"a {self.train_fraction:.0%} random subset of the training set, augmented as in training"
+        else:
+            comparability = {
+                "comparable_with_paper": False,
+                "comparability": "clean evaluation images without augmentation; the paper uses augmented "
+                                 "training images (data: train)",
+            }
+            described = "evaluation images, no augmentation"
+        section = {**result, **comparability,
+                   "conditions": {**self._conditions(model, described, weight_decay), "images": result["images"]}}
+        figure = self._plot({label: result}) if self.plot else None
         return section, self._metrics(result), figure
 
     # ------------------------------------------------------------------------------------------ fit time
@@ -210,7 +311,7 @@ class HessianSpectrum(Analysis):
         if not self._due(trainer) or seen >= self.max_images or not batch["label"].numel():
             return
         take = self.max_images - seen
-        targets = batch.get("target", batch["label"])  # MixUp/CutMix soft targets, else the labels (the NLL)
+        targets = training_targets(pl_module, batch)
         self._recorded.append((batch["image"][:take].detach().float().cpu(), targets[:take].detach().cpu()))
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
@@ -219,19 +320,21 @@ class HessianSpectrum(Analysis):
         was_training = pl_module.training
         model = self.model(pl_module)  # eval mode (also the EMA copy's); training resumes in train mode below
         device = pl_module.device
+        weight_decay = self.model_weight_decay(pl_module)
         images = torch.cat([x for x, _ in self._recorded])
         targets = torch.cat([t for _, t in self._recorded])
         self._recorded = []
         minibatches = ((images[i : i + self.batch_size].to(device), targets[i : i + self.batch_size].to(device))
                        for i in range(0, len(images), self.batch_size))
         try:
-            result = self.spectrum(model, minibatches)
+            result = self.spectrum(model, minibatches, weight_decay)
         finally:
             pl_module.train(was_training)
         self.epochs[trainer.current_epoch] = result
         section = {"epochs": {str(e): r for e, r in self.epochs.items()}, "last_epoch": trainer.current_epoch,
                    **{k: result[k] for k in ("nep", "ape", "max_eigenvalue", "min_eigenvalue")},
-                   "conditions": self._conditions(model, "augmented training images of the epoch (rank 0)")}
+                   "conditions": self._conditions(model, "augmented training images of the epoch (rank 0)",
+                                                  weight_decay)}
         figure = self._plot({f"epoch {e}": r for e, r in self.epochs.items()}) if self.plot else None
         self.publish(trainer, section, self._metrics(result), figure)
 

@@ -11,10 +11,11 @@ import io
 import itertools
 import os
 import random
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import webdataset as wds
@@ -292,6 +293,15 @@ class SyntheticData:
     image_size: int = 64
     samples_per_shard: int = 500
     root: str | None = None  # default: data/synthetic
+
+
+class TrainingSample(NamedTuple):
+    """Augmented training batches of a fixed random subset of the training set (``training_sample``)."""
+
+    batches: Iterator[dict[str, Any]]  # as training_step receives them: on the device, images in [0, 1]
+    images: int  # images the batches hold (at most: an image that fails to decode is dropped)
+    subset_images: int  # round(fraction * training_images): the subset before the max_images cap
+    training_images: int  # the training set (held-out images excluded)
 
 
 class ImageNetDataModule(LightningDataModule):
@@ -718,12 +728,65 @@ class ImageNetDataModule(LightningDataModule):
         workers = {} if num_workers is None else {"num_workers": num_workers}
         return self._eval_dataloader(dataset, batch_size, **workers)
 
+    def training_sample(self, device: torch.device | str, fraction: float = 1.0, max_images: int | None = None,
+                        batch_size: int | None = None, seed: int = 0) -> TrainingSample:
+        """Training batches exactly as training_step receives them (the training transform and crop, the
+        augmentation scheme, MixUp/CutMix soft targets), ``batch_size`` images each (default data.batch_size;
+        MixUp/CutMix mix within a batch), for a fixed random subset of the training set: round(fraction x
+        training images) of them drawn with ``seed``, the first ``max_images`` of those when given.
+
+        Works outside the fit loop (an analysis after test): without setup('fit') the training set is set up on
+        a copy of this data module, so the evaluation set of the running test stays as it is. A folder's subset
+        is a seeded permutation's first images; a shard stream reads its shards in a seeded order (they are
+        shuffled when written) through the shuffle buffer and keeps the first images. Augmentation draws from
+        the global random state (seed_everything)."""
+        if not 0 < fraction <= 1:
+            raise UserError(f"the fraction of the training set must be in (0, 1], got {fraction}")
+        if max_images is not None and max_images < 1:
+            raise UserError(f"max_images must be a positive number of images, got {max_images}")
+        data = self
+        if self.train_set is None:
+            data = copy.copy(self)
+            data.setup("fit")
+        generator = torch.Generator().manual_seed(seed)
+        if isinstance(data.train_set, ShardStream):
+            total = data.train_images
+            dataset = copy.copy(data.train_set)
+            dataset.repeat, dataset.seed = False, seed  # one pass: every image at most once
+            dataset.urls = [dataset.urls[i] for i in torch.randperm(len(dataset.urls), generator=generator)]
+        else:
+            total = len(data.train_set)
+        subset_images = max(1, round(fraction * total))
+        images = min(subset_images, max_images or subset_images)
+        if not isinstance(data.train_set, ShardStream):
+            dataset = Subset(data.train_set, torch.randperm(total, generator=generator)[:images].tolist())
+        augmenting = partial(collate, augment=data.worker_augment) if data.worker_augment else collate
+        loader = data._loader(dataset, batch_size or data.batch_size, collate_fn=augmenting)
+        return TrainingSample(data._augmented_batches(loader, images, device), images, subset_images, total)
+
+    def _augmented_batches(self, loader: Iterable[dict], images: int, device: torch.device | str) -> Iterator[dict]:
+        """The first ``images`` images of ``loader``, moved to ``device`` and augmented as in training."""
+        seen = 0
+        for batch in loader:
+            if not batch["label"].numel():
+                continue
+            batch = self._on_device({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()},
+                                    augment=True)
+            take = min(len(batch["label"]), images - seen)  # cut after mixing: the partners were in the batch
+            seen += take
+            yield {k: v if k == "corrupt" else v[:take] for k, v in batch.items()}
+            if seen >= images:
+                return
+
     def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
-        # uint8 crossed to the device; augment training batches and scale to [0, 1] there
-        training = self.trainer is not None and self.trainer.training
+        return self._on_device(batch, augment=self.trainer is not None and self.trainer.training)
+
+    def _on_device(self, batch: dict, augment: bool) -> dict:
+        """uint8 crossed to the device: crop training canvases, augment (``augment``: training batches) and
+        scale to [0, 1] there."""
         if "geometry" in batch:  # training canvases: the crop comes first
             batch["image"] = random_resized_crop(batch["image"], batch["geometry"], self.image_size, self.crop_scale)
-        if training and self.device_augment is not None and batch["label"].numel():
+        if augment and self.device_augment is not None and batch["label"].numel():
             images, targets = self.device_augment(batch["image"], batch["label"])
             if targets.ndim == 2:  # MixUp/CutMix soft targets; "label" stays the unmixed class
                 batch["target"] = targets
