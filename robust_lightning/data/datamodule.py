@@ -216,6 +216,17 @@ class HoldoutStream(ShardStream):
                 yield self.decode(sample)
 
 
+class EpochLoader(DataLoader):
+    """A DataLoader whose iteration starts at the first batch rather than when the iterator is created.
+
+    A fit resumed from a checkpoint creates its training iterator before it restores the epoch counter and calls
+    the sampler's set_epoch; worker processes would already have drawn the indices of epoch 0.
+    """
+
+    def __iter__(self):
+        yield from super().__iter__()
+
+
 class ShardTrainLoader(DataLoader):
     """An endless ShardStream cut into epochs of a fixed number of batches.
 
@@ -232,8 +243,13 @@ class ShardTrainLoader(DataLoader):
         return self.batches_per_epoch
 
     def __iter__(self):
+        # A generator: the epoch is read at the first batch, not when Lightning creates the iterator (a fit
+        # resumed from a checkpoint creates it before its epoch counter is restored).
         self.dataset.epoch = self.current_epoch()
-        return itertools.islice(super().__iter__(), self.batches_per_epoch)
+        # the workers' seeds come from (seed, epoch), not from the global generator: creating the iterator then
+        # draws nothing from it, so augmentation draws the same numbers in a resumed run (classifier random_states)
+        self.generator = torch.Generator().manual_seed(self.dataset.seed * 100_003 + self.dataset.epoch)
+        yield from itertools.islice(super().__iter__(), self.batches_per_epoch)
 
 
 def rank_batch_size(global_batch: int, world_size: int, rank: int) -> int:
@@ -693,8 +709,9 @@ class ImageNetDataModule(LightningDataModule):
             )
         sampler = GlobalBatchSampler(self.train_set, self.world_size, self.rank, self.global_batch, self.seed)
         return self._loader(
-            self.train_set, self.batch_size, sampler=sampler, drop_last=True,
+            self.train_set, self.batch_size, loader_cls=EpochLoader, sampler=sampler, drop_last=True,
             persistent_workers=self.num_workers > 0, collate_fn=augmenting,
+            generator=torch.Generator().manual_seed(self.seed),  # keeps iterator creation off the global generator
         )
 
     def _eval_dataloader(self, dataset: Dataset | None = None, batch_size: int | None = None, **kwargs) -> DataLoader:

@@ -30,6 +30,7 @@ from robust_lightning.models.classifier import build_classifier, use_small_input
 from robust_lightning.models.isotropic_convnext import IsotropicConvNeXt
 from robust_lightning.models.robustbench import is_robustbench_arch, preprocessing_mismatch, resolve_arch
 from robust_lightning.models.weights import adopt_normalizer, load_pretrained
+from robust_lightning.training.random_state import random_states, set_random_states
 from robust_lightning.training.schedule import warmup_cosine
 
 ATTACKS = ("none", "apgd", "pgd", "fgsm", "fgsm_rs")
@@ -188,6 +189,7 @@ class ImageClassifier(LightningModule):
             self.ema.requires_grad_(False)
             self.ema.module.train()  # follow the module's mode like any submodule (timm leaves it in eval)
         self._ema_step = 0
+        self._resumed_random_states = None  # set by on_load_checkpoint, applied by on_train_start
         self.warm_start_report = None
         self.train_metrics = MetricCollection(
             {"clean_acc1": MulticlassAccuracy(num_classes, average="micro"),
@@ -226,8 +228,20 @@ class ImageClassifier(LightningModule):
             if mismatch:
                 rank_zero_warn(mismatch)
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Lightning saves no random state; a resumed fit needs it to draw the same augmentation and attacks."""
+        checkpoint["random_states"] = random_states()
+
+    def on_train_start(self) -> None:
+        # After the sanity check and the creation of the first training iterator, which draw from the global
+        # generators too: the states of the checkpoint continue from here as they did in the saved run.
+        if self._resumed_random_states is not None:
+            set_random_states(self._resumed_random_states)
+            self._resumed_random_states = None
+
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Refuse a checkpoint of another architecture with one clear message instead of a state_dict traceback."""
+        self._resumed_random_states = checkpoint.get("random_states")  # for on_train_start
         ours = self.state_dict()
         theirs = checkpoint.get("state_dict", {})
         mismatched = sorted(
