@@ -6,14 +6,18 @@ Trainer subcommands go to LightningCLI unchanged (configs compose left to right,
 the arguments; they parse their options with the same parser (robust_lightning.argument_parsing).
 """
 
+import inspect
 import itertools
+import math
 import netrc
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
@@ -23,6 +27,7 @@ from robust_lightning.data.corrupt_report import CorruptImageReport
 from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.errors import UserError
 from robust_lightning.loggers import SaveConfigToWandb
+from robust_lightning.models.weights import read_lightning_checkpoint, require_checkpoint_file
 from robust_lightning.evaluation.results import PredictionWriter, RunResults
 from robust_lightning.scale.srun import shield_forked_children
 from robust_lightning.training.checkpoint_io import AtomicCheckpointIO
@@ -96,7 +101,80 @@ def continue_in_latest_run_directory(trainer_config) -> None:
                 metrics.rename(metrics.with_name(f"metrics.part{part}.csv"))
 
 
+# What a checkpoint given with --ckpt_path carries, and which of its settings win (README, "What a checkpoint
+# carries"). LightningCLI re-parses the checkpoint's hyper-parameters over the command line and the configs;
+# model settings given there that differ from the checkpoint's are applied again over them, except:
+ARCHITECTURE_SETTINGS = ("arch", "arch_kwargs", "mean", "std", "small_input", "ema_decay")  # define its tensors
+OPTIMIZER_SETTINGS = ("lr", "min_lr", "warmup_epochs", "weight_decay", "weight_decay_rule", "betas")  # fit resumes them
+WARM_START_SETTINGS = ("init_from", "init_from_ema", "new_head")  # unused: the checkpoint's weights replace a warm start
+DATA_LINKED_SETTINGS = ("num_classes", "image_size")  # set from data.*; on_load_checkpoint refuses a mismatch
+LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")  # resolved by the Trainer, not paths
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as settings: lists and tuples alike, floats to float32 precision (a normaliser read from tensors)."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if type(a) in (int, float) and type(b) in (int, float):
+        return math.isclose(a, b, rel_tol=1e-6)
+    return a == b
+
+
+def model_settings_over_checkpoint(subcommand: str, ckpt_path: str, model: dict, named: set[str]) -> dict:
+    """The model settings given on the command line or in a config that differ from the checkpoint's and apply
+    over them; a UserError for one the checkpoint decides. A setting counts as given when it is named on the
+    command line or differs from ImageClassifier's default."""
+    saved = read_lightning_checkpoint(ckpt_path)
+    defaults = {name: p.default for name, p in inspect.signature(ImageClassifier.__init__).parameters.items()}
+    applied = {}
+    for key, value in model.items():
+        if key not in saved or key in WARM_START_SETTINGS or key in DATA_LINKED_SETTINGS:
+            continue
+        given = key in named or not _same(value, defaults.get(key, value))
+        if not given or _same(value, saved[key]):
+            continue
+        if key in ARCHITECTURE_SETTINGS:
+            wins = "the architecture and the input normaliser, which define the weights it holds"
+        elif key in OPTIMIZER_SETTINGS and subcommand == "fit":
+            wins = "the optimiser and the learning-rate schedule, whose state fit resumes from it"
+        else:
+            applied[key] = value
+            continue
+        option = f"--model.{key}" if key in named else f"model.{key} (from a config)"
+        raise UserError(f"{option} {value!r} conflicts with the checkpoint's {key} {saved[key]!r} ({ckpt_path}): "
+                        f"the checkpoint's setting wins for {wins}; drop the option")
+    return applied
+
+
 class RobustLightningCLI(LightningCLI):
+    model_overrides: dict[str, Any] = {}
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Check --ckpt_path before LightningCLI reads it, and keep the model settings that apply over it."""
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        config = self.config.get(subcommand) if subcommand else None
+        ckpt_path = config.get("ckpt_path") if config is not None else None
+        if not ckpt_path or str(ckpt_path) in LIGHTNING_CKPT_NAMES:
+            return
+        argv = sys.argv[1:] if args is None else args if isinstance(args, list) else []
+        named = {m.group(1) for token in argv if (m := re.match(r"--model\.(\w+)", str(token)))}
+        self.model_overrides = model_settings_over_checkpoint(subcommand, str(ckpt_path), config.model.as_dict(), named)
+
+    def apply_model_settings(self, config) -> None:
+        """Settings over the checkpoint's (LightningCLI has parsed its hyper-parameters in by now); without a
+        checkpoint, a missing or empty model.init_from is reported before any data is read."""
+        for key, value in self.model_overrides.items():
+            config.model[key] = value
+        init_from = config.model.get("init_from")
+        if init_from and not config.get("ckpt_path"):
+            try:
+                require_checkpoint_file(init_from)
+            except UserError as e:
+                raise UserError(f"model.init_from: {e}") from e
+
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
         # --ckpt_path loads with torch.load(weights_only=True): a checkpoint can never run code on load
@@ -105,6 +183,7 @@ class RobustLightningCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand)
+        self.apply_model_settings(config)
         if self.subcommand == "fit" and config.get("ckpt_path") == "last":
             continue_in_latest_run_directory(config.trainer)
 
@@ -153,6 +232,25 @@ def _wandb_offline_without_credentials() -> None:
         os.environ["WANDB_MODE"] = "offline"
 
 
+def check_config_files(args: Sequence[str]) -> None:
+    """An empty config file or one with a YAML syntax error, reported with its name (jsonargparse says
+    "Unexpected config" or quotes "<unicode string>"); a missing one is left to the parser, which names it."""
+    for index, token in enumerate(args):
+        name = token.partition("=")[2] if token.startswith("--config=") else (
+            args[index + 1] if token == "--config" and index + 1 < len(args) else None)
+        if not name or not Path(name).is_file():
+            continue
+        try:
+            content = yaml.safe_load(Path(name).read_text())
+        except yaml.YAMLError as e:
+            raise UserError(f"config file {name} is not valid YAML: {' '.join(str(e).split())}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"cannot read config file {name}: {e}") from None
+        if content is None:
+            raise UserError(f"config file {name} is empty; expected a YAML mapping of options, e.g. 'trainer: "
+                            "{max_epochs: 2}'")
+
+
 def main(args: Sequence[str] | None = None) -> int:
     from_command_line = args is None
     args = list(sys.argv[1:] if from_command_line else args)
@@ -166,6 +264,7 @@ def main(args: Sequence[str] | None = None) -> int:
     shield_forked_children()  # SLURM's requeue signal is for this process, not its DataLoader workers
     _wandb_offline_without_credentials()
     try:
+        check_config_files(args)
         if args[0] in TOOL_COMMANDS:
             return TOOL_COMMANDS[args[0]][1](args[1:])
         if args[0] not in TRAINER_COMMANDS:
@@ -187,7 +286,10 @@ def main(args: Sequence[str] | None = None) -> int:
             parser_kwargs={"default_env": True, "env_prefix": "RL"},
         )
     except UserError as e:
-        print(f"robust-lightning: error: {e}", file=sys.stderr)
+        message = str(e)
+        if "Original Traceback" in message:  # raised in a DataLoader worker: torch adds the worker's traceback
+            message = message.rpartition(f"{UserError.__module__}.UserError: ")[2].strip() or message
+        print(f"robust-lightning: error: {message}", file=sys.stderr)
         return 2
     return 0
 

@@ -191,7 +191,7 @@ def test_ema_follows_every_optimiser_step_and_round_trips_through_a_checkpoint(t
         out = export_weights(path, tmp_path / f"w-{use_ema}.safetensors", ema=use_ema)
         fresh = ImageClassifier(arch="test_convnext", num_classes=4, init_from=str(out))
         fresh.trainer = type("T", (), {"ckpt_path": None})()
-        fresh.setup("test")
+        fresh.warm_start()
         with torch.no_grad():
             assert torch.allclose(fresh.model.eval()(x), source.eval()(x), atol=1e-6)
     assert read_checkpoint(path).has_ema and not read_checkpoint(tmp_path / "w-True.safetensors").has_ema

@@ -67,6 +67,8 @@ __all__ = [
     "load_model",
     "load_pretrained",
     "read_checkpoint",
+    "read_lightning_checkpoint",
+    "require_checkpoint_file",
     "read_state_dict",
     "save_net_weights",
 ]
@@ -157,8 +159,14 @@ def _load_file(path: Path) -> object:
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
         raise UserError(
             f"cannot read checkpoint {path}: expected a PyTorch state dict (.pt/.pth/.ckpt) or a .safetensors "
-            f"file ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            f"file ({type(e).__name__}: {_reason(e)})"
         ) from e
+
+
+def _reason(e: Exception) -> str:
+    """The first sentence of an exception's message (torch appends paragraphs of advice to its zip errors)."""
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return text.split(". ")[0].rstrip(".")
 
 
 def _unsafe_globals(path: Path) -> list[str]:
@@ -186,6 +194,46 @@ def _pick_state_dict(obj: object, path: Path, prefer_ema: bool) -> dict[str, tor
     )
 
 
+CHECKPOINT_KINDS = "a checkpoint file (.ckpt, .pt/.pth or .safetensors)"
+
+
+def require_checkpoint_file(path: str | Path, expected: str = CHECKPOINT_KINDS) -> None:
+    """A UserError naming ``path`` and what was expected when it is missing, a directory or empty."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path} is a directory; expected {expected}")
+    if not path.is_file():
+        raise UserError(f"checkpoint not found: {path}; expected {expected}")
+    if path.stat().st_size == 0:
+        raise UserError(f"checkpoint {path} is empty (0 bytes); expected {expected}")
+
+
+def read_lightning_checkpoint(path: str | Path) -> dict:
+    """The hyper-parameters of a Lightning checkpoint (``--ckpt_path``), checked before Lightning reads it.
+
+    The file is memory-mapped (``torch.load(mmap=True, weights_only=True)``), so the check reads the
+    metadata without copying the weights. Missing, empty, truncated files and weight files that are not a
+    training checkpoint (no ``state_dict``) are a UserError naming the path and what was expected.
+    """
+    path = Path(path)
+    expected = "a .ckpt file written by robust-lightning fit"
+    require_checkpoint_file(path, expected)
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        raise UserError(f"refusing to load {path}: it pickles Python objects (checkpoints load with "
+                        f"torch.load(weights_only=True)); expected {expected}") from e
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
+        raise UserError(f"cannot read checkpoint {path} (truncated or not a PyTorch checkpoint: {_reason(e)}); "
+                        f"expected {expected}") from e
+    if not isinstance(loaded, dict) or not isinstance(loaded.get("state_dict"), dict):
+        raise UserError(f"{path} is not a Lightning training checkpoint (no 'state_dict'); expected {expected}. "
+                        "To evaluate a weights file (.pt/.pth/.safetensors, a released model), pass it as "
+                        "--model.init_from instead of --ckpt_path")
+    hparams = loaded.get("hyper_parameters")
+    return dict(hparams) if isinstance(hparams, dict) else {}
+
+
 def read_checkpoint(path: str | Path, prefer_ema: bool = False) -> CheckpointWeights:
     """Read a checkpoint into the net's key space; ``normalize.*`` buffers are returned separately.
 
@@ -194,8 +242,7 @@ def read_checkpoint(path: str | Path, prefer_ema: bool = False) -> CheckpointWei
     under ``state_dict``.) Without it, EMA weights are left out.
     """
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"checkpoint not found: {path}")
+    require_checkpoint_file(path)
     loaded = _load_file(path)
     raw = _pick_state_dict(loaded, path, prefer_ema)
     # Our Lightning checkpoints keep the EMA copy beside the raw weights, under ema.module.*

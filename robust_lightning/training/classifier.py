@@ -96,8 +96,9 @@ class ImageClassifier(LightningModule):
         arch_kwargs: extra keyword arguments for timm.create_model (e.g. drop_path_rate).
         init_from: warm start from a local checkpoint (.ckpt, .pt/.pth state dict or .safetensors, the released
             files of Singh et al. and RobustBench included); a ConvStem model takes all non-stem weights from
-            its PatchStem counterpart. An input normaliser stored in the file replaces the model's. Ignored
-            when the trainer resumes from a checkpoint.
+            its PatchStem counterpart. An input normaliser stored in the file replaces the model's. Loaded at
+            the start of fit/validate/test/predict; never read when a checkpoint is loaded (``--ckpt_path``,
+            ``load_from_checkpoint``): the checkpoint holds the weights.
         init_from_ema: take the EMA weights of init_from when it has them (fine-tuning a robust model).
         new_head: start with a fresh classifier head instead of the checkpoint's (transfer to another label
             space, e.g. CIFAR-10).
@@ -191,6 +192,7 @@ class ImageClassifier(LightningModule):
         self._ema_step = 0
         self._resumed_random_states = None  # set by on_load_checkpoint, applied by on_train_start
         self.warm_start_report = None
+        self.weights_from_checkpoint = False  # set by on_load_checkpoint: init_from is then never read
         self.train_metrics = MetricCollection(
             {"clean_acc1": MulticlassAccuracy(num_classes, average="micro"),
              "adv_acc1": MulticlassAccuracy(num_classes, average="micro")}, prefix="train/")
@@ -204,24 +206,50 @@ class ImageClassifier(LightningModule):
             }) for weights in (["raw", "ema"] if self.ema is not None else ["raw"])
         })
 
-    def setup(self, stage: str) -> None:
-        # Warm start here rather than in __init__: a resumed run (ckpt_path) and load_from_checkpoint() must
-        # not need the original init_from file.
-        if self.hparams.init_from and self.trainer.ckpt_path is None and self.warm_start_report is None:
-            self.warm_start_report = load_pretrained(self.model, self.hparams.init_from, new_head=self.hparams.new_head,
-                                                     prefer_ema=self.hparams.init_from_ema)
-            rank_zero_info(str(self.warm_start_report))
-            if adopt_normalizer(self.model, self.warm_start_report.checkpoint_normalize):
-                # the weights were trained behind this normaliser; recorded so a resumed run rebuilds it
-                self.hparams.mean = self.model.normalize.mean.flatten().tolist()
-                self.hparams.std = self.model.normalize.std.flatten().tolist()
-                self.warm_start_report.notes.append(f"input normaliser taken from the checkpoint: {self.model.normalize}")
-                rank_zero_info(self.warm_start_report.notes[-1])
-                if self.ema is not None:
-                    self.ema.module.normalize = copy.deepcopy(self.model.normalize)
-            if self.ema is not None:  # the average starts from the warm-start weights, not the random init
-                self.ema.set(self.model)
+    def warm_start(self) -> None:
+        """Load ``init_from`` into the model, once, unless a checkpoint's weights were (or will be) loaded.
 
+        Runs at the start of fit / validate / test / predict, after Lightning has restored a ``ckpt_path`` (and
+        ``load_from_checkpoint`` calls ``on_load_checkpoint`` first too): a checkpoint is self-contained and
+        never needs its warm-start file again.
+        """
+        trainer = self._trainer
+        if (not self.hparams.init_from or self.warm_start_report is not None or self.weights_from_checkpoint
+                or (trainer is not None and trainer.ckpt_path is not None)):
+            return
+        try:
+            self.warm_start_report = load_pretrained(self.model, self.hparams.init_from,
+                                                     new_head=self.hparams.new_head,
+                                                     prefer_ema=self.hparams.init_from_ema)
+        except UserError as e:
+            raise UserError(f"model.init_from: {e}") from e
+        rank_zero_info(str(self.warm_start_report))
+        if adopt_normalizer(self.model, self.warm_start_report.checkpoint_normalize):
+            self.model.normalize.to(self.device)  # the model may already be on its device
+            # the weights were trained behind this normaliser; recorded so a resumed run rebuilds it
+            self.hparams.mean = self.model.normalize.mean.flatten().tolist()
+            self.hparams.std = self.model.normalize.std.flatten().tolist()
+            self.warm_start_report.notes.append(f"input normaliser taken from the checkpoint: {self.model.normalize}")
+            rank_zero_info(self.warm_start_report.notes[-1])
+            if self.ema is not None:
+                self.ema.module.normalize = copy.deepcopy(self.model.normalize)
+        if self.ema is not None:  # the average starts from the warm-start weights, not the random init
+            self.ema.set(self.model)
+
+    # After any checkpoint restore (Lightning restores modules before these hooks) and before the first batch.
+    def on_fit_start(self) -> None:
+        self.warm_start()
+
+    def on_validation_start(self) -> None:
+        self.warm_start()
+
+    def on_test_start(self) -> None:
+        self.warm_start()
+
+    def on_predict_start(self) -> None:
+        self.warm_start()
+
+    def setup(self, stage: str) -> None:
         data = getattr(self.trainer, "datamodule", None)
         if is_robustbench_arch(self.hparams.arch) and hasattr(data, "crop_pct"):
             mismatch = preprocessing_mismatch(self.hparams.arch, data.image_size, data.crop_pct)
@@ -259,6 +287,7 @@ class ImageClassifier(LightningModule):
                 f"{self.hparams.arch!r} (num_classes {self.hparams.num_classes}, ema_decay {self.hparams.ema_decay}); "
                 f"mismatched keys:\n  {listed}"
             )
+        self.weights_from_checkpoint = True
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self._run(self.model, images)
