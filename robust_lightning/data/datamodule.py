@@ -131,6 +131,16 @@ class ListedImages:
             )
 
 
+def stop_at_unreadable_shard(exn: Exception) -> bool:
+    """webdataset handler: a shard that cannot be read to its end (truncated, not a tar file) stops the run
+    with its name, instead of silently leaving its remaining samples out of the metrics or the training."""
+    if isinstance(exn, UserError):
+        raise exn
+    reason = exn.args[0] if exn.args else type(exn).__name__
+    raise UserError(f"cannot read shard ({type(exn).__name__}: {reason}): it is truncated or not a tar file; "
+                    "re-create it with robust-lightning shards") from exn
+
+
 class ShardStream(IterableDataset):
     """Decoded samples from one rank's shards, split between the DataLoader workers.
 
@@ -148,6 +158,8 @@ class ShardStream(IterableDataset):
         self.shuffle_buffer = shuffle_buffer
         self.seed = seed
         self.epoch = 0  # set by ShardTrainLoader in the main process before workers start
+        # an unreadable shard stops the run; data.on_missing_images warn reads on and counts what is missing
+        self.handler = stop_at_unreadable_shard
 
     def _worker_urls(self, worker: int, num_workers: int):
         for repetition in itertools.count():

@@ -152,8 +152,9 @@ def read_manifest(directory: str | Path) -> dict | None:
     return manifest
 
 
-def shard_urls(directory: str | Path) -> list[str]:
-    """Paths of the shards listed in ``directory/manifest.json``, in manifest order."""
+def shard_urls(directory: str | Path, check_sizes: bool = True) -> list[str]:
+    """Paths of the shards listed in ``directory/manifest.json``, in manifest order. ``check_sizes``: refuse
+    shards whose size differs from the manifest (off: read what is there and count what is missing)."""
     directory = Path(directory)
     manifest = read_manifest(directory)
     if manifest is None:
@@ -165,6 +166,12 @@ def shard_urls(directory: str | Path) -> list[str]:
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise UserError(f"{directory}: shard(s) listed in {MANIFEST_NAME} are missing: {', '.join(missing[:3])}{more}")
+    # a truncated copy can end exactly between two tar members, which tarfile reads as a normal end
+    resized = [f"{p.name} ({p.stat().st_size} bytes, the manifest says {s['bytes']})"
+               for p, s in zip(urls, manifest["shards"]) if "bytes" in s and p.stat().st_size != s["bytes"]]
+    if resized and check_sizes:
+        raise UserError(f"{directory}: shard(s) truncated or changed since they were written: {', '.join(resized[:3])}; "
+                        "re-create them with robust-lightning shards")
     return [str(p) for p in urls]
 
 
