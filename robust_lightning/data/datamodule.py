@@ -176,7 +176,7 @@ class ShardStream(IterableDataset):
     def __iter__(self):
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
-        samples = wds.tarfile_samples(self._worker_urls(worker, num_workers), handler=wds.warn_and_continue)
+        samples = wds.tarfile_samples(self._worker_urls(worker, num_workers), handler=self.handler)
         if self.shuffle_buffer > 1:
             rng = random.Random(f"{self.seed}-{self.epoch}-{worker}")
             samples = wds.shuffle(self.shuffle_buffer, min(100, self.shuffle_buffer), rng=rng)(samples)
@@ -222,7 +222,7 @@ class HoldoutStream(ShardStream):
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
         readers = self.world_size * num_workers
         mine = self.rank * num_workers + worker
-        samples = wds.tarfile_samples(({"url": url} for url in self.urls), handler=wds.warn_and_continue)
+        samples = wds.tarfile_samples(({"url": url} for url in self.urls), handler=self.handler)
         for index, sample in enumerate(itertools.islice(samples, self.limit)):
             if index % readers == mine:
                 yield self.decode(sample)
