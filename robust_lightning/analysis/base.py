@@ -7,20 +7,16 @@ present) and its scalars to the loggers. Analyses run in one process: they are c
 most of them (lesion, Hessian spectra, ...) are not sums over images that ranks could split.
 """
 
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from lightning import Callback
-from lightning.pytorch.loggers import WandbLogger
 from torch import nn
 
-from robust_lightning.data.transforms import eval_transform
 from robust_lightning.errors import UserError
-from robust_lightning.evaluation.results import update_results
+from robust_lightning.evaluation.base import Evaluation, check_weights, evaluating, new_figure  # noqa: F401
 
 
-class Analysis(Callback):
+class Analysis(Evaluation):
     """Base class. Subclasses set ``name`` (the results.json section) and implement ``analyse``.
 
     Args:
@@ -35,8 +31,7 @@ class Analysis(Callback):
     def __init__(self, max_images: int = 256, batch_size: int = 64, weights: str = "raw", plot: bool = True):
         if max_images < 1 or batch_size < 1:
             raise UserError(f"{type(self).__name__}: max_images and batch_size must be positive")
-        if weights not in ("raw", "ema"):
-            raise UserError(f"{type(self).__name__}.weights must be 'raw' or 'ema', got {weights!r}")
+        check_weights(type(self).__name__, weights)
         self.max_images, self.batch_size, self.weights, self.plot = max_images, batch_size, weights, plot
 
     # ------------------------------------------------------------------------------------------ inputs
@@ -50,24 +45,12 @@ class Analysis(Callback):
 
     def model(self, pl_module) -> nn.Module:
         """The classifier in eval mode: [0, 1] images in, logits out (its timm network is ``.net``)."""
-        if self.weights == "ema":
-            if getattr(pl_module, "ema", None) is None:
-                raise UserError(f"{type(self).__name__}.weights 'ema' needs a model trained with model.ema_decay")
-            return pl_module.ema.module.eval()
-        return pl_module.model.eval()
+        return self.network(pl_module).eval()
 
     def batches(self, trainer, pl_module) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(images in [0, 1], labels) on the model's device: the first ``max_images`` evaluation images."""
-        seen = 0
-        data = trainer.datamodule
-        loader = data.eval_dataloader_with(eval_transform(data.image_size, data.crop_pct), self.batch_size)
-        for batch in loader:
-            if seen >= self.max_images:
-                return
-            take = min(len(batch["label"]), self.max_images - seen)
-            seen += take
-            yield (batch["image"][:take].to(pl_module.device).float().div_(255),
-                   batch["label"][:take].to(pl_module.device))
+        for batch in self.eval_batches(trainer, pl_module, limit=self.max_images, batch_size=self.batch_size):
+            yield batch["image"], batch["label"]
 
     def images(self, trainer, pl_module) -> tuple[torch.Tensor, torch.Tensor]:
         """All of them at once (for analyses that need the whole set, e.g. random masks shared by images)."""
@@ -91,41 +74,20 @@ class Analysis(Callback):
         raise NotImplementedError
 
     def on_test_end(self, trainer, pl_module) -> None:
-        was_training = pl_module.training
-        with torch.inference_mode(False), torch.enable_grad():
+        with evaluating(pl_module), torch.inference_mode(False), torch.enable_grad():
             section, metrics, figure = self.analyse(trainer, pl_module)
-        pl_module.train(was_training)
         self.publish(trainer, section, metrics, figure)
 
-    def publish(self, trainer, section: dict[str, Any], metrics: dict[str, float], figure) -> None:
-        run_dir = Path(trainer.log_dir or trainer.default_root_dir)
+    def publish(self, trainer, section: dict[str, Any], metrics: dict[str, float], figure=None, tables=None,
+                message=None) -> dict[str, Any] | None:
+        """As ``Evaluation.publish``, with the analysis's conditions added and its metrics under ``<name>/``."""
         # "images": the analysis's own count when it gives one (e.g. a dataset of its own), else max_images
         section = {**section, "conditions": {"images": self.max_images, **section.get("conditions", {}),
                                              "weights": self.weights, "checkpoint": trainer.ckpt_path}}
-        if figure is not None:
+        if figure is not None and not self.plot:
             import matplotlib.pyplot as plt  # noqa: PLC0415 (slow to import; only when plotting)
 
-            path = run_dir / f"{self.name}.png"
-            run_dir.mkdir(parents=True, exist_ok=True)
-            if self.plot:
-                figure.savefig(path, dpi=100, bbox_inches="tight")
-                section["plot"] = str(path.resolve())
             plt.close(figure)
-        update_results(run_dir / "results.json", {self.name: section})
+            figure = None
         keyed = {f"{self.name}/{k}": float(v) for k, v in metrics.items()}
-        for logger in trainer.loggers:
-            logger.log_metrics(keyed, step=trainer.global_step)
-            if isinstance(logger, WandbLogger) and "plot" in section:
-                logger.log_image(f"{self.name}/plot", [section["plot"]])
-        print(f"{self.name}: {', '.join(f'{k}={v:.4g}' for k, v in metrics.items()) or 'done'}; "
-              f"results: {(run_dir / 'results.json').resolve()}", flush=True)
-
-
-def new_figure(*args, **kwargs):
-    """A matplotlib figure on the file-only backend (compute nodes have no display)."""
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    return plt.subplots(*args, **kwargs)
+        return super().publish(trainer, section, keyed, figure, tables, message)

@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from torchvision.transforms import v2 as T
 
 from robust_lightning.analysis.base import Analysis, new_figure
+from robust_lightning.evaluation.base import to_model_input
 from robust_lightning.data.transforms import BICUBIC, decode_rgb, eval_resize_size
 from robust_lightning.errors import UserError
 from robust_lightning.paths import DATA_DIR
@@ -106,7 +107,7 @@ def decisions(model: nn.Module, files: list[Path], mapping: dict[str, list[int]]
                         num_workers=num_workers, collate_fn=default_collate)
     out = []
     for images in loader:
-        logits = model(images.to(device).float().div_(255))
+        logits = model(to_model_input(images, device))
         if logits.shape[1] != 1000:
             raise UserError(f"ShapeBias needs a model with ImageNet's 1000 classes; this one has {logits.shape[1]}")
         out += [names[i] for i in category_probabilities(logits, mapping).argmax(1).tolist()]

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 from torchvision.datasets import ImageFolder
 
 from robust_lightning.data.augment import BatchAugment
+from robust_lightning.data.batch import Batch
 from robust_lightning.data.classes import class_map as load_class_map
 from robust_lightning.data.shards import read_manifest, shard_urls
 from robust_lightning.data.synthetic import ensure_synthetic_dataset
@@ -58,7 +59,7 @@ def transform_bytes(transform, data: bytes) -> dict[str, Any]:
     return out if isinstance(out, dict) else {"image": out}
 
 
-def collate(items: list[dict | Corrupt], augment: BatchAugment | None = None) -> dict[str, Any]:
+def collate(items: list[dict | Corrupt], augment: BatchAugment | None = None) -> Batch:
     """Batch the good samples; report the corrupt ones by name instead of failing the batch.
 
     Image and label travel in one sample, so dropping a sample can never shift labels. ``augment`` (per-image
@@ -756,6 +757,12 @@ class ImageNetDataModule(LightningDataModule):
         inner.transform = transform
         workers = {} if num_workers is None else {"num_workers": num_workers}
         return self._eval_dataloader(dataset, batch_size, **workers)
+
+    def expected_eval_images(self) -> tuple[int | None, frozenset[str] | None]:
+        """What the last ``setup`` selected for evaluation, where it is known before the images are read: (the
+        number of images of a shard selection (manifest, list or limit), the keys of a listed subset); None
+        where not known (or, for a folder, where every file is found by listing it)."""
+        return self.eval_images, self.eval_keys
 
     def training_sample(self, device: torch.device | str, fraction: float = 1.0, max_images: int | None = None,
                         batch_size: int | None = None, seed: int = 0) -> TrainingSample:

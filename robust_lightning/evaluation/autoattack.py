@@ -12,16 +12,12 @@ With ``fit_images`` set, the callback also evaluates the final model of a ``fit`
 of the validation data (the quickstart reports AutoAttack this way).
 """
 
-import json
-import os
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from lightning import Callback
-from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from robust_lightning.attacks.autoattack import (
@@ -30,7 +26,11 @@ from robust_lightning.attacks.autoattack import (
 )
 from robust_lightning.attacks.projections import NORMS
 from robust_lightning.errors import UserError
-from robust_lightning.evaluation.results import update_results, weights_sha256
+from robust_lightning.evaluation.base import Evaluation, barrier, evaluating, sum_over_ranks
+from robust_lightning.evaluation.outcomes import (  # noqa: F401 (read_outcomes, append_record: public here too)
+    append_record, as_json, claim_directory, read_outcomes, summarise,
+)
+from robust_lightning.evaluation.results import weights_sha256
 
 
 @dataclass(frozen=True)
@@ -67,76 +67,7 @@ def parse_threat_models(items, owner: str, n_iter: int | None) -> list[ThreatMod
     return threats
 
 
-def read_outcomes(directory: Path) -> dict[str, dict[str, Any]]:
-    """Per-image outcomes saved in ``directory`` (all ranks, all sessions): key -> record; first record wins."""
-    outcomes: dict[str, dict[str, Any]] = {}
-    for path in sorted(directory.glob("rank*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                batch = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by a kill: its batch is simply redone
-                continue
-            for i, key in enumerate(batch["key"]):
-                outcomes.setdefault(key, {
-                    "label": batch["label"][i], "clean": batch["clean"][i], "robust": batch["robust"][i],
-                    "broken_by": batch["broken_by"][i],
-                })
-    return outcomes
-
-
-def append_record(path: Path, record: dict) -> None:
-    """Append one batch's outcomes as a JSON line, on disk (fsynced) before the next batch starts."""
-    with open(path, "a+b") as f:  # appends go to the end whatever the read position
-        if f.seek(0, os.SEEK_END):
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":  # a line a kill cut short: ours must not be glued onto it
-                f.write(b"\n")
-        f.write((json.dumps(record) + "\n").encode())
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def as_json(value: Any) -> Any:
-    """``value`` as it reads back from a JSON manifest (paths as strings)."""
-    return str(value) if isinstance(value, Path) else value
-
-
-def claim_directory(directory: Path, identity: dict[str, Any], is_global_zero: bool, owner: str) -> None:
-    """Refuse to mix outcomes of another checkpoint or setting into ``directory``; record ours.
-    ``owner``: the callback whose ``results_dir`` the error message tells the user to change."""
-    directory.mkdir(parents=True, exist_ok=True)
-    manifest = directory / "manifest.json"
-    if manifest.is_file():
-        saved = json.loads(manifest.read_text())
-        if saved != identity:
-            changed = sorted(k for k in identity if saved.get(k) != identity[k])
-            raise UserError(
-                f"{directory} holds outcomes of a different evaluation ({', '.join(changed)} differ); set "
-                f"{owner}.results_dir to a new directory, or delete it to start over"
-            )
-    elif is_global_zero:
-        update_results(manifest, identity)
-
-
-def summarise(outcomes: dict[str, dict[str, Any]], attacks: tuple[str, ...]) -> dict[str, Any]:
-    """Clean and robust accuracy, and robust accuracy after each attack, from per-image outcomes."""
-    n = len(outcomes)
-    if n == 0:
-        return {"num_points": 0}
-    broken = [o["broken_by"] for o in outcomes.values()]
-    after, survivors = {}, sum(o["clean"] for o in outcomes.values())
-    for attack in attacks:
-        survivors -= broken.count(attack)
-        after[attack] = survivors / n
-    return {
-        "num_points": n,
-        "clean_accuracy": sum(o["clean"] for o in outcomes.values()) / n,
-        "robust_accuracy": sum(o["robust"] for o in outcomes.values()) / n,
-        "robust_accuracy_after": after,
-    }
-
-
-class AutoAttackEvaluation(Callback):
+class AutoAttackEvaluation(Evaluation):
     """AutoAttack on the test set, in each of ``threat_models``.
 
     Args:
@@ -159,6 +90,8 @@ class AutoAttackEvaluation(Callback):
             with the same directory resumes; outcomes of another checkpoint or setting there are refused. It
             must be on a filesystem all ranks share (as checkpoints are).
     """
+
+    name = "autoattack"
 
     def __init__(
         self,
@@ -191,6 +124,7 @@ class AutoAttackEvaluation(Callback):
         # this session's totals per threat model and attack (not saved per point: a resumed run counts anew)
         self.seconds: dict[str, dict[str, float]] = {}
         self.refuted: dict[str, dict[str, int]] = {}  # claims the fp32 check refuted (AutoAttackReport.refuted)
+        self.locks = ExitStack()  # the outcome folders' locks, held from _start until teardown
 
     # ----------------------------------------------------------------------------------------- set-up
     def _directory(self, threat: ThreatModel) -> Path:
@@ -199,7 +133,7 @@ class AutoAttackEvaluation(Callback):
     def _identity(self, trainer, weights_hash: str, threat: ThreatModel) -> dict[str, Any]:
         """What the saved outcomes must have been computed with for a re-run to resume from them: the weights
         evaluated (also after fit, where no checkpoint file names them), the images and the attack."""
-        data = trainer.datamodule
+        data = trainer.datamodule  # its settings (init args) that choose and preprocess the images
         return {
             "weights_sha256": weights_hash, "weights": self.weights,
             **{f"data_{name}": as_json(getattr(data, name, None))
@@ -215,14 +149,13 @@ class AutoAttackEvaluation(Callback):
         self._start(trainer, pl_module, self.results_dir or Path(trainer.default_root_dir) / "autoattack")
 
     def _start(self, trainer, pl_module, results_dir: Path) -> None:
-        if self.weights == "ema" and getattr(pl_module, "ema", None) is None:
-            raise UserError("AutoAttackEvaluation.weights 'ema' needs a model trained with model.ema_decay")
+        network = self.network(pl_module)
         self.results_dir = results_dir
         self.seen: set[str] = set()  # keys of this session's images
-        weights_hash = weights_sha256(self._network(pl_module))  # once: it reads every weight
+        weights_hash = weights_sha256(network)  # once: it reads every weight
         for threat in self.threat_models:
             claim_directory(self._directory(threat), self._identity(trainer, weights_hash, threat),
-                            trainer.is_global_zero, "AutoAttackEvaluation")
+                            trainer.is_global_zero, "AutoAttackEvaluation", self.locks)
             self.done[threat.name] = set(read_outcomes(self._directory(threat)))
             self.seconds[threat.name], self.refuted[threat.name] = {}, {}
             if self.done[threat.name] and trainer.is_global_zero:
@@ -231,24 +164,17 @@ class AutoAttackEvaluation(Callback):
     def on_fit_end(self, trainer, pl_module) -> None:
         if not self.fit_images:
             return
-        run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # a collective under DDP: all ranks call it
-        self._start(trainer, pl_module, self.results_dir or run_dir / "autoattack")
-        share = self.fit_images // trainer.world_size + (trainer.global_rank < self.fit_images % trainer.world_size)
-        was_training = pl_module.training
-        pl_module.eval()
-        seen = 0
-        for batch in trainer.datamodule.val_dataloader():
-            if seen >= share:
-                break
-            batch = {"image": batch["image"][: share - seen].to(pl_module.device).float().div_(255),
-                     "label": batch["label"][: share - seen].to(pl_module.device), "key": batch["key"][: share - seen]}
-            seen += len(batch["key"])
-            self.on_test_batch_end(trainer, pl_module, None, batch, 0)
-        self._finish(trainer, pl_module)
-        pl_module.train(was_training)
+        self._start(trainer, pl_module, self.results_dir or self.run_dir(trainer) / "autoattack")
+        with evaluating(pl_module):
+            for batch in self.eval_batches(trainer, pl_module, limit=self.fit_images, progress="autoattack"):
+                self.on_test_batch_end(trainer, pl_module, None, batch, 0)
+            self._finish(trainer, pl_module)
 
-    def _network(self, pl_module):
-        return pl_module.ema.module if self.weights == "ema" else pl_module.model
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self.locks.close()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self.locks.close()
 
     # --------------------------------------------------------------------------------------- per batch
     def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
@@ -262,7 +188,7 @@ class AutoAttackEvaluation(Callback):
             todo = [i for i, key in enumerate(keys) if key not in self.done[threat.name]]
             if not todo:
                 continue
-            adversary = AutoAttack(self._network(pl_module), norm=threat.norm, eps=threat.eps, version=self.version,
+            adversary = AutoAttack(self.network(pl_module), norm=threat.norm, eps=threat.eps, version=self.version,
                                    seed=self.seed, engine=self.engine, device=pl_module.device,
                                    precision=self.precision, n_iter=self.n_iter, channels_last=self.channels_last,
                                    fold_batchnorm=self.fold_batchnorm)
@@ -282,22 +208,22 @@ class AutoAttackEvaluation(Callback):
     # -------------------------------------------------------------------------------------------- end
     def on_test_epoch_end(self, trainer, pl_module) -> None:
         data = trainer.datamodule
-        self._finish(trainer, pl_module, getattr(data, "eval_images", None), getattr(data, "eval_keys", None))
+        expected = data.expected_eval_images() if hasattr(data, "expected_eval_images") else (None, None)
+        self._finish(trainer, pl_module, *expected)
 
     def _finish(self, trainer, pl_module, expected: int | None = None, expected_keys: frozenset | None = None) -> None:
         """Summarise every saved outcome into results.json and the loggers. ``expected``: the evaluation set's
         size, so that images that never arrived (missing from shards, unreadable, cut by limit_test_batches)
         are reported rather than silently left out; ``expected_keys`` names them where the set is a list."""
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()  # every rank's outcomes are on disk before anyone reads them
+        barrier(trainer)  # every rank's outcomes are on disk before anyone reads them
         sections, rows, metrics = {}, [], {}
         for threat in self.threat_models:
             outcomes = read_outcomes(self._directory(threat))
             summary = summarise(outcomes, VERSIONS[self.version])
-            seconds = _summed_over_ranks(self.seconds.get(threat.name, {}))
+            seconds = sum_over_ranks(self.seconds.get(threat.name, {}))
             summary["seconds_this_session"] = {attack: round(value, 2) for attack, value in seconds.items()}
             if self.engine == "fast":
-                summary["claims_refuted_in_fp32_this_session"] = _summed_over_ranks(self.refuted.get(threat.name, {}))
+                summary["claims_refuted_in_fp32_this_session"] = sum_over_ranks(self.refuted.get(threat.name, {}))
             if expected and summary["num_points"] < expected:
                 summary["images_not_evaluated"] = expected - summary["num_points"]
                 if expected_keys is not None:
@@ -311,36 +237,18 @@ class AutoAttackEvaluation(Callback):
         conditions = {"version": self.version, "engine": self.engine, "precision": precision_note(self.precision),
                       "channels_last": uses_channels_last(self.engine, pl_module.device, self.channels_last),
                       "batchnorm_folded": folds_batchnorm(self.engine, self.fold_batchnorm)
-                      and folded_batchnorm(self._network(pl_module)) is not None,
+                      and folded_batchnorm(self.network(pl_module)) is not None,
                       "seed": self.seed, "weights": self.weights, "attacks": list(VERSIONS[self.version]),
                       "results_dir": str(self.results_dir.resolve())}
-        run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # a collective under DDP: all ranks call it
-        if not trainer.is_global_zero:
+        lines = [f"AutoAttack {name}: clean {section['clean_accuracy']:.2%}, robust {section['robust_accuracy']:.2%} "
+                 f"on {section['num_points']} images" for name, section in sections.items() if section["num_points"]]
+        columns = ["threat_model", "images", "clean", "robust", *VERSIONS[self.version]]
+        published = self.publish(trainer, {"threat_models": sections, "conditions": conditions}, metrics,
+                                 tables={"summary": (columns, rows)}, message=lines)
+        if published is None:  # not global rank zero
             return
-        update_results(run_dir / "results.json", {"autoattack": {"threat_models": sections, "conditions": conditions}})
         for name, section in sections.items():
-            if section["num_points"]:
-                print(f"AutoAttack {name}: clean {section['clean_accuracy']:.2%}, robust "
-                      f"{section['robust_accuracy']:.2%} on {section['num_points']} images", flush=True)
             if section.get("images_not_evaluated"):
                 rank_zero_warn(f"AutoAttack {name}: {section['images_not_evaluated']} of the {expected} evaluation "
                                f"images were not evaluated (missing from the data, unreadable, or cut short by a "
                                f"limit); results.json lists them under keys_not_evaluated where known")
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-            if isinstance(logger, WandbLogger) and rows:
-                columns = ["threat_model", "images", "clean", "robust", *VERSIONS[self.version]]
-                logger.log_table("autoattack/summary", columns=columns, data=rows)
-
-
-def _summed_over_ranks(per_attack: dict[str, float]) -> dict[str, float]:
-    """Per-attack totals summed over the ranks (for times: device-seconds)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return dict(per_attack)
-    everyone: list[dict[str, float]] = [{} for _ in range(dist.get_world_size())]
-    dist.all_gather_object(everyone, per_attack)
-    total: dict[str, float] = {}
-    for totals in everyone:
-        for attack, value in totals.items():
-            total[attack] = total.get(attack, 0) + value
-    return total

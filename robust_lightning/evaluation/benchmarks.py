@@ -4,7 +4,7 @@
 Protocols (REFERENCE.md section 3; class lists in data/, see data/PROVENANCE.md):
 
 - ImageNet-R, ImageNet-A: 200 classes each. The 1000 logits are sliced to the 200 classes before the argmax;
-  targets are positions in the sorted 200 wnids. Top-1 and ECE (15 equal-width bins, on the softmax over the
+  labels are positions in the sorted 200 wnids. Top-1 and ECE (15 equal-width bins, on the softmax over the
   200 sliced logits), and the RMS calibration error Hendrycks et al. publish for them (adaptive bins of 100,
   ``calibration.rms_calibration_error``).
 - ImageNet-Sketch, ImageNet-V2: 1000 classes, folders named by wnid or (V2's release) by class index 0..999.
@@ -30,32 +30,25 @@ reported as skipped, with the reason, in results.json.
 
 import json
 import math
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
-from lightning import Callback
-from lightning.pytorch.loggers import WandbLogger
-from PIL import Image
-from torch.utils.data import DataLoader, Dataset, default_collate
-from torchvision.transforms import v2 as T
-from tqdm import tqdm
 
 from robust_lightning.data.classes import class_map
-from robust_lightning.data.datamodule import ExactDistributedSampler
-from robust_lightning.data.transforms import BICUBIC, decode_rgb, eval_resize_size, eval_transform
+from robust_lightning.data.transforms import eval_resize_size, eval_transform
 from robust_lightning.errors import UserError
+from robust_lightning.evaluation.base import Evaluation, evaluating, evaluation_resolution
 from robust_lightning.evaluation.calibration import (
     ECE_BINS,
     RMS_BIN_SIZE,
     expected_calibration_error,
     rms_calibration_error,
 )
-from robust_lightning.evaluation.results import update_results
+from robust_lightning.evaluation.prediction import ExactSize, Split, predict, predict_split  # noqa: F401 (predict)
 from robust_lightning.paths import DATA_DIR
+
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 IN9_VARIANTS = ("original", "mixed_same", "mixed_rand")
@@ -135,28 +128,11 @@ def recall_threshold(tpr: torch.Tensor, recall: float) -> int:
     return full - int(torch.argmin(distance))  # argmin returns the first minimum: the lowest threshold's
 
 
-def predict(logits: torch.Tensor, classes: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(prediction, confidence = max softmax) from 1000-class logits. With ``classes`` (the 1000-class indices of a
-    200-class benchmark) the logits are sliced first, so the prediction is a position among those classes."""
-    if classes is not None:
-        logits = logits[:, torch.tensor(classes, device=logits.device)]
-    confidence, prediction = logits.float().softmax(1).max(1)
-    return prediction, confidence
-
-
 def bg_gap(accuracies: dict[str, float]) -> float:
     return accuracies["mixed_same"] - accuracies["mixed_rand"]
 
 
 # ---------------------------------------------------------------------------------------------------- layouts
-@dataclass
-class Split:
-    """A named list of (image path, integer target)."""
-
-    name: str
-    samples: list[tuple[str, int]]
-
-
 def _class_folders(root: Path, expected: str) -> list[Path]:
     if not root.is_dir():
         raise UserError(f"{root} does not exist; expected {expected}")
@@ -209,7 +185,7 @@ def full_split(benchmark: str, root: str | Path) -> Split:
 
 
 def imagenet_o_splits(root: str | Path, val_root: str | Path | None) -> tuple[Split, Split]:
-    """(OOD ImageNet-O images, in-distribution ImageNet val images of the same 200 classes), both targets = 1 for
+    """(OOD ImageNet-O images, in-distribution ImageNet val images of the same 200 classes), both labelled 1 for
     OOD, 0 for in-distribution."""
     ood = subset_split("imagenet_o", root)
     if val_root is None:
@@ -238,97 +214,7 @@ def in9_splits(root: str | Path) -> list[Split]:
     return splits
 
 
-# ------------------------------------------------------------------------------------------------ evaluation
-class ImageList(Dataset):
-    def __init__(self, samples: list[tuple[str, int]], transform: Callable):
-        self.samples, self.transform = samples, transform
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        path, target = self.samples[index]
-        try:
-            image = self.transform(Image.open(path))
-        except Exception as e:  # one unreadable file must not cost the whole benchmark: skip it, and name it
-            return {"corrupt": f"{path} ({type(e).__name__}: {e})", "index": index}
-        return {"image": image, "target": target, "index": index}
-
-
-def collate_readable(items: list[dict[str, Any]]) -> dict[str, Any]:
-    """Batch the readable images; carry (index, reason) of the unreadable ones."""
-    good = [item for item in items if "image" in item]
-    batch = default_collate(good) if good else {}
-    batch["corrupt"] = [(item["index"], item["corrupt"]) for item in items if "corrupt" in item]
-    return batch
-
-
-@dataclass
-class Predictions:
-    """Per readable image, in dataset order: its index in the dataset, target, prediction, confidence."""
-
-    index: torch.Tensor
-    target: torch.Tensor
-    prediction: torch.Tensor
-    confidence: torch.Tensor
-    corrupt: list[str]  # the unreadable images, skipped and named
-
-
-class ExactSize:
-    """Decode; resize to ``size`` x ``size`` (bicubic) only when the image is not that size already (IN-9)."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.resize = T.Resize((size, size), interpolation=BICUBIC)
-
-    def __call__(self, image: Image.Image) -> torch.Tensor:
-        image = decode_rgb(image)
-        if image.size != (self.size, self.size):
-            image = self.resize(image)
-        return T.functional.pil_to_tensor(image)
-
-
-def evaluation_resolution(trainer, pl_module, override: int | None) -> int:
-    """The resolution benchmarks run at: the override, else the model's, else the data's, else 224."""
-    model_size = getattr(pl_module, "hparams", {}).get("image_size")
-    return int(override or model_size or getattr(trainer.datamodule, "image_size", None) or 224)
-
-
-@torch.no_grad()
-def predict_split(trainer, pl_module, split: Split, transform: Callable, classes: tuple[int, ...] | None, *,
-                  batch_size: int, num_workers: int) -> Predictions:
-    """Predictions for every readable image of ``split``, over all ranks, each image exactly once.
-    ``classes``: logit indices the softmax and argmax are restricted to (prediction = position in them)."""
-    dataset = ImageList(split.samples, transform)
-    sampler = ExactDistributedSampler(dataset, trainer.world_size, trainer.global_rank)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                        collate_fn=collate_readable)
-    rows: list[tuple[int, int, int, float]] = []
-    corrupt: list[tuple[int, str]] = []
-    bar = tqdm(loader, desc=split.name, disable=not trainer.is_global_zero, leave=False)
-    for batch in bar:
-        corrupt += batch["corrupt"]
-        if "image" not in batch:
-            continue
-        images = batch["image"].to(pl_module.device).float().div_(255)
-        with trainer.precision_plugin.test_step_context():
-            prediction, confidence = predict(pl_module(images), classes)
-        rows += zip(batch["index"].tolist(), batch["target"].tolist(), prediction.tolist(), confidence.tolist())
-    parts = [(rows, corrupt)]
-    if dist.is_available() and dist.is_initialized():
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, (rows, corrupt))
-    rows = sorted(row for part in parts for row in part[0])
-    corrupt = sorted(item for part in parts for item in part[1])
-    seen = sorted([row[0] for row in rows] + [index for index, _ in corrupt])
-    assert seen == list(range(len(dataset))), "images lost or counted twice across ranks"
-    index, target, prediction, confidence = (torch.tensor(column) for column in zip(*rows)) if rows else (
-        torch.empty(0, dtype=torch.long),) * 3 + (torch.empty(0, dtype=torch.double),)
-    return Predictions(index, target, prediction, confidence.double(), [reason for _, reason in corrupt])
-
-
-
-class DistributionShiftBenchmarks(Callback):
+class DistributionShiftBenchmarks(Evaluation):
     """ImageNet-R, -A, -Sketch, -V2, -O and ImageNet-9 after ``test`` (see the module docstring).
 
     Args:
@@ -344,6 +230,8 @@ class DistributionShiftBenchmarks(Callback):
         batch_size: images per forward pass on each device.
         num_workers: decoding processes per device.
     """
+
+    name = "benchmarks"
 
     def __init__(
         self,
@@ -406,56 +294,48 @@ class DistributionShiftBenchmarks(Callback):
             classes = subset_classes(name)[1] if name in ("imagenet_r", "imagenet_a") else None
             p = self._predict(trainer, pl_module, splits[0], transform, classes)
             corrupt += p.corrupt
-            section.update(num_images=len(p.target), num_classes=len(classes or range(1000)),
-                           acc1=accuracy(p.prediction, p.target),
-                           ece=expected_calibration_error(p.confidence, p.prediction == p.target))
+            section.update(num_images=len(p.label), num_classes=len(classes or range(1000)),
+                           acc1=accuracy(p.prediction, p.label),
+                           ece=expected_calibration_error(p.confidence, p.prediction == p.label))
             if name in ("imagenet_r", "imagenet_a"):
-                rms = rms_calibration_error(p.confidence, p.prediction == p.target)
+                rms = rms_calibration_error(p.confidence, p.prediction == p.label)
                 section["rms_calibration_error"] = None if math.isnan(rms) else rms  # None: under 2 bins of images
         elif name == "imagenet_o":
             classes = subset_classes(name)[1]
             ood, known = (self._predict(trainer, pl_module, split, transform, classes) for split in splits)
             corrupt += ood.corrupt + known.corrupt
-            is_ood = torch.cat([ood.target, known.target]).bool()  # targets: 1 = OOD, 0 = in-distribution
+            is_ood = torch.cat([ood.label, known.label]).bool()  # labels: 1 = OOD, 0 = in-distribution
             anomaly = -torch.cat([ood.confidence, known.confidence])  # -max softmax over the 200 classes
-            section.update(imagenet_val=str(Path(self.imagenet_val).resolve()), num_ood=len(ood.target),
-                           num_in_distribution=len(known.target), **ood_metrics(anomaly, is_ood))
+            section.update(imagenet_val=str(Path(self.imagenet_val).resolve()), num_ood=len(ood.label),
+                           num_in_distribution=len(known.label), **ood_metrics(anomaly, is_ood))
         else:
             to_in9 = in9_map()
             variants = {}
             for split in splits:
                 p = self._predict(trainer, pl_module, split, transform, None)
                 corrupt += p.corrupt
-                correct = to_in9[p.prediction] == p.target
+                correct = to_in9[p.prediction] == p.label
                 # confidence: the max of the 1000-way softmax, whose argmax gave the (mapped) prediction
-                variants[split.name] = {"num_images": len(p.target), "acc1": correct.double().mean().item(),
+                variants[split.name] = {"num_images": len(p.label), "acc1": correct.double().mean().item(),
                                         "ece": expected_calibration_error(p.confidence, correct)}
             section.update(variants=variants, bg_gap=bg_gap({k: v["acc1"] for k, v in variants.items()}))
         section["corrupt_images"] = corrupt
         return section
 
     def on_test_end(self, trainer, pl_module) -> None:
-        was_training = pl_module.training
-        pl_module.eval()
-        sections = {name: self._run(trainer, pl_module, name) for name in self.splits}
-        pl_module.train(was_training)
-        run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # a collective under DDP: every rank calls it
-        if not trainer.is_global_zero:
-            return
-        update_results(run_dir / "results.json", {"benchmarks": {
+        with evaluating(pl_module):
+            sections = {name: self._run(trainer, pl_module, name) for name in self.splits}
+        metrics = flat_metrics(sections)
+        # one table: benchmark, metric (e.g. mixed_rand/acc1)
+        rows = [key.removeprefix("benchmarks/").split("/", 1) + [value] for key, value in metrics.items()]
+        shown = ", ".join(f"{k.removeprefix('benchmarks/')}={v:.4f}" for k, v in metrics.items())
+        self.publish(trainer, {
             **sections, "skipped": self.skipped,
             "conditions": {"image_size": self.resolution, "crop_pct": self.crop_pct, "ece_bins": ECE_BINS,
                            "rms_calibration_bin_size": RMS_BIN_SIZE,
                            "checkpoint": trainer.ckpt_path},
-        }})
-        metrics = flat_metrics(sections)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-            if isinstance(logger, WandbLogger) and metrics:  # one table: benchmark, metric (e.g. mixed_rand/acc1)
-                rows = [key.removeprefix("benchmarks/").split("/", 1) + [value] for key, value in metrics.items()]
-                logger.log_table("benchmarks/summary", columns=["benchmark", "metric", "value"], data=rows)
-        shown = ", ".join(f"{k.removeprefix('benchmarks/')}={v:.4f}" for k, v in metrics.items())
-        print(f"benchmarks: {shown or 'none run'}; skipped: {[s['benchmark'] for s in self.skipped]}", flush=True)
+        }, metrics, tables={"summary": (["benchmark", "metric", "value"], rows)},
+            message=f"benchmarks: {shown or 'none run'}; skipped: {[s['benchmark'] for s in self.skipped]}")
 
 
 def flat_metrics(sections: dict[str, dict[str, Any]]) -> dict[str, float]:

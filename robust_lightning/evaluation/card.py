@@ -16,16 +16,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning import Callback
-from lightning.pytorch.loggers import WandbLogger
-
+from robust_lightning.atomic import atomic_write_text
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.autoattack import AutoAttackEvaluation, ThreatModel
-from robust_lightning.evaluation.benchmarks import DistributionShiftBenchmarks, evaluation_resolution
+from robust_lightning.evaluation.base import Evaluation, evaluation_resolution
+from robust_lightning.evaluation.benchmarks import DistributionShiftBenchmarks
 from robust_lightning.evaluation.imagenet_c import ImageNetC
 from robust_lightning.evaluation.imagenet_p import ImageNetP
 from robust_lightning.evaluation.resolution import ResolutionSweep
-from robust_lightning.evaluation.results import update_results
 from robust_lightning.models.robustbench import is_robustbench_arch, robustbench_entry
 from robust_lightning.paths import DATA_DIR
 
@@ -53,7 +51,7 @@ def paper_rows(arch: str) -> list[dict[str, str]]:
         return rows + [row for row in csv.DictReader(f) if row["arch"] == arch]
 
 
-class RobustnessCard(Callback):
+class RobustnessCard(Evaluation):
     """Every evaluation on one checkpoint, and one card (see the module docstring).
 
     Args:
@@ -67,6 +65,8 @@ class RobustnessCard(Callback):
         resolution_sweep: settings of the resolution sweep (ResolutionSweep's arguments). None: no sweep.
         paper_results: show the published numbers of data/paper_results.csv for the model's architecture.
     """
+
+    name = "card"
 
     def __init__(
         self,
@@ -86,12 +86,12 @@ class RobustnessCard(Callback):
         self.settings = {"autoattack": autoattack, "benchmarks": benchmarks or {}, "imagenet_c": imagenet_c or {},
                          "imagenet_p": imagenet_p or {}, "resolution_sweep": resolution_sweep}
         self.paper_results = paper_results
-        self.parts: dict[str, Callback] = {}
+        self.parts: dict[str, Evaluation] = {}
         self.skipped: list[dict[str, str]] = []
         self._build_parts(num_classes=1000)  # wrong settings fail here, at start-up
 
     # ------------------------------------------------------------------------------------------- parts
-    def _part(self, name: str, cls, **kwargs) -> Callback:
+    def _part(self, name: str, cls, **kwargs) -> Evaluation:
         try:
             return cls(**kwargs)
         except TypeError as e:  # an unknown or missing setting: name the part, not a frame deep inside
@@ -168,8 +168,9 @@ class RobustnessCard(Callback):
     def on_test_end(self, trainer, pl_module) -> None:
         for part in self.parts.values():
             part.on_test_end(trainer, pl_module)
-        run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # a collective under DDP: all ranks call it
+        run_dir = self.run_dir(trainer)  # a collective under DDP: all ranks call it
         if not trainer.is_global_zero:
+            self.publish(trainer, None, None)
             return
         results_path = run_dir / "results.json"
         results = json.loads(results_path.read_text()) if results_path.is_file() else {}
@@ -182,15 +183,11 @@ class RobustnessCard(Callback):
             "data": trainer.datamodule.conditions() if hasattr(trainer.datamodule, "conditions") else None,
         }
         papers = paper_rows(header["arch"]) if self.paper_results else []
-        card = render_card(header, test_metrics, results, self.skipped, papers)
-        (run_dir / CARD_FILE).write_text(card)
-        update_results(results_path, {"card": {"markdown": str((run_dir / CARD_FILE).resolve()),
-                                               "parts": list(self.parts), "skipped": self.skipped}})
-        print(f"robustness card: {(run_dir / CARD_FILE).resolve()}", flush=True)
-        for logger in trainer.loggers:
-            if isinstance(logger, WandbLogger):
-                columns, row = summary_row(test_metrics, results, header["num_classes"] == 1000)
-                logger.log_table("card/summary", columns=columns, data=[row])
+        atomic_write_text(run_dir / CARD_FILE, render_card(header, test_metrics, results, self.skipped, papers))
+        columns, row = summary_row(test_metrics, results, header["num_classes"] == 1000)
+        self.publish(trainer, {"markdown": str((run_dir / CARD_FILE).resolve()), "parts": list(self.parts),
+                               "skipped": self.skipped}, None, tables={"summary": (columns, [row])},
+                     message=f"robustness card: {(run_dir / CARD_FILE).resolve()}")
 
 
 # ------------------------------------------------------------------------------------------------ rendering

@@ -17,7 +17,7 @@ Protocol (REFERENCE.md section 3; constants in data/, see data/PROVENANCE.md):
 
 Like DistributionShiftBenchmarks: the layout is checked in ``on_test_start`` (a wrong root fails before any
 work), everything runs in ``on_test_end`` after the model's own test set, and under DDP the images are split
-over the ranks and gathered exactly by ``benchmarks.predict_split``.
+over the ranks and gathered exactly by ``prediction.predict_split``.
 
 With ``source: generated`` (configs/eval/imagenet_c_generated.yaml) the corruptions are made on the fly from
 the datamodule's evaluation images (e.g. the RobustBench 5000-image subset) at any resolution, as the release was
@@ -32,9 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from lightning import Callback
-from lightning.pytorch.loggers import WandbLogger
 from PIL import Image
 from torch.utils.data import IterableDataset
 from tqdm import tqdm
@@ -42,18 +39,15 @@ from tqdm import tqdm
 from robust_lightning.data.classes import class_map
 from robust_lightning.data.transforms import eval_resize_size
 from robust_lightning.errors import UserError
-from robust_lightning.evaluation.benchmarks import (
-    ECE_BINS,
-    IMAGE_SUFFIXES,
-    ExactSize,
-    Split,
-    accuracy,
-    choose,
+from robust_lightning.evaluation.base import (
+    Evaluation,
+    evaluating,
     evaluation_resolution,
-    expected_calibration_error,
-    predict,
-    predict_split,
+    gather_objects,
+    new_figure,
+    to_model_input,
 )
+from robust_lightning.evaluation.benchmarks import ECE_BINS, IMAGE_SUFFIXES, accuracy, choose, expected_calibration_error
 from robust_lightning.evaluation.corruptions import (
     CORRUPTIONS,
     MIN_SIZE,
@@ -61,7 +55,7 @@ from robust_lightning.evaluation.corruptions import (
     CorruptedEvalTransform,
     frost_directory,
 )
-from robust_lightning.evaluation.results import update_results
+from robust_lightning.evaluation.prediction import ExactSize, Split, predict, predict_split
 from robust_lightning.paths import DATA_DIR
 
 STANDARD = ("gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "glass_blur", "motion_blur",
@@ -251,7 +245,7 @@ def imagenet_val_test_set(datamodule) -> str | None:
 
 
 # -------------------------------------------------------------------------------------------------- callback
-class ImageNetC(Callback):
+class ImageNetC(Evaluation):
     """ImageNet-C top-1, error, CE / mCE, relative CE / mCE and ECE after ``test`` (see the module docstring),
     on the released images (``source: released``, the default, with ``root``) or on corruptions generated on
     the fly from the data module's evaluation images (``source: generated``).
@@ -295,6 +289,10 @@ class ImageNetC(Callback):
         num_workers: decoding (and generating) processes per device; None: data.num_workers, else 4.
         plot: save a bar plot of the error per corruption (imagenet_c_errors.png beside results.json).
     """
+
+    name = "imagenet_c"
+    plot_file = "imagenet_c_errors.png"
+    plot_key = "errors"
 
     def __init__(
         self,
@@ -368,33 +366,28 @@ class ImageNetC(Callback):
         return self.num_workers if self.num_workers is not None else getattr(trainer.datamodule, "num_workers", 4)
 
     def on_test_end(self, trainer, pl_module) -> None:
-        was_training = pl_module.training
-        pl_module.eval()
         evaluate = self._released if self.source == "released" else self._generated
-        section = evaluate(trainer, pl_module)  # every rank takes part; None on all but global rank zero
-        pl_module.train(was_training)
-        run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # a collective under DDP: every rank calls it
+        with evaluating(pl_module):
+            section = evaluate(trainer, pl_module)  # every rank takes part; None on all but global rank zero
         if section is None:
+            self.publish(trainer, None, None)  # the other ranks: the run directory is agreed over all of them
             return
-        section["plot"] = self._plot(run_dir, section) if self.plot else "not requested"
-        update_results(run_dir / "results.json", {"imagenet_c": section})
-        metrics = flat_metrics(section)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-            if isinstance(logger, WandbLogger):  # tables: one W&B panel compares the runs of a sweep cell by cell
-                per = section["corruptions"]
-                logger.log_table("imagenet_c/per_severity", columns=["corruption", "severity", "acc1", "error"],
-                                 data=[[c, int(s), v["acc1"][s], v["error"][s]]
-                                       for c, v in per.items() for s in v["acc1"]])
-                logger.log_table("imagenet_c/per_corruption",
-                                 columns=["corruption", "mean_acc1", "mean_error", "ce", "relative_ce", "ece"],
-                                 data=[[c, v["mean_acc1"], v["mean_error"], v["ce"], v["relative_ce"], v["ece"]]
-                                       for c, v in per.items()])
-                if self.plot:
-                    logger.log_image("imagenet_c/errors", [section["plot"]])
+        figure = self._plot(section) if self.plot else None
+        if figure is None:
+            section["plot"] = "not requested"
+        per = section["corruptions"]
+        # tables: one W&B panel compares the runs of a sweep cell by cell
+        tables = {
+            "per_severity": (["corruption", "severity", "acc1", "error"],
+                             [[c, int(s), v["acc1"][s], v["error"][s]] for c, v in per.items() for s in v["acc1"]]),
+            "per_corruption": (["corruption", "mean_acc1", "mean_error", "ce", "relative_ce", "ece"],
+                               [[c, v["mean_acc1"], v["mean_error"], v["ce"], v["relative_ce"], v["ece"]]
+                                for c, v in per.items()]),
+        }
         mce = section.get("mce", (section.get("mce_partial") or {}).get("value"))
-        print(f"imagenet_c ({self.source}): mean acc1 {section['mean_acc1']:.4f}, "
-              f"{'mCE' if 'mce' in section else 'partial mCE'} {mce}", flush=True)
+        self.publish(trainer, section, flat_metrics(section), figure, tables,
+                     f"imagenet_c ({self.source}): mean acc1 {section['mean_acc1']:.4f}, "
+                     f"{'mCE' if 'mce' in section else 'partial mCE'} {mce}")
 
     # ----------------------------------------------------------------------------------------- released
     def _released(self, trainer, pl_module) -> dict[str, Any] | None:
@@ -415,7 +408,7 @@ class ImageNetC(Callback):
             "source": "released",
             "root": str(Path(self.root).resolve()),
             "layout": "group folders" if any(self.groups.values()) else "flat",
-            **self._metrics(trainer, keys, cell_of, predictions.target, predictions.prediction,
+            **self._metrics(trainer, keys, cell_of, predictions.label, predictions.prediction,
                             predictions.confidence, self.groups),
             "preprocessing": ("none (decoded as released)" if released == (r, r)
                               else f"resize {released[0]} x {released[1]} to {r} x {r} (bicubic)"),
@@ -427,13 +420,13 @@ class ImageNetC(Callback):
 
     # ---------------------------------------------------------------------------------------- generated
     @torch.no_grad()
-    def _predict_generated(self, trainer, pl_module, corruption: str) -> tuple[list, list[str]]:
-        """(key, label, predictions per severity, confidences per severity) of this rank's readable images, and
-        the unreadable ones."""
+    def _predict_generated(self, trainer, pl_module, corruption: str) -> tuple[list, list[str], int | None]:
+        """(key, label, predictions per severity, confidences per severity) of this rank's readable images, the
+        unreadable ones, and how many images the evaluation set holds (None where unknown)."""
         transform = CorruptedEvalTransform(corruption, self.severities, self.resolution, self.seed, self.crop_pct,
                                            self.textures)
-        loader = trainer.datamodule.eval_dataloader_with(transform, max(1, self.batch_size // len(self.severities)),
-                                                         self.num_workers)
+        loader = self.eval_loader(trainer, transform, max(1, self.batch_size // len(self.severities)),
+                                  self.num_workers)
         rows, corrupt = [], []
         for batch in tqdm(loader, desc=f"imagenet_c {corruption}", disable=not trainer.is_global_zero, leave=False):
             corrupt += batch["corrupt"]
@@ -441,24 +434,21 @@ class ImageNetC(Callback):
                 continue
             images = batch["image"]  # B x S x 3 x r x r uint8: every severity of each image
             with trainer.precision_plugin.test_step_context():
-                prediction, confidence = predict(pl_module(images.flatten(0, 1).to(pl_module.device).float().div_(255)))
+                prediction, confidence = predict(pl_module(to_model_input(images.flatten(0, 1), pl_module.device)))
             shape = images.shape[:2]
             rows += zip(batch["key"], batch["label"].tolist(), prediction.view(shape).tolist(),
                         confidence.view(shape).tolist())
-        return rows, corrupt
+        return rows, corrupt, _known_size(loader.dataset)
 
     def _generated(self, trainer, pl_module) -> dict[str, Any] | None:
         mine = {c: self._predict_generated(trainer, pl_module, c) for c in self.corruptions}
-        parts = [mine]
-        if dist.is_available() and dist.is_initialized():
-            parts = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, mine)
+        expected = mine[self.corruptions[0]][2]
+        parts = gather_objects(mine)
         if not trainer.is_global_zero:
             return None
         rows = {c: sorted(row for part in parts for row in part[c][0]) for c in self.corruptions}
         corrupt = sorted({reason for part in parts for c in self.corruptions for reason in part[c][1]})
         counts = {len(rows[c]) + sum(len(part[c][1]) for part in parts) for c in self.corruptions}
-        expected = _evaluation_images(trainer.datamodule)
         assert len(counts) == 1 and expected in (None, *counts), "images lost or counted twice across ranks"
         keys = [(c, s) for c in self.corruptions for s in self.severities]
         cell_of, target, prediction, confidence = [], [], [], []
@@ -548,32 +538,22 @@ class ImageNetC(Callback):
                                   "data/imagenet_c_alexnet_baselines.csv means (extra 4)"},
         }
 
-    def _plot(self, run_dir: Path, section: dict[str, Any]) -> str:
-        import matplotlib  # noqa: PLC0415 (imported only when a plot is drawn: it is slow to import)
-
-        matplotlib.use("Agg")  # no display on compute nodes
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-
+    def _plot(self, section: dict[str, Any]):
         names = list(section["corruptions"])
         errors = [section["corruptions"][c]["mean_error"] for c in names]
-        fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(names)), 4))
+        fig, ax = new_figure(figsize=(max(6, 0.5 * len(names)), 4))
         ax.bar(names, errors)
         ax.set_ylabel("top-1 error (mean over severities)")
         ax.set_ylim(0, 1)
         ax.set_title(f"ImageNet-C ({self.source}) error per corruption")
         ax.tick_params(axis="x", rotation=60)
         fig.tight_layout()
-        path = run_dir / "imagenet_c_errors.png"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        return str(path.resolve())
+        return fig
 
 
-def _evaluation_images(datamodule) -> int | None:
-    """How many images the data module's evaluation set holds, where it knows exactly (not for shard streams)."""
-    dataset = getattr(datamodule, "eval_set", None)
-    return None if dataset is None or isinstance(dataset, IterableDataset) else len(dataset)
+def _known_size(dataset) -> int | None:
+    """How many images an evaluation dataset holds, where it is known exactly (not for shard streams)."""
+    return None if isinstance(dataset, IterableDataset) else len(dataset)
 
 
 def flat_metrics(section: dict[str, Any]) -> dict[str, float]:

@@ -47,18 +47,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
-from lightning import Callback
-from lightning.pytorch.loggers import WandbLogger
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset
-from tqdm import tqdm
+from torch.utils.data import Dataset
 
+from robust_lightning.data.batch import CORRUPT
 from robust_lightning.data.classes import class_map
-from robust_lightning.data.datamodule import ExactDistributedSampler
 from robust_lightning.errors import UserError
-from robust_lightning.evaluation.benchmarks import IMAGE_SUFFIXES, ExactSize, choose, evaluation_resolution
-from robust_lightning.evaluation.results import update_results
+from robust_lightning.evaluation.base import Evaluation, evaluating, evaluation_resolution, new_figure, to_model_input
+from robust_lightning.evaluation.benchmarks import IMAGE_SUFFIXES, choose
+from robust_lightning.evaluation.prediction import ExactSize, run_exactly_once
 from robust_lightning.paths import DATA_DIR
 
 TEST = ("gaussian_noise", "shot_noise", "motion_blur", "zoom_blur", "snow", "brightness", "translate", "rotate",
@@ -249,12 +246,12 @@ class SequenceList(Dataset):
             size = images[0].size
             frames = torch.stack([self.transform(image) for image in images])
         except Exception as e:  # one unreadable video must not cost the whole benchmark: skip it, and name it
-            return {"corrupt": f"{path} ({type(e).__name__}: {e})", "index": index}
+            return {CORRUPT: f"{path} ({type(e).__name__}: {e})", "index": index}
         return {"frames": frames, "index": index, "size": size}
 
 
 def collate_sequences(items: list[dict[str, Any]]) -> dict[str, Any]:
-    """Like benchmarks.collate_readable, but sequences differ in length (translate has 41 frames, a damaged video
+    """Like prediction.collate_readable, but sequences differ in length (translate has 41 frames, a damaged video
     fewer): their frames are concatenated, with the length of each."""
     good = [item for item in items if "frames" in item]
     return {
@@ -262,7 +259,7 @@ def collate_sequences(items: list[dict[str, Any]]) -> dict[str, Any]:
         "length": [len(item["frames"]) for item in good],
         "index": [item["index"] for item in good],
         "size": [item["size"] for item in good],
-        "corrupt": [(item["index"], item["corrupt"]) for item in items if "corrupt" in item],
+        CORRUPT: [(item["index"], item[CORRUPT]) for item in items if CORRUPT in item],
     }
 
 
@@ -278,48 +275,37 @@ class SequenceScores:
     sizes: list[tuple[int, int]]  # the distinct frame sizes (width, height) as decoded
 
 
-@torch.no_grad()
 def score_sequences(trainer, pl_module, paths: list[str], rules: list[tuple[bool, int]], transform: Callable, *,
                     batch_size: int, num_workers: int) -> SequenceScores:
     """Flip probability and top-5 distance of every readable sequence, over all ranks, each exactly once.
     ``rules[i]``: (compare with the first frame, step) of sequence i. ``batch_size`` counts sequences."""
-    dataset = SequenceList(paths, transform)
-    sampler = ExactDistributedSampler(dataset, trainer.world_size, trainer.global_rank)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                        collate_fn=collate_sequences)
-    rows: list[tuple[int, float, float, int]] = []
-    corrupt: list[tuple[int, str]] = []
-    sizes: set[tuple[int, int]] = set()
-    for batch in tqdm(loader, desc="imagenet_p", disable=not trainer.is_global_zero, leave=False):
-        corrupt += batch["corrupt"]
+
+    def step(batch: dict[str, Any]) -> tuple[list, list]:
         if batch["frames"] is None:
-            continue
-        images = batch["frames"].to(pl_module.device).float().div_(255)
+            return [], []
+        rows, too_short = [], []
         with trainer.precision_plugin.test_step_context():
-            logits = pl_module(images)
-        for index, length, sequence in zip(batch["index"], batch["length"], logits.split(batch["length"])):
+            logits = pl_module(to_model_input(batch["frames"], pl_module.device))
+        for index, length, size, sequence in zip(batch["index"], batch["length"], batch["size"],
+                                                 logits.split(batch["length"])):
             first_frame, step = rules[index]
             if not first_frame and length <= step:
-                corrupt.append((index, f"{paths[index]} ({length} frames: none {step} apart to compare)"))
+                too_short.append((index, f"{paths[index]} ({length} frames: none {step} apart to compare)"))
                 continue
-            rows.append((index, *sequence_scores(sequence, first_frame, step), length))
-        sizes.update(tuple(size) for size in batch["size"])
-    parts = [(rows, corrupt, sizes)]
-    if dist.is_available() and dist.is_initialized():
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, (rows, corrupt, sizes))
-    rows = sorted(row for part in parts for row in part[0])
-    corrupt = sorted(item for part in parts for item in part[1])
-    seen = sorted([row[0] for row in rows] + [index for index, _ in corrupt])
-    assert seen == list(range(len(dataset))), "sequences lost or counted twice across ranks"
-    columns = list(zip(*rows)) if rows else [(), (), (), ()]
+            rows.append((index, *sequence_scores(sequence, first_frame, step), length, tuple(size)))
+        return rows, too_short
+
+    rows, corrupt = run_exactly_once(trainer, SequenceList(paths, transform), collate_sequences, step,
+                                     batch_size=batch_size, num_workers=num_workers, desc="imagenet_p",
+                                     what="sequences")
+    columns = list(zip(*rows)) if rows else [(), (), (), (), ()]
     return SequenceScores(torch.tensor(columns[0], dtype=torch.long), torch.tensor(columns[1], dtype=torch.double),
                           torch.tensor(columns[2], dtype=torch.double), torch.tensor(columns[3], dtype=torch.long),
-                          corrupt, sorted(set().union(*(part[2] for part in parts))))
+                          corrupt, sorted(set(columns[4])))
 
 
 # -------------------------------------------------------------------------------------------------- callback
-class ImageNetP(Callback):
+class ImageNetP(Evaluation):
     """ImageNet-P flip probability, flip rate (FR, mFR) and top-5 distance (T5D, mT5D) after ``test`` (see the
     module docstring).
 
@@ -338,6 +324,8 @@ class ImageNetP(Callback):
         plot: save a bar plot of FP (beside AlexNet's) and T5D per perturbation (imagenet_p.png beside
             results.json; also logged to W&B when a WandbLogger is present).
     """
+
+    name = "imagenet_p"
 
     def __init__(
         self,
@@ -379,30 +367,25 @@ class ImageNetP(Callback):
         # one dataset over every perturbation: one loader, one gather; perturbation_of maps a sequence back
         paths = [s for p in self.perturbations for s in self.sequences[p]]
         perturbation_of = [p for p in self.perturbations for _ in self.sequences[p]]
-        was_training = pl_module.training
-        pl_module.eval()
-        scores = score_sequences(trainer, pl_module, paths, [self._comparison(p) for p in perturbation_of],
-                                 ExactSize(self.resolution), batch_size=self.batch_size, num_workers=self.num_workers)
-        pl_module.train(was_training)
-        run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # a collective under DDP: every rank calls it
+        with evaluating(pl_module):
+            scores = score_sequences(trainer, pl_module, paths, [self._comparison(p) for p in perturbation_of],
+                                     ExactSize(self.resolution), batch_size=self.batch_size,
+                                     num_workers=self.num_workers)
         if not trainer.is_global_zero:
+            self.publish(trainer, None, None)  # the run directory is agreed over all ranks
             return
         section = self._section(trainer, paths, perturbation_of, scores)
-        section["plot"] = self._plot(run_dir, section) if self.plot else "not requested"
-        update_results(run_dir / "results.json", {"imagenet_p": section})
-        metrics = flat_metrics(section)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-            if isinstance(logger, WandbLogger):  # a table per perturbation, beside the scalars and the plot
-                columns = ["split", "num_sequences", "fp", "alexnet_fp", "fr", "t5d"]
-                logger.log_table("imagenet_p/per_perturbation", columns=["perturbation", *columns],
-                                 data=[[p, *(v[k] for k in columns)] for p, v in section["perturbations"].items()])
-                if self.plot:
-                    logger.log_image("imagenet_p/plot", [section["plot"]])
+        figure = self._plot(section) if self.plot else None
+        if figure is None:
+            section["plot"] = "not requested"
+        # a table per perturbation, beside the scalars and the plot
+        columns = ["split", "num_sequences", "fp", "alexnet_fp", "fr", "t5d"]
+        table = (["perturbation", *columns], [[p, *(v[k] for k in columns)] for p, v in section["perturbations"].items()])
         mfr = section.get("mfr", (section.get("mfr_partial") or {}).get("value"))
         mt5d = section.get("mt5d", (section.get("mt5d_partial") or {}).get("value"))
         partial = "" if "mfr" in section else "partial "
-        print(f"imagenet_p: {partial}mFR {mfr}, {partial}mT5D (unnormalised) {mt5d}", flush=True)
+        self.publish(trainer, section, flat_metrics(section), figure, {"per_perturbation": table},
+                     f"imagenet_p: {partial}mFR {mfr}, {partial}mT5D (unnormalised) {mt5d}")
 
     def _section(self, trainer, paths, perturbation_of, scores: SequenceScores) -> dict[str, Any]:
         of = [perturbation_of[i] for i in scores.index.tolist()]
@@ -457,16 +440,11 @@ class ImageNetP(Callback):
         }
 
     @staticmethod
-    def _plot(run_dir: Path, section: dict[str, Any]) -> str:
-        import matplotlib  # noqa: PLC0415 (imported only when a plot is drawn: it is slow to import)
-
-        matplotlib.use("Agg")  # no display on compute nodes
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-
+    def _plot(section: dict[str, Any]):
         names = list(section["perturbations"])
         values = section["perturbations"]
         x = torch.arange(len(names)).numpy()
-        fig, (left, right) = plt.subplots(1, 2, figsize=(max(8, 0.9 * len(names)), 4))
+        fig, (left, right) = new_figure(1, 2, figsize=(max(8, 0.9 * len(names)), 4))
         left.bar(x - 0.2, [values[p]["fp"] or 0 for p in names], 0.4, label="this model")
         left.bar(x + 0.2, [values[p]["alexnet_fp"] or 0 for p in names], 0.4, label="AlexNet")
         left.set_ylabel("flip probability")
@@ -478,11 +456,7 @@ class ImageNetP(Callback):
         for ax in (left, right):
             ax.set_xticks(x, names, rotation=60, ha="right")
         fig.tight_layout()
-        path = run_dir / "imagenet_p.png"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        return str(path.resolve())
+        return fig
 
 
 def flat_metrics(section: dict[str, Any]) -> dict[str, float]:

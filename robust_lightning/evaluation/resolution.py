@@ -45,22 +45,25 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from lightning import Callback
-from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 from timm.layers import PatchEmbed
 from torch import nn
-from tqdm import tqdm
 
 from robust_lightning.attacks.autoattack import ENGINES, PRECISIONS, VERSIONS, AutoAttack, numerics, precision_note
 from robust_lightning.data.transforms import eval_resize_size, eval_transform
 from robust_lightning.errors import UserError
-from robust_lightning.evaluation.autoattack import (
-    ThreatModel, append_record, claim_directory, parse_threat_models, read_outcomes, summarise,
+from robust_lightning.evaluation.autoattack import ThreatModel, parse_threat_models
+from robust_lightning.evaluation.outcomes import append_record, cell_seconds, claim_directory, read_outcomes, summarise
+from robust_lightning.evaluation.base import (
+    Evaluation,
+    barrier,
+    evaluating,
+    evaluation_resolution,
+    gather_objects,
+    new_figure,
+    rank_share,
 )
-from robust_lightning.evaluation.benchmarks import evaluation_resolution
 from robust_lightning.evaluation.results import update_results, weights_sha256
 
 __all__ = ["DEFAULT_RESOLUTIONS", "ResolutionSweep", "best_resolutions", "check_runs_at", "input_size_adaptation",
@@ -217,31 +220,7 @@ class Cell:
         return outcomes if done is None else {key: outcomes[key] for key in done["keys"]}
 
 
-def cell_seconds(directory: Path) -> float:
-    """Device-seconds spent on a cell, over every rank and session."""
-    total = 0.0
-    for path in sorted(directory.glob("rank*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                total += sum(json.loads(line).get("seconds", {}).values())
-            except json.JSONDecodeError:  # a line cut short by a kill
-                continue
-    return round(total, 2)
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _gather(value: Any) -> list[Any]:
-    if not _distributed():
-        return [value]
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, value)
-    return everyone
-
-
-class ResolutionSweep(Callback):
+class ResolutionSweep(Evaluation):
     """Clean and robust accuracy over test resolutions, after ``test`` (see the module docstring).
 
     Args:
@@ -266,6 +245,8 @@ class ResolutionSweep(Callback):
         results_dir: where per-image outcomes go (default ``<trainer.default_root_dir>/resolution_sweep``); a
             re-run with the same directory resumes. It must be on a filesystem all ranks share.
     """
+
+    name = "resolution_sweep"
 
     def __init__(
         self,
@@ -311,9 +292,6 @@ class ResolutionSweep(Callback):
         self.results_dir = Path(results_dir) if results_dir else None
 
     # ------------------------------------------------------------------------------------------- set-up
-    def _network(self, pl_module) -> nn.Module:
-        return pl_module.ema.module if self.weights == "ema" else pl_module.model
-
     def _model(self, pl_module, network: nn.Module) -> Callable:
         # through the module's own runner where it has one (it applies channels_last)
         run = getattr(pl_module, "_run", None)
@@ -344,20 +322,15 @@ class ResolutionSweep(Callback):
 
     def on_test_start(self, trainer, pl_module) -> None:
         """Check everything before any work: settings against saved outcomes, the data, every resolution."""
-        if self.weights == "ema" and getattr(pl_module, "ema", None) is None:
-            raise UserError("ResolutionSweep.weights 'ema' needs a model trained with model.ema_decay")
-        if not hasattr(trainer.datamodule, "eval_dataloader_with"):
-            raise UserError("ResolutionSweep reads the evaluation images through the datamodule: run it with "
-                            "robust_lightning's ImageNetDataModule (the data: section of the config)")
+        network = self.network(pl_module)
+        self.check_data(trainer)
         self.reference = evaluation_resolution(trainer, pl_module, self.reference_resolution)
         # not the versioned log dir: a re-run of the same command must find the saved outcomes
         self.results_dir = self.results_dir or Path(trainer.default_root_dir) / "resolution_sweep"
-        network = self._network(pl_module)
         self.weights_sha256 = weights_sha256(network)  # the weights evaluated, however they were loaded
         arch = getattr(pl_module, "hparams", {}).get("arch", type(network).__name__)
-        was_training = pl_module.training
-        pl_module.eval()  # the trial forwards must not touch BatchNorm statistics
-        with torch.inference_mode(False):
+        # eval mode: the trial forwards must not touch BatchNorm statistics
+        with evaluating(pl_module), torch.inference_mode(False):
             for r in self.resolutions:
                 cells = self.cells(r)
                 for cell in cells:
@@ -368,25 +341,18 @@ class ResolutionSweep(Callback):
                     continue
                 check_runs_at(self._model(pl_module, network_at(network, r, self.pos_embed_interpolation)), r,
                               pl_module.device, arch)
-        pl_module.train(was_training)
 
     # ------------------------------------------------------------------------------------------ running
     def on_test_end(self, trainer, pl_module) -> None:
-        was_training = pl_module.training
-        pl_module.eval()
         # the sweep makes its own tensors: gradients work even when the test loop ran under inference mode
-        with torch.inference_mode(False), torch.no_grad():
+        with evaluating(pl_module), torch.inference_mode(False), torch.no_grad():
             for r in self.resolutions:
                 self._sweep(trainer, pl_module, r)
-        pl_module.train(was_training)
         self._report(trainer)
 
     def _share(self, trainer) -> int | None:
-        """How many of the first max_images this rank evaluates."""
-        if self.max_images is None:
-            return None
-        n, world, rank = self.max_images, trainer.world_size, trainer.global_rank
-        return n // world + (rank < n % world)
+        """How many of the first max_images this rank evaluates (None: all of its images)."""
+        return None if self.max_images is None else rank_share(self.max_images, trainer.world_size, trainer.global_rank)
 
     def _sweep(self, trainer, pl_module, resolution: int) -> None:
         """Evaluate this rank's images at one resolution, in every cell not complete yet."""
@@ -394,33 +360,24 @@ class ResolutionSweep(Callback):
         todo = [cell for cell in cells if not cell.complete]
         if not todo:
             return
-        if _distributed():
-            dist.barrier()  # no rank reads this resolution's saved outcomes while another is already adding to them
-        network = network_at(self._network(pl_module), resolution, self.pos_embed_interpolation).eval()
+        barrier(trainer)  # no rank reads this resolution's saved outcomes while another is already adding to them
+        network = network_at(self.network(pl_module), resolution, self.pos_embed_interpolation).eval()
         model = self._model(pl_module, network)
-        loader = trainer.datamodule.eval_dataloader_with(eval_transform(resolution, self.crop_pct), self.batch_size)
         done = {cell.name: set(read_outcomes(cell.directory)) for cell in todo}
-        share, seen = self._share(trainer), []
+        seen = []
         if trainer.is_global_zero and any(done.values()):
             rank_zero_info(f"resolution sweep {resolution} px: resuming, "
                            + ", ".join(f"{name} {len(keys)} images done" for name, keys in done.items()))
-        bar = tqdm(loader, desc=f"resolution sweep {resolution} px", disable=not trainer.is_global_zero, leave=False)
-        for batch in bar:
-            take = len(batch["key"]) if share is None else min(len(batch["key"]), share - len(seen))
-            keys = list(batch["key"])[:take]
-            if keys:
-                images = batch["image"][:take].to(pl_module.device).float().div_(255)
-                labels = batch["label"][:take].to(pl_module.device)
-                seen += keys
-                for cell in todo:
-                    index = [i for i, key in enumerate(keys) if key not in done[cell.name]]
-                    if index:
-                        record = self._evaluate(model, cell, images, labels, keys, index, pl_module.device)
-                        append_record(cell.directory / f"rank{trainer.global_rank}.jsonl", record)
-                        done[cell.name].update(record["key"])
-            if share is not None and len(seen) >= share:
-                break
-        bar.close()
+        for batch in self.eval_batches(trainer, pl_module, eval_transform(resolution, self.crop_pct), self.max_images,
+                                       self.batch_size, progress=f"resolution sweep {resolution} px"):
+            images, labels, keys = batch["image"], batch["label"], batch["key"]
+            seen += keys
+            for cell in todo:
+                index = [i for i, key in enumerate(keys) if key not in done[cell.name]]
+                if index:
+                    record = self._evaluate(model, cell, images, labels, keys, index, pl_module.device)
+                    append_record(cell.directory / f"rank{trainer.global_rank}.jsonl", record)
+                    done[cell.name].update(record["key"])
         self._complete(trainer, todo, seen)
 
     def _evaluate(self, model, cell: Cell, images, labels, keys, index, device) -> dict[str, Any]:
@@ -453,9 +410,8 @@ class ResolutionSweep(Callback):
 
     def _complete(self, trainer, cells: list[Cell], seen: list[str]) -> None:
         """Once every rank has read its images: check the cells hold every one of them, mark them complete."""
-        if _distributed():
-            dist.barrier()  # every rank's outcomes are on disk before anyone reads them
-        everyone = [key for keys in _gather(seen) for key in keys]
+        barrier(trainer)  # every rank's outcomes are on disk before anyone reads them
+        everyone = [key for keys in gather_objects(seen) for key in keys]
         if not trainer.is_global_zero:
             return
         expected = set(everyone)
@@ -505,7 +461,7 @@ class ResolutionSweep(Callback):
         return resolutions, rows
 
     def _conditions(self, trainer) -> dict[str, Any]:
-        network = self._network(trainer.lightning_module)
+        network = self.network(trainer.lightning_module)
         return {
             "attack": self.attack, "attacks": list(VERSIONS[self.attack]) if self.attack else [],
             "n_iter": self.n_iter, "engine": self.engine, "precision": precision_note(self.precision),
@@ -523,45 +479,40 @@ class ResolutionSweep(Callback):
         }
 
     def _report(self, trainer) -> None:
-        if _distributed():
-            dist.barrier()
-        run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # a collective under DDP: all ranks call it
+        barrier(trainer)
         if not trainer.is_global_zero:
+            self.publish(trainer, None, None)  # the run directory is agreed over all ranks
             return
         resolutions, rows = self._summary()
         first = self.threat_models[0].name if self.threat_models else None
         best = best_resolutions(rows, first)
         section = {"resolutions": resolutions, "best": best, "conditions": self._conditions(trainer)}
-        section["plot"] = self._plot(run_dir, rows, best) if self.plot else "not requested"
-        update_results(run_dir / "results.json", {"resolution_sweep": section})
-        metrics = flat_metrics(rows, best)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-            if isinstance(logger, WandbLogger):
-                names = [t.name for t in self.threat_models]
-                logger.log_table("resolution_sweep/summary", columns=["resolution", "images", "clean", *names],
-                                 data=[[r, resolutions[str(r)]["num_images"], row["clean_accuracy"],
-                                        *(row["robust_accuracy"][n] for n in names)] for r, row in rows.items()])
-                if self.plot:
-                    logger.log_image("resolution_sweep/plot", [section["plot"]])
-        for r, row in rows.items():
-            if row["clean_accuracy"] is not None:
-                robust = "".join(f", {n} robust {a:.2%}" for n, a in row["robust_accuracy"].items() if a is not None)
-                print(f"resolution {r}: clean {row['clean_accuracy']:.2%}{robust} on "
-                      f"{resolutions[str(r)]['num_images']} images", flush=True)
-        chosen = best["by_robust"] or best["by_clean"]
-        if chosen:
-            print(f"best resolution: {chosen['resolution']} "
-                  f"({'by ' + chosen['threat_model'] + ' robust' if 'threat_model' in chosen else 'by clean'} accuracy); "
-                  f"plot: {section['plot']}", flush=True)
+        figure = self._plot(rows, best) if self.plot else None
+        if figure is None:
+            section["plot"] = "not requested"
+        names = [t.name for t in self.threat_models]
+        table = (["resolution", "images", "clean", *names],
+                 [[r, resolutions[str(r)]["num_images"], row["clean_accuracy"],
+                   *(row["robust_accuracy"][n] for n in names)] for r, row in rows.items()])
 
-    def _plot(self, run_dir: Path, rows: dict[int, dict[str, Any]], best: dict[str, Any]) -> str:
-        import matplotlib  # noqa: PLC0415 (imported only when a plot is drawn: it is slow to import)
+        def message(published: dict[str, Any]) -> list[str]:
+            lines = []
+            for r, row in rows.items():
+                if row["clean_accuracy"] is not None:
+                    robust = "".join(f", {n} robust {a:.2%}" for n, a in row["robust_accuracy"].items()
+                                     if a is not None)
+                    lines.append(f"resolution {r}: clean {row['clean_accuracy']:.2%}{robust} on "
+                                 f"{resolutions[str(r)]['num_images']} images")
+            chosen = best["by_robust"] or best["by_clean"]
+            if chosen:
+                how = "by " + chosen["threat_model"] + " robust" if "threat_model" in chosen else "by clean"
+                lines.append(f"best resolution: {chosen['resolution']} ({how} accuracy); plot: {published['plot']}")
+            return lines
 
-        matplotlib.use("Agg")  # no display on compute nodes
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+        self.publish(trainer, section, flat_metrics(rows, best), figure, {"summary": table}, message)
 
-        fig, ax = plt.subplots(figsize=(6, 4))
+    def _plot(self, rows: dict[int, dict[str, Any]], best: dict[str, Any]):
+        fig, ax = new_figure(figsize=(6, 4))
         shown = [r for r, row in rows.items() if row["clean_accuracy"] is not None]
         colours = {"clean": ax.plot(shown, [100 * rows[r]["clean_accuracy"] for r in shown], "o-",
                                     label="clean")[0].get_color()}
@@ -586,11 +537,7 @@ class ResolutionSweep(Callback):
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
         fig.tight_layout()
-        path = run_dir / "resolution_sweep.png"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        return str(path.resolve())
+        return fig
 
 
 def flat_metrics(rows: dict[int, dict[str, Any]], best: dict[str, Any]) -> dict[str, float]:

@@ -24,6 +24,7 @@ from torchmetrics import MeanMetric, MetricCollection, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from robust_lightning.attacks import apgd, fgsm, pgd
+from robust_lightning.data.batch import Batch
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.calibration import CalibrationError
 from robust_lightning.models.classifier import build_classifier, use_small_input_strides
@@ -305,7 +306,7 @@ class ImageClassifier(LightningModule):
         steps_per_epoch = self.trainer.estimated_stepping_batches / max(1, self.trainer.max_epochs or 1)
         return hp.attack_eps * min(1.0, (self.trainer.global_step + 1) / (hp.eps_warmup_epochs * steps_per_epoch))
 
-    def training_step(self, batch: dict, batch_idx: int):
+    def training_step(self, batch: Batch, batch_idx: int):
         images, labels = batch["image"], batch["label"]
         if labels.numel() == 0:  # every image of this batch was corrupt (reported by CorruptImageReport)
             return None
@@ -463,19 +464,19 @@ class ImageClassifier(LightningModule):
                 self.log(f"{stage}/select_acc", score, sync_dist=True)
             metrics.reset()
 
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
         self._eval_step(batch)
 
     def on_validation_epoch_end(self) -> None:
         self._eval_epoch_end("val")
 
-    def test_step(self, batch: dict, batch_idx: int) -> None:
+    def test_step(self, batch: Batch, batch_idx: int) -> None:
         self._eval_step(batch)
 
     def on_test_epoch_end(self) -> None:
         self._eval_epoch_end("test")
 
-    def predict_step(self, batch: dict, batch_idx: int) -> dict:
+    def predict_step(self, batch: Batch, batch_idx: int) -> dict:
         probs = self(batch["image"]).float().softmax(-1)
         top = probs.topk(min(5, probs.shape[-1]), dim=-1)
         return {"key": batch["key"], "label": batch["label"], "top5": top.indices, "top5_prob": top.values}
