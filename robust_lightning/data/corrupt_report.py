@@ -1,10 +1,14 @@
-"""Reports images that could not be decoded: skipped, counted per epoch across ranks, named in a warning."""
+"""Reports images that could not be decoded (skipped, counted per epoch across ranks, named in a warning) and
+evaluation epochs that read fewer images than the evaluation set holds (a truncated or missing shard)."""
 
 import logging
 from collections import defaultdict
 
 import torch
 from lightning import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+
+from robust_lightning.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -16,8 +20,12 @@ class CorruptImageReport(Callback):
     def __init__(self):
         self.epoch_names: dict[str, list[str]] = defaultdict(list)
         self.totals: dict[str, int] = defaultdict(int)  # over the whole run, for results.json
+        self.epoch_read: dict[str, int] = defaultdict(int)  # images of this epoch, decodable or not
+        self.image_counts: dict[str, dict[str, int]] = {}  # last evaluation epoch per stage, for results.json
 
     def _collect(self, stage: str, batch) -> None:
+        if isinstance(batch, dict):
+            self.epoch_read[stage] += len(batch.get("key", ())) + len(batch.get("corrupt", ()))
         if isinstance(batch, dict) and batch.get("corrupt"):
             self.epoch_names[stage].extend(batch["corrupt"])
 
@@ -30,6 +38,32 @@ class CorruptImageReport(Callback):
         if names:  # every rank names its own files
             shown = "\n  ".join(names[:20]) + (f"\n  ... and {len(names) - 20} more" if len(names) > 20 else "")
             log.warning(f"[rank {trainer.global_rank}] skipped {len(names)} corrupt image(s) in this {stage} epoch:\n  {shown}")
+        read = trainer.strategy.reduce(torch.tensor(float(self.epoch_read.pop(stage, 0)), device=pl_module.device),
+                                       reduce_op="sum")
+        if stage in ("val", "test"):
+            self._check_complete(trainer, pl_module, stage, int(read.item()), int(count.item()))
+
+    def _check_complete(self, trainer, pl_module, stage: str, read: int, corrupt: int) -> None:
+        """Compare the images read over all ranks with the evaluation set's size; data.on_missing_images decides
+        whether a shortfall stops the run or is reported."""
+        data = trainer.datamodule
+        expected = data.expected_eval_image_count() if hasattr(data, "expected_eval_image_count") else None
+        limit = trainer.limit_val_batches if stage == "val" else trainer.limit_test_batches
+        if expected is None or not (isinstance(limit, float) and limit == 1.0):  # unknown, or cut on purpose
+            return
+        missing = max(0, expected - read)
+        self.image_counts[stage] = {"expected": expected, "read": read, "corrupt": corrupt, "missing": missing}
+        pl_module.log(f"{stage}/expected_images", float(expected), sync_dist=True)  # equal on every rank
+        pl_module.log(f"{stage}/missing_images", float(missing), sync_dist=True)
+        if not missing:
+            return
+        damaged = data.damaged_eval_shards() if hasattr(data, "damaged_eval_shards") else []
+        message = (f"{stage}: read {read} of the {expected} evaluation images ({missing} missing, {corrupt} of those "
+                   f"read undecodable)" + (f"; damaged shards: {', '.join(damaged)}" if damaged else "")
+                   + "; re-create the data, or set data.on_missing_images warn to evaluate what is there")
+        if getattr(data, "on_missing_images", "error") == "error":
+            raise UserError(message)
+        rank_zero_warn(message)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._collect("train", batch)

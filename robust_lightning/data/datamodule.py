@@ -388,6 +388,11 @@ class ImageNetDataModule(LightningDataModule):
         num_workers: decoding processes per device.
         shuffle_buffer: samples held for shuffling within the training shard stream.
         seed: data order seed (shard order, shuffle buffer, sampler).
+        on_missing_images: what a validation or test epoch that read fewer images than the evaluation set holds
+            (a truncated or missing shard, a listed image absent from the shards) does: "error" (stop with the
+            expected and read counts and the damaged shards) or "warn" (warn; the counts go to results.json and
+            the logged metrics as <stage>/expected_images and <stage>/missing_images). An undecodable image was
+            read: it is counted in <stage>/corrupt_images, not as missing.
         synthetic: options of the built-in dataset.
     """
 
@@ -418,6 +423,7 @@ class ImageNetDataModule(LightningDataModule):
         num_workers: int = 8,
         shuffle_buffer: int = 5000,
         seed: int = 0,
+        on_missing_images: Literal["error", "warn"] = "error",
         synthetic: SyntheticData = SyntheticData(),
     ):
         super().__init__()
@@ -444,12 +450,16 @@ class ImageNetDataModule(LightningDataModule):
         self.num_workers = num_workers
         self.shuffle_buffer = shuffle_buffer
         self.seed = seed
+        if on_missing_images not in ("error", "warn"):
+            raise UserError(f"data.on_missing_images must be 'error' or 'warn', got {on_missing_images!r}")
+        self.on_missing_images = on_missing_images
         self.synthetic = synthetic
         self.rank, self.world_size = 0, 1
         self.worker_augment = self.device_augment = None
         self.train_set = self.eval_set = None
         self.train_images = self.eval_images = None
         self.eval_keys: frozenset[str] | None = None
+        self.eval_shard_spec: str | None = None  # the shard directory evaluation reads, to name damaged shards
 
         if source == "folder":
             if root is None:
@@ -538,13 +548,17 @@ class ImageNetDataModule(LightningDataModule):
                 shuffle_buffer=self.shuffle_buffer, seed=self.seed,
             )
         if on_holdout:
-            self.eval_images = self.holdout
+            self.eval_images, self.eval_shard_spec = self.holdout, train_spec
             self.eval_set = HoldoutStream(held_urls, evaluation, limit=self.holdout, rank=self.rank,
                                           world_size=self.world_size)
+            if self.on_missing_images == "warn":
+                self.eval_set.handler = wds.warn_and_continue
             return
         if val_spec is None:
             raise UserError("evaluation needs data.val_shards")
-        urls, self.eval_images = self._resolve_shards(val_spec, None)
+        # data.on_missing_images warn: evaluate damaged shards too, and report the images they lack
+        urls, self.eval_images = self._resolve_shards(val_spec, None, check_sizes=self.on_missing_images == "error")
+        self.eval_shard_spec = val_spec
         subset = self._subset_files()
         if subset is not None:
             listed = ListedImages({Path(name).stem.replace(".", "_"): name.split("/")[0] for name in subset},
@@ -560,6 +574,8 @@ class ImageNetDataModule(LightningDataModule):
                                           world_size=self.world_size)
         else:
             self.eval_set = ShardStream(self._rank_share(urls, "val"), evaluation, repeat=False)
+        if self.on_missing_images == "warn":
+            self.eval_set.handler = wds.warn_and_continue
 
     def _setup_augmentation(self) -> None:
         """Everything after the crop: on the device by default, or in the workers with MixUp/CutMix (which
@@ -663,11 +679,11 @@ class ImageNetDataModule(LightningDataModule):
         return path
 
     @staticmethod
-    def _resolve_shards(spec: str, size: int | None) -> tuple[list[str], int | None]:
+    def _resolve_shards(spec: str, size: int | None, check_sizes: bool = True) -> tuple[list[str], int | None]:
         """Shard URLs and the number of images they hold (from the manifest if there is one)."""
         if _is_dir(spec):
             manifest = read_manifest(spec)
-            return shard_urls(spec), manifest["num_samples"]
+            return shard_urls(spec, check_sizes), manifest["num_samples"]
         urls = list(braceexpand(spec))
         if not spec.startswith("pipe:"):
             missing = [u for u in urls if not Path(u.removeprefix("file:")).is_file()]
@@ -763,6 +779,27 @@ class ImageNetDataModule(LightningDataModule):
         number of images of a shard selection (manifest, list or limit), the keys of a listed subset); None
         where not known (or, for a folder, where every file is found by listing it)."""
         return self.eval_images, self.eval_keys
+
+    def expected_eval_image_count(self) -> int | None:
+        """How many images an evaluation epoch over all ranks must read (decodable or not), None where unknown
+        (shards given by a pattern without a manifest)."""
+        if isinstance(self.eval_set, IterableDataset):
+            return self.eval_images
+        return len(self.eval_set)
+
+    def damaged_eval_shards(self) -> list[str]:
+        """The evaluation shards that are missing or whose size differs from their manifest entry."""
+        if not _is_dir(self.eval_shard_spec):
+            return []
+        manifest = read_manifest(self.eval_shard_spec) or {"shards": []}
+        damaged = []
+        for shard in manifest["shards"]:
+            path = Path(self.eval_shard_spec) / shard["file"]
+            if not path.is_file():
+                damaged.append(f"{path} (missing)")
+            elif "bytes" in shard and path.stat().st_size != shard["bytes"]:
+                damaged.append(f"{path} ({path.stat().st_size} of {shard['bytes']} bytes)")
+        return damaged
 
     def training_sample(self, device: torch.device | str, fraction: float = 1.0, max_images: int | None = None,
                         batch_size: int | None = None, seed: int = 0) -> TrainingSample:

@@ -114,6 +114,9 @@ class RunResults(Callback):
         corrupt = next((cb.totals for cb in trainer.callbacks if isinstance(cb, CorruptImageReport)), None)
         if corrupt:
             payload["corrupt_images"] = dict(corrupt)
+        counts = next((cb.image_counts for cb in trainer.callbacks if isinstance(cb, CorruptImageReport)), None)
+        if counts:  # expected, read, corrupt and missing images of the last evaluation epoch
+            payload["eval_image_counts"] = dict(counts)
         path = run_dir / "results.json"
         update_results(path, {section: payload})
         shown = ", ".join(f"{k}={v:.4g}" for k, v in payload["metrics"].items() if not k.startswith("train/"))
