@@ -514,23 +514,31 @@ class ImageNetDataModule(LightningDataModule):
         self._setup_augmentation()
         # validation of fit and validate runs on the held-out part of train when there is one
         on_holdout = self.holdout > 0 and stage in ("fit", "validate")
-        if self.source == "folder":
-            if stage == "fit" or on_holdout:
-                train = LabelledImageFolder(self._split_dir("train"), self.classes, training)
-                if self.holdout:
-                    train, held = self._split_folder_holdout(train, evaluation)
-                self.train_set = train
-            if on_holdout:
-                self.eval_set = held
-            else:
-                self.eval_set = self._folder_subset(LabelledImageFolder(self._split_dir("val"), self.classes, evaluation))
-            return
-        if self.source == "synthetic":
-            root = self._ensure_synthetic()  # no-op when prepare_data made it; covers direct setup() calls
-            train_spec, val_spec = str(root / "train"), str(root / "val")
+        build = {"folder": self._build_folder_sets, "synthetic": self._build_synthetic_sets,
+                 "shards": self._build_shard_sets}[self.source]
+        build(training, evaluation, needs_train=stage == "fit" or on_holdout, on_holdout=on_holdout)
+
+    # ------------------------------------------------------------------------------ one builder per source
+    def _build_folder_sets(self, training, evaluation, *, needs_train: bool, on_holdout: bool) -> None:
+        if needs_train:
+            train = LabelledImageFolder(self._split_dir("train"), self.classes, training)
+            if self.holdout:
+                train, held = self._split_folder_holdout(train, evaluation)
+            self.train_set = train
+        if on_holdout:
+            self.eval_set = held
         else:
-            train_spec, val_spec = self.train_shards, self.val_shards
-        if stage == "fit" or on_holdout:
+            self.eval_set = self._folder_subset(LabelledImageFolder(self._split_dir("val"), self.classes, evaluation))
+
+    def _build_synthetic_sets(self, training, evaluation, *, needs_train: bool, on_holdout: bool) -> None:
+        root = self._ensure_synthetic()  # no-op when prepare_data made it; covers direct setup() calls
+        self._build_shard_sets(training, evaluation, needs_train=needs_train, on_holdout=on_holdout,
+                               train_spec=str(root / "train"), val_spec=str(root / "val"))
+
+    def _build_shard_sets(self, training, evaluation, *, needs_train: bool, on_holdout: bool,
+                          train_spec: str | None = None, val_spec: str | None = None) -> None:
+        train_spec, val_spec = train_spec or self.train_shards, val_spec or self.val_shards
+        if needs_train:
             if train_spec is None:
                 raise UserError("training and data.holdout need data.train_shards")
             urls, total = self._resolve_shards(train_spec, self.train_size)
@@ -551,9 +559,12 @@ class ImageNetDataModule(LightningDataModule):
             self.eval_images, self.eval_shard_spec = self.holdout, train_spec
             self.eval_set = HoldoutStream(held_urls, evaluation, limit=self.holdout, rank=self.rank,
                                           world_size=self.world_size)
-            if self.on_missing_images == "warn":
-                self.eval_set.handler = wds.warn_and_continue
-            return
+        else:
+            self._build_shard_eval_set(val_spec, evaluation)
+        if self.on_missing_images == "warn":
+            self.eval_set.handler = wds.warn_and_continue
+
+    def _build_shard_eval_set(self, val_spec: str | None, evaluation) -> None:
         if val_spec is None:
             raise UserError("evaluation needs data.val_shards")
         # data.on_missing_images warn: evaluate damaged shards too, and report the images they lack
@@ -574,8 +585,6 @@ class ImageNetDataModule(LightningDataModule):
                                           world_size=self.world_size)
         else:
             self.eval_set = ShardStream(self._rank_share(urls, "val"), evaluation, repeat=False)
-        if self.on_missing_images == "warn":
-            self.eval_set.handler = wds.warn_and_continue
 
     def _setup_augmentation(self) -> None:
         """Everything after the crop: on the device by default, or in the workers with MixUp/CutMix (which
