@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from robust_lightning.training.classifier import ImageClassifier, soft_targets
+from robust_lightning.training.lightning_module import ImageClassifier, soft_targets
 
 
 def make_step(module: ImageClassifier, optimizer, images, targets, device):

@@ -19,7 +19,7 @@ import torch
 
 from robust_lightning.attacks.autoattack import VERSIONS, AutoAttack
 from robust_lightning.data.datamodule import ImageNetDataModule
-from robust_lightning.training.classifier import ImageClassifier
+from robust_lightning.training.lightning_module import ImageClassifier
 
 
 def first_images(module: ImageClassifier, n: int, data_root: str | None) -> tuple[torch.Tensor, torch.Tensor]:

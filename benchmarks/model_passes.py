@@ -19,7 +19,7 @@ import time
 import torch
 
 from robust_lightning.attacks.autoattack import attack_stand_in
-from robust_lightning.training.classifier import ImageClassifier
+from robust_lightning.training.lightning_module import ImageClassifier
 
 
 def milliseconds(model, x: torch.Tensor, gradient: bool, repeats: int) -> float:

@@ -31,7 +31,7 @@ from robust_lightning.models.weights import read_lightning_checkpoint, require_c
 from robust_lightning.evaluation.results import PredictionWriter, RunResults
 from robust_lightning.scale.srun import shield_forked_children
 from robust_lightning.training.checkpoint_io import AtomicCheckpointIO
-from robust_lightning.training.classifier import ImageClassifier
+from robust_lightning.training.lightning_module import ImageClassifier
 
 TRAINER_COMMANDS = {
     "fit": "train a model (optionally warm-started), validating every epoch",

@@ -24,7 +24,7 @@ from robust_lightning.analysis.shape_bias import (
 from robust_lightning.attacks.spatial import spatial_grid, spatial_grid_attack, transform_images
 from robust_lightning.cli import main
 from robust_lightning.errors import UserError
-from robust_lightning.training.classifier import ImageClassifier
+from robust_lightning.training.lightning_module import ImageClassifier
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -30,7 +30,7 @@ from robust_lightning.analysis.hessian import (
 from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
 from robust_lightning.data.transforms import eval_transform
 from robust_lightning.errors import UserError
-from robust_lightning.training.classifier import ImageClassifier
+from robust_lightning.training.lightning_module import ImageClassifier
 
 
 class Quadratic(nn.Module):

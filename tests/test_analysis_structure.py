@@ -224,7 +224,7 @@ def test_restricted_attention_does_not_apply_to_convnets():
 def checkpoint(tmp_path: Path, arch: str, **kwargs) -> Path:
     from lightning import Trainer
 
-    from robust_lightning.training.classifier import ImageClassifier
+    from robust_lightning.training.lightning_module import ImageClassifier
 
     torch.manual_seed(0)
     module = ImageClassifier(arch=arch, num_classes=10, image_size=32, **kwargs)

@@ -526,7 +526,7 @@ def test_full_resolution_decode_crops_in_the_workers(tiny_data):
 
 def test_results_list_the_differences_from_the_official_code(tiny_data):
     from robust_lightning.data.datamodule import ImageNetDataModule
-    from robust_lightning.training.classifier import ImageClassifier
+    from robust_lightning.training.lightning_module import ImageClassifier
 
     def data_differences(**options) -> str:
         dm = ImageNetDataModule(**tiny_data, augmentation="heavy", **options)

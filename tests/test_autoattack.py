@@ -434,7 +434,7 @@ def checkpoint(tmp_path_factory):
     from lightning import Trainer
 
     from robust_lightning.data.datamodule import ImageNetDataModule
-    from robust_lightning.training.classifier import ImageClassifier
+    from robust_lightning.training.lightning_module import ImageClassifier
 
     tmp_path = tmp_path_factory.mktemp("aa-fit")
     synthetic_root = tmp_path_factory.mktemp("aa-synthetic")
@@ -470,7 +470,7 @@ def run_test(tmp_path, checkpoint, *extra, **callback) -> dict:
 def direct_outcomes(checkpoint, batches: list[list[str]]) -> dict[str, bool]:
     """Robust flags from AutoAttack run directly (no Lightning) on the same batches of images."""
     from robust_lightning.data.datamodule import ImageNetDataModule
-    from robust_lightning.training.classifier import ImageClassifier
+    from robust_lightning.training.lightning_module import ImageClassifier
 
     ckpt, synthetic_root = checkpoint
     module = ImageClassifier.load_from_checkpoint(ckpt, map_location="cpu", weights_only=True).eval()

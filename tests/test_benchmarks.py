@@ -202,7 +202,7 @@ def checkpoint(tmp_path_factory) -> Path:
     favours one ImageNet-R and one ImageNet-A class, so that their accuracies are known and not zero."""
     from lightning import Trainer
 
-    from robust_lightning.training.classifier import ImageClassifier
+    from robust_lightning.training.lightning_module import ImageClassifier
 
     torch.manual_seed(0)
     module = ImageClassifier(arch="test_resnet", num_classes=1000, image_size=32)
@@ -259,7 +259,7 @@ def bench_config(tmp_path: Path, roots: dict[str, str], devices: int = 1) -> Pat
 def direct_metrics(checkpoint: Path, root: str, benchmark: str) -> tuple[float, float]:
     """ImageNet-R/-A top-1 and ECE computed without the callback or Lightning's loops."""
     from robust_lightning.data.transforms import eval_transform
-    from robust_lightning.training.classifier import ImageClassifier
+    from robust_lightning.training.lightning_module import ImageClassifier
     from PIL import Image
 
     module = ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=True).eval()
@@ -278,7 +278,7 @@ def direct_in9_metrics(checkpoint: Path, variant_root: Path) -> tuple[float, flo
     from PIL import Image
     from torchvision.transforms import v2 as T
 
-    from robust_lightning.training.classifier import ImageClassifier
+    from robust_lightning.training.lightning_module import ImageClassifier
 
     module = ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=True).eval()
     resize, to_in9 = T.Resize((32, 32), interpolation=T.InterpolationMode.BICUBIC), in9_map()

@@ -121,7 +121,7 @@ def test_the_quickstart_card_config_on_a_quickstart_model(tmp_path):
     """configs/eval/quickstart_card.yaml as shipped, on a quickstart-shaped (10 synthetic classes, 32 px) model."""
     from lightning import Trainer
 
-    from robust_lightning.training.classifier import ImageClassifier
+    from robust_lightning.training.lightning_module import ImageClassifier
 
     torch.manual_seed(0)
     module = ImageClassifier(arch="test_resnet", num_classes=10, image_size=32)

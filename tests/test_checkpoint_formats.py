@@ -238,7 +238,7 @@ def test_robustness_library_layout(tmp_path):
 def test_our_checkpoint_and_exports(tmp_path):
     from lightning import Trainer
 
-    from robust_lightning.training.classifier import ImageClassifier
+    from robust_lightning.training.lightning_module import ImageClassifier
     from robust_lightning.training.export import export_weights
 
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ from robust_lightning.cli import main
 from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
 from robust_lightning.models.classifier import build_classifier
 from robust_lightning.models.weights import save_net_weights
-from robust_lightning.training.classifier import ImageClassifier
+from robust_lightning.training.lightning_module import ImageClassifier
 from test_cli import tiny_config
 
 MEAN, STD = (0.4, 0.45, 0.5), (0.2, 0.25, 0.3)

@@ -13,7 +13,7 @@ import yaml
 
 from robust_lightning.cli import main
 from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
-from robust_lightning.training.classifier import ImageClassifier
+from robust_lightning.training.lightning_module import ImageClassifier
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -83,7 +83,7 @@ def test_ddp_adversarial_fit_selects_on_a_holdout_counted_exactly(tmp_path):
 
     from robust_lightning.attacks import apgd
     from robust_lightning.data.datamodule import ImageNetDataModule
-    from robust_lightning.training.classifier import ImageClassifier
+    from robust_lightning.training.lightning_module import ImageClassifier
 
     trees = tmp_path / "trees"
     make_image_tree(trees / "train", {w: 10 for w in WNIDS})

@@ -15,7 +15,7 @@ from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.base import Evaluation, evaluating, gather_objects, rank_share, sum_over_ranks
 from robust_lightning.evaluation.results import RunResults
-from robust_lightning.training.classifier import ImageClassifier
+from robust_lightning.training.lightning_module import ImageClassifier
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from robust_lightning.cli import main
-from robust_lightning.training.classifier import ImageClassifier
+from robust_lightning.training.lightning_module import ImageClassifier
 
 # Runs in a fresh interpreter: only timm, preprocessing exactly as timm's data config of the folder says.
 PLAIN_TIMM = textwrap.dedent(

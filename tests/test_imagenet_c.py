@@ -216,7 +216,7 @@ def checkpoint(tmp_path_factory) -> Path:
     """A tiny untrained 1000-class classifier at 32 px that favours class 0, so accuracies are not all zero."""
     from lightning import Trainer
 
-    from robust_lightning.training.classifier import ImageClassifier
+    from robust_lightning.training.lightning_module import ImageClassifier
 
     torch.manual_seed(0)
     module = ImageClassifier(arch="test_resnet", num_classes=1000, image_size=32)
@@ -255,7 +255,7 @@ def cli_config(tmp_path: Path, *callback_args: dict) -> Path:
 def direct_accuracy(checkpoint: Path, cell: Path) -> float:
     """Top-1 of one corruption x severity folder without the callback or Lightning's loops."""
     from robust_lightning.data.classes import class_map
-    from robust_lightning.training.classifier import ImageClassifier
+    from robust_lightning.training.lightning_module import ImageClassifier
 
     module = ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=True).eval()
     labels = class_map("imagenet")
@@ -359,7 +359,7 @@ def direct_generated(checkpoint: Path, val: Path, corruption: str, severities: l
     ECE (here |top-1 - mean confidence|) does: it is a fingerprint of the exact images."""
     from robust_lightning.data.classes import class_map
     from robust_lightning.evaluation.benchmarks import expected_calibration_error
-    from robust_lightning.training.classifier import ImageClassifier
+    from robust_lightning.training.lightning_module import ImageClassifier
 
     module = ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=True).eval()
     transform = CorruptedEvalTransform(corruption, severities, resolution=32, seed=seed)

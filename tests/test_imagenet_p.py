@@ -416,7 +416,7 @@ def checkpoint(tmp_path_factory) -> Path:
     """A tiny untrained 1000-class classifier at 32 px."""
     from lightning import Trainer
 
-    from robust_lightning.training.classifier import ImageClassifier
+    from robust_lightning.training.lightning_module import ImageClassifier
 
     torch.manual_seed(0)
     module = ImageClassifier(arch="test_resnet", num_classes=1000, image_size=SIZE)

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from robust_lightning.cli import main
-from robust_lightning.training.classifier import ImageClassifier, paper_warmup_epochs
+from robust_lightning.training.lightning_module import ImageClassifier, paper_warmup_epochs
 from robust_lightning.training.schedule import warmup_cosine
 
 REPO = Path(__file__).resolve().parents[1]

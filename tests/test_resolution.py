@@ -30,7 +30,7 @@ from robust_lightning.evaluation.resolution import (
     network_at,
     scaled_eps,
 )
-from robust_lightning.training.classifier import ImageClassifier
+from robust_lightning.training.lightning_module import ImageClassifier
 
 LINF = {"norm": "Linf", "eps": 4 / 255}
 TINY_VIT = dict(arch="vit_tiny_patch16_224", arch_kwargs=dict(patch_size=8, depth=1, embed_dim=32, num_heads=2))

@@ -5,7 +5,7 @@ import torch
 from lightning import Trainer
 
 from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
-from robust_lightning.training.classifier import ImageClassifier
+from robust_lightning.training.lightning_module import ImageClassifier
 from robust_lightning.training.schedule import warmup_cosine
 
 

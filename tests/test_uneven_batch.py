@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from helpers import WNIDS, make_image_tree
 from robust_lightning.data.datamodule import GlobalBatchSampler, ImageNetDataModule, SyntheticData, rank_batch_size
-from robust_lightning.training.classifier import ImageClassifier
+from robust_lightning.training.lightning_module import ImageClassifier
 
 REPO = Path(__file__).resolve().parents[1]
 GLOBAL_BATCH, WORLD_SIZE, LR = 20, 3, 0.5

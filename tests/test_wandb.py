@@ -134,7 +134,7 @@ def evaluated(workdir, fitted):
     torch.manual_seed(0)
     from lightning import Trainer
 
-    from robust_lightning.training.classifier import ImageClassifier
+    from robust_lightning.training.lightning_module import ImageClassifier
 
     module = ImageClassifier(arch="test_resnet", num_classes=1000, image_size=32)
     with torch.no_grad():

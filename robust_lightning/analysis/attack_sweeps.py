@@ -161,7 +161,7 @@ def checkpoint_label(path: str) -> str:
 
 def load_classifier(path: str, device: torch.device, weights: str = "raw") -> tuple[nn.Module, int]:
     """(classifier in eval mode, num_classes) of a project checkpoint, loaded weights-only."""
-    from robust_lightning.training.classifier import ImageClassifier  # noqa: PLC0415 (heavy; only when used)
+    from robust_lightning.training.lightning_module import ImageClassifier  # noqa: PLC0415 (heavy; only when used)
 
     if not Path(path).is_file():
         raise UserError(f"TransferMatrix: checkpoint {path} does not exist")

@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from robust_lightning.analysis.base import Analysis, new_figure
 from robust_lightning.errors import UserError
-from robust_lightning.training.classifier import soft_targets
+from robust_lightning.training.lightning_module import soft_targets
 
 MODEL_MODE = "eval (BatchNorm running statistics, no dropout / drop-path), fp32"
 

@@ -30,7 +30,7 @@ RELEASE_FIELDS = ("tag", "license", "hf_hub_id", "url", "paper_ids", "paper_name
 
 def _restore(checkpoint: str | Path, ema: bool) -> tuple[RobustClassifier, dict]:
     """The classifier of a training checkpoint (its EMA weights with ``ema``) and the checkpoint's hparams."""
-    from robust_lightning.training.classifier import ImageClassifier
+    from robust_lightning.training.lightning_module import ImageClassifier
 
     ckpt = read_checkpoint(checkpoint, prefer_ema=ema)
     hparams = ckpt.hyper_parameters
