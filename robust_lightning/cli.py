@@ -32,6 +32,7 @@ from robust_lightning.evaluation.results import PredictionWriter, RunResults
 from robust_lightning.scale.srun import shield_forked_children
 from robust_lightning.training.checkpoint_io import AtomicCheckpointIO
 from robust_lightning.training.lightning_module import ImageClassifier
+from robust_lightning.training.run_directory import FitRunDirectory, fit_checkpoint_directory
 
 TRAINER_COMMANDS = {
     "fit": "train a model (optionally warm-started), validating every epoch",
@@ -80,25 +81,52 @@ TOOL_COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
 }
 
 
-def continue_in_latest_run_directory(trainer_config) -> None:
-    """``fit --ckpt_path last`` resumes a run in its own directory: each versioned logger (CSV, TensorBoard)
-    without an explicit version takes the newest existing version_N instead of opening a new one, so the
-    checkpoint search, the logs and results.json all stay with the run being resumed (a requeued or killed
-    job continues where it was, not in an empty version_N+1 where "last" finds nothing)."""
-    loggers = trainer_config.get("logger")
-    for logger in loggers if isinstance(loggers, list) else [loggers]:
+def continue_in_latest_run_directory(config) -> None:
+    """``fit --ckpt_path last`` resumes a run in its own directory: the run-directory logger (the first; CSV or
+    TensorBoard) without an explicit version takes the newest version_N that a fit wrote (not one a validate or
+    test created) instead of opening a new one, so the checkpoint search, the logs and results.json all stay
+    with the run being resumed (a requeued or killed job continues where it was). Other versioned loggers take
+    their newest version_N. With no earlier fit, or no last checkpoint where the fit saves them, a UserError:
+    Lightning would warn and silently start from scratch."""
+    loggers = config.trainer.get("logger")
+    loggers = loggers if isinstance(loggers, list) else [loggers]
+    run_dir = None
+    for index, logger in enumerate(loggers):
         init = getattr(logger, "init_args", None)
-        if init is None or "version" not in init or init.version is not None or "save_dir" not in init:
+        if init is None or "version" not in init or "save_dir" not in init:
             continue
-        runs = Path(init.save_dir) / (init.get("name") or "lightning_logs")
-        versions = [int(p.name[len("version_"):]) for p in runs.glob("version_*") if p.name[len("version_"):].isdigit()]
+        runs = Path(init.save_dir) / (init.get("name") or "")  # no name: versions directly in save_dir
+        if init.version is not None:
+            if index == 0:
+                run_dir = runs / (init.version if isinstance(init.version, str) else f"version_{init.version}")
+            continue
+        versions = [int(p.name[len("version_"):]) for p in runs.glob("version_*") if p.name[len("version_"):].isdigit()
+                    and (index > 0 or fit_checkpoint_directory(p) is not None)]
+        if not versions and index == 0:
+            raise UserError(f"--ckpt_path last: no earlier fit of this config to resume in {runs} (none of its "
+                            "version_N directories was written by fit); run fit without --ckpt_path to start one")
         if versions:
             init.version = max(versions)
+            run_dir = run_dir or runs / f"version_{init.version}"
             # CSVLogger deletes an existing metrics.csv when it opens the directory: keep the history
             metrics = runs / f"version_{init.version}" / "metrics.csv"
             if metrics.is_file():
                 part = next(k for k in itertools.count(1) if not metrics.with_name(f"metrics.part{k}.csv").exists())
                 metrics.rename(metrics.with_name(f"metrics.part{part}.csv"))
+    dirpath = config.get("checkpoint.dirpath")
+    if dirpath:
+        checkpoints = Path(dirpath)
+    elif run_dir is not None:
+        checkpoints = fit_checkpoint_directory(run_dir) or run_dir / "checkpoints"
+    elif config.trainer.get("logger") is False:
+        checkpoints = Path(config.trainer.get("default_root_dir") or ".") / "checkpoints"
+    else:
+        return  # Lightning's default logger: its directory is not known before it is created
+    if not any(checkpoints.glob(f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}*{ModelCheckpoint.FILE_EXTENSION}")):
+        where = f" (the run in {run_dir})" if run_dir is not None else ""
+        raise UserError(f"--ckpt_path last: no last checkpoint to resume in {checkpoints}{where}; the earlier fit "
+                        "saved none (stopped before its first checkpoint?): run fit without --ckpt_path to start "
+                        "again")
 
 
 # What a checkpoint given with --ckpt_path carries, and which of its settings win (README, "What a checkpoint
@@ -185,7 +213,7 @@ class RobustLightningCLI(LightningCLI):
         config = self.config.get(self.subcommand)
         self.apply_model_settings(config)
         if self.subcommand == "fit" and config.get("ckpt_path") == "last":
-            continue_in_latest_run_directory(config.trainer)
+            continue_in_latest_run_directory(config)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
@@ -276,7 +304,7 @@ def main(args: Sequence[str] | None = None) -> int:
             parser_class=ArgumentParser,
             seed_everything_default=0,
             trainer_defaults={
-                "callbacks": [CorruptImageReport(), RunResults(), PredictionWriter()],
+                "callbacks": [CorruptImageReport(), RunResults(), PredictionWriter(), FitRunDirectory()],
                 "plugins": [{"class_path": f"{AtomicCheckpointIO.__module__}.{AtomicCheckpointIO.__name__}"}],  # a kill during a save never corrupts last.ckpt
                 # attacks in validate/test need autograd, which inference mode forbids even under enable_grad
                 "inference_mode": False,

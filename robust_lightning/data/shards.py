@@ -34,6 +34,7 @@ from tqdm import tqdm
 from robust_lightning.atomic import atomic_write, atomic_write_json
 from robust_lightning.data.classes import class_map as resolve_class_map
 from robust_lightning.errors import UserError
+from robust_lightning.locking import LOCK_NAME, exclusive
 
 MANIFEST_FORMAT = "robust-lightning-shards/1"
 MANIFEST_NAME = "manifest.json"
@@ -389,6 +390,16 @@ def convert_image_folder(
 
     plan, keys = _make_plan(src, prefix=prefix, samples_per_shard=samples_per_shard, class_map=class_map,
                             shuffle=shuffle, seed=seed, verify=verify)
+    # One converter per output directory: a second one would delete the first's temporary files as leftovers
+    # of a killed run, and the two would write the manifest over each other.
+    with exclusive(out / LOCK_NAME, f"shard directory {out}"):
+        return _convert(src, out, plan, keys, overwrite=overwrite, workers=workers, progress=progress)
+
+
+def _convert(src: Path, out: Path, plan: dict, keys: dict[str, str], *, overwrite: bool, workers: int,
+             progress: bool) -> dict:
+    """The shards of ``plan`` that ``out`` still lacks, then the manifest (under the directory's lock)."""
+    prefix, verify, class_map = plan["prefix"], plan["verify"], plan["class_map"]
     _prepare_output(out, plan, overwrite)
 
     num_shards = len(plan["shards"])

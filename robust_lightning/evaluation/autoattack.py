@@ -12,6 +12,7 @@ With ``fit_images`` set, the callback also evaluates the final model of a ``fit`
 of the validation data (the quickstart reports AutoAttack this way).
 """
 
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,7 @@ class AutoAttackEvaluation(Evaluation):
         # this session's totals per threat model and attack (not saved per point: a resumed run counts anew)
         self.seconds: dict[str, dict[str, float]] = {}
         self.refuted: dict[str, dict[str, int]] = {}  # claims the fp32 check refuted (AutoAttackReport.refuted)
+        self.locks = ExitStack()  # the outcome folders' locks, held from _start until teardown
 
     # ----------------------------------------------------------------------------------------- set-up
     def _directory(self, threat: ThreatModel) -> Path:
@@ -153,7 +155,7 @@ class AutoAttackEvaluation(Evaluation):
         weights_hash = weights_sha256(network)  # once: it reads every weight
         for threat in self.threat_models:
             claim_directory(self._directory(threat), self._identity(trainer, weights_hash, threat),
-                            trainer.is_global_zero, "AutoAttackEvaluation")
+                            trainer.is_global_zero, "AutoAttackEvaluation", self.locks)
             self.done[threat.name] = set(read_outcomes(self._directory(threat)))
             self.seconds[threat.name], self.refuted[threat.name] = {}, {}
             if self.done[threat.name] and trainer.is_global_zero:
@@ -167,6 +169,12 @@ class AutoAttackEvaluation(Evaluation):
             for batch in self.eval_batches(trainer, pl_module, limit=self.fit_images, progress="autoattack"):
                 self.on_test_batch_end(trainer, pl_module, None, batch, 0)
             self._finish(trainer, pl_module)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self.locks.close()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self.locks.close()
 
     # --------------------------------------------------------------------------------------- per batch
     def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:

@@ -10,11 +10,13 @@ is redone). Reading merges every rank and session, each key once.
 
 import json
 import os
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.results import update_results
+from robust_lightning.locking import LOCK_NAME, exclusive
 
 
 def read_outcomes(directory: Path) -> dict[str, dict[str, Any]]:
@@ -51,10 +53,15 @@ def as_json(value: Any) -> Any:
     return str(value) if isinstance(value, Path) else value
 
 
-def claim_directory(directory: Path, identity: dict[str, Any], is_global_zero: bool, owner: str) -> None:
+def claim_directory(directory: Path, identity: dict[str, Any], is_global_zero: bool, owner: str,
+                    locks: ExitStack | None = None) -> None:
     """Refuse to mix outcomes of another checkpoint or setting into ``directory``; record ours.
-    ``owner``: the callback whose ``results_dir`` the error message tells the user to change."""
+    ``owner``: the callback whose ``results_dir`` the error message tells the user to change. ``locks``: where
+    global rank zero keeps the directory's lock until the caller closes it when its evaluation ends; another
+    evaluation into the directory meanwhile stops at once with a message naming this one."""
     directory.mkdir(parents=True, exist_ok=True)
+    if is_global_zero and locks is not None:
+        locks.enter_context(exclusive(directory / LOCK_NAME, f"{owner} outcome folder {directory}"))
     manifest = directory / "manifest.json"
     if manifest.is_file():
         saved = json.loads(manifest.read_text())

@@ -1,0 +1,99 @@
+"""A fit owns its run directory and its checkpoint directory while it runs, and its checkpoints afterwards.
+
+- While a fit runs, it holds the lock of its run directory (and of ``checkpoint.dirpath`` where that lies
+  elsewhere): a second fit into either stops at once with a message naming the first.
+- A fixed ``checkpoint.dirpath`` outside the run directory (the quickstart's and the recipes') records the run
+  directory whose checkpoints it holds (``.run_directory``). A fit in another run directory is refused there:
+  its last.ckpt would replace the earlier run's, whose results.json would then hash weights no longer its own.
+  Resuming (``--ckpt_path last``) continues in the recorded run directory, so it is not refused; a resume by
+  path from a new run directory is (the earlier run's results.json would no longer match its checkpoints).
+- The run directory of a fit is marked (``.fit``, naming its checkpoint directory): ``--ckpt_path last`` looks
+  only at run directories so marked, never at one a validate or test created.
+"""
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+
+from lightning import Callback
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from robust_lightning.atomic import atomic_write_json
+from robust_lightning.errors import UserError
+from robust_lightning.locking import LOCK_NAME, exclusive
+
+FIT_MARKER = ".fit"  # in a fit's run directory: {"checkpoint_dirpath": ...}
+OWNER_MARKER = ".run_directory"  # in a checkpoint directory outside its run: {"run_directory": ...}
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        content = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return content if isinstance(content, dict) else None
+
+
+def fit_checkpoint_directory(run_dir: Path) -> Path | None:
+    """The checkpoint directory of the fit that ran in ``run_dir``, or None if no fit ran there. Run
+    directories written before the marker existed count as a fit's when they hold checkpoints/last.ckpt."""
+    marker = _read_json(run_dir / FIT_MARKER)
+    if marker and marker.get("checkpoint_dirpath"):
+        return Path(marker["checkpoint_dirpath"])
+    return run_dir / "checkpoints" if (run_dir / "checkpoints" / "last.ckpt").is_file() else None
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    return path == directory or directory in path.parents
+
+
+class FitRunDirectory(Callback):
+    """Claims the run and checkpoint directories of a fit (see the module docstring); global rank zero only."""
+
+    def __init__(self):
+        self._locks = ExitStack()
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage != "fit":
+            return
+        run_dir = Path(trainer.log_dir or trainer.default_root_dir).resolve()  # a collective under DDP
+        if not trainer.is_global_zero:
+            return
+        checkpoint = trainer.checkpoint_callback
+        dirpath = checkpoint.dirpath if isinstance(checkpoint, ModelCheckpoint) else None
+        # Lightning puts checkpoints without a dirpath into <log_dir>/checkpoints
+        checkpoints = Path(dirpath).resolve() if dirpath else run_dir / "checkpoints"
+        try:
+            elsewhere = not _inside(checkpoints, run_dir)
+            if elsewhere:  # first: a refused fit leaves no run directory behind
+                self._locks.enter_context(exclusive(checkpoints / LOCK_NAME, f"checkpoint directory {checkpoints}"))
+                resumed = Path(trainer.ckpt_path).resolve() if trainer.ckpt_path else None
+                self._check_owner(checkpoints, run_dir, resumed is not None and _inside(resumed, checkpoints))
+            self._locks.enter_context(exclusive(run_dir / LOCK_NAME, f"run directory {run_dir}"))
+            if elsewhere:
+                atomic_write_json(checkpoints / OWNER_MARKER, {"run_directory": str(run_dir)})
+            atomic_write_json(run_dir / FIT_MARKER, {"checkpoint_dirpath": str(checkpoints)})
+        except BaseException:
+            self._locks.close()
+            raise
+
+    @staticmethod
+    def _check_owner(checkpoints: Path, run_dir: Path, continues_them: bool) -> None:
+        """Refuse a checkpoint directory that holds another run's checkpoints.
+        ``continues_them``: this fit resumes from one of them, which makes checkpoints saved before the owner was
+        recorded (no marker) its own."""
+        owner = (_read_json(checkpoints / OWNER_MARKER) or {}).get("run_directory")
+        advice = (f"resume that run with --ckpt_path last, set checkpoint.dirpath to a new directory, or delete "
+                  f"{checkpoints} to start over")
+        if owner is not None and Path(owner) != run_dir:
+            raise UserError(f"checkpoint.dirpath {checkpoints} holds the checkpoints of the run in {owner}, not of "
+                            f"this run ({run_dir}); a new fit there would overwrite them: {advice}")
+        if owner is None and not continues_them and any(checkpoints.glob("*.ckpt")):
+            raise UserError(f"checkpoint.dirpath {checkpoints} holds checkpoints of an earlier run; a new fit there "
+                            f"would overwrite them: {advice}")
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._locks.close()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._locks.close()

@@ -1,0 +1,253 @@
+"""Two writers of the same thing: shards, a fit's run and checkpoint directories, an AutoAttack outcome folder.
+The second stops at once with a message naming the first (no traceback, nothing corrupted), a killed writer
+leaves no stuck lock, and ``--ckpt_path last`` only resumes what a fit wrote."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import textwrap
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from helpers import make_image_tree
+from robust_lightning.cli import main
+from robust_lightning.data.shards import read_manifest, shard_urls
+from robust_lightning.errors import UserError
+from robust_lightning.evaluation.outcomes import claim_directory
+from robust_lightning.evaluation.results import file_sha256
+from robust_lightning.locking import LOCK_NAME, exclusive
+from test_autoattack import checkpoint, eval_config  # noqa: F401 (checkpoint: a fixture)
+from test_cli import REPO, tiny_config
+
+
+def _python(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_holder(lock_file: Path, process: subprocess.Popen, timeout: float = 120) -> None:
+    """Until ``process`` holds the lock (it records its pid in the lock file once it has it)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and process.poll() is None:
+        try:
+            if json.loads(lock_file.read_text())["pid"] == process.pid:
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"the lock was never taken: {process.communicate()}")
+
+
+def test_a_lock_is_released_when_its_holder_is_killed(tmp_path):
+    lock_file = tmp_path / "out" / LOCK_NAME
+    holder = _python(f"""
+        import time
+        from robust_lightning.locking import exclusive
+        with exclusive({str(lock_file)!r}, "the test folder"):
+            time.sleep(600)
+    """)
+    try:
+        _wait_for_holder(lock_file, holder)
+        with pytest.raises(UserError, match=rf"the test folder is being written by pid {holder.pid} on "):
+            with exclusive(lock_file, "the test folder"):
+                pass
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    with exclusive(lock_file, "the test folder"):  # the OS released it with the process
+        assert json.loads(lock_file.read_text())["pid"] == os.getpid()
+    with exclusive(lock_file, "the test folder"):  # and released on leaving the block
+        pass
+
+
+def test_forked_workers_do_not_keep_a_lock(tmp_path):
+    """A worker forked while the lock is held (a DataLoader or shard worker) must not hold it after its parent is
+    killed: flock lasts as long as any process keeps the descriptor open."""
+    lock_file, worker_pid = tmp_path / LOCK_NAME, tmp_path / "worker.pid"
+    holder = _python(f"""
+        import os, time
+        from pathlib import Path
+        from robust_lightning.locking import exclusive
+        with exclusive({str(lock_file)!r}, "the test folder"):
+            worker = os.fork()
+            if worker == 0:  # the worker outlives its parent
+                time.sleep(120)
+                os._exit(0)
+            Path({str(worker_pid)!r}).write_text(str(worker))
+            time.sleep(600)
+    """)
+    try:
+        _wait_for_holder(lock_file, holder)
+        while not worker_pid.exists():
+            time.sleep(0.05)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    worker = int(worker_pid.read_text())
+    try:
+        os.kill(worker, 0)  # the orphaned worker is still running...
+        with exclusive(lock_file, "the test folder"):  # ...without the lock
+            pass
+    finally:
+        os.kill(worker, signal.SIGKILL)
+
+
+def test_two_shards_commands_into_one_folder(tmp_path):
+    src = make_image_tree(tmp_path / "train", {"n01440764": 5, "n01443537": 4, "n15075141": 3})
+    out, go = tmp_path / "shards", tmp_path / "go"
+    # the first converter pauses before each shard until the test lets it go: the second starts meanwhile
+    first = _python(f"""
+        import sys, time
+        from pathlib import Path
+        import robust_lightning.data.shards as shards
+        convert = shards._convert_shard
+        def paused(*args):
+            deadline = time.time() + 120
+            while not Path({str(go)!r}).exists() and time.time() < deadline:
+                time.sleep(0.05)
+            return convert(*args)
+        shards._convert_shard = paused
+        from robust_lightning.cli import main
+        sys.exit(main(["shards", {str(src)!r}, {str(out)!r}, "--samples_per_shard", "4", "--workers", "1"]))
+    """)
+    try:
+        _wait_for_holder(out / LOCK_NAME, first)
+        second = subprocess.run([sys.executable, "-m", "robust_lightning", "shards", str(src), str(out),
+                                 "--samples_per_shard", "4", "--workers", "1"], cwd=REPO, capture_output=True,
+                                text=True, timeout=300)
+        assert second.returncode == 2, second.stderr
+        assert f"shard directory {out} is being written by pid {first.pid}" in second.stderr
+        assert "Traceback" not in second.stderr
+        go.touch()
+        stdout, stderr = first.communicate(timeout=300)
+    finally:
+        first.kill()
+    assert first.returncode == 0, stderr
+    # the shard set is complete and readable: every image once, under its folder's label
+    manifest = read_manifest(out)
+    samples = {}
+    for url in shard_urls(out):
+        with tarfile.open(url) as tar:
+            for member in tar.getmembers():
+                key, _, ext = member.name.partition(".")
+                samples.setdefault(key, {})[ext] = tar.extractfile(member).read()
+    images = sorted(src.glob("*/*.JPEG"))
+    assert manifest["num_samples"] == len(samples) == len(images) == 12
+    labels = {"n01440764": b"0", "n01443537": b"1", "n15075141": b"999"}
+    for path in images:
+        assert samples[path.stem]["jpg"] == path.read_bytes() and samples[path.stem]["cls"] == labels[path.parent.name]
+    assert not [p.name for p in out.iterdir() if ".tmp-" in p.name]
+    # once the first is done, the same command finds the set complete
+    again = subprocess.run([sys.executable, "-m", "robust_lightning", "shards", str(src), str(out),
+                            "--samples_per_shard", "4", "--workers", "1"], cwd=REPO, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert read_manifest(out) == manifest
+
+
+@pytest.fixture
+def fixed_dirpath_config(tmp_path):
+    """The quickstart's layout: versioned run directories under runs/tiny, checkpoints in one fixed folder."""
+    return tiny_config(tmp_path, tmp_path / "synthetic", **{
+        "checkpoint.dirpath": str(tmp_path / "runs" / "tiny" / "checkpoints"),
+        "checkpoint.enable_version_counter": False,
+    })
+
+
+def test_a_second_fit_into_a_fixed_checkpoint_dirpath_is_refused(tmp_path, fixed_dirpath_config, capsys):
+    checkpoints = tmp_path / "runs" / "tiny" / "checkpoints"
+    assert main(["fit", "--config", str(fixed_dirpath_config)]) == 0
+    first = tmp_path / "runs" / "tiny" / "version_0"
+    before = {p.name: file_sha256(p) for p in checkpoints.glob("*.ckpt")}
+    capsys.readouterr()
+    assert main(["fit", "--config", str(fixed_dirpath_config)]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint.dirpath {checkpoints} holds the checkpoints of the run in {first}" in err
+    assert "--ckpt_path last" in err
+    assert {p.name: file_sha256(p) for p in checkpoints.glob("*.ckpt")} == before  # nothing overwritten
+    # the first run's results.json hashes the files it names, which are still its own
+    fit = json.loads((first / "results.json").read_text())["fit"]
+    for key in ("last_checkpoint", "best_checkpoint"):
+        assert Path(fit[key]["path"]).parent == checkpoints
+        assert fit[key]["sha256"] == file_sha256(fit[key]["path"])
+    # resuming the run that owns them is allowed, in its own run directory
+    assert main(["fit", "--config", str(fixed_dirpath_config), "--trainer.max_epochs", "2",
+                 "--ckpt_path", "last"]) == 0
+    fit = json.loads((first / "results.json").read_text())["fit"]
+    assert fit["epochs"] == 2 and fit["last_checkpoint"]["sha256"] == file_sha256(checkpoints / "last.ckpt")
+    assert not (tmp_path / "runs" / "tiny" / "version_1" / "results.json").exists()
+    # so is a new run resuming from one of them by path: it would overwrite them as well
+    assert main(["fit", "--config", str(fixed_dirpath_config), "--trainer.max_epochs", "3",
+                 "--ckpt_path", str(checkpoints / "last.ckpt")]) == 2
+    assert f"holds the checkpoints of the run in {first}" in capsys.readouterr().err
+    assert json.loads((first / "results.json").read_text())["fit"]["last_checkpoint"]["sha256"] == \
+        file_sha256(checkpoints / "last.ckpt")
+
+
+def test_a_fit_into_a_run_directory_in_use_is_refused(tmp_path, fixed_dirpath_config, capsys):
+    run_dir = tmp_path / "runs" / "tiny" / "version_0"
+    with exclusive(run_dir / LOCK_NAME, "held by the test"):  # another fit writing version_0
+        assert main(["fit", "--config", str(fixed_dirpath_config), "--trainer.logger.init_args.version", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"run directory {run_dir} is being written by pid {os.getpid()}" in err and "Traceback" not in err
+    checkpoints = tmp_path / "runs" / "tiny" / "checkpoints"
+    assert not list(checkpoints.glob("*.ckpt")) and not (checkpoints / ".run_directory").exists()
+    with exclusive(checkpoints / LOCK_NAME, "held by the test"):  # another fit (another run) saving there
+        assert main(["fit", "--config", str(fixed_dirpath_config)]) == 2
+    assert f"checkpoint directory {checkpoints} is being written by pid {os.getpid()}" in capsys.readouterr().err
+    assert not list(checkpoints.glob("*.ckpt"))
+
+
+def test_ckpt_path_last_without_an_earlier_fit_is_an_error(tmp_path, capsys):
+    config = tiny_config(tmp_path, tmp_path / "synthetic")
+    assert main(["fit", "--config", str(config), "--ckpt_path", "last"]) == 2  # nothing at all yet
+    assert f"no earlier fit of this config to resume in {tmp_path / 'runs' / 'tiny'}" in capsys.readouterr().err
+    checkpoint_file = tmp_path / "model.ckpt"
+    assert main(["fit", "--config", str(config), "--trainer.logger", "false",
+                 "--checkpoint.dirpath", str(tmp_path / "elsewhere")]) == 0
+    (tmp_path / "elsewhere" / "last.ckpt").rename(checkpoint_file)
+    assert main(["validate", "--config", str(config), "--ckpt_path", str(checkpoint_file)]) == 0
+    assert (tmp_path / "runs" / "tiny" / "version_0" / "results.json").is_file()  # a validate's run directory
+    capsys.readouterr()
+    assert main(["fit", "--config", str(config), "--ckpt_path", "last"]) == 2
+    err = capsys.readouterr().err
+    assert f"no earlier fit of this config to resume in {tmp_path / 'runs' / 'tiny'}" in err and "Traceback" not in err
+    assert not (tmp_path / "runs" / "tiny" / "version_1").exists()  # nothing started from scratch
+
+
+def test_a_second_autoattack_evaluation_into_one_outcome_folder_is_refused(tmp_path, checkpoint, capsys):  # noqa: F811
+    ckpt, synthetic_root = checkpoint
+    config = eval_config(tmp_path, synthetic_root)
+    holder = _python(f"""
+        import time
+        from pathlib import Path
+        from contextlib import ExitStack
+        from robust_lightning.evaluation.outcomes import claim_directory
+        with ExitStack() as locks:
+            claim_directory(Path({str(tmp_path / "held")!r}), {{}}, True, "AutoAttackEvaluation", locks)
+            time.sleep(600)
+    """)
+    try:
+        _wait_for_holder(tmp_path / "held" / LOCK_NAME, holder)
+        with pytest.raises(UserError, match=f"AutoAttackEvaluation outcome folder {tmp_path / 'held'} is being "
+                                            f"written by pid {holder.pid}"):
+            with ExitStack() as locks:
+                claim_directory(tmp_path / "held", {}, True, "AutoAttackEvaluation", locks)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    # through the command: an evaluation holding the folder's lock refuses a second one, which writes nothing
+    assert main(["test", "--config", str(config), "--ckpt_path", str(ckpt), "--trainer.limit_test_batches", "1"]) == 0
+    folder = next(p for p in (tmp_path / "outcomes").iterdir() if p.is_dir())
+    records = (folder / "rank0.jsonl").read_text()
+    with exclusive(folder / LOCK_NAME, "held by the test"):
+        assert main(["test", "--config", str(config), "--ckpt_path", str(ckpt)]) == 2
+    err = capsys.readouterr().err
+    assert f"AutoAttackEvaluation outcome folder {folder} is being written by pid {os.getpid()}" in err
+    assert (folder / "rank0.jsonl").read_text() == records
