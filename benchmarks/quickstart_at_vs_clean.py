@@ -21,7 +21,8 @@ def fit(config: str, name: str, root: Path, *extra: str) -> dict:
     subprocess.run(
         [sys.executable, "-m", "robust_lightning", "fit", "--config", str(REPO / "configs" / config),
          "--trainer.logger.init_args.save_dir", str(root), "--trainer.logger.init_args.name", name,
-         "--trainer.default_root_dir", str(root / name), "--trainer.enable_progress_bar", "false", *extra],
+         "--trainer.default_root_dir", str(root / name), "--trainer.enable_progress_bar", "false",
+         "--checkpoint.dirpath", str(root / name / "checkpoints"), *extra],  # not the configs' runs/quickstart/...
         check=True, cwd=REPO,
     )
     results = json.loads(next((root / name).glob("version_*/results.json")).read_text())["fit"]
