@@ -39,6 +39,7 @@ Everything runs in ``on_test_end``, after the model's own test set, as the other
 import copy
 import json
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -290,6 +291,13 @@ class ResolutionSweep(Evaluation):
         self.reference_resolution, self.batch_size, self.max_images = reference_resolution, batch_size, max_images
         self.weights, self.plot, self.pos_embed_interpolation = weights, plot, pos_embed_interpolation
         self.results_dir = Path(results_dir) if results_dir else None
+        self.locks = ExitStack()  # the cells' outcome-folder locks, held from the claim until teardown
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self.locks.close()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self.locks.close()
 
     # ------------------------------------------------------------------------------------------- set-up
     def _model(self, pl_module, network: nn.Module) -> Callable:
@@ -335,7 +343,7 @@ class ResolutionSweep(Evaluation):
                 cells = self.cells(r)
                 for cell in cells:
                     claim_directory(cell.directory, self._identity(trainer, cell), trainer.is_global_zero,
-                                    "ResolutionSweep")
+                                    "ResolutionSweep", self.locks)
                 if all(cell.complete for cell in cells):
                     rank_zero_info(f"resolution sweep {r} px: complete in {cells[0].directory.parent}, skipped")
                     continue
