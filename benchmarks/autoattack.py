@@ -17,7 +17,7 @@ import json
 
 import torch
 
-from robust_lightning.attacks.autoattack import VERSIONS, AutoAttack
+from robust_lightning.attacks.ensemble import VERSIONS, AutoAttack
 from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.training.lightning_module import ImageClassifier
 

@@ -12,11 +12,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import yaml
-from helpers import HostReads, force_device_path
 
-from robust_lightning.attacks import lp_norm
-from robust_lightning.attacks import autoattack
-from robust_lightning.attacks.autoattack import AutoAttack, batched_runs, channels_last_inputs, folded_batchnorm
+from helpers import HostReads, force_device_path
+from robust_lightning.attacks import autoattack, lp_norm
+from robust_lightning.attacks.ensemble import AutoAttack, batched_runs, channels_last_inputs, folded_batchnorm
 
 REPO = Path(__file__).resolve().parents[1]
 EPS = {"Linf": 10 / 255, "L2": 0.75, "L1": 9.0}

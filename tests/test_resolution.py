@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import WNIDS, make_image_tree
 from lightning import Trainer
 from PIL import Image
 from timm.layers import resample_abs_pos_embed
 from torch import nn
 from torchvision.transforms.v2.functional import pil_to_tensor
 
-from robust_lightning.attacks.autoattack import AutoAttack
+from helpers import WNIDS, make_image_tree
+from robust_lightning.attacks.ensemble import AutoAttack
 from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.data.transforms import eval_transform
 from robust_lightning.errors import UserError

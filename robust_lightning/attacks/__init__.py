@@ -12,7 +12,7 @@ from .apgd import (
     predicted_correct,
     random_start_point,
 )
-from .autoattack import AutoAttack, AutoAttackReport
+from .ensemble import AutoAttack, AutoAttackReport
 from .fab import FABResult, fab_targeted
 from .projections import NORMS, l1_projection, lp_norm, normalize, project, project_l1, project_l2, project_linf
 from .simple import fgsm, pgd

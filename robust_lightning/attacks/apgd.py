@@ -28,7 +28,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .projections import (
-    _per_sample, check_count, check_threat_model, host_reads_are_cheap, l1_projection, lp_norm, normalize, project,
+    _per_sample,
+    check_count,
+    check_threat_model,
+    host_reads_are_cheap,
+    l1_projection,
+    lp_norm,
+    normalize,
+    project,
 )
 
 LOSSES = ("ce", "dlr", "dlr-targeted")

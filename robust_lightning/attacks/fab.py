@@ -31,6 +31,7 @@ sensitive to it, so a borderline point can flip when compared with a reference r
 """
 
 from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 

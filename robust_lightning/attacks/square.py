@@ -38,6 +38,7 @@ iterates are computed as ``x + delta + correction`` (see :func:`_l1_to_ball`).
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+
 import torch
 from torch import Tensor
 

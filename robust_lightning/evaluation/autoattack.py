@@ -20,15 +20,26 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from robust_lightning.attacks.autoattack import (
-    ENGINES, L1_MIN_ITER, PRECISIONS, VERSIONS, AutoAttack, folded_batchnorm, folds_batchnorm, precision_note,
+from robust_lightning.attacks.ensemble import (
+    ENGINES,
+    L1_MIN_ITER,
+    PRECISIONS,
+    VERSIONS,
+    AutoAttack,
+    folded_batchnorm,
+    folds_batchnorm,
+    precision_note,
     uses_channels_last,
 )
 from robust_lightning.attacks.projections import NORMS
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.base import Evaluation, barrier, evaluating, sum_over_ranks
 from robust_lightning.evaluation.outcomes import (  # noqa: F401 (read_outcomes, append_record: public here too)
-    append_record, as_json, claim_directory, read_outcomes, summarise,
+    append_record,
+    as_json,
+    claim_directory,
+    read_outcomes,
+    summarise,
 )
 from robust_lightning.evaluation.results import weights_sha256
 

@@ -51,11 +51,10 @@ from lightning.pytorch.utilities import rank_zero_info
 from timm.layers import PatchEmbed
 from torch import nn
 
-from robust_lightning.attacks.autoattack import ENGINES, PRECISIONS, VERSIONS, AutoAttack, numerics, precision_note
+from robust_lightning.attacks.ensemble import ENGINES, PRECISIONS, VERSIONS, AutoAttack, numerics, precision_note
 from robust_lightning.data.transforms import eval_resize_size, eval_transform
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.autoattack import ThreatModel, parse_threat_models
-from robust_lightning.evaluation.outcomes import append_record, cell_seconds, claim_directory, read_outcomes, summarise
 from robust_lightning.evaluation.base import (
     Evaluation,
     barrier,
@@ -65,6 +64,7 @@ from robust_lightning.evaluation.base import (
     new_figure,
     rank_share,
 )
+from robust_lightning.evaluation.outcomes import append_record, cell_seconds, claim_directory, read_outcomes, summarise
 from robust_lightning.evaluation.results import update_results, weights_sha256
 
 __all__ = ["DEFAULT_RESOLUTIONS", "ResolutionSweep", "best_resolutions", "check_runs_at", "input_size_adaptation",
