@@ -21,12 +21,16 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # Stage 1 trains a clean model, stage 2 adversarially fine-tunes it (APGD-AT), as the paper's recipe does.
+# It starts over: the fixed checkpoint folders of an earlier quickstart would be refused (never overwritten).
 quickstart: env
+	rm -rf runs/quickstart_clean runs/quickstart
 	$(BIN)/robust-lightning fit --config configs/quickstart_clean.yaml
 	$(BIN)/robust-lightning fit --config configs/quickstart.yaml
 
+# The linter, then the suite; --durations keeps the slowest tests in view (the suite should stay ~10 min).
 test: env
-	$(BIN)/python -m pytest
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest --durations=15
 
 clean:
 	rm -rf runs lightning_logs .pytest_cache

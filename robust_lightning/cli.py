@@ -26,9 +26,9 @@ from robust_lightning.argument_parsing import ArgumentParser
 from robust_lightning.data.corrupt_report import CorruptImageReport
 from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.errors import UserError
+from robust_lightning.evaluation.results import PredictionWriter, RunResults
 from robust_lightning.loggers import SaveConfigToWandb
 from robust_lightning.models.weights import read_lightning_checkpoint, require_checkpoint_file
-from robust_lightning.evaluation.results import PredictionWriter, RunResults
 from robust_lightning.scale.srun import shield_forked_children
 from robust_lightning.training.checkpoint_io import AtomicCheckpointIO
 from robust_lightning.training.lightning_module import ImageClassifier

@@ -13,7 +13,13 @@ import yaml
 from robust_lightning.analysis.blocks import FeatureTap, as_map, attention_probabilities, find_blocks
 from robust_lightning.analysis.frequency import band_edges, band_mask, band_noise, normalised_frequency
 from robust_lightning.analysis.occlusion import (
-    Occlusion, cls_attention, drop_patches, gradient_saliency, load_saliency_vit, mass_mask, random_patch_mask,
+    Occlusion,
+    cls_attention,
+    drop_patches,
+    gradient_saliency,
+    load_saliency_vit,
+    mass_mask,
+    random_patch_mask,
 )
 from robust_lightning.analysis.representation import LOG_EPS, feature_variance, relative_log_amplitude
 from robust_lightning.errors import UserError

@@ -15,7 +15,12 @@ import torch
 import yaml
 
 from robust_lightning.analysis.attention import (
-    RestrictedAttention, cls_only_mask, local_mask, masked, patch_permutation, permuted_mask,
+    RestrictedAttention,
+    cls_only_mask,
+    local_mask,
+    masked,
+    patch_permutation,
+    permuted_mask,
 )
 from robust_lightning.analysis.blocks import find_blocks, lesioned, removable_units
 from robust_lightning.analysis.lesion import LesionStudy

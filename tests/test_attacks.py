@@ -8,9 +8,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import HostReads, device_path_reads_nothing, force_device_path
 
-from robust_lightning.attacks import projections
+from helpers import HostReads, device_path_reads_nothing, force_device_path
 from robust_lightning.attacks import (
     apgd,
     dlr_loss,
@@ -20,6 +19,7 @@ from robust_lightning.attacks import (
     lp_norm,
     per_sample_loss,
     pgd,
+    projections,
     random_start_point,
 )
 

@@ -258,9 +258,10 @@ def bench_config(tmp_path: Path, roots: dict[str, str], devices: int = 1) -> Pat
 
 def direct_metrics(checkpoint: Path, root: str, benchmark: str) -> tuple[float, float]:
     """ImageNet-R/-A top-1 and ECE computed without the callback or Lightning's loops."""
+    from PIL import Image
+
     from robust_lightning.data.transforms import eval_transform
     from robust_lightning.training.lightning_module import ImageClassifier
-    from PIL import Image
 
     module = ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=True).eval()
     wnids, indices = subset_classes(benchmark)

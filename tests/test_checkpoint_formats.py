@@ -238,8 +238,8 @@ def test_robustness_library_layout(tmp_path):
 def test_our_checkpoint_and_exports(tmp_path):
     from lightning import Trainer
 
-    from robust_lightning.training.lightning_module import ImageClassifier
     from robust_lightning.training.export import export_weights
+    from robust_lightning.training.lightning_module import ImageClassifier
 
     torch.manual_seed(0)
     module = ImageClassifier(arch="convnext_atto_convstem", num_classes=5, mean=(0.4, 0.5, 0.6),

@@ -79,7 +79,6 @@ def test_ddp_validate_on_a_folder_counts_every_image_once(tmp_path):
 def test_ddp_adversarial_fit_selects_on_a_holdout_counted_exactly(tmp_path):
     """APGD-AT with EMA on 2 ranks; robust selection accuracy on 7 held-out train images split over the ranks,
     equal to the same measurement in one process from the saved checkpoint."""
-    import torch
 
     from robust_lightning.attacks import apgd
     from robust_lightning.data.datamodule import ImageNetDataModule

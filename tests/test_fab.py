@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import device_path_reads_nothing
 
+from helpers import device_path_reads_nothing
 from robust_lightning.attacks import projections
 from robust_lightning.attacks.fab import (
     FABResult,

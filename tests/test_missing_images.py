@@ -62,7 +62,7 @@ def test_a_listed_image_absent_from_the_shards_stops_validation_with_the_counts(
 def test_warn_mode_evaluates_what_is_there_and_records_the_counts(truncated, tmp_path):
     config, _ = truncated
     out = tmp_path / "warned"
-    with pytest.warns(UserWarning, match=f"evaluation images"):
+    with pytest.warns(UserWarning, match="evaluation images"):
         assert main(["validate", "--config", str(config), "--data.on_missing_images", "warn",
                      "--trainer.logger.init_args.save_dir", str(out)]) == 0
     results = json.loads(next(out.glob("tiny/version_*/results.json")).read_text())["validate"]

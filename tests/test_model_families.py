@@ -12,7 +12,7 @@ from torch import nn
 
 from robust_lightning.models.alternet import MSABlock, PreActBottleneck, WindowAttention2d, msa_layout
 from robust_lightning.models.classifier import build_classifier
-from robust_lightning.models.replknet import ConvFFN, RepLKBlock, ReparamLargeKernelConv, reparameterize
+from robust_lightning.models.replknet import ConvFFN, ReparamLargeKernelConv, RepLKBlock, reparameterize
 
 NEW_MODELS = [
     "replknet_31b", "replknet_31l", "replknet_test",

@@ -6,8 +6,8 @@ Big models are built on the meta device (shapes only, no memory, no init cost); 
 import pytest
 import timm
 import torch
-from torch import nn
 from timm.layers import LayerNorm2d
+from torch import nn
 
 import robust_lightning  # noqa: F401  (registers the models with timm)
 from robust_lightning.errors import UserError

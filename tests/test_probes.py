@@ -50,7 +50,7 @@ def init_from_probes(command: str) -> list[Probe]:
     expected = "expected a checkpoint file (.ckpt, .pt/.pth or .safetensors)"
     return [
         Probe(f"{command} init_from missing", (*run, "{w}/nope.pt"), 2, f"model.init_from: checkpoint not found: {{w}}/nope.pt; {expected}"),
-        Probe(f"{command} init_from empty", (*run, "{w}/empty.ckpt"), 2, f"model.init_from: checkpoint {{w}}/empty.ckpt is empty"),
+        Probe(f"{command} init_from empty", (*run, "{w}/empty.ckpt"), 2, "model.init_from: checkpoint {w}/empty.ckpt is empty"),
         Probe(f"{command} init_from truncated", (*run, "{w}/truncated.ckpt"), 2, "model.init_from: cannot read checkpoint {w}/truncated.ckpt"),
         Probe(f"{command} init_from a folder", (*run, "{w}"), 2, f"model.init_from: {{w}} is a directory; {expected}"),
         Probe(f"{command} init_from another architecture", (*run, "{w}/vit.pt"), 2,

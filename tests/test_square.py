@@ -17,8 +17,15 @@ from pyautoattack.square import SquareAttack
 
 from robust_lightning.attacks import square as square_module
 from robust_lightning.attacks.projections import l1_projection, lp_norm
-from robust_lightning.attacks.square import (SquareResult, _corner, _eta_pair, _p_selection, _square_side,
-                                             _StepDraws, square_attack)
+from robust_lightning.attacks.square import (
+    SquareResult,
+    _corner,
+    _eta_pair,
+    _p_selection,
+    _square_side,
+    _StepDraws,
+    square_attack,
+)
 
 NUM_CLASSES = 10
 # Radii at which about half of the correctly classified points break within a few hundred queries.

@@ -31,9 +31,9 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from torchvision.transforms import v2 as T
 
 from robust_lightning.analysis.base import Analysis, new_figure
-from robust_lightning.evaluation.base import to_model_input
 from robust_lightning.data.transforms import BICUBIC, decode_rgb, eval_resize_size
 from robust_lightning.errors import UserError
+from robust_lightning.evaluation.base import to_model_input
 from robust_lightning.paths import DATA_DIR
 
 MAPPING = DATA_DIR / "cue_conflict_16class_to_imagenet.json"

@@ -28,9 +28,9 @@ from torchvision.datasets import ImageFolder
 from robust_lightning.data.augment import BatchAugment
 from robust_lightning.data.batch import Batch
 from robust_lightning.data.classes import class_map as load_class_map
+from robust_lightning.data.crop import random_resized_crop
 from robust_lightning.data.shards import read_manifest, shard_urls
 from robust_lightning.data.synthetic import ensure_synthetic_dataset
-from robust_lightning.data.crop import random_resized_crop
 from robust_lightning.data.transforms import (
     CanvasDecode,
     default_canvas_size,

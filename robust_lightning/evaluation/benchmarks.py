@@ -49,7 +49,6 @@ from robust_lightning.evaluation.calibration import (
 from robust_lightning.evaluation.prediction import ExactSize, Split, predict, predict_split  # noqa: F401 (predict)
 from robust_lightning.paths import DATA_DIR
 
-
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 IN9_VARIANTS = ("original", "mixed_same", "mixed_rand")
 # Class folders of the released IN-9 data, in class order (data/PROVENANCE.md; the names come from the release

@@ -22,14 +22,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import partial
 
-from torch import nn
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
 from timm.layers import LayerNorm2d, PatchEmbed, to_2tuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.convnext import ConvNeXt
 from timm.models.convnext import checkpoint_filter_fn as convnext_filter_fn
 from timm.models.vision_transformer import VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as vit_filter_fn
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
+from torch import nn
 
 from robust_lightning.models.timm_api import pretrained_cfg
 

@@ -19,10 +19,10 @@ import re
 from functools import partial
 
 import torch
-from torch import nn
 from timm.layers import trunc_normal_
 from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, register_model
 from timm.models.convnext import ConvNeXtBlock
+from torch import nn
 
 from robust_lightning.models.convstem import VIT_STEM_CHANNELS, ConvStem
 from robust_lightning.models.timm_api import LinearHeadMixin, pretrained_cfg

@@ -38,9 +38,9 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from timm.layers import DropPath
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from torch import nn
 
 from robust_lightning.models.timm_api import BlockStage, LinearHeadMixin, pretrained_cfg
 

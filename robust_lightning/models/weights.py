@@ -40,13 +40,13 @@ import numpy as np
 import safetensors
 import safetensors.torch
 import torch
-from torch import nn
 from timm.layers import resample_abs_pos_embed
 from timm.models.convnext import ConvNeXt
 from timm.models.convnext import checkpoint_filter_fn as convnext_filter_fn
 from timm.models.swin_transformer import SwinTransformer
 from timm.models.swin_transformer import checkpoint_filter_fn as swin_filter_fn
 from timm.models.vision_transformer import VisionTransformer
+from torch import nn
 
 from robust_lightning.errors import UserError
 from robust_lightning.models.classifier import (
@@ -56,9 +56,9 @@ from robust_lightning.models.classifier import (
     use_small_input_strides,
 )
 from robust_lightning.models.convstem import find_convstem_prefix
-from robust_lightning.models.robustbench import is_robustbench_arch, resolve_arch, robustbench_entry
 from robust_lightning.models.isotropic_convnext import IsotropicConvNeXt
 from robust_lightning.models.isotropic_convnext import checkpoint_filter_fn as iso_filter_fn
+from robust_lightning.models.robustbench import is_robustbench_arch, resolve_arch, robustbench_entry
 
 __all__ = [
     "CheckpointWeights",
