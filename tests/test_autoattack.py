@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import yaml
 
 from helpers import HostReads, force_device_path
-from robust_lightning.attacks import autoattack, lp_norm
+from robust_lightning.attacks import ensemble, lp_norm
 from robust_lightning.attacks.ensemble import AutoAttack, batched_runs, channels_last_inputs, folded_batchnorm
 
 REPO = Path(__file__).resolve().parents[1]
@@ -274,7 +274,7 @@ def test_folding_follows_the_weights_and_its_claims_are_checked_on_the_model(tra
         def forward(self, images):
             return -self.model(images)
 
-    monkeypatch.setattr(autoattack, "folded_batchnorm", Negated)
+    monkeypatch.setattr(ensemble, "folded_batchnorm", Negated)
     monkeypatch.setattr(AutoAttack, "_attack", spy)
     misled = adversary.evaluate(x, y)
     assert misled.batchnorm_folded and attacked[-1] is net and len(attacked) == 2
