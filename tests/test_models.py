@@ -15,7 +15,7 @@ from robust_lightning.models import CONVSTEM_PATCHSTEM_PAIRS, CONVSTEM_STEM_PREF
 from robust_lightning.models.classifier import InputNormalization, RobustClassifier, build_classifier
 
 CONVNEXT_STEMS = {
-    # name: [(in, out, stride), ...] from REFERENCE.md section 1 (atto: project variant, T/S pattern)
+    # name: [(in, out, stride), ...] from Singh et al. 2023, Sec. 3.2 / App. A (atto: project variant, T/S pattern)
     "convnext_atto_convstem": [(3, 20, 2), (20, 40, 2)],
     "convnext_tiny_convstem": [(3, 48, 2), (48, 96, 2)],
     "convnext_small_convstem": [(3, 48, 2), (48, 96, 2)],
@@ -112,7 +112,7 @@ def test_non_stem_keys_equal_patchstem_counterpart(name):
 # Table 14 of Singh, Croce, Hein (NeurIPS 2023, arXiv:2303.01870) could not be retrieved (only the first part
 # of the paper's page was reachable from the search tool). The PatchStem values are the published counts of
 # the ConvNeXt (Liu et al. 2022, Table 1/10) and DeiT/ViT papers; the ConvStem values are those plus the stem
-# arithmetic (remove the patchify conv + LN, add the ConvStem convs/LNs of REFERENCE.md section 1):
+# arithmetic (remove the patchify conv + LN, add the ConvStem convs/LNs of Singh et al. 2023, App. A):
 #   ConvNeXt-T: -4,896 +43,200; ViT-S: -295,296 +1,022,208; ViT-B: -590,592 +1,170,048;
 #   ConvNeXt-B: -6,528 +168,480. Rounded to 0.1M as a paper table would print them.
 PAPER_PARAMS_M = {

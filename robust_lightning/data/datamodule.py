@@ -2,7 +2,7 @@
 
 Distribution across ranks is decided here, not by Lightning, because Lightning's default is wrong for us
 twice over: its validation DistributedSampler pads ranks with repeated samples (double counting), and
-webdataset's split_by_node does not split under spawn-started workers (REFERENCE.md section 5). The rank and
+webdataset's split_by_node does not split under spawn-started workers (webdataset 1.0.2's split_by_node reads the rank from the environment). The rank and
 world size are captured in setup() and every rank reads a disjoint part of the data.
 """
 

@@ -1,7 +1,7 @@
 """Distribution-shift benchmarks as a Lightning callback:
 ``robust-lightning test --config configs/eval/benchmarks.yaml --ckpt_path CKPT``.
 
-Protocols (REFERENCE.md section 3; class lists in data/, see data/PROVENANCE.md):
+Protocols (the papers and reference code of each benchmark; class lists in data/, see data/PROVENANCE.md):
 
 - ImageNet-R, ImageNet-A: 200 classes each. The 1000 logits are sliced to the 200 classes before the argmax;
   labels are positions in the sorted 200 wnids. Top-1 and ECE (15 equal-width bins, on the softmax over the

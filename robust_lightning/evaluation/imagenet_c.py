@@ -1,7 +1,7 @@
 """ImageNet-C (Hendrycks & Dietterich) as a Lightning callback:
 ``robust-lightning test --config configs/eval/imagenet_c.yaml --ckpt_path CKPT``.
 
-Protocol (REFERENCE.md section 3; constants in data/, see data/PROVENANCE.md):
+Protocol (Hendrycks & Dietterich, ICLR 2019, and hendrycks/robustness; constants in data/, see data/PROVENANCE.md):
 
 - Released layout ``<root>/<corruption>/<severity 1..5>/<wnid>/*.JPEG``, or the same under the group folders
   ``<root>/{noise,blur,weather,digital,extra}/<corruption>/...``; each corruption is found wherever it is.

@@ -2,7 +2,7 @@
 ``robust-lightning test --config configs/eval/imagenet_p.yaml --ckpt_path CKPT``.
 
 Protocol, read from the reference code hendrycks/robustness (commit e0377d46, ImageNet-P/test.py and
-video_loader.py, ImageNet-P/create_p/make_imagenet_p.py) and REFERENCE.md section 3:
+video_loader.py, ImageNet-P/create_p/make_imagenet_p.py) and Hendrycks & Dietterich, ICLR 2019:
 
 - Released layout ``<root>/<perturbation>/<wnid>/<ILSVRC2012_val_...>.mp4`` (test.py opens
   ``ImageNet-P/<perturbation>``; video_loader.py ``VideoFolder`` takes the ``.mp4`` files of the wnid folders).

@@ -3,7 +3,7 @@
 
 Clean accuracy and (quick or full) AutoAttack robust accuracy of one model over a list of test resolutions,
 with the paper's preprocessing at each resolution r: resize the shorter side to floor(r / crop_pct) (bicubic),
-centre-crop r (REFERENCE.md section 2). Singh et al. find the best test resolution at 256-288 for every model.
+centre-crop r (Singh et al. 2023, Sec. 4; RobustBench's ImageNet preprocessing). Singh et al. find the best test resolution at 256-288 for every model.
 
 - Input size: ViTs (any timm model with ``set_input_size``) run on a copy of the network set to r x r; the
   model itself is never changed, so the sweep leaves it exactly as it found it. The absolute position

@@ -2,7 +2,8 @@
 
 Attacks perturb and clip in [0, 1] pixel space, so the normaliser must sit inside the model. Keeping it as a
 module with persistent buffers also records the input convention in every checkpoint (``normalize.mean`` /
-``normalize.std``), which is what prevents normalising twice (REFERENCE.md section 1).
+``normalize.std``), which is what prevents normalising twice (the released models of Singh et al. take raw
+[0, 1] input; one of them wraps a normaliser).
 """
 
 from __future__ import annotations

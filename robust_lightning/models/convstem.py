@@ -1,7 +1,7 @@
 """ConvStem: the convolutional stem of Singh, Croce & Hein (NeurIPS 2023) for ConvNeXt and ViT.
 
 The paper replaces the patchify stem ("PatchStem": one large-stride conv) by a few 3x3 convolutions, each
-followed by a channels-first LayerNorm and GELU (REFERENCE.md section 1). Everything after the stem is the
+followed by a channels-first LayerNorm and GELU (Singh et al. 2023, App. A; nmndeep/revisiting-at utils_architecture.py). Everything after the stem is the
 unchanged timm architecture, so the non-stem keys of a ConvStem model equal those of its PatchStem
 counterpart and a clean PatchStem checkpoint can warm-start it (see ``weights.load_pretrained``).
 
