@@ -25,6 +25,7 @@ printed is a JSON object with every figure.
 """
 
 import argparse
+import importlib.util
 import io
 import json
 import statistics
@@ -43,15 +44,17 @@ def photographs() -> dict[str, Image.Image]:
     """RGB photographs bundled with installed packages (no download)."""
     import matplotlib
     import skimage
-    import sklearn
 
     skimage_data = Path(skimage.__file__).parent / "data"
+    # scikit-learn's two sample photos when it is installed (the test extra has it); never imported
+    sklearn = importlib.util.find_spec("sklearn")
+    sklearn_images = Path(sklearn.origin).parent / "datasets/images" if sklearn else Path("/nonexistent")
     files = {
         **{name: skimage_data / f"{name}.png" for name in ("astronaut", "coffee", "chelsea", "motorcycle_left")},
         "rocket": skimage_data / "rocket.jpg",
         "hubble_deep_field": skimage_data / "hubble_deep_field.jpg",
-        "china": Path(sklearn.__file__).parent / "datasets/images/china.jpg",
-        "flower": Path(sklearn.__file__).parent / "datasets/images/flower.jpg",
+        "china": sklearn_images / "china.jpg",
+        "flower": sklearn_images / "flower.jpg",
         "grace_hopper": Path(matplotlib.get_data_path()) / "sample_data/grace_hopper.jpg",
     }
     return {name: Image.open(path).convert("RGB") for name, path in files.items() if path.exists()}

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Declared although they need not be imported by name, each for a reason:
 NOT_IMPORTED = {
     "jsonargparse": "LightningCLI (lightning.pytorch.cli) parses the command line and configs with it",
+    "ruff": "the linter `make test` runs before the suite (a command, not a module)",
 }
 
 
@@ -73,7 +74,7 @@ def test_every_declared_dependency_is_imported():
     package = distributions(imported_modules("robust_lightning") | imported_modules("benchmarks"))
     tests = distributions(imported_modules("tests"))
     assert runtime - package <= set(NOT_IMPORTED)
-    assert test - tests == set()
+    assert test - tests <= set(NOT_IMPORTED)
     assert not (runtime & test), "listed twice"
 
 
