@@ -12,12 +12,12 @@ from helpers import WNIDS, make_image_tree, write_image
 from robust_lightning.data.classes import class_map
 from robust_lightning.data.datamodule import (
     Corrupt,
-    ExactDistributedSampler,
     ImageNetDataModule,
     LabelledImageFolder,
     ShardStream,
     collate,
 )
+from robust_lightning.data.samplers import ExactDistributedSampler
 from robust_lightning.data.shards import convert_image_folder, shard_urls
 from robust_lightning.data.transforms import eval_resize_size, eval_transform
 from robust_lightning.errors import UserError

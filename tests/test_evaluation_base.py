@@ -12,8 +12,9 @@ from lightning.pytorch.loggers import CSVLogger
 
 from robust_lightning.atomic import atomic_write_json, atomic_write_text, temporary_path
 from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
+from robust_lightning.data.samplers import rank_share
 from robust_lightning.errors import UserError
-from robust_lightning.evaluation.base import Evaluation, evaluating, gather_objects, rank_share, sum_over_ranks
+from robust_lightning.evaluation.base import Evaluation, evaluating, gather_objects, sum_over_ranks
 from robust_lightning.evaluation.results import RunResults
 from robust_lightning.training.lightning_module import ImageClassifier
 

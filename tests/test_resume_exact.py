@@ -10,7 +10,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 from robust_lightning.cli import main
-from robust_lightning.data.datamodule import EpochLoader, GlobalBatchSampler
+from robust_lightning.data.datamodule import EpochLoader
+from robust_lightning.data.samplers import GlobalBatchSampler
 from test_cli import tiny_config
 
 STEPS_PER_EPOCH = 3

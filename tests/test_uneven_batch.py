@@ -18,7 +18,8 @@ from lightning import Callback, Trainer, seed_everything
 from torch.utils.data import DataLoader, DistributedSampler
 
 from helpers import WNIDS, make_image_tree
-from robust_lightning.data.datamodule import GlobalBatchSampler, ImageNetDataModule, SyntheticData, rank_batch_size
+from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
+from robust_lightning.data.samplers import GlobalBatchSampler, rank_share
 from robust_lightning.training.lightning_module import ImageClassifier
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,7 +29,7 @@ GLOBAL_BATCH, WORLD_SIZE, LR = 20, 3, 0.5
 # ------------------------------------------------------------------------------------------ the split
 @pytest.mark.parametrize("global_batch, world_size", [(756, 8), (756, 16), (756, 32), (20, 3), (5, 5), (12, 4)])
 def test_rank_batch_sizes_cover_the_global_batch_and_differ_by_at_most_one(global_batch, world_size):
-    shares = [rank_batch_size(global_batch, world_size, rank) for rank in range(world_size)]
+    shares = [rank_share(global_batch, world_size, rank) for rank in range(world_size)]
     assert sum(shares) == global_batch
     assert max(shares) - min(shares) <= 1
     assert shares == sorted(shares, reverse=True)  # the extra images go to the first ranks
@@ -40,7 +41,7 @@ def rank_batches(dataset, world_size: int, global_batch: int, epoch: int = 0) ->
     for rank in range(world_size):
         sampler = GlobalBatchSampler(dataset, world_size, rank, global_batch, seed=3)
         sampler.set_epoch(epoch)
-        loader = DataLoader(dataset, batch_size=rank_batch_size(global_batch, world_size, rank), sampler=sampler,
+        loader = DataLoader(dataset, batch_size=rank_share(global_batch, world_size, rank), sampler=sampler,
                             drop_last=True, collate_fn=list)
         batches.append(list(loader))
         assert len(loader) == len(batches[-1])
@@ -84,7 +85,7 @@ def test_folder_loaders_of_an_uneven_split(tmp_path):
         loader = dm.train_dataloader()
         batches = [batch["key"] for batch in loader]
         assert len(loader) == len(batches) == 2  # 12 // 5 steps
-        assert [len(b) for b in batches] == [rank_batch_size(5, WORLD_SIZE, rank)] * 2 == [[2, 2, 1][rank]] * 2
+        assert [len(b) for b in batches] == [rank_share(5, WORLD_SIZE, rank)] * 2 == [[2, 2, 1][rank]] * 2
         keys.append(batches)
         assert dm.conditions()["global_batch_size"] == 5
     for step in range(2):

@@ -22,13 +22,14 @@ import webdataset as wds
 from braceexpand import braceexpand
 from lightning import LightningDataModule
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Subset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_worker_info
 from torchvision.datasets import ImageFolder
 
 from robust_lightning.data.augment import BatchAugment
 from robust_lightning.data.batch import Batch
 from robust_lightning.data.classes import class_map as load_class_map
 from robust_lightning.data.crop import random_resized_crop
+from robust_lightning.data.samplers import ExactDistributedSampler, GlobalBatchSampler, rank_share
 from robust_lightning.data.shards import read_manifest, shard_urls
 from robust_lightning.data.synthetic import ensure_synthetic_dataset
 from robust_lightning.data.transforms import (
@@ -265,53 +266,6 @@ class ShardTrainLoader(DataLoader):
         yield from itertools.islice(super().__iter__(), self.batches_per_epoch)
 
 
-def rank_batch_size(global_batch: int, world_size: int, rank: int) -> int:
-    """Rank ``rank``'s share of a global batch split as evenly as possible: the first ``global_batch % world_size``
-    ranks take one image more."""
-    return global_batch // world_size + (rank < global_batch % world_size)
-
-
-class GlobalBatchSampler(DistributedSampler):
-    """Training indices of this rank, one global batch of distinct images per step, however unevenly it splits.
-
-    Every epoch draws the permutation torch's DistributedSampler draws (seed + epoch, the same on all ranks)
-    and cuts it into global batches; rank r takes every world_size-th image of each, starting at the r-th:
-    ``rank_batch_size`` images per step, and the same number of steps on every rank (DDP needs it). When the
-    global batch splits evenly this is torch's DistributedSampler(shuffle=True, drop_last=True) batched by
-    the per-rank size, image for image. Being a DistributedSampler keeps Lightning from swapping in its own.
-    """
-
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, global_batch: int, seed: int = 0):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
-        self.global_batch = global_batch
-        self.steps = len(dataset) // global_batch
-
-    def __iter__(self):
-        order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch))
-        for step in range(self.steps):
-            batch = order[step * self.global_batch : (step + 1) * self.global_batch]
-            yield from batch[self.rank :: self.num_replicas].tolist()
-
-    def __len__(self) -> int:
-        return self.steps * rank_batch_size(self.global_batch, self.num_replicas, self.rank)
-
-
-class ExactDistributedSampler(DistributedSampler):
-    """Each index exactly once across ranks, without the padding of torch's DistributedSampler.
-
-    Being a DistributedSampler also keeps Lightning from swapping in its padded one.
-    """
-
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
-
-    def __iter__(self):
-        return iter(range(self.rank, len(self.dataset), self.num_replicas))
-
-    def __len__(self) -> int:
-        return len(range(self.rank, len(self.dataset), self.num_replicas))
-
-
 @dataclass
 class SyntheticData:
     """The built-in dataset: procedurally drawn shapes, generated into shards under data/ on first use."""
@@ -505,7 +459,7 @@ class ImageNetDataModule(LightningDataModule):
                     f"data.global_batch_size {self.global_batch_size} leaves some of the {self.world_size} devices "
                     "without an image; use a global batch of at least one image per device"
                 )
-            self.batch_size = rank_batch_size(self.global_batch_size, self.world_size, self.rank)
+            self.batch_size = rank_share(self.global_batch_size, self.world_size, self.rank)
         evaluation = eval_transform(self.image_size, self.crop_pct)
         if self.uses_canvases:
             training = CanvasDecode(self.canvas_size)
@@ -552,7 +506,7 @@ class ImageNetDataModule(LightningDataModule):
                 total -= held_images
             self.train_images = total
             self.train_set = ShardStream(
-                self._rank_share(urls, "train"), training, repeat=True,
+                self._rank_shards(urls, "train"), training, repeat=True,
                 shuffle_buffer=self.shuffle_buffer, seed=self.seed,
             )
         if on_holdout:
@@ -577,14 +531,14 @@ class ImageNetDataModule(LightningDataModule):
             self.eval_images = len(listed.folders)
             # a listed image missing from the shards can only be told after reading them
             self.eval_keys = frozenset(listed.folders)
-            self.eval_set = ShardStream(self._rank_share(urls, "val"), evaluation, repeat=False, subset=listed)
+            self.eval_set = ShardStream(self._rank_shards(urls, "val"), evaluation, repeat=False, subset=listed)
         elif self.eval_limit:
             # the first n samples of the val shards, split sample by sample over ranks and workers
             self.eval_images = min(self.eval_limit, self.eval_images or self.eval_limit)
             self.eval_set = HoldoutStream(urls, evaluation, limit=self.eval_limit, rank=self.rank,
                                           world_size=self.world_size)
         else:
-            self.eval_set = ShardStream(self._rank_share(urls, "val"), evaluation, repeat=False)
+            self.eval_set = ShardStream(self._rank_shards(urls, "val"), evaluation, repeat=False)
 
     def _setup_augmentation(self) -> None:
         """Everything after the crop: on the device by default, or in the workers with MixUp/CutMix (which
@@ -703,7 +657,8 @@ class ImageNetDataModule(LightningDataModule):
                 )
         return urls, size
 
-    def _rank_share(self, urls: list[str], split: str) -> list[str]:
+    def _rank_shards(self, urls: list[str], split: str) -> list[str]:
+        """This rank's shards of a split: every world_size-th, starting at the rank's."""
         if len(urls) < self.world_size:
             raise UserError(
                 f"the {split} split has {len(urls)} shards but {self.world_size} ranks: every rank needs at "

@@ -24,6 +24,7 @@ from torch import nn
 from tqdm import tqdm
 
 from robust_lightning.data.batch import IMAGE, KEY, LABEL
+from robust_lightning.data.samplers import rank_share
 from robust_lightning.data.transforms import eval_transform
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.results import update_results
@@ -35,11 +36,6 @@ WEIGHTS = ("raw", "ema")
 def to_model_input(images: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """uint8 images (as the loaders emit them) -> float in [0, 1] on ``device``, the models' input."""
     return images.to(device).float().div_(255)
-
-
-def rank_share(total: int, world_size: int, rank: int) -> int:
-    """How many of ``total`` images rank ``rank`` takes: as even as possible, the first ranks one more."""
-    return total // world_size + (rank < total % world_size)
 
 
 def distributed() -> bool:

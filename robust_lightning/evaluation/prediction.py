@@ -17,7 +17,7 @@ from torchvision.transforms import v2 as T
 from tqdm import tqdm
 
 from robust_lightning.data.batch import CORRUPT, IMAGE, LABEL
-from robust_lightning.data.datamodule import ExactDistributedSampler
+from robust_lightning.data.samplers import ExactDistributedSampler
 from robust_lightning.data.transforms import BICUBIC, decode_rgb
 from robust_lightning.evaluation.base import gather_objects, to_model_input
 

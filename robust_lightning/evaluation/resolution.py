@@ -52,6 +52,7 @@ from timm.layers import PatchEmbed
 from torch import nn
 
 from robust_lightning.attacks.ensemble import ENGINES, PRECISIONS, VERSIONS, AutoAttack, numerics, precision_note
+from robust_lightning.data.samplers import rank_share
 from robust_lightning.data.transforms import eval_resize_size, eval_transform
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.autoattack import ThreatModel, parse_threat_models
@@ -62,7 +63,6 @@ from robust_lightning.evaluation.base import (
     evaluation_resolution,
     gather_objects,
     new_figure,
-    rank_share,
 )
 from robust_lightning.evaluation.outcomes import append_record, cell_seconds, claim_directory, read_outcomes, summarise
 from robust_lightning.evaluation.results import update_results, weights_sha256

@@ -1,0 +1,62 @@
+"""How images are split over the ranks: one even-split formula and the two samplers built on it.
+
+Both samplers are torch DistributedSamplers, so Lightning keeps them: under DDP it wraps any other sampler in
+a distributed one of its own. Training takes one global batch of distinct images per step however unevenly
+it splits (``GlobalBatchSampler``); evaluation takes each image exactly once over all ranks, without padding
+(``ExactDistributedSampler``).
+"""
+
+import torch
+from torch.utils.data import Dataset, DistributedSampler
+
+
+def rank_share(total: int, world_size: int, rank: int) -> int:
+    """Rank ``rank``'s share of ``total`` images (a global batch, or an evaluation limit) split as evenly as
+    possible: the first ``total % world_size`` ranks take one image more."""
+    return total // world_size + (rank < total % world_size)
+
+
+class GlobalBatchSampler(DistributedSampler):
+    """Training indices of this rank, one global batch of distinct images per step, however unevenly it splits.
+
+    Every epoch draws the permutation torch's DistributedSampler draws (seed + epoch, the same on all ranks)
+    and cuts it into global batches; rank r takes every world_size-th image of each, starting at the r-th:
+    ``rank_share`` images per step, and the same number of steps on every rank (DDP needs it). When the
+    global batch splits evenly this is torch's DistributedSampler(shuffle=True, drop_last=True) batched by
+    the per-rank size, image for image. Being a DistributedSampler keeps Lightning from swapping in its own.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, global_batch: int, seed: int = 0):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self.global_batch = global_batch
+        self.steps = len(dataset) // global_batch
+
+    def __iter__(self):
+        order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        for step in range(self.steps):
+            batch = order[step * self.global_batch : (step + 1) * self.global_batch]
+            yield from batch[self.rank :: self.num_replicas].tolist()
+
+    def __len__(self) -> int:
+        return self.steps * rank_share(self.global_batch, self.num_replicas, self.rank)
+
+
+class ExactDistributedSampler(DistributedSampler):
+    """Each index exactly once across ranks, without the padding of torch's DistributedSampler.
+
+    Rank r takes indices r, r + world_size, ...: ``rank_share(len(dataset), world_size, r)`` of them, none
+    when the dataset has fewer items than there are ranks. Neither sampler Lightning would pick does this:
+    torch's DistributedSampler pads the ranks with repeated items (counted twice), and Lightning's own
+    unpadded one, ``lightning.pytorch.overrides.distributed.UnrepeatedDistributedSampler`` (injected for
+    predict), asserts that every rank gets at least one item, so a rank with an empty share stops the run.
+    Being a DistributedSampler also keeps Lightning from swapping in its padded one.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
+
+    def __iter__(self):
+        return iter(range(self.rank, len(self.dataset), self.num_replicas))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, len(self.dataset), self.num_replicas))
