@@ -12,9 +12,11 @@ from helpers import WNIDS, make_image_tree, write_image
 from robust_lightning.data.classes import class_map
 from robust_lightning.data.datamodule import (
     Corrupt,
+    EvaluationSource,
     ImageNetDataModule,
     LabelledImageFolder,
     ShardStream,
+    SyntheticData,
     collate,
 )
 from robust_lightning.data.samplers import ExactDistributedSampler
@@ -142,6 +144,18 @@ def test_exact_sampler_covers_every_index_once(n, world):
     seen = [i for rank in range(world) for i in ExactDistributedSampler(dataset, world, rank)]
     assert sorted(seen) == dataset
     assert sum(len(ExactDistributedSampler(dataset, world, rank)) for rank in range(world)) == n
+
+
+def test_evaluation_source_says_where_the_evaluation_images_come_from(imagenet_tree, val_shards, tmp_path):
+    folder = ImageNetDataModule(source="folder", root=str(imagenet_tree), eval_subset="robustbench", eval_limit=7)
+    assert folder.evaluation_source() == EvaluationSource("folder", str(imagenet_tree), True, "robustbench", 7)
+    shards = ImageNetDataModule(source="shards", val_shards=str(val_shards))
+    assert shards.evaluation_source() == EvaluationSource("shards", str(val_shards), True, None, None)
+    # not ImageNet val: another label map, a held-out part of train, the built-in set
+    for other in ({"class_map": "folders"}, {"holdout": 2}):
+        assert not ImageNetDataModule(source="folder", root=str(imagenet_tree), **other).evaluation_source().imagenet_val
+    synthetic = ImageNetDataModule(synthetic=SyntheticData(root=str(tmp_path / "synthetic")))
+    assert synthetic.evaluation_source() == EvaluationSource("synthetic", str(tmp_path / "synthetic"), False)
 
 
 def test_shard_stream_workers_and_ranks_read_disjoint_shards(val_shards):

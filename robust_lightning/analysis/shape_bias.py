@@ -33,7 +33,7 @@ from torchvision.transforms import v2 as T
 from robust_lightning.analysis.base import Analysis, new_figure
 from robust_lightning.data.transforms import BICUBIC, decode_rgb, eval_resize_size
 from robust_lightning.errors import UserError
-from robust_lightning.evaluation.base import to_model_input
+from robust_lightning.evaluation.base import data_image_size, to_model_input
 from robust_lightning.paths import DATA_DIR
 
 MAPPING = DATA_DIR / "cue_conflict_16class_to_imagenet.json"
@@ -181,7 +181,9 @@ class ShapeBias(Analysis):
     def analyse(self, trainer, pl_module):
         categories = list(self.mapping)
         stimuli = cue_conflict_images(self.root, categories)[: self.max_images]
-        size = self.image_size or trainer.datamodule.image_size
+        size = self.image_size or data_image_size(trainer)
+        if size is None:
+            raise UserError("ShapeBias: the data module has no image_size to default to; set ShapeBias.image_size")
         decided = decisions(self.model(pl_module), [f for f, _, _ in stimuli], self.mapping, size, self.batch_size,
                             self.crop_pct, pl_module.device, self.num_workers)
         section = {**shape_bias_table(stimuli, decided, categories),

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 import webdataset as wds
@@ -287,8 +287,53 @@ class TrainingSample(NamedTuple):
     training_images: int  # the training set (held-out images excluded)
 
 
+@dataclass(frozen=True)
+class EvaluationSource:
+    """Where a data module's evaluation images come from, as an evaluation reports it (``evaluation_source``)."""
+
+    kind: str  # data.source: "folder", "shards" or "synthetic"
+    location: str | None  # the folder root (holding val/), the validation shards, or the synthetic set's root
+    imagenet_val: bool  # ImageNet val with ImageNet's labels: folder or shards, class_map imagenet, no holdout
+    subset: str | None = None  # data.eval_subset: the listed images evaluated
+    limit: int | None = None  # data.eval_limit: the first n images evaluated
+
+
+class EvaluationData(Protocol):
+    """What an evaluation or analysis (robust_lightning.evaluation, robust_lightning.analysis) may ask of the
+    data module, and all it may ask; ImageNetDataModule provides it. The data module's other attributes are its
+    own: an evaluation reads them through these, never directly.
+
+    - ``image_size``, ``crop_pct``: the evaluation preprocessing (resize the shorter side to
+      floor(image_size / crop_pct), centre crop image_size), the default resolution of an evaluation;
+    - ``num_workers``: decoding processes per device, the default of an evaluation's own loaders;
+    - ``evaluation_source()``: where the evaluation images come from (``EvaluationSource``);
+    - ``eval_dataloader_with(transform, batch_size, num_workers)``: this rank's evaluation images through
+      another per-image transform;
+    - ``expected_eval_images()``: how many (and which) evaluation images a complete epoch reads;
+    - ``training_sample(...)``: augmented training batches of a fixed subset of the training set;
+    - ``conditions()``: what results.json records about the data.
+    """
+
+    image_size: int
+    crop_pct: float
+    num_workers: int
+
+    def evaluation_source(self) -> EvaluationSource: ...
+
+    def eval_dataloader_with(self, transform, batch_size: int | None = None,
+                             num_workers: int | None = None) -> DataLoader: ...
+
+    def expected_eval_images(self) -> tuple[int | None, frozenset[str] | None]: ...
+
+    def training_sample(self, device: torch.device | str, fraction: float = 1.0, max_images: int | None = None,
+                        batch_size: int | None = None, seed: int = 0) -> TrainingSample: ...
+
+    def conditions(self) -> dict[str, Any]: ...
+
+
 class ImageNetDataModule(LightningDataModule):
-    """ImageNet-style classification data for training and evaluation.
+    """ImageNet-style classification data for training and evaluation. Evaluations use it only through
+    ``EvaluationData``: ``image_size``, ``crop_pct``, ``num_workers`` and the methods listed there.
 
     Args:
         source: "synthetic" (built in, no download), "folder" (ImageFolder roots ``root/train``,
@@ -856,6 +901,17 @@ class ImageNetDataModule(LightningDataModule):
             differences.append("data.global_batch_size split over any device count, each rank's loss weighted so "
                                "the update is that of the whole batch (official: per-GPU batch x 8 GPUs)")
         return differences
+
+    def evaluation_source(self) -> EvaluationSource:
+        """Where the evaluation images come from (see ``EvaluationSource``); known from the settings alone."""
+        location = {"folder": self.root, "shards": self.val_shards, "synthetic": self.synthetic_root}[self.source]
+        return EvaluationSource(
+            kind=self.source,
+            location=None if location is None else str(location),
+            imagenet_val=self.source in ("folder", "shards") and self.class_map == "imagenet" and not self.holdout,
+            subset=self.eval_subset,
+            limit=self.eval_limit,
+        )
 
     def conditions(self) -> dict[str, Any]:
         """What results.json records about the data."""

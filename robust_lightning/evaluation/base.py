@@ -1,10 +1,11 @@
 """The base of every evaluation callback (AutoAttack, benchmarks, ImageNet-C/-P, resolution sweep, card) and of
 every analysis: which weights are evaluated, the evaluation images, gathering over ranks, and one way to publish.
 
-An evaluation reads the data module only through its public interface: ``eval_dataloader_with(transform,
-batch_size, num_workers)`` (the evaluation images of the last ``setup``, this rank's share, through another
-per-image transform), ``image_size``, ``crop_pct`` and ``conditions()``. A batch carries the keys of
-``robust_lightning.data.batch``.
+An evaluation reads the data module only through its public interface,
+``robust_lightning.data.datamodule.EvaluationData``: e.g. ``eval_dataloader_with(transform, batch_size,
+num_workers)`` (the evaluation images of the last ``setup``, this rank's share, through another per-image
+transform), ``image_size``, ``crop_pct``, ``evaluation_source()`` and ``conditions()``. A batch carries the keys
+of ``robust_lightning.data.batch``.
 
 Publishing (``Evaluation.publish``) is the same for all: the section ``name`` merged into results.json beside
 the run's other sections, the scalars to every logger, the plot saved beside results.json (and, with a
@@ -24,6 +25,7 @@ from torch import nn
 from tqdm import tqdm
 
 from robust_lightning.data.batch import IMAGE, KEY, LABEL
+from robust_lightning.data.datamodule import EvaluationSource
 from robust_lightning.data.samplers import rank_share
 from robust_lightning.data.transforms import eval_transform
 from robust_lightning.errors import UserError
@@ -215,7 +217,19 @@ def new_figure(*args, **kwargs):
     return plt.subplots(*args, **kwargs)
 
 
+def data_image_size(trainer) -> int | None:
+    """The data module's evaluation crop (``EvaluationData.image_size``), None for a data module without one."""
+    return getattr(trainer.datamodule, "image_size", None)
+
+
+def evaluation_source(trainer) -> EvaluationSource | None:
+    """Where the data module's evaluation images come from (``EvaluationData.evaluation_source``), None for a
+    data module that does not say."""
+    describe = getattr(trainer.datamodule, "evaluation_source", None)
+    return None if describe is None else describe()
+
+
 def evaluation_resolution(trainer, pl_module, override: int | None) -> int:
     """The resolution an evaluation runs at: the override, else the model's, else the data's, else 224."""
     model_size = getattr(pl_module, "hparams", {}).get("image_size")
-    return int(override or model_size or getattr(trainer.datamodule, "image_size", None) or 224)
+    return int(override or model_size or data_image_size(trainer) or 224)

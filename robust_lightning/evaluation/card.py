@@ -19,7 +19,7 @@ from typing import Any
 from robust_lightning.atomic import atomic_write_text
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.autoattack import AutoAttackEvaluation, ThreatModel
-from robust_lightning.evaluation.base import Evaluation, evaluation_resolution
+from robust_lightning.evaluation.base import Evaluation, evaluation_resolution, evaluation_source
 from robust_lightning.evaluation.benchmarks import DistributionShiftBenchmarks
 from robust_lightning.evaluation.imagenet_c import ImageNetC
 from robust_lightning.evaluation.imagenet_p import ImageNetP
@@ -144,10 +144,10 @@ class RobustnessCard(Evaluation):
         if stage != "test":
             raise UserError("RobustnessCard runs under `robust-lightning test` only")
         num_classes = int(getattr(pl_module, "hparams", {}).get("num_classes", 1000))
-        datamodule = trainer.datamodule
+        source = evaluation_source(trainer)
         default_val = None
-        if getattr(datamodule, "source", None) == "folder" and (Path(datamodule.root) / "val").is_dir():
-            default_val = str(Path(datamodule.root) / "val")
+        if source is not None and source.kind == "folder" and (Path(source.location) / "val").is_dir():
+            default_val = str(Path(source.location) / "val")
         self._build_parts(num_classes, default_val)
         for part in self.parts.values():
             part.setup(trainer, pl_module, stage)

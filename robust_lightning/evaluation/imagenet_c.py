@@ -37,12 +37,14 @@ from torch.utils.data import IterableDataset
 from tqdm import tqdm
 
 from robust_lightning.data.classes import class_map
+from robust_lightning.data.datamodule import EvaluationSource
 from robust_lightning.data.transforms import eval_resize_size
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.base import (
     Evaluation,
     evaluating,
     evaluation_resolution,
+    evaluation_source,
     gather_objects,
     new_figure,
     to_model_input,
@@ -239,15 +241,13 @@ def imagenet_c_cells(root: str | Path, corruptions: list[str], severities: list[
     return cells, {c: found[c][1] for c in corruptions}
 
 
-def imagenet_val_test_set(datamodule) -> str | None:
-    """A description of the datamodule's test set when it is ImageNet val (1000 ImageNet classes from a folder
+def imagenet_val_test_set(source: EvaluationSource | None) -> str | None:
+    """A description of the data module's test set when it is ImageNet val (1000 ImageNet classes from a folder
     or shards, not a held-out train split), else None."""
-    if (getattr(datamodule, "source", None) in ("folder", "shards") and getattr(datamodule, "class_map", None)
-            == "imagenet" and not getattr(datamodule, "holdout", 0)):
-        where = datamodule.root if datamodule.source == "folder" else datamodule.val_shards
-        subset = [f"{k}={getattr(datamodule, k)}" for k in ("eval_subset", "eval_limit") if getattr(datamodule, k)]
-        return f"ImageNet val ({where}{'; ' + ', '.join(subset) if subset else ''})"
-    return None
+    if source is None or not source.imagenet_val:
+        return None
+    subset = [f"{k}={v}" for k, v in (("eval_subset", source.subset), ("eval_limit", source.limit)) if v]
+    return f"ImageNet val ({source.location}{'; ' + ', '.join(subset) if subset else ''})"
 
 
 # -------------------------------------------------------------------------------------------------- callback
@@ -470,8 +470,9 @@ class ImageNetC(Evaluation):
                                 torch.tensor(confidence, dtype=torch.double), GROUP_OF)
         metrics["alexnet"]["note"] = ALEXNET_ON_RELEASED
         r = self.resolution
-        data = imagenet_val_test_set(trainer.datamodule) or (
-            f"data.source {trainer.datamodule.source} evaluation split (not ImageNet val: CE / mCE are not "
+        source = evaluation_source(trainer)
+        data = imagenet_val_test_set(source) or (
+            f"data.source {source.kind if source else '?'} evaluation split (not ImageNet val: CE / mCE are not "
             "comparable with AlexNet's)")
         return {
             "source": "generated",
@@ -498,7 +499,7 @@ class ImageNetC(Evaluation):
     def _clean_error(self, trainer) -> tuple[float | None, str]:
         if self.clean_error is not None:
             return self.clean_error, "init arg clean_error"
-        test_set = imagenet_val_test_set(trainer.datamodule)
+        test_set = imagenet_val_test_set(evaluation_source(trainer))
         acc1 = trainer.callback_metrics.get("test/acc1")
         if test_set and acc1 is not None:
             return 1 - float(acc1), f"1 - test/acc1 of this run's test loop on {test_set}"

@@ -61,6 +61,7 @@ from robust_lightning.evaluation.base import (
     barrier,
     evaluating,
     evaluation_resolution,
+    evaluation_source,
     gather_objects,
     new_figure,
 )
@@ -317,11 +318,11 @@ class ResolutionSweep(Evaluation):
     def _identity(self, trainer, cell: Cell) -> dict[str, Any]:
         """What a cell's saved outcomes must have been computed with for a re-run to use them (not max_images:
         outcomes are per image, whichever selection they were part of)."""
-        data = trainer.datamodule
+        source = evaluation_source(trainer)
         identity = {
             "weights_sha256": self.weights_sha256, "weights": self.weights, "resolution": cell.resolution,
             "crop_pct": self.crop_pct, "cell": cell.name, "pos_embed_interpolation": self.pos_embed_interpolation,
-            "eval_subset": getattr(data, "eval_subset", None), "eval_limit": getattr(data, "eval_limit", None),
+            "eval_subset": source.subset if source else None, "eval_limit": source.limit if source else None,
         }
         if cell.threat is not None:
             identity.update(norm=cell.threat.norm, eps=cell.threat.eps, attack=self.attack, engine=self.engine,
