@@ -30,15 +30,21 @@ class ArgumentParser(LightningArgumentParser):
             super().error(message, ex)
         parser = getattr(ex, "subcommand_parser", None) or self
         prog = parser.prog.replace(" [options]", "")
-        lines = [f"{prog}: error: {message}"]
-        known = [action.dest for action in parser._actions]
-        for key in re.findall(r"(?:--|option ')([\w.-]+)", message):
-            key = key.replace("-", "_")  # a GNU-style spelling of an existing key is matched to it too
-            if key not in known and (close := difflib.get_close_matches(key, known, n=3)):
-                lines.append(f"did you mean: {', '.join(close)}?")
-        lines.append(f"options: {prog} --help")
+        lines = [f"{prog}: error: {message}", *did_you_mean(message, parser), f"options: {prog} --help"]
         print("\n".join(lines), file=sys.stderr)
         sys.exit(2)
+
+
+def did_you_mean(message: str, parser: argparse.ArgumentParser) -> list[str]:
+    """A "did you mean: ...?" line for each key of a parser's error message that the parser does not know and
+    that is close to keys it does (difflib's close matches)."""
+    lines = []
+    known = [action.dest for action in parser._actions]
+    for key in re.findall(r"(?:--|option ')([\w.-]+)", message):
+        key = key.replace("-", "_")  # a GNU-style spelling of an existing key is matched to it too
+        if key not in known and (close := difflib.get_close_matches(key, known, n=3)):
+            lines.append(f"did you mean: {', '.join(close)}?")
+    return lines
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter):

@@ -13,6 +13,7 @@ import netrc
 import os
 import re
 import sys
+from argparse import ArgumentError
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import robust_lightning
-from robust_lightning.argument_parsing import ArgumentParser
+from robust_lightning.argument_parsing import ArgumentParser, did_you_mean
 from robust_lightning.data.corrupt_report import CorruptImageReport
 from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.errors import UserError
@@ -57,7 +58,7 @@ def _export(argv: list[str]) -> int:
 def _sweep(argv: list[str]) -> int:
     from robust_lightning.scale.sweep import sweep_main
 
-    return sweep_main(argv)
+    return sweep_main(argv, command_check=command_line_check)
 
 
 def _report(argv: list[str]) -> int:
@@ -279,6 +280,63 @@ def check_config_files(args: Sequence[str]) -> None:
                             "{max_epochs: 2}'")
 
 
+def cli_arguments() -> dict[str, Any]:
+    """RobustLightningCLI's arguments but ``args``: how the Trainer subcommands parse and what they always add
+    (main() runs them, command_line_check() parses with the same parser)."""
+    return dict(
+        model_class=ImageClassifier,
+        datamodule_class=ImageNetDataModule,
+        parser_class=ArgumentParser,
+        seed_everything_default=0,
+        trainer_defaults={
+            "callbacks": [CorruptImageReport(), RunResults(), PredictionWriter(), FitRunDirectory()],
+            "plugins": [{"class_path": f"{AtomicCheckpointIO.__module__}.{AtomicCheckpointIO.__name__}"}],  # a kill during a save never corrupts last.ckpt
+            # attacks in validate/test need autograd, which inference mode forbids even under enable_grad
+            "inference_mode": False,
+        },
+        save_config_callback=SaveConfigToWandb,  # config.yaml, and the full config in W&B runs
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"default_env": True, "env_prefix": "RL"},
+    )
+
+
+class _ParserReady(Exception):
+    """Raised by a parse-only LightningCLI once its parser is built: nothing parsed, instantiated or run."""
+
+    def __init__(self, cli: LightningCLI):
+        super().__init__()
+        self.cli = cli
+
+
+def command_line_check() -> Callable[[Sequence[str]], None]:
+    """A check of Trainer command lines that parses them as main() does (configs, overrides, RL_* environment
+    variables) and instantiates or runs nothing: ``check(args)`` raises a UserError with the parser's message and
+    the close matches of a misspelt key where main() would exit with them. One parser serves every call."""
+
+    class ParserOnly(RobustLightningCLI):
+        def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:  # called once it is built
+            raise _ParserReady(self)
+
+    options = cli_arguments()
+    # raise instead of printing and exiting; the subcommand parsers take it from the main parser
+    options["parser_kwargs"] = {**options["parser_kwargs"], "exit_on_error": False}
+    try:
+        ParserOnly(**options, args=[])
+        raise RuntimeError("LightningCLI did not call parse_arguments")
+    except _ParserReady as ready:
+        cli = ready.cli
+
+    def check(args: Sequence[str]) -> None:
+        try:
+            check_config_files(args)
+            cli.parser.parse_args(list(args))
+        except ArgumentError as e:
+            parser = cli._subcommand_parsers.get(args[0], cli.parser)  # the keys of the command, for close matches
+            raise UserError("\n".join([str(e), *did_you_mean(str(e), parser)])) from None
+
+    return check
+
+
 def main(args: Sequence[str] | None = None) -> int:
     from_command_line = args is None
     args = list(sys.argv[1:] if from_command_line else args)
@@ -297,22 +355,8 @@ def main(args: Sequence[str] | None = None) -> int:
             return TOOL_COMMANDS[args[0]][1](args[1:])
         if args[0] not in TRAINER_COMMANDS:
             raise UserError(f"unknown command {args[0]!r}; expected one of: {', '.join([*TRAINER_COMMANDS, *TOOL_COMMANDS])}")
-        RobustLightningCLI(
-            ImageClassifier,
-            ImageNetDataModule,
-            args=None if from_command_line else args,  # None: LightningCLI reads sys.argv itself
-            parser_class=ArgumentParser,
-            seed_everything_default=0,
-            trainer_defaults={
-                "callbacks": [CorruptImageReport(), RunResults(), PredictionWriter(), FitRunDirectory()],
-                "plugins": [{"class_path": f"{AtomicCheckpointIO.__module__}.{AtomicCheckpointIO.__name__}"}],  # a kill during a save never corrupts last.ckpt
-                # attacks in validate/test need autograd, which inference mode forbids even under enable_grad
-                "inference_mode": False,
-            },
-            save_config_callback=SaveConfigToWandb,  # config.yaml, and the full config in W&B runs
-            save_config_kwargs={"overwrite": True},
-            parser_kwargs={"default_env": True, "env_prefix": "RL"},
-        )
+        # args None: LightningCLI reads sys.argv itself
+        RobustLightningCLI(**cli_arguments(), args=None if from_command_line else args)
     except UserError as e:
         message = str(e)
         if "Original Traceback" in message:  # raised in a DataLoader worker: torch adds the worker's traceback

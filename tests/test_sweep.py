@@ -176,6 +176,42 @@ def test_rerun_submits_only_cells_without_results_nor_a_place_in_the_queue(tmp_p
     assert cell_state(out_dir / "cells" / cells[0]) == "done" and cell_state(out_dir / "cells" / "none") == "missing"
 
 
+@pytest.mark.parametrize("flags", [[], ["--dry-run"], ["--local"]])
+def test_a_misspelt_key_stops_the_sweep_before_anything_is_written_or_submitted(tmp_path, monkeypatch, capsys, flags):
+    bin_dir = fake_slurm(tmp_path, monkeypatch)
+    path = write_sweep(tmp_path, grid={"ckpt_path": {"a": "/weights/a.ckpt"}, "data.imag_size": [32, 48]})
+    assert main(["sweep", "--config", str(path), *flags]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # not even the dry run's script
+    first, *rest = err.strip().splitlines()
+    assert first == "robust-lightning: error: sweep cell 0 (ckpt_path=a, data.imag_size=32): unrecognized arguments: " \
+        "--data.imag_size=32"
+    assert rest[0].startswith("did you mean: data.image_size") and len(rest) == 1
+    assert not (tmp_path / "out").exists() and not (bin_dir / "sbatch.calls").exists()
+
+
+def test_a_bad_value_names_its_cell(tmp_path, monkeypatch, capsys):
+    bin_dir = fake_slurm(tmp_path, monkeypatch)
+    path = write_sweep(tmp_path, grid={"data.image_size": [32, "big"]})
+    assert main(["sweep", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("robust-lightning: error: sweep cell 1 (data.image_size=big): "
+                          'Parser key "data.image_size":') and "Got value: big" in err
+    assert not (tmp_path / "out").exists() and not (bin_dir / "sbatch.calls").exists()
+
+
+def test_a_misspelt_key_in_a_bundle_config_names_its_cell(tmp_path, monkeypatch, capsys):
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(yaml.safe_dump({"data": {"eval_limt": 8}}))
+    path = write_sweep(tmp_path, grid={"benchmark": {"clean": {"args": {"trainer.callbacks": []}},
+                                                     "typo": {"configs": [str(typo)]}}})
+    assert main(["sweep", "--config", str(path), "--dry-run"]) == 2
+    first, second = capsys.readouterr().err.strip().splitlines()
+    assert first == "robust-lightning: error: sweep cell 1 (benchmark=typo): Subcommand 'test' does not accept " \
+        "option 'data.eval_limt'"
+    assert second.startswith("did you mean: data.eval_limit")
+
+
 def test_sweep_without_sbatch_says_what_to_do(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch, no squeue
     assert main(["sweep", "--config", str(write_sweep(tmp_path))]) == 2
@@ -320,7 +356,8 @@ def test_forked_children_ignore_sigusr1(monkeypatch):
 
 def test_local_sweep_runs_each_cell_through_the_cell_command(tmp_path, capsys):
     """--local runs `python -m robust_lightning cell MANIFEST --index i` per cell, as the array script does under
-    srun: a cell that validates records done with its metrics, a cell with a bad option records failed."""
+    srun: a cell that validates records done with its metrics, a cell that fails (a missing warm start, which the
+    sweep's parse cannot see) records failed."""
     config = tmp_path / "validate.yaml"
     config.write_text(yaml.safe_dump({
         "trainer": {"accelerator": "cpu", "devices": 1, "enable_progress_bar": False, "limit_val_batches": 1},
@@ -330,11 +367,11 @@ def test_local_sweep_runs_each_cell_through_the_cell_command(tmp_path, capsys):
                                "root": str(tmp_path / "synthetic")}},
     }))
     path = write_sweep(tmp_path, command="validate", configs=[str(config)], args={},
-                       grid={"seed_everything": [0, "not-a-seed"]})
+                       grid={"model.init_from": {"none": None, "missing": str(tmp_path / "missing.ckpt")}})
     assert main(["sweep", "--config", str(path), "--local"]) == 1  # one cell failed
     assert "1 of 2 cells succeeded" in capsys.readouterr().out
     cells = sorted((tmp_path / "out" / "cells").iterdir())
     states = {cell.name.split("__")[0]: cell_state(cell) for cell in cells}
-    assert states == {"seed_everything=0": "done", "seed_everything=not-a-seed": "failed"}
-    done = json.loads((next(c for c in cells if "=0__" in c.name) / "results.json").read_text())
+    assert states == {"init_from=none": "done", "init_from=missing": "failed"}
+    done = json.loads((next(c for c in cells if "=none__" in c.name) / "results.json").read_text())
     assert done["validate"]["metrics"]["val/num_images"] == 4

@@ -23,6 +23,8 @@ results.json, checkpoints, AutoAttack outcomes and SLURM's hpc_ckpt_N.ckpt never
 done when its results.json holds a ``sweep`` section with status ``done`` (written by ``robust-lightning cell``,
 robust_lightning.scale.task, after the command succeeded); re-running the sweep submits only the cells that are
 neither done nor still in the queue, so a failed or interrupted cell is retried and a finished one never redone.
+Before anything is written, submitted or printed (``--dry_run`` too), every cell's command line is parsed as its
+task will parse it: a misspelt key or a bad value stops the sweep with one message naming the cell.
 
 The sweep file is the config file of the ``sweep`` command: ``--config FILE`` reads it (several compose left to
 right), ``--print_config`` prints the composed sweep, and any key can be set on the command line
@@ -38,6 +40,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -407,39 +410,22 @@ def _describe(cells: list[Cell], states: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
-def sweep(
-    name: str | None = None,
-    command: str = "test",
-    configs: list[str] | None = None,
-    args: dict[str, Any] | None = None,
-    grid: dict[str, Any] | None = None,
-    output_dir: str | None = None,
-    slurm: dict[str, Any] | None = None,
-    wandb: bool | dict[str, Any] | None = None,
-    dry_run: bool = False,
-    local: bool = False,
-) -> int:
-    """Expand a sweep into cells and submit those without results as one SLURM array job.
+def check_cells(cells: list[Cell], check_command: Callable[[list[str]], None]) -> None:
+    """Every cell's command line through ``check_command``, which parses it as the cell's task will and runs
+    nothing (robust_lightning.cli.command_line_check): the first one it refuses stops the sweep, named."""
+    for index, cell in enumerate(cells):
+        try:
+            check_command(cell.argv)
+        except UserError as e:
+            labels = ", ".join(f"{name}={label}" for name, label in cell.labels.items())
+            raise UserError(f"sweep cell {index} ({labels or cell.id}): {e}") from None
 
-    The sweep file is the tool's config file: robust-lightning sweep --config configs/sweeps/NAME.yaml,
-    and any of its keys can be overridden on the command line.
 
-    Args:
-        name: the sweep's name (default: the sweep file's name)
-        command: the robust-lightning command of every cell: fit, validate or test
-        configs: config files of every cell, composed left to right
-        args: fixed overrides of every cell, {config key: value}
-        grid: the axes, {config key or bundle name: [values] or {label: value}}
-        output_dir: where the cells, logs and report go (default: runs/sweeps/<name>)
-        slurm: sbatch options, plus max_parallel (array throttle) and setup (shell lines)
-        wandb: a WandbLogger for every cell, one group per sweep: true, or {project, tags, entity}
-        dry_run: print the array script and the cells; submit nothing
-        local: run the cells one after another here, without SLURM
-    """
-    spec = {"name": name, "command": command, "configs": configs, "args": args, "grid": grid,
-            "output_dir": output_dir, "slurm": slurm, "wandb": wandb}
-    sweep = sweep_from_spec(spec, source=f"sweep {name}" if name else "sweep")
+def submit(sweep: Sweep, dry_run: bool, local: bool, check_command: Callable[[list[str]], None]) -> int:
+    """Check every cell, then print (``dry_run``), run here (``local``) or submit as one SLURM array job the
+    cells that are neither done nor still in the queue."""
     cells = expand(sweep)
+    check_cells(cells, check_command)  # before anything is written or submitted: a bad cell would fail on the cluster
     queued = {} if local else queued_cells(sweep.output_dir)
     states = {}
     for cell in cells:
@@ -482,9 +468,47 @@ def sweep(
     return 0
 
 
-def sweep_main(argv: list[str] | None = None) -> int:
+def sweep_main(argv: list[str], command_check: Callable[[], Callable[[list[str]], None]]) -> int:
+    """``robust-lightning sweep``. ``command_check()`` makes the check of a cell's command line (the command line's
+    parser, parsing only: robust_lightning.cli.command_line_check, handed in since scale/ never imports the
+    command line)."""
+
+    def sweep(
+        name: str | None = None,
+        command: str = "test",
+        configs: list[str] | None = None,
+        args: dict[str, Any] | None = None,
+        grid: dict[str, Any] | None = None,
+        output_dir: str | None = None,
+        slurm: dict[str, Any] | None = None,
+        wandb: bool | dict[str, Any] | None = None,
+        dry_run: bool = False,
+        local: bool = False,
+    ) -> int:
+        """Expand a sweep into cells and submit those without results as one SLURM array job.
+
+        The sweep file is the tool's config file: robust-lightning sweep --config configs/sweeps/NAME.yaml,
+        and any of its keys can be overridden on the command line.
+
+        Args:
+            name: the sweep's name (default: the sweep file's name)
+            command: the robust-lightning command of every cell: fit, validate or test
+            configs: config files of every cell, composed left to right
+            args: fixed overrides of every cell, {config key: value}
+            grid: the axes, {config key or bundle name: [values] or {label: value}}
+            output_dir: where the cells, logs and report go (default: runs/sweeps/<name>)
+            slurm: sbatch options, plus max_parallel (array throttle) and setup (shell lines)
+            wandb: a WandbLogger for every cell, one group per sweep: true, or {project, tags, entity}
+            dry_run: print the array script and the cells; submit nothing
+            local: run the cells one after another here, without SLURM
+        """
+        spec = {"name": name, "command": command, "configs": configs, "args": args, "grid": grid,
+                "output_dir": output_dir, "slurm": slurm, "wandb": wandb}
+        return submit(sweep_from_spec(spec, source=f"sweep {name}" if name else "sweep"), dry_run, local,
+                      command_check())
+
     options, files = parse_tool_arguments(
-        sweep, sys.argv[1:] if argv is None else argv, prog="robust-lightning sweep",
+        sweep, argv, prog="robust-lightning sweep",
         description="Expand a sweep file into cells and submit those without results as one SLURM array job, e.g.\n"
         "  robust-lightning sweep --config configs/sweeps/quickstart.yaml --dry_run")
     if not options["name"] and files:
