@@ -591,3 +591,77 @@ def test_l1_quick_modes_need_an_iteration_per_stage_of_the_eps_schedule():
         AutoAttackEvaluation(threat_models=[{"norm": "L1", "eps": 1.0}], version="apgd-ce", n_iter=2)
     with pytest.raises(ValueError, match="n_iter must be at least 3"):
         AutoAttack(nn.Identity(), norm="L1", eps=1.0, version="apgd-ce", n_iter=2)
+
+
+def test_the_call_signatures_of_both_reference_codes_work_unchanged(trained, points):
+    """Code written for pyautoattack 0.2.0 (keyword-only constructor, batch_size=, (x_adv, y_adv) back, budgets
+    set on the attack objects) and for fra31/auto-attack (bs=, return_labels) runs as it is."""
+    pyautoattack = pytest.importorskip("pyautoattack")
+    x, y = points
+
+    def written_for_pyautoattack(cls):  # the same lines for both classes
+        adversary = cls(trained, attacks=["apgd-ce", "square"], device="cpu", eps=EPS["Linf"], norm="Linf", seed=0,
+                        version="custom")
+        adversary.apgd.n_restarts, adversary.apgd.n_iter = 1, 100
+        adversary.square.n_queries = 300
+        return adversary
+
+    ours, theirs = written_for_pyautoattack(AutoAttack), written_for_pyautoattack(pyautoattack.AutoAttack)
+    theirs.logger.disabled = True
+    x_adv, y_adv = ours.run_standard_evaluation(x, y, batch_size=32)
+    x_ref, y_ref = theirs.run_standard_evaluation(x, y, batch_size=32)
+    assert ours.attacks == ("apgd-ce", "square") and ours.epsilon == theirs.epsilon
+    assert (x_adv - x).abs().max() <= EPS["Linf"] + 1e-6 and x_adv.min() >= 0 and x_adv.max() <= 1
+    with torch.no_grad():
+        assert torch.equal(y_adv, trained(x_adv).argmax(1)) and torch.equal(y_ref, trained(x_ref).argmax(1))
+    robust, robust_ref = y_adv == y, y_ref == y
+    assert 0 < robust.sum() < (trained(x).argmax(1) == y).sum()  # the comparison says something
+    assert (robust != robust_ref).sum() <= 2  # random starts and Square's draws differ
+    assert ours.clean_accuracy(x, y, bs=16) == pytest.approx(theirs.clean_accuracy(x, y, bs=16))
+
+    individual = ours.run_standard_evaluation_individual(x, y, batch_size=32)
+    assert list(individual) == ["apgd-ce", "square"] and ours.attacks_to_run == ["apgd-ce", "square"]
+    alone = {attack: (adv_y == y).sum().item() for attack, (_, adv_y) in individual.items()}
+    assert min(alone.values()) >= robust.sum().item()  # each attack alone breaks at most what the ensemble breaks
+
+    # fra31/auto-attack's spelling: x_adv alone, or with the labels
+    fra31 = AutoAttack(trained, norm="Linf", eps=EPS["Linf"], version="standard")
+    fra31.square.n_queries = 300
+    assert torch.is_tensor(fra31.run_standard_evaluation(x[:8], y[:8], bs=8))
+    assert len(fra31.run_standard_evaluation(x[:8], y[:8], bs=8, return_labels=True)) == 2
+
+
+def test_budgets_set_on_the_attack_objects_reach_the_attacks(trained, points, monkeypatch):
+    x, y = points
+    calls = []
+    real_apgd = ensemble.apgd
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs["n_iter"], kwargs["loss"]))
+        return real_apgd(*args, **kwargs)
+
+    monkeypatch.setattr(ensemble, "apgd", spy)
+    adversary = AutoAttack(trained, norm="Linf", eps=EPS["Linf"], version="custom", attacks=["apgd-dlr", "apgd-t"])
+    adversary.apgd.n_iter, adversary.apgd_targeted.n_iter, adversary.apgd_targeted.n_target_classes = 7, 5, 2
+    adversary.evaluate(x, y, bs=48)
+    assert {call for call in calls} == {(7, "dlr"), (5, "dlr-targeted")}
+    with pytest.raises(ValueError, match="attacks must be a non-empty list"):
+        adversary.attacks_to_run = ["fab"]  # pyautoattack's untargeted FAB is not implemented here
+        adversary.evaluate(x, y)
+    for wrong, match in [(dict(version="plus"), "not implemented here"), (dict(version="custom"), "attacks=")]:
+        with pytest.raises(ValueError, match=match):
+            AutoAttack(trained, **wrong)
+    with pytest.raises(ValueError, match="state_path"):
+        AutoAttack(trained).run_standard_evaluation(x, y, batch_size=8, state_path=Path("state.json"))
+    seeded_by_the_clock = AutoAttack(trained, seed=None)
+    assert isinstance(seeded_by_the_clock.seed, int)
+
+
+def test_the_progress_bar_shows_the_attacks_only_when_asked(trained, points, capsys):
+    x, y = points
+    adversary = AutoAttack(trained, norm="Linf", eps=EPS["Linf"], version="apgd-ce", n_iter=5)
+    quiet = adversary.evaluate(x, y, bs=48)
+    assert "autoattack" not in capsys.readouterr().err
+    shown = adversary.evaluate(x, y, bs=48, progress_bar=True)
+    assert "autoattack" in capsys.readouterr().err
+    assert torch.equal(quiet.robust, shown.robust)

@@ -1,8 +1,14 @@
 """AutoAttack (Croce & Hein, ICML 2020): the reference engine and our fast engine behind one API.
 
     adversary = AutoAttack(model, norm="Linf", eps=4 / 255, version="standard", seed=0, engine="fast")
-    x_adv = adversary.run_standard_evaluation(x, y, bs=250)      # as with the reference package
+    x_adv = adversary.run_standard_evaluation(x, y, bs=250)      # as with the reference code
     report = adversary.evaluate(x, y, bs=250)                    # per-point flags, per-attack accuracy, times
+
+The class takes the calls of both reference codes unchanged (``AutoAttack`` docstring): the original
+(github.com/fra31/auto-attack: ``run_standard_evaluation(x, y, bs=250, return_labels=False)``, x_adv) and the
+pinned package pyautoattack 0.2.0 (keyword-only ``attacks=``, ``version="custom"``, ``seed=None``;
+``run_standard_evaluation(x, y, batch_size=250)``, which returns (x_adv, y_adv)); the attack budgets are set
+through the reference's attribute names (``adversary.apgd.n_restarts``, ``adversary.square.n_queries``, ...).
 
 Both engines share the ensemble logic here: clean points only, attacks in order (standard: APGD-CE ->
 APGD-T -> FAB-T -> Square), each attack only on the points that survived the previous ones, robust accuracy
@@ -39,6 +45,7 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from .apgd import apgd
 from .fab import fab_targeted
@@ -51,7 +58,21 @@ VERSIONS = {
     "standard": ("apgd-ce", "apgd-t", "fab-t", "square"),
     "apgd-t": ("apgd-t",),
     "apgd-ce": ("apgd-ce",),
+    "custom": (),  # the attacks given as ``attacks=[...]``, in that order (pyautoattack's version="custom")
 }
+ATTACKS = ("apgd-ce", "apgd-dlr", "apgd-t", "fab-t", "square")  # pyautoattack's names; its "fab" is not here
+
+
+@dataclass
+class AttackSettings:
+    """One attack's budget, under the attribute names of pyautoattack's attack objects, so that code written for
+    it (``adversary.apgd.n_restarts = 1``, ``adversary.square.n_queries = 1000``) works unchanged. Fields an
+    attack has no use for are ignored, as on the reference's objects."""
+
+    n_iter: int = 100
+    n_restarts: int = 1
+    n_target_classes: int = 9
+    n_queries: int = 5000
 
 
 @dataclass
@@ -206,8 +227,10 @@ class AutoAttack:
 
     Args:
         norm, eps: the threat model ("Linf", "L2" or "L1").
-        version: "standard", or a quick mode "apgd-t" / "apgd-ce" (see the module docstring).
-        seed: reset before every attack on every batch, as the reference does.
+        version: "standard", a quick mode "apgd-t" / "apgd-ce" (see the module docstring), or "custom" with
+            ``attacks``.
+        seed: reset before every attack on every batch, as the reference does; None draws one from the clock,
+            as pyautoattack does (the report records it).
         engine: "fast" (ours) or "reference" (pyautoattack 0.2.0, unchanged).
         device: where the attacks run (default: the model's parameters' device).
         precision: "fp32" (default, TF32 off), "tf32" or "bf16" (fast engine only); successes are always
@@ -220,6 +243,17 @@ class AutoAttack:
         fold_batchnorm: fast engine only (default on): attack a copy of the model with BatchNorm folded into
             the layers before it (:func:`folded_batchnorm`, made afresh by every ``evaluate``); successes are
             verified on the model as given.
+        attacks: with ``version="custom"`` only: the attacks to run, in order (of :data:`ATTACKS`).
+
+    The reference codes' calls work unchanged. fra31/auto-attack: ``AutoAttack(model, norm, eps,
+    version="standard")``, ``run_standard_evaluation(x, y, bs=250, return_labels=False)`` (x_adv, or (x_adv,
+    y_adv) with return_labels) and ``run_standard_evaluation_individual``. pyautoattack 0.2.0 (keyword-only
+    ``AutoAttack(model, attacks=None, device="cpu", eps=0.3, norm="Linf", seed=None, version="standard")``):
+    ``run_standard_evaluation(x, y, batch_size=250)`` returns (x_adv, y_adv), as that package does; its
+    ``state_path`` and versions "plus" / "rand" are not implemented (a clear error). y_adv is the model's
+    prediction on x_adv. Budgets are set through ``self.apgd``, ``self.apgd_targeted``, ``self.fab`` and
+    ``self.square`` (:class:`AttackSettings`). One difference: "custom" runs with the standard version's
+    budgets, where pyautoattack's "custom" keeps its constructor's (5 APGD restarts, 9 targets for L1 too).
     """
 
     def __init__(
@@ -237,11 +271,16 @@ class AutoAttack:
         n_queries: int = 5000,
         channels_last: bool | None = None,
         fold_batchnorm: bool | None = None,
+        attacks: list[str] | None = None,
     ):
         if norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+        if version in ("plus", "rand"):
+            raise ValueError(f"pyautoattack's version {version!r} is not implemented here; versions: {tuple(VERSIONS)}")
         if version not in VERSIONS:
             raise ValueError(f"version must be one of {tuple(VERSIONS)}, got {version!r}")
+        if (version == "custom") != (attacks is not None):
+            raise ValueError("attacks=[...] goes with version='custom' (and it needs them), as in pyautoattack")
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
         if precision not in PRECISIONS:
@@ -253,48 +292,116 @@ class AutoAttack:
         if eps <= 0:
             raise ValueError(f"eps must be positive, got {eps}")
         self.model, self.norm, self.eps, self.version = model, norm, float(eps), version
-        self.seed, self.engine, self.precision = int(seed), engine, precision
+        self.seed = int(time.time()) if seed is None else int(seed)
+        self.engine, self.precision = engine, precision
         if device is None:
             parameter = next(iter(getattr(model, "parameters", lambda: iter(()))()), None)
             device = parameter.device if parameter is not None else "cpu"
         self.device = torch.device(device)
         self.channels_last = uses_channels_last(engine, self.device, channels_last)
         self.fold_batchnorm = folds_batchnorm(engine, fold_batchnorm)
-        quick = version != "standard"
-        self.n_iter = n_iter or (40 if version == "apgd-t" else 100)
-        if norm == "L1" and self.n_iter < L1_MIN_ITER:
-            raise ValueError(f"L1 APGD splits its iterations 30/30/40 % over 3, 2 and 1 x eps: n_iter must be at "
-                             f"least {L1_MIN_ITER}, got {self.n_iter}")
-        self.n_target_classes = n_target_classes or (3 if quick else (5 if norm == "L1" else 9))
-        self.n_fab_targets = 9
-        self.n_queries = n_queries
-        self.attacks = VERSIONS[version]
+        quick = version in ("apgd-t", "apgd-ce")
+        apgd_iter = n_iter or (40 if version == "apgd-t" else 100)
+        # the standard version restarts APGD-CE 5 times for L1 (the reference's _set_version), once otherwise
+        self.apgd = AttackSettings(n_iter=apgd_iter, n_restarts=5 if norm == "L1" and not quick else 1)
+        self.apgd_targeted = AttackSettings(
+            n_iter=apgd_iter, n_target_classes=n_target_classes or (3 if quick else (5 if norm == "L1" else 9)))
+        self.fab = AttackSettings(n_target_classes=9)
+        self.square = AttackSettings(n_queries=n_queries)
+        self.attacks_to_run = list(attacks if attacks is not None else VERSIONS[version])
+        self._check_settings()
+
+    @property
+    def attacks(self) -> tuple[str, ...]:
+        return tuple(self.attacks_to_run)
+
+    @property
+    def n_iter(self) -> int:
+        return self.apgd.n_iter
+
+    @property
+    def n_target_classes(self) -> int:
+        return self.apgd_targeted.n_target_classes
+
+    @property
+    def epsilon(self) -> float:  # pyautoattack's name
+        return self.eps
+
+    def _check_settings(self) -> None:
+        """The attacks and budgets can be changed after construction (as on the reference): checked per run."""
+        unknown = [attack for attack in self.attacks_to_run if attack not in ATTACKS]
+        if unknown or not self.attacks_to_run:
+            raise ValueError(f"attacks must be a non-empty list of {ATTACKS}, got {self.attacks_to_run}")
+        for settings in (self.apgd, self.apgd_targeted):
+            if self.norm == "L1" and settings.n_iter < L1_MIN_ITER:
+                raise ValueError(f"L1 APGD splits its iterations 30/30/40 % over 3, 2 and 1 x eps: n_iter must be "
+                                 f"at least {L1_MIN_ITER}, got {settings.n_iter}")
+        if self.engine == "fast" and (self.apgd_targeted.n_restarts != 1 or self.square.n_restarts != 1):
+            raise ValueError("the fast engine runs APGD-T and Square with one restart (as the standard version "
+                             "does); engine='reference' runs more")
 
     # ------------------------------------------------------------------------------------------- public
-    def run_standard_evaluation(self, x: Tensor, y: Tensor, bs: int = 250) -> Tensor:
-        """The adversarial images (the clean image where no attack succeeded), like the reference's."""
-        return self.evaluate(x, y, bs=bs).x_adv
+    def run_standard_evaluation(self, x: Tensor, y: Tensor, bs: int | None = None, return_labels: bool = False,
+                                *, batch_size: int | None = None, state_path=None) -> Tensor | tuple[Tensor, Tensor]:
+        """The adversarial images (the clean image where no attack succeeded), as the reference codes return
+        them: x_adv (fra31/auto-attack, ``bs=``), (x_adv, y_adv) with ``return_labels=True`` or when called as
+        pyautoattack 0.2.0 is, with ``batch_size=``; y_adv is the model's prediction on x_adv."""
+        bs = self._batch_size(bs, batch_size, state_path)
+        x_adv = self.evaluate(x, y, bs=bs).x_adv
+        if return_labels or batch_size is not None:
+            return x_adv, self._predictions(x_adv, bs)
+        return x_adv
 
-    def evaluate(self, x: Tensor, y: Tensor, bs: int = 250, progress: Callable[[str], None] | None = None
-                 ) -> AutoAttackReport:
-        """Run the ensemble on ``x`` (N, C, H, W) in [0, 1] with labels ``y`` (N,), ``bs`` points at a time."""
+    def run_standard_evaluation_individual(self, x: Tensor, y: Tensor, bs: int | None = None,
+                                           return_labels: bool = False, *, batch_size: int | None = None
+                                           ) -> dict[str, Tensor | tuple[Tensor, Tensor]]:
+        """Each attack on its own on all clean points, as the reference codes do: attack name -> what
+        :meth:`run_standard_evaluation` returns for it."""
+        ensemble = self.attacks_to_run
+        try:
+            results = {}
+            for attack in ensemble:
+                self.attacks_to_run = [attack]
+                results[attack] = self.run_standard_evaluation(x, y, bs, return_labels, batch_size=batch_size)
+            return results
+        finally:
+            self.attacks_to_run = ensemble
+
+    def clean_accuracy(self, x: Tensor, y: Tensor, bs: int = 250) -> float:
+        """The fraction of ``x`` classified as ``y`` (fp32), as the reference's method."""
+        return self._correct(x.float(), y.long(), bs).float().mean().item()
+
+    def evaluate(self, x: Tensor, y: Tensor, bs: int = 250, progress: Callable[[str], None] | None = None,
+                 progress_bar: bool = False) -> AutoAttackReport:
+        """Run the ensemble on ``x`` (N, C, H, W) in [0, 1] with labels ``y`` (N,), ``bs`` points at a time.
+        ``progress`` receives a line per attack; ``progress_bar`` shows a bar over the attacks (rank zero)."""
         if x.min() < 0 or x.max() > 1:
             raise ValueError("AutoAttack takes images in [0, 1]; normalisation belongs inside the model")
+        self._check_settings()
         was_training = getattr(self.model, "training", False)
         if was_training:
             self.model.eval()
         try:
-            return self._evaluate(x.float(), y.long(), bs, progress)
+            return self._evaluate(x.float(), y.long(), bs, progress, progress_bar)
         finally:
             if was_training:
                 self.model.train()
+
+    @staticmethod
+    def _batch_size(bs: int | None, batch_size: int | None, state_path) -> int:
+        if bs is not None and batch_size is not None:
+            raise ValueError("give bs (fra31/auto-attack) or batch_size (pyautoattack), not both")
+        if state_path is not None:
+            raise ValueError("pyautoattack's state_path is not implemented here; the AutoAttackEvaluation "
+                             "callback keeps per-image outcomes and resumes from them")
+        return bs or batch_size or 250
 
     def _stand_in(self) -> tuple[Callable[[Tensor], Tensor], bool]:
         """:func:`attack_stand_in` of the model, made per evaluation, so that it has the model's current weights."""
         return attack_stand_in(self.model, self.fold_batchnorm, self.channels_last)
 
     # ------------------------------------------------------------------------------------------ ensemble
-    def _evaluate(self, x: Tensor, y: Tensor, bs: int, progress) -> AutoAttackReport:
+    def _evaluate(self, x: Tensor, y: Tensor, bs: int, progress, progress_bar: bool) -> AutoAttackReport:
         started = time.perf_counter()
         stand_in, folded = self._stand_in() if self.engine == "fast" else (self.model, False)
         clean = self._correct(x, y, bs)
@@ -304,7 +411,9 @@ class AutoAttack:
         seconds = {"clean": time.perf_counter() - started}
         robust_after: dict[str, float] = {}
         refuted: dict[str, int] = {}
-        for attack in self.attacks:
+        bar = tqdm(self.attacks, desc="autoattack", unit="attack", leave=False, disable=not progress_bar)
+        for attack in bar:
+            bar.set_postfix_str(attack)
             started = time.perf_counter()
             survivors = robust.nonzero().flatten()
             if len(survivors):
@@ -336,13 +445,16 @@ class AutoAttack:
             refuted=refuted, seconds=seconds, x_adv=x_adv,
         )
 
-    @torch.no_grad()
     def _correct(self, x: Tensor, y: Tensor, bs: int) -> Tensor:
         """fp32 (TF32 off) predictions == labels, batch by batch, as a bool tensor on x's device."""
+        return self._predictions(x, bs) == y
+
+    @torch.no_grad()
+    def _predictions(self, x: Tensor, bs: int) -> Tensor:
+        """fp32 (TF32 off) predicted classes, batch by batch, on x's device."""
         with numerics("fp32", self.device):
             return torch.cat([
-                self.model(x[i : i + bs].to(self.device)).float().argmax(1).to(x.device) == y[i : i + bs]
-                for i in range(0, len(x), bs)
+                self.model(x[i : i + bs].to(self.device)).float().argmax(1).to(x.device) for i in range(0, len(x), bs)
             ])
 
     def _attack(self, attack: str, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int,
@@ -352,7 +464,8 @@ class AutoAttack:
         if self.engine == "reference":
             with numerics("fp32", self.device):  # TF32 off: PyTorch lets cuDNN convolutions use it by default
                 return self._reference_attack(attack, x, y, bs), None
-        run = {"apgd-ce": self._apgd_ce, "apgd-t": self._apgd_t, "fab-t": self._fab_t, "square": self._square}
+        run = {"apgd-ce": self._apgd_ce, "apgd-dlr": self._apgd_dlr, "apgd-t": self._apgd_t, "fab-t": self._fab_t,
+               "square": self._square}
         images, robust = [], []
         for i in range(0, len(x), bs):
             xb, yb = x[i : i + bs].to(self.device), y[i : i + bs].to(self.device)
@@ -372,7 +485,7 @@ class AutoAttack:
             return model(x).float()
 
     def _apgd(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, points: Tensor, generator: torch.Generator,
-              **kwargs) -> tuple[Tensor, Tensor]:
+              n_iter: int, **kwargs) -> tuple[Tensor, Tensor]:
         """One APGD run (x_adv, robust) on rows of the points ``points`` (a point's rows leave the run once one
         breaks it); for L1 the reference's 3/2/1 x eps schedule (30/30/40 % of the iterations) from a random
         point, each stage starting from the previous stage's best point (only a break at eps, in the last stage,
@@ -383,27 +496,34 @@ class AutoAttack:
         (the start's L0 distance); ours starts exactly sparse, so its first steps may be sparser. Matching it
         would need the reference's own projection bit for bit (ours agrees to float error only)."""
         if self.norm != "L1":
-            result = apgd(model, x, y, norm=self.norm, eps=self.eps, n_iter=self.n_iter,
+            result = apgd(model, x, y, norm=self.norm, eps=self.eps, n_iter=n_iter,
                           random_start=True, generator=generator, exit_broken=points, **kwargs)
             return result.x_adv, result.robust
-        stages = [math.ceil(0.3 * self.n_iter), math.ceil(0.3 * self.n_iter)]
-        stages.append(self.n_iter - sum(stages))
+        stages = [math.ceil(0.3 * n_iter), math.ceil(0.3 * n_iter)]
+        stages.append(n_iter - sum(stages))
         noise = torch.randn(x.shape, generator=generator, device=generator.device).to(x.device)
         start = x + l1_projection(x, noise, 3 * self.eps)
-        for factor, n_iter in zip((3, 2, 1), stages):
+        for factor, stage_iter in zip((3, 2, 1), stages):
             start = x + l1_projection(x, start - x, factor * self.eps)
-            result = apgd(model, x, y, norm="L1", eps=factor * self.eps, n_iter=n_iter, x_init=start,
+            result = apgd(model, x, y, norm="L1", eps=factor * self.eps, n_iter=stage_iter, x_init=start,
                           generator=generator, exit_broken=points if factor == 1 else None, **kwargs)
             start = result.x_best
         return result.x_adv, result.robust
 
     def _apgd_ce(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
+        return self._apgd_untargeted(model, x, y, bs, "ce")
+
+    def _apgd_dlr(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
+        return self._apgd_untargeted(model, x, y, bs, "dlr")
+
+    def _apgd_untargeted(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int, loss: str
+                         ) -> tuple[Tensor, Tensor]:
         generator = self._generator()
 
         def attack(rows: Tensor, restarts: Tensor) -> tuple[Tensor, Tensor]:  # each row its own random start
-            return self._apgd(model, x[rows], y[rows], rows, generator, loss="ce")
+            return self._apgd(model, x[rows], y[rows], rows, generator, self.apgd.n_iter, loss=loss)
 
-        return batched_runs(attack, x, range(5 if self.norm == "L1" and self.version == "standard" else 1), bs)
+        return batched_runs(attack, x, range(self.apgd.n_restarts), bs)
 
     def _apgd_t(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
         generator = self._generator()
@@ -411,22 +531,23 @@ class AutoAttack:
 
         def attack(rows: Tensor, ranks: Tensor) -> tuple[Tensor, Tensor]:
             target = ranked[rows, ranked.shape[1] - ranks]
-            return self._apgd(model, x[rows], y[rows], rows, generator, loss="dlr-targeted", y_target=target)
+            return self._apgd(model, x[rows], y[rows], rows, generator, self.apgd_targeted.n_iter,
+                              loss="dlr-targeted", y_target=target)
 
-        return batched_runs(attack, x, range(2, self.n_target_classes + 2), bs)
+        return batched_runs(attack, x, range(2, self.apgd_targeted.n_target_classes + 2), bs)
 
     def _fab_t(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
         logits = self._logits(model, x)
 
         def attack(rows: Tensor, ranks: Tensor) -> tuple[Tensor, Tensor]:
-            result = fab_targeted(model, x[rows], y[rows], norm=self.norm, eps=self.eps, n_iter=100,
+            result = fab_targeted(model, x[rows], y[rows], norm=self.norm, eps=self.eps, n_iter=self.fab.n_iter,
                                   target_rank=ranks, logits_clean=logits[rows])
             return result.x_adv, result.robust
 
-        return batched_runs(attack, x, range(2, self.n_fab_targets + 2), bs)
+        return batched_runs(attack, x, range(2, self.fab.n_target_classes + 2), bs)
 
     def _square(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
-        result = square_attack(model, x, y, norm=self.norm, eps=self.eps, n_queries=self.n_queries,
+        result = square_attack(model, x, y, norm=self.norm, eps=self.eps, n_queries=self.square.n_queries,
                                p_init=0.8, generator=self._generator(), batch_size=bs)
         return torch.where(result.robust.view(-1, *[1] * (x.dim() - 1)), x, result.x_adv), result.robust
 
@@ -441,17 +562,16 @@ class AutoAttack:
 
         reference = ReferenceAutoAttack(self.model, norm=self.norm, eps=self.eps, version="standard",
                                         seed=self.seed, device=self.device)
-        if self.n_iter != 100:  # quick modes: rebuilt, as the checkpoint schedule is set in the constructor
-            common = dict(n_iter=self.n_iter, eps=self.eps, norm=self.norm, seed=self.seed, device=self.device,
-                          use_largereps=self.norm == "L1", n_restarts=1, verbose=False)
-            reference.apgd = APGDAttack(self.model, **common)
-            reference.apgd_targeted = APGDAttack_targeted(self.model, **common)
-        reference.apgd_targeted.n_target_classes = self.n_target_classes
-        reference.square.n_queries = self.n_queries
-        if self.version == "apgd-ce":
-            reference.apgd.n_restarts = 1
-        elif self.norm == "L1":  # standard L1 restarts APGD-CE 5 times, also when rebuilt above
-            reference.apgd.n_restarts = 5
+        for name, build in (("apgd", APGDAttack), ("apgd_targeted", APGDAttack_targeted)):
+            settings = getattr(self, name)
+            if settings.n_iter != 100:  # rebuilt: the APGD checkpoint schedule is set in the constructor
+                setattr(reference, name, build(self.model, n_iter=settings.n_iter, eps=self.eps, norm=self.norm,
+                                               seed=self.seed, device=self.device, use_largereps=self.norm == "L1",
+                                               verbose=False))
+            getattr(reference, name).n_restarts = settings.n_restarts
+        reference.apgd_targeted.n_target_classes = self.apgd_targeted.n_target_classes
+        reference.fab.n_iter, reference.fab.n_target_classes = self.fab.n_iter, self.fab.n_target_classes
+        reference.square.n_queries, reference.square.n_restarts = self.square.n_queries, self.square.n_restarts
         reference.attacks_to_run = [attack]
         x_adv, _ = reference.run_standard_evaluation(x.to(self.device), y.to(self.device), batch_size=bs)
         return x_adv.to(x.device)
