@@ -4,6 +4,7 @@ sweeps, the transfer matrix, kernel attention distance and shape bias, plus one 
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -99,10 +100,10 @@ def test_an_invariant_model_stays_robust_and_a_fragile_one_does_not():
 
 # ------------------------------------------------------------------------------------------------ sweeps
 def stubbed(analysis, model: nn.Module, x: torch.Tensor, y: torch.Tensor):
-    """The analysis on given images and model, without a Trainer."""
+    """The analysis on given images and model, without a Trainer (a stand-in with what it reads of one)."""
     analysis.images = lambda trainer, pl_module: (x, y)
     analysis.model = lambda pl_module: model
-    return analysis.analyse(None, None)
+    return analysis.analyse(SimpleNamespace(is_global_zero=True), SimpleNamespace(hparams={"arch": "tiny_cnn"}))
 
 
 def test_fgsm_at_eps_0_is_clean_accuracy_and_accuracy_falls_with_eps():
@@ -325,3 +326,18 @@ def test_configs_that_need_another_model_say_so_on_the_quickstart_model(tmp_path
     config, _ = shipped(name, tmp_path, tiny_checkpoint(tmp_path / "model.ckpt"), synthetic)
     assert main(["test", "--config", str(config)]) == 2
     assert "does not apply" in capsys.readouterr().err
+
+
+def test_sweeps_and_the_transfer_matrix_show_progress_on_rank_zero_only(capsys):
+    model, x, y = tiny_cnn(0), torch.rand(6, 3, 8, 8), torch.arange(6) % 3
+    sweep = AttackSweep(attacks=["fgsm"], eps=[0.0, 0.01], batch_size=3, plot=False)
+    sweep.images, sweep.model = (lambda trainer, pl_module: (x, y)), (lambda pl_module: model)
+    hparams = SimpleNamespace(hparams={"arch": "tiny_cnn"})
+    for rank_zero in (True, False):
+        quiet = sweep.analyse(SimpleNamespace(is_global_zero=rank_zero), hparams)[0]
+        assert ("attack sweep" in capsys.readouterr().err) == rank_zero
+    matrix = TransferMatrix(checkpoints=["a.ckpt"], attack="fgsm", eps=0.01, batch_size=3)
+    for shown in (True, False):
+        matrix.matrix([model, tiny_cnn(1)], x, y, progress=shown)
+        assert ("transfer matrix" in capsys.readouterr().err) == shown
+    assert quiet["curves"]["fgsm"]["accuracy"][0] == quiet["clean_accuracy"]

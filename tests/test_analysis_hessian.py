@@ -332,8 +332,8 @@ def test_the_shipped_config_runs_the_papers_protocol():
     args = callback["init_args"]
     assert (args["data"], args["train_fraction"], args["batch_size"], args["top_k"]) == ("train", 0.1, 16, 5)
     assert args["weight_decay"] is None and args["max_images"] == 64  # the model's weight decay; a CPU-sized cap
-    assert config["ckpt_path"] == "runs/quickstart/checkpoints/last.ckpt"
-    quickstart = yaml.safe_load((configs / "quickstart.yaml").read_text())
-    # the quickstart's training data and transform, which the checkpoint was trained with
+    assert config["ckpt_path"] == "runs/quickstart_vit/checkpoints/last.ckpt"  # Fig. 4's ViT family
+    quickstart = yaml.safe_load((configs / "quickstart_vit.yaml").read_text())
+    # the quickstart ViT's training data and transform, which the checkpoint was trained with
     keys = ("source", "image_size", "crop_scale", "augmentation", "synthetic")
     assert {k: config["data"][k] for k in keys} == {k: quickstart["data"][k] for k in keys}

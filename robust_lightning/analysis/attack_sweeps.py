@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from tqdm import tqdm
 
-from robust_lightning.analysis.base import Analysis, new_figure
+from robust_lightning.analysis.base import Analysis, model_label, new_figure
 from robust_lightning.attacks import fgsm, pgd
 from robust_lightning.attacks.spatial import spatial_grid_attack
 from robust_lightning.errors import UserError
@@ -107,42 +108,54 @@ class AttackSweep(Analysis):
         x, y = self.images(trainer, pl_module)
         clean = torch.cat([correct(model, xb, yb) for _, xb, yb in _chunks(x, y, self.batch_size)])
         curves: dict[str, Any] = {}
+        bar = tqdm(total=len(self.curves()) * len(self.eps), desc="attack sweep", unit="point", leave=False,
+                   disable=not trainer.is_global_zero)
         for label, attack, steps in self.curves():
             accuracy = []
             for eps in self.eps:
+                bar.set_postfix_str(f"{label} eps {eps:.4g}")
                 hits = [correct(model, attack_batch(model, xb, yb, attack, eps, steps, self.relative_step,
                                                     self.random_start, self.seed + i), yb)
                         for i, xb, yb in _chunks(x, y, self.batch_size)]
                 accuracy.append(float(torch.cat(hits).float().mean()))
+                bar.update()
             curves[label] = {"attack": attack, "steps": steps, "eps": self.eps, "accuracy": accuracy,
                              **({"step_size": _step_text(self.relative_step, steps),
                                  "random_start": self.random_start} if attack == "pgd" else {})}
+        bar.close()
         section = {"clean_accuracy": float(clean.float().mean()), "num_images": len(y), "curves": curves,
-                   "conditions": {"norm": "Linf", "seed": self.seed, "model_mode": "eval"}}
+                   "conditions": {"arch": pl_module.hparams.get("arch"), "norm": "Linf", "seed": self.seed,
+                                  "model_mode": "eval"}}
         metrics = {"clean_accuracy": section["clean_accuracy"],
                    **{f"{label}/eps_{eps:.4g}": acc for label, c in curves.items() for eps, acc in zip(c["eps"], c["accuracy"])}}
-        return section, metrics, self._plot(section) if self.plot else None
+        return section, metrics, self.figure(section) if self.plot else None
 
-    def _plot(self, section: dict[str, Any]):
-        step_sweep = len(self.steps) > 1 and "pgd" in self.attacks
+    @staticmethod
+    def figure(section: dict[str, Any]):
+        """Chen et al.'s Fig. 6: (a, b) "Accuracy (%)" against the perturbation budget "ε" (Linf, [0, 1] pixels;
+        gray levels on the top axis, Bhojanapalli et al.'s unit), one line per attack with the model in the legend;
+        (c) against the "Attack steps" of PGD at each ε, when several step counts were run."""
+        label = model_label(section["conditions"].get("arch"))
+        curves = section["curves"]
+        pgd_curves = [c for c in curves.values() if c["attack"] == "pgd"]
+        step_sweep = len(pgd_curves) > 1
         figure, axes = new_figure(1, 2 if step_sweep else 1, figsize=(11 if step_sweep else 6, 4), squeeze=False)
         ax = axes[0, 0]
-        for label, c in section["curves"].items():
-            ax.plot([e * 255 for e in c["eps"]], [100 * a for a in c["accuracy"]], "o-", label=label)
-        ax.set_xlabel("Linf eps (gray levels, x 1/255)")
-        ax.set_ylabel("accuracy under attack (%)")
-        ax.set_title(f"Accuracy vs radius ({section['num_images']} images)")
+        for name, c in curves.items():
+            ax.plot(c["eps"], [100 * a for a in c["accuracy"]], "o-", label=f"{label}, {name.upper()}")
+        ax.set_xlabel("ε")
+        ax.set_ylabel("Accuracy (%)")
+        ax.secondary_xaxis("top", functions=(lambda e: e * 255, lambda g: g / 255)).set_xlabel("gray levels")
         ax.set_ylim(0, 100)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, title=f"{section['num_images']} images", title_fontsize=8)
         if step_sweep:
             right = axes[0, 1]
-            pgd_curves = [c for c in section["curves"].values() if c["attack"] == "pgd"]
-            for j, eps in enumerate(self.eps):
+            steps = [c["steps"] for c in pgd_curves]
+            for j, eps in enumerate(pgd_curves[0]["eps"]):
                 if eps > 0:
-                    right.plot(self.steps, [100 * c["accuracy"][j] for c in pgd_curves], "o-", label=f"eps {eps:.4g}")
-            right.set_xlabel("PGD steps")
-            right.set_ylabel("accuracy under attack (%)")
-            right.set_title("PGD step sweep")
+                    right.plot(steps, [100 * c["accuracy"][j] for c in pgd_curves], "o-", label=f"{label}, ε = {eps:.4g}")
+            right.set_xlabel("Attack steps")
+            right.set_ylabel("Accuracy (%)")
             right.set_ylim(0, 100)
             right.legend(fontsize=8)
         figure.tight_layout()
@@ -236,11 +249,14 @@ class TransferMatrix(Analysis):
             names[i] = n if seen[n] == 1 else f"{n} ({seen[n]})"
         return names, models
 
-    def matrix(self, models: list[nn.Module], x: Tensor, y: Tensor) -> tuple[list[float], list[list[float]]]:
-        """(clean accuracy per model, accuracy[source][target])."""
+    def matrix(self, models: list[nn.Module], x: Tensor, y: Tensor, progress: bool = False
+               ) -> tuple[list[float], list[list[float]]]:
+        """(clean accuracy per model, accuracy[source][target]); ``progress``: a bar over the attacked batches."""
         n = len(models)
         clean = torch.zeros(n)
         hits = torch.zeros(n, n)
+        bar = tqdm(total=math.ceil(len(y) / self.batch_size) * n, desc="transfer matrix", unit="attack",
+                   leave=False, disable=not progress)
         for i, xb, yb in _chunks(x, y, self.batch_size):
             for b, target in enumerate(models):
                 clean[b] += correct(target, xb, yb).sum().item()
@@ -249,12 +265,14 @@ class TransferMatrix(Analysis):
                                      self.random_start, self.seed + i)
                 for b, target in enumerate(models):
                     hits[a, b] += correct(target, x_adv, yb).sum().item()
+                bar.update()
+        bar.close()
         return (clean / len(y)).tolist(), (hits / len(y)).tolist()
 
     def analyse(self, trainer, pl_module):
         names, models = self.models(trainer, pl_module)
         x, y = self.images(trainer, pl_module)
-        clean, accuracy = self.matrix(models, x, y)
+        clean, accuracy = self.matrix(models, x, y, progress=trainer.is_global_zero)
         self._others = []  # free the memory of the other models
         paths = ([trainer.ckpt_path] if self.include_tested_model else []) + self.checkpoints
         section = {"models": names, "checkpoints": paths, "clean_accuracy": dict(zip(names, clean)),
@@ -314,9 +332,11 @@ class SpatialRobustness(Analysis):
 
     def analyse(self, trainer, pl_module):
         model = self.model(pl_module)
+        batches = tqdm(self.batches(trainer, pl_module), desc="spatial attack", unit="batch", leave=False,
+                       total=math.ceil(self.max_images / self.batch_size), disable=not trainer.is_global_zero)
         results = [spatial_grid_attack(model, xb, yb, self.translations, self.max_shift, self.rotations,
                                        self.max_angle, self.forward_batch)
-                   for xb, yb in self.batches(trainer, pl_module)]
+                   for xb, yb in batches]
         if not results:
             raise UserError("SpatialRobustness: the test set has no images")
         grid = results[0].transforms
@@ -342,16 +362,17 @@ class SpatialRobustness(Analysis):
             "shifts": shifts.tolist(), "angles": angles.tolist(),
             "accuracy_by_angle": by_angle, "accuracy_by_shift": by_shift,
             "images": {"robust": robust.tolist(), "worst_transform": worst.tolist()},
-            "conditions": {"translations": self.translations, "max_shift_px": self.max_shift,
+            "conditions": {"arch": pl_module.hparams.get("arch"), "translations": self.translations,
+                           "max_shift_px": self.max_shift,
                            "rotations": self.rotations, "max_angle_deg": self.max_angle, "fill": "zeros",
                            "interpolation": "bilinear", "order": "rotate about the centre, then shift"},
         }
         metrics = {k: section[k] for k in ("clean_accuracy", "robust_accuracy", "translation_only_accuracy",
                                            "rotation_only_accuracy")}
-        return section, metrics, self._plot(section) if self.plot else None
+        return section, metrics, self.figure(section) if self.plot else None
 
     @staticmethod
-    def _plot(section: dict[str, Any]):
+    def figure(section: dict[str, Any]):
         figure, (bars, heat, curve) = new_figure(1, 3, figsize=(15, 4.2))
         kinds = ["clean", "translations", "rotations", "full grid"]
         values = [section[k] for k in ("clean_accuracy", "translation_only_accuracy", "rotation_only_accuracy",
@@ -360,8 +381,9 @@ class SpatialRobustness(Analysis):
         for i, v in enumerate(values):
             bars.text(i, 100 * v + 1, f"{100 * v:.1f}", ha="center")
         bars.set_ylim(0, 105)
-        bars.set_ylabel("accuracy (%), worst case per image")
-        bars.set_title(f"Spatial attack ({section['num_transforms']} transforms, {section['num_images']} images)")
+        bars.set_ylabel("Accuracy (%)")  # Bhojanapalli et al.'s Fig. 3 (right): worst case per image
+        bars.set_title(f"{model_label(section['conditions'].get('arch'))}: {section['num_transforms']} transforms, "
+                       f"{section['num_images']} images", fontsize=10)
         shifts = section["shifts"]
         half = (shifts[1] - shifts[0]) / 2 if len(shifts) > 1 else 0.5  # cells centred on their shift
         image = heat.imshow([[100 * v for v in row] for row in section["accuracy_by_shift"]], vmin=0, vmax=100,

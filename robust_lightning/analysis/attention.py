@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from robust_lightning.analysis.base import Analysis, new_figure
+from robust_lightning.analysis.base import Analysis, model_label, new_figure
 from robust_lightning.analysis.blocks import BlockMap, find_blocks, replace_module, token_grid
 from robust_lightning.errors import UserError
 
@@ -217,30 +217,35 @@ class RestrictedAttention(Analysis):
 
     @staticmethod
     def figure(section):
+        """Bhojanapalli et al.'s Fig. 9. Left: "Accuracy (%)" against the "Maximum distance (patches)" allowed
+        between attending patches, the model's solid line and, dashed, its "random permutation" of the same mask.
+        Right: patch tokens attend only to CLS in the first ("Beginning") or last ("End") k blocks, against the
+        "Number of blocks". The dotted line is the unrestricted model."""
+        from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
+
+        label = model_label(section["conditions"].get("arch"))
         fig, (left, right) = new_figure(1, 2, figsize=(11, 4))
         rows = [r for r in section["local"] if r["distance"] != "inf"]
-        xs = [r["distance"] for r in rows]
-        left.plot(xs, [100 * r["local_accuracy"] for r in rows], marker="o", label="local mask")
+        line = left.plot([r["distance"] for r in rows], [100 * r["local_accuracy"] for r in rows], marker="o",
+                         label=label)[0]
         perm = [r for r in rows if r["permuted"]]
         if perm:
             left.plot([r["distance"] for r in perm], [100 * r["permuted"]["accuracy"] for r in perm], marker="s",
-                      linestyle="--", label="permuted mask (one fixed permutation)")
-        left.axhline(100 * section["full_accuracy"], color="gray", linestyle="--", label="full attention")
-        left.set_xlabel("maximum distance along each axis (patches)")
-        left.set_ylabel("top-1 accuracy (%)")
-        left.set_title(f"Local vs permuted attention masks (grid {section['grid'][0]}x{section['grid'][1]})")
+                      linestyle="--", color=line.get_color(), label=f"{label}, random permutation")
+        left.axhline(100 * section["full_accuracy"], color="gray", linestyle=":", label="No restriction")
+        left.set_xlabel("Maximum distance (patches)")
+        left.set_ylabel("Accuracy (%)")
+        left.set_title(f"Restricted attention ({section['grid'][0]}x{section['grid'][1]} patches)", fontsize=10)
         left.legend(fontsize=8)
-        for where, entries in section["cls_only"].items():
+        for where, name in (("first", "Beginning"), ("last", "End")):
+            entries = section["cls_only"].get(where)
             if entries:
-                right.plot([e["k"] for e in entries], [100 * e["accuracy"] for e in entries], marker="o",
-                           label=f"{where} k blocks")
-        right.axhline(100 * section["full_accuracy"], color="gray", linestyle="--", label="full attention")
-        from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
-
+                right.plot([e["k"] for e in entries], [100 * e["accuracy"] for e in entries], marker="o", label=name)
+        right.axhline(100 * section["full_accuracy"], color="gray", linestyle=":", label="No restriction")
         right.xaxis.set_major_locator(MaxNLocator(integer=True))
-        right.set_xlabel("k (blocks with CLS-only attention)")
-        right.set_ylabel("top-1 accuracy (%)")
-        right.set_title("Patch tokens attend only to CLS")
+        right.set_xlabel("Number of blocks")
+        right.set_ylabel("Accuracy (%)")
+        right.set_title(f"Attention only between patches and CLS: {label}", fontsize=10)
         right.legend(fontsize=8)
         fig.tight_layout()
         return fig

@@ -15,6 +15,27 @@ from torch import nn
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.base import Evaluation, check_weights, evaluating, new_figure  # noqa: F401
 
+# How the papers name model families in their legends (Bhojanapalli et al.: "ViT", "ResNet"; Park & Kim: "ViT",
+# "ResNet", "AlterNet"; Chen et al.: "RepLKNet", "ConvNeXt"), matched in this order against the architecture name.
+FAMILY_NAMES = (("replknet", "RepLKNet"), ("alternet", "AlterNet"), ("convnext", "ConvNeXt"), ("vit", "ViT"),
+                ("deit", "ViT"), ("resnet", "ResNet"), ("bit", "ResNet"))
+
+
+def model_label(arch: str | None) -> str:
+    """A model's legend entry in a figure laid out as the papers': its family as they name it, then the
+    architecture, e.g. "ViT (test_vit)"; the architecture alone for a family the papers do not name."""
+    if not arch:
+        return "model"
+    family = next((name for key, name in FAMILY_NAMES if key in arch.lower()), None)
+    return f"{family} ({arch})" if family else arch
+
+
+def pi_axis(axis) -> None:
+    """Tick labels in units of pi ("0.5π"), as Park & Kim's frequency axes."""
+    from matplotlib.ticker import FormatStrFormatter  # noqa: PLC0415
+
+    axis.set_major_formatter(FormatStrFormatter("%.1fπ"))
+
 
 class Analysis(Evaluation):
     """Base class. Subclasses set ``name`` (the results.json section) and implement ``analyse``.

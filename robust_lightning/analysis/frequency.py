@@ -26,7 +26,7 @@ import math
 import torch
 from tqdm import tqdm
 
-from robust_lightning.analysis.base import Analysis, new_figure
+from robust_lightning.analysis.base import Analysis, model_label, new_figure, pi_axis
 from robust_lightning.errors import UserError
 
 __all__ = ["FrequencyNoise", "band_edges", "band_mask", "band_noise", "code_band_mask", "code_bands", "normalised_frequency",
@@ -195,14 +195,24 @@ class FrequencyNoise(Analysis):
         }
         metrics = {"clean_accuracy": clean, "white_noise_drop": clean - accuracy[-1],
                    **{f"drop_{b['centre' if code else 'low']:g}": b["drop"] for b in bands}}
-        if not self.plot:
-            return section, metrics, None
+        return section, metrics, self.figure(section) if self.plot else None
+
+    @staticmethod
+    def figure(section):
+        """Park & Kim's Fig. 2b (and Chen et al.'s Fig. 8): "Δ Accuracy (%)" (noisy minus clean accuracy, so a drop
+        is negative) against "Noise frequency" in units of pi, one line per model, the model in the legend."""
+        conditions = section["conditions"]
+        arch = conditions.get("arch")
         fig, ax = new_figure(figsize=(6.5, 4))
-        ax.plot([b["centre"] for b in bands], [100 * b["drop"] for b in bands], marker="o")
-        ax.set_xlabel("noise frequency band centre (x pi)")
-        ax.set_ylabel("accuracy drop (percentage points)")
-        size = f"ε={self.eps:g} sign" if code else f"Gaussian σ={self.noise_std:g}"
-        ax.set_title(f"Band-limited noise ({size}, width {self.width:g}π, protocol {self.protocol})")
+        marker, colour = ("o", "tab:red") if model_label(arch).startswith("ViT") else ("D", "tab:blue")
+        ax.plot([b["centre"] for b in section["bands"]], [-100 * b["drop"] for b in section["bands"]], marker=marker,
+                color=colour, label=model_label(arch))
         ax.set_xlim(0, 1)
+        pi_axis(ax.xaxis)
+        ax.set_xlabel("Noise frequency")
+        ax.set_ylabel("Δ Accuracy (%)")
+        size = f"ε={conditions['eps']:g} sign" if "eps" in conditions else f"Gaussian σ={conditions['noise_std']:g}"
+        ax.set_title(f"{size} noise, window {conditions['width']:g}π (protocol {conditions['protocol']})", fontsize=9)
+        ax.legend()
         fig.tight_layout()
-        return section, metrics, fig
+        return fig

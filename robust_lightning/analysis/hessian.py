@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
-from robust_lightning.analysis.base import Analysis, new_figure
+from robust_lightning.analysis.base import Analysis, model_label, new_figure
 from robust_lightning.errors import UserError
 from robust_lightning.training.lightning_module import soft_targets
 
@@ -257,9 +257,9 @@ class HessianSpectrum(Analysis):
                                                         max_images=self.max_images, batch_size=self.batch_size,
                                                         seed=self.seed)
             minibatches = ((b["image"], training_targets(pl_module, b)) for b in sample.batches)
-            total, label = math.ceil(sample.images / self.batch_size), "augmented training images"
+            total = math.ceil(sample.images / self.batch_size)
         else:
-            minibatches, total, label = self.batches(trainer, pl_module), None, "evaluation images"
+            minibatches, total = self.batches(trainer, pl_module), None
         bar = tqdm(minibatches, total=total, desc="hessian", unit="minibatch", leave=False,
                    disable=not trainer.is_global_zero)
         result = self.spectrum(model, bar, weight_decay)
@@ -295,7 +295,8 @@ class HessianSpectrum(Analysis):
             described = "evaluation images, no augmentation"
         section = {**result, **comparability,
                    "conditions": {**self._conditions(model, described, weight_decay), "images": result["images"]}}
-        figure = self._plot({label: result}) if self.plot else None
+        section["conditions"]["arch"] = pl_module.hparams.get("arch")
+        figure = self._plot({model_label(section["conditions"]["arch"]): result}) if self.plot else None
         return section, self._metrics(result), figure
 
     # ------------------------------------------------------------------------------------------ fit time
@@ -344,8 +345,9 @@ class HessianSpectrum(Analysis):
         return {k: result[k] for k in ("nep", "ape", "max_eigenvalue")}
 
     def _plot(self, spectra: dict[str, dict[str, Any]]):
-        """Histogram (density) of the eigenvalues of each spectrum, as Park & Kim Fig. 4; with several epochs
-        the last six are overlaid and NEP / APE are drawn against the epoch."""
+        """Park & Kim's Fig. 4: the density of the eigenvalues ("Max Eigenvalue" against "Density"), one line per
+        spectrum with the model (test time) or the epoch (fit time) in the legend, as their Fig. 1b overlays
+        training phases; with several epochs the last six are overlaid and NEP / APE are drawn against the epoch."""
         over_epochs = len(spectra) > 1
         figure, axes = new_figure(1, 2 if over_epochs else 1, figsize=(11 if over_epochs else 6, 4), squeeze=False)
         ax = axes[0, 0]
@@ -355,12 +357,13 @@ class HessianSpectrum(Analysis):
         bins = torch.linspace(low, high + 1e-12, 41).tolist()
         for label, r in shown:
             flat = [v for values in r["minibatches"] for v in values]
-            ax.hist(flat, bins=bins, density=True, alpha=0.5,
-                    label=f"{label}: NEP {r['nep']:.1%}, APE {r['ape']:.3g}")
+            ax.hist(flat, bins=bins, density=True, histtype="step", linewidth=1.5, label=label)
         ax.axvline(0.0, color="black", linewidth=0.8)
-        ax.set_xlabel("Hessian max eigenvalue (top-%d per minibatch of %d)" % (self.top_k, self.batch_size))
-        ax.set_ylabel("density")
-        ax.set_title("Hessian max eigenvalue spectrum")
+        ax.set_xlabel("Max Eigenvalue")
+        ax.set_ylabel("Density")
+        last = shown[-1][1]
+        ax.set_title(f"top-{self.top_k} per minibatch of {self.batch_size}: NEP {last['nep']:.1%}, "
+                     f"APE {last['ape']:.3g}", fontsize=9)
         ax.legend(fontsize=8)
         if over_epochs:
             epochs = [int(k.split()[-1]) for k in spectra]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from robust_lightning.analysis.base import Analysis, new_figure
+from robust_lightning.analysis.base import Analysis, model_label, new_figure
 from robust_lightning.errors import UserError
 
 
@@ -127,6 +127,7 @@ class KernelAttentionDistance(Analysis):
                 "median": float(valid.median()) if valid.numel() else math.nan,
                 "min": float(valid.min()) if valid.numel() else math.nan,
                 "max": float(valid.max()) if valid.numel() else math.nan,
+                "sorted": valid.sort().values.tolist(),  # the per-channel curve Chen et al. plot (Fig. 9)
             })
         stages: dict[str, Any] = {}
         for stage in dict.fromkeys(row["stage"] for row in per_layer):
@@ -136,32 +137,48 @@ class KernelAttentionDistance(Analysis):
         everything = torch.cat(list(channels.values()))
         mean = float(everything.mean()) if everything.numel() else math.nan
         section = {"mean": mean, "stages": stages, "layers": per_layer,
-                   "conditions": {"images": 0, "min_kernel_size": self.min_kernel_size, "normalize": self.normalize,
+                   "conditions": {"arch": pl_module.hparams.get("arch"), "images": 0,
+                                  "min_kernel_size": self.min_kernel_size, "normalize": self.normalize,
                                   "definition": "sum |W| d / (R sqrt 2)" + (" / sum |W| per channel" if self.normalize
                                                                              else " per channel (raw, as the reference code)")}}
-        figure = self._plot(per_layer, channels) if self.plot else None
+        figure = self.figure(section) if self.plot else None
         metrics = {"mean": mean, **{f"{stage}/mean": s["mean"] for stage, s in stages.items()}}
         return section, metrics, figure
 
-    def _plot(self, per_layer: list[dict], channels: dict[str, Tensor]):
+    @staticmethod
+    def figure(section):
+        """Chen et al.'s Fig. 9 (left): the sorted per-channel "Kernel attention distance" against the "Normalized
+        channel index" of the first two layers of stage 1 and the last two of stage 3 (of the last stage for a
+        model with fewer), one line per layer ("Stage 1, layer 1", ...). Right: the mean (+/- std) over channels of
+        every measured layer in depth order, coloured by stage."""
+        layers = section["layers"]
+        stages = list(dict.fromkeys(row["stage"] for row in layers))
+        by_stage = {s: [row for row in layers if row["stage"] == s] for s in stages}
+        shown = [(0, i) for i in range(min(2, len(by_stage[stages[0]])))]
+        late = 2 if len(stages) > 2 else len(stages) - 1
+        if late:
+            count = len(by_stage[stages[late]])
+            shown += [(late, i) for i in range(max(count - 2, 0), count)]
         figure, (left, right) = new_figure(1, 2, figsize=(12, 4.5))
-        stages = list(dict.fromkeys(row["stage"] for row in per_layer))
-        colours = {s: f"C{i % 10}" for i, s in enumerate(stages)}
-        for i, row in enumerate(per_layer):
-            left.scatter(i, row["mean"], color=colours[row["stage"]])
-            left.errorbar(i, row["mean"], yerr=row["std"], color=colours[row["stage"]], alpha=0.5)
-            values = channels[row["layer"]].sort().values
-            if values.numel():  # Chen et al.'s view: sorted per-channel distances of each layer
-                right.plot(torch.linspace(0, 1, values.numel()), values, color=colours[row["stage"]], alpha=0.6)
-        for stage in stages:
-            left.scatter([], [], color=colours[stage], label=stage)
-        unit = "weighted mean distance / (R sqrt 2)" if self.normalize else "sum |W| d / (R sqrt 2)"
-        left.set_xlabel("layer (depth order)")
-        left.set_ylabel(f"kernel attention distance ({unit})")
-        left.set_title("Mean over channels (+/- std) per layer")
+        for s, i in shown:
+            values = by_stage[stages[s]][i]["sorted"]
+            if values:
+                left.plot(torch.linspace(0, 1, len(values)).tolist(), values, label=f"Stage {s + 1}, layer {i + 1}")
+        left.set_xlabel("Normalized channel index")
+        left.set_ylabel("Kernel attention distance")
+        left.set_title(model_label(section["conditions"].get("arch")))
         left.legend(fontsize=8)
-        right.set_xlabel("channel (sorted, fraction of the layer's channels)")
-        right.set_ylabel("kernel attention distance")
-        right.set_title("Per-channel distribution, one line per layer")
+        colours = {s: f"C{i % 10}" for i, s in enumerate(stages)}
+        for i, row in enumerate(layers):
+            right.errorbar(i, row["mean"], yerr=row["std"], color=colours[row["stage"]], marker="o", alpha=0.7)
+        for i, s in enumerate(stages):
+            right.scatter([], [], color=colours[s], label=f"Stage {i + 1}")
+        from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
+
+        right.xaxis.set_major_locator(MaxNLocator(integer=True))
+        right.set_xlabel("Layer (depth order)")
+        right.set_ylabel("Kernel attention distance")
+        right.set_title("Mean over channels (± std) per layer")
+        right.legend(fontsize=8)
         figure.tight_layout()
         return figure

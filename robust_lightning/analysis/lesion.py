@@ -19,11 +19,16 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from robust_lightning.analysis.base import Analysis, new_figure
+from robust_lightning.analysis.base import Analysis, model_label, new_figure
 from robust_lightning.analysis.blocks import find_blocks, lesioned, removable_units
 from robust_lightning.errors import UserError
 
 __all__ = ["LesionStudy", "summary"]
+
+FIGURES = ("bhojanapalli", "chen")
+# what the papers call the removed parts (Bhojanapalli et al., Fig. 8: "block, self-attention or MLP"; Chen et al.:
+# RepLKNet's large-kernel block and its FFN)
+PART_NAMES = {"block": "Block", "attention": "Self-Attention", "mlp": "MLP", "large_kernel": "Large kernel"}
 
 
 def summary(values: list[float]) -> dict[str, Any]:
@@ -46,6 +51,9 @@ class LesionStudy(Analysis):
         random_part: what the random lesions remove: "block" or a part name.
         random_stages: draw only among units of these stages (0-based; RepLKNet's stage 3 is 2); null: all units.
         seed: seed of the random draws.
+        figure: whose figure lesion.png follows: "bhojanapalli" (Fig. 8: accuracy against the removed block and
+            against the number n of blocks removed, mean with standard-error bars and min/max shaded) or "chen"
+            (Chen et al.'s Fig. 7: against the proportion of blocks dropped, mean line and min/max shaded).
         max_images, batch_size, weights, plot: see Analysis.
     """
 
@@ -53,13 +61,17 @@ class LesionStudy(Analysis):
 
     def __init__(self, modes: list[str] | None = None, random_counts: list[int] = (2, 4, 6), samples: int = 25,
                  random_part: str = "block", random_stages: list[int] | None = None, seed: int = 0,
-                 max_images: int = 256, batch_size: int = 64, weights: str = "raw", plot: bool = True):
+                 figure: str = "bhojanapalli", max_images: int = 256, batch_size: int = 64, weights: str = "raw",
+                 plot: bool = True):
         super().__init__(max_images=max_images, batch_size=batch_size, weights=weights, plot=plot)
         if samples < 1 or any(n < 1 for n in random_counts):
             raise UserError("LesionStudy: samples and every random_counts entry must be positive")
         self.modes = None if modes is None else list(modes)
         self.random_counts, self.samples = sorted(set(random_counts)), samples
         self.random_part, self.random_stages, self.seed = random_part, random_stages, seed
+        if figure not in FIGURES:
+            raise UserError(f"LesionStudy.figure must be one of {', '.join(FIGURES)}, got {figure!r}")
+        self.figure_layout = figure
 
     def check(self, trainer, pl_module) -> None:
         bmap = find_blocks(pl_module.model.net)
@@ -133,6 +145,7 @@ class LesionStudy(Analysis):
                          "differences": []},
             "conditions": {"arch": pl_module.hparams.get("arch"), "modes": modes, "random_part": self.random_part,
                            "random_stages": self.random_stages, "samples": self.samples, "seed": self.seed,
+                           "figure": self.figure_layout,
                            "lesion": "residual branch removed (block -> its shortcut); part -> branch output zeroed"},
         }
         metrics = {"intact_accuracy": intact}
@@ -146,35 +159,49 @@ class LesionStudy(Analysis):
 
     @staticmethod
     def figure(section: dict):
+        """lesion.png as the paper of ``conditions.figure`` draws it. Bhojanapalli et al.'s Fig. 8: (top) "Accuracy
+        (%)" against the "Removed block" (1 = first), one line per removed part ("Block", "Self-Attention", "MLP");
+        (bottom) against the "Number of removed blocks" n, mean with standard-error bars and min/max shaded. Chen
+        et al.'s Fig. 7: the random lesions against the "Proportion of blocks dropped" (n / all blocks), mean line
+        and min/max shaded, the model in the legend. The intact model's accuracy is the dashed line."""
+        from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
+
         single, random = section["single"], section["random"]
+        conditions = section["conditions"]
+        label = model_label(conditions.get("arch"))
+        chen = conditions.get("figure") == "chen"
         fig, axes = new_figure(1, 2 if random else 1, figsize=(11 if random else 6, 4), squeeze=False)
         ax = axes[0][0]
         names = section["units"]
         for mode, rows in single.items():
             index = {r["unit"]: r["accuracy"] for r in rows}
             xs = [i + 1 for i, name in enumerate(names) if name in index]
-            ax.plot(xs, [100 * index[names[x - 1]] for x in xs], marker="o", label=f"{mode} removed")
-        ax.axhline(100 * section["intact_accuracy"], color="gray", linestyle="--", label="intact")
-        from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
-
+            ax.plot(xs, [100 * index[names[x - 1]] for x in xs], marker="o", label=PART_NAMES.get(mode, mode))
+        ax.axhline(100 * section["intact_accuracy"], color="gray", linestyle="--", label="Intact")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("removed unit (1 = first)")
-        ax.set_ylabel("top-1 accuracy (%)")
-        ax.set_title(f"Single-unit lesions ({section['family']})")
+        ax.set_xlabel("Removed block")
+        ax.set_ylabel("Accuracy (%)")
+        ax.set_title(f"One block removed: {label}", fontsize=10)
         ax.legend(fontsize=8)
         if random:
             ax = axes[0][1]
             ns = sorted(random, key=int)
-            xs = [int(n) for n in ns]
-            ax.errorbar(xs, [100 * random[n]["mean"] for n in ns], yerr=[100 * random[n]["stderr"] for n in ns],
-                        marker="o", capsize=3, label="mean ± s.e.")
+            xs = [int(n) / len(names) if chen else int(n) for n in ns]
+            means = [100 * random[n]["mean"] for n in ns]
+            if chen:
+                ax.plot(xs, means, marker="o", label=label)
+            else:
+                ax.errorbar(xs, means, yerr=[100 * random[n]["stderr"] for n in ns], marker="o", capsize=3,
+                            label=f"{label}: mean ± standard error")
             ax.fill_between(xs, [100 * random[n]["min"] for n in ns], [100 * random[n]["max"] for n in ns],
-                            alpha=0.2, label="min-max")
-            ax.axhline(100 * section["intact_accuracy"], color="gray", linestyle="--", label="intact")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.set_xlabel(f"units removed at random ({section['conditions']['random_part']})")
-            ax.set_ylabel("top-1 accuracy (%)")
-            ax.set_title(f"Random lesions ({section['conditions']['samples']} draws each)")
+                            alpha=0.2, label="min / max")
+            ax.axhline(100 * section["intact_accuracy"], color="gray", linestyle="--", label="Intact")
+            if not chen:
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_xlabel("Proportion of blocks dropped" if chen else "Number of removed blocks")
+            ax.set_ylabel("Accuracy (%)")
+            part = "" if conditions["random_part"] == "block" else f", {PART_NAMES.get(conditions['random_part'])} only"
+            ax.set_title(f"Random lesions ({conditions['samples']} samples per n{part})", fontsize=10)
             ax.legend(fontsize=8)
         fig.tight_layout()
         return fig

@@ -26,7 +26,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import nn
 from tqdm import tqdm
 
-from robust_lightning.analysis.base import Analysis, new_figure
+from robust_lightning.analysis.base import Analysis, model_label, new_figure
 from robust_lightning.analysis.blocks import as_map, attention_probabilities, find_blocks
 from robust_lightning.analysis.lesion import summary
 from robust_lightning.errors import UserError
@@ -246,24 +246,28 @@ class Occlusion(Analysis):
 
     @staticmethod
     def figure(section):
-        with_saliency = "salient" in section
-        fig, axes = new_figure(1, 2 if with_saliency else 1, figsize=(11 if with_saliency else 6, 4), squeeze=False)
-        ax = axes[0][0]
-        keys = list(section["random"])
-        xs = [100 * float(k) for k in keys]
-        ax.errorbar(xs, [100 * section["random"][k]["mean"] for k in keys],
-                    yerr=[100 * section["random"][k]["stderr"] for k in keys], marker="o", capsize=3)
-        ax.set_xlabel("patches dropped at random (%)")
-        ax.set_ylabel("top-1 accuracy (%)")
-        ax.set_title(f"Random patch drop ({section['grid']}x{section['grid']} grid)")
-        if with_saliency:
-            ax = axes[0][1]
-            for kind, label in (("salient", "salient (top-λ mass) dropped"), ("non_salient", "non-salient (bottom-λ) dropped")):
-                keys = list(section[kind])
-                ax.plot([float(k) for k in keys], [100 * section[kind][k] for k in keys], marker="o", label=label)
-            ax.set_xlabel("λ (share of saliency mass)")
-            ax.set_ylabel("top-1 accuracy (%)")
-            ax.set_title(f"Saliency-guided drop ({section['conditions']['saliency']['source']})")
+        """Chen et al.'s Fig. 4: (a) random, (b) salient and (c) non-salient drop, "Top-1 accuracy drop (%)" (occluded
+        minus clean accuracy: negative, as their Table 5 reports it) against the "Information loss ratio (%)": the
+        share of patches dropped at random, or of the saliency mass in the dropped patches. The model is the
+        legend entry; random drop has standard-error bars over its draws."""
+        label = model_label(section["conditions"].get("arch"))
+        clean = section["clean_accuracy"]
+        panels = [("random", "Random drop")]
+        if "salient" in section:
+            panels += [("salient", "Salient drop"), ("non_salient", "Non-salient drop")]
+        fig, axes = new_figure(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+        for ax, (kind, title) in zip(axes[0], panels):
+            keys = list(section[kind])
+            xs = [100 * float(k) for k in keys]
+            if kind == "random":
+                ax.errorbar(xs, [100 * (section[kind][k]["mean"] - clean) for k in keys],
+                            yerr=[100 * section[kind][k]["stderr"] for k in keys], marker="o", capsize=3, label=label)
+            else:
+                ax.plot(xs, [100 * (section[kind][k] - clean) for k in keys], marker="o", label=label)
+            ax.set_xlabel("Information loss ratio (%)")
+            ax.set_ylabel("Top-1 accuracy drop (%)")
+            source = "" if kind == "random" else f", saliency: {section['conditions']['saliency']['source']}"
+            ax.set_title(f"{title} ({section['grid']}x{section['grid']} patches{source})", fontsize=10)
             ax.legend(fontsize=8)
         fig.tight_layout()
         return fig

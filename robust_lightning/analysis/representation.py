@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from robust_lightning.analysis.base import Analysis, new_figure
+from robust_lightning.analysis.base import Analysis, model_label, new_figure, pi_axis
 from robust_lightning.analysis.blocks import BlockMap, FeatureTap, as_map, find_blocks
 from robust_lightning.errors import UserError
 
@@ -145,18 +145,44 @@ def _nullable(matrix: torch.Tensor) -> list[list[float | None]]:
     return [[None if math.isnan(v) else v for v in row] for row in matrix.tolist()]
 
 
-def _depth_axis(ax, points: list[tuple[str, str]], values: list[float | None], ylabel: str, title: str) -> None:
-    """Values per point against normalised depth, with attention sublayers shaded (as Park & Kim plot them)."""
+def _subsampling(sizes: list[tuple[int, ...]]) -> list[bool]:
+    """Which points follow a subsampling layer: their feature map is smaller than the point's before."""
+    return [i > 0 and math.prod(size) < math.prod(sizes[i - 1]) for i, size in enumerate(sizes)]
+
+
+def _family_style(arch: str | None) -> tuple[str, str]:
+    """(marker, colour) of a model family in Park & Kim's plots (their notebooks: ResNet "D" tab:blue, ViT "o"
+    tab:red, others "s" tab:green)."""
+    label = model_label(arch)
+    return ("o", "tab:red") if label.startswith("ViT") else ("D", "tab:blue") if label.startswith("ResNet") \
+        else ("s", "tab:green")
+
+
+def depth_axis(ax, points: list[dict], key: str, arch: str | None, colour_by_depth: bool = False) -> None:
+    """``point[key]`` against normalised depth as Park & Kim's Figs. 8 and 9: x "Normalized depth" from 0 to 1,
+    y "Δ Log amplitude" / "Feature map variance", gray spans ending at each MSA (attention) point and blue
+    spans at each subsampling point (their notebooks' ``axvspan(x - 1 / depth, x)``); Fig. 8 colours the curve
+    by depth (plasma)."""
     depth = max(len(points) - 1, 1)
     xs = [i / depth for i in range(len(points))]
-    for i, (_, kind) in enumerate(points):
-        if kind == "attention":
-            ax.axvspan((i - 1) / depth, i / depth, color="tab:gray", alpha=0.15, lw=0)
-    kept = [(x, v) for x, v in zip(xs, values) if v is not None]
-    ax.plot([x for x, _ in kept], [v for _, v in kept], marker="o")
-    ax.set_xlabel("normalised depth (shaded: attention)")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    for x, p in zip(xs, points):
+        if p.get("subsampling"):
+            ax.axvspan(x - 1 / depth, x, color="tab:blue", alpha=0.15, lw=0)
+        if p["kind"] == "attention":
+            ax.axvspan(x - 1 / depth, x, color="tab:gray", alpha=0.15, lw=0)
+    kept = [(x, p[key]) for x, p in zip(xs, points) if p[key] is not None]
+    marker, colour = _family_style(arch)
+    if colour_by_depth and kept:
+        import matplotlib  # noqa: PLC0415
+
+        cmap = matplotlib.colormaps["plasma"]
+        ax.plot([x for x, _ in kept], [v for _, v in kept], color="lightgray", zorder=1)
+        ax.scatter([x for x, _ in kept], [v for _, v in kept], c=[cmap(x) for x, _ in kept], marker=marker, zorder=2)
+    else:
+        ax.plot([x for x, _ in kept], [v for _, v in kept], marker=marker, color=colour)
+    ax.set_xlim(0.0, 1.0)
+    ax.set_xlabel("Normalized depth")
+    ax.set_title(model_label(arch))
 
 
 class _FeatureAnalysis(Analysis):
@@ -264,20 +290,28 @@ class LayerCorrelation(_FeatureAnalysis):
                                  "linear_cka": "minibatch linear CKA, features flattened per image"}
         return section, metrics, self.figure(section) if self.plot else None
 
-    def figure(self, section):
-        fig, axes = new_figure(1, len(self.tokens), figsize=(5.5 * len(self.tokens), 4.5), squeeze=False)
-        labels = section["layers"]
-        for ax, kind in zip(axes[0], self.tokens):
+    @staticmethod
+    def figure(section):
+        """Bhojanapalli et al.'s Fig. 7 (Figs. 31-33): one heatmap per token set, "All tokens" (left) and "CLS token"
+        (right), blocks on both axes (1 = first; E: the patch embedding), white for 0 to dark blue for |ρ| = 1
+        (linear CKA for ResNet-like stages, Fig. 33)."""
+        kinds = [k for k in ("all", "cls") if k in section["measures"]]
+        fig, axes = new_figure(1, len(kinds), figsize=(5.5 * len(kinds), 4.5), squeeze=False)
+        layers = section["layers"]
+        names = ["E" if name == "stem" else str(i + (layers[0] != "stem")) for i, name in enumerate(layers)]
+        for ax, kind in zip(axes[0], kinds):
             matrix = torch.tensor([[float("nan") if v is None else v for v in row] for row in section[kind]])
-            image = ax.imshow(matrix.numpy(), vmin=0, vmax=1, cmap="Blues")  # as the paper: white 0, blue 1
-            step = max(1, len(labels) // 12)
-            ticks = list(range(0, len(labels), step))
-            ax.set_xticks(ticks, [labels[i] for i in ticks], rotation=90, fontsize=7)
-            ax.set_yticks(ticks, [labels[i] for i in ticks], fontsize=7)
-            what = "|Pearson correlation|" if section["measures"][kind] == "abs_pearson" else "linear CKA"
-            ax.set_title(f"{'all tokens' if kind == 'all' else 'CLS token'}: {what}")
-            fig.colorbar(image, ax=ax, fraction=0.046)
-        fig.suptitle(f"Similarity between layer outputs ({section['family']})")
+            image = ax.imshow(matrix.numpy(), vmin=0, vmax=1, cmap="Blues")  # as the paper: white 0, dark blue 1
+            step = max(1, len(names) // 12)
+            ticks = list(range(0, len(names), step))
+            ax.set_xticks(ticks, [names[i] for i in ticks])
+            ax.set_yticks(ticks, [names[i] for i in ticks])
+            ax.set_xlabel("Block")
+            ax.set_ylabel("Block")
+            ax.set_title("All tokens" if kind == "all" else "CLS token")
+            bar = fig.colorbar(image, ax=ax, fraction=0.046)
+            bar.set_label("|ρ|" if section["measures"][kind] == "abs_pearson" else "Linear CKA")
+        fig.suptitle(model_label(section["conditions"].get("arch")))
         fig.tight_layout()
         return fig
 
@@ -295,12 +329,15 @@ class FeatureVariance(_FeatureAnalysis):
 
     def analyse(self, trainer, pl_module):
         totals: list[float] = []
+        sizes: list[tuple[int, ...]] = []
         count = [0]
 
         def consume(bmap, features, image_hw):
-            values = [feature_variance(as_map(f, bmap, image_hw)) for f in features]
+            maps = [as_map(f, bmap, image_hw) for f in features]
+            values = [feature_variance(m) for m in maps]
             if not totals:
                 totals.extend([0.0] * len(values))
+                sizes.extend(tuple(m.shape[-2:]) for m in maps)
             for i, v in enumerate(values):
                 totals[i] += float(v.sum())
             count[0] += len(values[0])
@@ -308,7 +345,8 @@ class FeatureVariance(_FeatureAnalysis):
         bmap, tap = self.run(trainer, pl_module, consume)
         variances = [t / count[0] for t in totals]
         variances = [None if math.isnan(v) else v for v in variances]  # a 1x1 map has no spatial variance
-        points = [{"name": label, "kind": kind, "variance": v} for (label, kind), v in zip(tap.points, variances)]
+        points = [{"name": label, "kind": kind, "map_size": list(size), "subsampling": sub, "variance": v}
+                  for (label, kind), size, sub, v in zip(tap.points, sizes, _subsampling(sizes), variances)]
         section = {"family": bmap.family, "points": points,
                    "protocol": {"follows": "code", "reference": "github.com/xxxnell/how-do-vits-work, "
                                 "featuremap_variance.ipynb (Park & Kim 2022, Fig. 9): latent.var(dim=[-1, -2])"
@@ -317,12 +355,17 @@ class FeatureVariance(_FeatureAnalysis):
                                   "measure": "unbiased spatial variance per channel, mean over channels and images"}}
         known = [v for v in variances if v is not None]
         metrics = {"last": known[-1], "max": max(known)} if known else {}
-        if not self.plot:
-            return section, metrics, None
-        fig, ax = new_figure(figsize=(7, 4))
-        _depth_axis(ax, tap.points, variances, "feature map variance", f"Feature map variance ({bmap.family})")
+        return section, metrics, self.figure(section) if self.plot else None
+
+    @staticmethod
+    def figure(section):
+        """Park & Kim's Fig. 9: "Feature map variance" against "Normalized depth", MSAs gray, subsampling blue."""
+        fig, ax = new_figure(figsize=(6.5, 4))
+        depth_axis(ax, section["points"], "variance", section["conditions"].get("arch"))
+        ax.set_ylim(bottom=0.0)
+        ax.set_ylabel("Feature map variance")
         fig.tight_layout()
-        return section, metrics, fig
+        return fig
 
 
 class FourierFeatures(_FeatureAnalysis):
@@ -339,6 +382,7 @@ class FourierFeatures(_FeatureAnalysis):
     def analyse(self, trainer, pl_module):
         totals: list[torch.Tensor] = []
         frequencies: list[torch.Tensor] = []
+        sizes: list[tuple[int, ...]] = []
         count = [0]
 
         def consume(bmap, features, image_hw):
@@ -348,14 +392,17 @@ class FourierFeatures(_FeatureAnalysis):
                 if len(totals) <= i:
                     totals.append(torch.zeros(relative.shape[1], dtype=torch.float64))
                     frequencies.append(fourier_grid(min(maps.shape[-2:])))
+                    sizes.append(tuple(maps.shape[-2:]))
                 totals[i] += relative.double().sum(dim=0).cpu()
             count[0] += len(features[0])
 
         bmap, tap = self.run(trainer, pl_module, consume)
         points = []
-        for (label, kind), total, (bins, plotted, true) in zip(tap.points, totals, frequencies):
+        for (label, kind), total, (bins, plotted, true), size, sub in zip(tap.points, totals, frequencies, sizes,
+                                                                          _subsampling(sizes)):
             curve = (total / count[0]).tolist()
-            points.append({"name": label, "kind": kind, "frequencies": plotted.tolist(), "dft_bins": bins,
+            points.append({"name": label, "kind": kind, "map_size": list(size), "subsampling": sub,
+                           "frequencies": plotted.tolist(), "dft_bins": bins,
                            "dft_frequencies": true.tolist(), "relative_log_amplitude": curve,
                            # a 1x1 map has only frequency 0: no high-frequency value
                            "high_frequency": curve[-1] if len(curve) > 1 else None})
@@ -373,19 +420,29 @@ class FourierFeatures(_FeatureAnalysis):
                                                  "dft_frequencies: the true frequency 2k/n of each bin along each axis"}}
         known = [p["high_frequency"] for p in points if p["high_frequency"] is not None]
         metrics = {"last_high_frequency": known[-1]} if known else {}
-        if not self.plot:
-            return section, metrics, None
+        return section, metrics, self.figure(section) if self.plot else None
+
+    @staticmethod
+    def figure(section):
+        """Park & Kim's Fig. 2a (left: "Δ Log amplitude" against "Frequency", 0.0π to 1.0π, one curve per point
+        coloured by "Normalized depth", plasma) and Fig. 8 (right: the value at 1.0π against "Normalized depth",
+        MSAs gray, subsampling blue), as their fourier_analysis.ipynb draws them."""
         import matplotlib  # noqa: PLC0415
 
-        fig, (left, right) = new_figure(1, 2, figsize=(11, 4))
-        cmap = matplotlib.colormaps["plasma_r"]
-        for i, p in enumerate(points):
+        points, arch = section["points"], section["conditions"].get("arch")
+        fig, (left, right) = new_figure(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [1, 1.6]})
+        cmap, depth = matplotlib.colormaps["plasma"], max(len(points) - 1, 1)
+        for i, p in reversed(list(enumerate(points))):  # early (dark) curves on top, as the paper
             if p["high_frequency"] is not None:
-                left.plot(p["frequencies"], p["relative_log_amplitude"], color=cmap(i / max(len(points) - 1, 1)))
-        left.set_xlabel("frequency (x pi); colour: depth (light = early)")
-        left.set_ylabel("Δ log amplitude")
-        left.set_title("Relative log amplitude per point (Fig. 2a)")
-        _depth_axis(right, tap.points, [p["high_frequency"] for p in points], "Δ log amplitude at the highest frequency",
-                    f"High-frequency amplitude over depth (Fig. 8, {bmap.family})")
+                left.plot(p["frequencies"], p["relative_log_amplitude"], color=cmap(i / depth))
+        left.set_xlim(0, 1)
+        pi_axis(left.xaxis)
+        left.set_xlabel("Frequency")
+        left.set_ylabel("Δ Log amplitude")
+        left.set_title(model_label(arch))
+        scale = matplotlib.cm.ScalarMappable(norm=matplotlib.colors.Normalize(0.0, 1.0), cmap=cmap)
+        fig.colorbar(scale, ax=left, fraction=0.05).set_label("Normalized depth")
+        depth_axis(right, points, "high_frequency", arch, colour_by_depth=True)
+        right.set_ylabel("Δ Log amplitude")
         fig.tight_layout()
-        return section, metrics, fig
+        return fig

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 from torchvision.transforms import v2 as T
 
-from robust_lightning.analysis.base import Analysis, new_figure
+from robust_lightning.analysis.base import Analysis, model_label, new_figure
 from robust_lightning.data.transforms import BICUBIC, decode_rgb, eval_resize_size
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.base import data_image_size, to_model_input
@@ -187,18 +187,26 @@ class ShapeBias(Analysis):
         decided = decisions(self.model(pl_module), [f for f, _, _ in stimuli], self.mapping, size, self.batch_size,
                             self.crop_pct, pl_module.device, self.num_workers)
         section = {**shape_bias_table(stimuli, decided, categories),
-                   "conditions": {"images": len(stimuli), "root": str(Path(self.root).resolve()),
+                   "conditions": {"arch": pl_module.hparams.get("arch"), "images": len(stimuli),
+                                  "root": str(Path(self.root).resolve()),
                                   "mapping": str(self.mapping_path),
                                   "image_size": size, "crop_pct": self.crop_pct,
                                   "decision": "argmax of the mean softmax probability over each category's classes"}}
         metrics = {k: section[k] for k in ("shape_bias", "shape_accuracy", "fraction_shape", "fraction_texture")
                    if section[k] is not None}
-        return section, metrics, self._plot(section) if self.plot else None
+        return section, metrics, self.figure(section) if self.plot else None
 
     @staticmethod
-    def _plot(section: dict[str, Any]):
-        """Geirhos et al.'s view: shape decisions / (shape + texture decisions) per shape category."""
-        figure, ax = new_figure(figsize=(6, 6))
+    def figure(section: dict[str, Any]):
+        """Left: Bhojanapalli et al.'s Fig. 6, the model's "Shape accuracy (%)" (stimuli decided by their shape, of
+        all of them), the model on the x axis. Right: Geirhos et al.'s view, shape decisions / (shape + texture
+        decisions) per shape category."""
+        figure, (left, ax) = new_figure(1, 2, figsize=(10, 6), gridspec_kw={"width_ratios": [1, 2]})
+        label = model_label(section["conditions"].get("arch"))
+        if section["shape_accuracy"] is not None:
+            left.bar([label], [100 * section["shape_accuracy"]], color="C0")
+        left.set_ylabel("Shape accuracy (%)")
+        left.set_title(f"Conflict stimuli ({section['num_images']} images)", fontsize=10)
         rows = [(c, r["shape_bias"]) for c, r in section["per_category"].items() if r["shape_bias"] is not None]
         ax.scatter([v for _, v in rows], range(len(rows)), s=60, color="C3", label="per category")
         if section["shape_bias"] is not None:
@@ -207,7 +215,7 @@ class ShapeBias(Analysis):
         ax.set_yticks(range(len(rows)), [c for c, _ in rows])
         ax.set_xlim(-0.02, 1.02)
         ax.set_xlabel("fraction of shape decisions (shape / (shape + texture))")
-        ax.set_title(f"Shape bias ({section['num_conflict_images']} cue-conflict images)")
+        ax.set_title(f"Shape bias ({section['num_conflict_images']} cue-conflict images)", fontsize=10)
         secondary = ax.secondary_xaxis("top", functions=(lambda v: 1 - v, lambda v: 1 - v))
         secondary.set_xlabel("fraction of texture decisions")
         ax.legend(fontsize=8, loc="lower right")
