@@ -9,7 +9,11 @@ At the end the outcomes of all ranks are gathered exactly (every image once), su
 results.json, the loggers (``autoattack/...`` metrics) and, with W&B, a table.
 
 With ``fit_images`` set, the callback also evaluates the final model of a ``fit`` run on the first images
-of the validation data (the quickstart reports AutoAttack this way).
+of the validation data (the quickstart reports AutoAttack this way). Those outcomes go to a folder named after
+the weights (``<run dir>/autoattack/weights-<sha256 prefix>/<threat model>/``): a fit resumed with
+``--ckpt_path last`` that ends with the same weights (killed during the evaluation) resumes it, and one that
+ends with other weights (trained for more epochs) evaluates them afresh beside the earlier weights' outcomes,
+which are kept, never mixed in, and do not stop the run at its end.
 """
 
 from contextlib import ExitStack
@@ -60,6 +64,7 @@ DEFAULT_THREAT_MODELS = ({"norm": "Linf", "eps": 4 / 255}, {"norm": "L2", "eps":
 
 
 MISSING_KEYS_LISTED = 20  # results.json names at most this many images that were not evaluated
+WEIGHTS_HASH_PREFIX = 16  # hex digits of the weights' sha256 naming a fit's outcome folder (the manifest has all)
 
 
 def parse_threat_models(items, owner: str, n_iter: int | None) -> list[ThreatModel]:
@@ -99,7 +104,8 @@ class AutoAttackEvaluation(Evaluation):
             None: only under ``test``.
         results_dir: where per-point outcomes go (default ``<trainer.default_root_dir>/autoattack``). A re-run
             with the same directory resumes; outcomes of another checkpoint or setting there are refused. It
-            must be on a filesystem all ranks share (as checkpoints are).
+            must be on a filesystem all ranks share (as checkpoints are). After ``fit``, the outcomes go to its
+            subfolder ``weights-<sha256 prefix>`` (default ``<run dir>/autoattack``), one per final weights.
     """
 
     name = "autoattack"
@@ -130,7 +136,9 @@ class AutoAttackEvaluation(Evaluation):
         self.version, self.engine, self.precision, self.seed = version, engine, precision, seed
         self.n_iter, self.batch_size, self.weights, self.fit_images = n_iter, batch_size, weights, fit_images
         self.channels_last, self.fold_batchnorm = channels_last, fold_batchnorm
-        self.results_dir = Path(results_dir) if results_dir else None
+        self.outcomes_root = Path(results_dir) if results_dir else None  # as configured
+        self.results_dir: Path | None = None  # the outcome folders' parent, once an evaluation starts
+        self.weights_hash: str | None = None  # of the weights evaluated, once an evaluation starts
         self.done: dict[str, set[str]] = {}
         # this session's totals per threat model and attack (not saved per point: a resumed run counts anew)
         self.seconds: dict[str, dict[str, float]] = {}
@@ -157,13 +165,12 @@ class AutoAttackEvaluation(Evaluation):
         if trainer.test_loop.inference_mode:
             raise UserError("AutoAttack needs gradients: set trainer.inference_mode: false (the CLI's default)")
         # not the versioned log dir: a re-run of the same command must find the saved outcomes
-        self._start(trainer, pl_module, self.results_dir or Path(trainer.default_root_dir) / "autoattack")
+        self._start(trainer, pl_module, self.outcomes_root or Path(trainer.default_root_dir) / "autoattack",
+                    weights_sha256(self.network(pl_module)))  # once: it reads every weight
 
-    def _start(self, trainer, pl_module, results_dir: Path) -> None:
-        network = self.network(pl_module)
-        self.results_dir = results_dir
+    def _start(self, trainer, pl_module, results_dir: Path, weights_hash: str) -> None:
+        self.results_dir, self.weights_hash = results_dir, weights_hash
         self.seen: set[str] = set()  # keys of this session's images
-        weights_hash = weights_sha256(network)  # once: it reads every weight
         for threat in self.threat_models:
             claim_directory(self._directory(threat), self._identity(trainer, weights_hash, threat),
                             trainer.is_global_zero, "AutoAttackEvaluation", self.locks)
@@ -175,7 +182,11 @@ class AutoAttackEvaluation(Evaluation):
     def on_fit_end(self, trainer, pl_module) -> None:
         if not self.fit_images:
             return
-        self._start(trainer, pl_module, self.results_dir or self.run_dir(trainer) / "autoattack")
+        # A fit resumed into its run directory (--ckpt_path last) may end with other weights than the fit that
+        # evaluated there before: a folder per weights resumes the same weights and keeps others' outcomes apart.
+        weights_hash = weights_sha256(self.network(pl_module))
+        root = self.outcomes_root or self.run_dir(trainer) / "autoattack"
+        self._start(trainer, pl_module, root / f"weights-{weights_hash[:WEIGHTS_HASH_PREFIX]}", weights_hash)
         with evaluating(pl_module):
             for batch in self.eval_batches(trainer, pl_module, limit=self.fit_images, progress="autoattack"):
                 self.on_test_batch_end(trainer, pl_module, None, batch, 0)
@@ -205,7 +216,8 @@ class AutoAttackEvaluation(Evaluation):
                                    fold_batchnorm=self.fold_batchnorm)
             index = torch.tensor(todo, device=images.device)
             with torch.enable_grad():
-                report = adversary.evaluate(images[index], labels[index], bs=self.batch_size or len(todo))
+                report = adversary.evaluate(images[index], labels[index], bs=self.batch_size or len(todo),
+                                            progress_bar=trainer.is_global_zero)
             record = {
                 "key": [keys[i] for i in todo], "label": labels[index].tolist(), "clean": report.clean.tolist(),
                 "robust": report.robust.tolist(), "broken_by": report.broken_by, "seconds": report.seconds,
@@ -249,7 +261,8 @@ class AutoAttackEvaluation(Evaluation):
                       "channels_last": uses_channels_last(self.engine, pl_module.device, self.channels_last),
                       "batchnorm_folded": folds_batchnorm(self.engine, self.fold_batchnorm)
                       and folded_batchnorm(self.network(pl_module)) is not None,
-                      "seed": self.seed, "weights": self.weights, "attacks": list(VERSIONS[self.version]),
+                      "seed": self.seed, "weights": self.weights, "weights_sha256": self.weights_hash,
+                      "attacks": list(VERSIONS[self.version]),
                       "results_dir": str(self.results_dir.resolve())}
         lines = [f"AutoAttack {name}: clean {section['clean_accuracy']:.2%}, robust {section['robust_accuracy']:.2%} "
                  f"on {section['num_points']} images" for name, section in sections.items() if section["num_points"]]
