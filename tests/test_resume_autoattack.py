@@ -111,3 +111,15 @@ def test_a_fit_killed_during_its_autoattack_resumes_it_without_redoing_or_double
     longer = _check_results(run, steps=4)
     assert longer["conditions"]["weights_sha256"] != section["conditions"]["weights_sha256"]
     assert _saved_batches(longer) == [4, 4]
+
+
+def test_a_fit_resumed_with_nothing_left_to_train_keeps_the_metrics_it_measured(tmp_path, synthetic_root):
+    config = _config(tmp_path, synthetic_root)
+    assert main(["fit", "--config", str(config)]) == 0
+    path = _run(tmp_path) / "results.json"
+    measured = json.loads(path.read_text())["fit"]["metrics"]
+    assert "val/acc1" in measured
+    assert main(["fit", "--config", str(config), "--ckpt_path", "last"]) == 0  # max_epochs already reached
+    fit = json.loads(path.read_text())["fit"]
+    assert fit["metrics"] == measured and fit["metrics_from_an_earlier_session"] is True
+    _check_results(_run(tmp_path), steps=2)

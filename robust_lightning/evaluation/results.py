@@ -105,6 +105,12 @@ class RunResults(Callback):
         if not trainer.is_global_zero:
             return
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        path = run_dir / "results.json"
+        if not metrics and path.is_file():
+            # e.g. a fit resumed from a checkpoint that had finished (nothing trained or validated): keep what the
+            # run measured before instead of overwriting it with nothing
+            metrics = json.loads(path.read_text()).get(section, {}).get("metrics", {})
+            extra = {**extra, "metrics_from_an_earlier_session": True}
         payload = {
             "metrics": dict(sorted(metrics.items())),
             **extra,
@@ -117,7 +123,6 @@ class RunResults(Callback):
         counts = next((cb.image_counts for cb in trainer.callbacks if isinstance(cb, CorruptImageReport)), None)
         if counts:  # expected, read, corrupt and missing images of the last evaluation epoch
             payload["eval_image_counts"] = dict(counts)
-        path = run_dir / "results.json"
         update_results(path, {section: payload})
         shown = ", ".join(f"{k}={v:.4g}" for k, v in payload["metrics"].items() if not k.startswith("train/"))
         print(f"\n{section} finished in {payload['seconds']:.0f}s: {shown}\nresults: {path.resolve()}", flush=True)
