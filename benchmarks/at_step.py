@@ -79,7 +79,8 @@ def main() -> None:
     if "at_no_reuse" in median:
         result["at_no_reuse_over_clean"] = round(median["at_no_reuse"] / median["clean"], 3)
     for name, values in times.items():
-        print(f"{name:12s} median {median[name] * 1000:8.1f} ms  (min {min(values) * 1000:.1f}, max {max(values) * 1000:.1f})")
+        print(f"{name:12s} median {median[name] * 1000:8.1f} ms  "
+              f"(min {min(values) * 1000:.1f}, max {max(values) * 1000:.1f})")
     print(json.dumps(result))
 
 
@@ -94,6 +95,7 @@ if __name__ == "__main__":
     parser.add_argument("--attack-steps", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--compare-reuse", action="store_true", help="also time AT without reusing the last attack forward")
+    parser.add_argument("--compare-reuse", action="store_true",
+                        help="also time AT without reusing the last attack forward")
     args = parser.parse_args()
     main()

@@ -14,8 +14,9 @@ script times, single-threaded:
   the reduced image (robust_lightning.data.crop.resized_crop) runs on the accelerator and is not counted;
 
 and compares, on the same boxes (RandomResizedCrop's, scale 0.08-1), the 224-px crops of the two paths:
-mean, 99th percentile and max absolute difference per pixel and the worst crop's mean, on the 0..1 scale. ``crop only`` repeats the comparison with the device crop
-applied to the full-resolution image, which separates the crop implementation's share from the decode's.
+mean, 99th percentile and max absolute difference per pixel and the worst crop's mean, on the 0..1 scale. ``crop only``
+repeats the comparison with the device crop applied to the full-resolution image, which separates the crop
+implementation's share from the decode's.
 
 No ImageNet here: the JPEGs (quality 90) are made from the photographs that ship with scikit-image,
 scikit-learn and matplotlib, in two sets: ``upscaled`` (each photo resized with Lanczos to a longer side of
@@ -119,7 +120,8 @@ def measure(encoded: list[bytes], crop_size: int, canvas_size: int, boxes_per_im
         canvas = sample["image"][None].expand(boxes_per_image, -1, -1, -1)
         reduced = resized_crop(canvas, boxes * reduction, crop_size).float() / 255
         full_image = TF.pil_to_tensor(Image.open(io.BytesIO(data)).convert("RGB"))
-        device_on_full = torch.cat([resized_crop(full_image[None], box[None], crop_size) for box in boxes]).float() / 255
+        device_on_full = torch.cat([resized_crop(full_image[None], box[None], crop_size)
+                                    for box in boxes]).float() / 255
         pil = torch.stack([TF.pil_to_tensor(official(box)) for box in boxes]).float() / 255
         diffs.append((reduced - pil).abs())
         crop_only.append((device_on_full - pil).abs())
@@ -158,7 +160,8 @@ def main() -> None:
               f"decode {figures['full_decode_ms']}, + PIL crop {figures['full_decode_and_pil_crop_ms']}, reduced "
               f"canvas decode {figures['reduced_canvas_decode_ms']} (saves {figures['saved_ms']}) | crops vs the "
               f"official: mean |diff| {figures['crop_mean_abs_diff']}, p99 {figures['crop_p99_abs_diff']}, max "
-              f"{figures['crop_max_abs_diff']}, worst crop's mean {figures['worst_crop_mean_abs_diff']} (crop implementation alone: mean {figures['crop_only_mean_abs_diff']}, "
+              f"{figures['crop_max_abs_diff']}, worst crop's mean {figures['worst_crop_mean_abs_diff']} (crop "
+              f"implementation alone: mean {figures['crop_only_mean_abs_diff']}, "
               f"max {figures['crop_only_max_abs_diff']})")
     print(json.dumps(results))
 

@@ -135,7 +135,8 @@ def continue_in_latest_run_directory(config) -> None:
 # model settings given there that differ from the checkpoint's are applied again over them, except:
 ARCHITECTURE_SETTINGS = ("arch", "arch_kwargs", "mean", "std", "small_input", "ema_decay")  # define its tensors
 OPTIMIZER_SETTINGS = ("lr", "min_lr", "warmup_epochs", "weight_decay", "weight_decay_rule", "betas")  # fit resumes them
-WARM_START_SETTINGS = ("init_from", "init_from_ema", "new_head")  # unused: the checkpoint's weights replace a warm start
+# unused: the checkpoint's weights replace a warm start
+WARM_START_SETTINGS = ("init_from", "init_from_ema", "new_head")
 DATA_LINKED_SETTINGS = ("num_classes", "image_size")  # set from data.*; on_load_checkpoint refuses a mismatch
 LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")  # resolved by the Trainer, not paths
 
@@ -290,7 +291,8 @@ def cli_arguments() -> dict[str, Any]:
         seed_everything_default=0,
         trainer_defaults={
             "callbacks": [CorruptImageReport(), RunResults(), PredictionWriter(), FitRunDirectory()],
-            "plugins": [{"class_path": f"{AtomicCheckpointIO.__module__}.{AtomicCheckpointIO.__name__}"}],  # a kill during a save never corrupts last.ckpt
+            # a kill during a save never corrupts last.ckpt
+            "plugins": [{"class_path": f"{AtomicCheckpointIO.__module__}.{AtomicCheckpointIO.__name__}"}],
             # attacks in validate/test need autograd, which inference mode forbids even under enable_grad
             "inference_mode": False,
         },
@@ -354,7 +356,8 @@ def main(args: Sequence[str] | None = None) -> int:
         if args[0] in TOOL_COMMANDS:
             return TOOL_COMMANDS[args[0]][1](args[1:])
         if args[0] not in TRAINER_COMMANDS:
-            raise UserError(f"unknown command {args[0]!r}; expected one of: {', '.join([*TRAINER_COMMANDS, *TOOL_COMMANDS])}")
+            raise UserError(f"unknown command {args[0]!r}; expected one of: "
+                            f"{', '.join([*TRAINER_COMMANDS, *TOOL_COMMANDS])}")
         # args None: LightningCLI reads sys.argv itself
         RobustLightningCLI(**cli_arguments(), args=None if from_command_line else args)
     except UserError as e:

@@ -1,4 +1,5 @@
-"""The APGD-AT recipe: the training step, EMA, robust checkpoint selection, the held-out split, export (recipes: tests/test_recipes.py)."""
+"""The APGD-AT recipe: the training step, EMA, robust checkpoint selection, the held-out split, export (recipes:
+tests/test_recipes.py)."""
 
 import copy
 from pathlib import Path
@@ -177,7 +178,8 @@ def test_ema_follows_every_optimiser_step_and_round_trips_through_a_checkpoint(t
     assert not torch.allclose(ema["net.head.fc.weight"], module.model.state_dict()["net.head.fc.weight"])
     metrics = trainer.callback_metrics
     for prefix in ("val", "val_ema"):
-        assert metrics[f"{prefix}/num_images"] == 16 and 0 <= metrics[f"{prefix}/robust_acc"] <= metrics[f"{prefix}/acc1"]
+        assert metrics[f"{prefix}/num_images"] == 16
+        assert 0 <= metrics[f"{prefix}/robust_acc"] <= metrics[f"{prefix}/acc1"]
 
     path = tmp_path / "model.ckpt"
     trainer.save_checkpoint(path)

@@ -300,7 +300,8 @@ def test_a_shipped_config_runs_end_to_end(tmp_path, synthetic, name, arch, secti
     config, run = shipped(name, tmp_path, tiny_checkpoint(tmp_path / "model.ckpt", arch), synthetic, **args)
     assert main(["test", "--config", str(config)]) == 0
     results = json.loads((run / "results.json").read_text())
-    assert {section, "test"} <= set(results) and results[section]["conditions"]["checkpoint"] == str(tmp_path / "model.ckpt")
+    assert {section, "test"} <= set(results)
+    assert results[section]["conditions"]["checkpoint"] == str(tmp_path / "model.ckpt")
     assert (run / f"{section}.png").is_file()
 
 

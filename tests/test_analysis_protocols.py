@@ -265,7 +265,8 @@ def numpy_fourier_mask(x: np.ndarray, f: float, s: float) -> np.ndarray:
         pad = int((w2 - w1) / 2)
         return np.pad(np.ones((1, 3, w1, w1)), ((0, 0), (0, 0), (pad, pad), (pad, pad)))
 
-    mask = center_mask(int(((f + s) * h) / (2 * math.pi)) * 2, h) - center_mask(int(((f - s) * h) / (2 * math.pi)) * 2, h)
+    mask = (center_mask(int(((f + s) * h) / (2 * math.pi)) * 2, h)
+            - center_mask(int(((f - s) * h) / (2 * math.pi)) * 2, h))
     spectrum = (mask * amplitude) * np.exp(1j * angle)
     return np.fft.ifft2(np.roll(spectrum, shift=(int(h / 2), int(w / 2)), axis=(2, 3))).real
 

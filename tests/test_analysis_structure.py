@@ -257,7 +257,8 @@ def run(tmp_path: Path, config: dict, name: str = "run.yaml") -> tuple[int, dict
     path.write_text(yaml.safe_dump(config))
     status = main(["test", "--config", str(path)])
     runs = sorted((tmp_path / "runs" / config["trainer"]["logger"]["init_args"]["name"]).glob("version_*"))
-    results = json.loads((runs[-1] / "results.json").read_text()) if runs and (runs[-1] / "results.json").is_file() else None
+    written = runs[-1] / "results.json" if runs else None
+    results = json.loads(written.read_text()) if written and written.is_file() else None
     return status, results, runs[-1] if runs else tmp_path
 
 
@@ -290,8 +291,10 @@ def test_the_shipped_configs_run_on_tiny_checkpoints(tmp_path, capsys):
     vit = checkpoint(tmp_path, "vit_tiny_patch16_224", arch_kwargs={"patch_size": 8, "depth": 3})
     config = shipped_config(tmp_path, "restricted_attention_bhojanapalli", vit, distances=[0, 1, float("inf")],
                             permutations=1, cls_only=[1, 3])
-    for name, args in (("layer_correlation_bhojanapalli", {}), ("lesion_bhojanapalli_fig8", {"random_counts": [2], "samples": 2})):
-        callback = yaml.safe_load((REPO / "configs" / "analysis" / f"{name}.yaml").read_text())["trainer"]["callbacks"][0]
+    for name, args in (("layer_correlation_bhojanapalli", {}),
+                       ("lesion_bhojanapalli_fig8", {"random_counts": [2], "samples": 2})):
+        shipped = yaml.safe_load((REPO / "configs" / "analysis" / f"{name}.yaml").read_text())
+        callback = shipped["trainer"]["callbacks"][0]
         callback["init_args"] |= {"max_images": 8, "batch_size": 8, **args}
         config["trainer"]["callbacks"].append(callback)
     status, results, run_dir = run(tmp_path, config, "vit.yaml")

@@ -532,7 +532,8 @@ def test_listed_images_that_never_arrive_are_reported_not_silently_left_out(tmp_
     subset = tmp_path / "subset.txt"
     # (synthetic image i is of class i % 4, listed under its class folder)
     subset.write_text("plus/synthetic_val_000003\ncircle/synthetic_val_000000\ncircle/synthetic_val_999999")
-    # data.on_missing_images warn: evaluate what arrived (the default, error, stops the run: tests/test_missing_images.py)
+    # data.on_missing_images warn: evaluate what arrived (the default, error, stops the run:
+    # tests/test_missing_images.py)
     section = run_test(tmp_path, checkpoint, "--data.eval_subset", str(subset),
                        "--data.on_missing_images", "warn")["threat_models"]["Linf-4_255"]
     assert section["num_points"] == 2 and section["images_not_evaluated"] == 1

@@ -60,7 +60,8 @@ def independent_top1(ckpt, config) -> float:
 def test_the_checkpoint_records_the_warm_start_normaliser(moved_checkpoint):
     _, ckpt, _ = moved_checkpoint
     saved = torch.load(ckpt, map_location="cpu", weights_only=True)
-    assert saved["hyper_parameters"]["mean"] == pytest.approx(MEAN) and saved["hyper_parameters"]["std"] == pytest.approx(STD)
+    assert saved["hyper_parameters"]["mean"] == pytest.approx(MEAN)
+    assert saved["hyper_parameters"]["std"] == pytest.approx(STD)
     assert torch.allclose(saved["state_dict"]["model.normalize.mean"].flatten(), torch.tensor(MEAN))
 
 

@@ -261,7 +261,8 @@ def test_fit_warm_starts_a_convstem_model_from_a_patchstem_checkpoint(tmp_path, 
     config = tiny_config(tmp_path, synthetic_root, **{"model.init_from": str(tmp_path / "convnext_atto.safetensors"),
                                                        "trainer.limit_train_batches": 1})
     assert main(["fit", "--config", str(config)]) == 0
-    model = json.loads(next(tmp_path.glob("runs/tiny/version_*/results.json")).read_text())["fit"]["conditions"]["model"]
+    results = json.loads(next(tmp_path.glob("runs/tiny/version_*/results.json")).read_text())
+    model = results["fit"]["conditions"]["model"]
     assert model["init_from"].endswith("convnext_atto.safetensors")
     assert "stem.0.weight" in model["warm_start"]  # the new ConvStem is reported as newly initialised
 
@@ -273,8 +274,8 @@ def test_checkpoint_of_another_architecture_is_refused_clearly(fitted, tmp_path)
 
     config, run_dir = fitted
     make_image_tree(tmp_path / "imagenet" / "val", {w: 1 for w in WNIDS})
-    result = run_cli("validate", "--config", str(config), "--data.source", "folder",
-                     "--data.root", str(tmp_path / "imagenet"), "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt"))
+    result = run_cli("validate", "--config", str(config), "--data.source", "folder", "--data.root",
+                     str(tmp_path / "imagenet"), "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt"))
     assert result.returncode == 2, result.stderr[-2000:]
     assert "'convnext_atto_convstem' model (num_classes 4" in result.stderr and "mismatched keys" in result.stderr
     assert "model.net.head.fc.weight (checkpoint (4, 320) vs model (1000, 320))" in result.stderr

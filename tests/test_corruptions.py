@@ -274,7 +274,8 @@ def test_pipeline_at_224_is_the_release_resize_256_crop_224_corrupt_jpeg_85(tmp_
     path = tmp_path / "source.JPEG"
     Image.fromarray(natural_image(300, 400, seed=3)).save(path, quality=95)
     # the release's own preprocessing: torchvision Resize(256) at its default interpolation, CenterCrop(224)
-    release = torchvision.transforms.Compose([torchvision.transforms.Resize(256), torchvision.transforms.CenterCrop(224)])
+    release = torchvision.transforms.Compose([torchvision.transforms.Resize(256),
+                                              torchvision.transforms.CenterCrop(224)])
     clean = np.asarray(release(Image.open(path).convert("RGB")))
     # which is bilinear, not the bicubic resize of the clean evaluation
     bicubic = Image.open(path).convert("RGB").resize((341, 256), Image.BICUBIC).crop((58, 16, 58 + 224, 16 + 224))

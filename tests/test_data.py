@@ -153,7 +153,8 @@ def test_evaluation_source_says_where_the_evaluation_images_come_from(imagenet_t
     assert shards.evaluation_source() == EvaluationSource("shards", str(val_shards), True, None, None)
     # not ImageNet val: another label map, a held-out part of train, the built-in set
     for other in ({"class_map": "folders"}, {"holdout": 2}):
-        assert not ImageNetDataModule(source="folder", root=str(imagenet_tree), **other).evaluation_source().imagenet_val
+        data = ImageNetDataModule(source="folder", root=str(imagenet_tree), **other)
+        assert not data.evaluation_source().imagenet_val
     synthetic = ImageNetDataModule(synthetic=SyntheticData(root=str(tmp_path / "synthetic")))
     assert synthetic.evaluation_source() == EvaluationSource("synthetic", str(tmp_path / "synthetic"), False)
 

@@ -388,7 +388,8 @@ def test_generated_cli_run_writes_its_section(tmp_path, checkpoint):
     generated = section["generated"]
     assert generated["from"].startswith("ImageNet val") and generated["num_source_images"] == 5
     assert generated["seed"] == 3 and generated["resolution"] == 32  # the model's
-    assert "resize shorter side to 36 (bilinear, as the release), centre crop 32, corrupt, JPEG quality 85" in generated["pipeline"]
+    assert ("resize shorter side to 36 (bilinear, as the release), centre crop 32, corrupt, JPEG quality 85"
+            in generated["pipeline"])
     assert "robust_lightning.evaluation.corruptions" in generated["implementation"]
     assert Path(generated["frost_textures"], "frost1.png").is_file()
     assert "approximations" in section["alexnet"]["note"]

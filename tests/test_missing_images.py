@@ -56,7 +56,8 @@ def test_a_listed_image_absent_from_the_shards_stops_validation_with_the_counts(
     subset.write_text("\n".join([*listed, f"{listed[0].split('/')[0]}/not_in_any_shard.JPEG"]))
     assert main(["validate", "--config", str(config), "--data.eval_subset", str(subset)]) == 2
     message = _error_line(capsys.readouterr().err)
-    assert f"read {VAL_IMAGES} of the {VAL_IMAGES + 1} evaluation images (1 missing, 0 of those read undecodable)" in message
+    assert (f"read {VAL_IMAGES} of the {VAL_IMAGES + 1} evaluation images (1 missing, 0 of those read undecodable)"
+            in message)
 
 
 def test_warn_mode_evaluates_what_is_there_and_records_the_counts(truncated, tmp_path):

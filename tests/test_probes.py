@@ -36,9 +36,12 @@ def ckpt_probes(command: str) -> list[Probe]:
     run = (command, "--config", "{cfg}", "--ckpt_path")
     expected = "expected a .ckpt file written by robust-lightning fit"
     return [
-        Probe(f"{command} --ckpt_path missing", (*run, "{w}/nope.ckpt"), 2, f"checkpoint not found: {{w}}/nope.ckpt; {expected}"),
-        Probe(f"{command} --ckpt_path empty", (*run, "{w}/empty.ckpt"), 2, f"checkpoint {{w}}/empty.ckpt is empty (0 bytes); {expected}"),
-        Probe(f"{command} --ckpt_path truncated", (*run, "{w}/truncated.ckpt"), 2, "cannot read checkpoint {w}/truncated.ckpt (truncated"),
+        Probe(f"{command} --ckpt_path missing", (*run, "{w}/nope.ckpt"),
+               2, f"checkpoint not found: {{w}}/nope.ckpt; {expected}"),
+        Probe(f"{command} --ckpt_path empty", (*run, "{w}/empty.ckpt"),
+               2, f"checkpoint {{w}}/empty.ckpt is empty (0 bytes); {expected}"),
+        Probe(f"{command} --ckpt_path truncated", (*run, "{w}/truncated.ckpt"),
+               2, "cannot read checkpoint {w}/truncated.ckpt (truncated"),
         Probe(f"{command} --ckpt_path a folder", (*run, "{w}"), 2, f"{{w}} is a directory; {expected}"),
         Probe(f"{command} --ckpt_path a weights file", (*run, "{w}/weights.pt"), 2,
               "{w}/weights.pt is not a Lightning training checkpoint (no 'state_dict')"),
@@ -49,9 +52,12 @@ def init_from_probes(command: str) -> list[Probe]:
     run = (command, "--config", "{cfg}", "--model.init_from")
     expected = "expected a checkpoint file (.ckpt, .pt/.pth or .safetensors)"
     return [
-        Probe(f"{command} init_from missing", (*run, "{w}/nope.pt"), 2, f"model.init_from: checkpoint not found: {{w}}/nope.pt; {expected}"),
-        Probe(f"{command} init_from empty", (*run, "{w}/empty.ckpt"), 2, "model.init_from: checkpoint {w}/empty.ckpt is empty"),
-        Probe(f"{command} init_from truncated", (*run, "{w}/truncated.ckpt"), 2, "model.init_from: cannot read checkpoint {w}/truncated.ckpt"),
+        Probe(f"{command} init_from missing", (*run, "{w}/nope.pt"),
+               2, f"model.init_from: checkpoint not found: {{w}}/nope.pt; {expected}"),
+        Probe(f"{command} init_from empty", (*run, "{w}/empty.ckpt"),
+               2, "model.init_from: checkpoint {w}/empty.ckpt is empty"),
+        Probe(f"{command} init_from truncated", (*run, "{w}/truncated.ckpt"),
+               2, "model.init_from: cannot read checkpoint {w}/truncated.ckpt"),
         Probe(f"{command} init_from a folder", (*run, "{w}"), 2, f"model.init_from: {{w}} is a directory; {expected}"),
         Probe(f"{command} init_from another architecture", (*run, "{w}/vit.pt"), 2,
               "model.init_from: checkpoint {w}/vit.pt does not match the expected architecture 'test_convnext'"),
@@ -69,10 +75,12 @@ def shards(spec: str) -> tuple[str, ...]:
 PROBES = [
     # options and config files
     Probe("misspelt key", ("fit", "--config", "{cfg}", "--model.lrr", "0.1"), 2, "did you mean: model.lr"),
-    Probe("wrong type", ("fit", "--config", "{cfg}", "--trainer.max_epochs", "many"), 2, 'Parser key "trainer.max_epochs"'),
+    Probe("wrong type", ("fit", "--config", "{cfg}", "--trainer.max_epochs", "many"),
+           2, 'Parser key "trainer.max_epochs"'),
     Probe("missing config", ("fit", "--config", "{w}/nope.yaml"), 2, "{w}/nope.yaml"),
     Probe("empty config", ("validate", "--config", "{w}/empty.yaml"), 2, "config file {w}/empty.yaml is empty"),
-    Probe("YAML syntax error", ("test", "--config", "{w}/broken.yaml"), 2, "config file {w}/broken.yaml is not valid YAML"),
+    Probe("YAML syntax error", ("test", "--config", "{w}/broken.yaml"),
+           2, "config file {w}/broken.yaml is not valid YAML"),
     # checkpoints given with --ckpt_path, for fit (resume) and an evaluation
     *ckpt_probes("fit"),
     *ckpt_probes("test"),
@@ -90,7 +98,8 @@ PROBES = [
     # data
     Probe("data root missing", folder("nowhere"), 2, "data.root {w}/nowhere does not exist"),
     Probe("wrong data layout", folder("flat"), 2, "{w}/flat/val does not exist; expected the ImageFolder layout"),
-    Probe("class folders that are not wnids", folder("pets"), 2, "class folders ['cat', 'dog'] are not in the class map"),
+    Probe("class folders that are not wnids", folder("pets"),
+           2, "class folders ['cat', 'dog'] are not in the class map"),
     Probe("corrupt image", folder("corrupt"), 0, "bad.JPEG", {"val/num_images": 3, "val/corrupt_images": 1}),
     Probe("zero-byte image", folder("zero"), 0, "zero.JPEG", {"val/num_images": 3, "val/corrupt_images": 1}),
     Probe("PNG named .JPEG", folder("png"), 0, "", {"val/num_images": 4, "val/corrupt_images": 0}),
@@ -101,16 +110,20 @@ PROBES = [
           "{w}/truncated_shards: shard(s) truncated or changed since they were written: val-000000.tar (1500 bytes"),
     Probe("truncated shard without a manifest", shards("cut/val-{{000000..000000}}.tar"), 2,
           "cannot read shard (ReadError: unexpected end of data @ <_io.BufferedReader name='{w}/cut/val-000000.tar'>)"),
-    Probe("shard sample without a label", shards("unlabelled/val-{{000000..000000}}.tar"), 0, "missing or invalid 'cls' label",
+    Probe("shard sample without a label", shards("unlabelled/val-{{000000..000000}}.tar"),
+           0, "missing or invalid 'cls' label",
           {"val/num_images": 1, "val/corrupt_images": 1}),
     # tools
-    Probe("export missing", ("export", "{w}/nope.ckpt", "{w}/out.safetensors"), 2, "checkpoint not found: {w}/nope.ckpt"),
+    Probe("export missing", ("export", "{w}/nope.ckpt", "{w}/out.safetensors"),
+           2, "checkpoint not found: {w}/nope.ckpt"),
     Probe("export empty", ("export", "{w}/empty.ckpt", "{w}/out.safetensors"), 2, "checkpoint {w}/empty.ckpt is empty"),
-    Probe("export truncated", ("export", "{w}/truncated.ckpt", "{w}/out.safetensors"), 2, "cannot read checkpoint {w}/truncated.ckpt"),
+    Probe("export truncated", ("export", "{w}/truncated.ckpt", "{w}/out.safetensors"),
+           2, "cannot read checkpoint {w}/truncated.ckpt"),
     Probe("export a weights file", ("export", "{w}/weights.pt", "{w}/out.safetensors"), 2,
           "{w}/weights.pt is not a robust-lightning training checkpoint"),
     Probe("sweep file missing", ("sweep", "--config", "{w}/nope-sweep.yaml", "--dry_run"), 2, "{w}/nope-sweep.yaml"),
-    Probe("sweep file empty", ("sweep", "--config", "{w}/empty.yaml", "--dry_run"), 2, "config file {w}/empty.yaml is empty"),
+    Probe("sweep file empty", ("sweep", "--config", "{w}/empty.yaml", "--dry_run"),
+           2, "config file {w}/empty.yaml is empty"),
     Probe("shards source missing", ("shards", "{w}/nowhere", "{w}/shards_out"), 2, "{w}/nowhere"),
 ]
 

@@ -368,7 +368,8 @@ def check_written(shown: str, what: str, path, sandbox: Sandbox, written: set[st
     if path is None or str(path) in LIGHTNING_CKPT_NAMES or sandbox.is_substitute(str(path)):
         return
     if os.path.normpath(str(path)) not in written:
-        pytest.fail(f"{shown}\n{what} {path} is written by no README command (they write: {', '.join(sorted(written))})")
+        pytest.fail(f"{shown}\n{what} {path} is written by no README command "
+                    f"(they write: {', '.join(sorted(written))})")
 
 
 def check_trainer_command(shown: str, args: list[str], env: dict[str, str], sandbox: Sandbox,
@@ -410,7 +411,8 @@ def check_robust_lightning(command: Command, args: list[str], env: dict[str, str
             if word == "--config" and any(c.stdout_to == command.words[index + 1] for c in COMMANDS):
                 saved = yaml.safe_load((sandbox.work / command.words[index + 1]).read_text())
                 kept = {k: config[k] for k in saved if k not in named}
-                assert kept == {k: saved[k] for k in kept}, f"{shown}\nthe options of {command.words[index + 1]} are lost"
+                assert kept == {k: saved[k] for k in kept}, (
+                    f"{shown}\nthe options of {command.words[index + 1]} are lost")
         if "out" in config:
             outputs.add(os.path.normpath(sandbox.unresolve(config["out"])))
         if command.stdout_to and "--print_config" in args:  # what the shell would write
@@ -442,7 +444,8 @@ def test_readme_command(command, sandbox, written):
         return
     program = command.program[0]
     assert program in OTHER_COMMANDS, (
-        f"{shown}\n{program} is neither robust-lightning nor one of the programs this test allows ({', '.join(OTHER_COMMANDS)})")
+        f"{shown}\n{program} is neither robust-lightning nor one of the programs this test allows "
+        f"({', '.join(OTHER_COMMANDS)})")
     if program == "make":
         for target in command.program[1:]:
             assert make_recipe(target) is not None, f"{shown}\nthe Makefile has no target {target!r}"

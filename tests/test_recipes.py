@@ -25,22 +25,28 @@ CLEAN = REPO / "configs" / "clean"
 TABLE2 = {
     "vit_small": ("vit_small_patch16_224", 300, 2, 1392, 20, 1, ("69.22", "44.04", "37.52", "15.12")),
     "convnext_iso_small": ("convnext_iso_small", 300, 2, 1392, 20, 1, ("69.04", "44.22", "36.64", "14.88")),
-    "convnext_iso_small_convstem": ("convnext_iso_small_convstem", 300, 2, 1392, 20, 1, ("70.02", "45.90", "49.24", "27.84")),
+    "convnext_iso_small_convstem": ("convnext_iso_small_convstem", 300, 2, 1392, 20, 1,
+        ("70.02", "45.90", "49.24", "27.84")),
     "vit_small_convstem": ("vit_small_patch16_224_convstem", 300, 2, 1392, 20, 1, ("72.56", "48.08", "50.40", "26.68")),
     "convnext_tiny": ("convnext_tiny", 300, 2, 1392, 20, 1, ("72.40", "48.60", "38.02", "14.88")),
     "convnext_tiny_convstem": ("convnext_tiny_convstem", 300, 2, 1392, 20, 1, ("72.72", "49.46", "48.42", "24.52")),
-    "convnext_tiny_convstem_3step": ("convnext_tiny_convstem", 300, 3, 1392, 20, 1, ("72.70", "50.16", "49.00", "24.16")),
+    "convnext_tiny_convstem_3step": ("convnext_tiny_convstem", 300, 3, 1392, 20, 1,
+        ("72.70", "50.16", "49.00", "24.16")),
     "vit_medium": ("deit3_medium_patch16_224", 50, 2, 1024, 10, 10, ("71.72", "47.24", "49.02", "29.20")),
-    "vit_medium_convstem": ("vit_medium_patch16_224_convstem", 50, 2, 1024, 10, 10, ("72.40", "48.80", "50.56", "28.12")),
+    "vit_medium_convstem": ("vit_medium_patch16_224_convstem", 50, 2, 1024, 10, 10,
+        ("72.40", "48.80", "50.56", "28.12")),
     "convnext_small": ("convnext_small", 50, 2, 1024, 10, 10, ("74.10", "52.32", "43.84", "19.52")),
     "convnext_small_convstem": ("convnext_small_convstem", 50, 2, 1024, 10, 10, ("74.10", "52.42", "50.88", "25.64")),
     "vit_base": ("vit_base_patch16_224", 50, 2, 864, 10, 10, ("73.32", "50.02", "52.14", "33.12")),
     "vit_base_convstem": ("vit_base_patch16_224_convstem", 50, 2, 864, 10, 10, ("74.38", "52.58", "54.38", "31.20")),
     "convnext_base": ("convnext_base", 50, 2, 756, 10, 10, ("75.62", "54.34", "48.52", "23.70")),
     "convnext_base_convstem": ("convnext_base_convstem", 50, 2, 756, 10, 10, ("75.32", "54.38", "50.06", "24.76")),
-    "vit_base_convstem_250ep": ("vit_base_patch16_224_convstem", 250, 2, 864, 20, 10, ("76.30", "54.66", "56.30", "32.06")),
-    "convnext_base_convstem_250ep": ("convnext_base_convstem", 250, 2, 756, 20, 10, ("75.90", "56.14", "49.12", "23.34")),
-    "convnext_base_convstem_250ep_3step": ("convnext_base_convstem", 250, 3, 756, 20, 10, ("75.18", "56.28", "49.40", "23.60")),
+    "vit_base_convstem_250ep": ("vit_base_patch16_224_convstem", 250, 2, 864, 20, 10,
+        ("76.30", "54.66", "56.30", "32.06")),
+    "convnext_base_convstem_250ep": ("convnext_base_convstem", 250, 2, 756, 20, 10,
+        ("75.90", "56.14", "49.12", "23.34")),
+    "convnext_base_convstem_250ep_3step": ("convnext_base_convstem", 250, 3, 756, 20, 10,
+        ("75.18", "56.28", "49.40", "23.60")),
 }
 # ConvStem clean pre-training (App. A, Table 10): config -> (arch, epochs; 100 small, 50 medium and large)
 CLEAN_TABLE10 = {
@@ -85,7 +91,8 @@ def test_table2_recipe(name, capsys):
     config = print_config(RECIPES / f"{name}.yaml", capsys=capsys)
     model, data, checkpoint = config["model"], config["data"], config["checkpoint"]
     assert model["arch"] == arch and config["trainer"]["max_epochs"] == epochs
-    assert model["attack"] == "apgd" and model["attack_norm"] == "Linf" and model["attack_eps"] == pytest.approx(4 / 255)
+    assert model["attack"] == "apgd" and model["attack_norm"] == "Linf"
+    assert model["attack_eps"] == pytest.approx(4 / 255)
     assert model["attack_steps"] == steps and not model["attack_random_start"]
     assert data["global_batch_size"] == batch and data["augmentation"] == "heavy" and data["holdout"] == 4000
     # the warm-up is left to the paper's rule, so overriding trainer.max_epochs keeps it
@@ -126,7 +133,8 @@ def test_clean_convstem_config(name, capsys):
 def test_finetune_eps8_is_app_a5(capsys):
     config = print_config(RECIPES / "finetune_eps8.yaml", capsys=capsys)
     model = config["model"]
-    assert model["arch"] == "convnext_base_convstem" and model["init_from"] == "runs/at/convnext_base_convstem/best.ckpt"
+    assert model["arch"] == "convnext_base_convstem"
+    assert model["init_from"] == "runs/at/convnext_base_convstem/best.ckpt"
     assert config["trainer"]["max_epochs"] == 25 and model["lr"] == 1e-4 and model["warmup_epochs"] == 5
     assert model["attack_eps"] == pytest.approx(8 / 255) and model["attack_steps"] == 2
     assert config["data"]["global_batch_size"] == 756 and config["data"]["augmentation"] == "heavy"
@@ -140,7 +148,8 @@ def test_transfer_recipe_is_app_d6(dataset, capsys):
     model, data = config["model"], config["data"]
     assert model["arch"] == "convnext_base_convstem" and model["new_head"] and model["small_input"] == small_input
     assert model["init_from"] == "runs/finetune_eps8/convnext_base_convstem/best.ckpt"
-    assert model["attack"] == "apgd" and model["attack_eps"] == pytest.approx(8 / 255) and model["attack_steps"] == steps
+    assert model["attack"] == "apgd" and model["attack_steps"] == steps
+    assert model["attack_eps"] == pytest.approx(8 / 255)
     assert config["trainer"]["max_epochs"] == 20 and model["warmup_epochs"] == 2
     assert model["lr"] == lr and model["weight_decay"] == weight_decay and data["global_batch_size"] == batch
     assert data["image_size"] == size and data["source"] == "folder"
@@ -171,7 +180,8 @@ def decayed(arch: str, rule: str) -> tuple[set[str], set[str]]:
     module._trainer = SimpleNamespace(estimated_stepping_batches=10, max_epochs=1)
     optimizer = module.configure_optimizers()["optimizer"]
     names = {id(p): name for name, p in module.model.net.named_parameters()}
-    chosen = {names[id(p)] for group in optimizer.param_groups if group["weight_decay"] == 0.05 for p in group["params"]}
+    chosen = {names[id(p)] for group in optimizer.param_groups if group["weight_decay"] == 0.05
+              for p in group["params"]}
     assert all(group["weight_decay"] in (0.0, 0.05) for group in optimizer.param_groups)
     assert sum(len(group["params"]) for group in optimizer.param_groups) == len(names)
     return chosen, set(names.values())
@@ -185,13 +195,13 @@ def test_weight_decay_rules_on_convnext_tiny():
     timm_rule, names = decayed("convnext_tiny", "timm")
     official, _ = decayed("convnext_tiny", "official")
     # convolution and linear weights: stem conv, 3 downsampling convs, 18 blocks x (dw conv, fc1, fc2), head
-    weights = matching(r"(stem\.0|stages\.[123]\.downsample\.1|stages\.\d\.blocks\.\d+\.(conv_dw|mlp\.fc1|mlp\.fc2)|head\.fc)"
-                       r"\.weight", names)
+    weights = matching(r"(stem\.0|stages\.[123]\.downsample\.1|stages\.\d\.blocks\.\d+\.(conv_dw|mlp\.fc1|mlp\.fc2)"
+                       r"|head\.fc)\.weight", names)
     assert len(weights) == 1 + 3 + 18 * 3 + 1
     assert timm_rule == weights
     # the official code spares only biases: LayerNorm weights (stem, downsampling, blocks, head) and gamma too
-    norms_and_scales = matching(r"(stem\.1|stages\.[123]\.downsample\.0|stages\.\d\.blocks\.\d+\.norm|head\.norm)\.weight"
-                                r"|stages\.\d\.blocks\.\d+\.gamma", names)
+    norms_and_scales = matching(r"(stem\.1|stages\.[123]\.downsample\.0|stages\.\d\.blocks\.\d+\.norm|head\.norm)"
+                                r"\.weight|stages\.\d\.blocks\.\d+\.gamma", names)
     assert len(norms_and_scales) == 1 + 3 + 18 + 18 + 1
     assert official == weights | norms_and_scales
     assert official == {n for n in names if not n.endswith(".bias")}
@@ -200,8 +210,8 @@ def test_weight_decay_rules_on_convnext_tiny():
 def test_weight_decay_rules_on_vit_small():
     timm_rule, names = decayed("vit_small_patch16_224", "timm")
     official, _ = decayed("vit_small_patch16_224", "official")
-    weights = matching(r"patch_embed\.proj\.weight|blocks\.\d+\.(attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)\.weight|head\.weight",
-                       names)
+    weights = matching(r"patch_embed\.proj\.weight|blocks\.\d+\.(attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)\.weight"
+                       r"|head\.weight", names)
     assert len(weights) == 1 + 12 * 4 + 1
     assert timm_rule == weights
     # the official code decays the position embedding and the class token as well (not 1-D, not biases)
@@ -216,14 +226,15 @@ def test_paper_results_csv_has_every_table2_row_with_its_four_numbers():
     assert set(ours) == set(TABLE2)
     for name, (arch, epochs, steps, *_, numbers) in TABLE2.items():
         row = ours[name]
-        assert (row["arch"], int(row["epochs"]), int(row["adv_steps"]), row["resolution"]) == (arch, epochs, steps, "224")
+        setting = (row["arch"], int(row["epochs"]), int(row["adv_steps"]), row["resolution"])
+        assert setting == (arch, epochs, steps, "224")
         assert (row["clean"], row["autoattack_linf_4_255"], row["autoattack_l2_2"], row["autoattack_l1_75"]) == numbers
     # the other models of Table 2, each with its source
     others = [row for row in rows if row["paper"] != "Singh et al. 2023"]
     assert len(others) == 18 and all("Table 2" in row["citation"] for row in others)
     xcit_s = next(row for row in others if row["model"] == "XCiT-S12")
-    assert (xcit_s["clean"], xcit_s["autoattack_linf_4_255"], xcit_s["autoattack_l2_2"], xcit_s["autoattack_l1_75"]) == (
-        "72.34", "41.78", "46.20", "22.72")
+    published = tuple(xcit_s[k] for k in ("clean", "autoattack_linf_4_255", "autoattack_l2_2", "autoattack_l1_75"))
+    assert published == ("72.34", "41.78", "46.20", "22.72")
 
 
 def test_readme_lists_every_recipe_with_its_published_numbers():

@@ -89,7 +89,8 @@ def vit_checkpoint(tmp_path_factory) -> Path:
     return save_checkpoint(module, tmp_path_factory.mktemp("sweep-vit") / "vit.ckpt")
 
 
-def run_sweep(tmp_path: Path, tree: Path, checkpoint: Path, model: dict = TINY_CNN, **options) -> tuple[dict, ImageClassifier]:
+def run_sweep(tmp_path: Path, tree: Path, checkpoint: Path, model: dict = TINY_CNN, **options
+              ) -> tuple[dict, ImageClassifier]:
     """``test`` with the sweep; returns the resolution_sweep section of results.json and the module after it."""
     options.setdefault("results_dir", str(tmp_path / "outcomes"))
     module = ImageClassifier(num_classes=3, image_size=32, **model)
@@ -263,11 +264,13 @@ def test_radii_are_scaled_with_resolution_and_recorded(tmp_path, tree, cnn_check
     section, _ = run_sweep(tmp_path, tree, cnn_checkpoints[0], resolutions=[16, 32], threat_models=threats,
                            attack="apgd-ce", n_iter=3, max_images=4, scale_l2_with_resolution=True,
                            scale_l1_with_resolution=True)
-    expected = {16: {"Linf-4_255": 4 / 255, "L2-0.5": 0.25, "L1-3": 0.75}, 32: {"Linf-4_255": 4 / 255, "L2-0.5": 0.5, "L1-3": 3.0}}
+    expected = {16: {"Linf-4_255": 4 / 255, "L2-0.5": 0.25, "L1-3": 0.75},
+                32: {"Linf-4_255": 4 / 255, "L2-0.5": 0.5, "L1-3": 3.0}}
     for r, radii in expected.items():
         entry = section["resolutions"][str(r)]["threat_models"]
         assert {name: entry[name]["eps"] for name in radii} == radii
-        assert {name: entry[name]["eps_nominal"] for name in radii} == {"Linf-4_255": 4 / 255, "L2-0.5": 0.5, "L1-3": 3.0}
+        nominal = {name: entry[name]["eps_nominal"] for name in radii}
+        assert nominal == {"Linf-4_255": 4 / 255, "L2-0.5": 0.5, "L1-3": 3.0}
     assert used == {(r, name.split("-")[0], eps) for r, radii in expected.items() for name, eps in radii.items()}
     # unscaled unless asked
     assert scaled_eps(ThreatModel("L2", 2.0), 448, 224, False, True) == 2.0
@@ -284,7 +287,8 @@ def test_best_resolution_by_robust_accuracy_with_clean_as_tie_break():
         384: {"clean_accuracy": None, "robust_accuracy": {"Linf": None, "L2": None}},  # no images evaluated
     }
     best = best_resolutions(rows, "Linf")
-    assert best["by_robust"] == {"threat_model": "Linf", "resolution": 288, "robust_accuracy": 0.50, "clean_accuracy": 0.75}
+    assert best["by_robust"] == {"threat_model": "Linf", "resolution": 288, "robust_accuracy": 0.50,
+                                 "clean_accuracy": 0.75}
     assert best["by_clean"] == {"resolution": 288, "clean_accuracy": 0.75}
     assert best_resolutions(rows, "L2")["by_robust"]["resolution"] == 288
     rows[256]["robust_accuracy"]["Linf"] = 0.51

@@ -59,7 +59,8 @@ def test_resume_at_an_epoch_boundary_reproduces_every_step(uninterrupted, tmp_pa
     assert sorted(expected) == list(range(2 * STEPS_PER_EPOCH)) and sorted(got) == second_epoch
     for step in second_epoch:
         assert got[step] == pytest.approx(expected[step], abs=1e-6), step
-    final_whole, final_resumed = _weights(whole / "checkpoints" / "last.ckpt"), _weights(resumed / "checkpoints" / "last.ckpt")
+    final_whole = _weights(whole / "checkpoints" / "last.ckpt")
+    final_resumed = _weights(resumed / "checkpoints" / "last.ckpt")
     assert final_whole.keys() == final_resumed.keys() and any(k.startswith("ema.") for k in final_whole)
     for name, value in final_whole.items():
         torch.testing.assert_close(final_resumed[name], value, atol=1e-6, rtol=0, msg=name)

@@ -2,9 +2,9 @@
 
 Two kinds of comparison: (1) with the reference's random draws replayed (windows, signs and eta orientations
 shared across the batch, as the reference draws them), both implementations must follow the same
-trajectories (all of them for Linf and L2; most for L1, whose update amplifies round-off); (2) with independent random streams (ours draws per point), robust accuracy and queries to
-break must agree statistically. Then invariants and determinism. Everything runs on CPU on a tiny conv net
-trained briefly on synthetic data.
+trajectories (all of them for Linf and L2; most for L1, whose update amplifies round-off); (2) with independent
+random streams (ours draws per point), robust accuracy and queries to break must agree statistically. Then
+invariants and determinism. Everything runs on CPU on a tiny conv net trained briefly on synthetic data.
 """
 
 import pytest

@@ -69,7 +69,8 @@ def test_learning_rate_follows_the_schedule_every_step(tmp_path, tiny_data):
 
 
 @pytest.mark.parametrize("precision,channels_last", [("bf16-mixed", False), ("32-true", True)])
-def test_bf16_and_channels_last_adversarial_training_and_robust_validation(tmp_path, tiny_data, precision, channels_last):
+def test_bf16_and_channels_last_adversarial_training_and_robust_validation(tmp_path, tiny_data, precision,
+                                                                          channels_last):
     module = ImageClassifier(arch="convnext_atto_convstem", num_classes=4, channels_last=channels_last,
                              attack="apgd", select_attack_steps=1)
     trainer = _trainer(tmp_path, precision=precision, limit_train_batches=2, inference_mode=False)

@@ -84,8 +84,9 @@ class AttackSweep(Analysis):
 
     name = "attack_sweep"
 
-    def __init__(self, attacks: list[str] = ("fgsm", "pgd"), eps: list[float] = (0.0, 0.00196078431372549, 0.00392156862745098),
-                 steps: list[int] = (8,), relative_step: float | None = 0.125, random_start: bool = False, seed: int = 0,
+    def __init__(self, attacks: list[str] = ("fgsm", "pgd"),
+                 eps: list[float] = (0.0, 0.00196078431372549, 0.00392156862745098), steps: list[int] = (8,),
+                 relative_step: float | None = 0.125, random_start: bool = False, seed: int = 0,
                  name: str = "attack_sweep", max_images: int = 256, batch_size: int = 64, weights: str = "raw",
                  plot: bool = True):
         super().__init__(max_images=max_images, batch_size=batch_size, weights=weights, plot=plot)
@@ -127,7 +128,8 @@ class AttackSweep(Analysis):
                    "conditions": {"arch": pl_module.hparams.get("arch"), "norm": "Linf", "seed": self.seed,
                                   "model_mode": "eval"}}
         metrics = {"clean_accuracy": section["clean_accuracy"],
-                   **{f"{label}/eps_{eps:.4g}": acc for label, c in curves.items() for eps, acc in zip(c["eps"], c["accuracy"])}}
+                   **{f"{label}/eps_{eps:.4g}": acc for label, c in curves.items()
+                      for eps, acc in zip(c["eps"], c["accuracy"])}}
         return section, metrics, self.figure(section) if self.plot else None
 
     @staticmethod
@@ -153,7 +155,8 @@ class AttackSweep(Analysis):
             steps = [c["steps"] for c in pgd_curves]
             for j, eps in enumerate(pgd_curves[0]["eps"]):
                 if eps > 0:
-                    right.plot(steps, [100 * c["accuracy"][j] for c in pgd_curves], "o-", label=f"{label}, ε = {eps:.4g}")
+                    right.plot(steps, [100 * c["accuracy"][j] for c in pgd_curves], "o-",
+                               label=f"{label}, ε = {eps:.4g}")
             right.set_xlabel("Attack steps")
             right.set_ylabel("Accuracy (%)")
             right.set_ylim(0, 100)
@@ -186,7 +189,8 @@ def load_classifier(path: str, device: torch.device, weights: str = "raw") -> tu
         raise UserError(f"TransferMatrix: cannot load {path} as a robust-lightning checkpoint: {e}") from e
     if weights == "ema":
         if module.ema is None:
-            raise UserError(f"TransferMatrix.weights 'ema': {path} has no EMA weights (trained without model.ema_decay)")
+            raise UserError(f"TransferMatrix.weights 'ema': {path} has no EMA weights "
+                            "(trained without model.ema_decay)")
         return module.ema.module.eval(), module.hparams.num_classes
     return module.model.eval(), module.hparams.num_classes
 
@@ -207,9 +211,9 @@ class TransferMatrix(Analysis):
     name = "transfer_matrix"
 
     def __init__(self, checkpoints: list[str] = (), names: list[str] | None = None, include_tested_model: bool = True,
-                 attack: str = "pgd", eps: float = 0.00392156862745098, steps: int = 8, relative_step: float | None = 0.125,
-                 random_start: bool = False, seed: int = 0, max_images: int = 256, batch_size: int = 64,
-                 weights: str = "raw", plot: bool = True):
+                 attack: str = "pgd", eps: float = 0.00392156862745098, steps: int = 8,
+                 relative_step: float | None = 0.125, random_start: bool = False, seed: int = 0, max_images: int = 256,
+                 batch_size: int = 64, weights: str = "raw", plot: bool = True):
         super().__init__(max_images=max_images, batch_size=batch_size, weights=weights, plot=plot)
         _check_attack("TransferMatrix", attack, [eps], [steps], relative_step)
         if not eps > 0:
@@ -297,7 +301,8 @@ class TransferMatrix(Analysis):
         ax.set_xticks(range(n), names, rotation=30, ha="right")
         ax.set_yticks(range(n + 1), ["clean"] + [f"attack on {m}" for m in names])
         ax.set_xlabel("evaluated model")
-        what = f"{self.attack.upper()}{'' if self.attack == 'fgsm' else f'-{self.steps}'} Linf eps {self.eps * 255:.3g}/255"
+        what = (f"{self.attack.upper()}{'' if self.attack == 'fgsm' else f'-{self.steps}'} "
+                f"Linf eps {self.eps * 255:.3g}/255")
         ax.set_title(f"Transfer accuracy (%), {what}")
         figure.colorbar(image, ax=ax, label="accuracy (%)")
         figure.tight_layout()
@@ -327,7 +332,8 @@ class SpatialRobustness(Analysis):
             raise UserError("SpatialRobustness: translations, rotations and forward_batch must be >= 1")
         if max_shift < 0 or max_angle < 0:
             raise UserError("SpatialRobustness: max_shift and max_angle must be >= 0")
-        self.translations, self.max_shift, self.rotations, self.max_angle = translations, max_shift, rotations, max_angle
+        self.translations, self.max_shift, self.rotations, self.max_angle = (
+            translations, max_shift, rotations, max_angle)
         self.forward_batch = forward_batch
 
     def analyse(self, trainer, pl_module):
@@ -387,7 +393,8 @@ class SpatialRobustness(Analysis):
         shifts = section["shifts"]
         half = (shifts[1] - shifts[0]) / 2 if len(shifts) > 1 else 0.5  # cells centred on their shift
         image = heat.imshow([[100 * v for v in row] for row in section["accuracy_by_shift"]], vmin=0, vmax=100,
-                            origin="upper", extent=[shifts[0] - half, shifts[-1] + half, shifts[-1] + half, shifts[0] - half])
+                            origin="upper",
+                            extent=[shifts[0] - half, shifts[-1] + half, shifts[-1] + half, shifts[0] - half])
         heat.set_xlabel("x shift (px)")
         heat.set_ylabel("y shift (px)")
         heat.set_title("Accuracy per shift (mean over angles)")

@@ -199,8 +199,8 @@ class RestrictedAttention(Analysis):
             "permutation": permutation.tolist() if self.permutations else None,
             "protocol": {"follows": "paper", "reference": "Bhojanapalli et al. 2021, Sec. 4 and App. A (Fig. 9); no "
                          "public code", "differences": []},
-            "conditions": {"arch": pl_module.hparams.get("arch"), "blocks": list(targets), "permutations": self.permutations,
-                           "seed": self.seed,
+            "conditions": {"arch": pl_module.hparams.get("arch"), "blocks": list(targets),
+                           "permutations": self.permutations, "seed": self.seed,
                            "distance": "max(|dy|, |dx|) on the patch grid (square neighbourhood); prefix (CLS) tokens "
                                        "always allowed; allowed_fraction: allowed patch-patch pairs / patches^2",
                            "cls_only": "patch tokens attend only to the prefix tokens in the first / last k blocks"},

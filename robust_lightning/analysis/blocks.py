@@ -97,7 +97,8 @@ def find_blocks(net: nn.Module) -> BlockMap:
     if isinstance(net, ConvNeXt):
         return BlockMap("convnext", _staged_units(net, plain=True), tokens=False)
     if isinstance(net, IsotropicConvNeXt):
-        return BlockMap("isotropic_convnext", [Unit(f"blocks.{j}", 0, (f"blocks.{j}",)) for j in range(len(net.blocks))],
+        return BlockMap("isotropic_convnext",
+                        [Unit(f"blocks.{j}", 0, (f"blocks.{j}",)) for j in range(len(net.blocks))],
                         tokens=False)
     if isinstance(net, ResNet):
         units = [Unit(f"layer{s}.{j}", s - 1, (f"layer{s}.{j}",))
@@ -128,7 +129,8 @@ def _staged_units(net: nn.Module, plain: bool) -> list[Unit]:
                     and "ffn" in type(follower).__name__.lower():
                 # RepLKNet: a large-kernel block and its ConvFFN form one "block" (Chen et al.; Ding et al.)
                 nxt = f"stages.{s}.blocks.{j + 1}"
-                units.append(Unit(f"{path}+{j + 1}", s, (path, nxt), {"large_kernel": (path, SKIP), "mlp": (nxt, SKIP)}))
+                units.append(Unit(f"{path}+{j + 1}", s, (path, nxt),
+                                  {"large_kernel": (path, SKIP), "mlp": (nxt, SKIP)}))
                 j += 2
                 continue
             parts = {}

@@ -29,8 +29,8 @@ from tqdm import tqdm
 from robust_lightning.analysis.base import Analysis, model_label, new_figure, pi_axis
 from robust_lightning.errors import UserError
 
-__all__ = ["FrequencyNoise", "band_edges", "band_mask", "band_noise", "code_band_mask", "code_bands", "normalised_frequency",
-           "sign_noise"]
+__all__ = ["FrequencyNoise", "band_edges", "band_mask", "band_noise", "code_band_mask", "code_bands",
+           "normalised_frequency", "sign_noise"]
 
 PROTOCOLS = ("code", "paper")
 
@@ -148,7 +148,8 @@ class FrequencyNoise(Analysis):
         generator = None
         with torch.no_grad():
             for images, labels in tqdm(self.batches(trainer, pl_module), desc="frequency noise", leave=False,
-                                       disable=not trainer.is_global_zero, total=math.ceil(self.max_images / self.batch_size)):
+                                       disable=not trainer.is_global_zero,
+                                       total=math.ceil(self.max_images / self.batch_size)):
                 if generator is None:
                     generator = torch.Generator(device=images.device).manual_seed(self.seed)
                 height, width = images.shape[-2:]
@@ -173,7 +174,8 @@ class FrequencyNoise(Analysis):
                  for (band, mask), acc in zip(bands, accuracy)]
         code = self.protocol == "code"
         section = {
-            "clean_accuracy": clean, "bands": bands, "white_noise": {"accuracy": accuracy[-1], "drop": clean - accuracy[-1]},
+            "clean_accuracy": clean, "bands": bands,
+            "white_noise": {"accuracy": accuracy[-1], "drop": clean - accuracy[-1]},
             "protocol": {
                 "follows": self.protocol,
                 "reference": "github.com/xxxnell/how-do-vits-work ops/adversarial.py (FreqAttack, Random)" if code

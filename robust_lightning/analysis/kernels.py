@@ -139,8 +139,9 @@ class KernelAttentionDistance(Analysis):
         section = {"mean": mean, "stages": stages, "layers": per_layer,
                    "conditions": {"arch": pl_module.hparams.get("arch"), "images": 0,
                                   "min_kernel_size": self.min_kernel_size, "normalize": self.normalize,
-                                  "definition": "sum |W| d / (R sqrt 2)" + (" / sum |W| per channel" if self.normalize
-                                                                             else " per channel (raw, as the reference code)")}}
+                                  "definition": "sum |W| d / (R sqrt 2)"
+                                                + (" / sum |W| per channel" if self.normalize
+                                                   else " per channel (raw, as the reference code)")}}
         figure = self.figure(section) if self.plot else None
         metrics = {"mean": mean, **{f"{stage}/mean": s["mean"] for stage, s in stages.items()}}
         return section, metrics, figure

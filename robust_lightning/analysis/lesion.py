@@ -119,7 +119,8 @@ class LesionStudy(Analysis):
         single: dict[str, list[dict]] = {mode: [] for mode in modes}
         for mode, (unit,) in cases:
             with lesioned(net, [unit], mode):
-                single[mode].append({"unit": unit.name, "stage": unit.stage, "accuracy": self.accuracy(model, images, labels)})
+                single[mode].append({"unit": unit.name, "stage": unit.stage,
+                                     "accuracy": self.accuracy(model, images, labels)})
             bar.update()
         random: dict[str, dict] = {}
         for n, chosen in draws:
@@ -140,8 +141,8 @@ class LesionStudy(Analysis):
             "single": single,
             "random": random,
             "random_pool": [u.name for u in pool],
-            "protocol": {"follows": "paper", "reference": "Bhojanapalli et al. 2021, Sec. 4 and Fig. 8 (no public code); "
-                         "Chen et al. 2024 (github.com/Lauch1ng/LKRobust, lession_study) for RepLKNet",
+            "protocol": {"follows": "paper", "reference": "Bhojanapalli et al. 2021, Sec. 4 and Fig. 8 (no public "
+                         "code); Chen et al. 2024 (github.com/Lauch1ng/LKRobust, lession_study) for RepLKNet",
                          "differences": []},
             "conditions": {"arch": pl_module.hparams.get("arch"), "modes": modes, "random_part": self.random_part,
                            "random_stages": self.random_stages, "samples": self.samples, "seed": self.seed,

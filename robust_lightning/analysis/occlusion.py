@@ -223,7 +223,8 @@ class Occlusion(Analysis):
         clean = self.accuracy(model, images, labels)
         random = {}
         for fraction in self.drop_fractions:
-            accs = [measure(random_patch_mask(len(images), self.grid, fraction, generator)) for _ in range(self.samples)]
+            accs = [measure(random_patch_mask(len(images), self.grid, fraction, generator))
+                    for _ in range(self.samples)]
             random[f"{fraction:g}"] = summary(accs)
         section: dict[str, Any] = {"grid": self.grid, "clean_accuracy": clean, "random": random}
         metrics = {"clean_accuracy": clean, **{f"random_{k}": v["mean"] for k, v in random.items()}}
@@ -233,7 +234,8 @@ class Occlusion(Analysis):
             salient = {f"{lam:g}": measure(mass_mask(saliency, lam, salient=True)) for lam in self.lambdas}
             non_salient = {f"{lam:g}": measure(mass_mask(saliency, lam, salient=False)) for lam in self.lambdas}
             section |= {"salient": salient, "non_salient": non_salient}
-            metrics |= {f"salient_{k}": v for k, v in salient.items()} | {f"non_salient_{k}": v for k, v in non_salient.items()}
+            metrics |= ({f"salient_{k}": v for k, v in salient.items()}
+                        | {f"non_salient_{k}": v for k, v in non_salient.items()})
         bar.close()
         section["conditions"] = {
             "arch": pl_module.hparams.get("arch"), "samples": self.samples, "seed": self.seed,

@@ -53,7 +53,8 @@ def fourier_grid(size: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     ceil(n / 2) - 1, whose true frequency 2k / n is pi (1 - 2 / n) for even n (14x14: 6/7 pi), not the Nyquist
     bin n / 2, which the roll puts at index 0, outside the half-diagonal."""
     bins = list(range(size - size // 2))
-    plotted = torch.linspace(0, 1, len(bins), dtype=torch.float64) if len(bins) > 1 else torch.zeros(1, dtype=torch.float64)
+    plotted = (torch.linspace(0, 1, len(bins), dtype=torch.float64) if len(bins) > 1
+               else torch.zeros(1, dtype=torch.float64))
     return bins, plotted, 2 * torch.tensor(bins, dtype=torch.float64) / size
 
 
@@ -202,7 +203,8 @@ class _FeatureAnalysis(Analysis):
         tap = FeatureTap(model.net, bmap, sublayers=self.sublayers, stem=self.stem)
         with tap, torch.no_grad():
             for images, _ in tqdm(self.batches(trainer, pl_module), desc=self.name, leave=False,
-                                  disable=not trainer.is_global_zero, total=math.ceil(self.max_images / self.batch_size)):
+                                  disable=not trainer.is_global_zero,
+                                  total=math.ceil(self.max_images / self.batch_size)):
                 model(images)
                 consume(bmap, tap.ordered(), tuple(images.shape[-2:]))
         return bmap, tap
@@ -280,7 +282,8 @@ class LayerCorrelation(_FeatureAnalysis):
                 metrics[f"{kind}/first_last"] = corr[0, -1].item()
         section["measures"] = {kind: measures[kind] for kind in self.tokens}
         section["protocol"] = {
-            "follows": "paper", "reference": "Bhojanapalli et al. 2021, Sec. 4 and App. F (Figs. 7, 31-33); no public code",
+            "follows": "paper",
+            "reference": "Bhojanapalli et al. 2021, Sec. 4 and App. F (Figs. 7, 31-33); no public code",
             "differences": [("how the paper pools the Pearson correlation is not stated: here over images x tokens "
                              "x channels (one pair of long vectors per layer pair)"),
                             ("linear CKA is estimated over batches with the unbiased HSIC (Nguyen et al. 2021), "
@@ -417,7 +420,8 @@ class FourierFeatures(_FeatureAnalysis):
                                              "diagonal bins (k, k), k = 0 .. ceil(n/2) - 1, minus its value at "
                                              "frequency 0",
                                   "frequencies": "the code's plotting axis linspace(0, 1, K), units of pi; "
-                                                 "dft_frequencies: the true frequency 2k/n of each bin along each axis"}}
+                                                 "dft_frequencies: the true frequency 2k/n of each bin along "
+                                                 "each axis"}}
         known = [p["high_frequency"] for p in points if p["high_frequency"] is not None]
         metrics = {"last_high_frequency": known[-1]} if known else {}
         return section, metrics, self.figure(section) if self.plot else None

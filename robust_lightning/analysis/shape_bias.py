@@ -15,8 +15,9 @@ and texture categories differ:
 (decisions that are neither do not count; model-vs-human's ShapeBias analysis counts the same way). Per category
 (of the shape, as Geirhos et al.'s per-category plot) the same ratio. Bhojanapalli et al. (Sec. 3.7, Fig. 6,
 Table 3) report another count, the shape accuracy: the fraction of ALL stimuli (1280, the ones whose shape and
-texture agree included) whose decision is their shape category; it is ``shape_accuracy``. Preprocessing: the whole stimulus resized to the model's resolution (bicubic; crop_pct < 1 adds
-the project's centre crop). A model with another label space than ImageNet's 1000 classes does not apply.
+texture agree included) whose decision is their shape category; it is ``shape_accuracy``. Preprocessing: the whole
+stimulus resized to the model's resolution (bicubic; crop_pct < 1 adds the project's centre crop). A model with another
+label space than ImageNet's 1000 classes does not apply.
 """
 
 import json

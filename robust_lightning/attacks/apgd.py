@@ -127,7 +127,8 @@ def _validate(x: Tensor, y: Tensor, norm: str, eps: float, n_iter: int, loss: st
             raise ValueError("loss 'dlr-targeted' needs y_target, the int64 target classes (B,)")
         if y_target.shape != y.shape or y_target.is_floating_point():
             raise ValueError(
-                f"y_target must be int64 of shape {tuple(y.shape)}, got {y_target.dtype} of shape {tuple(y_target.shape)}"
+                f"y_target must be int64 of shape {tuple(y.shape)}, got {y_target.dtype} of shape "
+                f"{tuple(y_target.shape)}"
             )
     elif y_target is not None:
         raise ValueError(f"y_target is only used with loss 'dlr-targeted', not {loss!r}")

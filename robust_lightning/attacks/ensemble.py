@@ -557,7 +557,8 @@ class AutoAttack:
         try:
             from pyautoattack import AutoAttack as ReferenceAutoAttack
         except ImportError as e:
-            raise RuntimeError("engine='reference' needs the pyautoattack package (pip install pyautoattack==0.2.0)") from e
+            raise RuntimeError("engine='reference' needs the pyautoattack package "
+                               "(pip install pyautoattack==0.2.0)") from e
         from pyautoattack.autopgd_base import APGDAttack, APGDAttack_targeted
 
         reference = ReferenceAutoAttack(self.model, norm=self.norm, eps=self.eps, version="standard",

@@ -41,7 +41,8 @@ def class_map(spec: str, root: str | Path | None = None) -> dict[str, int]:
         return {name: i for i, name in enumerate(names)}
     path = Path(spec)
     if not path.is_file():
-        raise UserError(f"class_map must be 'imagenet', 'folders' or the path of a JSON file; {spec!r} is none of these")
+        raise UserError(f"class_map must be 'imagenet', 'folders' or the path of a JSON file; "
+                        f"{spec!r} is none of these")
     try:
         mapping = json.loads(path.read_text())
     except json.JSONDecodeError as e:

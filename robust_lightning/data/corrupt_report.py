@@ -37,7 +37,8 @@ class CorruptImageReport(Callback):
             pl_module.log(f"{stage}/corrupt_images", count, sync_dist=True)  # already a sum over ranks
         if names:  # every rank names its own files
             shown = "\n  ".join(names[:20]) + (f"\n  ... and {len(names) - 20} more" if len(names) > 20 else "")
-            log.warning(f"[rank {trainer.global_rank}] skipped {len(names)} corrupt image(s) in this {stage} epoch:\n  {shown}")
+            log.warning(f"[rank {trainer.global_rank}] skipped {len(names)} corrupt image(s) in this {stage} epoch:"
+                        f"\n  {shown}")
         read = trainer.strategy.reduce(torch.tensor(float(self.epoch_read.pop(stage, 0)), device=pl_module.device),
                                        reduce_op="sum")
         if stage in ("val", "test"):

@@ -2,8 +2,8 @@
 
 Distribution across ranks is decided here, not by Lightning, because Lightning's default is wrong for us
 twice over: its validation DistributedSampler pads ranks with repeated samples (double counting), and
-webdataset's split_by_node does not split under spawn-started workers (webdataset 1.0.2's split_by_node reads the rank from the environment). The rank and
-world size are captured in setup() and every rank reads a disjoint part of the data.
+webdataset's split_by_node does not split under spawn-started workers (webdataset 1.0.2's split_by_node reads the rank
+from the environment). The rank and world size are captured in setup() and every rank reads a disjoint part of the data.
 """
 
 import copy
@@ -611,9 +611,11 @@ class ImageNetDataModule(LightningDataModule):
         """The evaluation subset's ``class_folder/file_name`` entries in order (cut to eval_limit), or None."""
         if self.eval_subset is None:
             return None
-        path = DATA_DIR / "robustbench_imagenet_test_image_ids.txt" if self.eval_subset == "robustbench" else Path(self.eval_subset)
+        path = (DATA_DIR / "robustbench_imagenet_test_image_ids.txt" if self.eval_subset == "robustbench"
+                else Path(self.eval_subset))
         if not path.is_file():
-            raise UserError(f"data.eval_subset {self.eval_subset}: no file {path}; expected lines class_folder/file_name")
+            raise UserError(f"data.eval_subset {self.eval_subset}: no file {path}; "
+                            "expected lines class_folder/file_name")
         entries = [line.strip() for line in path.read_text().splitlines() if line.strip()]
         malformed = [e for e in entries if e.count("/") != 1]
         if malformed:
@@ -768,7 +770,8 @@ class ImageNetDataModule(LightningDataModule):
 
     test_dataloader = predict_dataloader = val_dataloader
 
-    def eval_dataloader_with(self, transform, batch_size: int | None = None, num_workers: int | None = None) -> DataLoader:
+    def eval_dataloader_with(self, transform, batch_size: int | None = None,
+                             num_workers: int | None = None) -> DataLoader:
         """The evaluation images of the last ``setup`` (same subset, limit and share of this rank) through
         another per-image transform: e.g. another resolution, or corruptions generated on the fly.
         ``transform`` takes a lazily opened PIL image and returns a uint8 tensor. ``num_workers``: default

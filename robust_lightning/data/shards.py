@@ -171,8 +171,8 @@ def shard_urls(directory: str | Path, check_sizes: bool = True) -> list[str]:
     resized = [f"{p.name} ({p.stat().st_size} bytes, the manifest says {s['bytes']})"
                for p, s in zip(urls, manifest["shards"]) if "bytes" in s and p.stat().st_size != s["bytes"]]
     if resized and check_sizes:
-        raise UserError(f"{directory}: shard(s) truncated or changed since they were written: {', '.join(resized[:3])}; "
-                        "re-create them with robust-lightning shards")
+        raise UserError(f"{directory}: shard(s) truncated or changed since they were written: "
+                        f"{', '.join(resized[:3])}; re-create them with robust-lightning shards")
     return [str(p) for p in urls]
 
 

@@ -2,8 +2,9 @@
 
 Every transform takes a lazily opened PIL image and starts by decoding it, so that training can decode
 large JPEGs at reduced scale (``CanvasDecode``). Resizing runs on PIL images, as in the reference
-evaluation (PIL's bicubic filter, not the tensor approximation of it). Transforms end in uint8 tensors: batches cross to the accelerator at a quarter of the float32 size and are
-scaled to [0, 1] there (ImageNetDataModule.on_after_batch_transfer). No mean/std normalisation happens here:
+evaluation (PIL's bicubic filter, not the tensor approximation of it). Transforms end in uint8 tensors: batches cross to
+the accelerator at a quarter of the float32 size and are scaled to [0, 1] there
+(ImageNetDataModule.on_after_batch_transfer). No mean/std normalisation happens here:
 every model takes [0, 1] images and carries its own normaliser.
 """
 

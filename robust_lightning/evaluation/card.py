@@ -299,7 +299,8 @@ def render_card(header: dict[str, Any], test_metrics: dict[str, float], results:
         for paper in papers:
             cells = [paper.get(published.get(label, "")) or "-" for label in labels]
             note = f", {paper['note']}" if paper["note"] else ""
-            rows.append([f"{paper['model']}, {paper['paper']} ({paper['resolution']} px{note})", paper["clean"], *cells])
+            rows.append([f"{paper['model']}, {paper['paper']} ({paper['resolution']} px{note})", paper["clean"],
+                         *cells])
         lines += [table(["model", "clean", *labels], rows), ""]
         if any(paper.get("source") for paper in papers):
             lines += ["Leaderboard numbers: data/robustbench_imagenet_linf.csv (the same weights, RobustBench's "
@@ -310,8 +311,8 @@ def render_card(header: dict[str, Any], test_metrics: dict[str, float], results:
 
     shift = _shift_values(test_metrics, results, header.get("num_classes", 1000) == 1000)
     if any(not v.startswith("-") for k, v in shift.items() if k != "test set"):
-        lines += ["## Distribution shifts (top-1 unless marked)", "", table(["model", *shift], [["this checkpoint",
-                                                                                                  *shift.values()]]), ""]
+        lines += ["## Distribution shifts (top-1 unless marked)", "",
+                  table(["model", *shift], [["this checkpoint", *shift.values()]]), ""]
     ece = {"test set": test_metrics.get("test/ece")}
     ece |= {label: results.get("benchmarks", {}).get(name, {}).get("ece") for label, name in SHIFT_COLUMNS}
     corruptions = (results.get("imagenet_c") or {}).get("corruptions", {})

@@ -258,14 +258,13 @@ class ImageNetC(Evaluation):
 
     Generated: each evaluation image (e.g. data.eval_subset robustbench, the RobustBench 5000) goes through the
     release's preprocessing at resolution r (bilinear resize of the shorter side to floor(r / crop_pct), centre
-    crop r: torchvision's Resize(256), CenterCrop(224) at r = 224), the corruption (robust_lightning.evaluation.corruptions, Hendrycks'
-    parameters) and a JPEG round trip at quality 85 (as released). The random draws of an image come from
-    (seed, corruption, severity, a digest of its clean pixels), so they do not depend on workers, ranks or
-    batch size. The corruptions are made in the data loader workers, all severities of a corruption from one
-    decode of the image; under DDP each rank makes and evaluates its share and the results are gathered
-    exactly. results.json records how the images were made, and that the AlexNet errors behind CE / mCE come
-    from the released set (all of val at 224 px): on a subset, or at another resolution, CE and mCE are
-    approximations.
+    crop r: torchvision's Resize(256), CenterCrop(224) at r = 224), the corruption
+    (robust_lightning.evaluation.corruptions, Hendrycks' parameters) and a JPEG round trip at quality 85 (as released).
+    The random draws of an image come from (seed, corruption, severity, a digest of its clean pixels), so they do not
+    depend on workers, ranks or batch size. The corruptions are made in the data loader workers, all severities of a
+    corruption from one decode of the image; under DDP each rank makes and evaluates its share and the results are
+    gathered exactly. results.json records how the images were made, and that the AlexNet errors behind CE / mCE come
+    from the released set (all of val at 224 px): on a subset, or at another resolution, CE and mCE are approximations.
 
     Args:
         root: the released ImageNet-C folder (flat or with group folders; see ``EXPECTED``); source released only.
@@ -481,8 +480,8 @@ class ImageNetC(Evaluation):
                 "num_source_images": len(rows[self.corruptions[0]]),
                 "seed": self.seed,
                 "resolution": r,
-                "pipeline": f"resize shorter side to {eval_resize_size(r, self.crop_pct)} (bilinear, as the release), centre crop "
-                            f"{r}, corrupt, JPEG quality {RELEASED_JPEG_QUALITY} round trip (Pillow)",
+                "pipeline": f"resize shorter side to {eval_resize_size(r, self.crop_pct)} (bilinear, as the release), "
+                            f"centre crop {r}, corrupt, JPEG quality {RELEASED_JPEG_QUALITY} round trip (Pillow)",
                 "implementation": IMPLEMENTATION,
                 "per_image_seed": "numpy SeedSequence(seed, corruption index, severity, blake2b digest of the "
                                   "image's clean preprocessed pixels) -> MT19937",

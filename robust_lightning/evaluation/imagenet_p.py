@@ -380,7 +380,8 @@ class ImageNetP(Evaluation):
             section["plot"] = "not requested"
         # a table per perturbation, beside the scalars and the plot
         columns = ["split", "num_sequences", "fp", "alexnet_fp", "fr", "t5d"]
-        table = (["perturbation", *columns], [[p, *(v[k] for k in columns)] for p, v in section["perturbations"].items()])
+        table = (["perturbation", *columns],
+                 [[p, *(v[k] for k in columns)] for p, v in section["perturbations"].items()])
         mfr = section.get("mfr", (section.get("mfr_partial") or {}).get("value"))
         mt5d = section.get("mt5d", (section.get("mt5d_partial") or {}).get("value"))
         partial = "" if "mfr" in section else "partial "

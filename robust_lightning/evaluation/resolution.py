@@ -3,7 +3,8 @@
 
 Clean accuracy and (quick or full) AutoAttack robust accuracy of one model over a list of test resolutions,
 with the paper's preprocessing at each resolution r: resize the shorter side to floor(r / crop_pct) (bicubic),
-centre-crop r (Singh et al. 2023, Sec. 4; RobustBench's ImageNet preprocessing). Singh et al. find the best test resolution at 256-288 for every model.
+centre-crop r (Singh et al. 2023, Sec. 4; RobustBench's ImageNet preprocessing). Singh et al. find the best test
+resolution at 256-288 for every model.
 
 - Input size: ViTs (any timm model with ``set_input_size``) run on a copy of the network set to r x r; the
   model itself is never changed, so the sweep leaves it exactly as it found it. The absolute position
@@ -145,7 +146,8 @@ def network_at(network: nn.Module, resolution: int, pos_embed_interpolation: str
     name, module = found
     patch_embed = module if isinstance(module, PatchEmbed) else getattr(module, "patch_embed", None)
     patch = getattr(patch_embed, "patch_size", None)
-    if patch and not getattr(patch_embed, "dynamic_img_pad", False) and (resolution % patch[0] or resolution % patch[1]):
+    if (patch and not getattr(patch_embed, "dynamic_img_pad", False)
+            and (resolution % patch[0] or resolution % patch[1])):
         raise UserError(f"resolution {resolution} is not a multiple of the model's patch size {tuple(patch)}: "
                         f"the {type(module).__name__} cannot split it into patches; use multiples of {patch[0]}")
     if tuple(getattr(patch_embed, "img_size", None) or ()) == (resolution, resolution):

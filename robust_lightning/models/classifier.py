@@ -132,7 +132,8 @@ def use_small_input_strides(net: nn.Module) -> nn.Module:
     stem, stages = getattr(net, "stem", None), getattr(net, "stages", None)
     if stem is None or stages is None or not isinstance(getattr(stages[1], "downsample", None), nn.Sequential):
         raise UserError(
-            f"small-input strides are defined for ConvNeXt models (stem + stages); {type(net).__name__} has no such layout"
+            f"small-input strides are defined for ConvNeXt models (stem + stages); "
+            f"{type(net).__name__} has no such layout"
         )
     for conv in [*stem.modules(), *stages[1].downsample.modules()]:
         if isinstance(conv, nn.Conv2d):

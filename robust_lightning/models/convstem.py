@@ -1,9 +1,10 @@
 """ConvStem: the convolutional stem of Singh, Croce & Hein (NeurIPS 2023) for ConvNeXt and ViT.
 
 The paper replaces the patchify stem ("PatchStem": one large-stride conv) by a few 3x3 convolutions, each
-followed by a channels-first LayerNorm and GELU (Singh et al. 2023, App. A; nmndeep/revisiting-at utils_architecture.py). Everything after the stem is the
-unchanged timm architecture, so the non-stem keys of a ConvStem model equal those of its PatchStem
-counterpart and a clean PatchStem checkpoint can warm-start it (see ``weights.load_pretrained``).
+followed by a channels-first LayerNorm and GELU (Singh et al. 2023, App. A; nmndeep/revisiting-at
+utils_architecture.py). Everything after the stem is the unchanged timm architecture, so the non-stem keys of a ConvStem
+model equal those of its PatchStem counterpart and a clean PatchStem checkpoint can warm-start it (see
+``weights.load_pretrained``).
 
 Registered with timm (``timm.create_model(name, num_classes=..., ...)``):
 

@@ -2,9 +2,10 @@
 
 The array script of ``robust-lightning sweep`` runs this under srun, in every process (srun task) of an array
 task. It runs the cell's ``robust-lightning`` command in this process (so SLURM's SIGUSR1 reaches Lightning's
-requeue handler); the command line's entry point hands itself in as ``run``, so this module never imports it and records the outcome in the ``sweep`` section of the cell's results.json: ``running`` at the start,
-then ``done``, ``failed`` or ``interrupted``. Only ``done`` counts as a result; anything else is retried by the
-next ``robust-lightning sweep`` and listed by ``robust-lightning report``.
+requeue handler); the command line's entry point hands itself in as ``run``, so this module never imports it and records
+the outcome in the ``sweep`` section of the cell's results.json: ``running`` at the start, then ``done``, ``failed`` or
+``interrupted``. Only ``done`` counts as a result; anything else is retried by the next ``robust-lightning sweep`` and
+listed by ``robust-lightning report``.
 """
 
 import json

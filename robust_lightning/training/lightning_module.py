@@ -281,7 +281,8 @@ class ImageClassifier(LightningModule):
         )
         if mismatched:
             saved = checkpoint.get("hyper_parameters", {})
-            listed = "\n  ".join(mismatched[:20]) + (f"\n  ... {len(mismatched) - 20} more" if len(mismatched) > 20 else "")
+            listed = "\n  ".join(mismatched[:20]) + (f"\n  ... {len(mismatched) - 20} more"
+                                                     if len(mismatched) > 20 else "")
             raise UserError(
                 f"the checkpoint holds a {saved.get('arch', 'unknown')!r} model (num_classes "
                 f"{saved.get('num_classes')}, ema_decay {saved.get('ema_decay')}), incompatible with the configured "
@@ -523,7 +524,8 @@ class ImageClassifier(LightningModule):
             "ema_decay": hp.ema_decay,
             "selection": {
                 "metric": f"APGD-CE {hp.select_attack_steps} steps, {hp.attack_norm} eps {hp.attack_eps:.6g}, "
-                          f"{hp.select_on} weights" if hp.select_attack_steps else f"clean top-1, {hp.select_on} weights",
+                          f"{hp.select_on} weights" if hp.select_attack_steps
+                          else f"clean top-1, {hp.select_on} weights",
             },
             "differences_from_official_code": self.differences_from_official_code(),
         }
