@@ -150,3 +150,34 @@ def test_atomic_writes_replace_whole_files_and_leave_nothing_on_failure(tmp_path
     assert not temporary_path(path).exists() and sorted(p.name for p in path.parent.iterdir()) == ["results.json"]
     atomic_write_text(path, "x")
     assert path.read_text() == "x"
+
+
+def test_evaluations_ask_the_data_module_only_what_evaluation_data_lists():
+    """Every use of trainer.datamodule in evaluation/ and analysis/ (an attribute of it, of a name bound to it, or
+    getattr/hasattr on it) is one of EvaluationData's members: the data module's other settings are its own."""
+    import ast  # noqa: PLC0415
+
+    from robust_lightning.data.datamodule import EvaluationData  # noqa: PLC0415
+
+    allowed = set(EvaluationData.__annotations__) | {n for n in vars(EvaluationData) if not n.startswith("_")}
+
+    def is_datamodule(node, names) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "datamodule") or (
+            isinstance(node, ast.Name) and node.id in names)
+
+    used = []
+    for path in sorted((REPO / "robust_lightning").glob("*/*.py")):
+        if path.parent.name not in ("evaluation", "analysis"):
+            continue
+        tree = ast.parse(path.read_text())
+        names = {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                 and is_datamodule(node.value, set()) for target in node.targets if isinstance(target, ast.Name)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr != "datamodule" and is_datamodule(node.value, names):
+                used.append((path.name, node.attr))
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr")
+                    and is_datamodule(node.args[0], names)):
+                name = node.args[1]
+                used.append((path.name, name.value if isinstance(name, ast.Constant) else "<a computed name>"))
+    assert used, "the check found no use at all: it is not looking where the evaluations are"
+    assert not [use for use in used if use[1] not in allowed], allowed

@@ -264,7 +264,6 @@ class HessianSpectrum(Analysis):
                    disable=not trainer.is_global_zero)
         result = self.spectrum(model, bar, weight_decay)
         if self.data == "train":
-            data = trainer.datamodule
             complete = sample.images == sample.subset_images
             comparability = {
                 "comparable_with_paper": complete,
@@ -276,9 +275,7 @@ class HessianSpectrum(Analysis):
                     "train_fraction": self.train_fraction, "training_images": sample.training_images,
                     "subset_images": sample.subset_images, "max_images": self.max_images,
                     "images": result["images"], "minibatch_size": self.batch_size, "top_k": self.top_k,
-                    "augmentation": data.augmentation, "augment_on": data.augment_on,
-                    "crop_scale": list(data.crop_scale), "image_size": data.image_size,
-                    "mixup_cutmix": data.augmentation == "heavy",
+                    **sample.transform,
                     "label_smoothing": pl_module.hparams.get("label_smoothing") or 0.0,
                     "weight_decay": weight_decay,
                     "weight_decay_from": "set" if self.weight_decay is not None else "the model's hparams",

@@ -285,6 +285,7 @@ class TrainingSample(NamedTuple):
     images: int  # images the batches hold (at most: an image that fails to decode is dropped)
     subset_images: int  # round(fraction * training_images): the subset before the max_images cap
     training_images: int  # the training set (held-out images excluded)
+    transform: dict[str, Any]  # the training transform the batches went through, as results.json records it
 
 
 @dataclass(frozen=True)
@@ -847,7 +848,11 @@ class ImageNetDataModule(LightningDataModule):
             dataset = Subset(data.train_set, torch.randperm(total, generator=generator)[:images].tolist())
         augmenting = partial(collate, augment=data.worker_augment) if data.worker_augment else collate
         loader = data._loader(dataset, batch_size or data.batch_size, collate_fn=augmenting)
-        return TrainingSample(data._augmented_batches(loader, images, device), images, subset_images, total)
+        transform = {"augmentation": data.augmentation, "augment_on": data.augment_on,
+                     "crop_scale": list(data.crop_scale), "image_size": data.image_size,
+                     "mixup_cutmix": data.augmentation == "heavy"}
+        return TrainingSample(data._augmented_batches(loader, images, device), images, subset_images, total,
+                              transform)
 
     def _augmented_batches(self, loader: Iterable[dict], images: int, device: torch.device | str) -> Iterator[dict]:
         """The first ``images`` images of ``loader``, moved to ``device`` and augmented as in training."""

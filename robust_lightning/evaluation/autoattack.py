@@ -37,10 +37,16 @@ from robust_lightning.attacks.ensemble import (
 )
 from robust_lightning.attacks.projections import NORMS
 from robust_lightning.errors import UserError
-from robust_lightning.evaluation.base import Evaluation, barrier, evaluating, sum_over_ranks
+from robust_lightning.evaluation.base import (
+    Evaluation,
+    barrier,
+    data_image_size,
+    evaluating,
+    evaluation_source,
+    sum_over_ranks,
+)
 from robust_lightning.evaluation.outcomes import (  # noqa: F401 (read_outcomes, append_record: public here too)
     append_record,
-    as_json,
     claim_directory,
     read_outcomes,
     summarise,
@@ -152,11 +158,15 @@ class AutoAttackEvaluation(Evaluation):
     def _identity(self, trainer, weights_hash: str, threat: ThreatModel) -> dict[str, Any]:
         """What the saved outcomes must have been computed with for a re-run to resume from them: the weights
         evaluated (also after fit, where no checkpoint file names them), the images and the attack."""
-        data = trainer.datamodule  # its settings (init args) that choose and preprocess the images
+        source = evaluation_source(trainer)
+        kind, location = (source.kind, source.location) if source else (None, None)
         return {
             "weights_sha256": weights_hash, "weights": self.weights,
-            **{f"data_{name}": as_json(getattr(data, name, None))
-               for name in ("source", "root", "val_shards", "image_size", "crop_pct", "eval_subset")},
+            # the images and their preprocessing, under the keys earlier manifests have (so those still resume)
+            "data_source": kind, "data_root": location if kind == "folder" else None,
+            "data_val_shards": location if kind == "shards" else None, "data_image_size": data_image_size(trainer),
+            "data_crop_pct": getattr(trainer.datamodule, "crop_pct", None),
+            "data_eval_subset": source.subset if source else None,
             "norm": threat.norm, "eps": threat.eps, "version": self.version,
             "engine": self.engine, "precision": self.precision, "seed": self.seed, "n_iter": self.n_iter,
         }

@@ -48,11 +48,6 @@ def append_record(path: Path, record: dict) -> None:
         os.fsync(f.fileno())
 
 
-def as_json(value: Any) -> Any:
-    """``value`` as it reads back from a JSON manifest (paths as strings)."""
-    return str(value) if isinstance(value, Path) else value
-
-
 def claim_directory(directory: Path, identity: dict[str, Any], is_global_zero: bool, owner: str,
                     locks: ExitStack | None = None) -> None:
     """Refuse to mix outcomes of another checkpoint or setting into ``directory``; record ours.
