@@ -656,6 +656,8 @@ def test_budgets_set_on_the_attack_objects_reach_the_attacks(trained, points, mo
         AutoAttack(trained).run_standard_evaluation(x, y, batch_size=8, state_path=Path("state.json"))
     seeded_by_the_clock = AutoAttack(trained, seed=None)
     assert isinstance(seeded_by_the_clock.seed, int)
+    with pytest.raises(UserError, match="version must be one of"):  # the callbacks run the named ensembles only
+        AutoAttackEvaluation(version="custom")
 
 
 def test_the_progress_bar_shows_the_attacks_only_when_asked(trained, points, capsys):

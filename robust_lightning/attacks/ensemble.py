@@ -58,7 +58,6 @@ VERSIONS = {
     "standard": ("apgd-ce", "apgd-t", "fab-t", "square"),
     "apgd-t": ("apgd-t",),
     "apgd-ce": ("apgd-ce",),
-    "custom": (),  # the attacks given as ``attacks=[...]``, in that order (pyautoattack's version="custom")
 }
 ATTACKS = ("apgd-ce", "apgd-dlr", "apgd-t", "fab-t", "square")  # pyautoattack's names; its "fab" is not here
 
@@ -276,9 +275,10 @@ class AutoAttack:
         if norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
         if version in ("plus", "rand"):
-            raise ValueError(f"pyautoattack's version {version!r} is not implemented here; versions: {tuple(VERSIONS)}")
-        if version not in VERSIONS:
-            raise ValueError(f"version must be one of {tuple(VERSIONS)}, got {version!r}")
+            raise ValueError(f"pyautoattack's version {version!r} is not implemented here; versions: "
+                             f"{(*VERSIONS, 'custom')}")
+        if version not in VERSIONS and version != "custom":  # custom: the attacks=[...] given, in that order
+            raise ValueError(f"version must be one of {(*VERSIONS, 'custom')}, got {version!r}")
         if (version == "custom") != (attacks is not None):
             raise ValueError("attacks=[...] goes with version='custom' (and it needs them), as in pyautoattack")
         if engine not in ENGINES:
