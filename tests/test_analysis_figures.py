@@ -11,7 +11,7 @@ import yaml
 
 from robust_lightning.analysis.attack_sweeps import AttackSweep, SpatialRobustness
 from robust_lightning.analysis.attention import RestrictedAttention
-from robust_lightning.analysis.base import model_label
+from robust_lightning.analysis.base import model_family
 from robust_lightning.analysis.frequency import FrequencyNoise
 from robust_lightning.analysis.kernels import KernelAttentionDistance
 from robust_lightning.analysis.lesion import LesionStudy
@@ -21,7 +21,7 @@ from robust_lightning.cli import main
 
 REPO = Path(__file__).parents[1]
 ANALYSIS_CONFIGS = sorted((REPO / "configs" / "analysis").glob("*.yaml"))
-# the model families each paper studies, as model_label names them
+# the model families each paper studies, as model_family names them
 PAPERS = {
     "Bhojanapalli et al. 2021": {"ViT", "ResNet"},
     "Park & Kim 2022": {"ViT", "ResNet", "AlterNet"},
@@ -43,7 +43,7 @@ def test_every_analysis_config_names_its_figure_and_runs_on_the_papers_family(pa
     header = path.read_text().splitlines()[0]
     match = re.match(r"# (Bhojanapalli et al\. 2021|Park & Kim 2022|Chen et al\. 2024), (Figs?\.|Table) \d+", header)
     assert match, f"{path.name}: the first line names the paper and its figure: {header!r}"
-    family = model_label(quickstart_arch(yaml.safe_load(path.read_text())["ckpt_path"])).split(" (")[0]
+    family = model_family(quickstart_arch(yaml.safe_load(path.read_text())["ckpt_path"]))
     assert family in PAPERS[match.group(1)], f"{path.name} runs on a {family}, not a model of {match.group(1)}"
 
 

@@ -21,13 +21,27 @@ FAMILY_NAMES = (("replknet", "RepLKNet"), ("alternet", "AlterNet"), ("convnext",
                 ("deit", "ViT"), ("resnet", "ResNet"), ("bit", "ResNet"))
 
 
+# (marker, colour) of a family in Park & Kim's plots (their notebooks); other families: "s", tab:green
+FAMILY_STYLES = {"ViT": ("o", "tab:red"), "ResNet": ("D", "tab:blue")}
+
+
+def model_family(arch: str | None) -> str | None:
+    """The family of an architecture as the papers name it (``FAMILY_NAMES``), None for one they do not name."""
+    return next((name for key, name in FAMILY_NAMES if key in arch.lower()), None) if arch else None
+
+
 def model_label(arch: str | None) -> str:
     """A model's legend entry in a figure laid out as the papers': its family as they name it, then the
     architecture, e.g. "ViT (test_vit)"; the architecture alone for a family the papers do not name."""
     if not arch:
         return "model"
-    family = next((name for key, name in FAMILY_NAMES if key in arch.lower()), None)
+    family = model_family(arch)
     return f"{family} ({arch})" if family else arch
+
+
+def family_style(arch: str | None) -> tuple[str, str]:
+    """(marker, colour) of the model's family in Park & Kim's plots."""
+    return FAMILY_STYLES.get(model_family(arch), ("s", "tab:green"))
 
 
 def pi_axis(axis) -> None:

@@ -26,7 +26,7 @@ import math
 import torch
 from tqdm import tqdm
 
-from robust_lightning.analysis.base import Analysis, model_label, new_figure, pi_axis
+from robust_lightning.analysis.base import Analysis, family_style, model_label, new_figure, pi_axis
 from robust_lightning.errors import UserError
 
 __all__ = ["FrequencyNoise", "band_edges", "band_mask", "band_noise", "code_band_mask", "code_bands",
@@ -206,7 +206,7 @@ class FrequencyNoise(Analysis):
         conditions = section["conditions"]
         arch = conditions.get("arch")
         fig, ax = new_figure(figsize=(6.5, 4))
-        marker, colour = ("o", "tab:red") if model_label(arch).startswith("ViT") else ("D", "tab:blue")
+        marker, colour = family_style(arch)
         ax.plot([b["centre"] for b in section["bands"]], [-100 * b["drop"] for b in section["bands"]], marker=marker,
                 color=colour, label=model_label(arch))
         ax.set_xlim(0, 1)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from robust_lightning.analysis.base import Analysis, model_label, new_figure, pi_axis
+from robust_lightning.analysis.base import Analysis, family_style, model_label, new_figure, pi_axis
 from robust_lightning.analysis.blocks import BlockMap, FeatureTap, as_map, find_blocks
 from robust_lightning.errors import UserError
 
@@ -151,14 +151,6 @@ def _subsampling(sizes: list[tuple[int, ...]]) -> list[bool]:
     return [i > 0 and math.prod(size) < math.prod(sizes[i - 1]) for i, size in enumerate(sizes)]
 
 
-def _family_style(arch: str | None) -> tuple[str, str]:
-    """(marker, colour) of a model family in Park & Kim's plots (their notebooks: ResNet "D" tab:blue, ViT "o"
-    tab:red, others "s" tab:green)."""
-    label = model_label(arch)
-    return ("o", "tab:red") if label.startswith("ViT") else ("D", "tab:blue") if label.startswith("ResNet") \
-        else ("s", "tab:green")
-
-
 def depth_axis(ax, points: list[dict], key: str, arch: str | None, colour_by_depth: bool = False) -> None:
     """``point[key]`` against normalised depth as Park & Kim's Figs. 8 and 9: x "Normalized depth" from 0 to 1,
     y "Δ Log amplitude" / "Feature map variance", gray spans ending at each MSA (attention) point and blue
@@ -172,7 +164,7 @@ def depth_axis(ax, points: list[dict], key: str, arch: str | None, colour_by_dep
         if p["kind"] == "attention":
             ax.axvspan(x - 1 / depth, x, color="tab:gray", alpha=0.15, lw=0)
     kept = [(x, p[key]) for x, p in zip(xs, points) if p[key] is not None]
-    marker, colour = _family_style(arch)
+    marker, colour = family_style(arch)
     if colour_by_depth and kept:
         import matplotlib  # noqa: PLC0415
 
