@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import robust_lightning
@@ -31,8 +31,9 @@ from robust_lightning.evaluation.results import PredictionWriter, RunResults
 from robust_lightning.loggers import SaveConfigToWandb
 from robust_lightning.models.weights import read_lightning_checkpoint, require_checkpoint_file
 from robust_lightning.scale.srun import shield_forked_children
-from robust_lightning.training.checkpoint_io import AtomicCheckpointIO
+from robust_lightning.training.checkpoint_io import AtomicCheckpointIO, LatestCheckpoint
 from robust_lightning.training.lightning_module import ImageClassifier
+from robust_lightning.training.progress import default_progress_bar
 from robust_lightning.training.run_directory import FitRunDirectory, fit_checkpoint_directory
 
 TRAINER_COMMANDS = {
@@ -217,12 +218,20 @@ class RobustLightningCLI(LightningCLI):
         if self.subcommand == "fit" and config.get("ckpt_path") == "last":
             continue_in_latest_run_directory(config)
 
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Any:
+        """The project's progress display unless the config names one or turns it off: Lightning's own bar reads
+        the logged values after every step, a wait for the GPU each (robust_lightning.training.progress)."""
+        configured = [*(config.get("callbacks") or []), *callbacks]
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in configured):
+            callbacks = [*callbacks, default_progress_bar()]
+        return super()._instantiate_trainer(config, callbacks)
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
         parser.link_arguments("data.image_size", "model.image_size")
         parser.link_arguments("model.label_smoothing", "data.label_smoothing")
         # Always present and configurable as checkpoint.*: the last and the best checkpoint of every run.
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(LatestCheckpoint, "checkpoint")
         parser.set_defaults(
             {
                 # clean top-1, or robust accuracy when model.select_attack_steps > 0 (see ImageClassifier)

@@ -1,18 +1,86 @@
 """Test helpers: tiny ImageFolder trees with real images, a callback recording which samples each rank saw, and a
 recorder of the ops that would make the host wait for a GPU."""
 
+import contextlib
+import fcntl
 import importlib
 import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import threading
 import traceback
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from lightning import Callback
 from PIL import Image
 from torch.utils._python_dispatch import TorchDispatchMode
 
 WNIDS = ("n01440764", "n01443537", "n15075141")  # ImageNet labels 0, 1 and 999
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _read_terminal(master: int, chunks: list[bytes]) -> None:
+    while True:
+        try:
+            data = os.read(master, 1 << 16)
+        except OSError:  # EIO: every writer has closed the terminal
+            return
+        if not data:
+            return
+        chunks.append(data)
+
+
+def run_command(args: list[str], *, cwd: Path, timeout: float, terminal: bool = False, env: dict | None = None,
+                script: Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m robust_lightning ARGS`` as a user would (or ``python SCRIPT ARGS``), in a session of its own.
+
+    Every process it starts (DDP ranks, loader workers) is in that session: after ``timeout`` seconds all of them
+    are killed with SIGKILL and the test fails, so a hang fails a test instead of stalling the suite (SIGTERM does
+    not stop a hung Lightning run: it handles the signal). ``terminal``: standard output and error are a
+    pseudo-terminal, as on a user's screen (progress bars drawn); their text comes back as ``stdout`` and
+    ``stderr`` alike. ``tests/`` is on PYTHONPATH, so configs can name callbacks of helpers.py.
+    """
+    command = [sys.executable, *([str(script)] if script else ["-m", "robust_lightning"]), *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+           **(env or {})}
+    options = dict(cwd=cwd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    chunks: list[bytes] = []
+    if terminal:
+        master, slave = os.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # 160 columns (tqdm's width)
+        process = subprocess.Popen(command, stdout=slave, stderr=slave, **options)
+        os.close(slave)
+        reader = threading.Thread(target=_read_terminal, args=(master, chunks), daemon=True)
+        reader.start()
+    else:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **options)
+    try:
+        if terminal:
+            process.wait(timeout=timeout)
+        else:
+            stdout, stderr = process.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # after a timeout, or a rank or worker left behind
+            os.killpg(process.pid, signal.SIGKILL)
+        if terminal:
+            reader.join(timeout=30)
+            os.close(master)
+            stdout = stderr = b"".join(chunks).decode(errors="replace")
+    if timed_out:
+        output = stdout if terminal else "".join(part or "" for part in process.communicate())
+        pytest.fail(f"{' '.join(command[1:])} did not end within {timeout:.0f} s (killed with every "
+                    f"process it started):\n{output[-3000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def write_image(path: Path, seed: int, size: int = 40, fmt: str = "JPEG") -> None:

@@ -3,8 +3,6 @@ safeguard, and the Lightning callback (results, resume, DDP)."""
 
 import copy
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import yaml
 
-from helpers import HostReads, force_device_path
+from helpers import HostReads, force_device_path, run_command
 from robust_lightning.attacks import ensemble, lp_norm
 from robust_lightning.attacks.ensemble import AutoAttack, batched_runs, channels_last_inputs, folded_batchnorm
 
@@ -401,7 +399,7 @@ def eval_config(tmp_path: Path, synthetic_root: Path, devices: int = 1, **callba
         "seed_everything": 0,
         "trainer": {
             "accelerator": "cpu", "devices": devices, "max_epochs": 1, "limit_train_batches": 4,
-            "num_sanity_val_steps": 0, "enable_progress_bar": False, "inference_mode": False,
+            "num_sanity_val_steps": 0, "inference_mode": False,
             "default_root_dir": str(tmp_path / "runs"),
             "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
                        "init_args": {"save_dir": str(tmp_path / "runs"), "name": "aa"}},
@@ -564,8 +562,7 @@ def test_a_line_cut_short_by_a_kill_is_redone(tmp_path):
 def test_ddp_evaluation_splits_points_and_gathers_them_exactly(tmp_path, checkpoint):
     ckpt, synthetic_root = checkpoint
     config = eval_config(tmp_path, synthetic_root, devices=2)
-    result = subprocess.run([sys.executable, "-m", "robust_lightning", "test", "--config", str(config),
-                             "--ckpt_path", str(ckpt)], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    result = run_command(["test", "--config", str(config), "--ckpt_path", str(ckpt)], cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(next((tmp_path / "runs" / "aa").glob("version_*/results.json")).read_text())
     summary = summary["autoattack"]["threat_models"]["Linf-4_255"]

@@ -2,8 +2,6 @@
 layout errors, and one run through the CLI on tiny replicas of every layout."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +10,7 @@ import torch
 import yaml
 from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
 
-from helpers import write_image
+from helpers import run_command, write_image
 from robust_lightning.data.classes import class_map
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.benchmarks import (
@@ -238,7 +236,7 @@ def bench_config(tmp_path: Path, roots: dict[str, str], devices: int = 1) -> Pat
     config = {
         "seed_everything": 0,
         "trainer": {
-            "accelerator": "cpu", "devices": devices, "enable_progress_bar": False,
+            "accelerator": "cpu", "devices": devices,
             "default_root_dir": str(tmp_path / "runs"),
             "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
                        "init_args": {"save_dir": str(tmp_path / "runs"), "name": "bench"}},
@@ -349,9 +347,8 @@ def test_cli_fails_at_test_start_on_a_bad_root(tmp_path, checkpoint, capsys):
 def test_ddp_splits_every_benchmark_over_ranks_and_counts_each_image_once(tmp_path, checkpoint):
     roots = benchmark_trees(tmp_path)
     config = bench_config(tmp_path, roots, devices=2)
-    result = subprocess.run([sys.executable, "-m", "robust_lightning", "test", "--config", str(config),
-                             "--ckpt_path", str(checkpoint)],
-                            capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    result = run_command(["test", "--config", str(config), "--ckpt_path", str(checkpoint)], cwd=tmp_path,
+                         timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     section = json.loads(next((tmp_path / "runs" / "bench").glob("version_*/results.json")).read_text())["benchmarks"]
     assert (section["imagenet_r"]["num_images"], section["imagenet_a"]["num_images"]) == (6, 4)  # odd splits too

@@ -290,3 +290,18 @@ def test_checkpoints_given_with_ckpt_path_load_weights_only(fitted, tmp_path, mo
     assert main(["validate", "--config", str(config), "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt"),
                  "--trainer.logger.init_args.save_dir", str(tmp_path)]) == 0
     assert seen and all(flag is True for flag in seen)
+
+
+def test_last_checkpoint_is_the_latest_epoch_even_when_the_score_did_not_improve(tmp_path, synthetic_root):
+    # monitor 'epoch' in mode min: epoch 0 stays the best, so no top-k checkpoint is saved after it (Lightning 2.6
+    # then left last.ckpt at epoch 0, and --ckpt_path last silently trained the later epochs again)
+    config = tiny_config(tmp_path, synthetic_root, **{"trainer.max_epochs": 3, "trainer.limit_train_batches": 2,
+                                                      "model.arch": "test_resnet"})
+    assert main(["fit", "--config", str(config), "--checkpoint.monitor", "epoch", "--checkpoint.mode", "min"]) == 0
+    checkpoints = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints"
+    last = torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=True)
+    assert (last["epoch"], last["global_step"]) == (2, 6)
+    assert [p.name[:8] for p in checkpoints.glob("epoch*.ckpt")] == ["epoch000"]
+    # the best score and path of ModelCheckpoint's state travel under its own key, as Lightning wrote them
+    state = next(v for k, v in last["callbacks"].items() if k.startswith("ModelCheckpoint{"))
+    assert state["best_model_path"].endswith(".ckpt") and state["best_model_score"] == 0

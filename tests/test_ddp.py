@@ -1,18 +1,14 @@
-"""Two CPU processes (DDP over gloo) through the real command line: disjoint shards, exact validation."""
+"""Two CPU processes (DDP over gloo) through the real command line: disjoint shards, exact validation. The
+progress display is on (printed lines: the output is not a terminal), as a user's batch job has it."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from helpers import WNIDS, make_image_tree
+from helpers import WNIDS, make_image_tree, run_command
 from robust_lightning.data.shards import convert_image_folder
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def run_ddp(tmp_path: Path, command: str, data: dict, record_dir: Path, model: dict | None = None) -> dict:
@@ -20,7 +16,7 @@ def run_ddp(tmp_path: Path, command: str, data: dict, record_dir: Path, model: d
         "seed_everything": 0,
         "trainer": {
             "accelerator": "cpu", "devices": 2, "strategy": "ddp", "max_epochs": 1, "num_sanity_val_steps": 0,
-            "enable_progress_bar": False, "default_root_dir": str(tmp_path / "runs"),
+            "default_root_dir": str(tmp_path / "runs"),
             "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
                        "init_args": {"save_dir": str(tmp_path / "runs"), "name": command}},
             "callbacks": [{"class_path": "helpers.KeyRecorder", "init_args": {"out_dir": str(record_dir)}}],
@@ -30,9 +26,7 @@ def run_ddp(tmp_path: Path, command: str, data: dict, record_dir: Path, model: d
     }
     path = tmp_path / f"{command}.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-m", "robust_lightning", command, "--config", str(path)],
-                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    result = run_command([command, "--config", str(path)], cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(next((tmp_path / "runs" / command).glob("version_*/results.json")).read_text())
     return results[command]

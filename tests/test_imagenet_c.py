@@ -16,7 +16,7 @@ import torch
 import yaml
 from PIL import Image
 
-from helpers import make_image_tree
+from helpers import make_image_tree, run_command
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.corruptions import CorruptedEvalTransform
 from robust_lightning.evaluation.imagenet_c import (
@@ -237,7 +237,7 @@ def cli_config(tmp_path: Path, *callback_args: dict) -> Path:
     config = {
         "seed_everything": 0,
         "trainer": {
-            "accelerator": "cpu", "devices": 1, "enable_progress_bar": False,
+            "accelerator": "cpu", "devices": 1,
             "default_root_dir": str(tmp_path / "runs"),
             "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
                        "init_args": {"save_dir": str(tmp_path / "runs"), "name": "c"}},
@@ -316,8 +316,6 @@ def test_cli_fails_at_test_start_on_a_bad_root(tmp_path, checkpoint, capsys):
 
 
 def test_ddp_splits_the_images_over_ranks_and_counts_each_once(tmp_path, checkpoint):
-    import subprocess
-    import sys
 
     root = imagenet_c_tree(tmp_path / "imagenet-c", corruptions=("brightness",), per_class=3)  # 6 per cell: odd splits
     # the same run also generates corruptions from the 5 val images (3 + 2 over the ranks); its section is replaced
@@ -328,8 +326,8 @@ def test_ddp_splits_the_images_over_ranks_and_counts_each_once(tmp_path, checkpo
     settings = yaml.safe_load(config.read_text())
     settings["trainer"].update(devices=2, strategy="ddp")
     config.write_text(yaml.safe_dump(settings))
-    result = subprocess.run([sys.executable, "-m", "robust_lightning", "test", "--config", str(config),
-                             "--ckpt_path", str(checkpoint)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    result = run_command(["test", "--config", str(config), "--ckpt_path", str(checkpoint)], cwd=tmp_path,
+                         timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     section = json.loads(next((tmp_path / "runs" / "c").glob("version_*/results.json")).read_text())["imagenet_c"]
     assert section["num_images"] == 12 and section["corruptions"]["brightness"]["num_images"] == 12

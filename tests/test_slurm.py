@@ -56,8 +56,9 @@ def synthetic(root: Path, per_shard: int = 10) -> dict:
 def fit_config(tmp_path: Path, name: str, num_workers: int = 0, **trainer) -> Path:
     config = {
         "seed_everything": 0,
-        "trainer": {"accelerator": "cpu", "max_epochs": 1, "num_sanity_val_steps": 0, "enable_progress_bar": False,
-                    "enable_model_summary": False, **trainer},
+        # the progress display on: printed lines in the job's log, as on a real cluster
+        "trainer": {"accelerator": "cpu", "max_epochs": 1, "num_sanity_val_steps": 0, "enable_model_summary": False,
+                    **trainer},
         "model": {"arch": "test_resnet", "warmup_epochs": 0.5},
         # 10-image shards: 4 training and 2 validation shards, enough for two ranks
         "data": {"source": "synthetic", "image_size": 32, "batch_size": 8, "num_workers": num_workers,
@@ -98,7 +99,7 @@ def test_sweep_array_job_then_report(slurm_env, tiny_checkpoint, tmp_path, capsy
     spec["grid"]["benchmark"]["apgd_ce"]["args"]["trainer.callbacks.init_args.n_iter"] = 3
     spec["args"].update({"data.eval_limit": 10, "data.eval_batch_size": 10, "data.num_workers": 0,
                          "data.synthetic": synthetic(synthetic_root), "trainer.accelerator": "cpu",
-                         "trainer.enable_progress_bar": False, "trainer.enable_model_summary": False})
+                         "trainer.enable_model_summary": False})
     spec["output_dir"] = str(tmp_path / "sweep")
     spec["slurm"] = {"time": "00:10:00", "cpus-per-task": 1}
     sweep_file = tmp_path / "quickstart.yaml"
@@ -174,6 +175,7 @@ def test_srun_ddp_fit_with_two_tasks(slurm_env, tmp_path):
     # two processes started by srun, ranks from SLURM (not spawned by Lightning), over gloo
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in log and "distributed_backend=gloo" in log
     assert log.count("SLURM auto-requeueing enabled") == 2
+    assert "epoch 0 done in" in log and "\r" not in log  # progress as printed lines (rank zero's), no bar
     fit = json.loads((run_dir / "results.json").read_text())["fit"]
     assert fit["conditions"]["world_size"] == 2
     assert fit["metrics"]["val/num_images"] == 20  # 10 classes x 2 validation images, each counted once

@@ -6,8 +6,6 @@ Run as a script (``python tests/test_uneven_batch.py OUT``), this file is the tr
 ddp launcher starts the other ranks by running the same command.
 """
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import torch.nn.functional as F
 from lightning import Callback, Trainer, seed_everything
 from torch.utils.data import DataLoader, DistributedSampler
 
-from helpers import WNIDS, make_image_tree
+from helpers import WNIDS, make_image_tree, run_command
 from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
 from robust_lightning.data.samplers import GlobalBatchSampler, rank_share
 from robust_lightning.training.lightning_module import ImageClassifier
@@ -161,7 +159,7 @@ def train_one_step(out: Path) -> None:
     source's split is the per-rank batch size alone, checked above)."""
     seed_everything(0)
     trainer = Trainer(accelerator="cpu", devices=WORLD_SIZE, strategy="ddp", max_steps=1, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      enable_checkpointing=False, enable_model_summary=False,
                       num_sanity_val_steps=0, limit_val_batches=0, inference_mode=False,
                       callbacks=[StepRecorder(str(out))], default_root_dir=str(out))
     data = ImageNetDataModule(source="folder", root=str(out / "in"), class_map="folders", image_size=32,
@@ -172,10 +170,8 @@ def train_one_step(out: Path) -> None:
 def test_one_step_on_three_ranks_equals_one_process_on_the_same_twenty_images(tmp_path):
     make_image_tree(tmp_path / "in" / "train", {w: 9 for w in WNIDS})  # 27 images: one step of 20
     make_image_tree(tmp_path / "in" / "val", {w: 1 for w in WNIDS})
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True, text=True,
-                            cwd=tmp_path, env=env, timeout=300)
+    result = run_command([str(tmp_path)], script=Path(__file__), cwd=tmp_path, timeout=300,
+                         env={"OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     load = lambda name, rank: torch.load(tmp_path / f"{name}-rank{rank}.pt", weights_only=True)  # noqa: E731
 

@@ -34,7 +34,7 @@ class CorruptImageReport(Callback):
         count = trainer.strategy.reduce(torch.tensor(float(len(names)), device=pl_module.device), reduce_op="sum")
         self.totals[stage] += int(count.item())
         if stage != "predict":  # Lightning allows no logging in predict
-            pl_module.log(f"{stage}/corrupt_images", count, sync_dist=True)  # already a sum over ranks
+            pl_module.log(f"{stage}/corrupt_images", count)  # already a sum over ranks: no sync_dist
         if names:  # every rank names its own files
             shown = "\n  ".join(names[:20]) + (f"\n  ... and {len(names) - 20} more" if len(names) > 20 else "")
             log.warning(f"[rank {trainer.global_rank}] skipped {len(names)} corrupt image(s) in this {stage} epoch:"
@@ -54,8 +54,8 @@ class CorruptImageReport(Callback):
             return
         missing = max(0, expected - read)
         self.image_counts[stage] = {"expected": expected, "read": read, "corrupt": corrupt, "missing": missing}
-        pl_module.log(f"{stage}/expected_images", float(expected), sync_dist=True)  # equal on every rank
-        pl_module.log(f"{stage}/missing_images", float(missing), sync_dist=True)
+        pl_module.log(f"{stage}/expected_images", float(expected))  # equal on every rank: no sync_dist
+        pl_module.log(f"{stage}/missing_images", float(missing))
         if not missing:
             return
         damaged = data.damaged_eval_shards() if hasattr(data, "damaged_eval_shards") else []

@@ -7,6 +7,7 @@ score that ModelCheckpoint keeps the best of (``val/select_acc``).
 """
 
 import copy
+import warnings
 from functools import partial
 from typing import Literal
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from lightning import LightningModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from timm.layers import DropPath
 from timm.models.convnext import ConvNeXt
 from timm.optim import create_optimizer_v2
@@ -38,6 +40,11 @@ ATTACKS = ("none", "apgd", "pgd", "fgsm", "fgsm_rs")
 # Layers whose train-mode forward differs from eval mode: with any of them active, the attack's (eval-mode)
 # forward cannot double as the update's (train-mode) forward.
 MODE_DEPENDENT = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd, DropPath)
+
+# The epoch values of these stages are reduced over the ranks before they are logged (torchmetrics' compute(),
+# strategy.reduce), so they are logged without sync_dist: Lightning's advice to add it does not apply to them.
+warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\('(train|val|val_ema|test|test_ema)/",
+                        category=PossibleUserWarning)
 
 
 def accuracy_metrics(num_classes: int) -> MetricCollection:
@@ -401,9 +408,12 @@ class ImageClassifier(LightningModule):
             self._ema_step = self.trainer.global_step
 
     def on_train_epoch_end(self) -> None:
-        # adv_acc1 exists only with an attack (decided by the configuration, so every rank logs the same keys)
+        # adv_acc1 exists only with an attack (decided by the configuration, so every rank logs the same keys).
+        # compute() gathers over the ranks here, on every rank at the same point; the values logged are then equal
+        # everywhere and need no sync_dist, whose lazy all-reduce runs wherever a value is first read (rank zero's
+        # progress bar reads them earlier than the other ranks: they would wait in different collectives).
         self.log_dict({f"train/{name}": metric.compute() for name, metric in self.train_metrics.items(keep_base=True)
-                       if name != "adv_acc1" or self.hparams.attack != "none"}, sync_dist=True)
+                       if name != "adv_acc1" or self.hparams.attack != "none"})
         self.train_metrics.reset()
 
     def configure_optimizers(self):
@@ -453,16 +463,16 @@ class ImageClassifier(LightningModule):
 
     def _eval_epoch_end(self, stage: str) -> None:
         # compute() sums the counts of all ranks before dividing: exact, unlike averaging per-rank means. The
-        # results are then equal on every rank, so sync_dist (a mean of equal values) changes nothing.
+        # results are then equal on every rank and are logged without sync_dist (see on_train_epoch_end).
         for weights, metrics in self.eval_metrics.items():
             prefix = stage if weights == "raw" else f"{stage}_ema"
             # decided by the configuration, not by update counts: every rank must log the same keys
             values = {f"{prefix}/{name}": metric.compute() for name, metric in metrics.items(keep_base=True)
                       if name != "robust_acc" or self.hparams.select_attack_steps}
-            self.log_dict(values, sync_dist=True)
+            self.log_dict(values)
             if weights == self.hparams.select_on:
                 score = values.get(f"{prefix}/robust_acc", values[f"{prefix}/acc1"])
-                self.log(f"{stage}/select_acc", score, sync_dist=True)
+                self.log(f"{stage}/select_acc", score)
             metrics.reset()
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:

@@ -1,0 +1,155 @@
+"""Progress display that never makes the host wait for the accelerator inside a training step.
+
+Showing a logged value reads it back from the device, which waits for every queued kernel. Lightning's tqdm bar
+does so after every training batch; these displays read the logged values every ``trainer.log_every_n_steps``
+training steps only, when Lightning's loggers read them anyway. Both read them at the end of a training epoch on
+rank zero only, so every value logged at epoch end is reduced over the ranks before it is logged
+(``ImageClassifier.on_train_epoch_end``): a value logged with ``sync_dist=True`` would be all-reduced when first
+read, on rank zero in the bar while the other ranks are elsewhere.
+
+The command line picks one (``default_progress_bar``): a tqdm bar on a terminal, and lines on logs without one
+(SLURM's ``.out`` files, where a bar's carriage returns make one unreadable line).
+"""
+
+import sys
+import time
+from typing import Any
+
+from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
+
+
+def _reading_due(trainer, batch_idx: int, total: int | float) -> bool:
+    """Whether the logged values may be read after this training batch: every log_every_n_steps batches and the
+    epoch's last one."""
+    n = batch_idx + 1
+    return n % max(1, trainer.log_every_n_steps) == 0 or n == total
+
+
+class StepProgressBar(TQDMProgressBar):
+    """Lightning's tqdm bar, with the logged values it shows read every ``trainer.log_every_n_steps`` steps."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._read_now = True
+        self._shown: dict[str, Any] = {}
+
+    def get_metrics(self, trainer, pl_module) -> dict[str, Any]:
+        if self._read_now or not self._shown:
+            self._shown = super().get_metrics(trainer, pl_module)
+        return self._shown
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self._read_now = _reading_due(trainer, batch_idx, self.total_train_batches)
+        try:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        finally:
+            self._read_now = True
+
+
+def _format(metrics: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
+
+
+class ProgressLines(ProgressBar):
+    """One printed line every ``trainer.log_every_n_steps`` batches (rank zero), for logs read without a terminal:
+    the epoch, the batch, elapsed time and an estimate of the rest, and the logged values; one line per
+    finished training epoch, validation, test and prediction."""
+
+    def __init__(self):
+        super().__init__()
+        self._enabled = True
+        self._started = 0.0
+
+    def disable(self) -> None:  # Lightning disables every rank but zero
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def _print(self, text: str) -> None:
+        if self._enabled:
+            print(text, file=sys.stdout, flush=True)
+
+    def _line(self, stage: str, batch_idx: int, total: int | float, metrics: dict[str, Any] | None = None) -> str:
+        n, elapsed = batch_idx + 1, time.monotonic() - self._started
+        known = isinstance(total, int) or (isinstance(total, float) and total != float("inf"))
+        of = f"/{int(total)}" if known else ""
+        rest = f" (~{_duration(elapsed / n * (total - n))} left)" if known and total > n else ""
+        values = f" | {_format(metrics)}" if metrics else ""
+        return f"{stage} batch {n}{of} | {_duration(elapsed)}{rest}{values}"
+
+    # ------------------------------------------------------------------------------------------- training
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._started = time.monotonic()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        total = self.total_train_batches
+        if _reading_due(trainer, batch_idx, total):
+            self._print(self._line(f"epoch {trainer.current_epoch}", batch_idx, total,
+                                   self.get_metrics(trainer, pl_module)))
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self._print(f"epoch {trainer.current_epoch} done in {_duration(time.monotonic() - self._started)} | "
+                    f"{_format(self.get_metrics(trainer, pl_module))}")
+
+    # -------------------------------------------------------------------------------- evaluation, predict
+    def _evaluation_start(self) -> None:
+        self._evaluation_started = time.monotonic()
+
+    def _evaluation_batch(self, trainer, stage: str, batch_idx: int, total: int | float) -> None:
+        if _reading_due(trainer, batch_idx, total):
+            started, self._started = self._started, self._evaluation_started
+            self._print(self._line(stage, batch_idx, total))
+            self._started = started
+
+    def _evaluation_end(self, trainer, stage: str) -> None:
+        # computed on every rank by now (Lightning reduces an evaluation's values before its end hooks)
+        metrics = {k: float(v) for k, v in sorted(trainer.callback_metrics.items()) if k.split("/")[0] in
+                   (stage, f"{stage}_ema")}
+        took = _duration(time.monotonic() - self._evaluation_started)
+        self._print(f"{stage} done in {took}" + (f" | {_format(metrics)}" if metrics else ""))
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._evaluation_start()
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if not trainer.sanity_checking:
+            self._evaluation_batch(trainer, "validation", batch_idx, trainer.num_val_batches[dataloader_idx])
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self._evaluation_end(trainer, "val")
+
+    def on_test_start(self, trainer, pl_module) -> None:
+        self._evaluation_start()
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._evaluation_batch(trainer, "test", batch_idx, trainer.num_test_batches[dataloader_idx])
+
+    def on_test_end(self, trainer, pl_module) -> None:
+        self._evaluation_end(trainer, "test")
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        self._evaluation_start()
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._evaluation_batch(trainer, "predict", batch_idx, trainer.num_predict_batches[dataloader_idx])
+
+    def on_predict_end(self, trainer, pl_module) -> None:
+        took = _duration(time.monotonic() - self._evaluation_started)
+        self._print(f"predict done in {took}")
+
+
+def default_progress_bar() -> ProgressBar:
+    """A tqdm bar when standard error is a terminal, printed lines otherwise (batch jobs, pipes)."""
+    return StepProgressBar() if sys.stderr.isatty() else ProgressLines()
