@@ -278,7 +278,7 @@ def test_global_batch_size_is_split_over_any_device_count(tiny_data):
 
     dm = ImageNetDataModule(**{**tiny_data, "global_batch_size": 12})
     dm.trainer = type("T", (), {"global_rank": 0, "world_size": 3})()
-    dm._rank_shards = lambda urls, split: urls  # the tiny set has one shard; only the batch arithmetic matters here
+    # the tiny set has one shard: ranks beyond the first share its samples
     dm.setup("test")
     assert dm.batch_size == 4
     dm.trainer.world_size = 5  # uneven: the first 12 % 5 = 2 ranks take one image more

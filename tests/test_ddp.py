@@ -11,11 +11,12 @@ from helpers import WNIDS, make_image_tree, run_command
 from robust_lightning.data.shards import convert_image_folder
 
 
-def run_ddp(tmp_path: Path, command: str, data: dict, record_dir: Path, model: dict | None = None) -> dict:
+def run_ddp(tmp_path: Path, command: str, data: dict, record_dir: Path, model: dict | None = None,
+            devices: int = 2) -> dict:
     config = {
         "seed_everything": 0,
         "trainer": {
-            "accelerator": "cpu", "devices": 2, "strategy": "ddp", "max_epochs": 1, "num_sanity_val_steps": 0,
+            "accelerator": "cpu", "devices": devices, "strategy": "ddp", "max_epochs": 1, "num_sanity_val_steps": 0,
             "default_root_dir": str(tmp_path / "runs"),
             "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
                        "init_args": {"save_dir": str(tmp_path / "runs"), "name": command}},
@@ -24,16 +25,16 @@ def run_ddp(tmp_path: Path, command: str, data: dict, record_dir: Path, model: d
         "model": {"arch": "test_convnext", "warmup_epochs": 0.5, **(model or {})},
         "data": {"image_size": 32, "batch_size": 4, "eval_batch_size": 4, "num_workers": 1, **data},
     }
-    path = tmp_path / f"{command}.yaml"
+    path = tmp_path / f"{command}-{devices}.yaml"
     path.write_text(yaml.safe_dump(config))
     result = run_command([command, "--config", str(path)], cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    results = json.loads(next((tmp_path / "runs" / command).glob("version_*/results.json")).read_text())
+    results = json.loads(max((tmp_path / "runs" / command).glob("version_*/results.json")).read_text())
     return results[command]
 
 
-def recorded(record_dir: Path, stage: str) -> list[list[str]]:
-    return [json.loads((record_dir / f"{stage}-rank{rank}-e0.json").read_text()) for rank in range(2)]
+def recorded(record_dir: Path, stage: str, ranks: int = 2) -> list[list[str]]:
+    return [json.loads((record_dir / f"{stage}-rank{rank}-e0.json").read_text()) for rank in range(ranks)]
 
 
 def test_ddp_fit_on_shards_reads_disjoint_shards_and_validates_each_image_once(tmp_path):
@@ -111,3 +112,20 @@ def test_ddp_adversarial_fit_selects_on_a_holdout_counted_exactly(tmp_path):
         clean = (model_(batch["image"]).argmax(1) == batch["label"]).float().mean()
         assert metrics[f"{prefix}/robust_acc"] == pytest.approx(robust.float().mean().item(), abs=1e-6)
         assert metrics[f"{prefix}/acc1"] == pytest.approx(clean.item(), abs=1e-6)
+
+
+def test_more_ranks_than_validation_shards_split_the_samples_and_count_each_image_once(tmp_path):
+    """3 ranks on 2 validation shards (7 and 4 images): ranks 0 and 2 share the first shard sample by sample,
+    rank 1 reads the second; the metrics equal those of one process over the same shards."""
+    make_image_tree(tmp_path / "trees" / "val", {WNIDS[0]: 4, WNIDS[1]: 4, WNIDS[2]: 3})
+    convert_image_folder(tmp_path / "trees" / "val", tmp_path / "shards" / "val", samples_per_shard=7,
+                         shuffle=False, workers=1, progress=False)
+    data = {"source": "shards", "val_shards": str(tmp_path / "shards/val"), "num_classes": 1000}
+    three = run_ddp(tmp_path, "validate", data, tmp_path / "keys3", devices=3)["metrics"]
+    one = run_ddp(tmp_path, "validate", data, tmp_path / "keys1", devices=1)["metrics"]
+    val = recorded(tmp_path / "keys3", "val", ranks=3)
+    assert [len(keys) for keys in val] == [4, 4, 3]
+    assert len(set(val[0]) | set(val[1]) | set(val[2])) == 11
+    assert three["val/num_images"] == one["val/num_images"] == 11
+    for name in ("val/acc1", "val/acc5", "val/loss", "val/ece"):
+        assert three[name] == pytest.approx(one[name], abs=1e-6), name

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from helpers import WNIDS, make_image_tree, run_command
 from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
-from robust_lightning.data.samplers import GlobalBatchSampler, rank_share
+from robust_lightning.data.samplers import GlobalBatchSampler, ShardShare, rank_share
 from robust_lightning.training.lightning_module import ImageClassifier
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,6 +31,19 @@ def test_rank_batch_sizes_cover_the_global_batch_and_differ_by_at_most_one(globa
     assert sum(shares) == global_batch
     assert max(shares) - min(shares) <= 1
     assert shares == sorted(shares, reverse=True)  # the extra images go to the first ranks
+
+
+@pytest.mark.parametrize("shards, world_size", [(1, 3), (2, 3), (3, 8), (40, 64), (5, 5), (7, 3)])
+def test_every_shard_sample_goes_to_exactly_one_rank(shards, world_size):
+    sizes = [11 + s for s in range(shards)]  # shards of different sizes
+    taken = []
+    for rank in range(world_size):
+        share = ShardShare.of_rank([f"shard-{s}" for s in range(shards)], world_size, rank)
+        assert share.urls, "every rank reads something"
+        for url in share.urls:
+            samples = range(sizes[int(url.split("-")[1])])
+            taken += [(url, i) for i in samples[share.reader :: share.readers]]
+    assert len(taken) == len(set(taken)) == sum(sizes)
 
 
 def rank_batches(dataset, world_size: int, global_batch: int, epoch: int = 0) -> list[list[list[int]]]:

@@ -29,7 +29,7 @@ from robust_lightning.data.augment import BatchAugment
 from robust_lightning.data.batch import Batch
 from robust_lightning.data.classes import class_map as load_class_map
 from robust_lightning.data.crop import random_resized_crop
-from robust_lightning.data.samplers import ExactDistributedSampler, GlobalBatchSampler, rank_share
+from robust_lightning.data.samplers import ExactDistributedSampler, GlobalBatchSampler, ShardShare, rank_share
 from robust_lightning.data.shards import read_manifest, shard_urls
 from robust_lightning.data.synthetic import ensure_synthetic_dataset
 from robust_lightning.data.transforms import (
@@ -151,9 +151,11 @@ class ShardStream(IterableDataset):
     Without ``repeat`` (evaluation) every shard is read exactly once.
     """
 
-    def __init__(self, urls: list[str], transform, *, repeat: bool, shuffle_buffer: int = 0, seed: int = 0,
-                 subset: ListedImages | None = None):
-        self.urls = urls
+    def __init__(self, urls: list[str] | ShardShare, transform, *, repeat: bool, shuffle_buffer: int = 0,
+                 seed: int = 0, subset: ListedImages | None = None):
+        share = urls if isinstance(urls, ShardShare) else ShardShare(list(urls))
+        self.urls = share.urls
+        self.readers, self.reader = share.readers, share.reader  # ranks sharing these shards split their samples
         self.transform = transform
         self.subset = subset  # evaluate only these samples (an evaluation subset); None: all
         self.repeat = repeat
@@ -179,6 +181,8 @@ class ShardStream(IterableDataset):
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
         samples = wds.tarfile_samples(self._worker_urls(worker, num_workers), handler=self.handler)
+        if self.readers > 1:  # a shard shared with other ranks (then the only one, read by one worker)
+            samples = itertools.islice(samples, self.reader, None, self.readers)
         if self.shuffle_buffer > 1:
             rng = random.Random(f"{self.seed}-{self.epoch}-{worker}")
             samples = wds.shuffle(self.shuffle_buffer, min(100, self.shuffle_buffer), rng=rng)(samples)
@@ -552,7 +556,7 @@ class ImageNetDataModule(LightningDataModule):
                 total -= held_images
             self.train_images = total
             self.train_set = ShardStream(
-                self._rank_shards(urls, "train"), training, repeat=True,
+                self._rank_shards(urls), training, repeat=True,
                 shuffle_buffer=self.shuffle_buffer, seed=self.seed,
             )
         if on_holdout:
@@ -577,14 +581,14 @@ class ImageNetDataModule(LightningDataModule):
             self.eval_images = len(listed.folders)
             # a listed image missing from the shards can only be told after reading them
             self.eval_keys = frozenset(listed.folders)
-            self.eval_set = ShardStream(self._rank_shards(urls, "val"), evaluation, repeat=False, subset=listed)
+            self.eval_set = ShardStream(self._rank_shards(urls), evaluation, repeat=False, subset=listed)
         elif self.eval_limit:
             # the first n samples of the val shards, split sample by sample over ranks and workers
             self.eval_images = min(self.eval_limit, self.eval_images or self.eval_limit)
             self.eval_set = HoldoutStream(urls, evaluation, limit=self.eval_limit, rank=self.rank,
                                           world_size=self.world_size)
         else:
-            self.eval_set = ShardStream(self._rank_shards(urls, "val"), evaluation, repeat=False)
+            self.eval_set = ShardStream(self._rank_shards(urls), evaluation, repeat=False)
 
     def _setup_augmentation(self) -> None:
         """Everything after the crop: on the device by default, or in the workers with MixUp/CutMix (which
@@ -705,14 +709,9 @@ class ImageNetDataModule(LightningDataModule):
                 )
         return urls, size
 
-    def _rank_shards(self, urls: list[str], split: str) -> list[str]:
-        """This rank's shards of a split: every world_size-th, starting at the rank's."""
-        if len(urls) < self.world_size:
-            raise UserError(
-                f"the {split} split has {len(urls)} shards but {self.world_size} ranks: every rank needs at "
-                "least one shard (write smaller shards with robust-lightning shards --samples-per-shard)"
-            )
-        return urls[self.rank :: self.world_size]
+    def _rank_shards(self, urls: list[str]) -> ShardShare:
+        """This rank's part of a split's shards (samples of shared shards when there are more ranks than shards)."""
+        return ShardShare.of_rank(urls, self.world_size, self.rank)
 
     @property
     def global_batch(self) -> int:

@@ -1,10 +1,13 @@
-"""How images are split over the ranks: one even-split formula and the two samplers built on it.
+"""How images are split over the ranks: one even-split formula, the two samplers built on it, and the split of
+shards (``ShardShare``).
 
 Both samplers are torch DistributedSamplers, so Lightning keeps them: under DDP it wraps any other sampler in
 a distributed one of its own. Training takes one global batch of distinct images per step however unevenly
 it splits (``GlobalBatchSampler``); evaluation takes each image exactly once over all ranks, without padding
 (``ExactDistributedSampler``).
 """
+
+from typing import NamedTuple
 
 import torch
 from torch.utils.data import Dataset, DistributedSampler
@@ -60,3 +63,23 @@ class ExactDistributedSampler(DistributedSampler):
 
     def __len__(self) -> int:
         return len(range(self.rank, len(self.dataset), self.num_replicas))
+
+
+class ShardShare(NamedTuple):
+    """One rank's part of a list of shards: the shards it reads, and of their samples every ``readers``-th one
+    from the ``reader``-th on (all of them when ``readers`` is 1)."""
+
+    urls: list[str]
+    readers: int = 1
+    reader: int = 0
+
+    @classmethod
+    def of_rank(cls, urls: list[str], world_size: int, rank: int) -> "ShardShare":
+        """Whole shards when there are at least as many as ranks (every world_size-th, from the rank's); with fewer
+        shards than ranks, rank r reads shard r % len(urls) together with the other ranks that share it, each
+        keeping its own samples. Every sample goes to exactly one rank either way, and each rank reads at most the
+        bytes of its own shards."""
+        if len(urls) >= world_size:
+            return cls(urls[rank::world_size])
+        shard = rank % len(urls)
+        return cls([urls[shard]], readers=rank_share(world_size, len(urls), shard), reader=rank // len(urls))
