@@ -138,10 +138,24 @@ class KeyRecorder(Callback):
             self._dump(trainer, "val")
 
 
+class AugmentationRecorder(Callback):
+    """Saves each training batch as the model got it (augmented images, labels, soft targets) to
+    <out_dir>/rank<r>-e<epoch>-b<batch>.pt."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir = Path(out_dir)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        kept = {k: batch[k].clone() for k in ("image", "label", "target") if k in batch}
+        torch.save(kept, self.out_dir / f"rank{trainer.global_rank}-e{trainer.current_epoch}-b{batch_idx}.pt")
+
+
 class HostReads(TorchDispatchMode):
     """Records every op that reads tensor values back to the host (``.item()``, ``bool(t)``, ``nonzero``,
     boolean-mask indexing, ...): on a GPU each would wait for the device's queue to drain. Works on the CPU,
-    so the test suite checks the GPU code paths without a GPU. ``calls`` holds (op, where it was called)."""
+    so the test suite checks the GPU code paths without a GPU. ``calls`` holds (op, where it was called: 3
+    frames, or the environment's HOSTREADS_DEPTH)."""
 
     _aten = torch.ops.aten
     READS = {_aten._local_scalar_dense.default, _aten.nonzero.default, _aten.masked_select.default,
@@ -160,7 +174,8 @@ class HostReads(TorchDispatchMode):
         if func in self.MASK_INDEXING:  # a boolean mask's nonzero entries become indices on the host
             reads = any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
         if reads:
-            self.calls.append((str(func), "".join(traceback.format_stack(limit=4)[:-1])))
+            depth = int(os.environ.get("HOSTREADS_DEPTH", "4"))
+            self.calls.append((str(func), "".join(traceback.format_stack(limit=depth)[:-1])))
         return func(*args, **kwargs)
 
     def listing(self) -> str:
@@ -168,8 +183,10 @@ class HostReads(TorchDispatchMode):
 
 
 def force_device_path(monkeypatch) -> None:
-    """Make the attacks take, on the CPU, the path they take on GPUs (where reading values back is not cheap)."""
-    for module in ("robust_lightning.attacks.projections", "robust_lightning.attacks.apgd"):
+    """Make the attacks and the batched augmentation take, on the CPU, the path they take on GPUs (where reading
+    values back is not cheap)."""
+    for module in ("robust_lightning.attacks.projections", "robust_lightning.attacks.apgd",
+                   "robust_lightning.data.augment"):
         monkeypatch.setattr(importlib.import_module(module), "host_reads_are_cheap", lambda t: False)
 
 

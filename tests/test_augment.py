@@ -13,7 +13,9 @@ import timm.data.auto_augment as timm_aa
 import torch
 import torchvision.transforms.functional as TF
 from PIL import Image, ImageFilter, ImageOps
+from timm.data import Mixup
 
+from helpers import HostReads, force_device_path
 from robust_lightning.data.augment import (
     GEOMETRIC_OPS,
     IMAGENET_MEAN,
@@ -21,6 +23,7 @@ from robust_lightning.data.augment import (
     RAND_AUGMENT_OPS,
     BatchAugment,
     ColorJitter,
+    MixUpCutMix,
     RandAugment,
     RandomErasing,
     ThreeAugment,
@@ -386,6 +389,135 @@ def test_batch_augment_is_deterministic_with_a_generator():
 def test_unknown_scheme_names_the_choices():
     with pytest.raises(ValueError, match="'strong'.*basic, 3aug, heavy"):
         BatchAugment("strong", 10)
+
+
+# --------------------------------------------------------------------- the device path (nothing read back)
+DEVICE_PATH_SCHEMES = [
+    ("basic", {}),
+    ("3aug", {}),
+    ("3aug", {"mix": True}),
+    ("heavy", {}),
+    ("heavy", {"mix": False}),
+    ("heavy", {"augmentation_fill": "official"}),
+    ("heavy", {"augmentation_fill": "official", "mix": False, "erase_mode": "rand"}),
+]
+
+
+@pytest.mark.parametrize("scheme,options", DEVICE_PATH_SCHEMES)
+@pytest.mark.parametrize("batch_size", [16, 15])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
+def test_batch_augment_device_path_reads_nothing_and_matches_the_cpu_path(monkeypatch, scheme, options, batch_size,
+                                                                          dtype):
+    images = torch.from_numpy(np.stack(smooth_images(n=batch_size, seed=8))).permute(0, 3, 1, 2).contiguous()
+    images = images if dtype == torch.uint8 else images.float() / 255
+    labels = torch.arange(batch_size) % 10
+    augment = BatchAugment(scheme, 10, **options)
+
+    def run():
+        return augment(images, labels, generator=torch.Generator().manual_seed(3), mix_rng=np.random.RandomState(4))
+
+    with HostReads() as cpu_path:
+        expected = run()
+    # the CPU path sorts samples by the op they drew, reading the group sizes back
+    assert bool(cpu_path.calls) == (scheme != "basic"), cpu_path.listing()
+    force_device_path(monkeypatch)
+    with HostReads() as device_path:
+        result = run()
+    assert device_path.calls == [], device_path.listing()
+    for ours, theirs in zip(result, expected):
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+
+
+def test_rand_augment_device_path_matches_the_cpu_path_for_every_op(monkeypatch):
+    augment = RandAugment(prob=0.9)
+    batch = to_batch(smooth_images(n=64, size=24, seed=9))
+    params = augment.sample_params(len(batch), torch.Generator().manual_seed(2))
+    drawn = params["op"][params["applied"]]
+    assert set(drawn.tolist()) == set(range(len(RAND_AUGMENT_OPS)))  # every op occurs
+    assert not params["applied"].all()  # and some samples pass a layer unchanged
+    expected = augment.apply(batch, params)
+    force_device_path(monkeypatch)
+    with HostReads() as device_path:
+        result = augment.apply(batch, params)
+    assert device_path.calls == [], device_path.listing()
+    assert torch.equal(result, expected)
+
+
+# ------------------------------------------------------------------- MixUp/CutMix from an explicit stream
+def timm_mixup(options: dict) -> Mixup:
+    return Mixup(mode="batch", label_smoothing=0.1, num_classes=10, **options)
+
+
+MIX_OPTIONS = [
+    {"mixup_alpha": 0.8, "cutmix_alpha": 1.0, "switch_prob": 0.5},  # BatchAugment's defaults
+    {"mixup_alpha": 0.8, "cutmix_alpha": 0.0},
+    {"mixup_alpha": 0.0, "cutmix_alpha": 1.0},
+]
+
+
+@pytest.mark.parametrize("options", MIX_OPTIONS)
+@pytest.mark.parametrize("shape", [(8, 3, 32, 32), (2, 3, 17, 29), (6, 1, 224, 160)])
+def test_mixing_matches_timm_mixup(options, shape):
+    labels = torch.arange(shape[0]) % 10
+    ours = MixUpCutMix(label_smoothing=0.1, num_classes=10, **options)
+    boxes = 0
+    for k in range(16):
+        images = torch.rand(shape, generator=torch.Generator().manual_seed(k))
+        np.random.seed(k)
+        expected = timm_mixup(options)(images.clone(), labels)
+        result = ours(images.clone(), labels, np.random.RandomState(k))
+        for mine, theirs in zip(result, expected):
+            assert mine.dtype == theirs.dtype and torch.equal(mine, theirs), k
+        boxes += ours.sample(shape[-2], shape[-1], np.random.RandomState(k))[1] is not None
+    if options["cutmix_alpha"] == 0:
+        assert boxes == 0
+    elif options["mixup_alpha"] == 0:
+        assert boxes == 16
+    else:
+        assert 0 < boxes < 16  # both MixUp and CutMix batches
+
+
+@pytest.mark.parametrize("batch_size", [8, 7])
+def test_batch_augment_mixing_matches_timm_mixup(batch_size):
+    augment = BatchAugment("heavy", 10, flip=False, rand_augment="", erase_prob=0)  # mixing only
+    labels = torch.arange(batch_size) % 10
+    even = batch_size - batch_size % 2
+    for k in range(8):
+        images = torch.rand((batch_size, 3, 20, 24), generator=torch.Generator().manual_seed(k))
+        x, targets = augment(images, labels, mix_rng=np.random.RandomState(k))
+        np.random.seed(k)
+        expected_x, expected_targets = timm_mixup(MIX_OPTIONS[0])(images[:even].clone(), labels[:even])
+        assert torch.equal(x[:even], expected_x) and torch.equal(targets[:even], expected_targets)
+        assert torch.equal(x[even:], images[even:])  # the odd one out passes unmixed
+
+
+def test_mix_rng_streams_are_their_own():
+    augment = BatchAugment("heavy", 10, flip=False, rand_augment="", erase_prob=0)
+    images, labels = torch.rand(8, 3, 16, 16), torch.arange(8)  # the targets give away lam
+
+    def targets(seed: int) -> list[torch.Tensor]:
+        np.random.seed(0)  # the global generator, seeded alike (as on every DDP rank), is not what draws
+        before = np.random.get_state()
+        rng = np.random.RandomState(seed)
+        drawn = [augment(images, labels, mix_rng=rng)[1] for _ in range(4)]
+        after = np.random.get_state()
+        assert np.array_equal(after[1], before[1]) and after[2] == before[2]
+        return drawn
+
+    first, again, other = targets(1), targets(1), targets(2)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert any(not torch.equal(a, b) for a, b in zip(first, other))
+    # without mix_rng the draws are timm's, from NumPy's global generator
+    np.random.seed(1)
+    assert torch.equal(augment(images, labels)[1], first[0])
+
+
+def test_batch_augment_describes_its_mixing():
+    text = repr(BatchAugment("heavy", 10))
+    assert "mixup_alpha=0.8, cutmix_alpha=1.0, switch_prob=0.5, label_smoothing=0.1" in text
+    assert "mixup_alpha" not in repr(BatchAugment("heavy", 10, mix=False))
+    with pytest.raises(ValueError, match="mixup_alpha > 0 or cutmix_alpha > 0"):
+        BatchAugment("heavy", 10, mixup_alpha=0, cutmix_alpha=0)
 
 
 # ----------------------------------------------------------------------------------------- spec parsing

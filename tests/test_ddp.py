@@ -5,14 +5,15 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
-from helpers import WNIDS, make_image_tree, run_command
+from helpers import WNIDS, make_image_tree, run_command, write_image
 from robust_lightning.data.shards import convert_image_folder
 
 
 def run_ddp(tmp_path: Path, command: str, data: dict, record_dir: Path, model: dict | None = None,
-            devices: int = 2) -> dict:
+            devices: int = 2, args: tuple[str, ...] = (), **trainer) -> dict:
     config = {
         "seed_everything": 0,
         "trainer": {
@@ -21,13 +22,14 @@ def run_ddp(tmp_path: Path, command: str, data: dict, record_dir: Path, model: d
             "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
                        "init_args": {"save_dir": str(tmp_path / "runs"), "name": command}},
             "callbacks": [{"class_path": "helpers.KeyRecorder", "init_args": {"out_dir": str(record_dir)}}],
+            **trainer,
         },
         "model": {"arch": "test_convnext", "warmup_epochs": 0.5, **(model or {})},
         "data": {"image_size": 32, "batch_size": 4, "eval_batch_size": 4, "num_workers": 1, **data},
     }
     path = tmp_path / f"{command}-{devices}.yaml"
     path.write_text(yaml.safe_dump(config))
-    result = run_command([command, "--config", str(path)], cwd=tmp_path, timeout=300)
+    result = run_command([command, "--config", str(path), *args], cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(max((tmp_path / "runs" / command).glob("version_*/results.json")).read_text())
     return results[command]
@@ -129,3 +131,51 @@ def test_more_ranks_than_validation_shards_split_the_samples_and_count_each_imag
     assert three["val/num_images"] == one["val/num_images"] == 11
     for name in ("val/acc1", "val/acc5", "val/loss", "val/ece"):
         assert three[name] == pytest.approx(one[name], abs=1e-6), name
+
+
+def test_ranks_draw_their_own_augmentation_and_a_resumed_run_draws_the_same(tmp_path):
+    """Heavy augmentation and 1-step APGD-AT on 2 ranks, every training image the same picture: the ranks'
+    augmented batches differ only through their random draws (crop, flip, RandAugment, erasing), and their
+    MixUp/CutMix weights differ. Resumed at the epoch boundary, the second epoch is the uninterrupted one's."""
+    for i, wnid in enumerate(WNIDS * 4):  # 12 copies of one image in 3 classes
+        write_image(tmp_path / "same" / "train" / wnid / f"{wnid}_{i}.JPEG", seed=0)
+    make_image_tree(tmp_path / "same" / "val", {w: 1 for w in WNIDS})
+    data = {"source": "folder", "root": str(tmp_path / "same"), "class_map": "folders", "augmentation": "heavy",
+            "batch_size": 3, "eval_batch_size": 3}
+    model = {"attack": "apgd", "attack_steps": 1, "ema_decay": 0.9, "label_smoothing": 0.1}
+    record = {"class_path": "helpers.AugmentationRecorder", "init_args": {"out_dir": str(tmp_path / "drawn")}}
+    callbacks = [{"class_path": "helpers.KeyRecorder", "init_args": {"out_dir": str(tmp_path / "keys")}}, record]
+    trainer = {"max_epochs": 2, "log_every_n_steps": 1, "callbacks": callbacks}
+    run_ddp(tmp_path, "fit", data, tmp_path / "keys", model, args=("--checkpoint.save_top_k", "-1"), **trainer)
+
+    def batch(rank, epoch, step):
+        return torch.load(tmp_path / "drawn" / f"rank{rank}-e{epoch}-b{step}.pt", weights_only=True)
+
+    weights = []
+    for epoch, step in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        ranks = [batch(rank, epoch, step) for rank in range(2)]
+        assert not torch.equal(ranks[0]["image"], ranks[1]["image"])  # the same pictures, drawn differently
+        for drawn in ranks:  # MixUp/CutMix weight of the batch, from a pair of differing labels
+            label, target = drawn["label"], drawn["target"]
+            pairs = [i for i in range(len(label)) if label[i] != label[len(label) - 1 - i]]
+            if pairs:
+                i = pairs[0]
+                weights.append((epoch, step, (target[i, label[i]].item() - 0.1 / 3) / 0.9))
+    assert len({w for *_, w in weights}) > len(weights) // 2  # not one weight per step shared by the ranks
+
+    # resumed from the epoch-0 checkpoint: the second epoch draws, trains and ends as the uninterrupted run
+    first_epoch = next((tmp_path / "runs" / "fit" / "version_0" / "checkpoints").glob("epoch000-*.ckpt"))
+    resumed_record = {"class_path": "helpers.AugmentationRecorder",
+                      "init_args": {"out_dir": str(tmp_path / "resumed")}}
+    trainer["callbacks"] = [callbacks[0], resumed_record]
+    run_ddp(tmp_path, "fit", data, tmp_path / "keys", model, args=("--ckpt_path", str(first_epoch),
+                                                                   "--checkpoint.save_top_k", "-1"), **trainer)
+    for rank in range(2):
+        for step in range(2):
+            again = torch.load(tmp_path / "resumed" / f"rank{rank}-e1-b{step}.pt", weights_only=True)
+            for key, value in batch(rank, 1, step).items():
+                torch.testing.assert_close(again[key], value, atol=0, rtol=0, msg=f"rank {rank} step {step} {key}")
+    whole, resumed = (torch.load(next((tmp_path / "runs" / "fit" / f"version_{v}" / "checkpoints").glob(
+        "epoch001-*.ckpt")), map_location="cpu", weights_only=True)["state_dict"] for v in (0, 1))
+    for name, value in whole.items():
+        torch.testing.assert_close(resumed[name], value, atol=1e-6, rtol=0, msg=name)

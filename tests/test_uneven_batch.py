@@ -140,11 +140,12 @@ class SGDClassifier(ImageClassifier):
 
 
 class StepRecorder(Callback):
-    """Saves, per rank: the weights before training, the batch of the first step (as the model got it), the
-    gradient after DDP averaged it, and the weights after the step."""
+    """Saves, per rank: the weights before training, the micro-batches of the first step (as the model got them),
+    the gradient after DDP averaged it, and the weights after the step."""
 
     def __init__(self, out_dir: str):
         self.out_dir = Path(out_dir)
+        self.batches = []
 
     def _save(self, trainer, name, value):
         torch.save(value, self.out_dir / f"{name}-rank{trainer.global_rank}.pt")
@@ -153,72 +154,143 @@ class StepRecorder(Callback):
         self._save(trainer, "init", {k: v.clone() for k, v in pl_module.model.state_dict().items()})
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._save(trainer, "batch", {"image": batch["image"].clone(), "label": batch["label"].clone(),
-                                      "key": batch["key"]})
+        self.batches.append({"image": batch["image"].clone(), "label": batch["label"].clone(), "key": batch["key"]})
+        self._save(trainer, "batches", self.batches)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self._save(trainer, "grad", {n: p.grad.clone() for n, p in pl_module.model.named_parameters()})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._save(trainer, "final", {k: v.clone() for k, v in pl_module.model.state_dict().items()})
+        self._save(trainer, "steps", {"global_step": trainer.global_step, "micro_batches": len(self.batches),
+                                      "accumulate_grad_batches": trainer.accumulate_grad_batches})
 
 
 # no label smoothing: the reference below is then plain cross-entropy on the labels
 MODEL = dict(arch="test_convnext", num_classes=3, label_smoothing=0.0, warmup_epochs=0)
 
 
-def train_one_step(out: Path) -> None:
+def train_one_step(out: Path, world_size: int, max_device_batch_size: int | None) -> None:
     """Folder data: the ranks' shares come from GlobalBatchSampler, which Lightning must keep (the shard
     source's split is the per-rank batch size alone, checked above)."""
     seed_everything(0)
-    trainer = Trainer(accelerator="cpu", devices=WORLD_SIZE, strategy="ddp", max_steps=1, logger=False,
-                      enable_checkpointing=False, enable_model_summary=False,
+    trainer = Trainer(accelerator="cpu", devices=world_size, strategy="ddp" if world_size > 1 else "auto",
+                      max_steps=1, logger=False, enable_checkpointing=False, enable_model_summary=False,
                       num_sanity_val_steps=0, limit_val_batches=0, inference_mode=False,
                       callbacks=[StepRecorder(str(out))], default_root_dir=str(out))
     data = ImageNetDataModule(source="folder", root=str(out / "in"), class_map="folders", image_size=32,
-                              num_workers=0, global_batch_size=GLOBAL_BATCH)
+                              num_workers=0, global_batch_size=GLOBAL_BATCH,
+                              max_device_batch_size=max_device_batch_size)
     trainer.fit(SGDClassifier(**MODEL), datamodule=data)
 
 
-def test_one_step_on_three_ranks_equals_one_process_on_the_same_twenty_images(tmp_path):
+def one_step(tmp_path: Path, world_size: int, max_device_batch_size: int | None = None):
+    """One SGD step of a global batch of 20 on ``world_size`` processes (a subprocess with a hard time limit
+    beyond one), and what each rank recorded."""
     make_image_tree(tmp_path / "in" / "train", {w: 9 for w in WNIDS})  # 27 images: one step of 20
     make_image_tree(tmp_path / "in" / "val", {w: 1 for w in WNIDS})
-    result = run_command([str(tmp_path)], script=Path(__file__), cwd=tmp_path, timeout=300,
-                         env={"OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    load = lambda name, rank: torch.load(tmp_path / f"{name}-rank{rank}.pt", weights_only=True)  # noqa: E731
+    if world_size == 1:
+        train_one_step(tmp_path, 1, max_device_batch_size)
+    else:
+        args = [str(tmp_path), str(world_size), str(max_device_batch_size or 0)]
+        result = run_command(args, script=Path(__file__), cwd=tmp_path, timeout=300, env={"OMP_NUM_THREADS": "1"})
+        assert result.returncode == 0, result.stderr[-3000:]
+    return lambda name, rank: torch.load(tmp_path / f"{name}-rank{rank}.pt", weights_only=True)
 
-    batches = [load("batch", rank) for rank in range(WORLD_SIZE)]
-    assert [len(b["label"]) for b in batches] == [7, 7, 6]
-    assert len({key for b in batches for key in b["key"]}) == GLOBAL_BATCH  # 20 distinct images
 
-    # the reference: one process, the same initial weights, the mean loss over all 20 images, one SGD step
+def reference_step(init: dict, images: torch.Tensor, labels: torch.Tensor) -> tuple[dict, dict]:
+    """One process, the same initial weights, the mean loss over all the step's images in one batch, one SGD step:
+    (gradient, weights after the step)."""
     module = SGDClassifier(**MODEL)
-    module.model.load_state_dict(load("init", 0))
-    images = torch.cat([b["image"] for b in batches])
-    labels = torch.cat([b["label"] for b in batches])
+    module.model.load_state_dict(init)
     F.cross_entropy(module.model(images), labels).backward()
-    reference_grad = {n: p.grad.clone() for n, p in module.model.named_parameters()}
+    grad = {n: p.grad.clone() for n, p in module.model.named_parameters()}
     with torch.no_grad():
         for p in module.model.parameters():
             p -= LR * p.grad
-    expected = module.model.state_dict()
+    return grad, module.model.state_dict()
 
-    for rank in range(WORLD_SIZE):
+
+def assert_same_step(load, world_size: int, reference_grad: dict, expected: dict) -> None:
+    for rank in range(world_size):
         grad, final = load("grad", rank), load("final", rank)
         for name, value in reference_grad.items():
             torch.testing.assert_close(grad[name], value, atol=1e-6, rtol=1e-5, msg=f"gradient of {name}")
         for name, value in expected.items():
             torch.testing.assert_close(final[name], value, atol=1e-6, rtol=1e-5, msg=f"{name} after the step")
 
+
+def step_images(load, world_size: int) -> tuple[list[list[dict]], torch.Tensor, torch.Tensor]:
+    batches = [load("batches", rank) for rank in range(world_size)]
+    images = torch.cat([b["image"] for rank in batches for b in rank])
+    labels = torch.cat([b["label"] for rank in batches for b in rank])
+    assert len({key for rank in batches for b in rank for key in b["key"]}) == GLOBAL_BATCH  # 20 distinct images
+    return batches, images, labels
+
+
+def test_one_step_on_three_ranks_equals_one_process_on_the_same_twenty_images(tmp_path):
+    load = one_step(tmp_path, WORLD_SIZE)
+    batches, images, labels = step_images(load, WORLD_SIZE)
+    assert [len(b[0]["label"]) for b in batches] == [7, 7, 6]
+
+    reference_grad, expected = reference_step(load("init", 0), images, labels)
+    assert_same_step(load, WORLD_SIZE, reference_grad, expected)
+
     # the check has teeth: the plain average of the ranks' mean-loss gradients (no weights) is measurably off
+    module = SGDClassifier(**MODEL)
     module.model.load_state_dict(load("init", 0))
-    module.model.zero_grad()
-    for b in batches:
-        (F.cross_entropy(module.model(b["image"]), b["label"]) / WORLD_SIZE).backward()
+    for rank in batches:
+        (F.cross_entropy(module.model(rank[0]["image"]), rank[0]["label"]) / WORLD_SIZE).backward()
     error = max((p.grad - reference_grad[n]).abs().max().item() for n, p in module.model.named_parameters())
     assert error > 1e-4
 
 
+def test_micro_batches_of_at_most_seven_give_the_step_of_the_whole_global_batch(tmp_path):
+    """Global batch 20, at most 7 images per forward pass, one process: 3 micro-batches (7, 7, 6) whose
+    gradients are accumulated into one optimiser step, equal to the step of the 20 images in one batch."""
+    load = one_step(tmp_path, 1, max_device_batch_size=7)
+    batches, images, labels = step_images(load, 1)
+    assert [len(b["label"]) for b in batches[0]] == [7, 7, 6]
+    assert load("steps", 0) == {"global_step": 1, "micro_batches": 3, "accumulate_grad_batches": 3}
+    reference_grad, expected = reference_step(load("init", 0), images, labels)
+    assert_same_step(load, 1, reference_grad, expected)
+
+    # teeth: Lightning's own accumulation averages the micro-batches' mean losses, which weighs the 6 images of the
+    # last micro-batch more than the others
+    module = SGDClassifier(**MODEL)
+    module.model.load_state_dict(load("init", 0))
+    for b in batches[0]:
+        (F.cross_entropy(module.model(b["image"]), b["label"]) / 3).backward()
+    error = max((p.grad - reference_grad[n]).abs().max().item() for n, p in module.model.named_parameters())
+    assert error > 1e-5
+
+
+def test_micro_batches_on_two_ranks_give_the_step_of_the_whole_global_batch(tmp_path):
+    """Global batch 20 on 2 ranks, at most 4 images per forward pass: 3 micro-batches (4, 3, 3) on each rank."""
+    load = one_step(tmp_path, 2, max_device_batch_size=4)
+    batches, images, labels = step_images(load, 2)
+    assert [[len(b["label"]) for b in rank] for rank in batches] == [[4, 3, 3], [4, 3, 3]]
+    assert load("steps", 1) == {"global_step": 1, "micro_batches": 3, "accumulate_grad_batches": 3}
+    reference_grad, expected = reference_step(load("init", 0), images, labels)
+    assert_same_step(load, 2, reference_grad, expected)
+
+
+def test_trainer_accumulation_with_a_global_batch_is_refused_naming_the_option(tmp_path):
+    from robust_lightning.errors import UserError
+
+    make_image_tree(tmp_path / "in" / "train", {w: 4 for w in WNIDS})
+    make_image_tree(tmp_path / "in" / "val", {w: 1 for w in WNIDS})
+    dm = ImageNetDataModule(source="folder", root=str(tmp_path / "in"), image_size=32, num_workers=0,
+                            global_batch_size=6)
+    dm.trainer = type("T", (), {"global_rank": 0, "world_size": 1, "accumulate_grad_batches": 2})()
+    with pytest.raises(UserError, match="set data.max_device_batch_size"):
+        dm.setup("fit")
+    dm = ImageNetDataModule(source="folder", root=str(tmp_path / "in"), image_size=32, num_workers=0,
+                            global_batch_size=6, max_device_batch_size=2)
+    dm.trainer = type("T", (), {"global_rank": 0, "world_size": 1, "accumulate_grad_batches": 1})()
+    dm.setup("fit")
+    assert dm.trainer.accumulate_grad_batches == 3 and len(dm.train_dataloader()) == 2 * 3
+
+
 if __name__ == "__main__":
-    train_one_step(Path(sys.argv[1]))
+    train_one_step(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]) or None)

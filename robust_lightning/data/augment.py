@@ -6,7 +6,8 @@ else the training recipes ask for happens here, on whole batches, with its own r
 * ``RandAugment``   - timm's ``rand-m9-mstd0.5-inc1`` (Singh, Croce & Hein), op choice and magnitude per image.
 * ``RandomErasing`` - timm's random erasing, one box per erased image.
 * ``ThreeAugment`` + ``ColorJitter`` - DeiT III's 3-Augment (Debenedetti et al.'s '3-aug').
-* ``BatchAugment``  - the named schemes 'basic', '3aug' and 'heavy', with timm's MixUp/CutMix for 'heavy'.
+* ``MixUpCutMix``   - timm's MixUp/CutMix of a whole batch, drawing from an explicit random stream.
+* ``BatchAugment``  - the named schemes 'basic', '3aug' and 'heavy', with MixUp/CutMix for 'heavy'.
 
 The reference pipelines run these ops on PIL images, so they are reproduced with Pillow's 8-bit
 arithmetic: images are processed on the 0..255 scale, every op that yields uint8 in Pillow rounds or
@@ -14,19 +15,24 @@ truncates as Pillow does (results sit on the 1/255 grid), geometric ops use Pill
 fill rule and coordinate convention.  Colour ops, 3-Augment and ColorJitter match Pillow bit for bit;
 bilinear/bicubic geometric ops to within 1/255 on rare pixels (tests/test_augment.py).
 
-Per-sample choices are vectorised: samples are sorted by the op they drew and each op runs once on its
-contiguous slice of the batch, which costs one host sync per op layer.  Random draws come from an
-optional torch.Generator on the images' device.
+Per-sample choices are vectorised.  On the CPU, samples are sorted by the op they drew and each op runs
+once on its contiguous slice of the batch (reading the slice sizes back costs nothing there).  On other
+devices such a read would make the host wait for the device's queue, so every op of a layer runs on the
+whole batch and torch.where keeps each sample's own result: fixed shapes, nothing read back, bit for bit
+the same result (every op works per sample).  Per-sample draws come from an optional torch.Generator on the
+images' device; MixUp/CutMix's per-batch draws from a NumPy-style random stream on the host.
 """
 
 import math
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
-from timm.data import Mixup
 from timm.data.mixup import mixup_target
 from torch import Tensor
+
+from robust_lightning.attacks.projections import host_reads_are_cheap
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -79,14 +85,30 @@ def _sample_view(values: Tensor) -> Tensor:
     return values.view(-1, 1, 1, 1)
 
 
+def _device_copy(t: Tensor, device: torch.device) -> Tensor:
+    """t on `device`.  Module buffers stay on the host unless the module is moved; a blocking host-to-device
+    copy synchronises the stream (the host waits for the device's queue), a non-blocking one need not and is
+    safe from pageable memory too (the driver stages the data before returning)."""
+    return t.to(device, non_blocking=True)
+
+
 def _apply_grouped(
     x: Tensor, group: Tensor, num_groups: int, fn: Callable[[int, Tensor, Tensor], Tensor]
 ) -> Tensor:
     """out[rows] = fn(g, rows, x[rows]) for each group g < num_groups; samples with group == num_groups pass.
 
-    Sorting by group makes every group a contiguous run of indices, so however many groups there are the
-    dispatch costs one host sync (reading the group sizes) instead of one per group.
+    `fn` must work per sample (a sample's result depends on its own image and parameters only): the two
+    dispatches below then give the same result bit for bit.
     """
+    if not host_reads_are_cheap(group):
+        # Fixed shapes: every group runs on the whole batch and each sample keeps its own group's result.
+        rows = torch.arange(x.shape[0], device=x.device)
+        out = x
+        for g in range(num_groups):
+            out = torch.where(_sample_view(group == g), fn(g, rows, x), out)
+        return out
+    # Sorting by group makes every group a contiguous run of indices, so however many groups there are the
+    # dispatch reads back once (the group sizes) instead of once per group.
     order = torch.argsort(group, stable=True)
     sizes = torch.bincount(group, minlength=num_groups + 1).tolist()
     out = x.clone()
@@ -126,8 +148,9 @@ def _check_batch(images: Tensor, floating: bool = True) -> None:
 
 def _grayscale(x: Tensor) -> Tensor:
     """Pillow's RGB -> L: (19595 R + 38470 G + 7471 B + 2^15) >> 16; exact in float32 (sums < 2^24)."""
-    w = x.new_tensor(_LUMA_FIXED).view(1, 3, 1, 1)
-    return torch.floor(((x * w).sum(1, keepdim=True) + 32768.0) / 65536.0)
+    # Python-number weights (no host-to-device copy); integer products and sums < 2^24: exact in any order.
+    r, g, b = x.split(1, dim=1)
+    return torch.floor((r * _LUMA_FIXED[0] + g * _LUMA_FIXED[1] + b * _LUMA_FIXED[2] + 32768.0) / 65536.0)
 
 
 def _blend(degenerate: Tensor, x: Tensor, factor: Tensor) -> Tensor:
@@ -153,11 +176,12 @@ def _autocontrast(x: Tensor) -> Tensor:
 
 
 def _equalize(x: Tensor) -> Tensor:
-    """ImageOps.equalize per sample and channel, via one bincount over offset (sample, channel, value) bins."""
+    """ImageOps.equalize per sample and channel, via a 256-bin histogram per (sample, channel)."""
     n, c, h, w = x.shape
     values = x.reshape(n * c, h * w).long()
-    rows = torch.arange(n * c, device=x.device).unsqueeze(1)
-    hist = torch.bincount((values + 256 * rows).flatten(), minlength=n * c * 256).view(n * c, 256)
+    # A fixed-size histogram (bincount's output size would be read back from the device)
+    ones = torch.ones((), dtype=torch.long, device=x.device).expand_as(values)
+    hist = torch.zeros((n * c, 256), dtype=torch.long, device=x.device).scatter_add_(1, values, ones)
     # Pillow: step = (count of all pixels but those of the highest present value) // 255; the LUT maps
     # value i to (step // 2 + #pixels below i) // step; step == 0 (<= 1 distinct value, ...) -> identity.
     top_count = hist.gather(1, values.amax(1, keepdim=True))
@@ -381,8 +405,10 @@ class RandAugment(torch.nn.Module):
         self.register_buffer("fill", torch.tensor(fill255, dtype=torch.float32), persistent=False)
         # Geometric ops share resampling passes with per-sample matrices: Rotate (2-D filter), the ops that
         # only move pixels along rows (grouped under ShearX) and those that move them along columns (ShearY).
+        # Groups are named by their first op; every group can occur (the device path runs each of them).
         joins = {"TranslateXRel": "ShearX", "TranslateYRel": "ShearY"}
-        group = [RAND_AUGMENT_OPS.index(joins.get(op, op)) for op in RAND_AUGMENT_OPS]
+        self._groups = tuple(op for op in RAND_AUGMENT_OPS if op not in joins)
+        group = [self._groups.index(joins.get(op, op)) for op in RAND_AUGMENT_OPS]
         self.register_buffer("_group_of_op", torch.tensor(group), persistent=False)
 
     @classmethod
@@ -431,16 +457,17 @@ class RandAugment(torch.nn.Module):
         return (x / 255).to(images.dtype)
 
     def _layer(self, x: Tensor, op: Tensor, applied: Tensor, magnitude: Tensor, sign: Tensor) -> Tensor:
-        """One op per sample: each op (all geometric ops together) runs once on the samples that drew it."""
-        not_applied = len(RAND_AUGMENT_OPS)
+        """One op per sample: each op group (see __init__) runs on the samples that drew one of its ops."""
+        not_applied = len(self._groups)
 
         def run(g: int, rows: Tensor, xs: Tensor) -> Tensor:
-            if RAND_AUGMENT_OPS[g] in GEOMETRIC_OPS:
-                return self._geometric(xs, op[rows], magnitude[rows], sign[rows], _MOVES[RAND_AUGMENT_OPS[g]])
-            return self._colour(xs, RAND_AUGMENT_OPS[g], magnitude[rows], sign[rows])
+            name = self._groups[g]
+            if name in GEOMETRIC_OPS:
+                return self._geometric(xs, op[rows], magnitude[rows], sign[rows], _MOVES[name])
+            return self._colour(xs, name, magnitude[rows], sign[rows])
 
-        # .to(): buffers stay put when this module is used without being moved to the images' device
-        group = torch.where(applied, self._group_of_op.to(op.device)[op], not_applied)
+        # buffers stay put when this module is used without being moved to the images' device
+        group = torch.where(applied, _device_copy(self._group_of_op, op.device)[op], not_applied)
         return _apply_grouped(x, group, not_applied, run)
 
     def apply_op(self, images: Tensor, name: str, magnitude: float | Tensor, sign: float | Tensor = 1.0) -> Tensor:
@@ -511,7 +538,7 @@ class RandAugment(torch.nn.Module):
         f = torch.where(is_rot, cy - sin * cx - cos * cy, pick("TranslateYRel", translate * h))
         matrices = torch.stack([a, b, c, d, e, f], dim=1).view(n, 2, 3)
         interpolation = tuple(self.interpolation if axis in moves else "nearest" for axis in "xy")
-        return _affine(x, matrices, self.fill.to(x.device), interpolation)
+        return _affine(x, matrices, _device_copy(self.fill, x.device), interpolation)
 
 
 # ---------------------------------------------------------------------------------------- RandomErasing
@@ -594,7 +621,7 @@ class RandomErasing(torch.nn.Module):
             noise = torch.randn((n, c, 1, 1), generator=generator, device=images.device)
         else:
             noise = torch.zeros((1, c, 1, 1), device=images.device)
-        mean, std = self.mean.to(images.device), self.std.to(images.device)
+        mean, std = _device_copy(self.mean, images.device), _device_copy(self.std, images.device)
         fill = mean + std * noise
         fill = (fill.clamp_(0, 1) if self.clamp else fill).to(images.dtype)
         return torch.where(inside, fill, images)
@@ -621,8 +648,8 @@ class ColorJitter(torch.nn.Module):
     def sample_params(self, n: int, generator: torch.Generator | None = None, device=None) -> tuple[Tensor, Tensor]:
         """factors (n, 3) for OPS, each U(max(0, 1 - v), 1 + v); order (n, 3), a random permutation per image."""
         u = torch.rand((n, 3), generator=generator, device=device)
-        lo = torch.tensor([max(0.0, 1 - v) for v in self.ranges], device=device)
-        hi = torch.tensor([1 + v for v in self.ranges], device=device)
+        lo = _device_copy(torch.tensor([max(0.0, 1 - v) for v in self.ranges]), device)
+        hi = _device_copy(torch.tensor([1 + v for v in self.ranges]), device)
         order = torch.argsort(torch.rand((n, 3), generator=generator, device=device), dim=1)
         return lo + (hi - lo) * u, order
 
@@ -680,14 +707,77 @@ class ThreeAugment(torch.nn.Module):
         return (_apply_grouped(x, choice, 3, run) / 255).to(images.dtype)
 
 
+# ------------------------------------------------------------------------------------------ MixUp/CutMix
+class MixUpCutMix:
+    """MixUp or CutMix of a whole batch with the semantics of timm's Mixup(mode="batch") (timm.data.mixup:
+    prob 1, correct_lam=True, no cutmix_minmax), its per-batch draws taken from an explicit random stream.
+
+    timm draws from NumPy's global generator, which every DDP rank seeds alike.  Here `rng` is anything with
+    NumPy's legacy methods rand(), beta(a, b) and randint(low, high): a numpy.random.RandomState, or the
+    module numpy.random itself (the default), with which the draws - and so the results - are timm's.
+    Per batch (Mixup._params_per_batch): CutMix with probability `switch_prob` when both alphas are > 0
+    (only the mode whose alpha is > 0 otherwise), lam ~ Beta(alpha, alpha) of that mode.  MixUp blends image
+    i with image B - 1 - i; CutMix pastes a box of image B - 1 - i into image i (rand_bbox: sides
+    sqrt(1 - lam) of the image's, centre uniform, clipped to the image) and lam becomes the share of the
+    image left uncovered (cutmix_bbox_and_lam).  Targets are timm's mixup_target (label smoothing included).
+    """
+
+    def __init__(
+        self,
+        mixup_alpha: float = 0.8,
+        cutmix_alpha: float = 1.0,
+        switch_prob: float = 0.5,
+        label_smoothing: float = 0.1,
+        num_classes: int = 1000,
+    ):
+        if not (mixup_alpha > 0 or cutmix_alpha > 0):
+            raise ValueError(f"MixUp/CutMix needs mixup_alpha > 0 or cutmix_alpha > 0, got {mixup_alpha}, "
+                             f"{cutmix_alpha}")
+        self.mixup_alpha, self.cutmix_alpha, self.switch_prob = mixup_alpha, cutmix_alpha, switch_prob
+        self.label_smoothing, self.num_classes = label_smoothing, num_classes
+
+    def sample(self, height: int, width: int, rng=None) -> tuple[float, tuple[int, int, int, int] | None]:
+        """lam and the CutMix box (top, bottom, left, right) as Python numbers (None: MixUp), drawn in timm's
+        order: Mixup._params_per_batch, then (CutMix with lam < 1 only) rand_bbox's centre row and column."""
+        rng = np.random if rng is None else rng
+        rng.rand()  # timm's draw against prob (1 here: always mixes), kept to stay on timm's stream
+        if self.mixup_alpha > 0 and self.cutmix_alpha > 0:
+            use_cutmix = rng.rand() < self.switch_prob
+        else:
+            use_cutmix = self.cutmix_alpha > 0
+        alpha = self.cutmix_alpha if use_cutmix else self.mixup_alpha
+        lam = float(rng.beta(alpha, alpha))
+        if not use_cutmix or lam == 1.0:  # timm's _mix_batch draws no box for lam == 1
+            return lam, None
+        ratio = math.sqrt(1 - lam)
+        cut_h, cut_w = int(height * ratio), int(width * ratio)
+        cy, cx = int(rng.randint(0, height)), int(rng.randint(0, width))
+        top, bottom = max(cy - cut_h // 2, 0), min(cy + (cut_h + 1) // 2, height)
+        left, right = max(cx - cut_w // 2, 0), min(cx + (cut_w + 1) // 2, width)
+        return 1.0 - (bottom - top) * (right - left) / float(height * width), (top, bottom, left, right)
+
+    def __call__(self, x: Tensor, labels: Tensor, rng=None) -> tuple[Tensor, Tensor]:
+        """Mixes the (even) batch `x` in place and returns it with the soft targets (B, num_classes)."""
+        if x.shape[0] % 2:
+            raise ValueError(f"MixUp/CutMix pairs image i with image B - 1 - i: needs an even batch, got {x.shape[0]}")
+        lam, box = self.sample(x.shape[-2], x.shape[-1], rng)
+        if box is not None:
+            top, bottom, left, right = box  # Python ints: slicing reads nothing back from the device
+            x[..., top:bottom, left:right] = x[..., top:bottom, left:right].flip(0)
+        elif lam != 1.0:
+            flipped = x.flip(0).mul_(1.0 - lam)  # timm's arithmetic: x * lam + flipped x * (1 - lam)
+            x.mul_(lam).add_(flipped)
+        return x, mixup_target(labels, self.num_classes, lam, self.label_smoothing)
+
+
 # ---------------------------------------------------------------------------------------- BatchAugment
 class BatchAugment(torch.nn.Module):
     """The device side of a named augmentation scheme (the random-resized crop happens on the CPU side).
 
     Takes a uint8 or float (B, 3, H, W) batch and int labels (B,); returns (float images in [0, 1] but for
     erased boxes under 'official', targets): the int labels unless mixing is on, then soft targets
-    (B, num_classes) from timm's Mixup (label smoothing included: off-class mass smoothing / num_classes,
-    true class 1 - smoothing + that).
+    (B, num_classes) as timm's Mixup gives them (label smoothing included: off-class mass smoothing /
+    num_classes, true class 1 - smoothing + that).
 
     Schemes:
       'basic' - horizontal flip only.
@@ -701,9 +791,11 @@ class BatchAugment(torch.nn.Module):
     outside [0, 1]) and `erase_mode` the RandomErasing mode; `rand_augment=""` / `erase_prob=0` turn those
     steps off; `flip=False` leaves flipping to the CPU side.
 
-    Per-sample draws use `generator` (on the images' device) when given; timm's Mixup draws from NumPy's
-    global RNG.  Mixup needs an even batch: with an odd batch the first B - 1 images are mixed and the last
-    one passes through unmixed, with the label-smoothed one-hot target an unmixed timm sample gets.
+    Per-sample draws use `generator` (on the images' device) when given; MixUp/CutMix (MixUpCutMix) draws
+    from `mix_rng`, by default NumPy's global generator as timm's Mixup.  Mixing needs an even batch: with an
+    odd batch the first B - 1 images are mixed and the last one passes through unmixed, with the
+    label-smoothed one-hot target an unmixed timm sample gets.  Nothing is read back from the device on
+    devices where that would make the host wait (see _apply_grouped).
     """
 
     def __init__(
@@ -739,18 +831,7 @@ class BatchAugment(torch.nn.Module):
         self.erasing = RandomErasing(erase_prob, mode=erase_mode, **fill) if heavy and erase_prob > 0 else None
         self.three_augment = ThreeAugment(color_jitter) if scheme == "3aug" else None
         mix = scheme == "heavy" if mix is None else mix
-        self.mixup = (
-            Mixup(
-                mixup_alpha=mixup_alpha,
-                cutmix_alpha=cutmix_alpha,
-                switch_prob=switch_prob,
-                mode="batch",
-                label_smoothing=label_smoothing,
-                num_classes=num_classes,
-            )
-            if mix
-            else None
-        )
+        self.mixup = MixUpCutMix(mixup_alpha, cutmix_alpha, switch_prob, label_smoothing, num_classes) if mix else None
 
     def extra_repr(self) -> str:
         mix = ""
@@ -762,8 +843,10 @@ class BatchAugment(torch.nn.Module):
                 f"augmentation_fill={self.augmentation_fill!r}{mix}")
 
     def forward(
-        self, images: Tensor, labels: Tensor, generator: torch.Generator | None = None
+        self, images: Tensor, labels: Tensor, generator: torch.Generator | None = None, mix_rng=None
     ) -> tuple[Tensor, Tensor]:
+        """`generator` (on the images' device) feeds the per-sample draws, `mix_rng` MixUp/CutMix's per-batch
+        draws (see MixUpCutMix; default NumPy's global generator, as timm)."""
         _check_batch(images, floating=False)
         x = _to_unit_float(images)
         if self.flip:
@@ -777,15 +860,15 @@ class BatchAugment(torch.nn.Module):
             x = self.erasing(x, generator)
         if self.mixup is None:
             return x, labels
-        return self._mix(x, labels)
+        return self._mix(x, labels, mix_rng)
 
-    def _mix(self, x: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    def _mix(self, x: Tensor, labels: Tensor, rng) -> tuple[Tensor, Tensor]:
         n = x.shape[0]
         if n % 2 == 0:
-            return self.mixup(x, labels)  # mixes x in place (x is this module's own tensor)
+            return self.mixup(x, labels, rng)  # mixes x in place (x is this module's own tensor)
         # lam = 1: the odd one out gets the smoothed one-hot target of an unmixed timm sample.
         last = mixup_target(labels[n - 1 :], self.num_classes, 1.0, self.mixup.label_smoothing)
         if n == 1:
             return x, last
-        mixed, targets = self.mixup(x[: n - 1], labels[: n - 1])
-        return torch.cat([mixed, x[n - 1 :]]), torch.cat([targets, last.to(targets.dtype)])
+        _, targets = self.mixup(x[: n - 1], labels[: n - 1], rng)  # mixes that view of x in place
+        return x, torch.cat([targets, last.to(targets.dtype)])

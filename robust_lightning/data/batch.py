@@ -19,6 +19,7 @@ KEY = "key"  # N strings: the image's name (file name without extension, or shar
 TARGET = "target"  # N x num_classes float: MixUp/CutMix soft targets (training only, when mixing is on)
 CORRUPT = "corrupt"  # "name (reason)" of the images that could not be decoded and were left out of the batch
 GEOMETRY = "geometry"  # per image: where the random crop of a training canvas lies (data.augment_on: device)
+DRAW = "draw"  # training batches: (epoch, index in the epoch), the key of the augmentation's random streams
 
 
 class Batch(TypedDict, total=False):
@@ -28,5 +29,6 @@ class Batch(TypedDict, total=False):
     label: torch.Tensor
     key: list[str]
     target: torch.Tensor
+    draw: tuple[int, int]
     corrupt: list[str]
     geometry: torch.Tensor

@@ -9,6 +9,7 @@ from the environment). The rank and world size are captured in setup() and every
 import copy
 import io
 import itertools
+import math
 import os
 import random
 from collections.abc import Iterable, Iterator
@@ -17,6 +18,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, Protocol
 
+import numpy as np
 import torch
 import webdataset as wds
 from braceexpand import braceexpand
@@ -52,6 +54,36 @@ class Corrupt:
 
     key: str
     reason: str
+
+
+def draw_seed(*key: int) -> int:
+    """A 64-bit seed that is a function of ``key`` alone; NumPy's SeedSequence keeps the streams of neighbouring
+    keys (the next step, the next rank) apart."""
+    return int(np.random.SeedSequence([k % 2**63 for k in key]).generate_state(1, np.uint64)[0])
+
+
+def split_micro_batches(batch: Batch, parts: int) -> Iterator[Batch]:
+    """A rank's share of one optimiser step as ``parts`` micro-batches of sizes differing by at most one (the first
+    ones larger; data.max_device_batch_size). Undecodable images are reported with the first part."""
+    size = len(batch["label"])
+    start = 0
+    for part in range(parts):
+        end = start + size // parts + (part < size % parts)
+        yield {key: (value if part == 0 else []) if key == "corrupt" else value[start:end]
+               for key, value in batch.items()}
+        start = end
+
+
+def with_draws(batches: Iterable[Batch], epoch: int, micro_batches: int) -> Iterator[Batch]:
+    """Each training batch split into its micro-batches and tagged with ``draw`` = (epoch, index in the epoch): the
+    key of its augmentation's random streams (ImageNetDataModule.batch_streams)."""
+    index = 0
+    for batch in batches:
+        for part in split_micro_batches(batch, micro_batches) if micro_batches > 1 else (batch,):
+            if isinstance(part, dict):  # the data module's batches (another collate's pass as they are)
+                part["draw"] = (epoch, index)
+            index += 1
+            yield part
 
 
 def transform_bytes(transform, data: bytes) -> dict[str, Any]:
@@ -235,39 +267,57 @@ class HoldoutStream(ShardStream):
 
 
 class EpochLoader(DataLoader):
-    """A DataLoader whose iteration starts at the first batch rather than when the iterator is created.
+    """The training loader of a map-style dataset: each optimiser step's batch of this rank, as ``micro_batches``
+    micro-batches tagged with their augmentation's stream key (``with_draws``).
 
-    A fit resumed from a checkpoint creates its training iterator before it restores the epoch counter and calls
-    the sampler's set_epoch; worker processes would already have drawn the indices of epoch 0.
+    Iteration starts at the first batch rather than when the iterator is created: a fit resumed from a checkpoint
+    creates its training iterator before it restores the epoch counter and calls the sampler's set_epoch; worker
+    processes would already have drawn the indices of epoch 0. The workers' own random draws (a crop in the
+    workers) come from a generator seeded with (data.seed, epoch, rank) at every epoch, so a resumed run draws
+    what the uninterrupted one drew: such workers cannot persist across epochs.
     """
 
+    def __init__(self, dataset, *, micro_batches: int = 1, rank: int = 0, **kwargs):
+        super().__init__(dataset, **kwargs)
+        self.micro_batches, self.rank = micro_batches, rank
+
+    def __len__(self) -> int:
+        return super().__len__() * self.micro_batches
+
     def __iter__(self):
-        yield from super().__iter__()
+        epoch = self.sampler.epoch
+        if not self.persistent_workers:
+            self.generator = torch.Generator().manual_seed(draw_seed(self.sampler.seed, epoch, self.rank, 2))
+        yield from with_draws(super().__iter__(), epoch, self.micro_batches)
 
 
 class ShardTrainLoader(DataLoader):
-    """An endless ShardStream cut into epochs of a fixed number of batches.
+    """An endless ShardStream cut into epochs of a fixed number of optimiser steps, each of ``micro_batches``
+    micro-batches tagged with their augmentation's stream key (``with_draws``).
 
     All ranks take the same number of steps (DDP needs it). The epoch is read from the trainer when an
     epoch starts so the shard order changes every epoch and follows a resumed run.
     """
 
-    def __init__(self, dataset: ShardStream, batches_per_epoch: int, current_epoch, **kwargs):
+    def __init__(self, dataset: ShardStream, batches_per_epoch: int, current_epoch, *, micro_batches: int = 1,
+                 rank: int = 0, **kwargs):
         super().__init__(dataset, **kwargs)
         self.batches_per_epoch = batches_per_epoch
         self.current_epoch = current_epoch
+        self.micro_batches, self.rank = micro_batches, rank
 
     def __len__(self) -> int:
-        return self.batches_per_epoch
+        return self.batches_per_epoch * self.micro_batches
 
     def __iter__(self):
         # A generator: the epoch is read at the first batch, not when Lightning creates the iterator (a fit
         # resumed from a checkpoint creates it before its epoch counter is restored).
-        self.dataset.epoch = self.current_epoch()
-        # the workers' seeds come from (seed, epoch), not from the global generator: creating the iterator then
-        # draws nothing from it, so augmentation draws the same numbers in a resumed run (classifier random_states)
-        self.generator = torch.Generator().manual_seed(self.dataset.seed * 100_003 + self.dataset.epoch)
-        yield from itertools.islice(super().__iter__(), self.batches_per_epoch)
+        epoch = self.dataset.epoch = self.current_epoch()
+        # the workers' seeds come from (seed, epoch, rank), not from the global generator: creating the iterator
+        # draws nothing from it, and a resumed run's workers draw what the uninterrupted run's drew
+        self.generator = torch.Generator().manual_seed(draw_seed(self.dataset.seed, epoch, self.rank, 2))
+        yield from with_draws(itertools.islice(super().__iter__(), self.batches_per_epoch), epoch,
+                              self.micro_batches)
 
 
 @dataclass
@@ -388,10 +438,18 @@ class ImageNetDataModule(LightningDataModule):
             set, it is split over the devices as evenly as possible (batch_size becomes this rank's share: the
             first global_batch_size % world size ranks take one image more) and the training loss is weighted
             so that the update is that of the mean loss over the whole global batch (ImageClassifier).
+        max_device_batch_size: images per forward pass on one device during training. A rank's share of the
+            global batch that is larger is split into micro-batches (sizes differing by at most one) whose
+            gradients are accumulated (the data module sets trainer.accumulate_grad_batches), so that every
+            optimiser step still sees exactly the global batch: the paper's batch on any number of devices with
+            any memory. None: one forward per step. trainer.accumulate_grad_batches together with
+            data.global_batch_size or this option is refused.
         eval_batch_size: per-device evaluation batch size (default: batch_size).
         num_workers: decoding processes per device.
         shuffle_buffer: samples held for shuffling within the training shard stream.
-        seed: data order seed (shard order, shuffle buffer, sampler).
+        seed: data order and augmentation seed (shard order, shuffle buffer, sampler; every training batch's
+            augmentation draws from streams keyed by (seed, epoch, batch index, rank), so ranks draw differently
+            and a run resumed at an epoch boundary draws what the uninterrupted one drew).
         on_missing_images: what a validation or test epoch that read fewer images than the evaluation set holds
             (a truncated or missing shard, a listed image absent from the shards) does: "error" (stop with the
             expected and read counts and the damaged shards) or "warn" (warn; the counts go to results.json and
@@ -423,6 +481,7 @@ class ImageNetDataModule(LightningDataModule):
         label_smoothing: float = 0.1,
         batch_size: int = 128,
         global_batch_size: int | None = None,
+        max_device_batch_size: int | None = None,
         eval_batch_size: int | None = None,
         num_workers: int = 8,
         shuffle_buffer: int = 5000,
@@ -450,6 +509,11 @@ class ImageNetDataModule(LightningDataModule):
         if holdout < 0:
             raise UserError(f"data.holdout must be >= 0, got {holdout}")
         self.batch_size, self.global_batch_size = batch_size, global_batch_size
+        if max_device_batch_size is not None and max_device_batch_size < 1:
+            raise UserError(f"data.max_device_batch_size must be a positive number of images, got "
+                            f"{max_device_batch_size}")
+        self.max_device_batch_size = max_device_batch_size
+        self.micro_batches = 1  # forward passes per optimiser step on each device (set by setup)
         self.eval_batch_size = eval_batch_size or batch_size
         self.num_workers = num_workers
         self.shuffle_buffer = shuffle_buffer
@@ -459,6 +523,7 @@ class ImageNetDataModule(LightningDataModule):
         self.on_missing_images = on_missing_images
         self.synthetic = synthetic
         self.rank, self.world_size = 0, 1
+        self._draw_generators: dict[torch.device, torch.Generator] = {}
         self.worker_augment = self.device_augment = None
         self.train_set = self.eval_set = None
         self.train_images = self.eval_images = None
@@ -510,6 +575,9 @@ class ImageNetDataModule(LightningDataModule):
                     "without an image; use a global batch of at least one image per device"
                 )
             self.batch_size = rank_share(self.global_batch_size, self.world_size, self.rank)
+        self.micro_batches = self._micro_batches()
+        if stage == "fit" and self.trainer is not None:
+            self._accumulate_over_micro_batches()
         evaluation = eval_transform(self.image_size, self.crop_pct)
         if self.uses_canvases:
             training = CanvasDecode(self.canvas_size)
@@ -521,6 +589,29 @@ class ImageNetDataModule(LightningDataModule):
         build = {"folder": self._build_folder_sets, "synthetic": self._build_synthetic_sets,
                  "shards": self._build_shard_sets}[self.source]
         build(training, evaluation, needs_train=stage == "fit" or on_holdout, on_holdout=on_holdout)
+
+    def _micro_batches(self) -> int:
+        """Forward passes per optimiser step: the fewest that keep every rank's micro-batches within
+        max_device_batch_size (ranks' shares differ by at most one image; all ranks take as many passes)."""
+        if self.max_device_batch_size is None:
+            return 1
+        shares = [rank_share(self.global_batch, self.world_size, r) for r in range(self.world_size)]
+        passes = math.ceil(max(shares) / self.max_device_batch_size)
+        if min(shares) < passes:
+            raise UserError(f"data.max_device_batch_size {self.max_device_batch_size} splits the smallest share of "
+                            f"the global batch ({min(shares)} images) into {passes} micro-batches, some empty; "
+                            "use a larger data.max_device_batch_size")
+        return passes
+
+    def _accumulate_over_micro_batches(self) -> None:
+        """The trainer accumulates the gradients of a step's micro-batches; its own accumulate_grad_batches would
+        multiply the global batch (the paper's recipes fix it), so it is refused where the global batch is ours."""
+        accumulate = getattr(self.trainer, "accumulate_grad_batches", 1)
+        if (self.global_batch_size or self.max_device_batch_size) and accumulate not in (1, self.micro_batches):
+            raise UserError(f"trainer.accumulate_grad_batches {accumulate} would multiply data.global_batch_size: "
+                            "every optimiser step already sees exactly the global batch; to fit it into less "
+                            "memory, set data.max_device_batch_size (images per forward pass on one device) instead")
+        self.trainer.accumulate_grad_batches = self.micro_batches
 
     # ------------------------------------------------------------------------------ one builder per source
     def _build_folder_sets(self, training, evaluation, *, needs_train: bool, on_holdout: bool) -> None:
@@ -741,17 +832,20 @@ class ImageNetDataModule(LightningDataModule):
             return self._loader(
                 self.train_set, self.batch_size, loader_cls=ShardTrainLoader, batches_per_epoch=batches,
                 current_epoch=lambda: self.trainer.current_epoch if self.trainer else 0, drop_last=True,
-                collate_fn=augmenting,
+                collate_fn=augmenting, micro_batches=self.micro_batches, rank=self.rank,
             )
         if len(self.train_set) < self.global_batch:
             raise UserError(
                 f"{len(self.train_set)} training images are fewer than one global batch of {self.global_batch}"
             )
         sampler = GlobalBatchSampler(self.train_set, self.world_size, self.rank, self.global_batch, self.seed)
+        # workers that only decode draw nothing and may persist; workers that crop or augment are seeded per epoch
+        draws_in_workers = self.worker_augment is not None or not self.uses_canvases
         return self._loader(
             self.train_set, self.batch_size, loader_cls=EpochLoader, sampler=sampler, drop_last=True,
-            persistent_workers=self.num_workers > 0, collate_fn=augmenting,
+            persistent_workers=self.num_workers > 0 and not draws_in_workers, collate_fn=augmenting,
             generator=torch.Generator().manual_seed(self.seed),  # keeps iterator creation off the global generator
+            micro_batches=self.micro_batches, rank=self.rank,
         )
 
     def _eval_dataloader(self, dataset: Dataset | None = None, batch_size: int | None = None, **kwargs) -> DataLoader:
@@ -824,7 +918,8 @@ class ImageNetDataModule(LightningDataModule):
         a copy of this data module, so the evaluation set of the running test stays as it is. A folder's subset
         is a seeded permutation's first images; a shard stream reads its shards in a seeded order (they are
         shuffled when written) through the shuffle buffer and keeps the first images. Augmentation draws from
-        the global random state (seed_everything)."""
+        streams keyed by (data.seed, ``seed``, batch index, rank): the same batches in every call with the same
+        arguments, and never the streams of a training epoch."""
         if not 0 < fraction <= 1:
             raise UserError(f"the fraction of the training set must be in (0, 1], got {fraction}")
         if max_images is not None and max_images < 1:
@@ -850,33 +945,52 @@ class ImageNetDataModule(LightningDataModule):
         transform = {"augmentation": data.augmentation, "augment_on": data.augment_on,
                      "crop_scale": list(data.crop_scale), "image_size": data.image_size,
                      "mixup_cutmix": data.augmentation == "heavy"}
-        return TrainingSample(data._augmented_batches(loader, images, device), images, subset_images, total,
+        return TrainingSample(data._augmented_batches(loader, images, device, seed), images, subset_images, total,
                               transform)
 
-    def _augmented_batches(self, loader: Iterable[dict], images: int, device: torch.device | str) -> Iterator[dict]:
+    def _augmented_batches(self, loader: Iterable[dict], images: int, device: torch.device | str,
+                           seed: int) -> Iterator[dict]:
         """The first ``images`` images of ``loader``, moved to ``device`` and augmented as in training."""
         seen = 0
-        for batch in loader:
+        for index, batch in enumerate(loader):
             if not batch["label"].numel():
                 continue
-            batch = self._on_device({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()},
-                                    augment=True)
+            batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            batch = self._on_device({**batch, "draw": (-1 - seed, index)}, augment=True)  # no training epoch
             take = min(len(batch["label"]), images - seen)  # cut after mixing: the partners were in the batch
             seen += take
-            yield {k: v if k == "corrupt" else v[:take] for k, v in batch.items()}
+            yield {k: v if k in ("corrupt", "draw") else v[:take] for k, v in batch.items()}
             if seen >= images:
                 return
 
     def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
         return self._on_device(batch, augment=self.trainer is not None and self.trainer.training)
 
+    def batch_streams(self, draw: tuple[int, int] | None, device: torch.device) -> tuple[torch.Generator | None, Any]:
+        """The random streams of one training batch's augmentation on ``device``: a torch generator for the
+        per-image draws (crop box, flip, RandAugment ops and magnitudes, erasing boxes and noise) and a NumPy
+        RandomState for the batch's MixUp/CutMix draws (weight, switch, box), both functions of (data.seed, epoch,
+        batch index, rank) alone (``draw`` = (epoch, index), set by the training loaders). Without a draw key:
+        the global generators."""
+        if draw is None:
+            return None, None
+        epoch, index = draw
+        generator = self._draw_generators.get(device)
+        if generator is None:  # one per device, reseeded per batch (seeding reads nothing back from the device)
+            generator = self._draw_generators[device] = torch.Generator(device=device)
+        generator.manual_seed(draw_seed(self.seed, epoch, index, self.rank, 0))
+        return generator, np.random.RandomState(np.random.MT19937(draw_seed(self.seed, epoch, index, self.rank, 1)))
+
     def _on_device(self, batch: dict, augment: bool) -> dict:
         """uint8 crossed to the device: crop training canvases, augment (``augment``: training batches) and
         scale to [0, 1] there."""
+        generator, mix_rng = self.batch_streams(batch.get("draw"), batch["image"].device)
         if "geometry" in batch:  # training canvases: the crop comes first
-            batch["image"] = random_resized_crop(batch["image"], batch["geometry"], self.image_size, self.crop_scale)
+            batch["image"] = random_resized_crop(batch["image"], batch["geometry"], self.image_size, self.crop_scale,
+                                                 generator=generator)
         if augment and self.device_augment is not None and batch["label"].numel():
-            images, targets = self.device_augment(batch["image"], batch["label"])
+            images, targets = self.device_augment(batch["image"], batch["label"], generator=generator,
+                                                  mix_rng=mix_rng)
             if targets.ndim == 2:  # MixUp/CutMix soft targets; "label" stays the unmixed class
                 batch["target"] = targets
             batch["image"] = images

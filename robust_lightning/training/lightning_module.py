@@ -198,6 +198,8 @@ class ImageClassifier(LightningModule):
             self.ema.requires_grad_(False)
             self.ema.module.train()  # follow the module's mode like any submodule (timm leaves it in eval)
         self._ema_step = 0
+        self._step_nominal: int | None = None  # images the current optimiser step is meant to see (global batch)
+        self._step_images: int | None = None  # images of this rank the current optimiser step saw so far
         self._resumed_random_states = None  # set by on_load_checkpoint, applied by on_train_start
         self.warm_start_report = None
         self.weights_from_checkpoint = False  # set by on_load_checkpoint: init_from is then never read
@@ -316,8 +318,13 @@ class ImageClassifier(LightningModule):
 
     def training_step(self, batch: Batch, batch_idx: int):
         images, labels = batch["image"], batch["label"]
+        shares_a_step = self._shares_a_step()
+        if shares_a_step and batch_idx % self.trainer.accumulate_grad_batches == 0:
+            self._start_step()
         if labels.numel() == 0:  # every image of this batch was corrupt (reported by CorruptImageReport)
-            return None
+            # alone, the step is skipped; sharing one (other ranks, micro-batches), a zero loss over every
+            # parameter keeps this rank in DDP's gradient all-reduce
+            return sum(p.sum() for p in self.model.parameters() if p.requires_grad) * 0.0 if shares_a_step else None
         hp = self.hparams
         # soft targets: MixUp/CutMix made them already (batch["target"]), else smoothed one-hot labels
         targets = batch.get("target")
@@ -334,25 +341,46 @@ class ImageClassifier(LightningModule):
             self.log("train/eps", self.current_eps())
         self.train_metrics["clean_acc1"].update(clean_logits.detach(), hard)
         self.log("train/clean_loss", F.cross_entropy(clean_logits.detach().float(), targets), batch_size=labels.numel())
-        self.log("train/loss", loss, prog_bar=True, batch_size=labels.numel())
+        # not prog_bar: Lightning turns progress-bar values into numbers after every step (a wait for the GPU);
+        # the progress display reads train/loss at logging steps only (robust_lightning.training.progress)
+        self.log("train/loss", loss, batch_size=labels.numel())
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
-        return loss * self.global_batch_weight(labels.numel())
+        return loss * self.global_batch_weight(labels.numel()) if shares_a_step else loss
 
-    def global_batch_weight(self, images: int) -> torch.Tensor | float:
-        """The weight of this rank's mean loss that makes the update exact on any split of the global batch.
+    # An optimiser step's global batch may be split over ranks (DDP) and, on each rank, over micro-batches whose
+    # gradients are accumulated (data.max_device_batch_size). Its gradient must be that of the mean loss over all
+    # its images, however unevenly they are split and however many were left out as undecodable.
+    def _shares_a_step(self) -> bool:
+        return self.trainer.world_size > 1 or self.trainer.accumulate_grad_batches > 1
 
-        DDP averages the ranks' gradients, which is the gradient of the mean loss over all images only when
-        every rank holds as many. Rank r's mean loss over its n_r images, weighted by n_r * W / sum_k n_k,
-        makes the average the gradient of (1 / sum_k n_k) * sum_i loss_i over the whole global batch: exact for
-        uneven splits (data.global_batch_size) and for batches that lost corrupt images. The weight is exactly
-        1 when all ranks hold as many images. One scalar all-reduce per step, left on the device.
+    def _start_step(self) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        self._step_nominal = getattr(datamodule, "global_batch", None)  # images one step is meant to see
+        self._step_images = 0
+
+    def global_batch_weight(self, images: int) -> float:
+        """The weight of a micro-batch's mean loss (``images`` images) in a step shared by ranks or micro-batches.
+
+        DDP averages the ranks' gradients and Lightning divides each micro-batch's loss by the number of
+        micro-batches (trainer.accumulate_grad_batches, A): weighting the mean loss by images * W * A / G, with G
+        the global batch the step is meant to see, gives the gradient of (1 / G) * sum_i loss_i over all the
+        step's images. ``on_before_optimizer_step`` then rescales the gradient by G / (the images the step saw,
+        summed over ranks): exactly 1 unless images were left out. A plain number: nothing is read back from the
+        device, and the step's one all-reduce (the image count) comes before the optimiser step.
         """
-        world_size = self.trainer.world_size
-        if world_size == 1:
-            return 1.0
-        count = torch.tensor(float(images), device=self.device)
-        total = self.trainer.strategy.reduce(count.clone(), reduce_op="sum")
-        return count * world_size / total
+        if self._step_nominal is None:  # a data module that names no global batch: the first micro-batch's
+            self._step_nominal = images * self.trainer.world_size * self.trainer.accumulate_grad_batches
+        self._step_images += images
+        return images * self.trainer.world_size * self.trainer.accumulate_grad_batches / self._step_nominal
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if not self._shares_a_step() or self._step_images is None:
+            return
+        seen = torch.tensor(float(self._step_images), device=self.device)
+        total = self.trainer.strategy.reduce(seen, reduce_op="sum") if self.trainer.world_size > 1 else seen
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        torch._foreach_mul_(grads, self._step_nominal / total.clamp(min=1))  # a device scalar: no host read
+        self._step_images = None
 
     def adversarial_loss(self, images, targets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Attack the (augmented, mixed) batch in eval mode, then the loss of the update in train mode.
@@ -511,7 +539,7 @@ class ImageClassifier(LightningModule):
             differences.append(f"precision {trainer.precision} (official: fp16 autocast with a GradScaler)")
         if hp.select_attack_steps:
             differences.append("checkpoint selection during training, at every validation, on the held-out images "
-                               "(official: weights saved every 2 epochs and selected afterwards)")
+                               "(official: weights saved every epoch and selected afterwards)")
         return differences
 
     def conditions(self) -> dict:

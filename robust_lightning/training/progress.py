@@ -1,11 +1,13 @@
 """Progress display that never makes the host wait for the accelerator inside a training step.
 
-Showing a logged value reads it back from the device, which waits for every queued kernel. Lightning's tqdm bar
-does so after every training batch; these displays read the logged values every ``trainer.log_every_n_steps``
-training steps only, when Lightning's loggers read them anyway. Both read them at the end of a training epoch on
-rank zero only, so every value logged at epoch end is reduced over the ranks before it is logged
-(``ImageClassifier.on_train_epoch_end``): a value logged with ``sync_dist=True`` would be all-reduced when first
-read, on rank zero in the bar while the other ranks are elsewhere.
+Showing a logged value reads it back from the device, which waits for every queued kernel. Lightning turns the
+values logged with ``prog_bar=True`` into numbers after every batch, and its tqdm bar shows them; so nothing is
+logged with ``prog_bar`` here, and these displays read the values they show (``SHOWN``, from the trainer's
+callback metrics) every ``trainer.log_every_n_steps`` training steps only, when Lightning's loggers read them
+anyway. They also read them at the end of a training epoch, on rank zero only, so every value logged at epoch end
+is reduced over the ranks before it is logged (``ImageClassifier.on_train_epoch_end``): a value logged with
+``sync_dist=True`` would be all-reduced when first read, on rank zero in the display while the other ranks are
+elsewhere.
 
 The command line picks one (``default_progress_bar``): a tqdm bar on a terminal, and lines on logs without one
 (SLURM's ``.out`` files, where a bar's carriage returns make one unreadable line).
@@ -16,6 +18,13 @@ import time
 from typing import Any
 
 from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
+
+SHOWN = ("train/loss", "val/acc1", "val/select_acc")  # the logged values a display shows, where logged
+
+
+def shown_values(trainer) -> dict[str, float]:
+    """The logged values of ``SHOWN`` as numbers (reading them waits for the device: call at logging steps)."""
+    return {name: float(trainer.callback_metrics[name]) for name in SHOWN if name in trainer.callback_metrics}
 
 
 def _reading_due(trainer, batch_idx: int, total: int | float) -> bool:
@@ -34,8 +43,8 @@ class StepProgressBar(TQDMProgressBar):
         self._shown: dict[str, Any] = {}
 
     def get_metrics(self, trainer, pl_module) -> dict[str, Any]:
-        if self._read_now or not self._shown:
-            self._shown = super().get_metrics(trainer, pl_module)
+        if self._read_now:
+            self._shown = {**super().get_metrics(trainer, pl_module), **shown_values(trainer)}
         return self._shown
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
@@ -95,12 +104,11 @@ class ProgressLines(ProgressBar):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         total = self.total_train_batches
         if _reading_due(trainer, batch_idx, total):
-            self._print(self._line(f"epoch {trainer.current_epoch}", batch_idx, total,
-                                   self.get_metrics(trainer, pl_module)))
+            self._print(self._line(f"epoch {trainer.current_epoch}", batch_idx, total, shown_values(trainer)))
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         self._print(f"epoch {trainer.current_epoch} done in {_duration(time.monotonic() - self._started)} | "
-                    f"{_format(self.get_metrics(trainer, pl_module))}")
+                    f"{_format(shown_values(trainer))}")
 
     # -------------------------------------------------------------------------------- evaluation, predict
     def _evaluation_start(self) -> None:

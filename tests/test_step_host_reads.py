@@ -1,0 +1,63 @@
+"""A whole heavy-augmentation APGD-AT training step through the command line (the device-side crop, RandAugment,
+erasing and MixUp/CutMix, the attack, the update, gradient accumulation, the EMA, Lightning's logging and the
+progress display) reads nothing back from the device outside logging steps: on a GPU each read would make the host
+wait for the device's queue. The GPU code paths are forced on the CPU (helpers.force_device_path)."""
+
+import pytest
+from lightning import Callback
+
+from helpers import HostReads, force_device_path
+from robust_lightning.cli import main
+from test_cli import tiny_config
+
+PROBED_STEP = 1  # not a logging step: log_every_n_steps is 4
+
+
+class ProbeStep(Callback):
+    """Records the reads from the end of the step before PROBED_STEP to the end of PROBED_STEP: the next batch's
+    loading, transfer and augmentation, the training step, backward, optimiser step, EMA and every hook."""
+
+    calls: list = []
+
+    def __init__(self):
+        self.mode = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == PROBED_STEP - 1:
+            self.mode = HostReads()
+            self.mode.__enter__()
+        elif batch_idx == PROBED_STEP and self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            ProbeStep.calls = self.mode.calls
+
+
+def device_reads(calls: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    # torch.optim keeps AdamW's step counter on the host (neither capturable nor fused): reading it waits for
+    # nothing on a GPU, but the CPU test cannot tell it from a device tensor
+    return [(op, where) for op, where in calls if "torch/optim/optimizer.py" not in where]
+
+
+@pytest.mark.parametrize("arch, display, max_device_batch_size", [
+    ("test_resnet", "robust_lightning.training.progress.ProgressLines", None),
+    ("test_resnet", "robust_lightning.training.progress.StepProgressBar", 3),
+    ("test_convnext", "robust_lightning.training.progress.StepProgressBar", None),
+])
+def test_a_training_step_reads_nothing_back_outside_logging_steps(tmp_path, monkeypatch, arch, display,
+                                                                  max_device_batch_size):
+    force_device_path(monkeypatch)
+    ProbeStep.calls = []
+    config = tiny_config(tmp_path, tmp_path / "synthetic", **{
+        "trainer.max_steps": 3, "trainer.log_every_n_steps": 4, "trainer.enable_progress_bar": True,
+        "trainer.callbacks": [{"class_path": "test_step_host_reads.ProbeStep"}, {"class_path": display}],
+        "data.augmentation": "heavy", "data.batch_size": 6, "data.max_device_batch_size": max_device_batch_size,
+        "model.arch": arch, "model.attack": "apgd", "model.ema_decay": 0.9})
+    assert main(["fit", "--config", str(config)]) == 0
+    reads = device_reads(ProbeStep.calls)
+    assert ProbeStep.calls, "the probe recorded nothing"
+    if arch == "test_convnext":  # no BatchNorm: the attack's last forward is reused for the update
+        # the one read the recipe keeps: how many points need a forward of their own because their highest-loss
+        # iterate is not the last (a fixed shape would re-run the whole batch, an eighth of the step)
+        assert [op for op, _ in reads] == ["aten.nonzero.default"], HostReads.listing(ProbeStep())
+        assert "adversarial_loss" in reads[0][1]
+    else:
+        assert reads == [], "\n".join(f"{op}\n{where}" for op, where in reads)
