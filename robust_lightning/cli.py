@@ -35,6 +35,7 @@ from robust_lightning.training.checkpoint_io import AtomicCheckpointIO, LatestCh
 from robust_lightning.training.lightning_module import ImageClassifier
 from robust_lightning.training.progress import default_progress_bar
 from robust_lightning.training.run_directory import FitRunDirectory, fit_checkpoint_directory
+from robust_lightning.training.throughput import Throughput
 
 TRAINER_COMMANDS = {
     "fit": "train a model (optionally warm-started), validating every epoch",
@@ -68,6 +69,12 @@ def _report(argv: list[str]) -> int:
     return report_main(argv)
 
 
+def _workspace(argv: list[str]) -> int:
+    from robust_lightning.scale.workspace import workspace_main
+
+    return workspace_main(argv)
+
+
 def _cell(argv: list[str]) -> int:
     from robust_lightning.scale.task import cell_main
 
@@ -80,6 +87,7 @@ TOOL_COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "sweep": ("submit a grid of runs (configs/sweeps/*.yaml) as one SLURM array job, skipping done cells", _sweep),
     "report": ("merge the results.json of a sweep's cells into one table (markdown, CSV, JSON)", _report),
     "cell": ("run one cell of a sweep's array job (what the sweep's array script runs under srun)", _cell),
+    "workspace": ("save the project's W&B workspace: training, validation, throughput, evaluation tables", _workspace),
 }
 
 
@@ -299,7 +307,7 @@ def cli_arguments() -> dict[str, Any]:
         parser_class=ArgumentParser,
         seed_everything_default=0,
         trainer_defaults={
-            "callbacks": [CorruptImageReport(), RunResults(), PredictionWriter(), FitRunDirectory()],
+            "callbacks": [CorruptImageReport(), RunResults(), PredictionWriter(), FitRunDirectory(), Throughput()],
             # a kill during a save never corrupts last.ckpt
             "plugins": [{"class_path": f"{AtomicCheckpointIO.__module__}.{AtomicCheckpointIO.__name__}"}],
             # attacks in validate/test need autograd, which inference mode forbids even under enable_grad

@@ -1,4 +1,4 @@
-"""The complete run config in W&B.
+"""The complete run config in W&B, and summaries that keep the best validation scores.
 
 LightningCLI writes config.yaml into the run directory, but a WandbLogger only receives the hyperparameters of the
 model and the data module. ``SaveConfigToWandb`` also puts the whole parsed config (trainer, model, data, callbacks,
@@ -17,6 +17,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 # not config.yaml: W&B keeps its own run config under that name in the same folder
 WANDB_CONFIG_FILE = "lightning_config.yaml"
+# validation scores whose W&B summary is their best value over the run (W&B's default is the last)
+BEST_IS_MAX = ("val/select_acc", "val/robust_acc", "val_ema/robust_acc", "val/acc1", "val_ema/acc1")
 
 
 def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -52,6 +54,8 @@ class SaveConfigToWandb(SaveConfigCallback):
         for logger in wandb_loggers:
             logger.log_hyperparams(config)
             run = logger.experiment
+            for name in BEST_IS_MAX:  # the run's summary keeps the best value, not the last
+                run.define_metric(name, step_metric="trainer/global_step", step_sync=True, summary="max")
             if Path(run.dir).is_dir():  # not with WANDB_MODE=disabled: no files then
                 path = Path(run.dir) / WANDB_CONFIG_FILE
                 path.write_text(text)

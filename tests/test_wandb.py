@@ -56,7 +56,7 @@ class OfflineRun:
         records = read_records(wandb_file)
         assert records[-1].WhichOneof("record_type") == "exit", "the run's file is incomplete"
         self.run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
-        self.config, self.history, self.saved = {}, [], []
+        self.config, self.history, self.saved, self.metrics = {}, [], [], {}
         for r in records:
             kind = r.WhichOneof("record_type")
             if kind == "config":
@@ -72,6 +72,8 @@ class OfflineRun:
                 self.history.append(row)
             elif kind == "files":
                 self.saved += [f.path for f in r.files.files]
+            elif kind == "metric" and r.metric.name:  # define_metric: a key's step metric and summary
+                self.metrics[r.metric.name] = r.metric
 
     def logged(self, key: str) -> list:
         return [row[key] for row in self.history if key in row]
@@ -120,10 +122,11 @@ def run_cli(workdir: Path, *args: str) -> OfflineRun:
 
 @pytest.fixture(scope="module")
 def fitted(workdir):
-    """APGD-AT (1 step) for 3 steps; group and tags set on the command line."""
+    """APGD-AT (1 step) with EMA and 1-step robust selection for 3 steps; group and tags set on the command line."""
     config = tiny_config(workdir, workdir / "synthetic")
     return run_cli(workdir, "fit", "--config", str(config), "--config", WANDB_YAML,
                    "--model.attack", "apgd", "--model.attack_steps", "1", "--trainer.log_every_n_steps", "1",
+                   "--model.ema_decay", "0.9", "--model.select_attack_steps", "1",
                    "--trainer.logger.init_args.group", "sweep-a", "--trainer.logger.init_args.tags", "[at, tiny]")
 
 
@@ -236,3 +239,31 @@ def test_evaluation_tables_and_plots_are_logged(evaluated):
 
     for key in ("imagenet_c/errors", "imagenet_p/plot", "resolution_sweep/plot"):
         assert evaluated.image(key)[:8] == b"\x89PNG\r\n\x1a\n", key
+
+
+def test_throughput_and_best_scores_are_in_the_run(fitted):
+    # images/s per device, step time and data-wait share every log_every_n_steps (here 1) optimiser steps
+    for key in ("perf/images_per_s", "perf/step_seconds", "perf/data_wait_share"):
+        assert len(fitted.logged(key)) == 3, key
+    assert all(value > 0 for value in fitted.logged("perf/images_per_s"))
+    assert all(0 <= value <= 1 for value in fitted.logged("perf/data_wait_share"))
+    # the summaries of the validation scores keep their best value (W&B's default is the last)
+    for key in ("val/select_acc", "val/robust_acc", "val_ema/robust_acc"):
+        assert fitted.metrics[key].summary.max, key
+        assert fitted.metrics[key].step_metric == "trainer/global_step", key
+
+
+def test_the_workspace_shows_what_the_runs_log(fitted, evaluated):
+    """The workspace of `robust-lightning workspace`, built offline: every curve it plots is a key the fit
+    logged, and every table one the evaluation logged or another evaluation callback logs."""
+    from robust_lightning.scale.workspace import TABLES, build_workspace, describe
+
+    workspace = build_workspace("ENTITY", "robust-lightning", "robust-lightning")
+    sections = describe(workspace)
+    assert list(sections) == ["Adversarial training", "Validation", "Throughput", "Evaluation tables"]
+    curves = [key for name in list(sections)[:3] for keys in sections[name] for key in keys]
+    missing = [key for key in curves if not fitted.logged(key)]
+    assert not missing, f"plotted but never logged: {missing}"
+    assert sections["Evaluation tables"] == list(TABLES)
+    for table in ("autoattack/summary", "imagenet_c/per_corruption", "benchmarks/summary", "resolution_sweep/summary"):
+        assert evaluated.table(table)["data"], table

@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 import robust_lightning
 from robust_lightning.atomic import atomic_write_json
 from robust_lightning.data.corrupt_report import CorruptImageReport
+from robust_lightning.training.throughput import Throughput
 
 
 def update_results(path: str | Path, sections: dict[str, Any]) -> dict:
@@ -120,6 +121,9 @@ class RunResults(Callback):
         corrupt = next((cb.totals for cb in trainer.callbacks if isinstance(cb, CorruptImageReport)), None)
         if corrupt:
             payload["corrupt_images"] = dict(corrupt)
+        throughput = next((cb.summary() for cb in trainer.callbacks if isinstance(cb, Throughput)), None)
+        if section == "fit" and throughput:  # images/s per device, step time, data-wait share (training.throughput)
+            payload["throughput"] = throughput
         counts = next((cb.image_counts for cb in trainer.callbacks if isinstance(cb, CorruptImageReport)), None)
         if counts:  # expected, read, corrupt and missing images of the last evaluation epoch
             payload["eval_image_counts"] = dict(counts)
