@@ -3,11 +3,14 @@
     python benchmarks/at_step.py                                  # convnext_atto, batch 32, 64 px, CPU, fp32
     python benchmarks/at_step.py --model convnext_tiny_convstem --resolution 224 --batch 128 \
         --device cuda --precision bf16
+    python benchmarks/at_step.py --compile                        # also both steps with model.compile
 
 A step is what the trainer does per batch: forward(s), backward, AdamW update (ImageClassifier's own code:
 attack in eval mode, update in train mode, soft targets). Clean and AT steps alternate so drifts in machine
 speed hit both alike; the figures are medians. The last line printed is a JSON object with ``at_over_clean``
-(the reference pass structure costs about 8/3; reusing the last attack forward brings the bound to 7/3).
+(the reference pass structure costs about 8/3; reusing the last attack forward brings the bound to 7/3) and the
+images per second of each step; with ``--compile``, ``at_compiled_over_at`` (the compiled AT step's time over the
+eager one's; compilation happens in the warm-up repeats).
 """
 
 import argparse
@@ -52,6 +55,9 @@ def main() -> None:
     variants = {"clean": dict(attack="none"), "at": dict(attack="apgd", attack_steps=args.attack_steps)}
     if args.compare_reuse:
         variants["at_no_reuse"] = dict(attack="apgd", attack_steps=args.attack_steps, reuse_attack_forward=False)
+    if args.compile:
+        variants["clean_compiled"] = dict(attack="none", compile=True)
+        variants["at_compiled"] = dict(attack="apgd", attack_steps=args.attack_steps, compile=True)
     steps, reuse = {}, None
     for name, options in variants.items():
         module = ImageClassifier(**common, **options).to(device).train()
@@ -60,10 +66,11 @@ def main() -> None:
         if name == "at":
             reuse = module.reuse_forward
     times = {name: [] for name in steps}
-    for repeat in range(args.warmup + args.repeats):
+    warmup = max(args.warmup, 3) if args.compile else args.warmup  # compiling takes the first calls
+    for repeat in range(warmup + args.repeats):
         for name, step in steps.items():
             seconds = timed(step)
-            if repeat >= args.warmup:
+            if repeat >= warmup:
                 times[name].append(seconds)
     median = {name: statistics.median(values) for name, values in times.items()}
     result = {
@@ -78,8 +85,12 @@ def main() -> None:
     }
     if "at_no_reuse" in median:
         result["at_no_reuse_over_clean"] = round(median["at_no_reuse"] / median["clean"], 3)
+    if args.compile:
+        result["at_compiled_over_at"] = round(median["at_compiled"] / median["at"], 3)
+        result["clean_compiled_over_clean"] = round(median["clean_compiled"] / median["clean"], 3)
+        result["at_compiled_images_per_s"] = round(args.batch / median["at_compiled"], 1)
     for name, values in times.items():
-        print(f"{name:12s} median {median[name] * 1000:8.1f} ms  "
+        print(f"{name:14s} median {median[name] * 1000:8.1f} ms  {args.batch / median[name]:8.1f} images/s  "
               f"(min {min(values) * 1000:.1f}, max {max(values) * 1000:.1f})")
     print(json.dumps(result))
 
@@ -97,5 +108,6 @@ if __name__ == "__main__":
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--compare-reuse", action="store_true",
                         help="also time AT without reusing the last attack forward")
+    parser.add_argument("--compile", action="store_true", help="also time both steps with model.compile")
     args = parser.parse_args()
     main()

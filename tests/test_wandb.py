@@ -241,12 +241,17 @@ def test_evaluation_tables_and_plots_are_logged(evaluated):
         assert evaluated.image(key)[:8] == b"\x89PNG\r\n\x1a\n", key
 
 
-def test_throughput_and_best_scores_are_in_the_run(fitted):
+def test_throughput_and_best_scores_are_in_the_run(workdir, fitted):
     # images/s per device, step time and data-wait share every log_every_n_steps (here 1) optimiser steps
     for key in ("perf/images_per_s", "perf/step_seconds", "perf/data_wait_share"):
         assert len(fitted.logged(key)) == 3, key
     assert all(value > 0 for value in fitted.logged("perf/images_per_s"))
     assert all(0 <= value <= 1 for value in fitted.logged("perf/data_wait_share"))
+    # results.json: the run's averages over its logging intervals but the first (start-up)
+    fit = json.loads((workdir / "runs" / "tiny" / "version_0" / "results.json").read_text())["fit"]
+    assert fit["throughput"]["steps"] == 2 and fit["throughput"]["images_per_device"] == 2 * 8
+    per_step = fitted.logged("perf/step_seconds")[1:]
+    assert fit["throughput"]["step_seconds"] == pytest.approx(sum(per_step) / 2, rel=1e-3)
     # the summaries of the validation scores keep their best value (W&B's default is the last)
     for key in ("val/select_acc", "val/robust_acc", "val_ema/robust_acc"):
         assert fitted.metrics[key].summary.max, key
@@ -267,3 +272,12 @@ def test_the_workspace_shows_what_the_runs_log(fitted, evaluated):
     assert sections["Evaluation tables"] == list(TABLES)
     for table in ("autoattack/summary", "imagenet_c/per_corruption", "benchmarks/summary", "resolution_sweep/summary"):
         assert evaluated.table(table)["data"], table
+
+
+def test_the_workspace_command_prints_offline_and_refuses_to_save_without_w_and_b(capsys, monkeypatch):
+    assert main(["workspace", "--project", "robust-lightning", "--dry_run", "true"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["Throughput"] == [["perf/images_per_s"], ["perf/step_seconds"], ["perf/data_wait_share"]]
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert main(["workspace", "--project", "robust-lightning", "--entity", "my-team"]) == 2
+    assert "saving a workspace needs W&B online" in capsys.readouterr().err

@@ -1021,6 +1021,11 @@ class ImageNetDataModule(LightningDataModule):
         if self.global_batch_size:
             differences.append("data.global_batch_size split over any device count, each rank's loss weighted so "
                                "the update is that of the whole batch (official: per-GPU batch x 8 GPUs)")
+        if self.micro_batches > 1:
+            differences.append(f"each device's share of the global batch in {self.micro_batches} micro-batches of at "
+                               f"most data.max_device_batch_size {self.max_device_batch_size} images, gradients "
+                               "accumulated exactly (BatchNorm statistics and MixUp/CutMix pairs per micro-batch; "
+                               "official: one forward per GPU and step, no accumulation)")
         return differences
 
     def evaluation_source(self) -> EvaluationSource:
@@ -1061,6 +1066,8 @@ class ImageNetDataModule(LightningDataModule):
             "eval_limit": self.eval_limit,
             "batch_size": self.batch_size,
             "global_batch_size": self.global_batch,
+            "max_device_batch_size": self.max_device_batch_size,
+            "micro_batches": self.micro_batches,
         }
 
 

@@ -123,6 +123,9 @@ class ImageClassifier(LightningModule):
         betas: AdamW betas.
         label_smoothing: label smoothing of the cross-entropy (MixUp/CutMix targets are smoothed the same way).
         channels_last: run the model in channels_last memory format (faster convolutions on GPU).
+        compile: compile the network with torch.compile (off by default). The attack's passes run with the
+            parameters detached (input gradients only: no parameter gradient is built, compiled or eager), and
+            the re-forward of the points whose best iterate is not the last takes one of eight batch sizes.
         attack: training attack: "none" (clean training), "apgd" (the paper), "pgd", "fgsm" or "fgsm_rs".
         attack_norm: threat model of the training attack: "Linf", "L2" or "L1".
         attack_eps: radius of the training attack (4/255 in the paper).
@@ -159,6 +162,7 @@ class ImageClassifier(LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         label_smoothing: float = 0.1,
         channels_last: bool = False,
+        compile: bool = False,
         attack: Literal["none", "apgd", "pgd", "fgsm", "fgsm_rs"] = "none",
         attack_norm: Literal["Linf", "L2", "L1"] = "Linf",
         attack_eps: float = 4 / 255,
@@ -184,6 +188,8 @@ class ImageClassifier(LightningModule):
             use_small_input_strides(self.model.net)
         if channels_last:
             self.model.to(memory_format=torch.channels_last)
+        if compile:  # in place: the state dict keeps its keys (torch.compile(module) would prefix _orig_mod)
+            self.model.net.compile()
         if reuse_attack_forward and has_mode_dependent_layers(self.model):
             raise UserError(
                 f"model.reuse_attack_forward needs a model without BatchNorm, dropout or drop-path; {arch} has some"
@@ -308,6 +314,14 @@ class ImageClassifier(LightningModule):
             images = images.contiguous(memory_format=torch.channels_last)
         return model(images)
 
+    def _run_for_attack(self, model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+        """``model`` on ``images`` with its parameters detached: an attack needs input gradients only, so no
+        parameter-gradient graph is recorded (less memory), and a compiled network gets a graph without one."""
+        if self.hparams.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        detached = {name: p.detach() for name, p in model.named_parameters()}
+        return torch.func.functional_call(model, detached, (images,))
+
     # ------------------------------------------------------------------------------------------- training
     def current_eps(self) -> float:
         hp = self.hparams
@@ -398,8 +412,9 @@ class ImageClassifier(LightningModule):
                     def last_forward(x):  # train mode = eval mode for this model; keeps the parameter graph
                         self.model.train()
                         return self(x)
-                result = apgd(self, images, targets, norm=hp.attack_norm, eps=eps, n_iter=hp.attack_steps,
-                              loss="ce", random_start=hp.attack_random_start, last_forward=last_forward)
+                result = apgd(partial(self._run_for_attack, self.model), images, targets, norm=hp.attack_norm,
+                              eps=eps, n_iter=hp.attack_steps, loss="ce", random_start=hp.attack_random_start,
+                              last_forward=last_forward)
                 x_adv, start_logits = result.x_best, result.logits_start
             else:
                 x_adv = self._simple_attack(images, targets, eps)
@@ -413,21 +428,37 @@ class ImageClassifier(LightningModule):
                 self.model.train()
 
         if result is not None and self.reuse_forward:
-            logits = result.logits_last
-            # points whose highest-loss iterate is not the last one need a forward of their own
-            redo = (~result.best_is_last).nonzero().squeeze(1)
-            if redo.numel():
-                logits = logits.index_put((redo,), self(x_adv[redo]).to(logits.dtype))
+            logits = self._with_best_iterates(result.logits_last, x_adv, result.best_is_last)
         else:
             logits = self(x_adv)
         return logits, F.cross_entropy(logits, targets), start_logits
 
+    def _with_best_iterates(self, logits: torch.Tensor, x_adv: torch.Tensor, best_is_last: torch.Tensor):
+        """The update's logits: those of the attack's last forward, except for the points whose highest-loss
+        iterate is an earlier one, which get a forward of their own.
+
+        Which points those are is read back from the device: the one read of the step, cheaper than the
+        fixed-shape alternative (a forward of the whole batch, an eighth of the step). A compiled network sees
+        one of eight batch sizes (the count rounded up to a multiple of an eighth of the batch, the extra points
+        forwarded and left unused) instead of a new shape at every step."""
+        redo = (~best_is_last).nonzero().squeeze(1)
+        count = redo.numel()
+        if not count:
+            return logits
+        if self.hparams.compile:
+            bucket = -(-len(best_is_last) // 8)
+            padded = min(len(best_is_last), -(-count // bucket) * bucket)
+            redo = torch.argsort(best_is_last.to(torch.uint8), stable=True)[:padded]  # the redo points first
+            return logits.index_put((redo[:count],), self(x_adv[redo])[:count].to(logits.dtype))
+        return logits.index_put((redo,), self(x_adv[redo]).to(logits.dtype))
+
     def _simple_attack(self, images, targets, eps) -> torch.Tensor:
         hp = self.hparams
+        forward = partial(self._run_for_attack, self.model)
         if hp.attack == "pgd":
-            return pgd(self, images, targets, norm=hp.attack_norm, eps=eps, n_iter=hp.attack_steps,
+            return pgd(forward, images, targets, norm=hp.attack_norm, eps=eps, n_iter=hp.attack_steps,
                        random_start=hp.attack_random_start)
-        return fgsm(self, images, targets, eps=eps, random_start=hp.attack == "fgsm_rs")
+        return fgsm(forward, images, targets, eps=eps, random_start=hp.attack == "fgsm_rs")
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         # once per optimiser step (global_step counts them; it does not move on accumulation micro-batches)
@@ -484,7 +515,7 @@ class ImageClassifier(LightningModule):
         """Per image: still correct under APGD-CE (the selection attack of the paper, training threat model)."""
         hp = self.hparams
         with torch.enable_grad():  # Lightning evaluates under no_grad (inference_mode is off in our CLI)
-            result = apgd(partial(self._run, model), images, labels, norm=hp.attack_norm, eps=hp.attack_eps,
+            result = apgd(partial(self._run_for_attack, model), images, labels, norm=hp.attack_norm, eps=hp.attack_eps,
                           n_iter=hp.select_attack_steps, loss="ce",
                           exit_broken=torch.arange(len(images), device=images.device))  # only the flags are used
         return result.robust
