@@ -4,7 +4,7 @@ Sections, in order: adversarial training (clean and adversarial loss and accurac
 and robust accuracy of the raw and the EMA weights, the selection score), throughput (images/s per device, step
 time, data-wait share) and the evaluations' tables (AutoAttack, the robustness card, ImageNet-C, the
 distribution shifts, the resolution sweep). The panels name the keys the runs log (ImageClassifier,
-training.throughput, the evaluation callbacks). Built with the wandb-workspaces package; ``--dry_run true`` prints
+training.throughput, the evaluation callbacks). Built with the wandb-workspaces package; ``--dry_run`` prints
 it and needs no network.
 """
 
@@ -73,7 +73,7 @@ def workspace(project: str = "robust-lightning", entity: str | None = None, name
         return 0
     if os.environ.get("WANDB_MODE") in ("offline", "disabled"):
         raise UserError(f"WANDB_MODE is {os.environ['WANDB_MODE']}: saving a workspace needs W&B online "
-                        "(unset it, and wandb login); --dry_run true prints the workspace without W&B")
+                        "(unset it, and wandb login); --dry_run prints the workspace without W&B")
     import wandb
 
     try:
@@ -81,7 +81,7 @@ def workspace(project: str = "robust-lightning", entity: str | None = None, name
         saved = build_workspace(entity, project, name).save()
     except Exception as e:  # no credentials, no network, an unknown project: the library's own message
         raise UserError(f"could not save the workspace to W&B ({type(e).__name__}: {e}); check `wandb login` "
-                        "and the network, or use --dry_run true") from None
+                        "and the network, or use --dry_run") from None
     print(f"workspace saved: {saved.url}")
     return 0
 
@@ -90,4 +90,4 @@ def workspace_main(argv: list[str] | None = None) -> int:
     return run_tool(workspace, sys.argv[1:] if argv is None else argv, prog="robust-lightning workspace",
                     description="Save the W&B workspace of a project: training curves, validation (raw and EMA), "
                     "throughput and the evaluation tables, e.g.\n  robust-lightning workspace --project "
-                    "robust-lightning --dry_run true")
+                    "robust-lightning --dry_run")
