@@ -9,8 +9,9 @@ Every ``trainer.log_every_n_steps`` optimiser steps, rank zero logs, over the st
 
 As timm's train.py does, the device is synchronised only at these logging steps, so the times are exact over a
 logging interval. Between them nothing is waited for: when the accelerator is the bottleneck, part of its queue's
-wait can show up as data wait. results.json's fit section holds the same figures over the whole run (the first
-interval, with its start-up costs, left out when there are later ones).
+wait can show up as data wait. An interval never spans the validation at an epoch's end: the steps of an epoch
+after its last logging step are left out. results.json's fit section holds the same figures over the whole run
+(the first interval, with its start-up costs, left out when there are later ones).
 """
 
 import time
@@ -40,11 +41,11 @@ class Throughput(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self._run = self._zero()
         self._first = None
-        self._window = self._zero()
-        self._window_start = time.perf_counter()
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
-        self._batch_end = time.perf_counter()  # the first batch's wait counts from here
+        # a window never spans validation or checkpointing: the previous epoch's unfinished one is dropped
+        self._window = self._zero()
+        self._window_start = self._batch_end = time.perf_counter()  # the first batch's wait counts from here
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._batch_end is not None:
