@@ -278,3 +278,86 @@ def test_cli(tree, tmp_path, capsys):
     with pytest.raises(SystemExit):
         shards_main(["--help"])
     assert "robust-lightning shards" in capsys.readouterr().out
+
+
+def test_a_plain_rerun_rewrites_missing_and_truncated_shards(tree, tmp_path, capsys):
+    src, files, _ = tree
+    out = tmp_path / "out"
+    command = [str(src), str(out), "--samples_per_shard", "3", "--workers", "1"]
+    assert shards_main(command) == 0
+    intact = {name: (out / name).read_bytes() for name in ("train-000000.tar", "train-000002.tar", "train-000004.tar")}
+    kept = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    truncated = out / "train-000001.tar"
+    truncated.write_bytes(truncated.read_bytes()[:700])  # inside its first image
+    (out / "train-000003.tar").unlink()
+    capsys.readouterr()
+
+    assert shards_main(command) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == (f"Rewrote 2 missing or damaged shard(s) of {out}: train-000001.tar (700 of "
+                          f"{read_manifest(out)['shards'][1]['bytes']} bytes), train-000003.tar (missing)")
+    assert printed[1].startswith(f"Wrote {len(files)} samples")
+    # the intact shards are left as they were
+    for name, data in intact.items():
+        assert (out / name).read_bytes() == data
+        assert (out / name).stat().st_mtime_ns == kept[name]
+        assert (out / name.replace(".tar", ".json")).stat().st_mtime_ns == kept[name.replace(".tar", ".json")]
+    # and every source image is back, once, under its label
+    samples = {s["__key__"]: s for shard in _read_shards(out) for s in shard}
+    assert len(samples) == len(files)
+    for rel, data in files.items():
+        sample = samples[Path(rel).stem]
+        assert sample[_image_ext(sample)] == data and int(sample["cls"]) == WNIDS[rel.split("/")[0]]
+
+    # a complete folder: nothing to rewrite, nothing named
+    assert shards_main(command) == 0
+    assert capsys.readouterr().out.startswith(f"Wrote {len(files)} samples")
+
+
+def test_errors_about_damaged_shards_name_the_command_that_repairs_them(tree, tmp_path, capsys):
+    src, files, _ = tree
+    out = tmp_path / "out"
+    convert_image_folder(src, out, prefix="part", samples_per_shard=3, shuffle=False, seed=3, workers=1,
+                         progress=False)
+    shard = out / "part-000001.tar"
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[:700])  # inside the shard's first image
+    expected = (f"robust-lightning shards {src.resolve()} {out.resolve()} --prefix part --samples_per_shard 3 "
+                "--shuffle false --seed 3")
+    with pytest.raises(UserError, match="part-000001.tar") as error:
+        shard_urls(out)
+    assert str(error.value).endswith(f"to rewrite the damaged shards, run: {expected}")
+
+    # read anyway (data.on_missing_images warn skips the size check): the reader stops at the cut, naming both
+    from robust_lightning.data.datamodule import ImageNetDataModule, ShardStream
+    from robust_lightning.data.transforms import eval_transform
+
+    for cut in (len(whole) // 2, 700):  # inside an image; inside the first member's padding (webdataset passes
+        shard.write_bytes(whole[:cut])  # the two errors on differently)
+        stream = ShardStream(shard_urls(out, check_sizes=False), eval_transform(32), repeat=False)
+        with pytest.raises(UserError, match=f"{shard} is truncated or not a tar file") as error:
+            list(stream)
+        assert str(error.value).startswith("cannot read shard (ReadError: unexpected end of data")
+        assert str(error.value).endswith(expected)
+    data = ImageNetDataModule(source="shards", val_shards=str(out), image_size=32, on_missing_images="warn")
+    data.setup("validate")
+    assert data.damaged_eval_shards() == [f"{shard} (700 of {len(whole)} bytes)",
+                                          f"to rewrite the damaged shards, run: {expected}"]
+
+    # the command repairs them
+    assert shards_main(expected.split()[2:]) == 0
+    assert shard.read_bytes() == whole
+    assert "Rewrote 1 missing or damaged shard(s)" in capsys.readouterr().out
+
+    # a folder without the converter's plan is rewritten whole; a manifest of an earlier version (no options,
+    # no plan) gets the sentence that says what to run
+    (out / ".plan.json").unlink()
+    (out / "part-000002.tar").unlink()
+    with pytest.raises(UserError, match=f"run: {expected} --overwrite true$"):
+        shard_urls(out)
+    manifest = read_manifest(out)
+    del manifest["options"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match=f"run the robust-lightning shards command that wrote {out.resolve()} from "
+                                        f"{src.resolve()} again, with the same options$"):
+        shard_urls(out)

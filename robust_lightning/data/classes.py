@@ -50,3 +50,59 @@ def class_map(spec: str, root: str | Path | None = None) -> dict[str, int]:
     if not isinstance(mapping, dict) or not all(isinstance(v, int) for v in mapping.values()):
         raise UserError(f"class_map file {path} must hold a JSON object mapping folder name -> integer label")
     return mapping
+
+
+# Kaggle's ImageNet val labels (LOC_val_solution.csv) start with this header; their PredictionString begins with
+# the WNID, followed by bounding boxes.
+KAGGLE_HEADER = "ImageId,PredictionString"
+VAL_LABELS_FORMATS = ("Kaggle's LOC_val_solution.csv, or one '<file name> <wnid>' line per image "
+                      "(separated by a space or a comma)")
+
+
+def read_val_labels(path: str | Path, classes: dict[str, int], option: str) -> dict[str, str]:
+    """The WNID of each image of a labels file for a flat folder, by file stem (the name without its extension).
+
+    Formats: Kaggle's LOC_val_solution.csv (``ImageId,PredictionString``, the first word of PredictionString is the
+    WNID), or lines ``<file name> <wnid>`` separated by whitespace or a comma. ``classes`` is the class map the
+    WNIDs must be in; ``option`` names the option in error messages (``data.val_labels``, ``--val_labels``).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{option} {path} does not exist; expected {VAL_LABELS_FORMATS}")
+    lines = [(n, line.strip()) for n, line in enumerate(path.read_text().splitlines(), start=1) if line.strip()]
+    if lines and lines[0][1] == KAGGLE_HEADER:
+        lines = lines[1:]
+    if not lines:
+        raise UserError(f"{option} {path} holds no labels; expected {VAL_LABELS_FORMATS}")
+    if all(line.isdigit() for _, line in lines):
+        # the devkit's ILSVRC2012_validation_ground_truth.txt: ILSVRC2012_IDs in the devkit's own class order,
+        # which only the devkit's meta.mat maps to WNIDs
+        raise UserError(f"{option} {path} holds class numbers, as the ImageNet devkit's "
+                        "ILSVRC2012_validation_ground_truth.txt does; those follow the devkit's own class order, not "
+                        f"ImageNet's standard one, and are not read: pass {VAL_LABELS_FORMATS}")
+    labels: dict[str, str] = {}
+    for number, line in lines:
+        fields = line.replace(",", " ", 1).split()
+        if len(fields) < 2:
+            raise UserError(f"{option} {path}, line {number}: expected '<file name> <wnid>' "
+                            f"(or {KAGGLE_HEADER}), got {line!r}")
+        stem, wnid = Path(fields[0]).stem, fields[1]
+        if wnid not in classes:
+            raise UserError(f"{option} {path}, line {number}: {wnid!r} is not a class of the class map "
+                            "(ImageNet: a WNID such as n01440764)")
+        if labels.setdefault(stem, wnid) != wnid:
+            raise UserError(f"{option} {path}, line {number}: {fields[0]} is labelled twice, "
+                            f"{labels[stem]} and {wnid}")
+    return labels
+
+
+def label_flat_folder(folder: str | Path, names: list[str], labels_file: str | Path, classes: dict[str, int],
+                      option: str) -> dict[str, str]:
+    """The WNID of each image file ``names`` of the flat ``folder``, from ``labels_file`` (``read_val_labels``);
+    every image must be listed there."""
+    labels = read_val_labels(labels_file, classes, option)
+    missing = [name for name in names if Path(name).stem not in labels]
+    if missing:
+        raise UserError(f"{len(missing)} of the {len(names)} images in {folder} are not in {option} {labels_file} "
+                        f"(first: {missing[0]}); it must label every image of the folder")
+    return {name: labels[Path(name).stem] for name in names}

@@ -12,6 +12,7 @@ import itertools
 import math
 import os
 import random
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -26,13 +27,15 @@ from lightning import LightningDataModule
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_worker_info
 from torchvision.datasets import ImageFolder
+from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
 from robust_lightning.data.augment import BatchAugment
 from robust_lightning.data.batch import Batch
+from robust_lightning.data.classes import VAL_LABELS_FORMATS, label_flat_folder
 from robust_lightning.data.classes import class_map as load_class_map
 from robust_lightning.data.crop import random_resized_crop
 from robust_lightning.data.samplers import ExactDistributedSampler, GlobalBatchSampler, ShardShare, rank_share
-from robust_lightning.data.shards import read_manifest, shard_urls
+from robust_lightning.data.shards import MANIFEST_NAME, read_manifest, repair_hint, shard_urls
 from robust_lightning.data.synthetic import ensure_synthetic_dataset
 from robust_lightning.data.transforms import (
     CanvasDecode,
@@ -46,6 +49,8 @@ from robust_lightning.paths import DATA_DIR
 
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
 HOLDOUT_SEED = 0  # fixed: the selection split must not move with the data-order seed
+SUBSET_ADVICE = ("data.eval_subset lists the images to evaluate (robustbench: RobustBench's 5000 ImageNet val "
+                 "images); to evaluate every image of this tree instead, set --data.eval_subset null")
 
 
 @dataclass(frozen=True)
@@ -113,15 +118,24 @@ def collate(items: list[dict | Corrupt], augment: BatchAugment | None = None) ->
 
 class LabelledImageFolder(ImageFolder):
     """ImageFolder whose labels come from a fixed class map, so a val tree with missing classes keeps the
-    standard ImageNet labels; undecodable images become Corrupt markers instead of exceptions."""
+    standard ImageNet labels; undecodable images become Corrupt markers instead of exceptions.
 
-    def __init__(self, root: str | Path, class_to_label: dict[str, int], transform):
-        self.class_to_label = class_to_label
+    With ``labels_file`` (data.val_labels) the folder is flat, as ImageNet's val is distributed: the images lie in
+    ``root`` itself and the file gives each one's class folder name (``classes.read_val_labels``);
+    ``file_wnids`` then maps each file name to it."""
+
+    def __init__(self, root: str | Path, class_to_label: dict[str, int], transform, labels_file: str | None = None):
+        self.class_to_label, self.labels_file = class_to_label, labels_file
+        self.file_wnids: dict[str, str] | None = None
         super().__init__(str(root), transform=transform, allow_empty=True)
         if not self.samples:
             raise UserError(f"no images found under {root}; expected {root}/<class folder>/<image files>")
 
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
+        loose = sorted(entry.name for entry in os.scandir(directory) if entry.is_file()
+                       and not entry.name.startswith(".") and has_file_allowed_extension(entry.name, IMG_EXTENSIONS))
+        if self.labels_file is not None or loose:
+            return self._flat_classes(directory, loose)
         folders = sorted(entry.name for entry in os.scandir(directory) if entry.is_dir())
         unknown = [name for name in folders if name not in self.class_to_label]
         if unknown:
@@ -130,6 +144,25 @@ class LabelledImageFolder(ImageFolder):
                 "class map; ImageNet needs WordNet-id folders (e.g. n01440764), other datasets class_map: folders"
             )
         return folders, {name: self.class_to_label[name] for name in folders}
+
+    def _flat_classes(self, directory: str, images: list[str]) -> tuple[list[str], dict[str, int]]:
+        if self.labels_file is None:
+            raise UserError(f"{directory} holds images directly (e.g. {images[0]}) instead of class folders "
+                            f"<wnid>/<images>; a flat val folder (ImageNet's val as distributed) needs its labels: "
+                            f"set data.val_labels to {VAL_LABELS_FORMATS}")
+        if not images:
+            raise UserError(f"data.val_labels {self.labels_file} labels a flat folder of images, but {directory} "
+                            "holds none directly; for class folders <wnid>/<images> leave data.val_labels out")
+        self.file_wnids = label_flat_folder(directory, images, self.labels_file, self.class_to_label,
+                                            "data.val_labels")
+        wnids = sorted(set(self.file_wnids.values()))
+        return wnids, {name: self.class_to_label[name] for name in wnids}
+
+    def make_dataset(self, directory: str, class_to_idx: dict[str, int], extensions=None, is_valid_file=None,
+                     allow_empty: bool = False) -> list[tuple[str, int]]:
+        if self.file_wnids is None:
+            return super().make_dataset(directory, class_to_idx, extensions, is_valid_file, allow_empty)
+        return [(os.path.join(directory, name), class_to_idx[wnid]) for name, wnid in self.file_wnids.items()]
 
     def __getitem__(self, index: int) -> dict | Corrupt:
         path, label = self.samples[index]
@@ -157,7 +190,7 @@ class ListedImages:
         wnid = sample["wnid"].decode() if isinstance(sample.get("wnid"), bytes) else sample.get("wnid")
         if wnid is not None and wnid != listed:
             raise UserError(f"{where}:{key} is of class {wnid}, but data.eval_subset lists it under {listed}: "
-                            "these shards do not hold the listed images")
+                            f"these shards do not hold the listed images. {SUBSET_ADVICE}")
         if self.labels is not None and self.labels.get(listed) != label:
             raise UserError(
                 f"{where}:{key} ({listed}) has label {label} but {self.labels.get(listed)} in the standard ImageNet "
@@ -168,11 +201,22 @@ class ListedImages:
 def stop_at_unreadable_shard(exn: Exception) -> bool:
     """webdataset handler: a shard that cannot be read to its end (truncated, not a tar file) stops the run
     with its name, instead of silently leaving its remaining samples out of the metrics or the training."""
-    if isinstance(exn, UserError):
+    if isinstance(exn, UserError):  # ours, raised from an inner webdataset loop: drop what the outer one appended
+        exn.args = exn.args[:1]
         raise exn
     reason = exn.args[0] if exn.args else type(exn).__name__
-    raise UserError(f"cannot read shard ({type(exn).__name__}: {reason}): it is truncated or not a tar file; "
-                    "re-create it with robust-lightning shards") from exn
+    # webdataset appends the shard's URL to the arguments of the exceptions it passes on, or, for a member it
+    # cannot read, the open file (" @ <_io.BufferedReader name='...'>") to the message
+    url = next((arg for arg in reversed(exn.args[1:]) if isinstance(arg, str)), None)
+    if url is None and (opened := re.search(r" @ <.*name='([^']+)'>$", str(reason))):
+        url = opened.group(1)
+    directory = Path(url.removeprefix("file:")).parent if url and not url.startswith("pipe:") else None
+    if directory is not None and (directory / MANIFEST_NAME).is_file():
+        repair = repair_hint(directory)
+    else:
+        repair = "re-create it with robust-lightning shards"
+    raise UserError(f"cannot read shard ({type(exn).__name__}: {reason}): {url or 'it'} is truncated or not a tar "
+                    f"file; {repair}") from exn
 
 
 class ShardStream(IterableDataset):
@@ -400,6 +444,12 @@ class ImageNetDataModule(LightningDataModule):
         train_size: number of training images, needed for shards given by pattern (a manifest has it).
         num_classes: size of the label space; defaults to the class map's (1000 for ImageNet).
         class_map: "imagenet" (the standard map in data/), "folders" (sorted class folders) or a JSON file.
+        val_labels: for source "folder" whose ``root/val`` is flat, as ImageNet's val is distributed (the images
+            in val/ itself, no class folders): the file giving each image's class folder name (WNID), labelled
+            then by ``class_map``: Kaggle's LOC_val_solution.csv (``ImageId,PredictionString``, the WNID first in
+            PredictionString), or one ``<file name> <wnid>`` line per image (a space or a comma between them).
+            The devkit's ILSVRC2012_validation_ground_truth.txt is refused: its class numbers follow the
+            devkit's own class order.
         image_size: training crop and evaluation crop r.
         crop_pct: evaluation resizes the shorter side to floor(r / crop_pct) before the centre crop.
         augmentation: training augmentation scheme: "basic" (RandomResizedCrop), "3aug" (+ flip and DeiT-III
@@ -467,6 +517,7 @@ class ImageNetDataModule(LightningDataModule):
         train_size: int | None = None,
         num_classes: int | None = None,
         class_map: str = "imagenet",
+        val_labels: str | None = None,
         image_size: int = 224,
         crop_pct: float = 0.875,
         augmentation: Literal["basic", "3aug", "heavy"] = "basic",
@@ -496,6 +547,10 @@ class ImageNetDataModule(LightningDataModule):
         self.root = Path(root) if root else None
         self.train_shards, self.val_shards, self.train_size = train_shards, val_shards, train_size
         self.class_map = class_map
+        if val_labels is not None and source != "folder":
+            raise UserError(f"data.val_labels labels a flat val folder of data.source folder, not {source!r} data "
+                            "(shards of a flat folder hold their labels: robust-lightning shards --val_labels FILE)")
+        self.val_labels = val_labels
         self.image_size, self.crop_pct = image_size, crop_pct
         self.augmentation, self.augment_on, self.crop_scale = augmentation, augment_on, tuple(crop_scale)
         self.augmentation_fill, self.full_resolution_decode = augmentation_fill, full_resolution_decode
@@ -623,7 +678,8 @@ class ImageNetDataModule(LightningDataModule):
         if on_holdout:
             self.eval_set = held
         else:
-            self.eval_set = self._folder_subset(LabelledImageFolder(self._split_dir("val"), self.classes, evaluation))
+            val = LabelledImageFolder(self._split_dir("val"), self.classes, evaluation, labels_file=self.val_labels)
+            self.eval_set = self._folder_subset(val)
 
     def _build_synthetic_sets(self, training, evaluation, *, needs_train: bool, on_holdout: bool) -> None:
         root = self._ensure_synthetic()  # no-op when prepare_data made it; covers direct setup() calls
@@ -728,12 +784,24 @@ class ImageNetDataModule(LightningDataModule):
         subset = self._subset_files()
         if subset is None:
             return Subset(dataset, range(min(self.eval_limit, len(dataset)))) if self.eval_limit else dataset
-        index = {Path(path).relative_to(dataset.root).as_posix(): i for i, (path, _) in enumerate(dataset.samples)}
+        flat = dataset.file_wnids
+        if flat is not None:  # a flat folder: listed images are found by file name, and must be of the listed class
+            wrong = [(wnid, name) for wnid, name in (e.split("/") for e in subset) if flat.get(name, wnid) != wnid]
+            if wrong:
+                wnid, name = wrong[0]
+                raise UserError(f"data.eval_subset lists {name} under {wnid}, but data.val_labels "
+                                f"{dataset.labels_file} labels it {flat[name]} ({len(wrong)} images differ)")
+        index = {}
+        for i, (path, _) in enumerate(dataset.samples):
+            name = Path(path).relative_to(dataset.root).as_posix()
+            index[name if flat is None else f"{flat[name]}/{name}"] = i
         missing = [name for name in subset if name not in index]
         if missing:
+            layout = "<wnid>/<file name>" if flat is None else "<file name>"
             raise UserError(
                 f"{len(missing)} of the {len(subset)} images of data.eval_subset are not in {dataset.root} "
-                f"(first: {missing[0]}); expected {dataset.root}/<wnid>/<file name> for every listed image"
+                f"(first: {missing[0]}); expected {dataset.root}/{layout} for every listed image. "
+                f"{SUBSET_ADVICE}"
             )
         required = self._robustbench_labels()
         if required is not None:
@@ -894,7 +962,8 @@ class ImageNetDataModule(LightningDataModule):
         return len(self.eval_set)
 
     def damaged_eval_shards(self) -> list[str]:
-        """The evaluation shards that are missing or whose size differs from their manifest entry."""
+        """The evaluation shards that are missing or whose size differs from their manifest entry, then, if there
+        are any, how to rewrite them (the command, where the manifest records it)."""
         if not _is_dir(self.eval_shard_spec):
             return []
         manifest = read_manifest(self.eval_shard_spec) or {"shards": []}
@@ -905,7 +974,7 @@ class ImageNetDataModule(LightningDataModule):
                 damaged.append(f"{path} (missing)")
             elif "bytes" in shard and path.stat().st_size != shard["bytes"]:
                 damaged.append(f"{path} ({path.stat().st_size} of {shard['bytes']} bytes)")
-        return damaged
+        return damaged + [repair_hint(self.eval_shard_spec)] if damaged else []
 
     def training_sample(self, device: torch.device | str, fraction: float = 1.0, max_images: int | None = None,
                         batch_size: int | None = None, seed: int = 0) -> TrainingSample:
@@ -1042,7 +1111,8 @@ class ImageNetDataModule(LightningDataModule):
     def conditions(self) -> dict[str, Any]:
         """What results.json records about the data."""
         where = {
-            "folder": {"root": str(self.root), "class_map": self.class_map},
+            "folder": {"root": str(self.root), "class_map": self.class_map,
+                       **({"val_labels": self.val_labels} if self.val_labels else {})},
             "shards": {"train_shards": self.train_shards, "val_shards": self.val_shards},
             "synthetic": {**asdict(self.synthetic), "root": str(self.synthetic_root)},
         }[self.source]

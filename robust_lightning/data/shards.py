@@ -15,10 +15,12 @@ leaves a half-written file under its final name.
 
 from __future__ import annotations
 
+import inspect
 import io
 import json
 import os
 import re
+import shlex
 import sys
 import textwrap
 from collections import Counter
@@ -32,6 +34,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from robust_lightning.atomic import atomic_write, atomic_write_json
+from robust_lightning.data.classes import VAL_LABELS_FORMATS, label_flat_folder
 from robust_lightning.data.classes import class_map as resolve_class_map
 from robust_lightning.errors import UserError
 from robust_lightning.locking import LOCK_NAME, exclusive
@@ -39,6 +42,9 @@ from robust_lightning.locking import LOCK_NAME, exclusive
 MANIFEST_FORMAT = "robust-lightning-shards/1"
 MANIFEST_NAME = "manifest.json"
 PLAN_NAME = ".plan.json"
+# The converter's options that decide what it writes (saved in its plan and the manifest); workers and
+# overwrite do not.
+CONVERSION_OPTIONS = ("prefix", "samples_per_shard", "class_map", "shuffle", "seed", "verify", "val_labels")
 
 # Source file suffix -> sample extension; the bytes are stored as they are, so the extension names their format.
 IMAGE_EXTENSIONS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp"}
@@ -104,10 +110,13 @@ def write_manifest(
     labels: dict[str, int],
     source: str,
     skipped: Iterable[dict] = (),
+    options: dict | None = None,
 ) -> dict:
     """Write ``out/manifest.json`` atomically from the per-shard stats of :func:`write_shard`; return it.
 
-    ``class_map`` is the spec string the labels came from, ``labels`` the resolved folder name -> label map.
+    ``class_map`` is the spec string the labels came from, ``labels`` the resolved folder name -> label map,
+    ``options`` the converter's options (recorded so that an error about a damaged shard can name the command
+    that rewrites it).
     """
     wnid_counts: Counter[str] = Counter()
     for stats in shard_stats:
@@ -126,6 +135,7 @@ def write_manifest(
         ],
         "skipped": list(skipped),
         "source": source,
+        **({"options": options} if options is not None else {}),
         "created_by": f"robust-lightning {_version()}",
     }
     write_json_atomic(Path(out) / MANIFEST_NAME, manifest)
@@ -166,14 +176,47 @@ def shard_urls(directory: str | Path, check_sizes: bool = True) -> list[str]:
     missing = [p.name for p in urls if not p.is_file()]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise UserError(f"{directory}: shard(s) listed in {MANIFEST_NAME} are missing: {', '.join(missing[:3])}{more}")
+        raise UserError(f"{directory}: shard(s) listed in {MANIFEST_NAME} are missing: {', '.join(missing[:3])}{more}; "
+                        f"{repair_hint(directory)}")
     # a truncated copy can end exactly between two tar members, which tarfile reads as a normal end
     resized = [f"{p.name} ({p.stat().st_size} bytes, the manifest says {s['bytes']})"
                for p, s in zip(urls, manifest["shards"]) if "bytes" in s and p.stat().st_size != s["bytes"]]
     if resized and check_sizes:
         raise UserError(f"{directory}: shard(s) truncated or changed since they were written: "
-                        f"{', '.join(resized[:3])}; re-create them with robust-lightning shards")
+                        f"{', '.join(resized[:3])}; {repair_hint(directory)}")
     return [str(p) for p in urls]
+
+
+def repair_hint(directory: str | Path) -> str:
+    """How to rewrite the missing or damaged shards of a shard directory, for an error message: the exact
+    ``robust-lightning shards`` command where the manifest (or the converter's plan beside it) records the
+    conversion; a re-run of it rewrites just those shards."""
+    directory = Path(directory).resolve()
+    try:
+        manifest = read_manifest(directory) or {}
+    except UserError:
+        manifest = {}
+    if manifest.get("class_map") == "synthetic":
+        return (f"the shards belong to the built-in synthetic dataset: delete {directory.parent} and run again to "
+                "generate it anew")
+    options = manifest.get("options")
+    if options is None:  # manifests of earlier versions: the plan holds the same options
+        options = _read_json(directory / PLAN_NAME) or {}
+    source = manifest.get("source", options.get("source"))
+    if "prefix" not in options or source is None:
+        where = f" from {source}" if source else ""
+        return (f"to rewrite the damaged shards, run the robust-lightning shards command that wrote {directory}{where} "
+                "again, with the same options")
+    defaults = {name: p.default for name, p in inspect.signature(shards).parameters.items()}
+    defaults["prefix"] = Path(source).name
+    words = ["robust-lightning", "shards", source, str(directory)]
+    for name in CONVERSION_OPTIONS:
+        value = options.get(name, defaults[name])
+        if value != defaults[name]:
+            words += [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
+    if not (directory / PLAN_NAME).is_file():  # without its plan the converter cannot tell what to keep
+        words += ["--overwrite", "true"]
+    return f"to rewrite the damaged shards, run: {shlex.join(words)}"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -181,13 +224,20 @@ def shard_urls(directory: str | Path, check_sizes: bool = True) -> list[str]:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _scan_image_folder(src: Path) -> list[str]:
-    """Sorted image paths relative to ``src``, each ``<class folder>/.../<file>``."""
-    loose = [p.name for p in src.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS]
+def _scan_image_folder(src: Path, val_labels: str | None) -> list[str]:
+    """Sorted image paths relative to ``src``, each ``<class folder>/.../<file>``, or with ``val_labels`` (a
+    flat folder) the file names."""
+    loose = sorted(p.name for p in src.iterdir()
+                   if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS)
+    if val_labels is not None:
+        if not loose:
+            raise UserError(f"--val_labels labels the images of a flat folder, but {src} holds none directly; "
+                            "for an ImageFolder tree SRC/<class folder>/<images> leave --val_labels out")
+        return loose
     if loose:
         raise UserError(
-            f"{src} holds images directly (e.g. {loose[0]}); expected an ImageFolder tree SRC/<class folder>/<images>"
-            " (sort a flat ImageNet val directory into wnid folders first)"
+            f"{src} holds images directly (e.g. {loose[0]}); expected an ImageFolder tree SRC/<class folder>/<images>, "
+            f"or for a flat folder such as ImageNet's val, --val_labels FILE: {VAL_LABELS_FORMATS}"
         )
     files = []
     for folder in sorted(e.name for e in os.scandir(src) if e.is_dir() and not e.name.startswith(".")):
@@ -216,14 +266,16 @@ def _sample_keys(files: list[str]) -> dict[str, str]:
 
 
 def _make_plan(src: Path, *, prefix: str, samples_per_shard: int, class_map: str, shuffle: bool, seed: int,
-               verify: bool) -> tuple[dict, dict[str, str]]:
+               verify: bool, val_labels: str | None) -> tuple[dict, dict[str, str]]:
     """The conversion plan (saved to compare on resume) and the sample key of each file."""
     labels = resolve_class_map(class_map, src)
-    files = _scan_image_folder(src)
+    files = _scan_image_folder(src, val_labels)
     if not files:
         exts = ", ".join(sorted(IMAGE_EXTENSIONS))
         raise UserError(f"{src} contains no images ({exts}) in class folders; expected SRC/<class folder>/<images>")
-    folders = sorted({f.split("/", 1)[0] for f in files})
+    # a flat folder: each file's class from the labels file, which checks its classes against the map
+    wnids = None if val_labels is None else label_flat_folder(src, files, val_labels, labels, "--val_labels")
+    folders = sorted({f.split("/", 1)[0] for f in files}) if wnids is None else []
     unknown = [name for name in folders if name not in labels]
     if unknown:
         names = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
@@ -249,7 +301,14 @@ def _make_plan(src: Path, *, prefix: str, samples_per_shard: int, class_map: str
         "labels": labels,
         "shards": [files[i : i + samples_per_shard] for i in range(0, len(files), samples_per_shard)],
     }
+    if wnids is not None:  # only then: the plans of class folder trees stay those of earlier versions (resume)
+        plan.update(val_labels=val_labels, wnids=wnids)
     return plan, keys
+
+
+def _wnid(plan: dict, rel: str) -> str:
+    """The class folder name of a planned file: its first folder, or its entry in a flat folder's labels."""
+    return plan["wnids"][rel] if "wnids" in plan else rel.split("/", 1)[0]
 
 
 def _shard_paths(out: Path, prefix: str) -> list[Path]:
@@ -315,14 +374,14 @@ def _read_source_sample(path: Path, key: str, label: int, wnid: str, verify: boo
     return {"__key__": key, ext: data, "cls": label, "wnid": wnid}, None
 
 
-def _convert_shard(src: Path, out: Path, prefix: str, index: int, entries: list[tuple[str, str]], labels: dict,
+def _convert_shard(src: Path, out: Path, prefix: str, index: int, entries: list[tuple[str, str, str]], labels: dict,
                    verify: bool) -> dict:
-    """Worker task: write one shard, then its stats file (the stats file marks the shard as done)."""
+    """Worker task: write one shard of ``entries`` (relative path, sample key, class folder name), then its stats
+    file (the stats file marks the shard as done)."""
     skipped = []
 
     def samples():
-        for rel, key in entries:
-            wnid = rel.split("/", 1)[0]
+        for rel, key, wnid in entries:
             sample, reason = _read_source_sample(src / rel, key, labels[wnid], wnid, verify)
             if sample is None:
                 skipped.append({"path": str(src / rel), "reason": reason})
@@ -339,15 +398,29 @@ def _stats_path(out: Path, prefix: str, index: int) -> Path:
     return (out / shard_name(prefix, index)).with_suffix(".json")
 
 
-def _load_stats(out: Path, prefix: str, index: int) -> dict | None:
-    """Stats of a finished shard, or None if the shard still has to be written."""
-    tar, stats = out / shard_name(prefix, index), _stats_path(out, prefix, index)
-    if not (tar.is_file() and stats.is_file()):
-        return None
+def _read_json(path: Path) -> dict | None:
     try:
-        return json.loads(stats.read_text())
-    except json.JSONDecodeError:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
         return None
+
+
+def _shard_state(out: Path, prefix: str, index: int, listed: dict | None) -> tuple[dict | None, str | None]:
+    """(the stats of a finished, intact shard, or None if it has to be written; why a shard recorded as finished
+    (by its stats file, or ``listed`` in the manifest) is written again, or None)."""
+    tar = out / shard_name(prefix, index)
+    stats = _read_json(_stats_path(out, prefix, index))
+    record = stats or listed
+    if record is None:  # never finished (an interrupted conversion): written, nothing to report
+        return None, None
+    if not tar.is_file():
+        return None, "missing"
+    # Shards are renamed into place whole, so a size as recorded is the whole file; reading every shard to its
+    # end instead would take minutes on an ImageNet conversion, at every resume.
+    size = tar.stat().st_size
+    if "bytes" in record and size != record["bytes"]:
+        return None, f"{size} of {record['bytes']} bytes"
+    return stats, None  # None when only the manifest lists it (stats file gone): written again
 
 
 def convert_image_folder(
@@ -360,16 +433,19 @@ def convert_image_folder(
     shuffle: bool = True,
     seed: int = 0,
     verify: bool = True,
+    val_labels: str | Path | None = None,
     workers: int | None = os.cpu_count(),
     progress: bool = True,
     overwrite: bool = False,
 ) -> dict:
-    """Convert an ImageFolder tree ``src/<class folder>/<images>`` into WebDataset shards in ``out``.
+    """Convert an ImageFolder tree ``src/<class folder>/<images>`` into WebDataset shards in ``out``; with
+    ``val_labels`` (see ``robust_lightning.data.classes.read_val_labels``), a flat folder of images.
 
     The plan (sorted files, seeded permutation if ``shuffle``, chunks of ``samples_per_shard``) is
     deterministic and saved in ``out``; re-running with the same arguments only writes the shards that are
-    missing. With ``verify`` every image is decoded and undecodable ones are left out and listed in the
-    manifest's ``skipped``. Returns the manifest.
+    missing, or whose size differs from the one recorded when they were written (those it names). With ``verify``
+    every image is decoded and undecodable ones are left out and listed in the manifest's ``skipped``. Returns
+    the manifest.
     """
     src = Path(src).resolve()
     out = Path(out).resolve()
@@ -389,7 +465,8 @@ def convert_image_folder(
         raise UserError(f"prefix {prefix!r} must not contain '/' or '.'")
 
     plan, keys = _make_plan(src, prefix=prefix, samples_per_shard=samples_per_shard, class_map=class_map,
-                            shuffle=shuffle, seed=seed, verify=verify)
+                            shuffle=shuffle, seed=seed, verify=verify,
+                            val_labels=None if val_labels is None else str(Path(val_labels).resolve()))
     # One converter per output directory: a second one would delete the first's temporary files as leftovers
     # of a killed run, and the two would write the manifest over each other.
     with exclusive(out / LOCK_NAME, f"shard directory {out}"):
@@ -398,14 +475,18 @@ def convert_image_folder(
 
 def _convert(src: Path, out: Path, plan: dict, keys: dict[str, str], *, overwrite: bool, workers: int,
              progress: bool) -> dict:
-    """The shards of ``plan`` that ``out`` still lacks, then the manifest (under the directory's lock)."""
+    """The shards of ``plan`` that ``out`` lacks or holds damaged, then the manifest (under the directory's lock)."""
     prefix, verify, class_map = plan["prefix"], plan["verify"], plan["class_map"]
     _prepare_output(out, plan, overwrite)
 
     num_shards = len(plan["shards"])
-    stats: list[dict | None] = [_load_stats(out, prefix, i) for i in range(num_shards)]
+    listed = {s["file"]: s for s in (_read_json(out / MANIFEST_NAME) or {}).get("shards", [])}
+    states = [_shard_state(out, prefix, i, listed.get(shard_name(prefix, i))) for i in range(num_shards)]
+    stats: list[dict | None] = [state for state, _ in states]
+    damaged = [f"{shard_name(prefix, i)} ({why})" for i, (_, why) in enumerate(states) if why]
     todo = [i for i in range(num_shards) if stats[i] is None]
-    args = [(src, out, prefix, i, [(f, keys[f]) for f in plan["shards"][i]], plan["labels"], verify) for i in todo]
+    args = [(src, out, prefix, i, [(f, keys[f], _wnid(plan, f)) for f in plan["shards"][i]], plan["labels"], verify)
+            for i in todo]
     with tqdm(total=num_shards, initial=num_shards - len(todo), desc=f"{prefix} shards", unit="shard",
               disable=not progress) as bar:
         if workers == 1 or len(todo) <= 1:
@@ -422,9 +503,13 @@ def _convert(src: Path, out: Path, plan: dict, keys: dict[str, str], *, overwrit
                 except BaseException:
                     pool.shutdown(cancel_futures=True)
                     raise
+    if damaged:
+        print(f"Rewrote {len(damaged)} missing or damaged shard(s) of {out}: {', '.join(damaged)}", flush=True)
 
     skipped = [item for s in stats for item in s["skipped"]]
-    return write_manifest(out, stats, class_map=class_map, labels=plan["labels"], source=str(src), skipped=skipped)
+    options = {name: plan[name] for name in CONVERSION_OPTIONS if name in plan}
+    return write_manifest(out, stats, class_map=class_map, labels=plan["labels"], source=str(src), skipped=skipped,
+                          options=options)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -441,13 +526,14 @@ def shards(
     shuffle: bool = True,
     seed: int = 0,
     verify: bool = True,
+    val_labels: str | None = None,
     workers: int | None = None,
     overwrite: bool = False,
 ) -> int:
     """Convert an ImageFolder tree (SRC/<class folder>/<images>) into WebDataset shards in OUT.
 
     Args:
-        src: ImageFolder root: SRC/<class folder>/<images>
+        src: ImageFolder root: SRC/<class folder>/<images>, or a flat folder of images with val_labels
         out: output directory for the shards and manifest.json
         prefix: shard file prefix (default: the name of SRC, e.g. 'train')
         samples_per_shard: images per shard (1000 is ~110 MB for ImageNet)
@@ -457,12 +543,14 @@ def shards(
             (for validation sets)
         seed: shuffle seed
         verify: decode every image to check it (false is faster; corrupt files then end up in shards)
+        val_labels: the labels of a flat SRC (ImageNet's val as distributed): Kaggle's LOC_val_solution.csv, or
+            one '<file name> <wnid>' line per image (separated by a space or a comma)
         workers: parallel processes, one shard each (default: the number of CPUs)
         overwrite: delete shards and plan of an earlier, different conversion in OUT first
     """
     manifest = convert_image_folder(
         src, out, prefix=prefix, samples_per_shard=samples_per_shard, class_map=class_map, shuffle=shuffle,
-        seed=seed, verify=verify, workers=workers or os.cpu_count(), overwrite=overwrite,
+        seed=seed, verify=verify, val_labels=val_labels, workers=workers or os.cpu_count(), overwrite=overwrite,
     )
     size = sum(s["bytes"] for s in manifest["shards"]) / 1e9
     print(
@@ -483,11 +571,14 @@ def shards_main(argv: list[str] | None = None) -> int:
         Convert an ImageFolder tree (SRC/<class folder>/<images>) into WebDataset shards in OUT, with a
         manifest.json the data module reads. Image bytes are stored as they are (no re-encoding); each
         sample also holds its integer label (cls) and class folder name (wnid). Conversion is parallel
-        and resumable: re-run the same command after an interruption and only missing shards are written.
+        and resumable: re-run the same command after an interruption, or when a shard went missing or was
+        truncated, and only the missing or damaged shards are written.
 
-        Example (ImageNet; val must already be sorted into wnid folders):
+        Example (ImageNet; a flat val folder, as distributed, needs its labels file):
           robust-lightning shards /datasets/imagenet/train /datasets/imagenet-wds/train
           robust-lightning shards /datasets/imagenet/val /datasets/imagenet-wds/val --shuffle false
+          robust-lightning shards /datasets/imagenet/val /datasets/imagenet-wds/val --shuffle false \\
+              --val_labels LOC_val_solution.csv
         """
     )
     return run_tool(shards, sys.argv[1:] if argv is None else argv, prog="robust-lightning shards",
