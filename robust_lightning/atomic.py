@@ -5,6 +5,11 @@ The bytes go to a hidden temporary file beside the target (``.<name>.tmp-<pid>``
 the target in one step; the directory is fsynced too, so the rename itself survives a power cut. Readers see
 either the old file or the complete new one. (Lightning's fsspec transaction stages files in the system temp
 directory instead: across filesystems that final move is a copy, which a kill can cut short.)
+
+Every file gets the permissions an ordinary ``open(path, "w")`` gives (0666 less the umask: 0644 under the
+usual 022), so colleagues sharing a cluster can read outputs. The temporary file is created by ``open`` (unlike
+``tempfile.mkstemp``, always 0600); files that other code creates 0600 (safetensors' ``save_file``) are given
+those permissions with ``give_ordinary_permissions``.
 """
 
 import json
@@ -32,6 +37,8 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = temporary_path(path)
+    # a stale one (a killed process of the same pid: pids repeat in containers) would keep its own permissions
+    temporary.unlink(missing_ok=True)
     try:
         with open(temporary, mode) as f:
             yield f
@@ -46,6 +53,28 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
         os.fsync(directory)
     finally:
         os.close(directory)
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where the kernel shows it (Linux 4.7+: ``Umask:`` in
+    /proc/self/status). Elsewhere it can only be read by setting another and restoring it (``os.umask``), which is
+    not thread-safe: a file another thread creates in between gets the interim mask, here the strict 077 rather
+    than 0 (world-writable). Read at each call, not once at import, so a umask set later is followed."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def give_ordinary_permissions(path: str | os.PathLike) -> None:
+    """The permissions ``open(path, "w")`` would have given the file: 0666 less the umask."""
+    os.chmod(path, 0o666 & ~umask())
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -18,16 +18,19 @@ from PIL import Image
 
 from helpers import make_image_tree, run_command
 from robust_lightning.errors import UserError
+from robust_lightning.evaluation import imagenet_c
 from robust_lightning.evaluation.corruptions import CorruptedEvalTransform
 from robust_lightning.evaluation.imagenet_c import (
     ALEXNET_CLEAN_ERROR,
     ALL,
+    ALL_IMAGES,
     STANDARD,
     ImageNetC,
     alexnet_errors_per_severity,
     alexnet_mean_errors,
     corruption_errors,
     imagenet_c_cells,
+    images_short_of_the_benchmark,
 )
 from robust_lightning.paths import DATA_DIR
 
@@ -90,10 +93,24 @@ def test_partial_evaluations_get_a_different_key_and_extras_need_all_severities(
     snow = 1.0 / (alexnet["snow"][0] + alexnet["snow"][2])
     assert "mce" not in result and "relative_mce" not in result
     assert result["mce_partial"] == {"value": pytest.approx((fog + snow) / 2, abs=1e-12),
-                                     "corruptions": ["snow", "fog"], "severities": [1, 3]}
+                                     "corruptions": ["snow", "fog"], "severities": [1, 3], "images": ALL_IMAGES}
     assert result["relative_mce_partial"]["value"] is None
     assert result["ce"]["spatter"] is None  # only the 5-severity mean is published for the extra corruptions
     assert result["ce"]["saturate"] == pytest.approx(1.0 / (5 * extra_mean["saturate"]), abs=1e-12)
+
+
+def test_every_cell_on_fewer_images_is_partial_too():
+    errors = {c: {s: 0.3 + 0.1 * s for s in range(1, 6)} for c in STANDARD}
+    full = corruption_errors(errors, clean_error=0.25)
+    fewer = corruption_errors(errors, clean_error=0.25, fewer_images="5000 of the 50000 ImageNet val images")
+    assert "mce" not in fewer and "relative_mce" not in fewer
+    for key in ("mce", "relative_mce"):  # the same numbers, under the partial key with the images they cover
+        assert fewer[f"{key}_partial"] == {"value": full[key], "corruptions": list(STANDARD),
+                                           "severities": [1, 2, 3, 4, 5],
+                                           "images": "5000 of the 50000 ImageNet val images"}
+    assert images_short_of_the_benchmark(50_000) is None
+    assert images_short_of_the_benchmark(49_999) == "49999 of the 50000 ImageNet val images in the smallest cell"
+    assert images_short_of_the_benchmark(50_000, imagenet_val=False) == "50000 images per cell, not of ImageNet val"
 
 
 # ------------------------------------------------------------------------------------------------- layouts
@@ -177,9 +194,9 @@ class Recorder(torch.nn.Module):
         return logits
 
 
-def run_callback(tmp_path: Path, root: Path, model_size: int) -> tuple[Recorder, dict]:
-    callback = ImageNetC(root=str(root), corruptions=["brightness"], severities=[2], clean_error=0.1,
-                         batch_size=3, num_workers=0, plot=False)
+def run_callback(tmp_path: Path, root: Path, model_size: int, **settings) -> tuple[Recorder, dict]:
+    settings = {"corruptions": ["brightness"], "severities": [2], **settings}
+    callback = ImageNetC(root=str(root), clean_error=0.1, batch_size=3, num_workers=0, plot=False, **settings)
     trainer = SimpleNamespace(
         world_size=1, global_rank=0, is_global_zero=True, log_dir=str(tmp_path / "run"), default_root_dir=None,
         loggers=[], global_step=0, ckpt_path=None, callback_metrics={}, datamodule=None,
@@ -208,6 +225,21 @@ def test_images_are_resized_only_for_another_model_resolution(tmp_path):
     assert torch.cat(model.inputs).shape == (4, 3, 24, 24)
     assert section["preprocessing"] == "resize 32 x 32 to 24 x 24 (bicubic)"
     assert section["conditions"]["image_size"] == 24
+
+
+def test_mce_only_on_every_image_of_every_cell(tmp_path, monkeypatch):
+    root = imagenet_c_tree(tmp_path / "c", corruptions=STANDARD)  # 4 images per cell
+    all_cells = {"corruptions": "standard", "severities": [1, 2, 3, 4, 5]}
+    _, partial = run_callback(tmp_path, root, model_size=32, **all_cells)
+    assert "mce" not in partial and "relative_mce" not in partial
+    assert partial["mce_partial"]["images"] == "4 of the 50000 ImageNet val images in the smallest cell"
+    assert partial["relative_mce_partial"]["images"] == partial["mce_partial"]["images"]
+    monkeypatch.setattr(imagenet_c, "IMAGENET_VAL_IMAGES", 4)  # as if the tree held all of val
+    _, section = run_callback(tmp_path, root, model_size=32, **all_cells)
+    assert "mce_partial" not in section and "relative_mce_partial" not in section
+    assert section["mce"] == partial["mce_partial"]["value"] and 0 < section["mce"] < 2
+    _, section = run_callback(tmp_path, root, model_size=32, max_images=3, **all_cells)  # a quick look
+    assert "mce" not in section and section["mce_partial"]["images"].startswith("3 of the 4 ImageNet val images")
 
 
 # ------------------------------------------------------------------------------------------ through the CLI
@@ -429,3 +461,19 @@ def test_generated_checks_before_any_work(tmp_path):
         ImageNetC(source="generated", corruptions=["fog"]).on_test_start(trainer, Recorder(16))
     with pytest.raises(UserError, match="needs robust_lightning's ImageNetDataModule"):
         ImageNetC(source="generated").on_test_start(SimpleNamespace(datamodule=None), Recorder(224))
+
+
+def test_generated_from_fewer_images_than_all_of_val_is_partial(tmp_path, checkpoint):
+    from robust_lightning.cli import main
+
+    config = cli_config(tmp_path, {"source": "generated", "batch_size": 25})  # all 15 corruptions x 5 severities
+    assert main(["test", "--config", str(config), "--ckpt_path", str(checkpoint), "--data.eval_limit", "3"]) == 0
+    results_file = next((tmp_path / "runs" / "c").glob("version_*/results.json"))
+    section = json.loads(results_file.read_text())["imagenet_c"]
+    assert section["generated"]["from"].endswith("eval_limit=3)") and section["generated"]["num_source_images"] == 3
+    assert "mce" not in section and "relative_mce" not in section
+    partial = section["mce_partial"]
+    assert partial["corruptions"] == list(STANDARD) and partial["severities"] == [1, 2, 3, 4, 5]
+    assert partial["images"] == "3 of the 50000 ImageNet val images in the smallest cell"
+    logged = (results_file.parent / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert "imagenet_c/mce_partial" in logged and "imagenet_c/mce" not in logged

@@ -1,6 +1,8 @@
 """A fit with AutoAttack at its end (``fit_images``), resumed with ``--ckpt_path last``: results.json names and
 describes the weights the fit ended with, partial outcomes of those weights are resumed (each image once), and
-outcomes of the run's earlier weights neither stop the resumed fit at its end nor are mixed into its numbers."""
+outcomes of the run's earlier weights neither stop the resumed fit at its end nor are mixed into its numbers.
+An outcome folder left by an evaluation that saved no image's outcome is taken over by the next one; one with
+outcomes of another evaluation is still refused."""
 
 import json
 from pathlib import Path
@@ -8,9 +10,12 @@ from pathlib import Path
 import pytest
 
 from robust_lightning.cli import main
+from robust_lightning.errors import UserError
 from robust_lightning.evaluation.autoattack import AutoAttackEvaluation, read_outcomes
+from robust_lightning.evaluation.outcomes import append_record, claim_directory
 from robust_lightning.evaluation.results import file_sha256, weights_sha256
 from robust_lightning.training.lightning_module import ImageClassifier
+from test_autoattack import checkpoint, eval_config, run_test  # noqa: F401 (checkpoint: a fixture)
 from test_cli import tiny_config
 
 FIT_IMAGES = 8
@@ -123,3 +128,66 @@ def test_a_fit_resumed_with_nothing_left_to_train_keeps_the_metrics_it_measured(
     fit = json.loads(path.read_text())["fit"]
     assert fit["metrics"] == measured and fit["metrics_from_an_earlier_session"] is True
     _check_results(_run(tmp_path), steps=2)
+
+
+# ------------------------------------------------------------------------ outcome folders of other evaluations
+def test_a_folder_with_only_another_evaluations_manifest_is_taken_over(tmp_path, checkpoint, monkeypatch,  # noqa: F811
+                                                                        caplog):
+    ckpt, synthetic_root = checkpoint
+
+    def stopped_before_attacking(self, *args, **kwargs):  # as a run stopped at a missing dataset root
+        raise RuntimeError("stopped")
+
+    monkeypatch.setattr(AutoAttackEvaluation, "on_test_batch_end", stopped_before_attacking)
+    with pytest.raises(RuntimeError, match="stopped"):
+        main(["test", "--config", str(eval_config(tmp_path, synthetic_root, n_iter=7)), "--ckpt_path", str(ckpt)])
+    monkeypatch.undo()
+    folder = tmp_path / "outcomes" / "Linf-4_255"
+    assert json.loads((folder / "manifest.json").read_text())["n_iter"] == 7 and not read_outcomes(folder)
+
+    with caplog.at_level("INFO"):
+        section = run_test(tmp_path, checkpoint)  # n_iter 5: another evaluation, which proceeds
+    assert f"{folder}: no image's outcome saved by an earlier evaluation with other settings (n_iter)" in caplog.text
+    assert section["threat_models"]["Linf-4_255"]["num_points"] == 20
+    assert len(read_outcomes(folder)) == 20
+    assert json.loads((folder / "manifest.json").read_text())["n_iter"] == 5
+
+
+def test_a_folder_with_outcomes_of_another_evaluation_is_still_refused(tmp_path, checkpoint, capsys):  # noqa: F811
+    ckpt, synthetic_root = checkpoint
+    run_test(tmp_path, checkpoint, "--trainer.limit_test_batches", "2", n_iter=7)  # ("1" would read as 100%)
+    folder = tmp_path / "outcomes" / "Linf-4_255"
+    saved = {name: (folder / name).read_text() for name in ("manifest.json", "rank0.jsonl")}
+    assert len(read_outcomes(folder)) == 12
+    assert main(["test", "--config", str(eval_config(tmp_path, synthetic_root)), "--ckpt_path", str(ckpt)]) == 2
+    assert f"{folder} holds outcomes of a different evaluation (n_iter differ)" in capsys.readouterr().err
+    assert {name: (folder / name).read_text() for name in saved} == saved  # nothing replaced, nothing added
+
+
+OURS = {"weights_sha256": "b" * 64, "norm": "Linf", "eps": 4 / 255, "n_iter": 5}
+THEIRS = {**OURS, "weights_sha256": "a" * 64}
+OUTCOME = {"key": ["x"], "label": [0], "clean": [True], "robust": [False], "broken_by": ["apgd-ce"], "seconds": {}}
+
+
+def _folder_of_theirs(tmp_path: Path, rank_file: str) -> Path:
+    folder = tmp_path / "Linf-4_255"
+    claim_directory(folder, THEIRS, True, "AutoAttackEvaluation")
+    (folder / "rank0.jsonl").write_text(rank_file)
+    return folder
+
+
+@pytest.mark.parametrize("rank_file", ["", json.dumps(OUTCOME)[:25]], ids=["empty", "cut-line"])
+def test_rank_files_without_any_outcome_do_not_block_another_evaluation(tmp_path, rank_file):
+    folder = _folder_of_theirs(tmp_path, rank_file)
+    claim_directory(folder, OURS, True, "AutoAttackEvaluation")
+    assert json.loads((folder / "manifest.json").read_text()) == OURS
+    claim_directory(folder, OURS, True, "AutoAttackEvaluation")  # a re-run of ours resumes as usual
+    append_record(folder / "rank0.jsonl", OUTCOME)  # on a line of its own, after a cut one
+    assert list(read_outcomes(folder)) == ["x"]
+
+
+def test_one_complete_line_beside_a_cut_one_is_an_outcome_of_the_other_evaluation(tmp_path):
+    folder = _folder_of_theirs(tmp_path, json.dumps(OUTCOME) + "\n" + json.dumps(OUTCOME)[:25])
+    with pytest.raises(UserError, match=r"holds outcomes of a different evaluation \(weights_sha256 differ\)"):
+        claim_directory(folder, OURS, True, "AutoAttackEvaluation")
+    assert json.loads((folder / "manifest.json").read_text()) == THEIRS

@@ -184,6 +184,10 @@ class AutoAttackEvaluation(Evaluation):
         for threat in self.threat_models:
             claim_directory(self._directory(threat), self._identity(trainer, weights_hash, threat),
                             trainer.is_global_zero, "AutoAttackEvaluation", self.locks)
+        # every rank has judged the folders before any adds an outcome: a folder without outcomes that rank zero
+        # takes over must not look, to a rank still judging it, like one holding outcomes of the earlier evaluation
+        barrier(trainer)
+        for threat in self.threat_models:
             self.done[threat.name] = set(read_outcomes(self._directory(threat)))
             self.seconds[threat.name], self.refuted[threat.name] = {}, {}
             if self.done[threat.name] and trainer.is_global_zero:

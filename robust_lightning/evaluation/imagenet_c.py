@@ -13,7 +13,9 @@ Protocol (Hendrycks & Dietterich, ICLR 2019, and hendrycks/robustness; constants
   for the 4 extra ones only the 5-severity mean is published, so their CE needs all 5 severities).
   Relative CE_c = sum_s (err_{s,c} - err_clean) / sum_s (err^AlexNet_{s,c} - err^AlexNet_clean).
   mCE / relative mCE = mean over the 15 standard corruptions, reported as such only when all 15 x 5 cells are
-  evaluated; otherwise as ``mce_partial`` / ``relative_mce_partial`` with the corruptions and severities used.
+  evaluated on all 50,000 ImageNet val images (the set the AlexNet errors were measured on); otherwise as
+  ``mce_partial`` / ``relative_mce_partial`` with the corruptions, severities and images used (e.g. a quick
+  look with max_images, or generated corruptions of the RobustBench 5000 or of data.eval_limit images).
 
 Like DistributionShiftBenchmarks: the layout is checked in ``on_test_start`` (a wrong root fails before any
 work), everything runs in ``on_test_end`` after the model's own test set, and under DDP the images are split
@@ -78,6 +80,8 @@ GROUP_OF = {c: group for group, names in zip(GROUPS, (STANDARD[:3], STANDARD[3:7
                                                       EXTRA)) for c in names}
 SEVERITIES = (1, 2, 3, 4, 5)
 RELEASED_SIZE = 224
+IMAGENET_VAL_IMAGES = 50_000  # in every released cell: all of ImageNet val
+ALL_IMAGES = f"all {IMAGENET_VAL_IMAGES} ImageNet val images in every cell"
 # AlexNet's clean top-1 error: torchvision's pretrained AlexNet (acc@1 56.522%, the model the ImageNet-C paper
 # evaluates; its Table 1 rounds the error to 43.5%). Not in data/: an init arg overrides it.
 ALEXNET_CLEAN_ERROR = 0.43478
@@ -130,13 +134,16 @@ def _alexnet_sum(corruption: str, severities: list[int]) -> float | None:
 
 # --------------------------------------------------------------------------------------------------- metrics
 def corruption_errors(errors: dict[str, dict[int, float]], clean_error: float | None = None,
-                      alexnet_clean_error: float = ALEXNET_CLEAN_ERROR) -> dict[str, Any]:
+                      alexnet_clean_error: float = ALEXNET_CLEAN_ERROR, fewer_images: str | None = None,
+                      ) -> dict[str, Any]:
     """CE, relative CE, mCE and relative mCE from top-1 errors ``errors[corruption][severity]`` (fractions).
+    ``fewer_images``: None when every cell held all 50,000 ImageNet val images, else what the images were instead
+    (``images_short_of_the_benchmark``).
 
     Returns {"ce": {c: CE or None}, "relative_ce": {c: ... or None}} plus "mce" and "relative_mce" when every
-    standard corruption has all 5 severities, else "mce_partial" / "relative_mce_partial" =
-    {"value", "corruptions", "severities"} over the standard corruptions evaluated (None when there are none).
-    Relative values need ``clean_error`` (else None)."""
+    standard corruption has all 5 severities on all the images, else "mce_partial" / "relative_mce_partial" =
+    {"value", "corruptions", "severities", "images"} over the standard corruptions evaluated (None when there are
+    none). Relative values need ``clean_error`` (else None)."""
     ce, relative = {}, {}
     for corruption, by_severity in errors.items():
         severities = sorted(by_severity)
@@ -148,7 +155,8 @@ def corruption_errors(errors: dict[str, dict[int, float]], clean_error: float | 
                                 / (alexnet - len(severities) * alexnet_clean_error))
     standard = [c for c in STANDARD if c in errors]
     result: dict[str, Any] = {"ce": ce, "relative_ce": relative}
-    complete = len(standard) == len(STANDARD) and all(sorted(errors[c]) == list(SEVERITIES) for c in standard)
+    complete = (len(standard) == len(STANDARD) and all(sorted(errors[c]) == list(SEVERITIES) for c in standard)
+                and fewer_images is None)
 
     def mean(values: dict[str, float | None]) -> float | None:
         picked = [values[c] for c in standard]
@@ -159,8 +167,21 @@ def corruption_errors(errors: dict[str, dict[int, float]], clean_error: float | 
     else:  # a different key, so a partial number is never mistaken for the benchmark's mCE
         severities = sorted({s for c in standard for s in errors[c]})
         for key, values in (("mce_partial", ce), ("relative_mce_partial", relative)):
-            result[key] = {"value": mean(values), "corruptions": standard, "severities": severities}
+            result[key] = {"value": mean(values), "corruptions": standard, "severities": severities,
+                           "images": fewer_images or ALL_IMAGES}
     return result
+
+
+def images_short_of_the_benchmark(per_cell: int, imagenet_val: bool = True) -> str | None:
+    """What the images were instead of the benchmark's (all 50,000 ImageNet val images in every cell), or None
+    when they were those: ``per_cell`` images in the smallest cell, of ImageNet val or not. By the count, so that
+    every selection (limit_per_class, max_images, data.eval_subset, data.eval_limit) that leaves out images says
+    so, and one that leaves none out does not."""
+    if not imagenet_val:
+        return f"{per_cell} images per cell, not of ImageNet val"
+    if per_cell < IMAGENET_VAL_IMAGES:
+        return f"{per_cell} of the {IMAGENET_VAL_IMAGES} ImageNet val images in the smallest cell"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------- layout
@@ -405,6 +426,7 @@ class ImageNetC(Evaluation):
         cell_of = cell_of[predictions.index]  # unreadable images are skipped (and named in the results)
         if not trainer.is_global_zero:
             return None
+        per_cell = int(torch.bincount(cell_of, minlength=len(keys)).min())
         with Image.open(self.cells[keys[0]][0][0]) as image:
             released = image.size
         r = self.resolution
@@ -414,7 +436,7 @@ class ImageNetC(Evaluation):
             "root": str(Path(self.root).resolve()),
             "layout": "group folders" if any(self.groups.values()) else "flat",
             **self._metrics(trainer, keys, cell_of, predictions.label, predictions.prediction,
-                            predictions.confidence, self.groups),
+                            predictions.confidence, self.groups, images_short_of_the_benchmark(per_cell)),
             "preprocessing": ("none (decoded as released)" if released == (r, r)
                               else f"resize {released[0]} x {released[1]} to {r} x {r} (bicubic)"),
             "conditions": {"image_size": r, "released_image_size": list(released), "ece_bins": ECE_BINS,
@@ -464,12 +486,13 @@ class ImageNetC(Evaluation):
                     target.append(label)
                     prediction.append(predicted[s_index])
                     confidence.append(confident[s_index])
+        source, num_source_images = evaluation_source(trainer), len(rows[self.corruptions[0]])
+        fewer = images_short_of_the_benchmark(num_source_images, source is not None and source.imagenet_val)
         metrics = self._metrics(trainer, keys, torch.tensor(cell_of, dtype=torch.long),
                                 torch.tensor(target, dtype=torch.long), torch.tensor(prediction, dtype=torch.long),
-                                torch.tensor(confidence, dtype=torch.double), GROUP_OF)
+                                torch.tensor(confidence, dtype=torch.double), GROUP_OF, fewer)
         metrics["alexnet"]["note"] = ALEXNET_ON_RELEASED
         r = self.resolution
-        source = evaluation_source(trainer)
         data = imagenet_val_test_set(source) or (
             f"data.source {source.kind if source else '?'} evaluation split (not ImageNet val: CE / mCE are not "
             "comparable with AlexNet's)")
@@ -477,7 +500,7 @@ class ImageNetC(Evaluation):
             "source": "generated",
             "generated": {
                 "from": data,
-                "num_source_images": len(rows[self.corruptions[0]]),
+                "num_source_images": num_source_images,
                 "seed": self.seed,
                 "resolution": r,
                 "pipeline": f"resize shorter side to {eval_resize_size(r, self.crop_pct)} (bilinear, as the release), "
@@ -505,15 +528,16 @@ class ImageNetC(Evaluation):
         return None, "none: set clean_error, or test on ImageNet val in the same run"
 
     def _metrics(self, trainer, keys: list[tuple[str, int]], cell_of: torch.Tensor, target: torch.Tensor,
-                 prediction: torch.Tensor, confidence: torch.Tensor, groups: dict[str, str | None]) -> dict[str, Any]:
+                 prediction: torch.Tensor, confidence: torch.Tensor, groups: dict[str, str | None],
+                 fewer_images: str | None) -> dict[str, Any]:
         """Top-1 and error per cell, per-corruption means, ECE (severities pooled), CE / mCE and their relative
         versions, for both sources. ``cell_of[i]``: the index in ``keys`` of the (corruption, severity) cell of
-        prediction i."""
+        prediction i; ``fewer_images``: see ``corruption_errors``."""
         correct = prediction == target
         acc = {key: accuracy(prediction[cell_of == k], target[cell_of == k]) for k, key in enumerate(keys)}
         errors = {c: {s: 1 - acc[c, s] for s in self.severities} for c in self.corruptions}
         clean_error, clean_source = self._clean_error(trainer)
-        derived = corruption_errors(errors, clean_error, self.alexnet_clean_error)
+        derived = corruption_errors(errors, clean_error, self.alexnet_clean_error, fewer_images)
         per_corruption = {}
         for c in self.corruptions:
             mine = torch.isin(cell_of, torch.tensor([k for k, key in enumerate(keys) if key[0] == c]))

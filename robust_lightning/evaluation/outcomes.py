@@ -1,11 +1,12 @@
 """The resumable per-image outcome store of AutoAttackEvaluation and ResolutionSweep.
 
 A directory per evaluated setting (a threat model, a resolution's cell) holds ``manifest.json`` (what the
-outcomes were computed with: a re-run with anything else is refused) and ``rank<r>.jsonl``: one JSON line per
-batch and rank, {"key", "label", "clean", "robust", "broken_by", "seconds"} with one entry per image, appended
-and fsynced before the next batch. A re-run skips the keys that already have an outcome, so an interrupted
-evaluation resumes without redoing or double-counting images; a line cut short by a kill is ignored (its batch
-is redone). Reading merges every rank and session, each key once.
+outcomes were computed with: a re-run with anything else is refused while the folder holds an image's outcome,
+and takes over a folder that holds none) and ``rank<r>.jsonl``: one JSON line per batch and rank, {"key",
+"label", "clean", "robust", "broken_by", "seconds"} with one entry per image, appended and fsynced before the
+next batch. A re-run skips the keys that already have an outcome, so an interrupted evaluation resumes without
+redoing or double-counting images; a line cut short by a kill is ignored (its batch is redone). Reading merges
+every rank and session, each key once.
 """
 
 import json
@@ -14,8 +15,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.utilities import rank_zero_info
+
+from robust_lightning.atomic import atomic_write_json
 from robust_lightning.errors import UserError
-from robust_lightning.evaluation.results import update_results
 from robust_lightning.locking import LOCK_NAME, exclusive
 
 
@@ -50,7 +53,8 @@ def append_record(path: Path, record: dict) -> None:
 
 def claim_directory(directory: Path, identity: dict[str, Any], is_global_zero: bool, owner: str,
                     locks: ExitStack | None = None) -> None:
-    """Refuse to mix outcomes of another checkpoint or setting into ``directory``; record ours.
+    """Refuse to mix outcomes of another checkpoint or setting into ``directory``; record ours (replacing the
+    manifest of another evaluation that saved no image's outcome there).
     ``owner``: the callback whose ``results_dir`` the error message tells the user to change. ``locks``: where
     global rank zero keeps the directory's lock until the caller closes it when its evaluation ends; another
     evaluation into the directory meanwhile stops at once with a message naming this one."""
@@ -58,16 +62,23 @@ def claim_directory(directory: Path, identity: dict[str, Any], is_global_zero: b
     if is_global_zero and locks is not None:
         locks.enter_context(exclusive(directory / LOCK_NAME, f"{owner} outcome folder {directory}"))
     manifest = directory / "manifest.json"
-    if manifest.is_file():
-        saved = json.loads(manifest.read_text())
-        if saved != identity:
-            changed = sorted(k for k in identity if saved.get(k) != identity[k])
+    saved = json.loads(manifest.read_text()) if manifest.is_file() else None
+    if saved == identity:
+        return
+    if saved is not None:
+        changed = sorted(k for k in identity if saved.get(k) != identity[k])
+        if read_outcomes(directory):
             raise UserError(
                 f"{directory} holds outcomes of a different evaluation ({', '.join(changed)} differ); set "
                 f"{owner}.results_dir to a new directory, or delete it to start over"
             )
-    elif is_global_zero:
-        update_results(manifest, identity)
+        # An evaluation stopped before its first batch was saved (e.g. at a missing dataset root) left its manifest
+        # and at most empty or cut-short rank files: nothing of it can be mixed in, so it does not block this one.
+        if is_global_zero:
+            rank_zero_info(f"{directory}: no image's outcome saved by an earlier evaluation with other settings "
+                           f"({', '.join(changed)}); taking the folder over for this one")
+    if is_global_zero:
+        atomic_write_json(manifest, identity, default=str)
 
 
 def summarise(outcomes: dict[str, dict[str, Any]], attacks: tuple[str, ...]) -> dict[str, Any]:

@@ -23,9 +23,9 @@ resolution at 256-288 for every model.
   outcomes (appended and fsynced per batch, in AutoAttackEvaluation's format), a manifest of what they were
   computed with (checkpoint hash, weights, radius, attack settings, data subset) and, once complete,
   ``done.json`` with the images it covers. A re-run skips complete cells (a resolution whose cells are all
-  complete is not even read), resumes incomplete ones image by image, and refuses a directory written by another
-  checkpoint or setting. Outcomes are per image, so a run on more images (max_images raised or removed after a
-  quick look) only evaluates the new ones.
+  complete is not even read), resumes incomplete ones image by image, and refuses a directory holding outcomes of
+  another checkpoint or setting (one holding none is taken over). Outcomes are per image, so a run on more
+  images (max_images raised or removed after a quick look) only evaluates the new ones.
 - DDP: each rank evaluates its share of the images; outcomes meet in the (shared) results_dir, where every
   image counts once and a cell is only marked complete when its outcomes cover exactly the images all ranks
   read. Accuracies are integer counts over the image count.

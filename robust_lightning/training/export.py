@@ -17,6 +17,7 @@ from pathlib import Path
 from timm.models import model_entrypoint, save_for_hf
 
 from robust_lightning.argument_parsing import run_tool
+from robust_lightning.atomic import atomic_write_json, give_ordinary_permissions
 from robust_lightning.errors import UserError
 from robust_lightning.models.classifier import RobustClassifier
 from robust_lightning.models.weights import read_checkpoint, save_net_weights
@@ -51,7 +52,9 @@ def export_weights(checkpoint: str | Path, out: str | Path, ema: bool = False) -
     if Path(out).suffix not in WEIGHT_FILE_SUFFIXES:
         raise UserError(f"export to .safetensors, .pt or .pth, not {Path(out).name}")
     model, _ = _restore(checkpoint, ema)
-    return save_net_weights(model, out)
+    path = save_net_weights(model, out)
+    give_ordinary_permissions(path)  # safetensors' save_file creates it 0600: unreadable to the group
+    return path
 
 
 def needs_robust_lightning(arch: str) -> bool:
@@ -81,12 +84,13 @@ def export_timm_folder(checkpoint: str | Path, out_dir: str | Path, ema: bool = 
         raise UserError(f"{out_dir} exists and is not a directory")
     out_dir.mkdir(parents=True, exist_ok=True)
     save_for_hf(net, str(out_dir), safe_serialization=True, data_config=data_config)
+    give_ordinary_permissions(out_dir / "model.safetensors")  # created 0600 by safetensors' save_file
     # timm copies the fields of its own release of the architecture (tag, license, ...): not these weights'
     config_path = out_dir / "config.json"
     config = json.loads(config_path.read_text())
     for key in RELEASE_FIELDS:
         config["pretrained_cfg"].pop(key, None)
-    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    atomic_write_json(config_path, config)
     return out_dir
 
 
