@@ -13,6 +13,7 @@ import netrc
 import os
 import re
 import sys
+import zipfile
 from argparse import ArgumentError
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,6 +22,8 @@ from typing import Any
 import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import robust_lightning
 from robust_lightning.argument_parsing import ArgumentParser, did_you_mean
@@ -32,6 +35,7 @@ from robust_lightning.loggers import SaveConfigToWandb
 from robust_lightning.models.weights import read_lightning_checkpoint, require_checkpoint_file
 from robust_lightning.scale.srun import shield_forked_children
 from robust_lightning.training.checkpoint_io import AtomicCheckpointIO, LatestCheckpoint
+from robust_lightning.training.interruption import EXIT_SIGTERM, Interruption
 from robust_lightning.training.lightning_module import ImageClassifier
 from robust_lightning.training.progress import default_progress_bar
 from robust_lightning.training.run_directory import FitRunDirectory, fit_checkpoint_directory
@@ -91,13 +95,35 @@ TOOL_COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
 }
 
 
+def newest_intact_checkpoint(directory: Path) -> tuple[Path | None, list[str]]:
+    """The checkpoint a resume should start from: last.ckpt, or else the newest other checkpoint of ``directory``,
+    provided it reads to its end (a torch checkpoint is a zip archive, whose directory is at the end: a cut file
+    has none). Returns it (None when there is none) and a note on each newer one passed over."""
+    if not directory.is_dir():
+        return None, []
+    files = [p for p in directory.glob(f"*{ModelCheckpoint.FILE_EXTENSION}") if not p.name.startswith(".")]
+    last = [p for p in files if p.name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST)]
+    others = sorted(set(files) - set(last), key=lambda p: p.stat().st_mtime, reverse=True)
+    passed = []
+    for candidate in sorted(last, key=lambda p: p.stat().st_mtime, reverse=True) + others:
+        try:
+            with zipfile.ZipFile(candidate):
+                return candidate, passed
+        except (zipfile.BadZipFile, OSError) as e:
+            passed.append(f"{candidate.name} is damaged ({type(e).__name__}: {e})")
+    return None, passed
+
+
 def continue_in_latest_run_directory(config) -> None:
-    """``fit --ckpt_path last`` resumes a run in its own directory: the run-directory logger (the first; CSV or
-    TensorBoard) without an explicit version takes the newest version_N that a fit wrote (not one a validate or
-    test created) instead of opening a new one, so the checkpoint search, the logs and results.json all stay
-    with the run being resumed (a requeued or killed job continues where it was). Other versioned loggers take
-    their newest version_N. With no earlier fit, or no last checkpoint where the fit saves them, a UserError:
-    Lightning would warn and silently start from scratch."""
+    """``fit --ckpt_path last`` continues a run in its own directory, whatever the moment it stopped.
+
+    The run-directory logger (the first; CSV or TensorBoard) without an explicit version takes the newest
+    version_N that a fit wrote (not one a validate or test created) instead of opening a new one, so the
+    checkpoint search, the logs and results.json all stay with the run being resumed (a requeued or killed job
+    continues where it was). Other versioned loggers take their newest version_N. The fit then starts from the
+    newest intact checkpoint of that run (``newest_intact_checkpoint``); with none (the run stopped before its
+    first checkpoint, or there was no earlier run), it says so and starts afresh in the same run directory:
+    Lightning alone would warn and silently start from scratch in a new one."""
     loggers = config.trainer.get("logger")
     loggers = loggers if isinstance(loggers, list) else [loggers]
     run_dir = None
@@ -113,8 +139,9 @@ def continue_in_latest_run_directory(config) -> None:
         versions = [int(p.name[len("version_"):]) for p in runs.glob("version_*") if p.name[len("version_"):].isdigit()
                     and (index > 0 or fit_checkpoint_directory(p) is not None)]
         if not versions and index == 0:
-            raise UserError(f"--ckpt_path last: no earlier fit of this config to resume in {runs} (none of its "
-                            "version_N directories was written by fit); run fit without --ckpt_path to start one")
+            rank_zero_info(f"--ckpt_path last: no earlier fit of this config in {runs}; starting one")
+            config.ckpt_path = None
+            return
         if versions:
             init.version = max(versions)
             run_dir = run_dir or runs / f"version_{init.version}"
@@ -132,11 +159,16 @@ def continue_in_latest_run_directory(config) -> None:
         checkpoints = Path(config.trainer.get("default_root_dir") or ".") / "checkpoints"
     else:
         return  # Lightning's default logger: its directory is not known before it is created
-    if not any(checkpoints.glob(f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}*{ModelCheckpoint.FILE_EXTENSION}")):
-        where = f" (the run in {run_dir})" if run_dir is not None else ""
-        raise UserError(f"--ckpt_path last: no last checkpoint to resume in {checkpoints}{where}; the earlier fit "
-                        "saved none (stopped before its first checkpoint?): run fit without --ckpt_path to start "
-                        "again")
+    chosen, passed = newest_intact_checkpoint(checkpoints)
+    where = f" (the run in {run_dir})" if run_dir is not None else ""
+    notes = "".join(f"; {note}" for note in passed)
+    if chosen is None:
+        rank_zero_info(f"--ckpt_path last: no intact checkpoint in {checkpoints}{where}{notes}: the run stopped "
+                       "before its first one, so it starts afresh in the same run directory")
+        config.ckpt_path = None
+    elif passed or not chosen.name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST):
+        rank_zero_info(f"--ckpt_path last: resuming from {chosen}, the newest intact checkpoint{where}{notes}")
+        config.ckpt_path = str(chosen)
 
 
 # What a checkpoint given with --ckpt_path carries, and which of its settings win (README, "What a checkpoint
@@ -307,7 +339,9 @@ def cli_arguments() -> dict[str, Any]:
         parser_class=ArgumentParser,
         seed_everything_default=0,
         trainer_defaults={
-            "callbacks": [CorruptImageReport(), RunResults(), PredictionWriter(), FitRunDirectory(), Throughput()],
+            # Interruption before RunResults: an interrupted fit's results.json names the checkpoint it just saved
+            "callbacks": [CorruptImageReport(), Interruption(), RunResults(), PredictionWriter(), FitRunDirectory(),
+                          Throughput()],
             # a kill during a save never corrupts last.ckpt
             "plugins": [{"class_path": f"{AtomicCheckpointIO.__module__}.{AtomicCheckpointIO.__name__}"}],
             # attacks in validate/test need autograd, which inference mode forbids even under enable_grad
@@ -377,6 +411,11 @@ def main(args: Sequence[str] | None = None) -> int:
                             f"{', '.join([*TRAINER_COMMANDS, *TOOL_COMMANDS])}")
         # args None: LightningCLI reads sys.argv itself
         RobustLightningCLI(**cli_arguments(), args=None if from_command_line else args)
+    except SIGTERMException:  # a SystemExit without a code: the process would exit 0 as if the run had finished
+        if rank_zero_only.rank == 0:
+            print(f"robust-lightning: {args[0]} interrupted by SIGTERM (exit status {EXIT_SIGTERM}); the same "
+                  "command resumes it (fit: with --ckpt_path last)", file=sys.stderr)
+        return EXIT_SIGTERM
     except UserError as e:
         message = str(e)
         if "Original Traceback" in message:  # raised in a DataLoader worker: torch adds the worker's traceback

@@ -1,6 +1,7 @@
 """Preemption safety: checkpoints are written atomically, and a training run killed with SIGKILL mid-epoch
 resumes with ``--ckpt_path last`` in its own run directory, with its selection and EMA state."""
 
+import contextlib
 import json
 import os
 import signal
@@ -77,3 +78,48 @@ def test_kill_9_mid_epoch_then_ckpt_path_last_resumes_the_same_run(tmp_path):
     after = next(v for k, v in final["callbacks"].items() if k.startswith("ModelCheckpoint"))
     assert before["best_model_path"] and float(after["best_model_score"]) >= float(before["best_model_score"])
     assert any(k.startswith("ema.") for k in final["state_dict"])  # EMA weights travel with the checkpoint
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_sigterm_stops_a_fit_with_a_checkpoint_a_message_and_a_failing_status(tmp_path, devices):
+    """SIGTERM mid-epoch (a scheduler pre-empting the job): the fit stops at the next step (under DDP, every rank:
+    Lightning broadcasts the signal), writes last.ckpt there and results.json marked interrupted, says how to
+    resume and exits 143, not 0. The resume command it prints then finishes the run."""
+    record = tmp_path / "batches.jsonl"
+    pace = {"class_path": "slurm_cluster.Pace", "init_args": {"record": str(record), "seconds": 0.3}}
+    config = tiny_config(tmp_path, tmp_path / "synthetic", **{
+        "trainer.max_epochs": 2, "trainer.limit_train_batches": STEPS_PER_EPOCH, "trainer.callbacks": [pace],
+        "trainer.devices": devices, "trainer.strategy": "ddp" if devices > 1 else "auto",
+        "data.batch_size": 2, "data.synthetic.train_per_class": STEPS_PER_EPOCH})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen([sys.executable, "-m", "robust_lightning", "fit", "--config", str(config)],
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True, env=env)
+    try:
+        deadline = time.time() + 240
+        while (not record.exists() or len(record.read_text().splitlines()) < 3) and time.time() < deadline:
+            assert process.poll() is None, process.communicate()[0][-3000:]
+            time.sleep(0.05)
+        os.killpg(process.pid, signal.SIGTERM)  # the whole job, as SLURM and schedulers signal every task
+        output = process.communicate(timeout=120)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 143, output[-3000:]
+    assert "fit interrupted by SIGTERM" in output and "--ckpt_path last" in output
+    run = tmp_path / "runs" / "tiny" / "version_0"
+    trained = len(record.read_text().splitlines())
+    fit = json.loads((run / "results.json").read_text())["fit"]
+    assert fit["interrupted"] == "SIGTERM" and 3 <= fit["steps"] <= trained < STEPS_PER_EPOCH  # within epoch 0
+    if devices == 1:  # one process: last.ckpt at the step it stopped (under DDP a save is a collective, see
+        # training/interruption.py: the run resumes from its last checkpoint)
+        assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == fit["steps"]
+
+    if devices > 1:  # a DDP fit's resume is tested in test_ddp_commands.py
+        return
+    resumed = subprocess.run([sys.executable, "-m", "robust_lightning", "fit", "--config", str(config),
+                              "--ckpt_path", "last"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                             env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    fit = json.loads((run / "results.json").read_text())["fit"]
+    assert fit["epochs"] == 2 and "interrupted" not in fit

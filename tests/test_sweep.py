@@ -19,6 +19,7 @@ from robust_lightning.scale import report as report_module
 from robust_lightning.scale.srun import shield_forked_children
 from robust_lightning.scale.sweep import cell_state, expand, load_sweep
 from robust_lightning.scale.task import run_cell, slurm_layout
+from robust_lightning.training.interruption import EXIT_SIGTERM
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -245,6 +246,11 @@ def test_task_records_a_failed_cell_with_its_exit_status(tmp_path, monkeypatch):
     assert status["log"] == str(tmp_path / "task.log") and status["labels"] == {"x": "1"}
     assert Path.cwd() == REPO  # cells run from the directory the sweep was submitted in
 
+    # a cell stopped by SIGTERM (the command line's exit status 143) is interrupted, not failed or done
+    assert run_cell(str(manifest), 0, lambda argv: EXIT_SIGTERM) == EXIT_SIGTERM
+    status = json.loads((cell_dir / "results.json").read_text())["sweep"]
+    assert status["status"] == "interrupted" and status["exit_code"] == 143
+
 
 def make_finished_sweep(tmp_path: Path, monkeypatch) -> tuple[Path, list[str]]:
     """A sweep whose cells ran: two done (one with results appended twice), one failed with a SLURM log, one
@@ -341,7 +347,8 @@ def test_slurm_templates(tmp_path):
 
 
 def test_forked_children_ignore_sigusr1(monkeypatch):
-    """SLURM signals every process of a step: DataLoader workers must not run Lightning's requeue handler."""
+    """SLURM signals every process of a step: DataLoader workers must not run Lightning's requeue or SIGTERM
+    handlers (the training process handles both, and its workers end with it)."""
     hooks = []
     monkeypatch.setattr(os, "register_at_fork", lambda **hook: hooks.append(hook))
     shield_forked_children()
@@ -349,9 +356,11 @@ def test_forked_children_ignore_sigusr1(monkeypatch):
     pid = os.fork()
     if pid == 0:
         hook["after_in_child"]()
-        os._exit(0 if signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN else 1)
+        ignored = signal.getsignal(signal.SIGUSR1) == signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        os._exit(0 if ignored else 1)
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
-    assert signal.getsignal(signal.SIGUSR1) != signal.SIG_IGN  # the parent keeps its handler
+    # the parent keeps its handlers
+    assert signal.getsignal(signal.SIGUSR1) != signal.SIG_IGN and signal.getsignal(signal.SIGTERM) != signal.SIG_IGN
 
 
 def test_local_sweep_runs_each_cell_through_the_cell_command(tmp_path, capsys):

@@ -204,21 +204,63 @@ def test_a_fit_into_a_run_directory_in_use_is_refused(tmp_path, fixed_dirpath_co
     assert not list(checkpoints.glob("*.ckpt"))
 
 
-def test_ckpt_path_last_without_an_earlier_fit_is_an_error(tmp_path, capsys):
+def test_ckpt_path_last_without_an_earlier_fit_says_so_and_starts_one(tmp_path, caplog):
+    """One command serves every restart: --ckpt_path last with nothing to resume starts the run (and says so);
+    a validate's run directory is never taken for a fit's."""
     config = tiny_config(tmp_path, tmp_path / "synthetic")
-    assert main(["fit", "--config", str(config), "--ckpt_path", "last"]) == 2  # nothing at all yet
-    assert f"no earlier fit of this config to resume in {tmp_path / 'runs' / 'tiny'}" in capsys.readouterr().err
     checkpoint_file = tmp_path / "model.ckpt"
     assert main(["fit", "--config", str(config), "--trainer.logger", "false",
                  "--checkpoint.dirpath", str(tmp_path / "elsewhere")]) == 0
     (tmp_path / "elsewhere" / "last.ckpt").rename(checkpoint_file)
     assert main(["validate", "--config", str(config), "--ckpt_path", str(checkpoint_file)]) == 0
     assert (tmp_path / "runs" / "tiny" / "version_0" / "results.json").is_file()  # a validate's run directory
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        assert main(["fit", "--config", str(config), "--ckpt_path", "last"]) == 0
+    assert f"no earlier fit of this config in {tmp_path / 'runs' / 'tiny'}; starting one" in caplog.text
+    assert "fit" not in json.loads((tmp_path / "runs" / "tiny" / "version_0" / "results.json").read_text())
+    assert json.loads((tmp_path / "runs" / "tiny" / "version_1" / "results.json").read_text())["fit"]["steps"] == 3
+
+
+def test_a_fit_killed_before_its_first_checkpoint_restarts_with_ckpt_path_last(tmp_path, caplog, capsys):
+    """A fixed checkpoint.dirpath (the quickstart's, the recipes'): the killed run owns it with no checkpoint in
+    it. Plain fit is refused (the folder is that run's); --ckpt_path last starts that run afresh in its directory."""
+    config = tiny_config(tmp_path, tmp_path / "synthetic")
+    checkpoints = tmp_path / "ckpts"
+    fixed = ["--checkpoint.dirpath", str(checkpoints)]
+    run_dir = tmp_path / "runs" / "tiny" / "version_0"
+    # what a fit killed before its first checkpoint leaves: its markers, and the temporary file of a cut save
+    assert main(["fit", "--config", str(config), *fixed, "--trainer.max_epochs", "0"]) == 0
+    assert not list(checkpoints.glob("*.ckpt")) and (checkpoints / ".run_directory").is_file()
+    (checkpoints / ".last.ckpt.tmp-4242").write_bytes(b"PK\x03\x04 cut")
     capsys.readouterr()
-    assert main(["fit", "--config", str(config), "--ckpt_path", "last"]) == 2
-    err = capsys.readouterr().err
-    assert f"no earlier fit of this config to resume in {tmp_path / 'runs' / 'tiny'}" in err and "Traceback" not in err
-    assert not (tmp_path / "runs" / "tiny" / "version_1").exists()  # nothing started from scratch
+    assert main(["fit", "--config", str(config), *fixed]) == 2
+    assert "resume that run with --ckpt_path last" in capsys.readouterr().err
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        assert main(["fit", "--config", str(config), *fixed, "--ckpt_path", "last"]) == 0
+    assert f"no intact checkpoint in {checkpoints} (the run in {run_dir})" in caplog.text
+    assert "starts afresh in the same run directory" in caplog.text
+    assert json.loads((run_dir / "results.json").read_text())["fit"]["steps"] == 3
+    assert not (tmp_path / "runs" / "tiny" / "version_1").exists()
+
+
+def test_ckpt_path_last_passes_over_a_damaged_last_checkpoint(tmp_path, caplog):
+    """After a disk-full failure: last.ckpt cut short, an intact per-epoch checkpoint beside it; the resume starts
+    from the latter and the message names what is on disk."""
+    config = tiny_config(tmp_path, tmp_path / "synthetic", **{"trainer.max_epochs": 2, "checkpoint.save_top_k": -1})
+    assert main(["fit", "--config", str(config), "--trainer.max_epochs", "1"]) == 0
+    checkpoints = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints"
+    [epoch0] = checkpoints.glob("epoch000-*.ckpt")
+    last = checkpoints / "last.ckpt"
+    last.write_bytes(last.read_bytes()[:1000])  # a save that the full disk cut short
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        assert main(["fit", "--config", str(config), "--ckpt_path", "last"]) == 0
+    assert f"resuming from {epoch0}, the newest intact checkpoint" in caplog.text
+    assert "last.ckpt is damaged" in caplog.text
+    fit = json.loads((tmp_path / "runs" / "tiny" / "version_0" / "results.json").read_text())["fit"]
+    assert (fit["epochs"], fit["steps"]) == (2, 6)
 
 
 def test_a_second_autoattack_evaluation_into_one_outcome_folder_is_refused(tmp_path, checkpoint, capsys):  # noqa: F811

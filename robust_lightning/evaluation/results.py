@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from lightning import Callback
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import robust_lightning
 from robust_lightning.atomic import atomic_write_json
@@ -101,8 +102,8 @@ class RunResults(Callback):
             "versions": software_versions(),
         }
 
-    def _write(self, trainer, pl_module, section: str, extra: dict[str, Any]) -> None:
-        run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # a collective under DDP: every rank calls it
+    def _write(self, trainer, pl_module, section: str, extra: dict[str, Any], run_dir: Path | None = None) -> None:
+        run_dir = run_dir or Path(trainer.log_dir or trainer.default_root_dir)  # log_dir: a collective under DDP
         if not trainer.is_global_zero:
             return
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -129,7 +130,9 @@ class RunResults(Callback):
             payload["eval_image_counts"] = dict(counts)
         update_results(path, {section: payload})
         shown = ", ".join(f"{k}={v:.4g}" for k, v in payload["metrics"].items() if not k.startswith("train/"))
-        print(f"\n{section} finished in {payload['seconds']:.0f}s: {shown}\nresults: {path.resolve()}", flush=True)
+        ended = f"interrupted after {payload['seconds']:.0f}s" if "interrupted" in extra else \
+            f"finished in {payload['seconds']:.0f}s"
+        print(f"\n{section} {ended}: {shown}\nresults: {path.resolve()}", flush=True)
 
     def _checkpoint(self, path: str | None) -> dict[str, Any] | None:
         if not path or not Path(path).is_file():
@@ -145,6 +148,20 @@ class RunResults(Callback):
             extra["monitor"] = checkpoint.monitor
             extra["last_checkpoint"] = self._checkpoint(checkpoint.last_model_path)
         self._write(trainer, pl_module, "fit", extra)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """An interrupted fit (SIGTERM, Ctrl-C) still leaves its results.json: what it reached, marked interrupted."""
+        interrupted = isinstance(exception, SIGTERMException) or (
+            isinstance(exception, KeyboardInterrupt) and trainer.world_size == 1)  # Ctrl-C: one rank only
+        if interrupted and trainer.state.fn == "fit" and trainer.is_global_zero:
+            checkpoint = trainer.checkpoint_callback
+            last = checkpoint.last_model_path if isinstance(checkpoint, ModelCheckpoint) else None
+            # the logger's directory without trainer.log_dir's broadcast: the ranks may have stopped at other steps
+            logger_dir = trainer.logger.log_dir if trainer.logger is not None else None
+            self._write(trainer, pl_module, "fit", run_dir=Path(logger_dir or trainer.default_root_dir), extra={
+                "interrupted": "SIGTERM" if isinstance(exception, SIGTERMException) else "SIGINT",
+                "epochs": trainer.current_epoch, "steps": trainer.global_step,
+                "last_checkpoint": self._checkpoint(last)})
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.state.fn == "validate":

@@ -22,6 +22,7 @@ from robust_lightning.argument_parsing import run_tool
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.results import update_results
 from robust_lightning.scale.srun import shield_forked_children
+from robust_lightning.training.interruption import EXIT_SIGTERM
 
 
 def slurm_layout() -> list[str]:
@@ -76,6 +77,8 @@ def run_cell(manifest_path: str, index: int, run: Callable[[list[str]], int]) ->
         raise
     if code == 0:
         mark("done", exit_code=0)
+    elif code == EXIT_SIGTERM:  # the command line's status for a run stopped by SIGTERM
+        mark("interrupted", exit_code=code, error="SIGTERM")
     else:
         mark("failed", exit_code=code, error=f"robust-lightning exited with status {code}")
     return code

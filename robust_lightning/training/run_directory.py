@@ -75,6 +75,8 @@ class FitRunDirectory(Callback):
             atomic_write_json(run_dir / FIT_MARKER, {"checkpoint_dirpath": str(checkpoints)})
         except BaseException:
             self._locks.close()
+            if run_dir.is_dir() and not any(run_dir.iterdir()):  # a refused fit leaves no empty version_N behind
+                run_dir.rmdir()
             raise
 
     @staticmethod

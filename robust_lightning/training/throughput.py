@@ -41,9 +41,13 @@ class Throughput(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self._run = self._zero()
         self._first = None
+        self._open_window()  # a fit resumed mid-epoch starts without on_train_epoch_start
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         # a window never spans validation or checkpointing: the previous epoch's unfinished one is dropped
+        self._open_window()
+
+    def _open_window(self) -> None:
         self._window = self._zero()
         self._window_start = self._batch_end = time.perf_counter()  # the first batch's wait counts from here
 

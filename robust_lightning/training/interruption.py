@@ -1,0 +1,102 @@
+"""A fit stopped by a signal ends honestly: promptly, with a checkpoint, a message saying how to resume, and a
+non-zero exit status (the command line's; ``robust_lightning.cli``).
+
+Lightning notes SIGTERM but, in one process, stops only at the end of the epoch (hours on ImageNet), and its
+``SIGTERMException`` is a ``SystemExit`` without a code: the process exits 0, which schedulers, scripts and sweep
+bookkeeping take for a finished run. Here a fit stops at the next step boundary (under DDP Lightning already
+broadcasts the signal at every step), ``last.ckpt`` is written where training went further than the last
+checkpoint (one process only: under DDP a save is a collective that ranks stopped at different steps would never
+complete), and the resume command is printed. SIGINT (Ctrl-C) ends the same way; Lightning exits 1 after it.
+SLURM's requeue (SIGUSR1, then SIGTERM) is Lightning's and keeps working: the requeued job resumes from its
+``hpc_ckpt_N.ckpt``.
+"""
+
+import logging
+import shlex
+import signal
+import sys
+import threading
+
+from lightning import Callback
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+EXIT_SIGTERM = 128 + 15  # the shell's status for a process ended by SIGTERM
+log = logging.getLogger(__name__)
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command line that resumes a fit: the same arguments with ``--ckpt_path last``."""
+    kept, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+            continue
+        if token == "--ckpt_path":
+            skip = True
+            continue
+        if not token.startswith("--ckpt_path="):
+            kept.append(token)
+    return shlex.join(["robust-lightning", *kept, "--ckpt_path", "last"])
+
+
+def _take_over_sigterm(trainer) -> None:
+    """Replace Lightning's SIGTERM handler by one that only notes the signal (and forwards it to the ranks this
+    process launched, as Lightning's does). Lightning's also broadcasts from inside the handler, a collective at
+    whatever point each rank was interrupted: under DDP, with every rank signalled (SLURM, a process group), the
+    ranks then wait in different collectives forever. Lightning already broadcasts rank zero's flag at the start of
+    every training step, where all ranks are, and stops them together there."""
+    if threading.current_thread() is not threading.main_thread() or getattr(trainer, "_rl_sigterm_taken", False):
+        return
+    connector = trainer._signal_connector
+
+    def note_sigterm(signum, frame) -> None:
+        log.info(f"[rank {trainer.global_rank}] received SIGTERM: stopping at the next step")
+        if not connector.received_sigterm and trainer.strategy.launcher is not None:
+            trainer.strategy.launcher.kill(signum)
+        connector.received_sigterm = True
+
+    signal.signal(signal.SIGTERM, note_sigterm)  # Lightning's teardown restores the handler it found at its start
+    trainer._rl_sigterm_taken = True
+
+
+class Interruption(Callback):
+    """Stops a fit at the step boundary after SIGTERM, saves ``last.ckpt`` and says how to resume."""
+
+    # after Lightning registers its signal handlers (Trainer._run), before any batch
+    def on_train_start(self, trainer, pl_module) -> None:
+        _take_over_sigterm(trainer)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        _take_over_sigterm(trainer)
+
+    def on_test_start(self, trainer, pl_module) -> None:
+        _take_over_sigterm(trainer)
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        _take_over_sigterm(trainer)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        trainer._rl_sigterm_taken = False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.received_sigterm and trainer.world_size == 1:  # under DDP Lightning raises it at every step
+            raise SIGTERMException()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if not isinstance(exception, (SIGTERMException, KeyboardInterrupt)) or trainer.state.fn != "fit":
+            return
+        checkpoint = trainer.checkpoint_callback
+        has_last = isinstance(checkpoint, ModelCheckpoint) and checkpoint.save_last
+        # Under DDP a save is a collective, and the ranks may stop at different steps (each gets the signal, and
+        # Lightning's handler broadcasts it from inside the signal handler): no collective here, the run resumes
+        # from its last checkpoint (on SLURM, the requeue's hpc_ckpt_N.ckpt).
+        if has_last and checkpoint.dirpath and trainer.world_size == 1:
+            if checkpoint._last_global_step_saved != trainer.global_step:  # steps since the last checkpoint
+                checkpoint._save_last_checkpoint(trainer, checkpoint._monitor_candidates(trainer))
+        saved = checkpoint.last_model_path if has_last else None
+        signal_name = "SIGTERM" if isinstance(exception, SIGTERMException) else "SIGINT (Ctrl-C)"
+        where = f"last checkpoint: {saved}" if saved else "no checkpoint yet"
+        rank_zero_info(f"\nfit interrupted by {signal_name} at epoch {trainer.current_epoch}, step "
+                       f"{trainer.global_step}; {where}\nresume with: {resume_command(sys.argv[1:])}")
