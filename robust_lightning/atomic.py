@@ -15,9 +15,11 @@ those permissions with ``give_ordinary_permissions``.
 import json
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any
+
+from robust_lightning.errors import UserError
 
 TEMPORARY_MARK = ".tmp-"  # in every temporary name: a stale one left by a killed process is recognisable
 
@@ -35,18 +37,21 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_write mode must be 'w' or 'wb', got {mode!r}")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     temporary = temporary_path(path)
-    # a stale one (a killed process of the same pid: pids repeat in containers) would keep its own permissions
-    temporary.unlink(missing_ok=True)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # a stale one (a killed process of the same pid: pids repeat in containers) would keep its own permissions
+        temporary.unlink(missing_ok=True)
         with open(temporary, mode) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
+    except BaseException as e:
+        with suppress(OSError):  # on a full or read-only disk the clean-up may fail too
+            temporary.unlink(missing_ok=True)
+        if isinstance(e, OSError):  # read-only, full, not a folder, ...: one message, the target left as it was
+            raise UserError(f"cannot write {path}: {e.strerror or e}") from e
         raise
     directory = os.open(path.parent, os.O_RDONLY)
     try:

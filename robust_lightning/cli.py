@@ -330,6 +330,17 @@ def check_config_files(args: Sequence[str]) -> None:
                             "{max_epochs: 2}'")
 
 
+def describe_os_error(e: OSError) -> str:
+    """An operating-system error as one line that names the path and what is wrong with it."""
+    if not e.filename:
+        return str(e.strerror or e)
+    if isinstance(e, NotADirectoryError):
+        return f"cannot create {e.filename}: a part of that path is a file, not a folder"
+    if isinstance(e, FileExistsError) and Path(e.filename).is_file():
+        return f"cannot create the folder {e.filename}: a file of that name is there"
+    return f"cannot use {e.filename}: {e.strerror}"
+
+
 def cli_arguments() -> dict[str, Any]:
     """RobustLightningCLI's arguments but ``args``: how the Trainer subcommands parse and what they always add
     (main() runs them, command_line_check() parses with the same parser)."""
@@ -416,6 +427,9 @@ def main(args: Sequence[str] | None = None) -> int:
             print(f"robust-lightning: {args[0]} interrupted by SIGTERM (exit status {EXIT_SIGTERM}); the same "
                   "command resumes it (fit: with --ckpt_path last)", file=sys.stderr)
         return EXIT_SIGTERM
+    except OSError as e:  # a file or folder that cannot be written or read (read-only, full, not a folder)
+        print(f"robust-lightning: error: {describe_os_error(e)}", file=sys.stderr)
+        return 2
     except UserError as e:
         message = str(e)
         if "Original Traceback" in message:  # raised in a DataLoader worker: torch adds the worker's traceback

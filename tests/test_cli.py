@@ -305,3 +305,15 @@ def test_last_checkpoint_is_the_latest_epoch_even_when_the_score_did_not_improve
     # the best score and path of ModelCheckpoint's state travel under its own key, as Lightning wrote them
     state = next(v for k, v in last["callbacks"].items() if k.startswith("ModelCheckpoint{"))
     assert state["best_model_path"].endswith(".ckpt") and state["best_model_score"] == 0
+
+
+def test_a_config_without_a_logger_writes_its_run_directory_under_lightning_logs(tmp_path, synthetic_root):
+    """What the README says: without a logger in the config, Lightning's default run directory."""
+    config = yaml.safe_load(tiny_config(tmp_path, synthetic_root, **{"model.arch": "test_resnet"}).read_text())
+    del config["trainer"]["logger"]
+    path = tmp_path / "no_logger.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["fit", "--config", str(path)]) == 0
+    run = tmp_path / "runs" / "lightning_logs" / "version_0"
+    assert (run / "results.json").is_file() and (run / "config.yaml").is_file()
+    assert list((run / "checkpoints").glob("last.ckpt"))

@@ -125,6 +125,20 @@ PROBES = [
     Probe("sweep file empty", ("sweep", "--config", "{w}/empty.yaml", "--dry_run"),
            2, "config file {w}/empty.yaml is empty"),
     Probe("shards source missing", ("shards", "{w}/nowhere", "{w}/shards_out"), 2, "{w}/nowhere"),
+    # outputs that cannot be written (as root, permission bits stop nothing: a file where a folder is needed and
+    # /proc, which holds no files, stand for read-only places; tests/test_writers.py fills a tiny disk)
+    Probe("checkpoints under a file", ("fit", "--config", "{cfg}", "--checkpoint.dirpath", "{w}/empty.yaml/ckpts"), 2,
+          "cannot create {w}/empty.yaml/ckpts: a part of that path is a file, not a folder"),
+    Probe("checkpoints under /proc", ("fit", "--config", "{cfg}", "--checkpoint.dirpath", "/proc/rl-probe/ckpts"), 2,
+          "cannot use /proc/rl-probe"),
+    Probe("run directory under a file", ("validate", "--config", "{cfg}", "--ckpt_path", "{w}/last.ckpt",
+                                         "--trainer.logger.init_args.save_dir", "{w}/empty.yaml/runs"), 2,
+          "{w}/empty.yaml"),
+    Probe("export under a file", ("export", "{w}/last.ckpt", "{w}/empty.yaml/model.safetensors"), 2,
+          "{w}/empty.yaml"),
+    Probe("export folder under /proc", ("export", "{w}/last.ckpt", "/proc/rl-probe/model"), 2,
+          "cannot use /proc/rl-probe"),
+    Probe("shards into /proc", ("shards", "{w}/imagenet/val", "/proc/rl-probe/shards"), 2, "/proc/rl-probe"),
 ]
 
 
@@ -188,7 +202,7 @@ def test_every_probe_is_listed_once():
 def test_probe(probe: Probe, world, tmp_path, capsys, caplog):
     fill = {"w": str(world), "cfg": str(world / "tiny.yaml")}
     args = [arg.format(**fill) for arg in probe.args]
-    if args[0] in ("fit", "validate", "test", "predict"):
+    if args[0] in ("fit", "validate", "test", "predict") and "--trainer.logger.init_args.save_dir" not in args:
         args += ["--trainer.logger.init_args.save_dir", str(tmp_path)]
     try:
         status = main(args)

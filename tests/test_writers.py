@@ -293,3 +293,36 @@ def test_a_second_autoattack_evaluation_into_one_outcome_folder_is_refused(tmp_p
     err = capsys.readouterr().err
     assert f"AutoAttackEvaluation outcome folder {folder} is being written by pid {os.getpid()}" in err
     assert (folder / "rank0.jsonl").read_text() == records
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 256 KiB filesystem: smaller than any checkpoint, so writing one fills it."""
+    mount = tmp_path / "tiny-disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tiny filesystem on this machine ({done.stderr.strip() or 'not root'}); the "
+                    "other unwritable outputs are probed in tests/test_probes.py")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_is_one_message_and_leaves_nothing_half_written(tmp_path, full_disk, capsys):
+    config = tiny_config(tmp_path, tmp_path / "synthetic", **{"model.arch": "test_resnet"})
+    assert main(["fit", "--config", str(config), "--checkpoint.dirpath", str(full_disk / "ckpts")]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write {full_disk / 'ckpts'}/" in err and "No space left on device" in err
+    assert err.count("error:") == 1 and "Traceback" not in err
+    assert not [p for p in (full_disk / "ckpts").iterdir() if p.suffix == ".ckpt" or ".tmp-" in p.name]
+    # the export of a checkpoint to the full disk: the same
+    saved = tmp_path / "model.ckpt"
+    assert main(["fit", "--config", str(config), "--trainer.logger", "false",
+                 "--checkpoint.dirpath", str(tmp_path / "elsewhere")]) == 0
+    (tmp_path / "elsewhere" / "last.ckpt").rename(saved)
+    capsys.readouterr()
+    assert main(["export", str(saved), str(full_disk / "model.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "Traceback" not in err
+    assert not (full_disk / "model.safetensors").exists()

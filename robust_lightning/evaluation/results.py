@@ -198,4 +198,5 @@ class PredictionWriter(BasePredictionWriter):
 
     def on_predict_end(self, trainer, pl_module):
         if trainer.is_global_zero:
-            print(f"predictions: {self.run_dir(trainer).resolve()}/predictions-rank*.csv", flush=True)
+            # a line of its own: a progress bar may still hold the current one
+            print(f"\npredictions: {self.run_dir(trainer).resolve()}/predictions-rank*.csv", flush=True)

@@ -29,6 +29,7 @@ counterpart (paper: non-stem layers from the clean PatchStem model, stem random)
 
 from __future__ import annotations
 
+import io
 import math
 import pickle
 import re
@@ -48,6 +49,7 @@ from timm.models.swin_transformer import checkpoint_filter_fn as swin_filter_fn
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from robust_lightning.atomic import atomic_write_bytes
 from robust_lightning.errors import UserError
 from robust_lightning.models.classifier import (
     InputNormalization,
@@ -282,7 +284,6 @@ def save_net_weights(model: nn.Module, path: str | Path) -> Path:
     path = Path(path)
     net = getattr(model, "net", model)
     state = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".safetensors":
         meta = {"format": "pt"}
         norm = getattr(model, "normalize", None)
@@ -290,9 +291,13 @@ def save_net_weights(model: nn.Module, path: str | Path) -> Path:
             meta["normalize_mean"] = ",".join(f"{v:.8g}" for v in norm.mean.flatten().tolist())
             meta["normalize_std"] = ",".join(f"{v:.8g}" for v in norm.std.flatten().tolist())
         # shared storage (e.g. tied weights) is not allowed in safetensors: clone each tensor
-        safetensors.torch.save_file({k: v.clone() for k, v in state.items()}, str(path), metadata=meta)
+        data = safetensors.torch.save({k: v.clone() for k, v in state.items()}, metadata=meta)
     else:
-        torch.save(state, path)
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        data = buffer.getvalue()
+    # atomic: a full disk or a kill never leaves a half-written weights file, and the file gets the umask's mode
+    atomic_write_bytes(path, data)
     return path
 
 

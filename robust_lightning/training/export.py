@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+import safetensors
 from timm.models import model_entrypoint, save_for_hf
 
 from robust_lightning.argument_parsing import run_tool
@@ -52,9 +53,7 @@ def export_weights(checkpoint: str | Path, out: str | Path, ema: bool = False) -
     if Path(out).suffix not in WEIGHT_FILE_SUFFIXES:
         raise UserError(f"export to .safetensors, .pt or .pth, not {Path(out).name}")
     model, _ = _restore(checkpoint, ema)
-    path = save_net_weights(model, out)
-    give_ordinary_permissions(path)  # safetensors' save_file creates it 0600: unreadable to the group
-    return path
+    return save_net_weights(model, out)  # atomic: the umask's permissions, never half-written
 
 
 def needs_robust_lightning(arch: str) -> bool:
@@ -83,7 +82,11 @@ def export_timm_folder(checkpoint: str | Path, out_dir: str | Path, ema: bool = 
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"{out_dir} exists and is not a directory")
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_for_hf(net, str(out_dir), safe_serialization=True, data_config=data_config)
+    try:
+        save_for_hf(net, str(out_dir), safe_serialization=True, data_config=data_config)
+    except (OSError, safetensors.SafetensorError) as e:  # a full or read-only disk: no half-written weights left
+        (out_dir / "model.safetensors").unlink(missing_ok=True)
+        raise UserError(f"cannot write the timm model folder {out_dir}: {e}") from e
     give_ordinary_permissions(out_dir / "model.safetensors")  # created 0600 by safetensors' save_file
     # timm copies the fields of its own release of the architecture (tag, license, ...): not these weights'
     config_path = out_dir / "config.json"
