@@ -58,6 +58,9 @@ def _take_over_sigterm(trainer) -> None:
         connector.received_sigterm = True
 
     signal.signal(signal.SIGTERM, note_sigterm)  # Lightning's teardown restores the handler it found at its start
+    # restart the system calls the signal interrupts: a collective's socket read cut short (EINTR) would fail
+    # that rank's collective while the others complete theirs
+    signal.siginterrupt(signal.SIGTERM, False)
     trainer._rl_sigterm_taken = True
 
 
