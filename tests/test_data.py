@@ -367,3 +367,19 @@ def test_eval_dataloader_with_another_transform_reads_the_same_images(tmp_path, 
     assert larger["key"] == plain["key"] and torch.equal(larger["label"], plain["label"])
     assert larger["image"].shape[-2:] == (24, 24) and plain["image"].shape[-2:] == (16, 16)
     assert next(iter(dm.test_dataloader()))["image"].shape[-2:] == (16, 16)  # the original set is untouched
+
+
+def test_images_sharing_a_file_name_in_two_class_folders_get_distinct_keys(tmp_path):
+    """Keys are file stems where those are unique (ImageNet); where a stem repeats across class folders, the
+    relative path without the extension: predictions and outcomes never merge two images."""
+    from helpers import WNIDS, write_image
+    from robust_lightning.data.datamodule import ImageNetDataModule
+
+    for i, wnid in enumerate(WNIDS[:2]):
+        write_image(tmp_path / "in" / "val" / wnid / "0001.JPEG", seed=i)
+    write_image(tmp_path / "in" / "val" / WNIDS[2] / "unique.JPEG", seed=5)
+    dm = ImageNetDataModule(source="folder", root=str(tmp_path / "in"), image_size=32, num_workers=0,
+                            eval_batch_size=8)
+    dm.setup("predict")
+    keys = [key for batch in dm.predict_dataloader() for key in batch["key"]]
+    assert sorted(keys) == sorted([f"{WNIDS[0]}/0001", f"{WNIDS[1]}/0001", f"{WNIDS[2]}/unique"])

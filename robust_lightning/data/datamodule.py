@@ -130,6 +130,12 @@ class LabelledImageFolder(ImageFolder):
         super().__init__(str(root), transform=transform, allow_empty=True)
         if not self.samples:
             raise UserError(f"no images found under {root}; expected {root}/<class folder>/<image files>")
+        # A sample's key is its file name's stem (ImageNet's are unique; AutoAttack outcomes and predictions are
+        # keyed by it); where stems repeat across class folders (0001.png in every class), its path without the
+        # extension, so that no two images share a key.
+        stems = [Path(path).stem for path, _ in self.samples]
+        self.keys = stems if len(set(stems)) == len(stems) else [
+            Path(path).relative_to(self.root).with_suffix("").as_posix() for path, _ in self.samples]
 
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
         loose = sorted(entry.name for entry in os.scandir(directory) if entry.is_file()
@@ -171,7 +177,7 @@ class LabelledImageFolder(ImageFolder):
                 fields = transform_bytes(self.transform, f.read())
         except Exception as e:  # any failure to read or decode means this one image is unusable
             return Corrupt(path, f"{type(e).__name__}: {e}")
-        return {**fields, "label": label, "key": Path(path).stem}
+        return {**fields, "label": label, "key": self.keys[index]}
 
 
 @dataclass(frozen=True)
