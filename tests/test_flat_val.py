@@ -5,6 +5,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import webdataset as wds
 
@@ -115,7 +116,11 @@ def test_bad_labels_files_are_one_clear_message_each(val, tmp_path):
         _setup(flat, tmp_path / "nowhere.csv")
     devkit = tmp_path / "ILSVRC2012_validation_ground_truth.txt"
     devkit.write_text("490\n361\n171\n822\n297\n482\n13\n704\n599\n")
-    with pytest.raises(UserError, match="holds class numbers.*devkit's own class order"):
+    with pytest.raises(UserError, match=rf"devkit's meta.mat beside the labels file, and {tmp_path / 'meta.mat'} "
+                                        "does not exist; copy it there from ILSVRC2012_devkit_t12/data/"):
+        _setup(flat, devkit)
+    (tmp_path / "meta.mat").write_text("not a MATLAB file")
+    with pytest.raises(UserError, match="meta.mat is not the ImageNet devkit's meta.mat"):
         _setup(flat, devkit)
     with pytest.raises(UserError, match="holds none directly; for class folders <wnid>/<images> leave data.val_labels"):
         _setup(tree, csv)
@@ -133,6 +138,32 @@ def test_other_label_file_formats(val, tmp_path):
         data = _setup(flat, labels)
         read = {item["key"]: item["label"] for item in (data.eval_set[i] for i in range(len(data.eval_set)))}
         assert read == expected
+
+
+def _devkit_meta(path: Path) -> dict[str, int]:
+    """A meta.mat in the devkit's layout (a struct array ``synsets``): the 1000 leaf classes numbered in an order of
+    their own (reversed WNIDs here, as the devkit's order is not the sorted one), plus an inner synset that is not a
+    class. Returns the ILSVRC2012_ID of each WNID."""
+    from scipy.io import savemat
+
+    wnids = [wnid for _, (wnid, _) in sorted(IMAGENET_INDEX.items(), key=lambda item: int(item[0]))]
+    ids = {wnid: number for number, wnid in enumerate(reversed(wnids), start=1)}
+    synsets = np.array([(number, wnid, 0) for wnid, number in ids.items()] + [(1001, "n00001740", 3)],
+                       dtype=[("ILSVRC2012_ID", "O"), ("WNID", "O"), ("num_children", "O")])
+    savemat(str(path), {"synsets": synsets.reshape(-1, 1)})
+    return ids
+
+
+def test_the_devkit_ground_truth_file_is_read_with_its_meta_mat(val, tmp_path):
+    flat, _, _ = val
+    devkit = tmp_path / "data"
+    devkit.mkdir()
+    ids = _devkit_meta(devkit / "meta.mat")
+    truth = devkit / "ILSVRC2012_validation_ground_truth.txt"
+    truth.write_text("".join(f"{ids[WNIDS[c]]}\n" for c in CLASSES) + f"{ids[WNIDS[0]]}\n")  # a 10th, absent image
+    data = _setup(flat, truth)
+    read = {item["key"]: item["label"] for item in (data.eval_set[i] for i in range(len(data.eval_set)))}
+    assert read == {Path(_name(i + 1)).stem: LABEL[WNIDS[c]] for i, c in enumerate(CLASSES)}
 
 
 def test_shards_of_a_flat_folder_equal_those_of_class_folders(val, tmp_path, capsys):

@@ -55,16 +55,40 @@ def class_map(spec: str, root: str | Path | None = None) -> dict[str, int]:
 # Kaggle's ImageNet val labels (LOC_val_solution.csv) start with this header; their PredictionString begins with
 # the WNID, followed by bounding boxes.
 KAGGLE_HEADER = "ImageId,PredictionString"
-VAL_LABELS_FORMATS = ("Kaggle's LOC_val_solution.csv, or one '<file name> <wnid>' line per image "
+VAL_LABELS_FORMATS = ("Kaggle's LOC_val_solution.csv, the devkit's ILSVRC2012_validation_ground_truth.txt (with its "
+                      "meta.mat in the same folder), or one '<file name> <wnid>' line per image "
                       "(separated by a space or a comma)")
+DEVKIT_META = "meta.mat"
+
+
+def devkit_wnids(meta_path: Path, option: str) -> dict[int, str]:
+    """The WNID of each ILSVRC2012_ID (1-1000) in the ImageNet devkit's meta.mat.
+
+    The devkit numbers its classes in its own order, not the sorted-WNID order of ImageNet's standard labels; the
+    1000 classes are the synsets without children (devkit readme.txt, section on meta.mat).
+    """
+    from scipy.io import loadmat  # only this reader needs scipy
+    from scipy.io.matlab import MatReadError
+
+    if not meta_path.is_file():
+        raise UserError(f"{option}: the devkit's class numbers need the devkit's {DEVKIT_META} beside the labels "
+                        f"file, and {meta_path} does not exist; copy it there from ILSVRC2012_devkit_t12/data/ or "
+                        f"pass {VAL_LABELS_FORMATS}")
+    try:
+        synsets = loadmat(str(meta_path), squeeze_me=True)["synsets"]
+        return {int(s["ILSVRC2012_ID"]): str(s["WNID"]) for s in synsets if int(s["num_children"]) == 0}
+    except (MatReadError, ValueError, KeyError, TypeError, OSError) as e:
+        raise UserError(f"{option}: {meta_path} is not the ImageNet devkit's {DEVKIT_META} ({e})") from None
 
 
 def read_val_labels(path: str | Path, classes: dict[str, int], option: str) -> dict[str, str]:
     """The WNID of each image of a labels file for a flat folder, by file stem (the name without its extension).
 
     Formats: Kaggle's LOC_val_solution.csv (``ImageId,PredictionString``, the first word of PredictionString is the
-    WNID), or lines ``<file name> <wnid>`` separated by whitespace or a comma. ``classes`` is the class map the
-    WNIDs must be in; ``option`` names the option in error messages (``data.val_labels``, ``--val_labels``).
+    WNID); the devkit's ILSVRC2012_validation_ground_truth.txt (line i: the ILSVRC2012_ID of
+    ILSVRC2012_val_<i, 8 digits>, read with the devkit's meta.mat in the same folder); or lines
+    ``<file name> <wnid>`` separated by whitespace or a comma. ``classes`` is the class map the WNIDs must be in;
+    ``option`` names the option in error messages (``data.val_labels``, ``--val_labels``).
     """
     path = Path(path)
     if not path.is_file():
@@ -75,11 +99,8 @@ def read_val_labels(path: str | Path, classes: dict[str, int], option: str) -> d
     if not lines:
         raise UserError(f"{option} {path} holds no labels; expected {VAL_LABELS_FORMATS}")
     if all(line.isdigit() for _, line in lines):
-        # the devkit's ILSVRC2012_validation_ground_truth.txt: ILSVRC2012_IDs in the devkit's own class order,
-        # which only the devkit's meta.mat maps to WNIDs
-        raise UserError(f"{option} {path} holds class numbers, as the ImageNet devkit's "
-                        "ILSVRC2012_validation_ground_truth.txt does; those follow the devkit's own class order, not "
-                        f"ImageNet's standard one, and are not read: pass {VAL_LABELS_FORMATS}")
+        wnids = devkit_wnids(path.parent / DEVKIT_META, option)
+        lines = [(number, f"ILSVRC2012_val_{number:08d} {wnids.get(int(line), line)}") for number, line in lines]
     labels: dict[str, str] = {}
     for number, line in lines:
         fields = line.replace(",", " ", 1).split()
