@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import yaml
+from torch import Tensor
 
 from helpers import HostReads, force_device_path, run_command
 from robust_lightning.attacks import ensemble, lp_norm
@@ -622,11 +623,102 @@ def test_the_call_signatures_of_both_reference_codes_work_unchanged(trained, poi
     alone = {attack: (adv_y == y).sum().item() for attack, (_, adv_y) in individual.items()}
     assert min(alone.values()) >= robust.sum().item()  # each attack alone breaks at most what the ensemble breaks
 
-    # fra31/auto-attack's spelling: x_adv alone, or with the labels
-    fra31 = AutoAttack(trained, norm="Linf", eps=EPS["Linf"], version="standard")
-    fra31.square.n_queries = 300
+    # fra31/auto-attack's spelling: x_adv alone, or with the labels (budgets cut: the calls are what is tested)
+    fra31 = shortened(AutoAttack(trained, norm="Linf", eps=EPS["Linf"], version="standard", verbose=False))
     assert torch.is_tensor(fra31.run_standard_evaluation(x[:8], y[:8], bs=8))
     assert len(fra31.run_standard_evaluation(x[:8], y[:8], bs=8, return_labels=True)) == 2
+
+
+def shortened(adversary: AutoAttack) -> AutoAttack:
+    """Small budgets set through the reference's attributes, where a test checks calls rather than strength."""
+    adversary.apgd.n_iter = adversary.apgd_targeted.n_iter = adversary.fab.n_iter = 5
+    adversary.apgd_targeted.n_target_classes = adversary.fab.n_target_classes = 2
+    adversary.square.n_queries = 20
+    return adversary
+
+
+def predicted(model, x: Tensor, bs: int) -> Tensor:
+    with torch.no_grad():
+        return torch.cat([model(x[i : i + bs]).argmax(1) for i in range(0, len(x), bs)])
+
+
+def test_robustbench_benchmark_call_prints_and_logs_fra31_lines(trained, points, tmp_path, capsys):
+    """robustbench 1.1.1's benchmark() (robustbench/eval.py) calls AutoAttack(model, norm=..., eps=...,
+    version='standard', device=device, log_path=log_path), then run_standard_evaluation(x, y, bs=batch_size,
+    state_path=aa_state_path); fra31's verbose default prints its lines, and log_path gets the same."""
+    x, y = points[0][:16], points[1][:16]
+    log = tmp_path / "autoattack.log"
+    adversary = shortened(AutoAttack(trained, norm="Linf", eps=EPS["Linf"], version="standard",
+                                     device=torch.device("cpu"), log_path=str(log)))
+    x_adv = adversary.run_standard_evaluation(x, y, bs=8, state_path=None)
+    printed = capsys.readouterr().out.splitlines()
+    assert log.read_text().splitlines() == printed
+    clean = (predicted(trained, x, 8) == y).float().mean().item()
+    robust = (predicted(trained, x_adv, 8) == y).float().mean().item()
+    assert 0 < robust < clean  # the lines below say something
+    assert printed[0] == "using standard version including apgd-ce, apgd-t, fab-t, square."
+    assert printed[1] == f"initial accuracy: {clean:.2%}"
+    after = [line for line in printed if line.startswith("robust accuracy after ")]
+    assert [line.split(":")[0] for line in after] == [f"robust accuracy after {attack}"
+                                                      for attack in ("APGD-CE", "APGD-T", "FAB-T", "SQUARE")]
+    assert after[-1].startswith(f"robust accuracy after SQUARE: {robust:.2%} (total time ")
+    broken = [int(line.split(" - ")[1].split()[0]) for line in printed if "successfully perturbed" in line]
+    assert sum(broken) == round((clean - robust) * len(x))
+    largest = (x_adv - x).abs().flatten(1).amax(1).max().item()
+    assert printed[-2].startswith(f"max Linf perturbation: {largest:.5f}, nan in tensor: 0")
+    assert largest <= EPS["Linf"] + 1e-6 and x_adv.min() >= 0 and x_adv.max() <= 1
+    assert printed[-1] == f"robust accuracy: {robust:.2%}"
+
+    adversary.clean_accuracy(x, y, bs=8)  # RobustBench's own clean_accuracy is a separate function; fra31 prints
+    assert capsys.readouterr().out == f"clean accuracy: {clean:.2%}\n"
+
+
+def test_fra31_readme_calls_run_unchanged(trained, points, capsys):
+    """fra31/auto-attack's README: the positional constructor, version='custom' with attacks_to_run set as an
+    attribute and budgets on the attack objects, the seed as an attribute, the individual evaluation."""
+    x, y = points[0][:16], points[1][:16]
+    positional = AutoAttack(trained, "L2", 0.5, None, False, [], "standard", False, "cpu", None)
+    assert (positional.norm, positional.eps, positional.verbose, positional.device) == ("L2", 0.5, False,
+                                                                                       torch.device("cpu"))
+    assert positional.attacks == ("apgd-ce", "apgd-t", "fab-t", "square") and isinstance(positional.seed, int)
+
+    adversary = AutoAttack(trained, norm="Linf", eps=EPS["Linf"], version="custom")
+    adversary.attacks_to_run = ["apgd-ce", "fab"]  # the README's example: untargeted FAB is not implemented
+    adversary.apgd.n_restarts = 2
+    adversary.fab.n_restarts = 2
+    with pytest.raises(ValueError, match=r"untargeted FAB \('fab'\) is not implemented here; the standard "
+                                         r"version's targeted FAB \('fab-t'\) is"):
+        adversary.run_standard_evaluation(x, y, bs=8)
+    adversary.attacks_to_run = ["apgd-ce", "apgd-dlr"]
+    adversary.seed = 0
+    shortened(adversary)
+    capsys.readouterr()
+    dict_adv = adversary.run_standard_evaluation_individual(x, y, bs=8)
+    assert list(dict_adv) == ["apgd-ce", "apgd-dlr"] and all(torch.is_tensor(v) for v in dict_adv.values())
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "using custom version including apgd-ce, apgd-dlr"
+    for attack, line in zip(("apgd-ce", "apgd-dlr"), printed[1:], strict=True):
+        accuracy = (predicted(trained, dict_adv[attack], 8) == y).float().mean().item()
+        assert line.startswith(f"robust accuracy by {attack.upper()}\t{accuracy:.2%}\t(time attack: ")
+
+    with pytest.raises(ValueError, match="needs the attacks to run: AutoAttack"):
+        AutoAttack(trained, version="custom").run_standard_evaluation(x, y, bs=8)
+    with pytest.raises(ValueError, match="is_tf_model=True .* is not implemented here"):
+        AutoAttack(trained, is_tf_model=True)
+    with pytest.raises(ValueError, match="set by version='standard'; give them with version='custom' only"):
+        AutoAttack(trained, attacks_to_run=["apgd-ce"])
+    with pytest.raises(ValueError, match="attacks_to_run .* or attacks .*, not both"):
+        AutoAttack(trained, version="custom", attacks_to_run=["apgd-ce"], attacks=["apgd-ce"])
+
+
+def test_custom_starts_from_the_reference_constructors_budgets(trained):
+    pyautoattack = pytest.importorskip("pyautoattack")
+    for norm in ("Linf", "L1"):
+        ours = AutoAttack(trained, norm=norm, version="custom", attacks_to_run=["apgd-ce", "apgd-t"])
+        theirs = pyautoattack.AutoAttack(trained, norm=norm, version="custom", attacks=["apgd-ce", "apgd-t"],
+                                         device="cpu")
+        assert (ours.apgd.n_restarts, ours.apgd_targeted.n_target_classes, ours.square.n_queries) == (
+            theirs.apgd.n_restarts, theirs.apgd_targeted.n_target_classes, theirs.square.n_queries)
 
 
 def test_budgets_set_on_the_attack_objects_reach_the_attacks(trained, points, monkeypatch):
@@ -643,12 +735,14 @@ def test_budgets_set_on_the_attack_objects_reach_the_attacks(trained, points, mo
     adversary.apgd.n_iter, adversary.apgd_targeted.n_iter, adversary.apgd_targeted.n_target_classes = 7, 5, 2
     adversary.evaluate(x, y, bs=48)
     assert {call for call in calls} == {(7, "dlr"), (5, "dlr-targeted")}
-    with pytest.raises(ValueError, match="attacks must be a non-empty list"):
+    with pytest.raises(ValueError, match="untargeted FAB"):
         adversary.attacks_to_run = ["fab"]  # pyautoattack's untargeted FAB is not implemented here
         adversary.evaluate(x, y)
-    for wrong, match in [(dict(version="plus"), "not implemented here"), (dict(version="custom"), "attacks=")]:
-        with pytest.raises(ValueError, match=match):
-            AutoAttack(trained, **wrong)
+    with pytest.raises(ValueError, match="attacks must be a non-empty list"):
+        adversary.attacks_to_run = ["apgd-ce", "pgd"]
+        adversary.evaluate(x, y)
+    with pytest.raises(ValueError, match="not implemented here"):
+        AutoAttack(trained, version="plus")
     with pytest.raises(ValueError, match="state_path"):
         AutoAttack(trained).run_standard_evaluation(x, y, batch_size=8, state_path=Path("state.json"))
     seeded_by_the_clock = AutoAttack(trained, seed=None)

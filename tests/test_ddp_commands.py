@@ -68,6 +68,9 @@ def test_every_command_ends_under_ddp_with_the_defaults_a_user_has(tmp_path):
     check(test, "test")
     attacked = results(tmp_path / "runs" / "quickstart_autoattack" / "version_0")["autoattack"]["threat_models"]
     assert {name: section["num_points"] for name, section in attacked.items()} == {"L2-0.285714": 10}
+    # the outcomes go where the README says: runs/quickstart_autoattack/autoattack/<threat model>/rank<r>.jsonl
+    outcomes = tmp_path / "runs" / "quickstart_autoattack" / "autoattack" / "L2-0.285714"
+    assert sorted(path.name for path in outcomes.glob("rank*.jsonl")) == ["rank0.jsonl", "rank1.jsonl"]
 
     predict = run_command(["predict", "--config", QUICKSTART, *DDP, *TINY, "--ckpt_path", LAST,
                            "--data.eval_limit", "30"], cwd=tmp_path, timeout=300)

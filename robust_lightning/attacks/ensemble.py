@@ -5,10 +5,12 @@
     report = adversary.evaluate(x, y, bs=250)                    # per-point flags, per-attack accuracy, times
 
 The class takes the calls of both reference codes unchanged (``AutoAttack`` docstring): the original
-(github.com/fra31/auto-attack: ``run_standard_evaluation(x, y, bs=250, return_labels=False)``, x_adv) and the
-pinned package pyautoattack 0.2.0 (keyword-only ``attacks=``, ``version="custom"``, ``seed=None``;
-``run_standard_evaluation(x, y, batch_size=250)``, which returns (x_adv, y_adv)); the attack budgets are set
-through the reference's attribute names (``adversary.apgd.n_restarts``, ``adversary.square.n_queries``, ...).
+(github.com/fra31/auto-attack: its constructor's arguments in its order, ``verbose`` lines and ``log_path``,
+``attacks_to_run`` with ``version="custom"``, ``run_standard_evaluation(x, y, bs=250, return_labels=False)``,
+x_adv) and the pinned package pyautoattack 0.2.0 (keyword-only ``attacks=``, ``version="custom"``,
+``seed=None``; ``run_standard_evaluation(x, y, batch_size=250)``, which returns (x_adv, y_adv)); the attack
+budgets are set through the reference's attribute names (``adversary.apgd.n_restarts``,
+``adversary.square.n_queries``, ...).
 
 Both engines share the ensemble logic here: clean points only, attacks in order (standard: APGD-CE ->
 APGD-T -> FAB-T -> Square), each attack only on the points that survived the previous ones, robust accuracy
@@ -41,6 +43,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -59,7 +62,9 @@ VERSIONS = {
     "apgd-t": ("apgd-t",),
     "apgd-ce": ("apgd-ce",),
 }
-ATTACKS = ("apgd-ce", "apgd-dlr", "apgd-t", "fab-t", "square")  # pyautoattack's names; its "fab" is not here
+ATTACKS = ("apgd-ce", "apgd-dlr", "apgd-t", "fab-t", "square")  # the reference's names; its "fab" is not here
+NOT_IMPLEMENTED_ATTACKS = {"fab": "untargeted FAB ('fab') is not implemented here; the standard version's "
+                                  "targeted FAB ('fab-t') is"}
 
 
 @dataclass
@@ -226,12 +231,19 @@ class AutoAttack:
 
     Args:
         norm, eps: the threat model ("Linf", "L2" or "L1").
-        version: "standard", a quick mode "apgd-t" / "apgd-ce" (see the module docstring), or "custom" with
-            ``attacks``.
         seed: reset before every attack on every batch, as the reference does; None draws one from the clock,
             as pyautoattack does (the report records it).
-        engine: "fast" (ours) or "reference" (pyautoattack 0.2.0, unchanged).
+        verbose: :meth:`run_standard_evaluation`, :meth:`run_standard_evaluation_individual` and
+            :meth:`clean_accuracy` print fra31's lines (accuracy before and after each attack, the total time,
+            the largest perturbation). :meth:`evaluate` prints only through its ``progress``.
+        attacks_to_run: with ``version="custom"`` only: the attacks to run, in order (of :data:`ATTACKS`); also
+            settable as an attribute after construction, as fra31's README does.
+        version: "standard", a quick mode "apgd-t" / "apgd-ce" (see the module docstring), or "custom" with
+            ``attacks_to_run`` (or ``attacks``).
+        is_tf_model: fra31's TensorFlow adapter; only False (PyTorch models) is implemented.
         device: where the attacks run (default: the model's parameters' device).
+        log_path: the verbose lines are also appended to this file, as fra31's ``Logger`` does.
+        engine: "fast" (ours) or "reference" (pyautoattack 0.2.0, unchanged).
         precision: "fp32" (default, TF32 off), "tf32" or "bf16" (fast engine only); successes are always
             verified in fp32, and refuted ones attacked again in fp32.
         n_iter, n_target_classes: override the version's iterations / target classes (quick modes).
@@ -242,28 +254,37 @@ class AutoAttack:
         fold_batchnorm: fast engine only (default on): attack a copy of the model with BatchNorm folded into
             the layers before it (:func:`folded_batchnorm`, made afresh by every ``evaluate``); successes are
             verified on the model as given.
-        attacks: with ``version="custom"`` only: the attacks to run, in order (of :data:`ATTACKS`).
+        attacks: pyautoattack's name for ``attacks_to_run``.
 
-    The reference codes' calls work unchanged. fra31/auto-attack: ``AutoAttack(model, norm, eps,
-    version="standard")``, ``run_standard_evaluation(x, y, bs=250, return_labels=False)`` (x_adv, or (x_adv,
-    y_adv) with return_labels) and ``run_standard_evaluation_individual``. pyautoattack 0.2.0 (keyword-only
-    ``AutoAttack(model, attacks=None, device="cpu", eps=0.3, norm="Linf", seed=None, version="standard")``):
-    ``run_standard_evaluation(x, y, batch_size=250)`` returns (x_adv, y_adv), as that package does; its
-    ``state_path`` and versions "plus" / "rand" are not implemented (a clear error). y_adv is the model's
-    prediction on x_adv. Budgets are set through ``self.apgd``, ``self.apgd_targeted``, ``self.fab`` and
-    ``self.square`` (:class:`AttackSettings`). One difference: "custom" runs with the standard version's
-    budgets, where pyautoattack's "custom" keeps its constructor's (5 APGD restarts, 9 targets for L1 too).
+    The reference codes' calls work unchanged. fra31/auto-attack: ``AutoAttack(model, norm='Linf', eps=.3,
+    seed=None, verbose=True, attacks_to_run=[], version='standard', is_tf_model=False, device='cuda',
+    log_path=None)`` (the same order; our defaults differ for eps, seed and device),
+    ``run_standard_evaluation(x, y, bs=250, return_labels=False)`` (x_adv, or (x_adv, y_adv) with
+    return_labels), ``run_standard_evaluation_individual`` and ``clean_accuracy``. pyautoattack 0.2.0
+    (keyword-only ``AutoAttack(model, attacks=None, device="cpu", eps=0.3, norm="Linf", seed=None,
+    version="standard")``): ``run_standard_evaluation(x, y, batch_size=250)`` returns (x_adv, y_adv), as that
+    package does. y_adv is the model's prediction on x_adv. Budgets are set through ``self.apgd``,
+    ``self.apgd_targeted``, ``self.fab`` and ``self.square`` (:class:`AttackSettings`); "custom" starts from the
+    reference constructor's budgets (5 APGD restarts, 9 target classes). Not implemented, each a clear error:
+    ``state_path``, versions "plus" / "rand", untargeted FAB ("fab"), ``is_tf_model=True``. One difference:
+    L1 APGD always runs the 3/2/1 x eps schedule of the standard version, also under "custom", where the
+    reference turns it on only in the standard version.
     """
 
-    def __init__(
+    def __init__(  # the arguments before engine in fra31/auto-attack's order, so positional calls work too
         self,
         model: Callable[[Tensor], Tensor],
         norm: str = "Linf",
         eps: float = 4 / 255,
+        seed: int | None = 0,
+        verbose: bool = True,
+        attacks_to_run: list[str] | tuple[str, ...] = (),
         version: str = "standard",
-        seed: int = 0,
-        engine: str = "fast",
+        is_tf_model: bool = False,
         device: torch.device | str | None = None,
+        log_path: str | Path | None = None,
+        *,
+        engine: str = "fast",
         precision: str = "fp32",
         n_iter: int | None = None,
         n_target_classes: int | None = None,
@@ -277,10 +298,18 @@ class AutoAttack:
         if version in ("plus", "rand"):
             raise ValueError(f"pyautoattack's version {version!r} is not implemented here; versions: "
                              f"{(*VERSIONS, 'custom')}")
-        if version not in VERSIONS and version != "custom":  # custom: the attacks=[...] given, in that order
+        if version not in VERSIONS and version != "custom":  # custom: the attacks given, in that order
             raise ValueError(f"version must be one of {(*VERSIONS, 'custom')}, got {version!r}")
-        if (version == "custom") != (attacks is not None):
-            raise ValueError("attacks=[...] goes with version='custom' (and it needs them), as in pyautoattack")
+        if attacks is not None and attacks_to_run:
+            raise ValueError("give the attacks as attacks_to_run (fra31/auto-attack) or attacks (pyautoattack), "
+                             "not both")
+        custom_attacks = list(attacks if attacks is not None else attacks_to_run)
+        if version != "custom" and custom_attacks:
+            raise ValueError(f"the attacks to run are set by version={version!r}; give them with "
+                             "version='custom' only, as the reference codes require")
+        if is_tf_model:
+            raise ValueError("is_tf_model=True (fra31's TensorFlow adapter) is not implemented here; "
+                             "AutoAttack takes a PyTorch model (an nn.Module or a callable on tensors)")
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
         if precision not in PRECISIONS:
@@ -293,6 +322,7 @@ class AutoAttack:
             raise ValueError(f"eps must be positive, got {eps}")
         self.model, self.norm, self.eps, self.version = model, norm, float(eps), version
         self.seed = int(time.time()) if seed is None else int(seed)
+        self.verbose, self.log_path, self.is_tf_model = verbose, log_path, is_tf_model
         self.engine, self.precision = engine, precision
         if device is None:
             parameter = next(iter(getattr(model, "parameters", lambda: iter(()))()), None)
@@ -300,16 +330,18 @@ class AutoAttack:
         self.device = torch.device(device)
         self.channels_last = uses_channels_last(engine, self.device, channels_last)
         self.fold_batchnorm = folds_batchnorm(engine, fold_batchnorm)
-        quick = version in ("apgd-t", "apgd-ce")
+        quick, standard = version in ("apgd-t", "apgd-ce"), version == "standard"
         apgd_iter = n_iter or (40 if version == "apgd-t" else 100)
-        # the standard version restarts APGD-CE 5 times for L1 (the reference's _set_version), once otherwise
-        self.apgd = AttackSettings(n_iter=apgd_iter, n_restarts=5 if norm == "L1" and not quick else 1)
-        self.apgd_targeted = AttackSettings(
-            n_iter=apgd_iter, n_target_classes=n_target_classes or (3 if quick else (5 if norm == "L1" else 9)))
+        # the reference's constructor restarts APGD 5 times and targets 9 classes ("custom" keeps that); its
+        # standard version (set_version) restarts once for Linf / L2 and targets 5 classes for L1
+        self.apgd = AttackSettings(n_iter=apgd_iter, n_restarts=1 if quick or (standard and norm != "L1") else 5)
+        targets = 3 if quick else (5 if standard and norm == "L1" else 9)
+        self.apgd_targeted = AttackSettings(n_iter=apgd_iter, n_target_classes=n_target_classes or targets)
         self.fab = AttackSettings(n_target_classes=9)
         self.square = AttackSettings(n_queries=n_queries)
-        self.attacks_to_run = list(attacks if attacks is not None else VERSIONS[version])
-        self._check_settings()
+        self.attacks_to_run = custom_attacks if version == "custom" else list(VERSIONS[version])
+        if self.attacks_to_run:  # "custom" may name them later, as an attribute
+            self._check_settings()
 
     @property
     def attacks(self) -> tuple[str, ...]:
@@ -329,8 +361,14 @@ class AutoAttack:
 
     def _check_settings(self) -> None:
         """The attacks and budgets can be changed after construction (as on the reference): checked per run."""
+        if not self.attacks_to_run:
+            raise ValueError("version='custom' needs the attacks to run: AutoAttack(..., attacks_to_run=[...]) or "
+                             f"adversary.attacks_to_run = [...], of {ATTACKS}")
+        for attack in self.attacks_to_run:
+            if attack in NOT_IMPLEMENTED_ATTACKS:
+                raise ValueError(NOT_IMPLEMENTED_ATTACKS[attack])
         unknown = [attack for attack in self.attacks_to_run if attack not in ATTACKS]
-        if unknown or not self.attacks_to_run:
+        if unknown:
             raise ValueError(f"attacks must be a non-empty list of {ATTACKS}, got {self.attacks_to_run}")
         for settings in (self.apgd, self.apgd_targeted):
             if self.norm == "L1" and settings.n_iter < L1_MIN_ITER:
@@ -345,9 +383,21 @@ class AutoAttack:
                                 *, batch_size: int | None = None, state_path=None) -> Tensor | tuple[Tensor, Tensor]:
         """The adversarial images (the clean image where no attack succeeded), as the reference codes return
         them: x_adv (fra31/auto-attack, ``bs=``), (x_adv, y_adv) with ``return_labels=True`` or when called as
-        pyautoattack 0.2.0 is, with ``batch_size=``; y_adv is the model's prediction on x_adv."""
+        pyautoattack 0.2.0 is, with ``batch_size=``; y_adv is the model's prediction on x_adv. With ``verbose``,
+        fra31's lines: the attacks, the initial accuracy, per attack the points it broke and the robust accuracy
+        after it, the largest perturbation and the robust accuracy."""
         bs = self._batch_size(bs, batch_size, state_path)
-        x_adv = self.evaluate(x, y, bs=bs).x_adv
+        log = self.log if self.verbose else None
+        if log:
+            log(f"using {self.version} version including {', '.join(self.attacks_to_run)}.")
+        report = self.evaluate(x, y, bs=bs, progress=log)
+        x_adv = report.x_adv
+        if log:
+            delta = (x_adv - x.to(x_adv.device)).flatten(1)
+            size = {"Linf": delta.abs().amax(1), "L2": delta.norm(dim=1), "L1": delta.abs().sum(1)}[self.norm]
+            log(f"max {self.norm} perturbation: {size.max():.5f}, nan in tensor: {x_adv.isnan().sum()}, "
+                f"max: {x_adv.max():.5f}, min: {x_adv.min():.5f}")
+            log(f"robust accuracy: {report.robust_accuracy:.2%}")
         if return_labels or batch_size is not None:
             return x_adv, self._predictions(x_adv, bs)
         return x_adv
@@ -356,25 +406,44 @@ class AutoAttack:
                                            return_labels: bool = False, *, batch_size: int | None = None
                                            ) -> dict[str, Tensor | tuple[Tensor, Tensor]]:
         """Each attack on its own on all clean points, as the reference codes do: attack name -> what
-        :meth:`run_standard_evaluation` returns for it."""
-        ensemble = self.attacks_to_run
+        :meth:`run_standard_evaluation` returns for it. With ``verbose``, the robust accuracy of each."""
+        ensemble, verbose = self.attacks_to_run, self.verbose
+        if verbose:
+            self.log(f"using {self.version} version including {', '.join(ensemble)}")
         try:
-            results = {}
+            self.verbose, results = False, {}
             for attack in ensemble:
+                started = time.perf_counter()
                 self.attacks_to_run = [attack]
-                results[attack] = self.run_standard_evaluation(x, y, bs, return_labels, batch_size=batch_size)
+                x_adv, y_adv = self.run_standard_evaluation(x, y, bs, return_labels=True, batch_size=batch_size)
+                results[attack] = (x_adv, y_adv) if return_labels or batch_size is not None else x_adv
+                if verbose:
+                    accuracy = (y_adv == y.to(y_adv.device)).float().mean().item()
+                    self.log(f"robust accuracy by {attack.upper()}\t{accuracy:.2%}\t"
+                             f"(time attack: {time.perf_counter() - started:.1f} s)")
             return results
         finally:
-            self.attacks_to_run = ensemble
+            self.attacks_to_run, self.verbose = ensemble, verbose
 
     def clean_accuracy(self, x: Tensor, y: Tensor, bs: int = 250) -> float:
         """The fraction of ``x`` classified as ``y`` (fp32), as the reference's method."""
-        return self._correct(x.float(), y.long(), bs).float().mean().item()
+        accuracy = self._correct(x.float(), y.long(), bs).float().mean().item()
+        if self.verbose:
+            self.log(f"clean accuracy: {accuracy:.2%}")
+        return accuracy
+
+    def log(self, line: str) -> None:
+        """Print ``line`` and append it to ``log_path`` when set, as fra31's ``Logger``."""
+        print(line, flush=True)
+        if self.log_path is not None:
+            with open(self.log_path, "a") as log:
+                log.write(line + "\n")
 
     def evaluate(self, x: Tensor, y: Tensor, bs: int = 250, progress: Callable[[str], None] | None = None,
                  progress_bar: bool = False) -> AutoAttackReport:
         """Run the ensemble on ``x`` (N, C, H, W) in [0, 1] with labels ``y`` (N,), ``bs`` points at a time.
-        ``progress`` receives a line per attack; ``progress_bar`` shows a bar over the attacks (rank zero)."""
+        ``progress`` receives fra31's verbose lines (the initial accuracy, per attack the points it broke and the
+        robust accuracy after it); ``progress_bar`` shows a bar over the attacks (rank zero)."""
         if x.min() < 0 or x.max() > 1:
             raise ValueError("AutoAttack takes images in [0, 1]; normalisation belongs inside the model")
         self._check_settings()
@@ -409,6 +478,9 @@ class AutoAttack:
         broken_by: list[str | None] = [None if ok else "clean" for ok in clean.tolist()]
         x_adv = x.clone()
         seconds = {"clean": time.perf_counter() - started}
+        if progress is not None:
+            progress(f"initial accuracy: {clean.float().mean().item():.2%}")
+        attacks_started = time.perf_counter()
         robust_after: dict[str, float] = {}
         refuted: dict[str, int] = {}
         bar = tqdm(self.attacks, desc="autoattack", unit="attack", leave=False, disable=not progress_bar)
@@ -434,10 +506,13 @@ class AutoAttack:
                 x_adv[newly_broken] = candidates[~held].to(x_adv.device)
                 for i in newly_broken.tolist():
                     broken_by[i] = attack
+                if progress is not None:
+                    progress(f"{attack} - {len(newly_broken)} out of {len(survivors)} successfully perturbed")
             robust_after[attack] = robust.float().mean().item()
             seconds[attack] = time.perf_counter() - started
             if progress is not None:
-                progress(f"{attack}: robust accuracy {robust_after[attack]:.2%} ({seconds[attack]:.1f} s)")
+                progress(f"robust accuracy after {attack.upper()}: {robust_after[attack]:.2%} "
+                         f"(total time {time.perf_counter() - attacks_started:.1f} s)")
         return AutoAttackReport(
             norm=self.norm, eps=self.eps, version=self.version, engine=self.engine, precision=self.precision,
             seed=self.seed, attacks=self.attacks, channels_last=self.channels_last, batchnorm_folded=folded,
