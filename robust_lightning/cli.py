@@ -32,7 +32,7 @@ from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.results import PredictionWriter, RunResults
 from robust_lightning.loggers import SaveConfigToWandb
-from robust_lightning.models.weights import read_lightning_checkpoint, require_checkpoint_file
+from robust_lightning.models.weights import read_lightning_checkpoint, require_weights
 from robust_lightning.scale.srun import shield_forked_children
 from robust_lightning.training.checkpoint_io import AtomicCheckpointIO, LatestCheckpoint
 from robust_lightning.training.interruption import EXIT_SIGTERM, Interruption
@@ -242,7 +242,7 @@ class RobustLightningCLI(LightningCLI):
         init_from = config.model.get("init_from")
         if init_from and not config.get("ckpt_path"):
             try:
-                require_checkpoint_file(init_from)
+                require_weights(init_from)
             except UserError as e:
                 raise UserError(f"model.init_from: {e}") from e
 

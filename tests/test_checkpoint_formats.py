@@ -10,6 +10,7 @@ those of the released files (``stem.stem.0.weight``, ``patch_embed.proj.stem.0.w
 (``module.``). Tiny widths and depths keep every test at a few seconds.
 """
 
+import json
 import pickle
 import re
 from collections import OrderedDict
@@ -238,7 +239,7 @@ def test_robustness_library_layout(tmp_path):
 def test_our_checkpoint_and_exports(tmp_path):
     from lightning import Trainer
 
-    from robust_lightning.training.export import export_weights
+    from robust_lightning.training.export import export_timm_folder, export_weights
     from robust_lightning.training.lightning_module import ImageClassifier
 
     torch.manual_seed(0)
@@ -258,6 +259,68 @@ def test_our_checkpoint_and_exports(tmp_path):
         out = export_weights(ckpt, tmp_path / f"export_{prefer_ema}.safetensors", ema=prefer_ema)
         model = robust_lightning.load_model("convnext_atto_convstem", out)  # normaliser from the metadata
         assert_same_logits(model, reference, images())
+        # a timm model folder: the architecture, classes and normaliser from its config.json
+        folder = export_timm_folder(ckpt, tmp_path / f"folder_{prefer_ema}", ema=prefer_ema)
+        model = robust_lightning.load_model(None, folder)
+        assert model.net.num_classes == 5 and model.normalize.mean.flatten().tolist() == pytest.approx([.4, .5, .6])
+        assert_same_logits(model, reference, images())
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(UserError, match=f"the timm model folder {folder} has no model.safetensors"):
+        robust_lightning.load_model(None, folder)
+
+
+def test_a_folder_written_by_export_is_a_warm_start_on_the_command_line(tmp_path):
+    """--model.init_from FOLDER gives the same validation as the checkpoint it was exported from."""
+    from lightning import Trainer
+
+    from robust_lightning.cli import main
+    from robust_lightning.training.export import export_timm_folder
+    from robust_lightning.training.lightning_module import ImageClassifier
+    from test_cli import tiny_config
+
+    torch.manual_seed(0)
+    module = ImageClassifier(arch="convnext_atto_convstem", num_classes=4, mean=(0.4, 0.5, 0.6), std=(0.2, 0.3, 0.4))
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.strategy.connect(module)
+    trainer.save_checkpoint(tmp_path / "trained.ckpt")
+    folder = export_timm_folder(tmp_path / "trained.ckpt", tmp_path / "exported")
+    metrics = {}
+    for name, source in (("ckpt", tmp_path / "trained.ckpt"), ("folder", folder)):
+        (tmp_path / name).mkdir()
+        config = tiny_config(tmp_path / name, tmp_path / "synthetic", **{"model.init_from": str(source)})
+        assert main(["validate", "--config", str(config)]) == 0
+        [results] = (tmp_path / name / "runs").glob("tiny/version_*/results.json")
+        metrics[name] = json.loads(results.read_text())["validate"]["metrics"]
+    assert metrics["folder"]["val/loss"] == pytest.approx(metrics["ckpt"]["val/loss"], rel=1e-6)
+
+
+def test_robustbench_load_model_call_reads_its_layout(tmp_path):
+    """RobustBench's load_model(model_name=..., model_dir=..., dataset=..., threat_model=...) on local files in
+    its layout, <model_dir>/imagenet/Linf/<model_name>.pt; nothing is downloaded."""
+    name = "Singh2023Revisiting_ConvNeXt-T-ConvStem"
+    net = released_convnext_t(5)
+    models = tmp_path / "models"
+    (models / "imagenet" / "Linf").mkdir(parents=True)
+    torch.save(net.state_dict(), models / "imagenet" / "Linf" / f"{name}.pt")
+    model = robust_lightning.load_model(model_name=name, model_dir=models, dataset="imagenet", threat_model="Linf",
+                                        arch_kwargs=TINY_CONVNEXT)
+    assert_same_logits(model, net, images())
+
+    class ThreatModel:  # RobustBench's enums are read by their value
+        value = "Linf"
+
+    model = robust_lightning.load_model(name, model_dir=str(models), threat_model=ThreatModel(),
+                                        arch_kwargs=TINY_CONVNEXT)  # the name first, as RobustBench's signature
+    assert_same_logits(model, net, images())
+
+    missing = tmp_path / "elsewhere" / "imagenet" / "Linf" / f"{name}.pt"
+    with pytest.raises(UserError, match=f"{missing} does not exist. RobustBench's load_model would download {name} "
+                                        "there; nothing is downloaded here"):
+        robust_lightning.load_model(model_name=name, model_dir=tmp_path / "elsewhere")
+    with pytest.raises(UserError, match="dataset 'imagenet', threat_model 'Linf' only .* not 'cifar10', 'Linf'"):
+        robust_lightning.load_model(model_name=name, model_dir=models, dataset="cifar10")
+    with pytest.raises(UserError, match="Did you mean: robustbench:Salman2020Do_R50"):
+        robust_lightning.load_model(model_name="Salman2020Do_R5", model_dir=models)
 
 
 def test_file_of_another_architecture_is_a_clear_error(tmp_path):

@@ -30,12 +30,14 @@ counterpart (paper: non-stem layers from the clean PatchStem model, stem random)
 from __future__ import annotations
 
 import io
+import json
 import math
 import pickle
 import re
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import safetensors
@@ -60,7 +62,7 @@ from robust_lightning.models.classifier import (
 from robust_lightning.models.convstem import find_convstem_prefix
 from robust_lightning.models.isotropic_convnext import IsotropicConvNeXt
 from robust_lightning.models.isotropic_convnext import checkpoint_filter_fn as iso_filter_fn
-from robust_lightning.models.robustbench import is_robustbench_arch, resolve_arch, robustbench_entry
+from robust_lightning.models.robustbench import PREFIX, is_robustbench_arch, resolve_arch, robustbench_entry
 
 __all__ = [
     "CheckpointWeights",
@@ -98,7 +100,7 @@ class CheckpointWeights:
     normalize: dict[str, torch.Tensor]  # {'mean': (1,C,1,1), 'std': ...} or {} when the checkpoint has none
     path: str
     has_ema: bool = False  # the checkpoint also holds EMA weights (ema.module.*)
-    hyper_parameters: dict = field(default_factory=dict)  # of a Lightning checkpoint, else {}
+    hyper_parameters: dict = field(default_factory=dict)  # of a Lightning checkpoint or timm folder, else {}
 
 
 def _strip_prefixes(key: str) -> str:
@@ -196,7 +198,15 @@ def _pick_state_dict(obj: object, path: Path, prefer_ema: bool) -> dict[str, tor
     )
 
 
-CHECKPOINT_KINDS = "a checkpoint file (.ckpt, .pt/.pth or .safetensors)"
+TIMM_FOLDER_CONFIG, TIMM_FOLDER_WEIGHTS = "config.json", "model.safetensors"
+CHECKPOINT_KINDS = ("a checkpoint file (.ckpt, .pt/.pth or .safetensors) or a timm model folder (config.json and "
+                    "model.safetensors, as export writes)")
+
+
+def require_weights(path: str | Path) -> None:
+    """:func:`require_checkpoint_file`, where a timm model folder (what ``export`` writes) is accepted too."""
+    if not (Path(path) / TIMM_FOLDER_CONFIG).is_file():
+        require_checkpoint_file(path)
 
 
 def require_checkpoint_file(path: str | Path, expected: str = CHECKPOINT_KINDS) -> None:
@@ -244,6 +254,8 @@ def read_checkpoint(path: str | Path, prefer_ema: bool = False) -> CheckpointWei
     under ``state_dict``.) Without it, EMA weights are left out.
     """
     path = Path(path)
+    if (path / TIMM_FOLDER_CONFIG).is_file():
+        return read_timm_folder(path)
     require_checkpoint_file(path)
     loaded = _load_file(path)
     raw = _pick_state_dict(loaded, path, prefer_ema)
@@ -267,6 +279,31 @@ def read_checkpoint(path: str | Path, prefer_ema: bool = False) -> CheckpointWei
     hparams = loaded.get("hyper_parameters") if isinstance(loaded, dict) else None
     return CheckpointWeights(state_dict=state_dict, normalize=normalize, path=str(path), has_ema=bool(ema),
                              hyper_parameters=hparams if isinstance(hparams, dict) else {})
+
+
+def read_timm_folder(path: Path) -> CheckpointWeights:
+    """A timm model folder (written by ``robust-lightning export`` or timm's ``save_for_hf``): the weights of its
+    model.safetensors; from its config.json the architecture, the classes, the resolution and the normaliser
+    (``pretrained_cfg`` mean/std; 0 and 1, written for models that take raw [0, 1] images, mean none)."""
+    try:
+        config = json.loads((path / TIMM_FOLDER_CONFIG).read_text())
+        architecture, pretrained = config["architecture"], config.get("pretrained_cfg", {})
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise UserError(f"{path / TIMM_FOLDER_CONFIG} is not a timm model config (no 'architecture'): {e}") from None
+    weights = path / TIMM_FOLDER_WEIGHTS
+    if not weights.is_file():
+        raise UserError(f"the timm model folder {path} has no {TIMM_FOLDER_WEIGHTS}; expected the folder "
+                        "`robust-lightning export CKPT FOLDER` writes")
+    read = read_checkpoint(weights)
+    mean, std = pretrained.get("mean"), pretrained.get("std")
+    normalize = {}
+    if mean and std and not (all(m == 0 for m in mean) and all(s == 1 for s in std)):
+        normalize = {"mean": torch.tensor(mean).view(1, -1, 1, 1), "std": torch.tensor(std).view(1, -1, 1, 1)}
+    hyper_parameters = {"arch": architecture, "num_classes": config.get("num_classes"),
+                        "image_size": (pretrained.get("input_size") or [None])[-1]}
+    hyper_parameters = {key: value for key, value in hyper_parameters.items() if value is not None}
+    return CheckpointWeights(state_dict=read.state_dict, normalize=normalize, path=str(path), has_ema=False,
+                             hyper_parameters=hyper_parameters)
 
 
 def read_state_dict(path: str | Path, prefer_ema: bool = False) -> dict[str, torch.Tensor]:
@@ -515,10 +552,32 @@ def _checkpoint_num_classes(model: RobustClassifier, state_dict: dict[str, torch
     return int(weight.shape[0]) if weight is not None and weight.ndim >= 1 else None
 
 
+def robustbench_weights_path(model_name: str, model_dir: str | Path, dataset: Any, threat_model: Any) -> Path:
+    """Where RobustBench's load_model keeps an entry's weights (robustbench/utils.py: ``<model_dir>/<dataset>/
+    <threat model>/<model_name>.pt``); a missing file is a UserError, since nothing is downloaded here.
+    ``dataset`` and ``threat_model`` may be RobustBench's enums (their ``.value`` is read)."""
+    dataset, threat_model = getattr(dataset, "value", dataset), getattr(threat_model, "value", threat_model)
+    if (dataset, threat_model) != ("imagenet", "Linf"):
+        raise UserError(f"RobustBench entries are known here for dataset 'imagenet', threat_model 'Linf' only "
+                        f"(data/robustbench_imagenet_linf.csv), not {dataset!r}, {threat_model!r}")
+    robustbench_entry(PREFIX + model_name)  # an unknown name: the closest entries
+    path = Path(model_dir) / dataset / threat_model / f"{model_name}.pt"
+    if not path.is_file():
+        raise UserError(f"{path} does not exist. RobustBench's load_model would download {model_name} there; "
+                        "nothing is downloaded here. Put the entry's weights file at that path, or pass "
+                        "custom_checkpoint=FILE (or load_model(arch, FILE))")
+    return path
+
+
 def load_model(
-    arch: str | None,
-    checkpoint: str | Path,
+    arch: str | None = None,
+    checkpoint: str | Path | None = None,
     *,
+    model_name: str | None = None,
+    model_dir: str | Path = "./models",
+    dataset: Any = "imagenet",
+    threat_model: Any = "Linf",
+    custom_checkpoint: str | Path = "",
     prefer_ema: bool = False,
     num_classes: int | None = None,
     image_size: int | None = None,
@@ -530,15 +589,30 @@ def load_model(
 
     ``arch``: a timm / project architecture (``convnext_tiny_convstem``), ``robustbench:<name>`` (architecture,
     normaliser and input size of that RobustBench entry), or None for one of our Lightning checkpoints (its
-    hyper-parameters name it). ``checkpoint``: our Lightning ``.ckpt`` or weight exports, the released
-    ``weights_N.pt`` / ``weights_ema_N.pt`` / ``full_model_N.pth`` of Singh et al., a RobustBench file, or any
-    state dict ``read_checkpoint`` reads. ``prefer_ema`` takes the EMA weights where the file has both.
+    hyper-parameters name it). ``checkpoint``: our Lightning ``.ckpt``, a folder or file written by ``export``,
+    the released ``weights_N.pt`` / ``weights_ema_N.pt`` / ``full_model_N.pth`` of Singh et al., a RobustBench
+    file, or any state dict ``read_checkpoint`` reads. ``prefer_ema`` takes the EMA weights where the file has
+    both.
+
+    RobustBench's own call works too: ``load_model(model_name=..., model_dir="./models", dataset="imagenet",
+    threat_model="Linf")``, or the entry's name first with no ``checkpoint``. It reads
+    ``<model_dir>/imagenet/Linf/<model_name>.pt``, where RobustBench's load_model keeps the entry's weights
+    (``custom_checkpoint``: another file). Nothing is downloaded.
 
     The normaliser is, in order: ``mean``/``std`` given here, the one stored in the file, the RobustBench
     entry's, none. ``num_classes`` defaults to the checkpoint's head. Every tensor must match (a mismatch is a
     UserError naming the file and the expected architecture); a ViT position embedding of another grid is
     resampled to ``image_size``.
     """
+    if model_name is not None or (checkpoint is None and arch is not None):
+        if model_name is not None and arch is not None:
+            raise UserError("give the RobustBench entry as model_name or as the first argument, not both")
+        model_name = (model_name or arch).removeprefix(PREFIX)
+        arch = PREFIX + model_name
+        checkpoint = custom_checkpoint or robustbench_weights_path(model_name, model_dir, dataset, threat_model)
+    if checkpoint is None:
+        raise UserError("load_model needs a checkpoint: load_model(arch, FILE), or RobustBench's "
+                        "load_model(model_name=..., model_dir=...)")
     ckpt = read_checkpoint(checkpoint, prefer_ema=prefer_ema)
     hparams = ckpt.hyper_parameters
     if arch is None:
