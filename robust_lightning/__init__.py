@@ -6,4 +6,13 @@ __version__ = "0.1.0"
 from robust_lightning import models  # noqa: E402,F401
 from robust_lightning.models.weights import load_model  # noqa: E402
 
-__all__ = ["load_model"]
+__all__ = ["evaluate", "load_model"]
+
+
+def __getattr__(name: str):
+    # evaluate brings in Lightning and every evaluation: imported on first use, not with the package
+    if name == "evaluate":
+        from robust_lightning.any_model import evaluate
+
+        return evaluate
+    raise AttributeError(f"module 'robust_lightning' has no attribute {name!r}")

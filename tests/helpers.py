@@ -18,8 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from lightning import Callback
 from PIL import Image
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 WNIDS = ("n01440764", "n01443537", "n15075141")  # ImageNet labels 0, 1 and 999
@@ -202,3 +204,37 @@ def device_path_reads_nothing(attack, monkeypatch) -> list[tuple[str, str]]:
     torch.testing.assert_close(result.x_adv, expected.x_adv)
     assert torch.equal(result.robust, expected.robust)
     return cpu_path.calls
+
+
+def synthetic_points(n: int, seed: int, classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    """3 x 16 x 16 images: a class-specific smooth pattern plus noise, in [0, 1]."""
+    g = torch.Generator().manual_seed(seed)
+    patterns = F.interpolate(torch.rand(classes, 3, 3, 3, generator=torch.Generator().manual_seed(99)), size=16,
+                             mode="bilinear", align_corners=False)
+    y = torch.randint(classes, (n,), generator=g)
+    x = (0.25 + 0.5 * patterns[y] + 0.2 * torch.randn(n, 3, 16, 16, generator=g)).clamp(0, 1)
+    return x, y
+
+
+def train_small_cnn() -> nn.Module:
+    """A small CNN trained (with FGSM-RS at a small radius, so that some points are robust) in a few seconds, in
+    eval mode, on ``synthetic_points`` of 10 classes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(  # with BatchNorm: the fast engine attacks a folded copy (checked against the reference)
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2, padding=1),
+        nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(128, 10),
+    )
+    x, y = synthetic_points(2048, seed=0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(300):
+        index = torch.randint(len(x), (64,))
+        xb, yb = x[index], y[index]
+        delta = (torch.rand_like(xb) * 2 - 1) * 4 / 255
+        delta.requires_grad_(True)
+        grad, = torch.autograd.grad(F.cross_entropy(model(xb + delta), yb), delta)
+        xb = (xb + (delta + 5 / 255 * grad.sign()).clamp(-4 / 255, 4 / 255)).clamp(0, 1).detach()
+        optimizer.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+        optimizer.step()
+    model.eval().requires_grad_(False)
+    return model

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import yaml
 from torch import Tensor
 
-from helpers import HostReads, force_device_path, run_command
+from helpers import HostReads, force_device_path, run_command, synthetic_points, train_small_cnn
 from robust_lightning.attacks import ensemble, lp_norm
 from robust_lightning.attacks.ensemble import AutoAttack, batched_runs, channels_last_inputs, folded_batchnorm
 
@@ -20,38 +20,9 @@ REPO = Path(__file__).resolve().parents[1]
 EPS = {"Linf": 10 / 255, "L2": 0.75, "L1": 9.0}
 
 
-def synthetic_points(n: int, seed: int, classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
-    """3 x 16 x 16 images: a class-specific smooth pattern plus noise, in [0, 1]."""
-    g = torch.Generator().manual_seed(seed)
-    patterns = F.interpolate(torch.rand(classes, 3, 3, 3, generator=torch.Generator().manual_seed(99)), size=16,
-                             mode="bilinear", align_corners=False)
-    y = torch.randint(classes, (n,), generator=g)
-    x = (0.25 + 0.5 * patterns[y] + 0.2 * torch.randn(n, 3, 16, 16, generator=g)).clamp(0, 1)
-    return x, y
-
-
 @pytest.fixture(scope="module")
 def trained():
-    """A small CNN trained (with FGSM-RS at a small radius, so that some points are robust) in a few seconds."""
-    torch.manual_seed(0)
-    model = nn.Sequential(  # with BatchNorm: the fast engine attacks a folded copy (checked against the reference)
-        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2, padding=1),
-        nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(128, 10),
-    )
-    x, y = synthetic_points(2048, seed=0)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for step in range(300):
-        index = torch.randint(len(x), (64,))
-        xb, yb = x[index], y[index]
-        delta = (torch.rand_like(xb) * 2 - 1) * 4 / 255
-        delta.requires_grad_(True)
-        grad, = torch.autograd.grad(F.cross_entropy(model(xb + delta), yb), delta)
-        xb = (xb + (delta + 5 / 255 * grad.sign()).clamp(-4 / 255, 4 / 255)).clamp(0, 1).detach()
-        optimizer.zero_grad()
-        F.cross_entropy(model(xb), yb).backward()
-        optimizer.step()
-    model.eval().requires_grad_(False)
-    return model
+    return train_small_cnn()
 
 
 @pytest.fixture(scope="module")

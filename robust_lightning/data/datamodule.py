@@ -413,7 +413,7 @@ class EvaluationData(Protocol):
     - ``num_workers``: decoding processes per device, the default of an evaluation's own loaders;
     - ``evaluation_source()``: where the evaluation images come from (``EvaluationSource``);
     - ``eval_dataloader_with(transform, batch_size, num_workers)``: this rank's evaluation images through
-      another per-image transform;
+      another per-image transform (None: the data's own evaluation preprocessing);
     - ``expected_eval_images()``: how many (and which) evaluation images a complete epoch reads;
     - ``training_sample(...)``: augmented training batches of a fixed subset of the training set;
     - ``conditions()``: what results.json records about the data.
@@ -942,10 +942,11 @@ class ImageNetDataModule(LightningDataModule):
                              num_workers: int | None = None) -> DataLoader:
         """The evaluation images of the last ``setup`` (same subset, limit and share of this rank) through
         another per-image transform: e.g. another resolution, or corruptions generated on the fly.
-        ``transform`` takes a lazily opened PIL image and returns a uint8 tensor. ``num_workers``: default
-        data.num_workers."""
+        ``transform`` takes a lazily opened PIL image and returns a uint8 tensor; None: the evaluation
+        preprocessing at ``image_size`` and ``crop_pct``. ``num_workers``: default data.num_workers."""
         if not hasattr(self, "eval_set"):
             raise RuntimeError("eval_dataloader_with needs setup('test') (or 'validate') first")
+        transform = transform or eval_transform(self.image_size, self.crop_pct)
         dataset = copy.copy(self.eval_set)
         inner = dataset
         if isinstance(dataset, Subset):  # a folder subset or limit: swap the transform of a copy of the folder

@@ -27,7 +27,6 @@ from tqdm import tqdm
 from robust_lightning.data.batch import IMAGE, KEY, LABEL
 from robust_lightning.data.datamodule import EvaluationSource
 from robust_lightning.data.samplers import rank_share
-from robust_lightning.data.transforms import eval_transform
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.results import update_results
 
@@ -36,8 +35,10 @@ WEIGHTS = ("raw", "ema")
 
 # ------------------------------------------------------------------------------------------------ pieces
 def to_model_input(images: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """uint8 images (as the loaders emit them) -> float in [0, 1] on ``device``, the models' input."""
-    return images.to(device).float().div_(255)
+    """uint8 images (as the loaders emit them) -> float in [0, 1] on ``device``, the models' input; float images
+    (given as tensors to ``robust_lightning.evaluate``) are already that."""
+    images = images.to(device)
+    return images.float() if images.is_floating_point() else images.float().div_(255)
 
 
 def distributed() -> bool:
@@ -119,10 +120,8 @@ class Evaluation(Callback):
 
     def eval_loader(self, trainer, transform: Callable | None = None, batch_size: int | None = None,
                     num_workers: int | None = None):
-        """This rank's evaluation images through ``transform`` (default: the data's own eval transform)."""
-        data = self.check_data(trainer)
-        transform = transform or eval_transform(data.image_size, data.crop_pct)
-        return data.eval_dataloader_with(transform, batch_size, num_workers)
+        """This rank's evaluation images through ``transform`` (default None: the data's own preprocessing)."""
+        return self.check_data(trainer).eval_dataloader_with(transform, batch_size, num_workers)
 
     def eval_batches(self, trainer, pl_module, transform: Callable | None = None, limit: int | None = None,
                      batch_size: int | None = None, num_workers: int | None = None,

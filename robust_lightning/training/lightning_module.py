@@ -29,7 +29,7 @@ from robust_lightning.attacks import apgd, fgsm, pgd
 from robust_lightning.data.batch import Batch
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.calibration import CalibrationError
-from robust_lightning.models.classifier import build_classifier, use_small_input_strides
+from robust_lightning.models.classifier import RobustClassifier, build_classifier, use_small_input_strides
 from robust_lightning.models.isotropic_convnext import IsotropicConvNeXt
 from robust_lightning.models.robustbench import is_robustbench_arch, preprocessing_mismatch, resolve_arch
 from robust_lightning.models.weights import adopt_normalizer, load_pretrained
@@ -96,7 +96,9 @@ class ImageClassifier(LightningModule):
 
     Args:
         arch: timm model name (any timm model or tag, or a registered ConvStem variant), or
-            ``robustbench:<name>``: the architecture and normaliser of that RobustBench ImageNet entry.
+            ``robustbench:<name>``: the architecture and normaliser of that RobustBench ImageNet entry. From
+            Python (``robust_lightning.evaluate``), also a network of one's own: an ``nn.Module`` whose logits
+            the evaluations read (behind the ``mean``/``std`` normaliser, when set).
         num_classes: size of the label space (linked from the data module by the CLI).
         image_size: input resolution, passed to architectures that need it (ViTs); linked from the data.
         mean: per-channel mean of the model's normaliser; None = the model takes [0, 1] input as is.
@@ -175,15 +177,21 @@ class ImageClassifier(LightningModule):
         select_on: Literal["raw", "ema"] = "raw",
     ):
         super().__init__()
-        self.save_hyperparameters()
+        given = isinstance(arch, nn.Module)
+        self.save_hyperparameters(ignore=["arch"] if given else None)  # a module is no hyper-parameter
+        if given:
+            self.hparams["arch"] = f"{type(arch).__name__} (a module given in Python)"
         if attack_eps <= 0 or attack_steps < 1 or select_attack_steps < 0:
             raise UserError("model.attack_eps must be > 0, attack_steps >= 1 and select_attack_steps >= 0")
         if attack in ("fgsm", "fgsm_rs") and attack_norm != "Linf":
             raise UserError(f"model.attack {attack!r} is Linf only; use apgd or pgd for {attack_norm}")
         if select_on == "ema" and ema_decay is None:
             raise UserError("model.select_on 'ema' needs model.ema_decay")
-        timm_arch, mean, std = resolve_arch(arch, mean, std)
-        self.model = build_classifier(timm_arch, num_classes, image_size, mean, std, arch_kwargs or {})
+        if given:
+            self.model = RobustClassifier(arch, mean, std)
+        else:
+            timm_arch, mean, std = resolve_arch(arch, mean, std)
+            self.model = build_classifier(timm_arch, num_classes, image_size, mean, std, arch_kwargs or {})
         if small_input:
             use_small_input_strides(self.model.net)
         if channels_last:

@@ -1,0 +1,246 @@
+"""``robust_lightning.evaluate``: the project's evaluations on any model, from a notebook.
+
+    result = robust_lightning.evaluate(model, (x, y), threat_models=[{"norm": "Linf", "eps": 4 / 255}])
+    result["autoattack"]["threat_models"]["Linf-4_255"]["robust_accuracy"]
+
+The model is any ``nn.Module`` mapping [0, 1] images to logits (``mean``/``std`` put a normaliser in front of a
+model that expects normalised input). The evaluations are the callbacks ``robust-lightning test`` runs
+(AutoAttack, the distribution shifts, ImageNet-C and -P, the resolution sweep, the card), run by a Lightning
+Trainer on the given data: nothing here evaluates anything itself.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning import LightningDataModule, Trainer
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+from robust_lightning.data.batch import IMAGE, KEY, LABEL
+from robust_lightning.data.datamodule import EvaluationSource, ImageNetDataModule, TrainingSample
+from robust_lightning.data.samplers import ExactDistributedSampler
+from robust_lightning.errors import UserError
+from robust_lightning.evaluation.autoattack import DEFAULT_THREAT_MODELS, AutoAttackEvaluation
+from robust_lightning.evaluation.base import Evaluation
+from robust_lightning.evaluation.benchmarks import DistributionShiftBenchmarks
+from robust_lightning.evaluation.card import RobustnessCard
+from robust_lightning.evaluation.imagenet_c import ImageNetC
+from robust_lightning.evaluation.imagenet_p import ImageNetP
+from robust_lightning.evaluation.resolution import ResolutionSweep
+from robust_lightning.evaluation.results import RunResults
+
+SHIFTS = ("imagenet_r", "imagenet_a", "imagenet_sketch", "imagenet_v2", "imagenet_o", "imagenet_9")
+EVALUATIONS = ("autoattack", *SHIFTS, "imagenet_c", "imagenet_p", "resolution_sweep", "card")
+OWN_PREPROCESSING = "generated ImageNet-C and the resolution sweep"
+
+
+class _Items(Dataset):
+    def __init__(self, images: Tensor, labels: Tensor):
+        self.images, self.labels = images, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {IMAGE: self.images[i], LABEL: self.labels[i], KEY: f"{i:08d}"}  # keys: AutoAttack's outcomes
+
+
+class GivenImages(LightningDataModule):
+    """Evaluation images given in memory (``EvaluationData`` for ``robust_lightning.evaluate``): N x C x H x W
+    float in [0, 1] or uint8, labels N integers; the images are evaluated as they are (no resize, no crop)."""
+
+    def __init__(self, images: Tensor, labels: Tensor, batch_size: int):
+        super().__init__()
+        self.images, self.labels, self.batch_size = images, labels, batch_size
+        self.image_size, self.crop_pct, self.num_workers = images.shape[-1], 1.0, 0
+
+    def test_dataloader(self) -> DataLoader:
+        return self.eval_dataloader_with(None)
+
+    def eval_dataloader_with(self, transform, batch_size: int | None = None,
+                             num_workers: int | None = None) -> DataLoader:
+        if transform is not None:
+            raise UserError(f"this evaluation reads the images at a preprocessing of its own ({OWN_PREPROCESSING}): "
+                            "give evaluate an ImageNet val root as data, not tensors")
+        world_size, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
+        dataset = _Items(self.images, self.labels)
+        if len(dataset) < world_size:
+            raise UserError(f"{len(dataset)} images cannot be split over {world_size} devices")
+        return DataLoader(dataset, batch_size=batch_size or self.batch_size,
+                          sampler=ExactDistributedSampler(dataset, world_size, rank))
+
+    def evaluation_source(self) -> EvaluationSource:
+        return EvaluationSource(kind="tensors", location=None, imagenet_val=False)
+
+    def expected_eval_images(self) -> tuple[int | None, frozenset[str] | None]:
+        return len(self.labels), None
+
+    def training_sample(self, device, fraction: float = 1.0, max_images: int | None = None,
+                        batch_size: int | None = None, seed: int = 0) -> TrainingSample:
+        raise UserError("this evaluation reads training images; evaluate has evaluation images only")
+
+    def conditions(self) -> dict[str, Any]:
+        return {"source": "tensors", "num_images": len(self.labels), "image_shape": list(self.images.shape[1:]),
+                "preprocessing": "none (the images as given)"}
+
+
+def _tensors(data: tuple[Tensor, Tensor] | DataLoader) -> tuple[Tensor, Tensor]:
+    """(images, labels) of an (x, y) pair or of every batch of a loader of (images, labels), checked."""
+    if isinstance(data, (tuple, list)) and len(data) == 2 and all(torch.is_tensor(t) for t in data):
+        images, labels = data
+    elif isinstance(data, Iterable) and not torch.is_tensor(data) and not isinstance(data, (str, Path, tuple, list)):
+        batches = [tuple(batch) for batch in data]
+        if not batches or any(len(batch) != 2 for batch in batches):
+            raise UserError("a DataLoader given to evaluate must yield (images, labels) batches")
+        images, labels = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    else:
+        raise UserError("data must be an (images, labels) pair of tensors, a DataLoader of (images, labels), or "
+                        "the path of an ImageNet root holding val/")
+    if images.dim() != 4 or labels.dim() != 1 or len(images) != len(labels) or not len(labels):
+        raise UserError(f"expected images N x C x H x W and N labels, got {tuple(images.shape)} and "
+                        f"{tuple(labels.shape)}")
+    if images.dtype != torch.uint8:
+        if not images.is_floating_point():
+            raise UserError(f"images must be float in [0, 1] or uint8, got {images.dtype}")
+        low, high = images.min().item(), images.max().item()
+        if low < 0 or high > 1:
+            raise UserError(f"images must be in [0, 1] (the model's normalisation goes in mean/std), got values "
+                            f"in [{low:.3g}, {high:.3g}]")
+    return images, labels.long()
+
+
+def _num_classes(model: nn.Module, images: Tensor) -> int:
+    """The size of the model's logits on two images, checked to be (N, classes)."""
+    sample = images[:2]
+    sample = sample.float() if sample.is_floating_point() else sample.float() / 255
+    parameter = next(model.parameters(), None)
+    with torch.no_grad():
+        output = model(sample.to(parameter.device) if parameter is not None else sample)
+    if not torch.is_tensor(output) or output.dim() != 2 or len(output) != len(sample):
+        shape = tuple(output.shape) if torch.is_tensor(output) else type(output).__name__
+        raise UserError(f"the model must return logits of shape (N, classes); on {len(sample)} images it returned "
+                        f"{shape}")
+    return output.shape[1]
+
+
+def _callbacks(evaluations: list[str], datasets: dict[str, str], threat_models: list[dict] | None, version: str,
+               options: dict[str, dict]) -> list[Evaluation]:
+    unknown = [name for name in evaluations if name not in EVALUATIONS] + [
+        name for name in options if name not in EVALUATIONS]
+    if unknown:
+        raise UserError(f"unknown evaluation {unknown[0]!r}; the evaluations are {', '.join(EVALUATIONS)}")
+    attack = {"threat_models": list(threat_models or DEFAULT_THREAT_MODELS), "version": version,
+              **options.get("autoattack", {})}
+
+    def root(name: str) -> str:
+        if not datasets.get(name):
+            raise UserError(f"evaluation {name!r} needs its dataset root: datasets={{{name!r}: PATH}}")
+        return str(datasets[name])
+
+    callbacks: list[Evaluation] = []
+    if "card" in evaluations:
+        card = {key: options[key] for key in ("benchmarks", "imagenet_c", "imagenet_p", "resolution_sweep")
+                if key in options}
+        callbacks.append(RobustnessCard(datasets=dict(datasets), autoattack=attack, **card))
+    if "autoattack" in evaluations:
+        callbacks.append(AutoAttackEvaluation(**attack))
+    shifts = [name for name in SHIFTS if name in evaluations]
+    if shifts:
+        callbacks.append(DistributionShiftBenchmarks(**{name: root(name) for name in shifts},
+                                                     imagenet_val=datasets.get("imagenet_val"),
+                                                     **options.get("benchmarks", {})))
+    if "imagenet_c" in evaluations:
+        where = root("imagenet_c")
+        source = {"source": "generated"} if where == "generated" else {"root": where}
+        callbacks.append(ImageNetC(**source, **options.get("imagenet_c", {})))
+    if "imagenet_p" in evaluations:
+        callbacks.append(ImageNetP(root=root("imagenet_p"), **options.get("imagenet_p", {})))
+    if "resolution_sweep" in evaluations:
+        callbacks.append(ResolutionSweep(**options.get("resolution_sweep", {})))
+    return callbacks
+
+
+def evaluate(
+    model: nn.Module,
+    data: tuple[Tensor, Tensor] | DataLoader | str | Path,
+    evaluations: list[str] | None = None,
+    *,
+    threat_models: list[dict[str, Any]] | None = None,
+    version: str = "standard",
+    mean: tuple[float, float, float] | None = None,
+    std: tuple[float, float, float] | None = None,
+    datasets: dict[str, str] | None = None,
+    options: dict[str, dict[str, Any]] | None = None,
+    out_dir: str | Path | None = None,
+    image_size: int = 224,
+    crop_pct: float = 0.875,
+    eval_subset: str | None = None,
+    eval_limit: int | None = None,
+    val_labels: str | None = None,
+    batch_size: int = 50,
+    num_workers: int | None = None,
+    accelerator: str = "auto",
+    devices: int | str = 1,
+    strategy: str = "auto",
+) -> dict[str, Any]:
+    """Run the project's evaluations on ``model`` and return the sections results.json holds.
+
+    Args:
+        model: any ``nn.Module`` mapping [0, 1] images to logits (N, classes).
+        data: an ``(images, labels)`` pair of tensors (float in [0, 1] or uint8, evaluated as they are), a
+            DataLoader of ``(images, labels)`` batches (read once, into memory), or an ImageNet root holding
+            ``val/`` (read with the project's preprocessing: ``image_size``, ``crop_pct``, ``eval_subset``,
+            ``eval_limit``, ``val_labels``, as ``data.*`` of the command line).
+        evaluations: names of :data:`EVALUATIONS`; default ``["autoattack"]``: standard AutoAttack in Linf 4/255,
+            L2 2.0 and L1 75, the card's three threat models. Generated ImageNet-C and the resolution sweep need an
+            ImageNet root as ``data``.
+        threat_models: AutoAttack's, as the AutoAttack callback takes them: ``[{"norm": "Linf", "eps": 4/255}]``.
+        version: AutoAttack's version ("standard", or the quick modes "apgd-t", "apgd-ce").
+        mean, std: a normaliser put in front of a model that expects normalised input.
+        datasets: roots of the benchmarks, under the card's names (``imagenet_r``, ``imagenet_c`` (or
+            "generated"), ``imagenet_p``, ``imagenet_val`` for ImageNet-O, ...).
+        options: further settings per evaluation, e.g. ``{"autoattack": {"batch_size": 100}}``.
+        out_dir: where results.json, the card, the plots and AutoAttack's per-image outcomes go; the same call
+            again resumes from them. None: a temporary folder, deleted afterwards.
+        batch_size, num_workers: of the evaluation data.
+        accelerator, devices, strategy: Lightning's; several devices split the images between them.
+    """
+    if not isinstance(model, nn.Module):
+        raise UserError(f"model must be a torch nn.Module, got {type(model).__name__}")
+    evaluations = list(evaluations or ["autoattack"])
+    if isinstance(data, (str, Path)):
+        datamodule = ImageNetDataModule(source="folder", root=str(data), image_size=image_size, crop_pct=crop_pct,
+                                        eval_subset=eval_subset, eval_limit=eval_limit, val_labels=val_labels,
+                                        batch_size=batch_size, **({} if num_workers is None else
+                                                                  {"num_workers": num_workers}))
+        num_classes = datamodule.num_classes
+        found = _num_classes(model, torch.zeros(2, 3, image_size, image_size))
+        if found != num_classes:
+            raise UserError(f"the model has {found} classes, the data's class map {num_classes}")
+    else:
+        images, labels = _tensors(data)
+        num_classes = _num_classes(model, images)
+        if labels.min() < 0 or labels.max() >= num_classes:
+            raise UserError(f"labels must be class indices of the model's {num_classes} classes, got values in "
+                            f"[{labels.min().item()}, {labels.max().item()}]")
+        datamodule = GivenImages(images, labels, batch_size)
+    callbacks = _callbacks(evaluations, dict(datasets or {}), threat_models, version, dict(options or {}))
+
+    from robust_lightning.training.lightning_module import ImageClassifier  # noqa: PLC0415 (heavy)
+
+    module = ImageClassifier(arch=model, num_classes=num_classes, mean=mean, std=std,
+                             image_size=datamodule.image_size)
+    with tempfile.TemporaryDirectory(prefix="robust-lightning-evaluate-") as scratch:
+        run_dir = Path(out_dir) if out_dir is not None else Path(scratch)
+        trainer = Trainer(accelerator=accelerator, devices=devices, strategy=strategy, logger=False,
+                          default_root_dir=str(run_dir), enable_checkpointing=False, inference_mode=False,
+                          callbacks=[RunResults(), *callbacks])
+        trainer.test(module, datamodule=datamodule)
+        results = run_dir / "results.json"
+        return json.loads(results.read_text()) if results.is_file() else {}

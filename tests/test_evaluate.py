@@ -1,0 +1,123 @@
+"""robust_lightning.evaluate: the evaluation callbacks on any nn.Module, from Python. Results are checked against
+direct computations (AutoAttack called on the same points, accuracy counted by hand)."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import robust_lightning
+from helpers import REPO, WNIDS, synthetic_points, train_small_cnn, write_image
+from robust_lightning.attacks import AutoAttack
+from robust_lightning.errors import UserError
+
+LINF = [{"norm": "Linf", "eps": 10 / 255}]
+QUICK = {"version": "apgd-ce", "options": {"autoattack": {"n_iter": 5}}}
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return train_small_cnn()
+
+
+@pytest.fixture(scope="module")
+def points():
+    return synthetic_points(24, seed=3)
+
+
+def test_any_module_on_tensors_matches_autoattack_called_directly(trained, points, tmp_path, caplog):
+    x, y = points
+    result = robust_lightning.evaluate(trained, (x, y), threat_models=LINF, out_dir=tmp_path, batch_size=24, **QUICK)
+    section = result["autoattack"]["threat_models"]["Linf-10_255"]
+    direct = AutoAttack(trained, norm="Linf", eps=10 / 255, version="apgd-ce", n_iter=5).evaluate(x, y, bs=24)
+    assert section["num_points"] == 24
+    assert section["clean_accuracy"] == pytest.approx(direct.clean_accuracy)
+    assert section["robust_accuracy"] == pytest.approx(direct.robust_accuracy)
+    assert 0 < direct.robust_accuracy < direct.clean_accuracy  # the comparison says something
+    with torch.no_grad():
+        counted = (trained(x).argmax(1) == y).float().mean().item()
+    assert result["test"]["metrics"]["test/acc1"] == pytest.approx(counted)
+    assert result["test"]["conditions"]["data"]["source"] == "tensors"
+    assert json.loads((tmp_path / "results.json").read_text()) == result
+    assert (tmp_path / "autoattack" / "Linf-10_255" / "rank0.jsonl").is_file()
+
+    # the same call again resumes from the saved outcomes: nothing attacked twice, the same numbers
+    again = robust_lightning.evaluate(trained, (x, y), threat_models=LINF, out_dir=tmp_path, batch_size=24, **QUICK)
+    assert "AutoAttack Linf-10_255: resuming, 24 images already done" in caplog.text
+    assert again["autoattack"]["threat_models"]["Linf-10_255"]["robust_accuracy"] == section["robust_accuracy"]
+    assert again["autoattack"]["threat_models"]["Linf-10_255"]["seconds_this_session"] == {}
+
+
+def test_a_dataloader_and_a_normaliser(trained, points):
+    """A DataLoader of (images, labels) gives what the tensors give; a model that expects normalised input is
+    evaluated behind mean/std exactly as the same model with the normaliser built in."""
+    x, y = points
+    mean, std = (0.4, 0.5, 0.6), (0.2, 0.25, 0.3)
+
+    class Normalised(nn.Module):  # takes (x - mean) / std
+        def forward(self, z):
+            shift = torch.tensor(mean).view(1, 3, 1, 1)
+            scale = torch.tensor(std).view(1, 3, 1, 1)
+            return trained(z * scale + shift)
+
+    loader = DataLoader(TensorDataset(x, y), batch_size=5)
+    behind = robust_lightning.evaluate(Normalised(), loader, threat_models=LINF, mean=mean, std=std, **QUICK)
+    plain = robust_lightning.evaluate(trained, (x, y), threat_models=LINF, **QUICK)
+    for key in ("clean_accuracy", "robust_accuracy"):
+        assert behind["autoattack"]["threat_models"]["Linf-10_255"][key] == pytest.approx(
+            plain["autoattack"]["threat_models"]["Linf-10_255"][key], abs=1 / 24 + 1e-9)  # float error at most
+    assert behind["test"]["metrics"]["test/acc1"] == pytest.approx(plain["test"]["metrics"]["test/acc1"])
+
+
+def test_an_imagenet_val_root_with_the_projects_preprocessing(tmp_path):
+    """A folder val tree is read as data.* reads it: labels from ImageNet's map, resize and centre crop."""
+    for i, wnid in enumerate(WNIDS):
+        write_image(tmp_path / "val" / wnid / f"ILSVRC2012_val_{i + 1:08d}.JPEG", seed=i)
+    torch.manual_seed(0)
+    model = timm.create_model("test_resnet", num_classes=1000).eval()
+    result = robust_lightning.evaluate(model, tmp_path, threat_models=[{"norm": "L2", "eps": 0.5}], image_size=32,
+                                       num_workers=0, **QUICK)
+    assert result["autoattack"]["threat_models"]["L2-0.5"]["num_points"] == 3
+    assert result["test"]["conditions"]["data"]["image_size"] == 32
+    with pytest.raises(UserError, match="the model has 10 classes, the data's class map 1000"):
+        robust_lightning.evaluate(train_small_cnn(), tmp_path, image_size=32)
+
+
+def test_bad_input_is_one_clear_message(trained, points):
+    x, y = points
+    with pytest.raises(UserError, match=r"images must be in \[0, 1\] \(the model's normalisation goes in mean/std\)"):
+        robust_lightning.evaluate(trained, (x * 2 - 1, y))
+    with pytest.raises(UserError, match=r"labels must be class indices of the model's 10 classes, got values in "
+                                        r"\[1, 10\]"):
+        robust_lightning.evaluate(trained, (x, torch.where(y == 0, 10, y)))
+    with pytest.raises(UserError, match=r"the model must return logits of shape \(N, classes\); on 2 images it "
+                                        r"returned \(2, 32, 8, 8\)"):
+        robust_lightning.evaluate(trained[:4], (x, y))
+    with pytest.raises(UserError, match="unknown evaluation 'autoatack'; the evaluations are autoattack, "):
+        robust_lightning.evaluate(trained, (x, y), ["autoatack"])
+    with pytest.raises(UserError, match=r"evaluation 'imagenet_r' needs its dataset root"):
+        robust_lightning.evaluate(trained, (x, y), ["imagenet_r"])
+    with pytest.raises(UserError, match="a preprocessing of its own .*give evaluate an ImageNet val root"):
+        robust_lightning.evaluate(trained, (x, y), ["resolution_sweep"])
+    with pytest.raises(UserError, match="data must be an .images, labels. pair of tensors"):
+        robust_lightning.evaluate(trained, x)
+
+
+def test_the_readme_notebook_example_runs(points):
+    """The README's notebook example, as printed there, on a small model and points."""
+    block = re.search(r"```python\n(import robust_lightning\n\nresult = robust_lightning\.evaluate.*?)```",
+                      (REPO / "README.md").read_text(), re.S)
+    assert block, "README.md lost its notebook example"
+    x, y = points
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 10)).eval()  # untrained: every attack ends fast
+    scope = {"model": model, "x": x[:4], "y": y[:4]}
+    exec(block.group(1), scope)  # noqa: S102 - the README's own code
+    linf = scope["result"]["autoattack"]["threat_models"]["Linf-4_255"]
+    assert linf["num_points"] == 4 and 0 <= linf["robust_accuracy"] <= linf["clean_accuracy"]
+    assert not Path("results.json").exists()  # without out_dir nothing is left behind
