@@ -294,6 +294,51 @@ def test_a_folder_written_by_export_is_a_warm_start_on_the_command_line(tmp_path
     assert metrics["folder"]["val/loss"] == pytest.approx(metrics["ckpt"]["val/loss"], rel=1e-6)
 
 
+def test_every_file_kind_load_model_reads_is_a_command_line_warm_start(tmp_path):
+    """validate --model.init_from FILE gives load_model's model for each kind of file: the same loss for all."""
+    from lightning import Trainer
+
+    from robust_lightning.cli import main
+    from robust_lightning.training.export import export_timm_folder, export_weights
+    from robust_lightning.training.lightning_module import ImageClassifier
+    from test_cli import tiny_config
+
+    torch.manual_seed(0)
+    module = ImageClassifier(arch="convnext_atto_convstem", num_classes=4, mean=IMAGENET_MEAN, std=IMAGENET_STD)
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.strategy.connect(module)
+    files = {"lightning": tmp_path / "trained.ckpt"}
+    trainer.save_checkpoint(files["lightning"])
+    net = {k.removeprefix("net."): v for k, v in module.model.state_dict().items() if k.startswith("net.")}
+    normaliser = {k: v for k, v in module.model.state_dict().items() if k.startswith("normalize.")}
+    files["safetensors_export"] = export_weights(files["lightning"], tmp_path / "export.safetensors")
+    files["pt_export"] = export_weights(files["lightning"], tmp_path / "export.pt")
+    for export in ("safetensors_export", "pt_export"):  # timm alone reads the net (its head: num_classes in the cfg)
+        plain = timm.create_model("convnext_atto_convstem", num_classes=4, pretrained=True,
+                                  pretrained_cfg_overlay={"file": str(files[export]), "num_classes": 4})
+        assert_same_logits(plain.eval(), module.model.net, images())
+    files["timm_folder"] = export_timm_folder(files["lightning"], tmp_path / "folder")
+    saved = {  # state dicts as other code writes them, with our normaliser's buffers beside the net's
+        "plain_state_dict": {**net, **normaliser},
+        "ddp_prefixed": {f"module.{k}": v for k, v in {**net, **normaliser}.items()},
+        "timm_train_checkpoint": {"state_dict": {**net, **normaliser}, "epoch": 3},
+        "robustbench_style": {"model": {f"model.{k}": v for k, v in net.items()} | normaliser},
+    }
+    for kind, content in saved.items():
+        files[kind] = tmp_path / f"{kind}.pth"
+        torch.save(content, files[kind])
+    losses = {}
+    for kind, path in files.items():
+        (tmp_path / kind).mkdir()
+        config = tiny_config(tmp_path / kind, tmp_path / "synthetic", **{"model.init_from": str(path)})
+        assert main(["validate", "--config", str(config)]) == 0, kind
+        [results] = (tmp_path / kind / "runs").glob("tiny/version_*/results.json")
+        losses[kind] = json.loads(results.read_text())["validate"]["metrics"]["val/loss"]
+        direct = robust_lightning.load_model("convnext_atto_convstem", path)
+        assert_same_logits(direct, module.model, images())
+    assert losses == pytest.approx({kind: losses["lightning"] for kind in files}, rel=1e-6)
+
+
 def test_robustbench_load_model_call_reads_its_layout(tmp_path):
     """RobustBench's load_model(model_name=..., model_dir=..., dataset=..., threat_model=...) on local files in
     its layout, <model_dir>/imagenet/Linf/<model_name>.pt; nothing is downloaded."""

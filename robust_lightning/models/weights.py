@@ -259,6 +259,8 @@ def read_checkpoint(path: str | Path, prefer_ema: bool = False) -> CheckpointWei
     require_checkpoint_file(path)
     loaded = _load_file(path)
     raw = _pick_state_dict(loaded, path, prefer_ema)
+    if isinstance(loaded, dict) and raw is not loaded:  # a normaliser kept beside the state dict (.pt exports)
+        raw = {**{k: v for k, v in loaded.items() if k.startswith(NORMALIZE_PREFIX)}, **raw}
     # Our Lightning checkpoints keep the EMA copy beside the raw weights, under ema.module.*
     ema = {k[len(EMA_PREFIX):]: v for k, v in raw.items() if k.startswith(EMA_PREFIX)}
     raw = ema if prefer_ema and ema else {k: v for k, v in raw.items() if not k.startswith(EMA_PREFIX)}
@@ -316,14 +318,16 @@ def save_net_weights(model: nn.Module, path: str | Path) -> Path:
 
     Such a file loads with ``read_state_dict`` and also with timm itself:
     ``timm.create_model(arch, pretrained=True, pretrained_cfg_overlay=dict(file=path))``. The normaliser (if
-    any) goes into the safetensors metadata, since timm's strict loading would reject extra keys.
+    any) stays out of the net's tensors, since timm's strict loading would reject extra keys: it goes into the
+    safetensors metadata, or beside the state dict of a .pt/.pth file (``{"state_dict": ..., "normalize.mean":
+    ..., "normalize.std": ...}``, where timm's ``load_state_dict`` reads ``state_dict``).
     """
     path = Path(path)
     net = getattr(model, "net", model)
     state = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
+    norm = getattr(model, "normalize", None)
     if path.suffix == ".safetensors":
         meta = {"format": "pt"}
-        norm = getattr(model, "normalize", None)
         if norm is not None and hasattr(norm, "mean"):
             meta["normalize_mean"] = ",".join(f"{v:.8g}" for v in norm.mean.flatten().tolist())
             meta["normalize_std"] = ",".join(f"{v:.8g}" for v in norm.std.flatten().tolist())
@@ -331,6 +335,9 @@ def save_net_weights(model: nn.Module, path: str | Path) -> Path:
         data = safetensors.torch.save({k: v.clone() for k, v in state.items()}, metadata=meta)
     else:
         buffer = io.BytesIO()
+        if norm is not None and hasattr(norm, "mean"):
+            state = {"state_dict": state, **{f"{NORMALIZE_PREFIX}{name}": buffer_.detach().cpu()
+                                             for name, buffer_ in norm.named_buffers()}}
         torch.save(state, buffer)
         data = buffer.getvalue()
     # atomic: a full disk or a kill never leaves a half-written weights file, and the file gets the umask's mode
