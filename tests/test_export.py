@@ -71,7 +71,7 @@ def test_timm_folder_loads_in_plain_timm_and_gives_our_logits(tmp_path, capsys, 
     folder = tmp_path / "exported"
     assert main(["export", str(tmp_path / "m.ckpt"), str(folder), *(["--ema"] if ema else [])]) == 0
     assert f'timm.create_model("local-dir:{folder}", pretrained=True)' in capsys.readouterr().out
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     config = json.loads((folder / "config.json").read_text())
     assert config["architecture"] == hparams["arch"] and config["num_classes"] == 5
     assert "tag" not in config["pretrained_cfg"]  # not timm's release of the architecture
@@ -121,3 +121,39 @@ def test_small_input_model_is_refused_as_a_folder(tmp_path, capsys):
     write_checkpoint(tmp_path / "m.ckpt", arch="test_convnext", image_size=32, small_input=True)
     assert main(["export", str(tmp_path / "m.ckpt"), str(tmp_path / "folder")]) == 2
     assert "small_input" in capsys.readouterr().err and not (tmp_path / "folder").exists()
+
+
+def test_the_folder_has_a_model_card_with_the_numbers_measured_on_that_checkpoint(tmp_path):
+    """README.md of the folder: architecture, input, recipe, and the numbers of the results.json files that name
+    the checkpoint by its sha256 (a run dir beside the checkpoints folder, as the quickstart has); others not."""
+    from robust_lightning.evaluation.results import file_sha256
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    write_checkpoint(checkpoints / "last.ckpt", arch="test_resnet", image_size=32, mean=(0.4, 0.5, 0.6),
+                     std=(0.2, 0.25, 0.3), attack="apgd", attack_eps=4 / 255, attack_steps=2)
+    named = {"path": str(checkpoints / "last.ckpt"), "sha256": file_sha256(checkpoints / "last.ckpt")}
+    (tmp_path / "run" / "version_0").mkdir()
+    (tmp_path / "run" / "version_0" / "results.json").write_text(json.dumps({
+        "fit": {"metrics": {"val/acc1": 0.625, "val/robust_acc": 0.5}, "last_checkpoint": named},
+        "autoattack": {"threat_models": {"Linf-4_255": {"num_points": 16, "clean_accuracy": 0.625,
+                                                         "robust_accuracy": 0.4375}},
+                       "conditions": {"version": "standard", "precision": "fp32 (TF32 off)"}}}))
+    (tmp_path / "run" / "version_1").mkdir()  # another checkpoint's run: not reported
+    (tmp_path / "run" / "version_1" / "results.json").write_text(json.dumps({
+        "test": {"metrics": {"test/acc1": 0.99}, "checkpoint": {**named, "sha256": "0" * 64}}}))
+    assert main(["export", str(checkpoints / "last.ckpt"), str(tmp_path / "folder")]) == 0
+    card = (tmp_path / "folder" / "README.md").read_text()
+    assert card.startswith("# test_resnet: raw weights exported by robust-lightning")
+    assert "Normalise [0, 1] images with mean [0.4, 0.5, 0.6] and std [0.2, 0.25, 0.3]" in card
+    assert "Adversarial training: apgd, Linf eps 4/255, 2 steps." in card
+    assert f"From `{tmp_path / 'run' / 'version_0' / 'results.json'}`" in card
+    assert "- fit: val/acc1 62.50 %, val/robust_acc 50.00 %" in card
+    assert "| Linf-4_255 | 16 | 62.50 | 43.75 |" in card and "standard, fp32 (TF32 off)" in card
+    assert "99.00" not in card and "version_1" not in card
+
+    alone = tmp_path / "alone.ckpt"
+    write_checkpoint(alone, arch="test_resnet", image_size=32)
+    assert main(["export", str(alone), str(tmp_path / "alone")]) == 0
+    card = (tmp_path / "alone" / "README.md").read_text()
+    assert "takes [0, 1] images as they are" in card and "no numbers are reported here" in card

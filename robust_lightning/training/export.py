@@ -8,17 +8,20 @@ Two forms:
   writes them, which ``timm.create_model("local-dir:OUT", pretrained=True)`` loads. The folder's
   ``pretrained_cfg`` holds the preprocessing: the model's normaliser as mean/std (0 and 1 for a model that
   takes raw [0, 1] images), the training resolution, and the project's evaluation resize (bicubic, crop 0.875).
+  Its ``README.md`` is a model card: the architecture, the input convention, the training recipe, and the
+  numbers of the results.json files that name this checkpoint (by its sha256), with their conditions.
 """
 
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import safetensors
 from timm.models import model_entrypoint, save_for_hf
 
 from robust_lightning.argument_parsing import run_tool
-from robust_lightning.atomic import atomic_write_json, give_ordinary_permissions
+from robust_lightning.atomic import atomic_write_json, atomic_write_text, give_ordinary_permissions
 from robust_lightning.errors import UserError
 from robust_lightning.models.classifier import RobustClassifier
 from robust_lightning.models.weights import read_checkpoint, save_net_weights
@@ -94,7 +97,98 @@ def export_timm_folder(checkpoint: str | Path, out_dir: str | Path, ema: bool = 
     for key in RELEASE_FIELDS:
         config["pretrained_cfg"].pop(key, None)
     atomic_write_json(config_path, config)
+    card = model_card(Path(checkpoint), hparams, ema, data_config, results_naming(Path(checkpoint)))
+    atomic_write_text(out_dir / "README.md", card)
     return out_dir
+
+
+def results_naming(checkpoint: Path) -> list[tuple[Path, dict]]:
+    """The results.json files of the runs around ``checkpoint`` (its folder, the folder above and that folder's
+    run directories) whose sections name this very file by its sha256: the fit that wrote it, and the
+    validations, tests and evaluations run on it there."""
+    from robust_lightning.evaluation.results import file_sha256  # noqa: PLC0415
+
+    sha = file_sha256(checkpoint)
+    folders = [checkpoint.parent, checkpoint.parent.parent, *sorted(checkpoint.parent.parent.glob("*/"))]
+    found = []
+    for path in dict.fromkeys(folder / "results.json" for folder in folders):
+        try:
+            results = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if sha in json.dumps(results):
+            found.append((path, results))
+    return found
+
+
+def _values(values) -> str:
+    return "[" + ", ".join(f"{value:.4g}" for value in values) + "]"
+
+
+def _percent(value: float) -> str:
+    return f"{100 * value:.2f}"
+
+
+def model_card(checkpoint: Path, hparams: dict[str, Any], ema: bool, data_config: dict[str, Any],
+               results: list[tuple[Path, dict]]) -> str:
+    """README.md of an exported folder: what the weights are, how to feed them, how they were trained and
+    what was measured on them (only numbers a results.json holds, each with where it came from)."""
+    arch = hparams["arch"]
+    mean, std = data_config["mean"], data_config["std"]
+    raw_input = all(m == 0 for m in mean) and all(s == 1 for s in std)
+    lines = [
+        f"# {arch}: {'EMA' if ema else 'raw'} weights exported by robust-lightning", "",
+        f"Exported from `{checkpoint.resolve()}`.", "",
+        "## Loading", "",
+        "```python",
+        *(["import robust_lightning  # registers the architecture with timm"] if needs_robust_lightning(arch) else []),
+        "import timm",
+        'model = timm.create_model("local-dir:PATH_TO_THIS_FOLDER", pretrained=True).eval()',
+        "```", "",
+        "## Input", "",
+        f"- RGB images of {data_config['input_size'][-1]} x {data_config['input_size'][-1]} pixels.",
+        "- The model takes [0, 1] images as they are (no normalisation)." if raw_input else
+        f"- Normalise [0, 1] images with mean {_values(mean)} and std {_values(std)} first (as timm's data config "
+        "does).",
+        f"- Evaluation preprocessing: resize the shorter side to floor(size / {data_config['crop_pct']}) "
+        f"({data_config['interpolation']}), centre crop.", "",
+        "## Training", "",
+    ]
+    attack = hparams.get("attack", "none")
+    if attack == "none":
+        lines.append("- Clean training (no attack).")
+    else:
+        eps, norm = hparams.get("attack_eps"), hparams.get("attack_norm")
+        shown_eps = f"{eps * 255:.4g}/255" if norm == "Linf" else f"{eps:.4g}"
+        lines.append(f"- Adversarial training: {attack}, {norm} eps {shown_eps}, {hparams.get('attack_steps')} steps.")
+    lines += [f"- {key}: {hparams[key]}" for key in ("init_from", "lr", "weight_decay", "label_smoothing",
+                                                     "ema_decay") if hparams.get(key) is not None]
+    lines += ["", "## Results", ""]
+    if not results:
+        lines.append("No results.json beside the checkpoint names it: no numbers are reported here.")
+    for path, sections in results:
+        lines.append(f"From `{path.resolve()}`:")
+        lines.append("")
+        for stage in ("fit", "validate", "test"):
+            metrics = sections.get(stage, {}).get("metrics", {})
+            shown = {key: value for key, value in metrics.items()
+                     if key.startswith(("val/", "test/")) and key.endswith(("acc1", "robust_acc"))}
+            if shown:
+                lines.append(f"- {stage}: " + ", ".join(f"{key} {_percent(value)} %" for key, value in shown.items()))
+        attack_section = sections.get("autoattack", {})
+        threats = attack_section.get("threat_models", {})
+        if threats:
+            conditions = attack_section.get("conditions", {})
+            run = sections.get("test") or sections.get("fit") or {}
+            data = run.get("conditions", {}).get("data") or {}
+            lines += ["", f"AutoAttack ({conditions.get('version')}, {conditions.get('precision')}; data: "
+                          f"{data.get('source', 'see results.json')} at {data.get('image_size')} px, subset "
+                          f"{data.get('eval_subset') or 'none'}):", "",
+                      "| threat model | images | clean (%) | robust (%) |", "| --- | --- | --- | --- |"]
+            lines += [f"| {name} | {t['num_points']} | {_percent(t['clean_accuracy'])} | "
+                      f"{_percent(t['robust_accuracy'])} |" for name, t in threats.items() if t.get("num_points")]
+        lines.append("")
+    return "\n".join(lines) + "\n"
 
 
 def export(checkpoint: str, out: str, ema: bool = False) -> int:
