@@ -73,6 +73,12 @@ def _report(argv: list[str]) -> int:
     return report_main(argv)
 
 
+def _claim(argv: list[str]) -> int:
+    from robust_lightning.evaluation.claim import claim_main
+
+    return claim_main(argv)
+
+
 def _workspace(argv: list[str]) -> int:
     from robust_lightning.scale.workspace import workspace_main
 
@@ -90,6 +96,8 @@ TOOL_COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "export": ("write the raw or EMA weights of a checkpoint to a .safetensors file or a timm model folder", _export),
     "sweep": ("submit a grid of runs (configs/sweeps/*.yaml) as one SLURM array job, skipping done cells", _sweep),
     "report": ("merge the results.json of a sweep's cells into one table (markdown, CSV, JSON)", _report),
+    "claim": ("write RobustBench's model-info JSON for a leaderboard claim from a standard AutoAttack evaluation",
+              _claim),
     "cell": ("run one cell of a sweep's array job (what the sweep's array script runs under srun)", _cell),
     "workspace": ("save the project's W&B workspace: training, validation, throughput, evaluation tables", _workspace),
 }

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import robust_lightning
 from helpers import REPO, WNIDS, synthetic_points, train_small_cnn, write_image
 from robust_lightning.attacks import AutoAttack
+from robust_lightning.cli import main
 from robust_lightning.errors import UserError
 
 LINF = [{"norm": "Linf", "eps": 10 / 255}]
@@ -121,3 +122,48 @@ def test_the_readme_notebook_example_runs(points):
     linf = scope["result"]["autoattack"]["threat_models"]["Linf-4_255"]
     assert linf["num_points"] == 4 and 0 <= linf["robust_accuracy"] <= linf["clean_accuracy"]
     assert not Path("results.json").exists()  # without out_dir nothing is left behind
+
+
+def test_a_leaderboard_claim_only_for_the_leaderboards_evaluation(trained, points, tmp_path, capsys):
+    """robust-lightning claim refuses a results.json of any other evaluation, naming every difference; for the
+    leaderboard's (the same file with its data and counts made the leaderboard's) it writes RobustBench's
+    model-info JSON."""
+    x, y = points
+    robust_lightning.evaluate(trained, (x, y), threat_models=[{"norm": "Linf", "eps": 4 / 255}], out_dir=tmp_path,
+                              batch_size=24)
+    results = tmp_path / "results.json"
+    assert main(["claim", str(tmp_path), "--model_name", "Me2026Robust"]) == 2
+    err = capsys.readouterr().err
+    assert "is not an evaluation the leaderboard accepts" in err and "Traceback" not in err
+    assert "24 images evaluated, not the leaderboard's 5000" in err
+    assert "data source 'tensors'" in err and "evaluation subset None, not 'robustbench'" in err
+    assert not (tmp_path / "model_info").exists()
+
+    content = json.loads(results.read_text())
+    linf = content["autoattack"]["threat_models"]["Linf-4_255"]
+    linf.update(num_points=5000, clean_accuracy=0.72724, robust_accuracy=0.49456)
+    content["test"]["conditions"]["data"] = {
+        "source": "shards", "eval_split": "val", "eval_subset": "robustbench", "eval_limit": None, "image_size": 224,
+        "eval_preprocessing": "resize 256 bicubic, center crop 224"}
+    results.write_text(json.dumps(content))
+    out = tmp_path / "claims" / "Me2026Robust.json"
+    assert main(["claim", str(results), "--model_name", "Me2026Robust", "--architecture", "ConvNeXt-T + ConvStem",
+                 "--out", str(out)]) == 0
+    info = json.loads(out.read_text())
+    assert (info["clean_acc"], info["autoattack_acc"], info["eps"], info["dataset"]) == ("72.72", "49.46", "4/255",
+                                                                                      "imagenet")
+    assert info["architecture"] == "ConvNeXt-T + ConvStem" and info["number_forward_passes"] == 1
+    assert {key for key, value in info.items() if value is None} == {"link", "name", "authors", "additional_data",
+                                                                     "venue", "reported"}
+    assert "standard AutoAttack (fast engine, fp32 (TF32 off), seed 0)" in info["footnote"]
+    # RobustBench's ModelInfo (robustbench/utils.py) takes exactly these fields
+    assert set(info) <= {"link", "name", "authors", "additional_data", "number_forward_passes", "dataset", "venue",
+                         "architecture", "eps", "clean_acc", "reported", "corruptions_acc", "corruptions_acc_3d",
+                         "corruptions_mce", "corruptions_mce_3d", "autoattack_acc", "footnote"}
+
+    content["autoattack"]["conditions"]["version"] = "apgd-ce"
+    linf["claims_refuted_in_fp32_this_session"] = {"apgd-ce": 2}
+    results.write_text(json.dumps(content))
+    assert main(["claim", str(results), "--model_name", "Me2026Robust", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "AutoAttack version 'apgd-ce', not 'standard'" in err and "refuted {'apgd-ce': 2}" in err

@@ -413,7 +413,7 @@ def check_robust_lightning(command: Command, args: list[str], env: dict[str, str
                 kept = {k: config[k] for k in saved if k not in named}
                 assert kept == {k: saved[k] for k in kept}, (
                     f"{shown}\nthe options of {command.words[index + 1]} are lost")
-        if "out" in config:
+        if config.get("out"):  # a tool's output path (claim's has a default of its own)
             outputs.add(os.path.normpath(sandbox.unresolve(config["out"])))
         if command.stdout_to and "--print_config" in args:  # what the shell would write
             (sandbox.work / command.stdout_to).write_text(sandbox.run(args, env)[1])

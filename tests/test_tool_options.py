@@ -43,10 +43,11 @@ def tool_cases(tmp_path: Path) -> dict[str, tuple[list[str], dict]]:
         "export": (["export"], {"checkpoint": str(tmp_path / "m.ckpt"), "out": str(tmp_path / "w"), "ema": True}),
         "sweep": (["sweep"], {"name": "demo", "grid": {"data.image_size": [32, 48]}, "dry_run": True}),
         "report": (["report"], {"directory": str(tmp_path), "columns": ["test/*"], "wandb": False}),
+        "claim": (["claim"], {"results": str(tmp_path / "results.json"), "model_name": "Me2026Robust"}),
     }
 
 
-@pytest.mark.parametrize("tool", ["shards", "export", "sweep", "report"])
+@pytest.mark.parametrize("tool", ["shards", "export", "sweep", "report", "claim"])
 def test_print_config_shows_the_options_of_a_config_file(tool, tmp_path, capsys):
     argv, options = tool_cases(tmp_path)[tool]
     config = tmp_path / f"{tool}.yaml"
@@ -57,10 +58,11 @@ def test_print_config_shows_the_options_of_a_config_file(tool, tmp_path, capsys)
     printed = yaml.safe_load(capsys.readouterr().out)
     assert {k: printed[k] for k in options} == options
     # a later option overrides the file, as with the Trainer commands
-    key = next(k for k, v in options.items() if isinstance(v, bool))
+    key, given, expected = next(((k, str(not v).lower(), not v) for k, v in options.items() if isinstance(v, bool)),
+                                (list(options)[-1], "other", "other"))  # a tool without a flag: its last option
     with pytest.raises(SystemExit):
-        main([*argv, "--config", str(config), f"--{key}", str(not options[key]).lower(), "--print_config"])
-    assert yaml.safe_load(capsys.readouterr().out)[key] is (not options[key])
+        main([*argv, "--config", str(config), f"--{key}", given, "--print_config"])
+    assert yaml.safe_load(capsys.readouterr().out)[key] == expected
 
 
 @pytest.mark.parametrize("argv, close", [

@@ -453,9 +453,9 @@ class ImageNetDataModule(LightningDataModule):
         val_labels: for source "folder" whose ``root/val`` is flat, as ImageNet's val is distributed (the images
             in val/ itself, no class folders): the file giving each image's class folder name (WNID), labelled
             then by ``class_map``: Kaggle's LOC_val_solution.csv (``ImageId,PredictionString``, the WNID first in
-            PredictionString), or one ``<file name> <wnid>`` line per image (a space or a comma between them).
-            The devkit's ILSVRC2012_validation_ground_truth.txt is refused: its class numbers follow the
-            devkit's own class order.
+            PredictionString), one ``<file name> <wnid>`` line per image (a space or a comma between them), or
+            the devkit's ILSVRC2012_validation_ground_truth.txt, read with the devkit's meta.mat beside it (its
+            class numbers follow the devkit's own class order).
         image_size: training crop and evaluation crop r.
         crop_pct: evaluation resizes the shorter side to floor(r / crop_pct) before the centre crop.
         augmentation: training augmentation scheme: "basic" (RandomResizedCrop), "3aug" (+ flip and DeiT-III
