@@ -59,6 +59,7 @@ PLACEHOLDERS = {
     "my_overrides.yaml": ("a config of your own, composed after another", "a config setting one option"),
     "my.yaml": ("a whole config of your own", "a config that leaves trainer.max_epochs to the environment"),
     "ckpts.txt": ("the evaluation array's checkpoints, one path per line", "a list naming CKPT's substitute"),
+    "RUN_DIR": ("the run directory of an evaluation, holding its results.json", "a folder with a results.json"),
 }
 # Model files a user supplies (README: the recipes warm-start from local copies of clean ImageNet weights).
 USER_SUPPLIED_PREFIXES = ("weights/",)
@@ -221,6 +222,7 @@ class Sandbox:
             "my_overrides.yaml": made / "my_overrides.yaml",
             "my.yaml": made / "my.yaml",
             "ckpts.txt": made / "ckpts.txt",
+            "RUN_DIR": made / "run",
         }
         assert self.substitutes.keys() == PLACEHOLDERS.keys()
         made.mkdir()
@@ -231,6 +233,8 @@ class Sandbox:
         self.substitutes["my_overrides.yaml"].write_text("trainer: {enable_progress_bar: false}\n")
         self.substitutes["my.yaml"].write_text("model: {arch: resnet18}\ndata: {source: synthetic, image_size: 32}\n")
         self.substitutes["ckpts.txt"].write_text(f"{self.substitutes['CKPT']}\n")
+        self.substitutes["RUN_DIR"].mkdir()
+        (self.substitutes["RUN_DIR"] / "results.json").write_text("{}\n")
         self.runs: dict[tuple, tuple[int, str, str]] = {}
 
     def resolve(self, word: str) -> str:
