@@ -242,5 +242,6 @@ def evaluate(
                           default_root_dir=str(run_dir), enable_checkpointing=False, inference_mode=False,
                           callbacks=[RunResults(), *callbacks])
         trainer.test(module, datamodule=datamodule)
+        trainer.strategy.barrier()  # under DDP: rank zero has written results.json before any rank reads it
         results = run_dir / "results.json"
         return json.loads(results.read_text()) if results.is_file() else {}

@@ -167,3 +167,48 @@ def test_a_leaderboard_claim_only_for_the_leaderboards_evaluation(trained, point
     assert main(["claim", str(results), "--model_name", "Me2026Robust", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "AutoAttack version 'apgd-ce', not 'standard'" in err and "refuted {'apgd-ce': 2}" in err
+
+
+DDP_SCRIPT = """
+import json, sys
+import torch
+import robust_lightning
+from helpers import synthetic_points, train_small_cnn
+
+model = train_small_cnn()  # the architecture; its weights are the test's (training differs across thread counts)
+model.load_state_dict(torch.load(sys.argv[2], weights_only=True))
+x, y = synthetic_points(24, seed=3)
+result = robust_lightning.evaluate(model, (x, y), threat_models=[{"norm": "Linf", "eps": 10 / 255}],
+                                   version="apgd-ce", options={"autoattack": {"n_iter": 5}}, out_dir=sys.argv[1],
+                                   accelerator="cpu", devices=2, strategy="ddp", batch_size=24)
+rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+json.dump(result, open(f"{sys.argv[1]}/returned-rank{rank}.json", "w"))
+"""
+
+
+def test_two_devices_split_the_images_and_return_the_same_result(trained, points, tmp_path):
+    """Under DDP (2 CPU ranks, killed after the time limit) every image is attacked once, on one rank, as
+    AutoAttack attacks that rank's share directly, and both ranks return results.json's sections."""
+    from helpers import run_command
+
+    script = tmp_path / "evaluate_ddp.py"
+    script.write_text(DDP_SCRIPT)
+    torch.save(trained.state_dict(), tmp_path / "weights.pt")
+    done = run_command([str(tmp_path / "out"), str(tmp_path / "weights.pt")], cwd=tmp_path, timeout=240,
+                       script=script, env={"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    returned = [json.loads((tmp_path / "out" / f"returned-rank{r}.json").read_text()) for r in (0, 1)]
+    assert returned[0] == returned[1] == json.loads((tmp_path / "out" / "results.json").read_text())
+    assert returned[0]["test"]["conditions"]["world_size"] == 2
+    section = returned[0]["autoattack"]["threat_models"]["Linf-10_255"]
+    x, y = points
+    robust = []
+    for rank in (0, 1):
+        path = tmp_path / "out" / "autoattack" / "Linf-10_255" / f"rank{rank}.jsonl"
+        [record] = [json.loads(line) for line in path.read_text().splitlines()]  # one batch per rank
+        index = [int(key) for key in record["key"]]
+        direct = AutoAttack(trained, norm="Linf", eps=10 / 255, version="apgd-ce", n_iter=5).evaluate(
+            x[index], y[index], bs=len(index))
+        assert record["robust"] == direct.robust.tolist() and record["clean"] == direct.clean.tolist()
+        robust += record["robust"]
+    assert section["num_points"] == 24 and section["robust_accuracy"] == pytest.approx(sum(robust) / 24)
