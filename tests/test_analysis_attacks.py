@@ -159,14 +159,40 @@ def test_kernel_distance_of_delta_and_uniform_kernels():
     centre, corner, uniform = torch.zeros(1, 1, 7, 7), torch.zeros(1, 1, 7, 7), torch.ones(1, 1, 3, 3)
     centre[0, 0, 3, 3] = 2.5
     corner[0, 0, 0, 6] = -1.0  # |W|: the sign does not matter
-    assert kernel_distance(centre).item() == 0.0
-    assert kernel_distance(corner).item() == pytest.approx(1.0)
+    assert kernel_distance(centre, normalize=True).item() == 0.0
+    assert kernel_distance(corner, normalize=True).item() == pytest.approx(1.0)
     # 3x3: centre at 0, 4 edge taps at 1, 4 corners at sqrt 2; over R sqrt 2 = sqrt 2 and over 9 taps
     expected = (4 * 1 + 4 * math.sqrt(2)) / math.sqrt(2)
-    assert kernel_distance(uniform).item() == pytest.approx(expected / 9)
-    assert kernel_distance(uniform, normalize=False).item() == pytest.approx(expected)  # the reference's raw sum
-    assert kernel_distance(3 * uniform).item() == pytest.approx(expected / 9)  # scale-free when normalised
-    assert math.isnan(kernel_distance(torch.zeros(1, 1, 5, 5)).item())
+    assert kernel_distance(uniform, normalize=True).item() == pytest.approx(expected / 9)
+    assert kernel_distance(uniform).item() == pytest.approx(expected)  # the default: the reference's raw sum
+    assert kernel_distance(3 * uniform, normalize=True).item() == pytest.approx(expected / 9)  # scale-free
+    assert math.isnan(kernel_distance(torch.zeros(1, 1, 5, 5), normalize=True).item())
+
+
+def test_kernel_distance_is_chens_formula():
+    """One 13 x 13 kernel against the computation of Chen et al.'s kernel_atten_dis.py, written out: per tap
+    |W| times its distance to the centre over R sqrt 2, summed per channel."""
+    weight = torch.randn(3, 1, 13, 13, generator=torch.Generator().manual_seed(0))
+    a = weight.squeeze(1).numpy()
+    radius = 6
+    expected = []
+    for channel in a:
+        total = 0.0
+        for j in range(13):
+            for k in range(13):
+                total += abs(channel[j, k]) * math.sqrt((j - radius) ** 2 + (k - radius) ** 2) / (radius * math.sqrt(2))
+        expected.append(total)
+    assert kernel_distance(weight).tolist() == pytest.approx(expected, rel=1e-5)
+    assert 10 < expected[0] < 100  # the raw sum is not the weighted mean (below 1)
+
+
+def test_replknets_parallel_small_kernels_are_left_out_unless_asked():
+    replknet = ImageClassifier(arch="replknet_test", num_classes=4)  # large kernels 7/7/5/5, parallel 3x3
+    large = {name for name, _ in KernelAttentionDistance(min_kernel_size=3).layers(replknet)}
+    both = {name for name, _ in KernelAttentionDistance(min_kernel_size=3, small_kernels=True).layers(replknet)}
+    assert sum(name.endswith("lkb_origin.conv") for name in large) == 4
+    assert not any("small_conv" in name for name in large)
+    assert len(both - large) == 4 and all(name.endswith("small_conv.conv") for name in both - large)
 
 
 def test_kernel_distance_finds_depthwise_large_kernels_by_shape():
@@ -178,7 +204,7 @@ def test_kernel_distance_finds_depthwise_large_kernels_by_shape():
     with torch.no_grad():
         first.weight.zero_()
         first.weight[:, :, 3, 3] = 1.0  # centred deltas
-    section, metrics, _ = KernelAttentionDistance(plot=False).analyse(None, convnext)
+    section, metrics, _ = KernelAttentionDistance(plot=False, normalize=True).analyse(None, convnext)
     assert section["layers"][0]["mean"] == 0.0 and section["layers"][0]["kernel_size"] == [7, 7]
     assert set(section["stages"]) == {stage_of(name) for name, _ in layers}
     assert 0 < metrics["mean"] < 1

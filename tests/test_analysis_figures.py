@@ -116,7 +116,9 @@ def test_the_family_quickstarts_train_and_the_analyses_draw_the_papers_figures(t
     assert local["legend"] == [vit, f"{vit}, random permutation", "No restriction"]
     assert (cls_only["x"], cls_only["legend"]) == ("Number of blocks", ["Beginning", "End", "No restriction"])
 
-    section = analyse(tmp_path, "layer_correlation_bhojanapalli", checkpoints["vit"])
+    # a budget above the images there are (data.eval_limit 8): results.json records the 8 used beside the budget
+    section = analyse(tmp_path, "layer_correlation_bhojanapalli", checkpoints["vit"], max_images=64)
+    assert (section["conditions"]["images"], section["conditions"]["max_images"]) == (8, 64)
     panels = LayerCorrelation.figure(section).axes
     assert [ax.get_title() for ax in panels[:2]] == ["All tokens", "CLS token"]
     assert [ax.get_xlabel() for ax in panels[:2]] == ["Block", "Block"]

@@ -68,6 +68,7 @@ class Analysis(Evaluation):
             raise UserError(f"{type(self).__name__}: max_images and batch_size must be positive")
         check_weights(type(self).__name__, weights)
         self.max_images, self.batch_size, self.weights, self.plot = max_images, batch_size, weights, plot
+        self.images_used = 0  # evaluation images read by the last run: max_images, or fewer where the data ran out
 
     # ------------------------------------------------------------------------------------------ inputs
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -83,8 +84,13 @@ class Analysis(Evaluation):
         return self.network(pl_module).eval()
 
     def batches(self, trainer, pl_module) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """(images in [0, 1], labels) on the model's device: the first ``max_images`` evaluation images."""
+        """(images in [0, 1], labels) on the model's device: the first ``max_images`` evaluation images (fewer
+        where the data has fewer). ``images_used`` counts them (the most of any pass, for analyses that pass over
+        the images several times)."""
+        seen = 0
         for batch in self.eval_batches(trainer, pl_module, limit=self.max_images, batch_size=self.batch_size):
+            seen += len(batch["label"])
+            self.images_used = max(self.images_used, seen)
             yield batch["image"], batch["label"]
 
     def images(self, trainer, pl_module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +115,7 @@ class Analysis(Evaluation):
         raise NotImplementedError
 
     def on_test_end(self, trainer, pl_module) -> None:
+        self.images_used = 0
         with evaluating(pl_module), torch.inference_mode(False), torch.enable_grad():
             section, metrics, figure = self.analyse(trainer, pl_module)
         self.publish(trainer, section, metrics, figure)
@@ -116,9 +123,11 @@ class Analysis(Evaluation):
     def publish(self, trainer, section: dict[str, Any], metrics: dict[str, float], figure=None, tables=None,
                 message=None) -> dict[str, Any] | None:
         """As ``Evaluation.publish``, with the analysis's conditions added and its metrics under ``<name>/``."""
-        # "images": the analysis's own count when it gives one (e.g. a dataset of its own), else max_images
-        section = {**section, "conditions": {"images": self.max_images, **section.get("conditions", {}),
-                                             "weights": self.weights, "checkpoint": trainer.ckpt_path}}
+        # "images": those the analysis read (its own count when it gives one, e.g. a dataset of its own);
+        # "max_images": the budget it was given (analyses run in one process: no sum over ranks)
+        section = {**section, "conditions": {"images": self.images_used, "max_images": self.max_images,
+                                             **section.get("conditions", {}), "weights": self.weights,
+                                             "checkpoint": trainer.ckpt_path}}
         if figure is not None and not self.plot:
             import matplotlib.pyplot as plt  # noqa: PLC0415 (slow to import; only when plotting)
 

@@ -4,19 +4,22 @@ Large Kernel ConvNets on Robustness", ICML 2024; repo Lauch1ng/LKRobust, kernel_
 For each channel of a depthwise k x k kernel W, with R = (k - 1) / 2 and d(i, j) the distance of tap (i, j) to
 the kernel centre:
 
-    distance = sum_ij |W_ij| * d(i, j) / (R * sqrt(2)) / sum_ij |W_ij|
+    distance = sum_ij |W_ij| * d(i, j) / (R * sqrt(2))
 
-i.e. the |W|-weighted mean distance of the taps from the centre, as a fraction of the corner distance R * sqrt(2):
-0 when all weight sits on the centre tap, 1 when it all sits on the corners, about 0.77 for a uniform 3 x 3
-kernel. The reference code leaves out the division by sum |W| (``normalize: false`` reproduces it); that raw
-sum also grows with the scale of the weights, which differs between layers and models, so the normalised form
-is the default. Large values mean the kernel "attends" far from the centre, as attention in a ViT does.
+as the code that drew Fig. 9 computes it (kernel_attention_pattern/kernel_atten_dis.py: ``result =
+np.multiply(distances, np.abs(a))``, ``mean_result = np.sum(result, axis=(1, 2))``, distances over
+``max_dis = R * np.sqrt(2)``), then sorted over the channels. This raw sum grows with the scale of the weights.
+``normalize: true`` divides it by sum_ij |W_ij| per channel: the |W|-weighted mean distance of the taps, a
+fraction of the corner distance (0 when all weight sits on the centre tap, 1 on the corners), comparable across
+layers and models. Large values mean the kernel "attends" far from the centre, as attention in a ViT does.
 
 Layers are found by shape, not by name, so every model family works: any ``nn.Conv2d`` with
 ``groups == in_channels`` (depthwise) and a kernel side of at least ``min_kernel_size`` (timm ConvNeXt's
-``conv_dw``, RepLKNet's large kernels, merged or not). Non-square kernels use the corner distance
-sqrt(Rh^2 + Rw^2). A model without such layers (ResNet, ViT) gets a clear "does not apply" error before the
-test runs. No images are needed: the analysis reads the weights only.
+``conv_dw``, RepLKNet's large kernels, merged or not). RepLKNet's parallel small kernels (``small_conv`` of
+``ReparamLargeKernelConv``) are left out unless ``small_kernels: true``: the reference reads
+``large_kernel.lkb_origin.conv.weight`` only. Non-square kernels use the corner distance sqrt(Rh^2 + Rw^2).
+A model without such layers (ResNet, ViT) gets a clear "does not apply" error before the test runs.
+No images are needed: the analysis reads the weights only.
 """
 
 import math
@@ -28,9 +31,10 @@ from torch import Tensor, nn
 
 from robust_lightning.analysis.base import Analysis, model_label, new_figure
 from robust_lightning.errors import UserError
+from robust_lightning.models.replknet import ReparamLargeKernelConv
 
 
-def kernel_distance(weight: Tensor, normalize: bool = True) -> Tensor:
+def kernel_distance(weight: Tensor, normalize: bool = False) -> Tensor:
     """Per output channel of a depthwise kernel (C, 1, kh, kw) (or (C, kh, kw)): the |W|-weighted distance of
     its taps from the centre in units of the corner distance. Channels whose weights are all zero give NaN
     when normalised."""
@@ -59,9 +63,14 @@ def is_depthwise(module: nn.Module) -> bool:
             and module.out_channels % module.in_channels == 0)
 
 
-def depthwise_convs(net: nn.Module, min_kernel_size: int = 7) -> list[tuple[str, nn.Conv2d]]:
-    """(name, conv) of every depthwise conv whose larger kernel side is at least ``min_kernel_size``."""
-    return [(name, m) for name, m in net.named_modules() if is_depthwise(m) and max(m.kernel_size) >= min_kernel_size]
+def depthwise_convs(net: nn.Module, min_kernel_size: int = 7, small_kernels: bool = True
+                    ) -> list[tuple[str, nn.Conv2d]]:
+    """(name, conv) of every depthwise conv whose larger kernel side is at least ``min_kernel_size``;
+    ``small_kernels`` False leaves out the parallel small kernels of RepLKNet's ``ReparamLargeKernelConv``."""
+    small = set() if small_kernels else {id(conv) for m in net.modules() if isinstance(m, ReparamLargeKernelConv)
+                                         and m.small_conv is not None for conv in m.small_conv.modules()}
+    return [(name, m) for name, m in net.named_modules()
+            if is_depthwise(m) and max(m.kernel_size) >= min_kernel_size and id(m) not in small]
 
 
 def stage_of(name: str) -> str:
@@ -80,24 +89,25 @@ class KernelAttentionDistance(Analysis):
     Args:
         min_kernel_size: smallest kernel side that counts as large (7 includes ConvNeXt's 7 x 7; Chen et al.
             study RepLKNet's 31/29/27/13 and ConvNeXt with 3-51).
-        normalize: divide by sum |W| per channel (a weighted mean distance in [0, 1]); false gives the raw sum
-            of the reference code.
+        normalize: false (default): the raw sum of the reference code; true: divided by sum |W| per channel
+            (the weighted mean distance, in [0, 1]).
+        small_kernels: also measure RepLKNet's parallel small kernels (the reference does not).
         weights, plot: see Analysis (max_images and batch_size are unused: only weights are read).
     """
 
     name = "kernel_distance"
 
-    def __init__(self, min_kernel_size: int = 7, normalize: bool = True, weights: str = "raw", plot: bool = True,
-                 max_images: int = 1, batch_size: int = 1):
+    def __init__(self, min_kernel_size: int = 7, normalize: bool = False, small_kernels: bool = False,
+                 weights: str = "raw", plot: bool = True, max_images: int = 1, batch_size: int = 1):
         super().__init__(max_images=max_images, batch_size=batch_size, weights=weights, plot=plot)
         if min_kernel_size < 2:
             raise UserError(f"KernelAttentionDistance.min_kernel_size must be >= 2, got {min_kernel_size}")
-        self.min_kernel_size, self.normalize = min_kernel_size, normalize
+        self.min_kernel_size, self.normalize, self.small_kernels = min_kernel_size, normalize, small_kernels
 
     def layers(self, pl_module) -> list[tuple[str, nn.Conv2d]]:
         """The measured layers, or a UserError saying why the analysis does not apply to this model."""
         net = getattr(self.model(pl_module), "net", self.model(pl_module))
-        found = depthwise_convs(net, self.min_kernel_size)
+        found = depthwise_convs(net, self.min_kernel_size, self.small_kernels)
         if not found:
             sizes = sorted({max(m.kernel_size) for _, m in depthwise_convs(net, 1)})
             arch = getattr(pl_module, "hparams", {}).get("arch") or type(net).__name__
@@ -139,9 +149,11 @@ class KernelAttentionDistance(Analysis):
         section = {"mean": mean, "stages": stages, "layers": per_layer,
                    "conditions": {"arch": pl_module.hparams.get("arch"), "images": 0,
                                   "min_kernel_size": self.min_kernel_size, "normalize": self.normalize,
+                                  "small_kernels": self.small_kernels,
                                   "definition": "sum |W| d / (R sqrt 2)"
-                                                + (" / sum |W| per channel" if self.normalize
-                                                   else " per channel (raw, as the reference code)")}}
+                                                + (" / sum |W| per channel (normalised, not the reference's)"
+                                                   if self.normalize else
+                                                   " per channel, as the reference code (kernel_atten_dis.py)")}}
         figure = self.figure(section) if self.plot else None
         metrics = {"mean": mean, **{f"{stage}/mean": s["mean"] for stage, s in stages.items()}}
         return section, metrics, figure
