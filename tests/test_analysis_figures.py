@@ -102,8 +102,11 @@ def test_the_family_quickstarts_train_and_the_analyses_draw_the_papers_figures(t
     single, random = figure_text(LesionStudy.figure(section))
     assert (single["x"], single["y"]) == ("Removed block", "Accuracy (%)")
     assert single["legend"] == ["Block", "Self-Attention", "MLP", "Intact"]
-    assert random["x"] == "Number of removed blocks"
-    assert set(random["legend"]) == {f"{vit}: mean ± standard error", "min / max", "Intact"}
+    assert random["x"] == "Number of removed blocks"  # the bottom row: one curve per removed part, one run
+    assert set(random["legend"]) == {f"{vit}, {part}: mean ± standard error"
+                                     for part in ("Block", "Self-Attention", "MLP")} | {"Intact"}
+    assert list(section["random"]) == ["block", "attention", "mlp"]
+    assert section["random"]["mlp"]["2"]["removed"] == section["random"]["block"]["2"]["removed"]  # the same draws
 
     section = analyse(tmp_path, "lesion_chen_replknet", checkpoints["replknet"], samples=2)
     random = figure_text(LesionStudy.figure(section))[1]

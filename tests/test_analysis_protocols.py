@@ -115,7 +115,7 @@ def test_random_lesions_always_keep_the_first_block():
     images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     offline(analysis, vit, images)
     section, _, _ = analysis.analyse(TRAINER, PL_MODULE)
-    removed = [name for n in ("1", "2") for draw in section["random"][n]["removed"] for name in draw]
+    removed = [name for n in ("1", "2") for draw in section["random"]["block"][n]["removed"] for name in draw]
     assert "blocks.0" not in removed
     assert set(removed) == {"blocks.1", "blocks.2"}  # every other block is drawn
     assert section["random_pool"] == ["blocks.1", "blocks.2"]

@@ -156,7 +156,10 @@ def test_lesion_modes_a_model_does_not_have_are_refused_before_the_test():
         LesionStudy(random_stages=[7]).check(None, convnext)
     LesionStudy(modes=None).check(None, convnext)  # the default: what the model has
     vit = module_with(tiny_vit())
-    LesionStudy(modes=["attention", "mlp"], random_counts=[2], random_part="mlp").check(None, vit)
+    LesionStudy(modes=["attention", "mlp"], random_counts=[2], random_parts=["mlp"]).check(None, vit)
+    with pytest.raises(UserError, match="convnext model has no 'mlp' branch"):
+        LesionStudy(random_parts=["block", "mlp"]).check(None, convnext)
+    LesionStudy(random_parts=None, random_counts=[2]).check(None, convnext)  # null: what the model has
     with pytest.raises(UserError, match="random_counts \\[3, 4\\]: this vit model has only 2 units"):
         LesionStudy(random_counts=[2, 3, 4]).check(None, vit)  # the first block is always kept
 
@@ -276,8 +279,10 @@ def test_the_shipped_configs_run_on_tiny_checkpoints(tmp_path, capsys):
     assert cka["measures"] == {"all": "linear_cka"} and all(v is not None for row in cka["all"] for v in row)
     lesion = results["lesion"]
     assert lesion["family"] == "resnet" and list(lesion["single"]) == ["block"] and len(lesion["single"]["block"]) == 4
-    assert lesion["random"]["3"]["samples"] == 2 and len(lesion["random"]["3"]["removed"][0]) == 3
-    assert 0 <= lesion["random"]["1"]["min"] <= lesion["random"]["1"]["mean"] <= lesion["random"]["1"]["max"] <= 1
+    assert list(lesion["random"]) == ["block"]  # random_parts null: a ResNet's units have no parts
+    drawn = lesion["random"]["block"]
+    assert drawn["3"]["samples"] == 2 and len(drawn["3"]["removed"][0]) == 3
+    assert 0 <= drawn["1"]["min"] <= drawn["1"]["mean"] <= drawn["1"]["max"] <= 1
     assert (run_dir / "lesion.png").stat().st_size > 1000 and lesion["plot"].endswith("lesion.png")
 
     # a ViT-only config on the ConvNet: one clear message, exit status 2, no traceback

@@ -48,7 +48,9 @@ class LesionStudy(Analysis):
             null: "block" and every part the model has. A part the model does not have is refused.
         random_counts: numbers n of units removed together at random (e.g. [2, 4, 6]); [] for none.
         samples: random draws per n (Bhojanapalli et al. 25, Chen et al. 10).
-        random_part: what the random lesions remove: "block" or a part name.
+        random_parts: what the random lesions remove, one curve each: "block" and/or part names; null: "block"
+            and every part the model has (Bhojanapalli et al.'s Fig. 8 bottom row: block, attention and MLP). The
+            same draws of n units serve every part.
         random_stages: draw only among units of these stages (0-based; RepLKNet's stage 3 is 2); null: all units.
         seed: seed of the random draws.
         figure: whose figure lesion.png follows: "bhojanapalli" (Fig. 8: accuracy against the removed block and
@@ -60,23 +62,31 @@ class LesionStudy(Analysis):
     name = "lesion"
 
     def __init__(self, modes: list[str] | None = None, random_counts: list[int] = (2, 4, 6), samples: int = 25,
-                 random_part: str = "block", random_stages: list[int] | None = None, seed: int = 0,
+                 random_parts: list[str] | None = ("block",), random_stages: list[int] | None = None, seed: int = 0,
                  figure: str = "bhojanapalli", max_images: int = 256, batch_size: int = 64, weights: str = "raw",
                  plot: bool = True):
         super().__init__(max_images=max_images, batch_size=batch_size, weights=weights, plot=plot)
         if samples < 1 or any(n < 1 for n in random_counts):
             raise UserError("LesionStudy: samples and every random_counts entry must be positive")
+        if random_parts is not None and not random_parts:
+            raise UserError("LesionStudy.random_parts is empty: name 'block' and/or parts, or null for all")
         self.modes = None if modes is None else list(modes)
         self.random_counts, self.samples = sorted(set(random_counts)), samples
-        self.random_part, self.random_stages, self.seed = random_part, random_stages, seed
+        self.random_parts = None if random_parts is None else list(dict.fromkeys(random_parts))
+        self.random_stages, self.seed = random_stages, seed
         if figure not in FIGURES:
             raise UserError(f"LesionStudy.figure must be one of {', '.join(FIGURES)}, got {figure!r}")
         self.figure_layout = figure
 
+    def parts_drawn(self, bmap) -> list[str]:
+        """What the random lesions remove: ``random_parts``, or "block" and every part of the model."""
+        return self.random_parts if self.random_parts is not None else ["block", *bmap.part_names()]
+
     def check(self, trainer, pl_module) -> None:
         bmap = find_blocks(pl_module.model.net)
         parts = bmap.part_names()
-        for mode in [*(self.modes or []), self.random_part]:
+        random_parts = self.parts_drawn(bmap)
+        for mode in [*(self.modes or []), *random_parts]:
             if mode != "block" and mode not in parts:
                 raise UserError(
                     f"LesionStudy: a {bmap.family} model has no {mode!r} branch to remove on its own "
@@ -86,7 +96,7 @@ class LesionStudy(Analysis):
             if not set(self.random_stages) <= set(stages):
                 raise UserError(f"LesionStudy.random_stages {self.random_stages}: the model has stages {stages}")
         pool = [u for u in bmap.units[1:] if (self.random_stages is None or u.stage in self.random_stages)
-                and (self.random_part == "block" or self.random_part in u.parts)]
+                and all(part == "block" or part in u.parts for part in random_parts)]
         too_many = [n for n in self.random_counts if n > len(pool)]
         if too_many:
             raise UserError(f"LesionStudy.random_counts {too_many}: this {bmap.family} model has only {len(pool)} "
@@ -102,8 +112,8 @@ class LesionStudy(Analysis):
         # random lesions always keep the first block (Bhojanapalli et al., Fig. 8)
         pool = [u for u in units if u.name != bmap.units[0].name
                 and (self.random_stages is None or u.stage in self.random_stages)]
-        if self.random_part != "block":
-            pool = [u for u in pool if self.random_part in u.parts]
+        random_parts = self.parts_drawn(bmap)
+        pool = [u for u in pool if all(part == "block" or part in u.parts for part in random_parts)]
         too_many = [n for n in self.random_counts if n > len(pool)]
         if too_many:
             raise UserError(f"LesionStudy.random_counts {too_many}: only {len(pool)} units can be drawn from (the "
@@ -113,7 +123,8 @@ class LesionStudy(Analysis):
         generator = torch.Generator().manual_seed(self.seed)
         draws = [(n, [pool[i] for i in sorted(torch.randperm(len(pool), generator=generator)[:n].tolist())])
                  for n in self.random_counts for _ in range(self.samples)]
-        bar = tqdm(total=1 + len(cases) + len(draws), desc="lesion", disable=not trainer.is_global_zero, leave=False)
+        bar = tqdm(total=1 + len(cases) + len(draws) * len(random_parts), desc="lesion",
+                   disable=not trainer.is_global_zero, leave=False)
         intact = self.accuracy(model, images, labels)
         bar.update()
         single: dict[str, list[dict]] = {mode: [] for mode in modes}
@@ -122,16 +133,18 @@ class LesionStudy(Analysis):
                 single[mode].append({"unit": unit.name, "stage": unit.stage,
                                      "accuracy": self.accuracy(model, images, labels)})
             bar.update()
-        random: dict[str, dict] = {}
-        for n, chosen in draws:
-            with lesioned(net, chosen, self.random_part):
-                acc = self.accuracy(model, images, labels)
-            entry = random.setdefault(str(n), {"accuracies": [], "removed": []})
-            entry["accuracies"].append(acc)
-            entry["removed"].append([u.name for u in chosen])
-            bar.update()
+        random: dict[str, dict[str, dict]] = {}  # part -> n -> draws
+        for part in random_parts:
+            for n, chosen in draws:
+                with lesioned(net, chosen, part):
+                    acc = self.accuracy(model, images, labels)
+                entry = random.setdefault(part, {}).setdefault(str(n), {"accuracies": [], "removed": []})
+                entry["accuracies"].append(acc)
+                entry["removed"].append([u.name for u in chosen])
+                bar.update()
         bar.close()
-        random = {n: {**summary(e["accuracies"]), "removed": e["removed"]} for n, e in random.items()}
+        random = {part: {n: {**summary(e["accuracies"]), "removed": e["removed"]} for n, e in by_n.items()}
+                  for part, by_n in random.items()}
 
         section = {
             "family": bmap.family,
@@ -144,7 +157,7 @@ class LesionStudy(Analysis):
             "protocol": {"follows": "paper", "reference": "Bhojanapalli et al. 2021, Sec. 4 and Fig. 8 (no public "
                          "code); Chen et al. 2024 (github.com/Lauch1ng/LKRobust, lession_study) for RepLKNet",
                          "differences": []},
-            "conditions": {"arch": pl_module.hparams.get("arch"), "modes": modes, "random_part": self.random_part,
+            "conditions": {"arch": pl_module.hparams.get("arch"), "modes": modes, "random_parts": random_parts,
                            "random_stages": self.random_stages, "samples": self.samples, "seed": self.seed,
                            "figure": self.figure_layout,
                            "lesion": "residual branch removed (block -> its shortcut); part -> branch output zeroed"},
@@ -154,15 +167,17 @@ class LesionStudy(Analysis):
             if rows:
                 metrics[f"{mode}/min_accuracy"] = min(r["accuracy"] for r in rows)
                 metrics[f"{mode}/mean_accuracy"] = sum(r["accuracy"] for r in rows) / len(rows)
-        for n, entry in random.items():
-            metrics[f"random_{n}/mean_accuracy"] = entry["mean"]
+        for part, by_n in random.items():
+            for n, entry in by_n.items():
+                metrics[f"random_{part}_{n}/mean_accuracy"] = entry["mean"]
         return section, metrics, self.figure(section) if self.plot else None
 
     @staticmethod
     def figure(section: dict):
         """lesion.png as the paper of ``conditions.figure`` draws it. Bhojanapalli et al.'s Fig. 8: (top) "Accuracy
         (%)" against the "Removed block" (1 = first), one line per removed part ("Block", "Self-Attention", "MLP");
-        (bottom) against the "Number of removed blocks" n, mean with standard-error bars and min/max shaded. Chen
+        (bottom) against the "Number of removed blocks" n, one curve per part of ``random_parts``, mean with
+        standard-error bars and min/max shaded. Chen
         et al.'s Fig. 7: the random lesions against the "Proportion of blocks dropped" (n / all blocks), mean line
         and min/max shaded, the model in the legend. The intact model's accuracy is the dashed line."""
         from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
@@ -186,23 +201,25 @@ class LesionStudy(Analysis):
         ax.legend(fontsize=8)
         if random:
             ax = axes[0][1]
-            ns = sorted(random, key=int)
-            xs = [int(n) / len(names) if chen else int(n) for n in ns]
-            means = [100 * random[n]["mean"] for n in ns]
-            if chen:
-                ax.plot(xs, means, marker="o", label=label)
-            else:
-                ax.errorbar(xs, means, yerr=[100 * random[n]["stderr"] for n in ns], marker="o", capsize=3,
-                            label=f"{label}: mean ± standard error")
-            ax.fill_between(xs, [100 * random[n]["min"] for n in ns], [100 * random[n]["max"] for n in ns],
-                            alpha=0.2, label="min / max")
+            several = len(random) > 1
+            for part, by_n in random.items():
+                ns = sorted(by_n, key=int)
+                xs = [int(n) / len(names) if chen else int(n) for n in ns]
+                means = [100 * by_n[n]["mean"] for n in ns]
+                name = f"{label}, {PART_NAMES.get(part, part)}" if several or part != "block" else label
+                if chen:
+                    line = ax.plot(xs, means, marker="o", label=name)[0]
+                else:
+                    line = ax.errorbar(xs, means, yerr=[100 * by_n[n]["stderr"] for n in ns], marker="o",
+                                       capsize=3, label=f"{name}: mean ± standard error").lines[0]
+                ax.fill_between(xs, [100 * by_n[n]["min"] for n in ns], [100 * by_n[n]["max"] for n in ns],
+                                alpha=0.2, color=line.get_color(), label=None if several else "min / max")
             ax.axhline(100 * section["intact_accuracy"], color="gray", linestyle="--", label="Intact")
             if not chen:
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_xlabel("Proportion of blocks dropped" if chen else "Number of removed blocks")
             ax.set_ylabel("Accuracy (%)")
-            part = "" if conditions["random_part"] == "block" else f", {PART_NAMES.get(conditions['random_part'])} only"
-            ax.set_title(f"Random lesions ({conditions['samples']} samples per n{part})", fontsize=10)
+            ax.set_title(f"Random lesions ({conditions['samples']} samples per n; shaded: min / max)", fontsize=10)
             ax.legend(fontsize=8)
         fig.tight_layout()
         return fig
