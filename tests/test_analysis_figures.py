@@ -43,8 +43,11 @@ def test_every_analysis_config_names_its_figure_and_runs_on_the_papers_family(pa
     header = path.read_text().splitlines()[0]
     match = re.match(r"# (Bhojanapalli et al\. 2021|Park & Kim 2022|Chen et al\. 2024), (Figs?\.|Table) \d+", header)
     assert match, f"{path.name}: the first line names the paper and its figure: {header!r}"
-    family = model_family(quickstart_arch(yaml.safe_load(path.read_text())["ckpt_path"]))
+    config = yaml.safe_load(path.read_text())
+    family = model_family(quickstart_arch(config["ckpt_path"]))
     assert family in PAPERS[match.group(1)], f"{path.name} runs on a {family}, not a model of {match.group(1)}"
+    if match.group(1).startswith("Bhojanapalli"):  # their preprocessing: the whole image resized, no crop
+        assert config["data"].get("eval_resize") == "whole", f"{path.name} crops where Bhojanapalli et al. resize"
 
 
 def figure_text(figure) -> list[dict]:

@@ -62,6 +62,24 @@ def test_eval_transform_matches_pil_resize_and_centre_crop(tmp_path):
     np.testing.assert_array_equal(ours.permute(1, 2, 0).numpy(), expected)
 
 
+def test_bhojanapallis_preprocessing_resizes_the_whole_image(tmp_path):
+    """data.eval_resize whole: the whole image resized to r x r (bicubic), aspect ratio ignored, no crop
+    (Bhojanapalli et al. 2021, App. A); results.json's data conditions name it."""
+    write_image(tmp_path / "a.png", seed=3, size=70, fmt="PNG")  # 78 x 70, landscape
+    image = Image.open(tmp_path / "a.png").convert("RGB")
+    expected = np.asarray(image.resize((48, 48), Image.BICUBIC))
+    ours = eval_transform(48, 0.875, "whole")(image)
+    np.testing.assert_array_equal(ours.permute(1, 2, 0).numpy(), expected)
+    make_image_tree(tmp_path / "root" / "val", {w: 1 for w in WNIDS})
+    data = ImageNetDataModule(source="folder", root=str(tmp_path / "root"), image_size=48, eval_resize="whole",
+                              num_workers=0)
+    data.setup("test")
+    assert data.conditions()["eval_preprocessing"] == ("resize 48x48 bicubic (whole image, aspect ratio ignored), "
+                                                       "no crop")
+    with pytest.raises(UserError, match="data.eval_resize must be one of shorter_side, whole, got 'crop'"):
+        ImageNetDataModule(eval_resize="crop")
+
+
 def test_folder_labels_follow_the_imagenet_map_not_the_folder_order(imagenet_tree):
     dataset = LabelledImageFolder(imagenet_tree / "val", class_map("imagenet"), eval_transform(32))
     labels = {sample["key"]: sample["label"] for sample in map(dataset.__getitem__, range(len(dataset)))

@@ -38,9 +38,10 @@ from robust_lightning.data.samplers import ExactDistributedSampler, GlobalBatchS
 from robust_lightning.data.shards import MANIFEST_NAME, read_manifest, repair_hint, shard_urls
 from robust_lightning.data.synthetic import ensure_synthetic_dataset
 from robust_lightning.data.transforms import (
+    EVAL_RESIZES,
     CanvasDecode,
     default_canvas_size,
-    eval_resize_size,
+    describe_eval_preprocessing,
     eval_transform,
     train_transform,
 )
@@ -458,6 +459,8 @@ class ImageNetDataModule(LightningDataModule):
             class numbers follow the devkit's own class order).
         image_size: training crop and evaluation crop r.
         crop_pct: evaluation resizes the shorter side to floor(r / crop_pct) before the centre crop.
+        eval_resize: "shorter_side" (the above) or "whole": the whole image resized to r x r, aspect ratio
+            ignored, no crop, as Bhojanapalli et al. 2021 evaluate (App. A, "Image Preprocessing").
         augmentation: training augmentation scheme: "basic" (RandomResizedCrop), "3aug" (+ flip and DeiT-III
             3-Augment with colour jitter) or "heavy" (+ flip, RandAugment m9 mstd0.5 per image, RandomErasing
             0.25, MixUp 0.8 / CutMix 1.0); see robust_lightning.data.augment.
@@ -526,6 +529,7 @@ class ImageNetDataModule(LightningDataModule):
         val_labels: str | None = None,
         image_size: int = 224,
         crop_pct: float = 0.875,
+        eval_resize: Literal["shorter_side", "whole"] = "shorter_side",
         augmentation: Literal["basic", "3aug", "heavy"] = "basic",
         augment_on: Literal["device", "cpu"] = "device",
         augmentation_fill: Literal["imagenet", "official"] = "imagenet",
@@ -558,6 +562,9 @@ class ImageNetDataModule(LightningDataModule):
                             "(shards of a flat folder hold their labels: robust-lightning shards --val_labels FILE)")
         self.val_labels = val_labels
         self.image_size, self.crop_pct = image_size, crop_pct
+        if eval_resize not in EVAL_RESIZES:
+            raise UserError(f"data.eval_resize must be one of {', '.join(EVAL_RESIZES)}, got {eval_resize!r}")
+        self.eval_resize = eval_resize
         self.augmentation, self.augment_on, self.crop_scale = augmentation, augment_on, tuple(crop_scale)
         self.augmentation_fill, self.full_resolution_decode = augmentation_fill, full_resolution_decode
         self.canvas_size = canvas_size or default_canvas_size(image_size)
@@ -639,7 +646,7 @@ class ImageNetDataModule(LightningDataModule):
         self.micro_batches = self._micro_batches()
         if stage == "fit" and self.trainer is not None:
             self._accumulate_over_micro_batches()
-        evaluation = eval_transform(self.image_size, self.crop_pct)
+        evaluation = eval_transform(self.image_size, self.crop_pct, self.eval_resize)
         if self.uses_canvases:
             training = CanvasDecode(self.canvas_size)
         else:
@@ -946,7 +953,7 @@ class ImageNetDataModule(LightningDataModule):
         preprocessing at ``image_size`` and ``crop_pct``. ``num_workers``: default data.num_workers."""
         if not hasattr(self, "eval_set"):
             raise RuntimeError("eval_dataloader_with needs setup('test') (or 'validate') first")
-        transform = transform or eval_transform(self.image_size, self.crop_pct)
+        transform = transform or eval_transform(self.image_size, self.crop_pct, self.eval_resize)
         dataset = copy.copy(self.eval_set)
         inner = dataset
         if isinstance(dataset, Subset):  # a folder subset or limit: swap the transform of a copy of the folder
@@ -1130,8 +1137,7 @@ class ImageNetDataModule(LightningDataModule):
             "num_classes": self.num_classes,
             "eval_images": eval_images,
             "image_size": self.image_size,
-            "eval_preprocessing": f"resize {eval_resize_size(self.image_size, self.crop_pct)} bicubic, "
-            f"center crop {self.image_size}",
+            "eval_preprocessing": describe_eval_preprocessing(self.image_size, self.crop_pct, self.eval_resize),
             "augmentation": self.augmentation,
             "augment_on": self.augment_on,
             "augmentation_fill": self.augmentation_fill,

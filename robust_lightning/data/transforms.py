@@ -27,8 +27,18 @@ def eval_resize_size(image_size: int, crop_pct: float) -> int:
     return math.floor(image_size / crop_pct)
 
 
-def eval_transform(image_size: int, crop_pct: float = 0.875) -> T.Compose:
-    """Resize the shorter side to floor(r / crop_pct) (bicubic), centre-crop r."""
+EVAL_RESIZES = ("shorter_side", "whole")
+
+
+def eval_transform(image_size: int, crop_pct: float = 0.875, resize: str = "shorter_side") -> T.Compose:
+    """The evaluation preprocessing (``resize``, bicubic both):
+
+    - "shorter_side": resize the shorter side to floor(r / crop_pct), centre-crop r (timm's and the papers');
+    - "whole": resize the whole image to r x r, aspect ratio ignored, no crop (Bhojanapalli et al. 2021, App. A,
+      "Image Preprocessing"; crop_pct unused).
+    """
+    if resize == "whole":
+        return T.Compose([decode_rgb, T.Resize((image_size, image_size), interpolation=BICUBIC), T.PILToTensor()])
     return T.Compose(
         [
             decode_rgb,
@@ -37,6 +47,13 @@ def eval_transform(image_size: int, crop_pct: float = 0.875) -> T.Compose:
             T.PILToTensor(),
         ]
     )
+
+
+def describe_eval_preprocessing(image_size: int, crop_pct: float, resize: str = "shorter_side") -> str:
+    """What results.json says of ``eval_transform(image_size, crop_pct, resize)``."""
+    if resize == "whole":
+        return f"resize {image_size}x{image_size} bicubic (whole image, aspect ratio ignored), no crop"
+    return f"resize {eval_resize_size(image_size, crop_pct)} bicubic, center crop {image_size}"
 
 
 def train_transform(image_size: int, scale: tuple[float, float] = (0.08, 1.0)) -> T.Compose:

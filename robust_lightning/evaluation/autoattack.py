@@ -166,6 +166,9 @@ class AutoAttackEvaluation(Evaluation):
             "data_source": kind, "data_root": location if kind == "folder" else None,
             "data_val_shards": location if kind == "shards" else None, "data_image_size": data_image_size(trainer),
             "data_crop_pct": getattr(trainer.datamodule, "crop_pct", None),
+            # only where it is not the default, so that manifests written before the option still resume
+            **({"data_eval_resize": resize} if (resize := getattr(trainer.datamodule, "eval_resize", "shorter_side"))
+               != "shorter_side" else {}),
             "data_eval_subset": source.subset if source else None,
             "norm": threat.norm, "eps": threat.eps, "version": self.version,
             "engine": self.engine, "precision": self.precision, "seed": self.seed, "n_iter": self.n_iter,
