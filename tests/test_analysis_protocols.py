@@ -308,3 +308,11 @@ def test_frequency_noise_section_records_its_protocol():
     assert [b["centre"] for b in section["bands"]] == code_bands(0.1)
     assert [b["bins"] for b in section["bands"]] == [int(code_band_mask(32, b * math.pi, 0.05 * math.pi).sum())
                                                      for b in code_bands(0.1)]
+    # the noise's RMS in grey levels: white sign noise of 0.5 normalised units behind std 0.25 is 0.125 in [0, 1]
+    # pixels, 31.875 grey levels, exactly; each band's, recomputed here from the same draw with numpy's FFT
+    assert section["white_noise"]["noise_rms_grey_levels"] == pytest.approx(0.5 * 0.25 * 255)
+    delta = (0.5 * torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0)).sign() * 0.25).numpy()
+    for band in section["bands"]:
+        mask = code_band_mask(32, band["centre"] * math.pi, 0.05 * math.pi).numpy()
+        noise = np.fft.ifft2(np.fft.fft2(delta) * mask).real
+        assert band["noise_rms_grey_levels"] == pytest.approx(np.sqrt((noise ** 2).mean()) * 255, rel=1e-6)

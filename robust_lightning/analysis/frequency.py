@@ -98,8 +98,11 @@ class FrequencyNoise(Analysis):
         protocol: "code" (Park & Kim's code: sign noise of size eps in the model's input space, centred square
             bands) or "paper" (the paper's text: Gaussian noise of std noise_std in pixel space, tiling bands).
         width: band width in units of pi (0.1 as the papers).
-        eps: size of the sign noise (protocol code), in the model's normalised input units; 0.007 is the default
-            of the code's ``Random`` (its call site for Fig. 2b is not public).
+        eps: size of the sign noise (protocol code), in the model's normalised input units; 0.007 is the only
+            size the public code states (ops/adversarial.py, ``class Random``: ``eps=0.007``, the default it copies
+            from torchattacks); the call that drew Fig. 2b is not public. results.json gives each band's noise
+            RMS in grey levels (``noise_rms_grey_levels``): at 0.007 it is below one grey level, so a flat curve
+            may only mean the noise is too small; raise eps to compare models at a visible size.
         noise_std: standard deviation of the Gaussian delta in [0, 1] pixel units (protocol paper).
         repeats: noise draws per image (accuracies averaged).
         clamp: clip the noisy image to [0, 1] (the papers do not).
@@ -157,6 +160,7 @@ class FrequencyNoise(Analysis):
                 masks = [mask for _, mask in bands]
                 if correct is None:
                     correct = torch.zeros(len(masks) + 1, dtype=torch.long)  # + 1: the unfiltered noise
+                    squares = torch.zeros(len(masks) + 1, dtype=torch.float64)  # of the noise, in [0, 1] pixels
                 std = getattr(getattr(model, "normalize", None), "std", None)
                 std = torch.ones((), device=images.device) if std is None else std.to(images.device)
                 clean_correct += int((model(images).argmax(-1) == labels).sum())
@@ -164,18 +168,21 @@ class FrequencyNoise(Analysis):
                 for _ in range(self.repeats):
                     delta = self.delta(images, generator, std)
                     for i, noise in enumerate([*(band_noise(delta, m) for m in masks), delta]):
+                        squares[i] += noise.double().pow(2).sum().cpu()
                         noisy = images + noise
                         if self.clamp:
                             noisy = noisy.clamp(0, 1)
                         correct[i] += int((model(noisy).argmax(-1) == labels).sum())
         clean = clean_correct / seen
         accuracy = (correct.double() / (seen * self.repeats)).tolist()
-        bands = [{**band, "bins": int(mask.sum()), "accuracy": acc, "drop": clean - acc}
-                 for (band, mask), acc in zip(bands, accuracy)]
+        # the noise's size as a reader judges it: root mean square over every pixel and channel, in grey levels
+        rms = (squares / (seen * self.repeats * images[0].numel())).sqrt().mul(255).tolist()
+        bands = [{**band, "bins": int(mask.sum()), "accuracy": acc, "drop": clean - acc, "noise_rms_grey_levels": r}
+                 for (band, mask), acc, r in zip(bands, accuracy, rms)]
         code = self.protocol == "code"
         section = {
             "clean_accuracy": clean, "bands": bands,
-            "white_noise": {"accuracy": accuracy[-1], "drop": clean - accuracy[-1]},
+            "white_noise": {"accuracy": accuracy[-1], "drop": clean - accuracy[-1], "noise_rms_grey_levels": rms[-1]},
             "protocol": {
                 "follows": self.protocol,
                 "reference": "github.com/xxxnell/how-do-vits-work ops/adversarial.py (FreqAttack, Random)" if code
