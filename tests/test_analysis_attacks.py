@@ -319,6 +319,7 @@ def shipped(name: str, tmp_path: Path, checkpoint: Path, synthetic: Path, **call
     ("attack_sweep_bhojanapalli", "test_resnet", "attack_sweep", {"max_images": 8}),
     ("pgd_sweep_chen", "test_resnet", "pgd_sweep", {"max_images": 8, "steps": [1, 2], "eps": [0.0, 0.004]}),
     ("fgsm_sweep_chen", "test_resnet", "fgsm_sweep", {"max_images": 8, "eps": [0.0, 0.1]}),
+    ("feature_variance_chen", "test_resnet", "feature_variance", {"max_images": 8, "batch_size": 4}),
     ("spatial_attack", "test_resnet", "spatial_attack", {"max_images": 4, "translations": 3, "rotations": 3}),
     ("hessian_parkkim_fig4", "test_resnet", "hessian", {"max_images": 8, "batch_size": 4, "top_k": 2, "max_iter": 3}),
     ("kernel_distance_chen", "test_convnext", "kernel_distance", {}),

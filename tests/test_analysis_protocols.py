@@ -316,3 +316,28 @@ def test_frequency_noise_section_records_its_protocol():
         mask = code_band_mask(32, band["centre"] * math.pi, 0.05 * math.pi).numpy()
         noise = np.fft.ifft2(np.fft.fft2(delta) * mask).real
         assert band["noise_rms_grey_levels"] == pytest.approx(np.sqrt((noise ** 2).mean()) * 255, rel=1e-6)
+
+
+# ------------------------------------------------------------------------------------ feature variance
+def test_chens_feature_variance_takes_the_variance_of_each_batchs_mean_map():
+    """Chen et al.'s script averages a batch's maps over the images before the spatial variance: one image per
+    batch gives Park & Kim's per-image variance exactly; several differing images give another number."""
+    from robust_lightning.analysis.representation import FeatureVariance
+
+    images = torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    labels = torch.zeros(4, dtype=torch.long)
+    net = tiny("test_resnet")
+    results = {}
+    for protocol, batches in (("parkkim", [images]), ("chen", [images[i:i + 1] for i in range(4)]),
+                              ("chen-batch", [images])):
+        analysis = FeatureVariance(protocol=protocol.split("-")[0], plot=False)
+        offline(analysis, net, images)
+        analysis.batches = lambda trainer, pl_module, batches=batches: iter([(b, labels[:len(b)]) for b in batches])
+        section, _, _ = analysis.analyse(TRAINER, PL_MODULE)
+        results[protocol] = [p["variance"] for p in section["points"] if p["variance"] is not None]  # 1x1: none
+    assert results["chen"] == pytest.approx(results["parkkim"], rel=1e-5)
+    assert results["chen-batch"] != pytest.approx(results["parkkim"], rel=1e-3)
+    assert section["conditions"]["protocol"] == "chen" and "feature_map_variance/main.py" in section["protocol"][
+        "reference"]
+    with pytest.raises(UserError, match="FeatureVariance.protocol must be one of parkkim, chen"):
+        FeatureVariance(protocol="park")

@@ -311,16 +311,37 @@ class LayerCorrelation(_FeatureAnalysis):
         return fig
 
 
+VARIANCE_PROTOCOLS = {
+    # Park & Kim 2022, Fig. 9: each image's maps, their spatial variance, averaged over channels and images
+    "parkkim": "github.com/xxxnell/how-do-vits-work, featuremap_variance.ipynb (Park & Kim 2022, Fig. 9): "
+               "latent.var(dim=[-1, -2]).mean(dim=[0, 1])",
+    # Chen et al. 2024, Fig. 10: the batch's mean map first (torch.mean(xs, dim=0)), then its spatial variance
+    "chen": "github.com/Lauch1ng/LKRobust, feature_map_variance/main.py (Chen et al. 2024, Fig. 10): "
+            "latents_item.append(torch.mean(xs, dim=0)), then latent.var(dim=[-1, -2]).mean(dim=[0, 1])",
+}
+
+
 class FeatureVariance(_FeatureAnalysis):
-    """Feature-map variance per block (Park & Kim, Fig. 9).
+    """Feature-map variance per block (Park & Kim, Fig. 9; Chen et al., Fig. 10).
 
     Args:
         sublayers: one point per residual branch (attention / MLP of a transformer block) instead of per block.
         stem: include the stem output as the first point.
+        protocol: "parkkim": the spatial variance of each image's maps, averaged over channels and images (Park
+            & Kim's notebook); "chen": the spatial variance of the batch's mean map, averaged over channels and
+            batches (Chen et al.'s script averages each batch's maps over the images first).
         max_images, batch_size, weights, plot: see Analysis.
     """
 
     name = "feature_variance"
+
+    def __init__(self, sublayers: bool = True, stem: bool = True, protocol: str = "parkkim", max_images: int = 256,
+                 batch_size: int = 64, weights: str = "raw", plot: bool = True):
+        super().__init__(sublayers, stem, max_images, batch_size, weights, plot)
+        if protocol not in VARIANCE_PROTOCOLS:
+            raise UserError(f"FeatureVariance.protocol must be one of {', '.join(VARIANCE_PROTOCOLS)}, "
+                            f"got {protocol!r}")
+        self.protocol = protocol
 
     def analyse(self, trainer, pl_module):
         totals: list[float] = []
@@ -329,6 +350,8 @@ class FeatureVariance(_FeatureAnalysis):
 
         def consume(bmap, features, image_hw):
             maps = [as_map(f, bmap, image_hw) for f in features]
+            if self.protocol == "chen":  # one mean map per batch
+                maps = [m.float().mean(dim=0, keepdim=True) for m in maps]
             values = [feature_variance(m) for m in maps]
             if not totals:
                 totals.extend([0.0] * len(values))
@@ -343,11 +366,15 @@ class FeatureVariance(_FeatureAnalysis):
         points = [{"name": label, "kind": kind, "map_size": list(size), "subsampling": sub, "variance": v}
                   for (label, kind), size, sub, v in zip(tap.points, sizes, _subsampling(sizes), variances)]
         section = {"family": bmap.family, "points": points,
-                   "protocol": {"follows": "code", "reference": "github.com/xxxnell/how-do-vits-work, "
-                                "featuremap_variance.ipynb (Park & Kim 2022, Fig. 9): latent.var(dim=[-1, -2])"
-                                ".mean(dim=[0, 1])", "differences": []},
+                   "protocol": {"follows": "code", "reference": VARIANCE_PROTOCOLS[self.protocol],
+                                "differences": [] if self.protocol == "parkkim" else [
+                                    "the script keeps the mean map of the last batch of each of its 10 sweeps over "
+                                    "1280 images; here every batch's mean map counts"]},
                    "conditions": {"arch": pl_module.hparams.get("arch"), "sublayers": self.sublayers,
-                                  "measure": "unbiased spatial variance per channel, mean over channels and images"}}
+                                  "protocol": self.protocol,
+                                  "measure": "unbiased spatial variance per channel, mean over channels and "
+                                             + ("images" if self.protocol == "parkkim" else
+                                                "batches, of each batch's mean map")}}
         known = [v for v in variances if v is not None]
         metrics = {"last": known[-1], "max": max(known)} if known else {}
         return section, metrics, self.figure(section) if self.plot else None
