@@ -59,6 +59,7 @@ class GivenImages(LightningDataModule):
         super().__init__()
         self.images, self.labels, self.batch_size = images, labels, batch_size
         self.image_size, self.crop_pct, self.num_workers = images.shape[-1], 1.0, 0
+        self.eval_resize = "none (the images as given)"
 
     def test_dataloader(self) -> DataLoader:
         return self.eval_dataloader_with(None)

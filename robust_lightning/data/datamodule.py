@@ -411,6 +411,7 @@ class EvaluationData(Protocol):
 
     - ``image_size``, ``crop_pct``: the evaluation preprocessing (resize the shorter side to
       floor(image_size / crop_pct), centre crop image_size), the default resolution of an evaluation;
+    - ``eval_resize``: "shorter_side" (that), or "whole" (the whole image resized to image_size, no crop);
     - ``num_workers``: decoding processes per device, the default of an evaluation's own loaders;
     - ``evaluation_source()``: where the evaluation images come from (``EvaluationSource``);
     - ``eval_dataloader_with(transform, batch_size, num_workers)``: this rank's evaluation images through
@@ -422,6 +423,7 @@ class EvaluationData(Protocol):
 
     image_size: int
     crop_pct: float
+    eval_resize: str
     num_workers: int
 
     def evaluation_source(self) -> EvaluationSource: ...
