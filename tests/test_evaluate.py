@@ -88,6 +88,16 @@ def test_an_imagenet_val_root_with_the_projects_preprocessing(tmp_path):
     with pytest.raises(UserError, match="the model has 10 classes, the data's class map 1000"):
         robust_lightning.evaluate(train_small_cnn(), tmp_path, image_size=32)
 
+    # the whole card by name: its parts are the callbacks', the benchmarks without a root are listed as skipped
+    card = robust_lightning.evaluate(model, tmp_path, ["card"], image_size=32, num_workers=0, out_dir=tmp_path / "c",
+                                     datasets={"imagenet_c": "generated"}, version="apgd-ce",
+                                     options={"autoattack": {"n_iter": 3}, "imagenet_c": {"severities": [1]},
+                                              "resolution_sweep": {"resolutions": [32, 48]}})
+    assert card["card"]["parts"] == ["autoattack", "imagenet_c", "resolution_sweep"]
+    assert {"autoattack", "imagenet_c", "resolution_sweep", "test"} <= set(card)
+    assert card["autoattack"]["threat_models"].keys() == {"Linf-4_255", "L2-2", "L1-75"}  # the card's three
+    assert (tmp_path / "c" / "robustness_card.md").is_file()
+
 
 def test_bad_input_is_one_clear_message(trained, points):
     x, y = points
