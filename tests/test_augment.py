@@ -335,7 +335,7 @@ def test_heavy_scheme_odd_batch_keeps_every_sample():
     assert torch.equal(x1, images[:1]) and torch.allclose(t1[0], torch.tensor([0.92, 0.02, 0.02, 0.02, 0.02]))
 
 
-@pytest.mark.parametrize("scheme", ["basic", "3aug"])
+@pytest.mark.parametrize("scheme", ["basic", "3aug", "deit3"])
 def test_basic_and_3aug_keep_int_labels(scheme):
     images = torch.from_numpy(np.stack(smooth_images(n=32, seed=4))).permute(0, 3, 1, 2).contiguous()
     labels = torch.randint(0, 1000, (32,))
@@ -353,7 +353,7 @@ def test_basic_and_3aug_keep_int_labels(scheme):
     if scheme == "basic":  # every image is itself or its mirror image, both occur
         assert all(torch.equal(o, r) or f for o, r, f in zip(x, reference, flipped))
         assert 5 < sum(flipped) < 27
-    else:  # 3-Augment changes every image, differently for identical inputs
+    else:  # colour jitter (and 3-Augment) changes every image, differently for identical inputs
         assert not any(torch.equal(o, r) or f for o, r, f in zip(x, reference, flipped))
         same = images[:1].expand(16, -1, -1, -1)
         out, _ = augment(same, labels[:16], generator=torch.Generator().manual_seed(1))
@@ -378,7 +378,7 @@ def test_three_augment_choices_are_per_sample():
 def test_batch_augment_is_deterministic_with_a_generator():
     images = torch.randint(0, 256, (6, 3, 24, 24), dtype=torch.uint8)
     labels = torch.arange(6)
-    for scheme in ("basic", "3aug", "heavy"):
+    for scheme in ("basic", "3aug", "deit3", "heavy"):
         augment = BatchAugment(scheme, 10, mix=False)
         a, _ = augment(images, labels, generator=torch.Generator().manual_seed(7))
         b, _ = augment(images, labels, generator=torch.Generator().manual_seed(7))
@@ -387,7 +387,7 @@ def test_batch_augment_is_deterministic_with_a_generator():
 
 
 def test_unknown_scheme_names_the_choices():
-    with pytest.raises(ValueError, match="'strong'.*basic, 3aug, heavy"):
+    with pytest.raises(ValueError, match="'strong'.*basic, 3aug, deit3, heavy"):
         BatchAugment("strong", 10)
 
 
@@ -395,7 +395,8 @@ def test_unknown_scheme_names_the_choices():
 DEVICE_PATH_SCHEMES = [
     ("basic", {}),
     ("3aug", {}),
-    ("3aug", {"mix": True}),
+    ("deit3", {}),
+    ("deit3", {"mix": True}),
     ("heavy", {}),
     ("heavy", {"mix": False}),
     ("heavy", {"augmentation_fill": "official"}),
@@ -418,8 +419,9 @@ def test_batch_augment_device_path_reads_nothing_and_matches_the_cpu_path(monkey
 
     with HostReads() as cpu_path:
         expected = run()
-    # the CPU path sorts samples by the op they drew, reading the group sizes back
-    assert bool(cpu_path.calls) == (scheme != "basic"), cpu_path.listing()
+    # the CPU path sorts samples by the op they drew, reading the group sizes back (flip and colour jitter are
+    # elementwise: nothing to group)
+    assert bool(cpu_path.calls) == (scheme not in ("basic", "3aug")), cpu_path.listing()
     force_device_path(monkeypatch)
     with HostReads() as device_path:
         result = run()
@@ -696,3 +698,19 @@ def test_recipes_use_the_official_fill_and_decode():
         data = yaml.safe_load(text)["data"]
         assert data["augmentation_fill"] == "official" and data["full_resolution_decode"] is True, path.name
         assert "timm's ImageNet defaults" not in text.split("seed_everything")[0], path.name  # header up to date
+
+
+def test_3aug_is_flip_then_colour_jitter_0_4_and_deit3_keeps_3_augment():
+    """Singh et al.'s 3-Aug (App. D.2: basic + flip + colour jitter), with the light recipe's ColorJitter(0.4):
+    the same draws give exactly flip, then ColorJitter(0.4) on the flipped batch."""
+    images = torch.from_numpy(np.stack(smooth_images(n=8, seed=2))).permute(0, 3, 1, 2).contiguous()
+    labels = torch.arange(8)
+    out, _ = BatchAugment("3aug", 10)(images, labels, generator=torch.Generator().manual_seed(5))
+    generator = torch.Generator().manual_seed(5)
+    x = images.float() / 255
+    flip = (torch.rand(8, generator=generator) < 0.5).view(-1, 1, 1, 1)
+    x = torch.where(flip, x.flip(-1), x)
+    expected = ColorJitter(0.4, 0.4, 0.4)(x, generator)
+    assert torch.equal(out, expected)
+    assert BatchAugment("3aug", 10).three_augment is None and BatchAugment("deit3", 10).three_augment is not None
+    assert BatchAugment("deit3", 10).three_augment.color_jitter.ranges == (0.3, 0.3, 0.3)

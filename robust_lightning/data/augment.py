@@ -7,7 +7,7 @@ else the training recipes ask for happens here, on whole batches, with its own r
 * ``RandomErasing`` - timm's random erasing, one box per erased image.
 * ``ThreeAugment`` + ``ColorJitter`` - DeiT III's 3-Augment (Debenedetti et al.'s '3-aug').
 * ``MixUpCutMix``   - timm's MixUp/CutMix of a whole batch, drawing from an explicit random stream.
-* ``BatchAugment``  - the named schemes 'basic', '3aug' and 'heavy', with MixUp/CutMix for 'heavy'.
+* ``BatchAugment``  - the named schemes 'basic', '3aug', 'deit3' and 'heavy', with MixUp/CutMix for 'heavy'.
 
 The reference pipelines run these ops on PIL images, so they are reproduced with Pillow's 8-bit
 arithmetic: images are processed on the 0..255 scale, every op that yields uint8 in Pillow rounds or
@@ -56,7 +56,11 @@ RAND_AUGMENT_OPS = (
     "TranslateYRel",
 )
 GEOMETRIC_OPS = ("Rotate", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel")
-SCHEMES = ("basic", "3aug", "heavy")
+SCHEMES = ("basic", "3aug", "deit3", "heavy")
+# colour jitter strength per scheme: '3aug' as Debenedetti et al.'s light recipe, which Singh et al. App. D.2 call
+# 3-Aug (github.com/dedeswim/vits-robustness-torch, configs/xcit-adv-training.yaml: hflip 0.5, color_jitter 0.4,
+# timm's ColorJitter(0.4, 0.4, 0.4)); 'deit3' as DeiT III's 3-Augment (ColorJitter 0.3)
+COLOR_JITTER = {"3aug": 0.4, "deit3": 0.3}
 
 # RandAugment's fill colour and RandomErasing's noise (data.augmentation_fill), as timm derives them from the
 # mean/std its transform is built with.  'imagenet': timm's ImageNet defaults (fill = the mean colour, noise
@@ -781,11 +785,14 @@ class BatchAugment(torch.nn.Module):
 
     Schemes:
       'basic' - horizontal flip only.
-      '3aug'  - flip, DeiT III 3-Augment (grayscale | solarize | blur) and ColorJitter(0.3, 0.3, 0.3).
+      '3aug'  - flip and ColorJitter(0.4, 0.4, 0.4): Singh et al.'s 3-Aug (App. D.2: basic + random horizontal
+                flip + colour jitter), as Debenedetti et al.'s light recipe runs it.
+      'deit3' - flip, DeiT III 3-Augment (grayscale | solarize | blur) and ColorJitter(0.3, 0.3, 0.3).
       'heavy' - flip, RandAugment `rand_augment`, RandomErasing(`erase_prob`, 'pixel'), then MixUp
                 (`mixup_alpha`) / CutMix (`cutmix_alpha`), switching with `switch_prob`, per batch as timm.
     `mix` forces mixing on/off (default: on for 'heavy' only); without mixing the labels stay int and label
-    smoothing is the loss's business.  `color_jitter` is the 3-Augment jitter strength, `augmentation_fill`
+    smoothing is the loss's business.  `color_jitter` is the jitter strength of '3aug' / 'deit3' (default:
+    COLOR_JITTER), `augmentation_fill`
     the RandAugment fill colour and RandomErasing noise (AUGMENTATION_FILLS: 'imagenet' = timm's ImageNet
     defaults, 'official' = Singh et al.'s black fill and unclamped N(0, 1) noise, which leaves erased pixels
     outside [0, 1]) and `erase_mode` the RandomErasing mode; `rand_augment=""` / `erase_prob=0` turn those
@@ -811,7 +818,7 @@ class BatchAugment(torch.nn.Module):
         switch_prob: float = 0.5,
         label_smoothing: float = 0.1,
         mix: bool | None = None,
-        color_jitter: float = 0.3,
+        color_jitter: float | None = None,
         augmentation_fill: str = "imagenet",
         erase_mode: str = "pixel",
     ):
@@ -829,7 +836,9 @@ class BatchAugment(torch.nn.Module):
             RandAugment.from_spec(rand_augment, fill=fill["mean"]) if heavy and rand_augment else None
         )
         self.erasing = RandomErasing(erase_prob, mode=erase_mode, **fill) if heavy and erase_prob > 0 else None
-        self.three_augment = ThreeAugment(color_jitter) if scheme == "3aug" else None
+        jitter = COLOR_JITTER.get(scheme) if color_jitter is None else color_jitter
+        self.three_augment = ThreeAugment(jitter) if scheme == "deit3" else None
+        self.color_jitter = ColorJitter(jitter, jitter, jitter) if scheme == "3aug" and jitter else None
         mix = scheme == "heavy" if mix is None else mix
         self.mixup = MixUpCutMix(mixup_alpha, cutmix_alpha, switch_prob, label_smoothing, num_classes) if mix else None
 
@@ -854,6 +863,8 @@ class BatchAugment(torch.nn.Module):
             x = torch.where(flip, x.flip(-1), x)
         if self.three_augment is not None:
             x = self.three_augment(x, generator)
+        if self.color_jitter is not None:
+            x = self.color_jitter(x, generator)
         if self.rand_augment is not None:
             x = self.rand_augment(x, generator)
         if self.erasing is not None:

@@ -463,9 +463,10 @@ class ImageNetDataModule(LightningDataModule):
         crop_pct: evaluation resizes the shorter side to floor(r / crop_pct) before the centre crop.
         eval_resize: "shorter_side" (the above) or "whole": the whole image resized to r x r, aspect ratio
             ignored, no crop, as Bhojanapalli et al. 2021 evaluate (App. A, "Image Preprocessing").
-        augmentation: training augmentation scheme: "basic" (RandomResizedCrop), "3aug" (+ flip and DeiT-III
-            3-Augment with colour jitter) or "heavy" (+ flip, RandAugment m9 mstd0.5 per image, RandomErasing
-            0.25, MixUp 0.8 / CutMix 1.0); see robust_lightning.data.augment.
+        augmentation: training augmentation scheme: "basic" (RandomResizedCrop), "3aug" (+ flip and colour jitter
+            0.4: Singh et al.'s 3-Aug, App. D.2), "deit3" (+ flip and DeiT-III 3-Augment with colour jitter 0.3)
+            or "heavy" (+ flip, RandAugment m9 mstd0.5 per image, RandomErasing 0.25, MixUp 0.8 / CutMix 1.0);
+            see robust_lightning.data.augment.
         augment_on: where the training augmentation runs: "device" (the accelerator, after the batch is
             transferred: RandomResizedCrop included, so the CPU workers only decode) or "cpu" (crop and
             per-image augmentation in the loader workers; MixUp/CutMix still on the device).
@@ -532,7 +533,7 @@ class ImageNetDataModule(LightningDataModule):
         image_size: int = 224,
         crop_pct: float = 0.875,
         eval_resize: Literal["shorter_side", "whole"] = "shorter_side",
-        augmentation: Literal["basic", "3aug", "heavy"] = "basic",
+        augmentation: Literal["basic", "3aug", "deit3", "heavy"] = "basic",
         augment_on: Literal["device", "cpu"] = "device",
         augmentation_fill: Literal["imagenet", "official"] = "imagenet",
         full_resolution_decode: bool = False,
