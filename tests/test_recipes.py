@@ -58,6 +58,14 @@ CLEAN_TABLE10 = {
     "vit_base_convstem": ("vit_base_patch16_224_convstem", 50),
     "convnext_base_convstem": ("convnext_base_convstem", 50),
 }
+# Table 4 / App. A.5: fine-tune -> (architecture, the Table 2 recipe it starts from, batch, published numbers)
+FINETUNES = {
+    "finetune_eps8": ("convnext_base_convstem", "convnext_base_convstem", 756, "clean 71.7, Linf 8/255 33.2"),
+    "finetune_eps8_vit_small_convstem": ("vit_small_patch16_224_convstem", "vit_small_convstem", 1392,
+                                         "clean 67.5, Linf 8/255 28.2"),
+    "finetune_eps8_convnext_tiny_convstem": ("convnext_tiny_convstem", "convnext_tiny_convstem", 1392,
+                                             "clean 68.6, Linf 8/255 29.6"),
+}
 # App. D.6 (the first of its two "CIFAR-100" settings read as CIFAR-10): dataset -> (AT steps, peak lr, weight
 # decay, batch, resolution, stride-1 stem)
 TRANSFER = {
@@ -75,7 +83,7 @@ def print_config(path: Path, *overrides: str, capsys) -> dict:
 
 
 def test_every_recipe_is_a_table2_row_or_a_fine_tuning_of_app_d6():
-    expected = set(TABLE2) | {"finetune_eps8"} | {f"transfer_{name}" for name in TRANSFER}
+    expected = set(TABLE2) | set(FINETUNES) | {f"transfer_{name}" for name in TRANSFER}
     assert {p.stem for p in RECIPES.glob("*.yaml")} == expected
     assert {p.stem for p in CLEAN.glob("*.yaml")} == set(CLEAN_TABLE10)
 
@@ -113,7 +121,7 @@ def test_table2_recipe(name, capsys):
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
 
-@pytest.mark.parametrize("name", sorted(TABLE2) + ["finetune_eps8"])
+@pytest.mark.parametrize("name", sorted(TABLE2) + sorted(FINETUNES))
 def test_recipe_follows_the_official_runs(name, capsys):
     """What the official code (github.com/nmndeep/revisiting-at) did, written here from it: main.py puts an
     ImageNet mean/std normaliser in front of every architecture by default (add_normalization=1), which its one
@@ -133,7 +141,7 @@ def test_recipe_follows_the_official_runs(name, capsys):
     # the paper's per-GPU batch of 8 A100-40GB caps one forward pass; fewer GPUs accumulate
     assert data["max_device_batch_size"] == -(-data["global_batch_size"] // 8)
     assert "Sec. 4.1" not in header and "saved every\n#     2 epochs" not in header
-    assert "Sec. 4.2" in header or name == "finetune_eps8"  # which names its 4/255 recipe's differences
+    assert "Sec. 4.2" in header or name in FINETUNES  # which name their 4/255 recipe's differences
     assert f"Loader workers: {data['num_workers']} per GPU" in header
 
 
@@ -171,14 +179,19 @@ def test_clean_convstem_config(name, capsys):
     assert model["init_from"].startswith("weights/")
 
 
-def test_finetune_eps8_is_app_a5(capsys):
-    config = print_config(RECIPES / "finetune_eps8.yaml", capsys=capsys)
+@pytest.mark.parametrize("name", sorted(FINETUNES))
+def test_finetune_eps8_is_app_a5(name, capsys):
+    """Table 4's three fine-tunes to 8/255 (App. A.5): from the Table 2 model of the same architecture, 25 epochs,
+    peak lr 1e-4 at epoch 5, 2-step APGD-AT at 8/255, that model's batch; the header gives Table 4's numbers."""
+    arch, start, batch, published = FINETUNES[name]
+    config = print_config(RECIPES / f"{name}.yaml", capsys=capsys)
     model = config["model"]
-    assert model["arch"] == "convnext_base_convstem"
-    assert model["init_from"] == "runs/at/convnext_base_convstem/best.ckpt"
+    assert model["arch"] == arch and model["init_from"] == f"runs/at/{start}/best.ckpt" and model["init_from_ema"]
     assert config["trainer"]["max_epochs"] == 25 and model["lr"] == 1e-4 and model["warmup_epochs"] == 5
     assert model["attack_eps"] == pytest.approx(8 / 255) and model["attack_steps"] == 2
-    assert config["data"]["global_batch_size"] == 756 and config["data"]["augmentation"] == "heavy"
+    assert config["data"]["global_batch_size"] == batch and config["data"]["augmentation"] == "heavy"
+    assert config["checkpoint"]["dirpath"] == f"runs/finetune_eps8/{start}"
+    assert published in (RECIPES / f"{name}.yaml").read_text().split("seed_everything")[0]
 
 
 @pytest.mark.parametrize("dataset", sorted(TRANSFER))
