@@ -258,3 +258,49 @@ def test_build_classifier_errors():
         build_classifier("convnext_atto", 10, arch_kwargs=dict(pretrained=True))
     with pytest.raises(UserError, match="model source"):
         build_classifier("hf-hub:timm/convnext_atto.d2_in1k", 10)
+
+
+def _gmacs(name: str) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = timm.create_model(name, num_classes=1000).eval()
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(torch.zeros(1, 3, 224, 224))
+    return counter.get_total_flops() / 2e9  # multiply-accumulates, as the papers' "FLOPs"
+
+
+# Singh et al. App. B: each registered stem and the FLOPs (G) its table gives, beside the PatchStem model's
+STEM_TABLES = {
+    "Table 7": ("convnext_tiny", 4.49, {"convnext_tiny_stem_c7s4": 4.50, "convnext_tiny_stem_c7s4_c3s1": 4.63,
+                                        "convnext_tiny_stem_c7s2_c3s2": 4.66, "convnext_tiny_stem_c5s2_c3s2": 4.62,
+                                        "convnext_tiny_convstem": 4.59}),
+    "Table 9": ("vit_small_patch16_224", 4.61, {"vit_small_patch16_224_convstem": 4.99,
+                                                "vit_small_patch16_224_stem_c2": 4.71,
+                                                "vit_small_patch16_224_stem_c3": 4.78,
+                                                "vit_small_patch16_224_stem_c4": 4.84,
+                                                "vit_small_patch16_224_stem_c5": 4.81}),
+}
+
+
+@pytest.mark.parametrize("table", sorted(STEM_TABLES))
+def test_the_stem_ablations_cost_what_their_table_says(table):
+    """The FLOPs each stem adds to its PatchStem model, counted here, against the table's difference. Counting
+    conventions differ by a constant (timm's ViT-S: 4.24 G counted, 4.61 G in the table), which the difference
+    cancels. Within 0.045 G: Table 9's C4 (N**-2N*-4N*-8N, read as kernel 3 stride 1 for the unstarred layer)
+    adds 0.19 G where the table says 0.23; every other row is within 0.035 G."""
+    patchstem, published, rows = STEM_TABLES[table]
+    base = _gmacs(patchstem)
+    for name, flops in rows.items():
+        assert _gmacs(name) - base == pytest.approx(flops - published, abs=0.045), name
+
+
+def test_table8_stem_and_the_ablation_stems_warm_start_from_their_patchstem_model():
+    """C1 of Table 8 (N*-2N*, N = 64) gives ConvNeXt-B's stem output; every ablation stem has a PatchStem
+    counterpart whose clean weights warm-start everything but the stem."""
+    c1 = timm.create_model("convnext_base_stem_c1", num_classes=10)
+    assert [m.out_channels for m in c1.stem if isinstance(m, torch.nn.Conv2d)] == [64, 128]
+    for name in ("convnext_base_stem_c1", "convnext_tiny_stem_c7s4", "vit_small_patch16_224_stem_c5"):
+        ablation = set(timm.create_model(name, num_classes=10).state_dict())
+        plain = set(timm.create_model(CONVSTEM_PATCHSTEM_PAIRS[name], num_classes=10).state_dict())
+        stem = "stem." if name.startswith("convnext") else "patch_embed.proj."
+        assert {k for k in ablation if not k.startswith(stem)} == {k for k in plain if not k.startswith(stem)}

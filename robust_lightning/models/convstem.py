@@ -13,6 +13,8 @@ Registered with timm (``timm.create_model(name, num_classes=..., ...)``):
   (3->20 /2, 20->40 /2) for quick starts and tests.
 - ``vit_{small,medium,base}_patch16_224_convstem``: timm VisionTransformer, ``patch_embed.proj`` replaced.
   ViT-M is DeiT-III medium (embed 512, 8 heads, layer scale, no_embed_class) as in the paper.
+- the stem ablations of App. B (Tables 7-9): ``convnext_tiny_stem_*``, ``convnext_base_stem_c1`` and
+  ``vit_small_patch16_224_stem_c2`` .. ``_c5`` (see the tables' dicts at the end of this module).
 
 No pretrained weights are registered (no url / hub id), so nothing here can trigger a download. A local file
 still works through timm's own mechanism: ``pretrained=True, pretrained_cfg_overlay=dict(file=PATH)``.
@@ -20,6 +22,7 @@ still works through timm's own mechanism: ``pretrained=True, pretrained_cfg_over
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import partial
 
@@ -67,7 +70,11 @@ VIT_STEM_CHANNELS = (48, 96, 192, 384)
 
 
 class ConvStem(nn.Sequential):
-    """Conv3x3 -> LayerNorm2d -> GELU, repeated per entry of ``channels``; optionally a final Conv1x1.
+    """Conv -> LayerNorm2d -> GELU, repeated per entry of ``channels``; optionally a final Conv1x1.
+
+    Each conv has its stride and kernel size (3 unless ``kernel_sizes`` says otherwise, as the paper's stems;
+    the other sizes serve the stem ablations of its Tables 7 and 9). Padding (k - s + 1) // 2 keeps the output at
+    input / stride (1 for the 3x3 convs, as the reference's), for any kernel.
 
     An ``nn.Sequential`` so the state-dict keys are plain indices (``0.weight`` conv, ``1.weight`` LN, ...).
     These indices are the same as in the reference implementation (nmndeep/revisiting-at), whose stems sit one
@@ -84,17 +91,21 @@ class ConvStem(nn.Sequential):
         strides: Sequence[int],
         out_dim: int | None = None,
         norm_eps: float = 1e-6,
+        kernel_sizes: Sequence[int] | None = None,
         device=None,
         dtype=None,
     ):
-        if len(channels) != len(strides):
-            raise ValueError(f"ConvStem needs one stride per conv, got channels={channels} strides={strides}")
+        kernel_sizes = (3,) * len(channels) if kernel_sizes is None else tuple(kernel_sizes)
+        if not len(channels) == len(strides) == len(kernel_sizes):
+            raise ValueError(f"ConvStem needs one stride and kernel size per conv, got channels={channels} "
+                             f"strides={strides} kernel_sizes={kernel_sizes}")
         dd = {"device": device, "dtype": dtype}
         layers: list[nn.Module] = []
         prev = in_chans
-        for ch, stride in zip(channels, strides):
+        for ch, stride, kernel in zip(channels, strides, kernel_sizes):
             layers += [
-                nn.Conv2d(prev, ch, kernel_size=3, stride=stride, padding=1, bias=True, **dd),
+                nn.Conv2d(prev, ch, kernel_size=kernel, stride=stride, padding=(kernel - stride + 1) // 2, bias=True,
+                          **dd),
                 LayerNorm2d(ch, eps=norm_eps, **dd),
                 nn.GELU(),
             ]
@@ -128,12 +139,14 @@ class ConvNeXtConvStem(ConvNeXt):
     loading (``pretrained_cfg_overlay=dict(file=...)``) sees the final architecture.
     """
 
-    def __init__(self, stem_channels: Sequence[int], stem_strides: Sequence[int], **kwargs):
+    def __init__(self, stem_channels: Sequence[int], stem_strides: Sequence[int],
+                 stem_kernels: Sequence[int] | None = None, **kwargs):
         super().__init__(**kwargs)
         stem = ConvStem(
             kwargs.get("in_chans", 3),
             stem_channels,
             stem_strides,
+            kernel_sizes=stem_kernels,
             device=kwargs.get("device"),
             dtype=kwargs.get("dtype"),
         )
@@ -183,7 +196,8 @@ default_cfgs = generate_default_cfgs(
 )
 
 
-def _create_convnext_convstem(variant: str, pretrained: bool, stem_channels, stem_strides, **kwargs):
+def _create_convnext_convstem(variant: str, pretrained: bool, stem_channels, stem_strides, stem_kernels=None,
+                              **kwargs):
     return build_model_with_cfg(
         ConvNeXtConvStem,
         variant,
@@ -192,6 +206,7 @@ def _create_convnext_convstem(variant: str, pretrained: bool, stem_channels, ste
         feature_cfg=dict(out_indices=(0, 1, 2, 3), flatten_sequential=True),
         stem_channels=stem_channels,
         stem_strides=stem_strides,
+        stem_kernels=stem_kernels,
         **kwargs,
     )
 
@@ -253,9 +268,11 @@ class ConvStemPatchEmbed(PatchEmbed):
     as the 16x16 patchify conv, so ``patch_size`` must stay 16.
     """
 
-    def __init__(self, *args, stem_channels: Sequence[int] = VIT_STEM_CHANNELS, **kwargs):
+    def __init__(self, *args, stem_channels: Sequence[int] = VIT_STEM_CHANNELS,
+                 stem_strides: Sequence[int] | None = None, stem_kernels: Sequence[int] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        stride = 2 ** len(stem_channels)
+        strides = (2,) * len(stem_channels) if stem_strides is None else tuple(stem_strides)
+        stride = math.prod(strides)
         if self.patch_size != (stride, stride):
             raise ValueError(f"the ConvStem reduces by {stride}; patch_size must be {stride}, got {self.patch_size}")
         if self.dynamic_img_pad:
@@ -263,7 +280,8 @@ class ConvStemPatchEmbed(PatchEmbed):
         self.proj = ConvStem(
             self.proj.in_channels,
             stem_channels,
-            (2,) * len(stem_channels),
+            strides,
+            kernel_sizes=stem_kernels,
             out_dim=self.proj.out_channels,
             device=self.proj.weight.device,
             dtype=self.proj.weight.dtype,
@@ -276,7 +294,8 @@ class ConvStemPatchEmbed(PatchEmbed):
         super().set_input_size(img_size=img_size)
 
 
-def _create_vit_convstem(variant: str, pretrained: bool, **kwargs) -> VisionTransformer:
+def _create_vit_convstem(variant: str, pretrained: bool, stem: dict | None = None, **kwargs) -> VisionTransformer:
+    """``stem``: ConvStemPatchEmbed's stem_channels / stem_strides / stem_kernels (default: the paper's ViT stem)."""
     # deit3 checkpoints store layer scale as gamma_1/gamma_2; the ViT filter maps them (timm's _create_deit does too)
     # and resamples pos_embed to the model's grid when loading via timm's pretrained mechanism.
     filter_fn = lambda sd, model: vit_filter_fn(sd, model, adapt_layer_scale=True)  # noqa: E731
@@ -286,7 +305,7 @@ def _create_vit_convstem(variant: str, pretrained: bool, **kwargs) -> VisionTran
         pretrained,
         pretrained_filter_fn=filter_fn,
         feature_cfg=dict(out_indices=kwargs.pop("out_indices", 3), feature_cls="getter"),
-        embed_layer=ConvStemPatchEmbed,
+        embed_layer=partial(ConvStemPatchEmbed, **(stem or {})),
         **kwargs,
     )
 
@@ -310,3 +329,63 @@ def vit_base_patch16_224_convstem(pretrained: bool = False, **kwargs) -> VisionT
     """ViT-B/16 + ConvStem 3->48->96->192->384, 1x1 384->768."""
     model_args = dict(patch_size=16, embed_dim=768, depth=12, num_heads=12)
     return _create_vit_convstem("vit_base_patch16_224_convstem", pretrained, **dict(model_args, **kwargs))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The stem ablations of Singh et al., App. B. Layers as the tables write them: (width, stride, kernel), each
+# conv followed by LayerNorm and GELU. The tables give no widths for ConvNeXt-T's rows: 48 then 96, the widths
+# of its final ConvStem, which the FLOPs of Table 7 bear out (tests/test_models.py).
+
+# Table 7 (ConvNeXt-T); its first row (Conv4,4, L) is timm's convnext_tiny, its last convnext_tiny_convstem.
+CONVNEXT_TINY_STEM_ABLATIONS = {
+    "convnext_tiny_stem_c7s4": ((96, 4, 7),),
+    "convnext_tiny_stem_c7s4_c3s1": ((48, 4, 7), (96, 1, 3)),
+    "convnext_tiny_stem_c7s2_c3s2": ((48, 2, 7), (96, 2, 3)),
+    "convnext_tiny_stem_c5s2_c3s2": ((48, 2, 5), (96, 2, 3)),
+}
+# Table 8 (ConvNeXt-B, N = 64): C1 N*-2N*; P1 is timm's convnext_base, C2 (N*-1.5N*-2N) convnext_base_convstem.
+CONVNEXT_BASE_STEM_ABLATIONS = {"convnext_base_stem_c1": ((64, 2, 3), (128, 2, 3))}
+# Table 9 (ViT-S, N = 48; *: kernel 3 stride 2, **: kernel 7 stride 4, none: kernel 3 stride 1), then a 1x1 conv
+# to the embedding as every ViT ConvStem here; P1 is timm's vit_small_patch16_224, C1 vit_small_patch16_224_convstem.
+VIT_SMALL_STEM_ABLATIONS = {
+    "vit_small_patch16_224_stem_c2": ((48, 2, 3), (48, 2, 3), (48, 2, 3), (384, 2, 3)),
+    "vit_small_patch16_224_stem_c3": ((48, 4, 7), (384, 4, 7)),
+    "vit_small_patch16_224_stem_c4": ((48, 4, 7), (96, 2, 3), (192, 2, 3), (384, 1, 3)),
+    "vit_small_patch16_224_stem_c5": ((48, 4, 7), (96, 4, 7), (192, 1, 3), (384, 1, 3)),
+}
+
+
+def _stem_args(layers) -> dict:
+    widths, strides, kernels = zip(*layers)
+    return {"stem_channels": widths, "stem_strides": strides, "stem_kernels": kernels}
+
+
+def _register_stem_ablations() -> None:
+    """Registers each ablation stem with timm under its name, with the PatchStem model that warm-starts it."""
+    tiny = dict(depths=(3, 3, 9, 3), dims=(96, 192, 384, 768))
+    base = dict(depths=(3, 3, 27, 3), dims=(128, 256, 512, 1024))
+    specs = [(name, layers, "convnext_tiny", tiny) for name, layers in CONVNEXT_TINY_STEM_ABLATIONS.items()]
+    specs += [(name, layers, "convnext_base", base) for name, layers in CONVNEXT_BASE_STEM_ABLATIONS.items()]
+    for name, layers, patchstem, model_args in specs:
+        def entrypoint(pretrained: bool = False, name=name, layers=layers, model_args=model_args, **kwargs):
+            return _create_convnext_convstem(name, pretrained, **_stem_args(layers), **dict(model_args, **kwargs))
+
+        _register(name, entrypoint, _convnext_cfg(), patchstem, "stem.")
+    vit = dict(patch_size=16, embed_dim=384, depth=12, num_heads=6)
+    for name, layers in VIT_SMALL_STEM_ABLATIONS.items():
+        def entrypoint(pretrained: bool = False, name=name, layers=layers, **kwargs):
+            return _create_vit_convstem(name, pretrained, stem=_stem_args(layers), **dict(vit, **kwargs))
+
+        _register(name, entrypoint, _vit_cfg(), "vit_small_patch16_224", "patch_embed.proj.")
+
+
+def _register(name: str, entrypoint, cfg: dict, patchstem: str, stem_prefix: str) -> None:
+    entrypoint.__name__ = entrypoint.__qualname__ = name
+    entrypoint.__doc__ = f"Singh et al. App. B stem ablation {name} (robust_lightning.models.convstem)."
+    default_cfgs.update(generate_default_cfgs({name: cfg}))
+    register_model(entrypoint)
+    CONVSTEM_PATCHSTEM_PAIRS[name] = patchstem
+    CONVSTEM_STEM_PREFIX[name] = stem_prefix
+
+
+_register_stem_ablations()
