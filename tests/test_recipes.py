@@ -300,40 +300,51 @@ def test_readme_lists_every_recipe_with_its_published_numbers():
     assert "not available offline" not in readme
 
 
-# Table 1, "random init., basic augment." (App. A.2): recipe -> the published clean, Linf, L2, L1 accuracies
-TABLE1_RANDOM_BASIC = {
-    "convnext_tiny": ("64.0", "37.1", "28.9", "8.8"),
-    "convnext_tiny_convstem": ("64.2", "37.6", "40.2", "18.6"),
-    "convnext_iso_small": ("60.5", "31.7", "20.8", "4.0"),
-    "convnext_iso_small_convstem": ("62.1", "33.5", "40.0", "23.8"),
-    "vit_small": ("61.5", "31.8", "35.5", "15.1"),
-    "vit_small_convstem": ("62.8", "34.4", "39.2", "20.4"),
+# Table 1's basic-augmentation rows (App. A.2): row -> recipe -> the published clean, Linf, L2, L1 accuracies
+TABLE1 = {
+    "random_basic": ('"random init., basic augment."', {
+        "convnext_tiny": ("64.0", "37.1", "28.9", "8.8"),
+        "convnext_tiny_convstem": ("64.2", "37.6", "40.2", "18.6"),
+        "convnext_iso_small": ("60.5", "31.7", "20.8", "4.0"),
+        "convnext_iso_small_convstem": ("62.1", "33.5", "40.0", "23.8"),
+        "vit_small": ("61.5", "31.8", "35.5", "15.1"),
+        "vit_small_convstem": ("62.8", "34.4", "39.2", "20.4")}),
+    "pretrained_basic": ('"+ strong clean pre-training"', {
+        "convnext_tiny": ("69.4", "41.6", "42.4", "18.9"),
+        "convnext_tiny_convstem": ("69.1", "42.2", "42.4", "19.7"),
+        "convnext_iso_small": ("68.0", "38.9", "38.3", "17.0"),
+        "convnext_iso_small_convstem": ("69.5", "41.8", "46.2", "26.9"),
+        "vit_small": ("66.8", "39.1", "34.5", "12.6"),
+        "vit_small_convstem": ("71.2", "44.3", "47.1", "23.2")}),
 }
 ABLATIONS = REPO / "configs" / "ablations"
 
 
 def test_every_ablation_config_is_a_table1_row():
-    assert {p.stem for p in ABLATIONS.glob("*.yaml")} == {f"table1_{n}_random_basic" for n in TABLE1_RANDOM_BASIC}
+    assert {p.stem for p in ABLATIONS.glob("*.yaml")} == {f"table1_{name}_{row}" for row, (_, rows) in TABLE1.items()
+                                                           for name in rows}
 
 
-@pytest.mark.parametrize("name", sorted(TABLE1_RANDOM_BASIC))
-def test_table1_random_init_basic_augmentation_row(name, capsys):
-    """App. A.2's first Table 1 row: 50 epochs from random weights with the crop alone; no label smoothing, as the
-    official code's plain cross-entropy without mixing, and no EMA, which the paper adds with the heavy
-    augmentations; the rest as the architecture's Table 2 recipe."""
-    path = ABLATIONS / f"table1_{name}_random_basic.yaml"
+@pytest.mark.parametrize("row,name", [(row, name) for row, (_, rows) in TABLE1.items() for name in sorted(rows)])
+def test_table1_basic_augmentation_rows(row, name, capsys):
+    """App. A.2's first two Table 1 rows: 50 epochs with the crop alone, from random weights or from the Table 2
+    recipe's pre-trained ones; no label smoothing, as the official code's plain cross-entropy without mixing, and no
+    EMA, which the paper adds with the heavy augmentations; the rest as the architecture's Table 2 recipe."""
+    label, rows = TABLE1[row]
+    path = ABLATIONS / f"table1_{name}_{row}.yaml"
     config = print_config(path, capsys=capsys)
     recipe = print_config(RECIPES / f"{name}.yaml", capsys=capsys)
     model, data = config["model"], config["data"]
-    assert model["init_from"] is None and data["augmentation"] == "basic" and config["trainer"]["max_epochs"] == 50
+    assert model["init_from"] == (None if row == "random_basic" else recipe["model"]["init_from"])
+    assert data["augmentation"] == "basic" and config["trainer"]["max_epochs"] == 50
     assert model["label_smoothing"] == 0.0 and model["ema_decay"] is None and model["select_on"] == "raw"
     assert model["warmup_epochs"] is None and paper_warmup_epochs(50) == 10
     for key in ("arch", "mean", "std", "attack", "attack_eps", "attack_steps", "lr", "weight_decay", "betas"):
         assert model[key] == recipe["model"][key], key
     assert data["global_batch_size"] == recipe["data"]["global_batch_size"]
-    assert config["checkpoint"]["dirpath"] == f"runs/table1/{name}_random_basic"
+    assert config["checkpoint"]["dirpath"] == f"runs/table1/{name}_{row}"
     lines = path.read_text().split("seed_everything")[0].splitlines()
     header = " ".join(line.removeprefix("# ") for line in lines)
-    clean, linf, l2, l1 = TABLE1_RANDOM_BASIC[name]
-    assert lines[0].startswith('# Singh et al. 2023, Table 1, row "random init., basic augment."')
+    clean, linf, l2, l1 = rows[name]
+    assert lines[0].startswith(f"# Singh et al. 2023, Table 1, row {label}")
     assert f"clean {clean}, Linf 4/255 {linf}, L2 {l2}, L1 {l1}" in header
