@@ -27,7 +27,7 @@ from robust_lightning.data.datamodule import EvaluationSource, ImageNetDataModul
 from robust_lightning.data.samplers import ExactDistributedSampler
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.autoattack import DEFAULT_THREAT_MODELS, AutoAttackEvaluation
-from robust_lightning.evaluation.base import Evaluation
+from robust_lightning.evaluation.base import Evaluation, evaluating
 from robust_lightning.evaluation.benchmarks import DistributionShiftBenchmarks
 from robust_lightning.evaluation.card import RobustnessCard
 from robust_lightning.evaluation.imagenet_c import ImageNetC
@@ -97,8 +97,8 @@ def _tensors(data: tuple[Tensor, Tensor] | DataLoader) -> tuple[Tensor, Tensor]:
         images, labels = data
     elif isinstance(data, Iterable) and not torch.is_tensor(data) and not isinstance(data, (str, Path, tuple, list)):
         batches = [tuple(batch) for batch in data]
-        if not batches or any(len(batch) != 2 for batch in batches):
-            raise UserError("a DataLoader given to evaluate must yield (images, labels) batches")
+        if not batches or any(len(batch) != 2 or not all(map(torch.is_tensor, batch)) for batch in batches):
+            raise UserError("a DataLoader given to evaluate must yield (images, labels) batches of tensors")
         images, labels = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
     else:
         raise UserError("data must be an (images, labels) pair of tensors, a DataLoader of (images, labels), or "
@@ -121,7 +121,7 @@ def _num_classes(model: nn.Module, images: Tensor) -> int:
     sample = images[:2]
     sample = sample.float() if sample.is_floating_point() else sample.float() / 255
     parameter = next(model.parameters(), None)
-    with torch.no_grad():
+    with torch.no_grad(), evaluating(model):  # eval mode: the check must not move BatchNorm's statistics
         output = model(sample.to(parameter.device) if parameter is not None else sample)
     if not torch.is_tensor(output) or output.dim() != 2 or len(output) != len(sample):
         shape = tuple(output.shape) if torch.is_tensor(output) else type(output).__name__
@@ -191,6 +191,9 @@ def evaluate(
     strategy: str = "auto",
 ) -> dict[str, Any]:
     """Run the project's evaluations on ``model`` and return the sections results.json holds.
+
+    The model runs in eval mode on the accelerator Lightning picks (it is moved there) and comes back in the mode
+    it had.
 
     Args:
         model: any ``nn.Module`` mapping [0, 1] images to logits (N, classes).
