@@ -152,6 +152,15 @@ def test_the_folder_has_a_model_card_with_the_numbers_measured_on_that_checkpoin
     assert "| Linf-4_255 | 16 | 62.50 | 43.75 |" in card and "standard, fp32 (TF32 off)" in card
     assert "99.00" not in card and "version_1" not in card
 
+    # a recipe's layout: runs/at/<recipe>/best.ckpt with its runs in runs/at/<recipe>/version_N
+    recipe = tmp_path / "at" / "recipe"
+    (recipe / "version_0").mkdir(parents=True)
+    write_checkpoint(recipe / "best.ckpt", arch="test_resnet", image_size=32)
+    (recipe / "version_0" / "results.json").write_text(json.dumps({"fit": {
+        "metrics": {"val/acc1": 0.5}, "best_checkpoint": {"sha256": file_sha256(recipe / "best.ckpt")}}}))
+    assert main(["export", str(recipe / "best.ckpt"), str(tmp_path / "recipe_folder")]) == 0
+    assert "- fit: val/acc1 50.00 %" in (tmp_path / "recipe_folder" / "README.md").read_text()
+
     alone = tmp_path / "alone.ckpt"
     write_checkpoint(alone, arch="test_resnet", image_size=32)
     assert main(["export", str(alone), str(tmp_path / "alone")]) == 0

@@ -103,13 +103,15 @@ def export_timm_folder(checkpoint: str | Path, out_dir: str | Path, ema: bool = 
 
 
 def results_naming(checkpoint: Path) -> list[tuple[Path, dict]]:
-    """The results.json files of the runs around ``checkpoint`` (its folder, the folder above and that folder's
-    run directories) whose sections name this very file by its sha256: the fit that wrote it, and the
-    validations, tests and evaluations run on it there."""
+    """The results.json files of the runs around ``checkpoint`` (its folder and the folder above, and the run
+    directories in each: the recipes' runs/at/<recipe>/version_N beside best.ckpt, the quickstart's
+    runs/quickstart/version_N beside checkpoints/) whose sections name this very file by its sha256: the fit that
+    wrote it, and the validations, tests and evaluations run on it there."""
     from robust_lightning.evaluation.results import file_sha256  # noqa: PLC0415
 
     sha = file_sha256(checkpoint)
-    folders = [checkpoint.parent, checkpoint.parent.parent, *sorted(checkpoint.parent.parent.glob("*/"))]
+    folders = [folder for parent in (checkpoint.parent, checkpoint.parent.parent)
+               for folder in (parent, *sorted(parent.glob("*/")))]
     found = []
     for path in dict.fromkeys(folder / "results.json" for folder in folders):
         try:
