@@ -82,8 +82,9 @@ def test_kill_9_mid_epoch_then_ckpt_path_last_resumes_the_same_run(tmp_path):
 
 @pytest.mark.parametrize("devices", [1, 2])
 def test_sigterm_stops_a_fit_with_a_checkpoint_a_message_and_a_failing_status(tmp_path, devices):
-    """SIGTERM mid-epoch (a scheduler pre-empting the job): the fit stops at the next step (under DDP, every rank:
-    Lightning broadcasts the signal), writes last.ckpt there and results.json marked interrupted, says how to
+    """SIGTERM mid-epoch (a scheduler pre-empting the job): the fit stops at the next step (under DDP, every rank at
+    the same step, however the signals' arrival is spread over the ranks), writes last.ckpt there and results.json
+    marked interrupted, says how to
     resume and exits 143, not 0. The resume command it prints then finishes the run."""
     record = tmp_path / "batches.jsonl"
     pace = {"class_path": "slurm_cluster.Pace", "init_args": {"record": str(record), "seconds": 0.3}}
