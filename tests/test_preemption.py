@@ -91,7 +91,10 @@ def test_sigterm_stops_a_fit_with_a_checkpoint_a_message_and_a_failing_status(tm
     config = tiny_config(tmp_path, tmp_path / "synthetic", **{
         "trainer.max_epochs": 2, "trainer.limit_train_batches": STEPS_PER_EPOCH, "trainer.callbacks": [pace],
         "trainer.devices": devices, "trainer.strategy": "ddp" if devices > 1 else "auto",
-        "data.batch_size": 2, "data.synthetic.train_per_class": STEPS_PER_EPOCH})
+        "data.batch_size": 2, "data.synthetic.train_per_class": STEPS_PER_EPOCH,
+        # a user's defaults, which tiny_config turns off: the progress bar (here its line-per-N-steps form, as in a
+        # SLURM log) and loader workers, whose processes get the signal too
+        "trainer.enable_progress_bar": True, "data.num_workers": 1})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     process = subprocess.Popen([sys.executable, "-m", "robust_lightning", "fit", "--config", str(config)],
                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -47,6 +47,7 @@ from robust_lightning.data.transforms import (
 )
 from robust_lightning.errors import UserError
 from robust_lightning.paths import DATA_DIR
+from robust_lightning.scale.srun import ignore_job_signals
 
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
 HOLDOUT_SEED = 0  # fixed: the selection split must not move with the data-order seed
@@ -902,6 +903,8 @@ class ImageNetDataModule(LightningDataModule):
             kwargs["num_workers"] = min(kwargs["num_workers"], 2)
         loader_cls = kwargs.pop("loader_cls", DataLoader)
         kwargs.setdefault("collate_fn", collate)
+        if kwargs["num_workers"] > 0:  # the training process handles SIGTERM / SIGUSR1, not its workers
+            kwargs.setdefault("worker_init_fn", ignore_job_signals)
         return loader_cls(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(), **kwargs)
 
     def train_dataloader(self) -> DataLoader:

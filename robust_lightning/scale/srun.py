@@ -4,7 +4,10 @@ job step, forked DataLoader workers included. A forked worker inherits Lightning
 on SIGUSR1 it saves an hpc_ckpt_N.ckpt from its stale copy of the trainer (which can overwrite the real one, so the
 requeued job resumes from an older step) and requeues the job once more; on SIGTERM it would signal and broadcast
 to the ranks from its copy. Children forked by a process that called :func:`shield_forked_children` ignore both
-instead; the training process handles them alone, and its workers end with it. ``robust-lightning`` (also as
+instead; the training process handles them alone, and its workers end with it. DataLoader workers need it again
+at their start (:func:`ignore_job_signals` as their ``worker_init_fn``): torch's worker loop installs a SIGTERM
+handler of its own, which ends the worker unless its parent sent the signal, and the loader then fails the
+training process with "DataLoader worker ... is killed by signal: Terminated". ``robust-lightning`` (also as
 ``python -m robust_lightning``, which needs no console script on the compute nodes) and a sweep's cells call it
 first thing.
 """
@@ -13,7 +16,8 @@ import os
 import signal
 
 
-def _ignore_job_signals() -> None:
+def ignore_job_signals(*_) -> None:
+    """Ignore SLURM's requeue and stop signals in this process (a forked child; ``*_``: a worker id)."""
     try:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -22,4 +26,4 @@ def _ignore_job_signals() -> None:
 
 
 def shield_forked_children() -> None:
-    os.register_at_fork(after_in_child=_ignore_job_signals)
+    os.register_at_fork(after_in_child=ignore_job_signals)
