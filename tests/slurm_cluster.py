@@ -272,6 +272,18 @@ class Pace(Callback):
                                     "epoch": trainer.current_epoch, "step": trainer.global_step}) + "\n")
 
 
+class SignalMidStep(Callback):
+    """Sends ``signal_name`` to this process inside the training step that makes optimiser step ``step`` (after
+    its backward pass, before the optimiser updates the weights)."""
+
+    def __init__(self, step: int, signal_name: str = "SIGUSR1"):
+        self.step, self.signum = step, signal.Signals[signal_name]
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step + 1 == self.step:
+            os.kill(os.getpid(), self.signum)
+
+
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # kill PID: cancel the jobs and stop the daemons
     cluster = SlurmCluster(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp/rl-slurm"))

@@ -127,3 +127,42 @@ def test_sigterm_stops_a_fit_with_a_checkpoint_a_message_and_a_failing_status(tm
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     fit = json.loads((run / "results.json").read_text())["fit"]
     assert fit["epochs"] == 2 and "interrupted" not in fit
+
+
+def test_the_slurm_requeue_signal_mid_step_checkpoints_at_the_end_of_that_step(tmp_path):
+    """SLURM's requeue signal (SIGUSR1) lands in the middle of a training step. The hpc checkpoint is written at the
+    end of that step (Lightning writes it inside the signal handler: half a step, whose batch the resumed run would
+    train again), scontrol is asked to requeue the job once, and the fit resumed from the checkpoint trains each
+    remaining step exactly once."""
+    record = tmp_path / "batches.jsonl"
+    callbacks = [{"class_path": "slurm_cluster.Pace", "init_args": {"record": str(record), "seconds": 0}},
+                 {"class_path": "slurm_cluster.SignalMidStep", "init_args": {"step": 3}}]
+    config = tiny_config(tmp_path, tmp_path / "synthetic", **{
+        "trainer.max_epochs": 1, "trainer.limit_train_batches": 6, "trainer.callbacks": callbacks,
+        "data.batch_size": 2, "data.synthetic.train_per_class": 6, "model.ema_decay": 0.9})
+    scontrol = tmp_path / "bin" / "scontrol"  # records the requeue instead of asking a cluster
+    scontrol.parent.mkdir()
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+    scontrol.chmod(0o755)
+    env = {**os.environ, "PATH": f"{scontrol.parent}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+           # what SLURM sets in a one-task batch job; Lightning then enables its auto-requeue
+           "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "requeue-test", "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
+           "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost"}
+    first = subprocess.run([sys.executable, "-m", "robust_lightning", "fit", "--config", str(config)],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    hpc = tmp_path / "runs" / "hpc_ckpt_1.ckpt"  # in trainer.default_root_dir (the templates': RUN_DIR)
+    saved = torch.load(hpc, map_location="cpu", weights_only=True)
+    assert saved["global_step"] == 3  # the step the signal came in, finished
+    progress = saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
+    assert progress["ready"] == progress["started"] == progress["processed"] == 3 and progress["completed"] == 2
+
+    record.unlink()
+    env.pop("SLURM_JOB_ID")  # the resumed fit is not requeued again
+    resumed = subprocess.run([sys.executable, "-m", "robust_lightning", "fit", "--config", str(config),
+                              "--ckpt_path", str(hpc), "--trainer.callbacks", json.dumps(callbacks[:1])],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [json.loads(line)["step"] for line in record.read_text().splitlines()] == [4, 5, 6]

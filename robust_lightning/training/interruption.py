@@ -4,11 +4,13 @@ non-zero exit status (the command line's; ``robust_lightning.cli``).
 Lightning notes SIGTERM but, in one process, stops only at the end of the epoch (hours on ImageNet), and its
 ``SIGTERMException`` is a ``SystemExit`` without a code: the process exits 0, which schedulers, scripts and sweep
 bookkeeping take for a finished run. Here a fit stops at the next step boundary (under DDP every rank at the same
-one: the ranks agree at the start of each step), ``last.ckpt`` is written where training went further than the last
+one: the ranks agree at the end of each step), ``last.ckpt`` is written where training went further than the last
 checkpoint (one process only: under DDP a save is a collective that ranks stopped at different steps would never
 complete), and the resume command is printed. SIGINT (Ctrl-C) ends the same way; Lightning exits 1 after it.
-SLURM's requeue (SIGUSR1, then SIGTERM) is Lightning's and keeps working: the requeued job resumes from its
-``hpc_ckpt_N.ckpt``.
+SLURM's requeue signal (SIGUSR1 with ``#SBATCH --signal``) runs Lightning's requeue (``hpc_ckpt_N.ckpt``, then
+``scontrol requeue``) at the end of the training step in progress. Lightning runs it inside the signal handler:
+a checkpoint of half a step (the resumed run then trained that batch twice) and, under DDP, a collective wherever
+each rank was.
 """
 
 import logging
@@ -16,10 +18,10 @@ import shlex
 import signal
 import sys
 import threading
-from functools import partial
 
 import torch
 from lightning import Callback
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -43,23 +45,24 @@ def resume_command(argv: list[str]) -> str:
     return shlex.join(["robust-lightning", *kept, "--ckpt_path", "last"])
 
 
-def _take_over_sigterm(trainer) -> None:
-    """Replace Lightning's SIGTERM handler by one that only notes the signal (and forwards it to the ranks this
-    process launched, as Lightning's does). Lightning's also broadcasts from inside the handler, a collective at
-    whatever point each rank was interrupted: under DDP, with every rank signalled (SLURM, a process group), the
-    ranks then wait in different collectives forever.
+def _take_over_signals(trainer) -> None:
+    """Replace Lightning's SIGTERM handler (and, in a fit on SLURM, its requeue handler) by ones that only note the
+    signal; :func:`_act_on_signals` acts on them at the end of a training step. SIGTERM is also forwarded to the
+    ranks this process launched, as Lightning's handler does. Lightning's SIGTERM handler also broadcasts from
+    inside the handler, a collective at whatever point each rank was interrupted: under DDP, with every rank
+    signalled (SLURM, a process group), the ranks then wait in different collectives forever.
 
-    Under DDP the noted signal is acted on only where every rank is, at the start of a training step
-    (:func:`_stop_together`, in place of Lightning's broadcast of rank zero's flag there). Lightning also stops a
-    rank whose own flag is set at the end of its step: a rank signalled a moment before the others would leave
-    alone, and the others would fail in the next step's gradient all-reduce."""
-    if threading.current_thread() is not threading.main_thread() or getattr(trainer, "_rl_sigterm_taken", False):
+    Under DDP a noted signal is acted on only where every rank is, at the end of a training step (the largest flag
+    over the ranks). Lightning would stop a rank whose own SIGTERM flag is set: a rank signalled a moment before the
+    others would leave alone, and the others would fail in the next step's gradient all-reduce. In one process
+    SIGTERM also ends a validation loop in progress (Lightning checks the flag between its batches)."""
+    if threading.current_thread() is not threading.main_thread() or getattr(trainer, "_rl_signals_taken", False):
         return
     connector = trainer._signal_connector
     distributed = trainer.world_size > 1
-    trainer._rl_sigterm_pending = False
-    if distributed:
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = partial(_stop_together, trainer)
+    trainer._rl_sigterm_pending = trainer._rl_requeue_pending = False
+    if distributed:  # its broadcast of rank zero's flag at the start of a step; _act_on_signals decides instead
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
 
     def note_sigterm(signum, frame) -> None:
         log.info(f"[rank {trainer.global_rank}] received SIGTERM: stopping at the next step")
@@ -70,19 +73,43 @@ def _take_over_sigterm(trainer) -> None:
         else:
             connector.received_sigterm = True
 
-    signal.signal(signal.SIGTERM, note_sigterm)  # Lightning's teardown restores the handler it found at its start
-    # restart the system calls the signal interrupts: a collective's socket read cut short (EINTR) would fail
-    # that rank's collective while the others complete theirs
+    def note_requeue(signum, frame) -> None:
+        log.info(f"[rank {trainer.global_rank}] received the requeue signal: checkpoint and requeue after this step")
+        trainer._rl_requeue_pending = True
+
+    # restart the system calls a signal interrupts: a collective's socket read cut short (EINTR) would fail that
+    # rank's collective while the others complete theirs
+    signal.signal(signal.SIGTERM, note_sigterm)  # Lightning's teardown restores the handlers it found at its start
     signal.siginterrupt(signal.SIGTERM, False)
-    trainer._rl_sigterm_taken = True
+    requeue = _requeue_signal(trainer)
+    if requeue is not None and trainer.state.fn == "fit":
+        signal.signal(requeue, note_requeue)
+        signal.siginterrupt(requeue, False)
+    trainer._rl_signals_taken = True
 
 
-def _stop_together(trainer) -> None:
-    """At the start of a training step, where every rank is: stop all of them if any noted SIGTERM (the largest
-    flag over the ranks). One small collective per step, as Lightning's broadcast it replaces."""
-    flag = torch.tensor([1 if trainer._rl_sigterm_pending else 0], device=trainer.strategy.root_device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    if flag.item():
+def _requeue_signal(trainer):
+    """The signal Lightning requeues a SLURM job on, or None where it does not (not SLURM, auto_requeue off)."""
+    environment = trainer._accelerator_connector.cluster_environment
+    if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+        return environment.requeue_signal
+    return None
+
+
+def _act_on_signals(trainer) -> None:
+    """At the end of a training step: write the requeue checkpoint and requeue if the requeue signal came, stop
+    if SIGTERM came. Under DDP every rank does so at the same step: one small collective per step, as Lightning's
+    broadcast it replaces."""
+    requeue, stop = trainer._rl_requeue_pending, trainer.received_sigterm
+    if trainer.world_size > 1:
+        flags = torch.tensor([int(requeue), int(trainer._rl_sigterm_pending)], device=trainer.strategy.root_device)
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        requeue, stop = flags.tolist()
+    if requeue:
+        trainer._rl_requeue_pending = False
+        # Lightning's own requeue: loggers flushed, hpc_ckpt_N.ckpt (a collective: every rank is here), scontrol
+        trainer._signal_connector._slurm_sigusr_handler_fn(_requeue_signal(trainer), None)
+    if stop:
         trainer._signal_connector.received_sigterm = True
         raise SIGTERMException()
 
@@ -92,32 +119,30 @@ class Interruption(Callback):
 
     # after Lightning registers its signal handlers (Trainer._run), before any batch
     def on_train_start(self, trainer, pl_module) -> None:
-        _take_over_sigterm(trainer)
+        _take_over_signals(trainer)
 
     def on_validation_start(self, trainer, pl_module) -> None:
-        _take_over_sigterm(trainer)
+        _take_over_signals(trainer)
 
     def on_test_start(self, trainer, pl_module) -> None:
-        _take_over_sigterm(trainer)
+        _take_over_signals(trainer)
 
     def on_predict_start(self, trainer, pl_module) -> None:
-        _take_over_sigterm(trainer)
+        _take_over_signals(trainer)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        trainer._rl_sigterm_taken = False
+        trainer._rl_signals_taken = False
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.received_sigterm and trainer.world_size == 1:  # under DDP _stop_together raises it
-            raise SIGTERMException()
+        _act_on_signals(trainer)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if not isinstance(exception, (SIGTERMException, KeyboardInterrupt)) or trainer.state.fn != "fit":
             return
         checkpoint = trainer.checkpoint_callback
         has_last = isinstance(checkpoint, ModelCheckpoint) and checkpoint.save_last
-        # Under DDP a save is a collective, and the ranks may stop at different steps (each gets the signal, and
-        # Lightning's handler broadcasts it from inside the signal handler): no collective here, the run resumes
-        # from its last checkpoint (on SLURM, the requeue's hpc_ckpt_N.ckpt).
+        # Under DDP a save is a collective, and Ctrl-C stops each rank wherever it was: no collective here, the run
+        # resumes from its last checkpoint (on SLURM, the requeue's hpc_ckpt_N.ckpt).
         if has_last and checkpoint.dirpath and trainer.world_size == 1:
             if checkpoint._last_global_step_saved != trainer.global_step:  # steps since the last checkpoint
                 checkpoint._save_last_checkpoint(trainer, checkpoint._monitor_candidates(trainer))

@@ -211,7 +211,6 @@ class ImageClassifier(LightningModule):
             self.ema = ModelEmaV3(self.model, decay=ema_decay)
             self.ema.requires_grad_(False)
             self.ema.module.train()  # follow the module's mode like any submodule (timm leaves it in eval)
-        self._ema_step = 0
         self._step_nominal: int | None = None  # images the current optimiser step is meant to see (global batch)
         self._step_images: int | None = None  # images of this rank the current optimiser step saw so far
         self._resumed_random_states = None  # set by on_load_checkpoint, applied by on_train_start
@@ -468,11 +467,12 @@ class ImageClassifier(LightningModule):
                        random_start=hp.attack_random_start)
         return fgsm(forward, images, targets, eps=eps, random_start=hp.attack == "fgsm_rs")
 
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        # once per optimiser step (global_step counts them; it does not move on accumulation micro-batches)
-        if self.ema is not None and self.trainer.global_step != self._ema_step:
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        # Here, not in on_train_batch_end: a checkpoint written by a callback at the end of the step (ModelCheckpoint,
+        # the SLURM requeue, SIGTERM) then holds the EMA of the step it records.
+        if self.ema is not None:
             self.ema.update(self.model)
-            self._ema_step = self.trainer.global_step
 
     def on_train_epoch_end(self) -> None:
         # adv_acc1 exists only with an attack (decided by the configuration, so every rank logs the same keys).
