@@ -2,6 +2,11 @@
 
 __version__ = "0.1.0"
 
+# First, before timm imports wandb: its temporary folders into one a killed process's successor removes.
+from robust_lightning.process_temp import import_wandb_into_process_folder  # noqa: E402
+
+import_wandb_into_process_folder()
+
 # Registering the project's model variants with timm is a side effect of importing the models package.
 from robust_lightning import models  # noqa: E402,F401
 from robust_lightning.models.weights import load_model  # noqa: E402
