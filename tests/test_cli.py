@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,7 +89,8 @@ def test_help_lists_the_subcommands(capsys):
 def test_fit_writes_checkpoints_and_results(fitted):
     _, run_dir = fitted
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
-    assert len(list((run_dir / "checkpoints").glob("epoch*.ckpt"))) == 1  # the best one
+    (best,) = (run_dir / "checkpoints").glob("epoch*.ckpt")  # the best one, named as the README says
+    assert re.fullmatch(r"epoch\d{3}-select\d\.\d{4}\.ckpt", best.name), best.name
     assert (run_dir / "config.yaml").is_file()
     results = json.loads((run_dir / "results.json").read_text())
     fit = results["fit"]

@@ -39,6 +39,7 @@ def test_every_command_ends_under_ddp_with_the_defaults_a_user_has(tmp_path):
     assert "Epoch 1: 100%" in output and "AutoAttack Linf-4_255" in output
     run = tmp_path / "runs" / "quickstart" / "version_0"
     fitted = results(run)
+    assert f"results: {(run / 'results.json').resolve()}" in output  # the README: fit prints where results went
     assert fitted["fit"]["conditions"]["world_size"] == 2
     assert fitted["fit"]["metrics"]["val/num_images"] == 2 * 2 * 32  # 2 batches of 32 on each rank
     assert fitted["autoattack"]["threat_models"]["Linf-4_255"]["num_points"] == 16

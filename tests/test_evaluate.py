@@ -96,7 +96,9 @@ def test_an_imagenet_val_root_with_the_projects_preprocessing(tmp_path):
     assert card["card"]["parts"] == ["autoattack", "imagenet_c", "resolution_sweep"]
     assert {"autoattack", "imagenet_c", "resolution_sweep", "test"} <= set(card)
     assert card["autoattack"]["threat_models"].keys() == {"Linf-4_255", "L2-2", "L1-75"}  # the card's three
-    assert (tmp_path / "c" / "robustness_card.md").is_file()
+    # out_dir holds the card and its plots (README: results.json, the card, plots, outcomes)
+    assert {"robustness_card.md", "results.json", "resolution_sweep.png", "imagenet_c_errors.png", "autoattack"} <= {
+        path.name for path in (tmp_path / "c").iterdir()}
 
 
 def test_bad_input_is_one_clear_message(trained, points):
@@ -134,11 +136,12 @@ def test_the_readme_notebook_example_runs(points):
     assert not Path("results.json").exists()  # without out_dir nothing is left behind
 
 
-def test_a_leaderboard_claim_only_for_the_leaderboards_evaluation(trained, points, tmp_path, capsys):
+def test_a_leaderboard_claim_only_for_the_leaderboards_evaluation(trained, points, tmp_path, capsys, monkeypatch):
     """robust-lightning claim refuses a results.json of any other evaluation, naming every difference; for the
     leaderboard's (the same file with its data and counts made the leaderboard's) it writes RobustBench's
     model-info JSON."""
     x, y = points
+    monkeypatch.chdir(tmp_path)  # the claim's default output is relative to the working directory
     robust_lightning.evaluate(trained, (x, y), threat_models=[{"norm": "Linf", "eps": 4 / 255}], out_dir=tmp_path,
                               batch_size=24)
     results = tmp_path / "results.json"
@@ -163,6 +166,9 @@ def test_a_leaderboard_claim_only_for_the_leaderboards_evaluation(trained, point
     assert (info["clean_acc"], info["autoattack_acc"], info["eps"], info["dataset"]) == ("72.72", "49.46", "4/255",
                                                                                       "imagenet")
     assert info["architecture"] == "ConvNeXt-T + ConvStem" and info["number_forward_passes"] == 1
+    # without --out: RobustBench's layout, model_info/imagenet/<threat model>/<name>.json, as the README says
+    assert main(["claim", str(results), "--model_name", "Me2026Robust", "--architecture", "ConvNeXt-T + ConvStem"]) == 0
+    assert json.loads((tmp_path / "model_info" / "imagenet" / "Linf" / "Me2026Robust.json").read_text()) == info
     assert {key for key, value in info.items() if value is None} == {"link", "name", "authors", "additional_data",
                                                                      "venue", "reported"}
     assert "standard AutoAttack (fast engine, fp32 (TF32 off), seed 0)" in info["footnote"]

@@ -11,7 +11,7 @@ import pytest
 
 from robust_lightning.cli import main
 from robust_lightning.errors import UserError
-from robust_lightning.evaluation.autoattack import AutoAttackEvaluation, read_outcomes
+from robust_lightning.evaluation.autoattack import WEIGHTS_HASH_PREFIX, AutoAttackEvaluation, read_outcomes
 from robust_lightning.evaluation.outcomes import append_record, claim_directory
 from robust_lightning.evaluation.results import file_sha256, weights_sha256
 from robust_lightning.training.lightning_module import ImageClassifier
@@ -59,7 +59,10 @@ def _check_results(run: Path, steps: int) -> dict:
     linf = section["threat_models"]["Linf-4_255"]
     assert linf["num_points"] == FIT_IMAGES
     # the outcomes summarised are those of these weights, every image once
-    outcomes = Path(section["conditions"]["results_dir"]) / "Linf-4_255"
+    # <run dir>/autoattack/weights-<hash prefix>/, as the README says
+    results_dir = Path(section["conditions"]["results_dir"])
+    assert results_dir == (run / "autoattack" / f"weights-{weights[:WEIGHTS_HASH_PREFIX]}").resolve()
+    outcomes = results_dir / "Linf-4_255"
     assert json.loads((outcomes / "manifest.json").read_text())["weights_sha256"] == weights
     assert len(read_outcomes(outcomes)) == FIT_IMAGES
     return section

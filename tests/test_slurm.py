@@ -4,6 +4,7 @@ SIGUSR1 requeue that resumes from the checkpoint. CPU only; deselect with ``pyte
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -69,13 +70,18 @@ def fit_config(tmp_path: Path, name: str, num_workers: int = 0, **trainer) -> Pa
     return path
 
 
-def submit_training(cluster: SlurmCluster, config: Path, run_dir: Path, tasks: int) -> str:
+def submit_training(cluster: SlurmCluster, config: Path, run_dir: Path | None, tasks: int, cwd: Path = REPO,
+                    env: dict | None = None) -> str:
     """slurm/train_multinode.sbatch on this 1-node CPU cluster: the template as shipped, with the node, task and
-    GPU counts overridden on the sbatch command line as a user would."""
+    GPU counts overridden on the sbatch command line as a user would. run_dir None: the template's own RUN_DIR
+    and log file, relative to ``cwd``."""
+    where = [] if run_dir is None else [f"--output={run_dir}.out"]
+    env = {"CONFIG": str(config), "PYTHON": sys.executable, **(env or {})}
+    if run_dir is not None:
+        env["RUN_DIR"] = str(run_dir)
     out = cluster.run(
         "sbatch", "--parsable", "--nodes=1", f"--ntasks-per-node={tasks}", "--gpus-per-node=0", "--cpus-per-task=1",
-        "--mem=0", "--time=10", f"--output={run_dir}.out", str(REPO / "slurm" / "train_multinode.sbatch"),
-        env={"CONFIG": str(config), "RUN_DIR": str(run_dir), "PYTHON": sys.executable}, cwd=REPO,
+        "--mem=0", "--time=10", *where, str(REPO / "slurm" / "train_multinode.sbatch"), env=env, cwd=cwd,
     )
     return out.stdout.strip().split(";")[0]
 
@@ -167,11 +173,15 @@ def test_sweep_array_job_then_report(slurm_env, tiny_checkpoint, tmp_path, capsy
 def test_srun_ddp_fit_with_two_tasks(slurm_env, tmp_path):
     cluster = slurm_env
     config = fit_config(tmp_path, "ddp", strategy="ddp")
-    run_dir = tmp_path / "run"
-    job = submit_training(cluster, config, run_dir, tasks=2)
+    # the template's defaults: RUN_DIR and the log file named after the job, W&B offline on the compute node
+    job = submit_training(cluster, config, None, tasks=2, cwd=tmp_path,
+                          env={"WANDB_PROJECT": "slurm-test", "WANDB_MODE": "offline"})
     record = cluster.wait(job, timeout=240)[0]
-    log = Path(f"{run_dir}.out").read_text()
+    log = (tmp_path / f"slurm-train_multinode.sbatch-{job}.out").read_text()
     assert record["JobState"] == "COMPLETED", log[-3000:]
+    run_dir = tmp_path / "runs" / "slurm" / f"train_multinode.sbatch-{job}"
+    assert (run_dir / "metrics.csv").is_file() and (run_dir / "config.yaml").is_file()
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
     # two processes started by srun, ranks from SLURM (not spawned by Lightning), over gloo
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in log and "distributed_backend=gloo" in log
     assert log.count("SLURM auto-requeueing enabled") == 2
@@ -232,14 +242,16 @@ def test_eval_array_template_gives_each_checkpoint_its_directory(slurm_env, tiny
         f"--data.synthetic={json.dumps(synthetic(synthetic_root))}", "--trainer.callbacks.init_args.version=apgd-ce",
         "--trainer.callbacks.init_args.n_iter=3",
         '--trainer.callbacks.init_args.threat_models=[{"norm": "Linf", "eps": 0.01568627450980392}]',
-        env={"CKPTS": str(ckpts), "EVAL_CONFIG": "configs/eval/quickstart_autoattack.yaml",
-             "OUT_ROOT": str(tmp_path / "eval"), "PYTHON": sys.executable}, cwd=REPO,
+        # OUT_ROOT unset: the template's runs/eval, under the submission directory
+        env={"CKPTS": str(ckpts), "EVAL_CONFIG": str(REPO / "configs" / "eval" / "quickstart_autoattack.yaml"),
+             "PYTHON": sys.executable}, cwd=tmp_path,
     ).stdout.strip().split(";")[0]
     record = cluster.wait(job, timeout=180)[0]
     log = next(tmp_path.glob("eval_*_0.out")).read_text()
     assert record["JobState"] == "COMPLETED", log[-3000:]
-    (results_path,) = (tmp_path / "eval" / "quickstart_autoattack").glob("*/results.json")
-    assert results_path.parent.name.endswith("_ckpt_last")  # named after the checkpoint's path
+    (results_path,) = (tmp_path / "runs" / "eval" / "quickstart_autoattack").glob("*/results.json")
+    # named after the checkpoint's path as the README says: no extension, other characters than [A-Za-z0-9._-] '_'
+    assert results_path.parent.name == re.sub(r"[^A-Za-z0-9._-]+", "_", str(checkpoint.with_suffix("")))
     results = json.loads(results_path.read_text())
     assert results["test"]["checkpoint"]["path"] == str(checkpoint)
     assert results["autoattack"]["threat_models"]["Linf-4_255"]["num_points"] == 10
