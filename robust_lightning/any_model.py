@@ -206,14 +206,18 @@ def evaluate(
             ImageNet root as ``data``.
         threat_models: AutoAttack's, as the AutoAttack callback takes them: ``[{"norm": "Linf", "eps": 4/255}]``.
         version: AutoAttack's version ("standard", or the quick modes "apgd-t", "apgd-ce").
-        mean, std: a normaliser put in front of a model that expects normalised input.
+        mean: with ``std``, a normaliser put in front of a model that expects normalised input.
+        std: see ``mean``.
         datasets: roots of the benchmarks, under the card's names (``imagenet_r``, ``imagenet_c`` (or
             "generated"), ``imagenet_p``, ``imagenet_val`` for ImageNet-O, ...).
         options: further settings per evaluation, e.g. ``{"autoattack": {"batch_size": 100}}``.
         out_dir: where results.json, the card, the plots and AutoAttack's per-image outcomes go; the same call
             again resumes from them. None: a temporary folder, deleted afterwards.
-        batch_size, num_workers: of the evaluation data.
-        accelerator, devices, strategy: Lightning's; several devices split the images between them.
+        batch_size: of the evaluation data.
+        num_workers: the evaluation data's loader workers.
+        accelerator: Lightning's.
+        devices: Lightning's; several devices split the images between them.
+        strategy: Lightning's.
     """
     if not isinstance(model, nn.Module):
         raise UserError(f"model must be a torch nn.Module, got {type(model).__name__}")

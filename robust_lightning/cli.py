@@ -179,8 +179,8 @@ def continue_in_latest_run_directory(config) -> None:
         config.ckpt_path = str(chosen)
 
 
-# What a checkpoint given with --ckpt_path carries, and which of its settings win (README, "What a checkpoint
-# carries"). LightningCLI re-parses the checkpoint's hyper-parameters over the command line and the configs;
+# What a checkpoint given with --ckpt_path carries, and which of its settings win (docs/command-line.md, "What a
+# checkpoint carries"). LightningCLI re-parses the checkpoint's hyper-parameters over the command line and the configs;
 # model settings given there that differ from the checkpoint's are applied again over them, except:
 ARCHITECTURE_SETTINGS = ("arch", "arch_kwargs", "mean", "std", "small_input", "ema_decay")  # define its tensors
 OPTIMIZER_SETTINGS = ("lr", "min_lr", "warmup_epochs", "weight_decay", "weight_decay_rule", "betas")  # fit resumes them

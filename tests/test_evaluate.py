@@ -121,16 +121,16 @@ def test_bad_input_is_one_clear_message(trained, points):
         robust_lightning.evaluate(trained, x)
 
 
-def test_the_readme_notebook_example_runs(points):
-    """The README's notebook example, as printed there, on a small model and points."""
+def test_the_docs_notebook_example_runs(points):
+    """The notebook example of docs/evaluation.md, as printed there, on a small model and points."""
     block = re.search(r"```python\n(import robust_lightning\n\nresult = robust_lightning\.evaluate.*?)```",
-                      (REPO / "README.md").read_text(), re.S)
-    assert block, "README.md lost its notebook example"
+                      (REPO / "docs" / "evaluation.md").read_text(), re.S)
+    assert block, "docs/evaluation.md lost its notebook example"
     x, y = points
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 10)).eval()  # untrained: every attack ends fast
     scope = {"model": model, "x": x[:4], "y": y[:4]}
-    exec(block.group(1), scope)  # noqa: S102 - the README's own code
+    exec(block.group(1), scope)  # noqa: S102 - the docs' own code
     linf = scope["result"]["autoattack"]["threat_models"]["Linf-4_255"]
     assert linf["num_points"] == 4 and 0 <= linf["robust_accuracy"] <= linf["clean_accuracy"]
     assert not Path("results.json").exists()  # without out_dir nothing is left behind

@@ -1,5 +1,5 @@
 """The base of the evaluation callbacks: weights, images, gathering, eval mode, publishing, atomic writes, and the
-README's example evaluation run through a Trainer on synthetic data."""
+the example evaluation of docs/contributing.md run through a Trainer on synthetic data."""
 
 import json
 import re
@@ -21,13 +21,13 @@ from robust_lightning.training.lightning_module import ImageClassifier
 REPO = Path(__file__).resolve().parents[1]
 
 
-def readme_example() -> dict:
-    """The code block of README's "Writing a new evaluation", executed as it is written there."""
-    text = (REPO / "README.md").read_text()
+def docs_example() -> dict:
+    """The code block of "Writing a new evaluation" in docs/contributing.md, executed as it is written there."""
+    text = (REPO / "docs" / "contributing.md").read_text()
     section = text[text.index("### Writing a new evaluation"):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    namespace: dict = {"__name__": "readme_example"}
-    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 (the repository's own README)
+    namespace: dict = {"__name__": "docs_example"}
+    exec(compile(code, "docs/contributing.md", "exec"), namespace)  # noqa: S102 (the repository's own docs)
     return namespace
 
 
@@ -51,8 +51,8 @@ def run_test(tmp_path, synthetic, callbacks, module=None):
     return trainer, module
 
 
-def test_the_readme_example_measures_clean_top1_on_the_first_images(tmp_path, synthetic, capsys):
-    example = readme_example()["CleanTop1"](max_images=7)
+def test_the_docs_example_measures_clean_top1_on_the_first_images(tmp_path, synthetic, capsys):
+    example = docs_example()["CleanTop1"](max_images=7)
     trainer, module = run_test(tmp_path, synthetic, [RunResults(), example])
     # independently: the first 7 evaluation images through the data module's own loader
     data = datamodule(synthetic)

@@ -1,5 +1,6 @@
-"""Every command in the README's shell code blocks goes through the real command line, so a renamed option, a
-moved config or a path that no command writes fails here instead of in a user's shell.
+"""Every command in the shell code blocks of README.md and docs/*.md (called "the README" below) goes through
+the real command line, so a renamed option, a moved config or a path that no command writes fails here instead
+of in a user's shell.
 
 How each command is checked (in-process, through robust_lightning.cli.main, in a sandbox directory that links
 the repository's files but has an empty runs/):
@@ -36,6 +37,7 @@ from robust_lightning.cli import LIGHTNING_CKPT_NAMES, TOOL_COMMANDS, TRAINER_CO
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DOCUMENTS = [README, *sorted((REPO / "docs").glob("*.md"))]
 MAKEFILE = REPO / "Makefile"
 
 # Programs other than robust-lightning that README code blocks may run, why, and what is checked of them.
@@ -70,7 +72,7 @@ SHELL_OPERATORS = {"|", "||", "&&", ";", "<", ">>", "&", "2>"}
 
 @dataclass(frozen=True)
 class Command:
-    where: str  # README.md:LINE, or the Makefile line that `make TARGET` runs
+    where: str  # FILE:LINE (README.md or docs/PAGE.md), or the Makefile line that `make TARGET` runs
     text: str  # the command (continuation lines joined, trailing comment dropped, words re-quoted)
     words: tuple[str, ...]  # shell words: VAR=value prefixes, the program and its arguments
     stdout_to: str | None = None  # `> FILE`
@@ -96,16 +98,18 @@ class Command:
         return None
 
 
-def code_blocks() -> list[tuple[str, int, list[str]]]:
-    """(language, line number of the first line inside, lines) of every fenced block of README.md."""
-    blocks, lines, start = [], README.read_text().splitlines(), None
-    for number, line in enumerate(lines, 1):
-        fence = re.fullmatch(r"\s*```(\S*)\s*", line)
-        if fence and start is None:
-            language, start = fence.group(1), number + 1
-        elif fence:
-            blocks.append((language, start, lines[start - 1:number - 1]))
-            start = None
+def code_blocks() -> list[tuple[str, str, int, list[str]]]:
+    """(file, language, line number of the first line inside, lines) of every fenced block of the documents."""
+    blocks = []
+    for document in DOCUMENTS:
+        lines, start, name = document.read_text().splitlines(), None, str(document.relative_to(REPO))
+        for number, line in enumerate(lines, 1):
+            fence = re.fullmatch(r"\s*```(\S*)\s*", line)
+            if fence and start is None:
+                language, start = fence.group(1), number + 1
+            elif fence:
+                blocks.append((name, language, start, lines[start - 1:number - 1]))
+                start = None
     return blocks
 
 
@@ -119,7 +123,7 @@ def comment_options(line: str) -> list[str]:
 
 def readme_commands() -> list[Command]:
     commands = []
-    for language, start, lines in code_blocks():
+    for document, language, start, lines in code_blocks():
         if language not in ("bash", "sh", "shell"):
             continue
         previous, pending, first = None, "", None
@@ -127,8 +131,8 @@ def readme_commands() -> list[Command]:
             if not pending and line.lstrip().startswith("#"):
                 options = comment_options(line)
                 if options and previous is not None and previous.robust_lightning_args() is not None:
-                    commands.append(Command(f"README.md:{number}", "# " + " ".join(options) + " (on the command above)",
-                                            previous.words + tuple(options)))
+                    shown = "# " + " ".join(options) + " (on the command above)"
+                    commands.append(Command(f"{document}:{number}", shown, previous.words + tuple(options)))
                 continue
             first = first or number
             if line.rstrip().endswith("\\"):
@@ -142,7 +146,7 @@ def readme_commands() -> list[Command]:
                     index = words.index(">")
                     stdout_to, words = words[index + 1], words[:index] + words[index + 2:]
                 shown = shlex.join(words) + (f" > {stdout_to}" if stdout_to else "")
-                previous = Command(f"README.md:{first}", shown, tuple(words), stdout_to)
+                previous = Command(f"{document}:{first}", shown, tuple(words), stdout_to)
                 commands.append(previous)
             first = None
     return commands
@@ -471,11 +475,11 @@ def test_every_placeholder_is_used():
 
 def test_commands_are_found_and_only_in_shell_blocks():
     """Every shell block yields commands, and no other block hides one (it would go unchecked)."""
-    for language, start, lines in code_blocks():
+    for document, language, start, lines in code_blocks():
         if language in ("bash", "sh", "shell"):
-            assert any(c.where.startswith(f"README.md:{n}") for c in COMMANDS
-                       for n in range(start, start + len(lines))), f"README.md:{start}: no command found"
+            assert any(c.where == f"{document}:{n}" for c in COMMANDS
+                       for n in range(start, start + len(lines))), f"{document}:{start}: no command found"
         else:
             for number, line in enumerate(lines, start):
                 assert not re.match(r"\s*(robust-lightning|make|sbatch|python -m robust_lightning)\s", line), (
-                    f"README.md:{number}: a command in a ```{language} block; mark the block ```bash")
+                    f"{document}:{number}: a command in a ```{language} block; mark the block ```bash")

@@ -291,13 +291,14 @@ def test_paper_results_csv_has_every_table2_row_with_its_four_numbers():
     assert published == ("72.34", "41.78", "46.20", "22.72")
 
 
-def test_readme_lists_every_recipe_with_its_published_numbers():
-    readme = (REPO / "README.md").read_text()
+@pytest.mark.parametrize("page", ["README.md", "docs/training.md"])
+def test_the_docs_list_every_recipe_with_its_published_numbers(page):
+    text = (REPO / page).read_text()
     for name, (*_, numbers) in TABLE2.items():
-        line = next((line for line in readme.splitlines() if line.startswith(f"| `{name}` |")), None)
+        line = next((line for line in text.splitlines() if line.startswith(f"| `{name}` |")), None)
         assert line is not None, name
         assert " / ".join(numbers) in line, line
-    assert "not available offline" not in readme
+    assert "not available offline" not in text
 
 
 # Table 1's basic-augmentation rows (App. A.2): row -> recipe -> the published clean, Linf, L2, L1 accuracies

@@ -230,7 +230,8 @@ class AutoAttack:
     """The standard AutoAttack ensemble (or a quick mode) against ``model``: [0, 1] inputs, logits out.
 
     Args:
-        norm, eps: the threat model ("Linf", "L2" or "L1").
+        norm: the threat model's norm: "Linf", "L2" or "L1".
+        eps: the threat model's radius.
         seed: reset before every attack on every batch, as the reference does; None draws one from the clock,
             as pyautoattack does (the report records it).
         verbose: :meth:`run_standard_evaluation`, :meth:`run_standard_evaluation_individual` and
@@ -246,7 +247,8 @@ class AutoAttack:
         engine: "fast" (ours) or "reference" (pyautoattack 0.2.0, unchanged).
         precision: "fp32" (default, TF32 off), "tf32" or "bf16" (fast engine only); successes are always
             verified in fp32, and refuted ones attacked again in fp32.
-        n_iter, n_target_classes: override the version's iterations / target classes (quick modes).
+        n_iter: overrides the version's iterations (quick modes).
+        n_target_classes: overrides the version's target classes (quick modes).
         n_queries: Square's query budget.
         channels_last: fast engine only: give the model channels_last inputs. Default: on the CPU, where it
             measured faster (benchmarks/RESULTS.md); off elsewhere, where it has not been measured. The fp32
