@@ -35,6 +35,7 @@ def make_step(module: ImageClassifier, optimizer, images, targets, device):
         optimizer.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
+
     return step
 
 
@@ -50,8 +51,9 @@ def main() -> None:
     images = torch.rand(args.batch, 3, args.resolution, args.resolution, device=device)
     labels = torch.randint(0, args.num_classes, (args.batch,), device=device)
     targets = soft_targets(labels, args.num_classes, 0.1)
-    common = dict(arch=args.model, num_classes=args.num_classes, image_size=args.resolution,
-                  channels_last=device.type == "cuda")
+    common = dict(
+        arch=args.model, num_classes=args.num_classes, image_size=args.resolution, channels_last=device.type == "cuda"
+    )
     variants = {"clean": dict(attack="none"), "at": dict(attack="apgd", attack_steps=args.attack_steps)}
     if args.compare_reuse:
         variants["at_no_reuse"] = dict(attack="apgd", attack_steps=args.attack_steps, reuse_attack_forward=False)
@@ -74,11 +76,18 @@ def main() -> None:
                 times[name].append(seconds)
     median = {name: statistics.median(values) for name, values in times.items()}
     result = {
-        "model": args.model, "batch": args.batch, "resolution": args.resolution, "device": str(device),
+        "model": args.model,
+        "batch": args.batch,
+        "resolution": args.resolution,
+        "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "threads": torch.get_num_threads(), "precision": args.precision, "attack_steps": args.attack_steps,
-        "reuse_attack_forward": reuse, "repeats": args.repeats,
-        "clean_step_s": round(median["clean"], 4), "at_step_s": round(median["at"], 4),
+        "threads": torch.get_num_threads(),
+        "precision": args.precision,
+        "attack_steps": args.attack_steps,
+        "reuse_attack_forward": reuse,
+        "repeats": args.repeats,
+        "clean_step_s": round(median["clean"], 4),
+        "at_step_s": round(median["at"], 4),
         "clean_images_per_s": round(args.batch / median["clean"], 1),
         "at_images_per_s": round(args.batch / median["at"], 1),
         "at_over_clean": round(median["at"] / median["clean"], 3),
@@ -90,8 +99,10 @@ def main() -> None:
         result["clean_compiled_over_clean"] = round(median["clean_compiled"] / median["clean"], 3)
         result["at_compiled_images_per_s"] = round(args.batch / median["at_compiled"], 1)
     for name, values in times.items():
-        print(f"{name:14s} median {median[name] * 1000:8.1f} ms  {args.batch / median[name]:8.1f} images/s  "
-              f"(min {min(values) * 1000:.1f}, max {max(values) * 1000:.1f})")
+        print(
+            f"{name:14s} median {median[name] * 1000:8.1f} ms  {args.batch / median[name]:8.1f} images/s  "
+            f"(min {min(values) * 1000:.1f}, max {max(values) * 1000:.1f})"
+        )
     print(json.dumps(result))
 
 
@@ -106,8 +117,9 @@ if __name__ == "__main__":
     parser.add_argument("--attack-steps", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--compare-reuse", action="store_true",
-                        help="also time AT without reusing the last attack forward")
+    parser.add_argument(
+        "--compare-reuse", action="store_true", help="also time AT without reusing the last attack forward"
+    )
     parser.add_argument("--compile", action="store_true", help="also time both steps with model.compile")
     args = parser.parse_args()
     main()

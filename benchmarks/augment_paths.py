@@ -30,8 +30,7 @@ def timed(run, device) -> float:
 
 def main() -> None:
     device = torch.device(args.device)
-    images = torch.randint(0, 256, (args.batch, 3, args.resolution, args.resolution), dtype=torch.uint8,
-                           device=device)
+    images = torch.randint(0, 256, (args.batch, 3, args.resolution, args.resolution), dtype=torch.uint8, device=device)
     labels = torch.randint(0, 1000, (args.batch,), device=device)
     heavy = BatchAugment("heavy", 1000, augmentation_fill="official")
     generator = torch.Generator(device=device)
@@ -52,10 +51,19 @@ def main() -> None:
     median = {path: statistics.median(values) for path, values in times.items()}
     for path, seconds in median.items():
         print(f"{path:8s} median {seconds * 1000:8.1f} ms  {args.batch / seconds:8.1f} images/s")
-    print(json.dumps({"batch": args.batch, "resolution": args.resolution, "device": str(device),
-                      "threads": torch.get_num_threads(), "grouped_s": round(median["grouped"], 4),
-                      "masked_s": round(median["masked"], 4),
-                      "masked_over_grouped": round(median["masked"] / median["grouped"], 2)}))
+    print(
+        json.dumps(
+            {
+                "batch": args.batch,
+                "resolution": args.resolution,
+                "device": str(device),
+                "threads": torch.get_num_threads(),
+                "grouped_s": round(median["grouped"], 4),
+                "masked_s": round(median["masked"], 4),
+                "masked_over_grouped": round(median["masked"] / median["grouped"], 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

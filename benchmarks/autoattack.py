@@ -24,8 +24,9 @@ from robust_lightning.training.lightning_module import ImageClassifier
 
 def first_images(module: ImageClassifier, n: int, data_root: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     source = dict(source="folder", root=data_root) if data_root else dict(source="synthetic")
-    data = ImageNetDataModule(**source, image_size=module.hparams.image_size, eval_limit=n, eval_batch_size=n,
-                              num_workers=0)
+    data = ImageNetDataModule(
+        **source, image_size=module.hparams.image_size, eval_limit=n, eval_batch_size=n, num_workers=0
+    )
     data.prepare_data()
     data.setup("test")
     batch = next(iter(data.test_dataloader()))
@@ -42,8 +43,12 @@ def main() -> None:
     parser.add_argument("--bs", type=int, default=250)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16"])
-    parser.add_argument("--version", default="standard", choices=list(VERSIONS),
-                        help="standard, or a quick mode: apgd-t (40 iterations, 3 targets), apgd-ce (--n-iter steps)")
+    parser.add_argument(
+        "--version",
+        default="standard",
+        choices=list(VERSIONS),
+        help="standard, or a quick mode: apgd-t (40 iterations, 3 targets), apgd-ce (--n-iter steps)",
+    )
     parser.add_argument("--n-iter", type=int, default=None, help="the quick modes' iterations")
     args = parser.parse_args()
     eps = args.eps if args.eps is not None else {"Linf": 4 / 255, "L2": 2.0, "L1": 75.0}[args.norm]
@@ -53,28 +58,52 @@ def main() -> None:
     x, y = first_images(module, args.n, args.data_root)
     reports = {}
     for engine in ("fast", "reference"):
-        adversary = AutoAttack(module, norm=args.norm, eps=eps, seed=0, engine=engine, device=args.device,
-                               version=args.version, n_iter=args.n_iter,
-                               precision=args.precision if engine == "fast" else "fp32")
+        adversary = AutoAttack(
+            module,
+            norm=args.norm,
+            eps=eps,
+            seed=0,
+            engine=engine,
+            device=args.device,
+            version=args.version,
+            n_iter=args.n_iter,
+            precision=args.precision if engine == "fast" else "fp32",
+        )
         reports[engine] = report = adversary.evaluate(x, y, bs=args.bs, progress=lambda line: print("   ", line))
         total = sum(report.seconds.values())
-        print(f"{engine:>9}: clean {report.clean_accuracy:.2%}, robust {report.robust_accuracy:.2%}, {total:.1f} s "
-              f"({', '.join(f'{k} {v:.1f} s' for k, v in report.seconds.items())})", flush=True)
+        print(
+            f"{engine:>9}: clean {report.clean_accuracy:.2%}, robust {report.robust_accuracy:.2%}, {total:.1f} s "
+            f"({', '.join(f'{k} {v:.1f} s' for k, v in report.seconds.items())})",
+            flush=True,
+        )
     fast, reference = reports["fast"], reports["reference"]
     fast_s, reference_s = sum(fast.seconds.values()), sum(reference.seconds.values())
-    print(json.dumps({
-        "ckpt": args.ckpt, "n": len(x), "norm": args.norm, "eps": eps, "version": args.version, "device": args.device,
-        "precision": args.precision, "channels_last_fast": fast.channels_last,
-        "batchnorm_folded_fast": fast.batchnorm_folded,
-        "clean_fast": fast.clean_accuracy, "clean_reference": reference.clean_accuracy,
-        "robust_fast": fast.robust_accuracy, "robust_reference": reference.robust_accuracy,
-        "time_fast": round(fast_s, 2), "time_reference": round(reference_s, 2),
-        "speedup": round(reference_s / fast_s, 2),
-        "seconds_fast": {k: round(v, 2) for k, v in fast.seconds.items()},
-        "seconds_reference": {k: round(v, 2) for k, v in reference.seconds.items()},
-        "agreement": (fast.robust == reference.robust).float().mean().item(),
-        "claims_refuted_in_fp32_fast": fast.refuted,
-    }))
+    print(
+        json.dumps(
+            {
+                "ckpt": args.ckpt,
+                "n": len(x),
+                "norm": args.norm,
+                "eps": eps,
+                "version": args.version,
+                "device": args.device,
+                "precision": args.precision,
+                "channels_last_fast": fast.channels_last,
+                "batchnorm_folded_fast": fast.batchnorm_folded,
+                "clean_fast": fast.clean_accuracy,
+                "clean_reference": reference.clean_accuracy,
+                "robust_fast": fast.robust_accuracy,
+                "robust_reference": reference.robust_accuracy,
+                "time_fast": round(fast_s, 2),
+                "time_reference": round(reference_s, 2),
+                "speedup": round(reference_s / fast_s, 2),
+                "seconds_fast": {k: round(v, 2) for k, v in fast.seconds.items()},
+                "seconds_reference": {k: round(v, 2) for k, v in reference.seconds.items()},
+                "agreement": (fast.robust == reference.robust).float().mean().item(),
+                "claims_refuted_in_fp32_fast": fast.refuted,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

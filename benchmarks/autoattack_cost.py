@@ -31,8 +31,11 @@ from torch.utils.flop_counter import FlopCounterMode
 ROOT = Path(__file__).resolve().parents[1]
 IMAGES = 5000
 PEAK_TFLOPS = {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4}  # H100 SXM5, dense
-THREATS = {"Linf 4/255": ("autoattack_linf_4_255", 1, 9), "L2 2.0": ("autoattack_l2_2", 1, 9),
-           "L1 75": ("autoattack_l1_75", 5, 5)}  # (paper column, APGD-CE restarts, APGD-T targets)
+THREATS = {
+    "Linf 4/255": ("autoattack_linf_4_255", 1, 9),
+    "L2 2.0": ("autoattack_l2_2", 1, 9),
+    "L1 75": ("autoattack_l1_75", 5, 5),
+}  # (paper column, APGD-CE restarts, APGD-T targets)
 
 
 def flops(model: torch.nn.Module, gradient: bool, size: int) -> int:
@@ -49,8 +52,7 @@ def flops(model: torch.nn.Module, gradient: bool, size: int) -> int:
 def paper_accuracies() -> dict[str, float]:
     with open(ROOT / "data" / "paper_results.csv") as f:
         row = next(r for r in csv.DictReader(f) if r["arch"] == "convnext_base_convstem" and r["epochs"] == "50")
-    return {key: float(value) / 100 for key, value in row.items()
-            if key == "clean" or key.startswith("autoattack_")}
+    return {key: float(value) / 100 for key, value in row.items() if key == "clean" or key.startswith("autoattack_")}
 
 
 def passes_per_image(clean: float, robust: float, restarts: int, targets: int) -> tuple[float, float]:
@@ -62,21 +64,30 @@ def passes_per_image(clean: float, robust: float, restarts: int, targets: int) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--utilization", type=float, nargs="+", default=[0.3, 0.5],
-                        help="assumed shares of the GPU's dense peak the passes reach")
+    parser.add_argument(
+        "--utilization",
+        type=float,
+        nargs="+",
+        default=[0.3, 0.5],
+        help="assumed shares of the GPU's dense peak the passes reach",
+    )
     args = parser.parse_args()
     model = timm.create_model("convnext_base", num_classes=1000).eval().requires_grad_(False)
     forward, backward = flops(model, False, 224), flops(model, True, 224)
     accuracies = paper_accuracies()
-    print(f"convnext_base, 224 px: forward {forward / 1e9:.1f} GFLOP, forward + input gradient "
-          f"{backward / 1e9:.1f} GFLOP (torch.utils.flop_counter)")
+    print(
+        f"convnext_base, 224 px: forward {forward / 1e9:.1f} GFLOP, forward + input gradient "
+        f"{backward / 1e9:.1f} GFLOP (torch.utils.flop_counter)"
+    )
     total = 0.0
     for name, (column, restarts, targets) in THREATS.items():
         n_backward, n_forward = passes_per_image(accuracies["clean"], accuracies[column], restarts, targets)
         threat_flops = IMAGES * (n_backward * backward + n_forward * forward)
         total += threat_flops
-        print(f"{name}: clean {accuracies['clean']:.2%}, robust {accuracies[column]:.2%}: per image "
-              f"{n_backward:.0f} forward-backward + {n_forward:.0f} forward passes, {threat_flops / 1e15:.1f} PFLOP")
+        print(
+            f"{name}: clean {accuracies['clean']:.2%}, robust {accuracies[column]:.2%}: per image "
+            f"{n_backward:.0f} forward-backward + {n_forward:.0f} forward passes, {threat_flops / 1e15:.1f} PFLOP"
+        )
     checks = IMAGES * 3 * accuracies["clean"] * forward  # bf16: an fp32 forward per claimed success, at most
     hours = {}
     for precision, peak in PEAK_TFLOPS.items():
@@ -88,8 +99,16 @@ def main() -> None:
     print(f"all three threat models: {total / 1e15:.1f} PFLOP; hours on one H100 SXM (derived, not measured):")
     for key, value in hours.items():
         print(f"  {key} of peak: {value:.2f} h")
-    print(json.dumps({"forward_gflop": forward / 1e9, "forward_input_grad_gflop": backward / 1e9,
-                      "total_pflop": total / 1e15, "hours": hours}))
+    print(
+        json.dumps(
+            {
+                "forward_gflop": forward / 1e9,
+                "forward_input_grad_gflop": backward / 1e9,
+                "total_pflop": total / 1e15,
+                "hours": hours,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -49,17 +49,29 @@ def main() -> None:
     batch = images(args.images)
     per_image = {}
     for name in CORRUPTIONS:
+
         def work():
             for i, image in enumerate(batch):
                 for severity in range(1, 6):
                     corrupt(image, name, severity, rng=i)
+
         per_image[name] = round(best_ms(work, args.repeats, 5 * len(batch)), 2)
         print(f"{name:>18}: {per_image[name]:7.2f} ms per image and severity", flush=True)
     jpeg = round(best_ms(lambda: [jpeg_round_trip(image, 85) for image in batch], args.repeats, len(batch)), 2)
     print(f"{'JPEG 85 round trip':>18}: {jpeg:7.2f} ms per image")
     standard = sum(per_image[c] for c in STANDARD) / len(STANDARD)
-    print(json.dumps({"ms_per_image": per_image, "mean_standard_15_ms": round(standard, 2), "jpeg85_ms": jpeg,
-                      "images": args.images, "size": 224, "threads": 1}))
+    print(
+        json.dumps(
+            {
+                "ms_per_image": per_image,
+                "mean_standard_15_ms": round(standard, 2),
+                "jpeg85_ms": jpeg,
+                "images": args.images,
+                "size": 224,
+                "threads": 1,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

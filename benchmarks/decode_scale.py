@@ -120,8 +120,9 @@ def measure(encoded: list[bytes], crop_size: int, canvas_size: int, boxes_per_im
         canvas = sample["image"][None].expand(boxes_per_image, -1, -1, -1)
         reduced = resized_crop(canvas, boxes * reduction, crop_size).float() / 255
         full_image = TF.pil_to_tensor(Image.open(io.BytesIO(data)).convert("RGB"))
-        device_on_full = torch.cat([resized_crop(full_image[None], box[None], crop_size)
-                                    for box in boxes]).float() / 255
+        device_on_full = (
+            torch.cat([resized_crop(full_image[None], box[None], crop_size) for box in boxes]).float() / 255
+        )
         pil = torch.stack([TF.pil_to_tensor(official(box)) for box in boxes]).float() / 255
         diffs.append((reduced - pil).abs())
         crop_only.append((device_on_full - pil).abs())
@@ -151,18 +152,22 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)  # one loader worker's view
     canvas_size = default_canvas_size(args.crop)
-    print(f"photographs: {', '.join(photographs())}; canvas {canvas_size} px, {args.crop}-px crops, "
-          f"{args.boxes} boxes per image, JPEG quality 90")
+    print(
+        f"photographs: {', '.join(photographs())}; canvas {canvas_size} px, {args.crop}-px crops, "
+        f"{args.boxes} boxes per image, JPEG quality 90"
+    )
     results = {}
     for name, encoded in test_images(args.size).items():
         results[name] = figures = measure(encoded, args.crop, canvas_size, args.boxes, args.repeats)
-        print(f"{name}: {figures['images']} JPEGs, reduced by {figures['reduction_factors']} | ms per image: full "
-              f"decode {figures['full_decode_ms']}, + PIL crop {figures['full_decode_and_pil_crop_ms']}, reduced "
-              f"canvas decode {figures['reduced_canvas_decode_ms']} (saves {figures['saved_ms']}) | crops vs the "
-              f"official: mean |diff| {figures['crop_mean_abs_diff']}, p99 {figures['crop_p99_abs_diff']}, max "
-              f"{figures['crop_max_abs_diff']}, worst crop's mean {figures['worst_crop_mean_abs_diff']} (crop "
-              f"implementation alone: mean {figures['crop_only_mean_abs_diff']}, "
-              f"max {figures['crop_only_max_abs_diff']})")
+        print(
+            f"{name}: {figures['images']} JPEGs, reduced by {figures['reduction_factors']} | ms per image: full "
+            f"decode {figures['full_decode_ms']}, + PIL crop {figures['full_decode_and_pil_crop_ms']}, reduced "
+            f"canvas decode {figures['reduced_canvas_decode_ms']} (saves {figures['saved_ms']}) | crops vs the "
+            f"official: mean |diff| {figures['crop_mean_abs_diff']}, p99 {figures['crop_p99_abs_diff']}, max "
+            f"{figures['crop_max_abs_diff']}, worst crop's mean {figures['worst_crop_mean_abs_diff']} (crop "
+            f"implementation alone: mean {figures['crop_only_mean_abs_diff']}, "
+            f"max {figures['crop_only_max_abs_diff']})"
+        )
     print(json.dumps(results))
 
 

@@ -49,8 +49,10 @@ def per_image_ms(images: list[bytes], transform, batch_augment=None, batch_size:
     for _ in range(4):
         start = time.perf_counter()
         for first in range(0, len(images), batch_size):
-            items = [{**transform_bytes(transform, data), "label": 0, "key": str(i)}
-                     for i, data in enumerate(images[first : first + batch_size])]
+            items = [
+                {**transform_bytes(transform, data), "label": 0, "key": str(i)}
+                for i, data in enumerate(images[first : first + batch_size])
+            ]
             collate(items, batch_augment)
         times.append((time.perf_counter() - start) * 1000 / len(images))
     return statistics.median(times[1:])
@@ -94,12 +96,20 @@ def main() -> None:
     print(f"  worker, augment_on=cpu, basic (decode + crop):       {cpu_basic:7.2f} ms/image")
     print(f"  worker, augment_on=cpu, heavy (+ flip/RA/erasing):   {cpu_heavy:7.2f} ms/image")
     print(f"  {args.device}: crop + heavy augmentation moved there:     {device_ms:7.2f} ms/image")
-    print(json.dumps({
-        "images": args.images, "resolution": r, "device_side_worker_ms": round(device_side, 3),
-        "cpu_basic_worker_ms": round(cpu_basic, 3), "cpu_heavy_worker_ms": round(cpu_heavy, 3),
-        "device_work_ms": round(device_ms, 3), "device": args.device,
-        "cpu_work_ratio": round(cpu_heavy / device_side, 2),
-    }))
+    print(
+        json.dumps(
+            {
+                "images": args.images,
+                "resolution": r,
+                "device_side_worker_ms": round(device_side, 3),
+                "cpu_basic_worker_ms": round(cpu_basic, 3),
+                "cpu_heavy_worker_ms": round(cpu_heavy, 3),
+                "device_work_ms": round(device_ms, 3),
+                "device": args.device,
+                "cpu_work_ratio": round(cpu_heavy / device_side, 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -66,10 +66,20 @@ def main() -> None:
         for (weights, layout), run in variants.items():
             forward = milliseconds(run, x, gradient=False, repeats=args.repeats)
             with_gradient = milliseconds(run, x, gradient=True, repeats=args.repeats)
-            figures.append({"rows": rows, "model": weights, "layout": layout, "forward_ms": round(forward, 2),
-                            "forward_backward_ms": round(with_gradient, 2)})
-            print(f"{rows:>5} rows, {weights:>8}, {layout:>13}: forward {forward:7.2f} ms, forward + input "
-                  f"gradient {with_gradient:7.2f} ms", flush=True)
+            figures.append(
+                {
+                    "rows": rows,
+                    "model": weights,
+                    "layout": layout,
+                    "forward_ms": round(forward, 2),
+                    "forward_backward_ms": round(with_gradient, 2),
+                }
+            )
+            print(
+                f"{rows:>5} rows, {weights:>8}, {layout:>13}: forward {forward:7.2f} ms, forward + input "
+                f"gradient {with_gradient:7.2f} ms",
+                flush=True,
+            )
     print(json.dumps({"ckpt": args.ckpt, "device": args.device, "image_size": size, "passes": figures}))
 
 

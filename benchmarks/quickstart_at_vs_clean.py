@@ -19,16 +19,35 @@ REPO = Path(__file__).resolve().parents[1]
 
 def fit(config: str, name: str, root: Path, *extra: str) -> dict:
     subprocess.run(
-        [sys.executable, "-m", "robust_lightning", "fit", "--config", str(REPO / "configs" / config),
-         "--trainer.logger.init_args.save_dir", str(root), "--trainer.logger.init_args.name", name,
-         "--trainer.default_root_dir", str(root / name), "--trainer.enable_progress_bar", "false",
-         "--checkpoint.dirpath", str(root / name / "checkpoints"), *extra],  # not the configs' runs/quickstart/...
-        check=True, cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "robust_lightning",
+            "fit",
+            "--config",
+            str(REPO / "configs" / config),
+            "--trainer.logger.init_args.save_dir",
+            str(root),
+            "--trainer.logger.init_args.name",
+            name,
+            "--trainer.default_root_dir",
+            str(root / name),
+            "--trainer.enable_progress_bar",
+            "false",
+            "--checkpoint.dirpath",
+            str(root / name / "checkpoints"),
+            *extra,
+        ],  # not the configs' runs/quickstart/...
+        check=True,
+        cwd=REPO,
     )
     results = json.loads(next((root / name).glob("version_*/results.json")).read_text())["fit"]
     metrics = results["metrics"]
-    return {"clean_acc": round(metrics["val/acc1"], 4), "robust_acc": round(metrics.get("val/robust_acc", -1), 4),
-            "seconds": results["seconds"]}
+    return {
+        "clean_acc": round(metrics["val/acc1"], 4),
+        "robust_acc": round(metrics.get("val/robust_acc", -1), 4),
+        "seconds": results["seconds"],
+    }
 
 
 def main() -> None:
@@ -39,8 +58,11 @@ def main() -> None:
         warm = ("--model.init_from", str(stage1 / "last.ckpt"))
         adversarial = fit("quickstart.yaml", "apgd_at", root, *warm)
         clean = fit("quickstart.yaml", "clean", root, *warm, "--model.attack", "none")
-    result = {"apgd_at": adversarial, "clean": clean,
-              "robust_gain": round(100 * (adversarial["robust_acc"] - clean["robust_acc"]), 1)}
+    result = {
+        "apgd_at": adversarial,
+        "clean": clean,
+        "robust_gain": round(100 * (adversarial["robust_acc"] - clean["robust_acc"]), 1),
+    }
     print(json.dumps(result))
 
 

@@ -64,17 +64,23 @@ class GivenImages(LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self.eval_dataloader_with(None)
 
-    def eval_dataloader_with(self, transform, batch_size: int | None = None,
-                             num_workers: int | None = None) -> DataLoader:
+    def eval_dataloader_with(
+        self, transform, batch_size: int | None = None, num_workers: int | None = None
+    ) -> DataLoader:
         if transform is not None:
-            raise UserError(f"this evaluation reads the images at a preprocessing of its own ({OWN_PREPROCESSING}): "
-                            "give evaluate an ImageNet val root as data, not tensors")
+            raise UserError(
+                f"this evaluation reads the images at a preprocessing of its own ({OWN_PREPROCESSING}): "
+                "give evaluate an ImageNet val root as data, not tensors"
+            )
         world_size, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
         dataset = _Items(self.images, self.labels)
         if len(dataset) < world_size:
             raise UserError(f"{len(dataset)} images cannot be split over {world_size} devices")
-        return DataLoader(dataset, batch_size=batch_size or self.batch_size,
-                          sampler=ExactDistributedSampler(dataset, world_size, rank))
+        return DataLoader(
+            dataset,
+            batch_size=batch_size or self.batch_size,
+            sampler=ExactDistributedSampler(dataset, world_size, rank),
+        )
 
     def evaluation_source(self) -> EvaluationSource:
         return EvaluationSource(kind="tensors", location=None, imagenet_val=False)
@@ -82,13 +88,18 @@ class GivenImages(LightningDataModule):
     def expected_eval_images(self) -> tuple[int | None, frozenset[str] | None]:
         return len(self.labels), None
 
-    def training_sample(self, device, fraction: float = 1.0, max_images: int | None = None,
-                        batch_size: int | None = None, seed: int = 0) -> TrainingSample:
+    def training_sample(
+        self, device, fraction: float = 1.0, max_images: int | None = None, batch_size: int | None = None, seed: int = 0
+    ) -> TrainingSample:
         raise UserError("this evaluation reads training images; evaluate has evaluation images only")
 
     def conditions(self) -> dict[str, Any]:
-        return {"source": "tensors", "num_images": len(self.labels), "image_shape": list(self.images.shape[1:]),
-                "preprocessing": "none (the images as given)"}
+        return {
+            "source": "tensors",
+            "num_images": len(self.labels),
+            "image_shape": list(self.images.shape[1:]),
+            "preprocessing": "none (the images as given)",
+        }
 
 
 def _tensors(data: tuple[Tensor, Tensor] | DataLoader) -> tuple[Tensor, Tensor]:
@@ -101,18 +112,23 @@ def _tensors(data: tuple[Tensor, Tensor] | DataLoader) -> tuple[Tensor, Tensor]:
             raise UserError("a DataLoader given to evaluate must yield (images, labels) batches of tensors")
         images, labels = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
     else:
-        raise UserError("data must be an (images, labels) pair of tensors, a DataLoader of (images, labels), or "
-                        "the path of an ImageNet root holding val/")
+        raise UserError(
+            "data must be an (images, labels) pair of tensors, a DataLoader of (images, labels), or "
+            "the path of an ImageNet root holding val/"
+        )
     if images.dim() != 4 or labels.dim() != 1 or len(images) != len(labels) or not len(labels):
-        raise UserError(f"expected images N x C x H x W and N labels, got {tuple(images.shape)} and "
-                        f"{tuple(labels.shape)}")
+        raise UserError(
+            f"expected images N x C x H x W and N labels, got {tuple(images.shape)} and {tuple(labels.shape)}"
+        )
     if images.dtype != torch.uint8:
         if not images.is_floating_point():
             raise UserError(f"images must be float in [0, 1] or uint8, got {images.dtype}")
         low, high = images.min().item(), images.max().item()
         if low < 0 or high > 1:
-            raise UserError(f"images must be in [0, 1] (the model's normalisation goes in mean/std), got values "
-                            f"in [{low:.3g}, {high:.3g}]")
+            raise UserError(
+                f"images must be in [0, 1] (the model's normalisation goes in mean/std), got values "
+                f"in [{low:.3g}, {high:.3g}]"
+            )
     return images, labels.long()
 
 
@@ -125,19 +141,29 @@ def _num_classes(model: nn.Module, images: Tensor) -> int:
         output = model(sample.to(parameter.device) if parameter is not None else sample)
     if not torch.is_tensor(output) or output.dim() != 2 or len(output) != len(sample):
         shape = tuple(output.shape) if torch.is_tensor(output) else type(output).__name__
-        raise UserError(f"the model must return logits of shape (N, classes); on {len(sample)} images it returned "
-                        f"{shape}")
+        raise UserError(
+            f"the model must return logits of shape (N, classes); on {len(sample)} images it returned {shape}"
+        )
     return output.shape[1]
 
 
-def _callbacks(evaluations: list[str], datasets: dict[str, str], threat_models: list[dict] | None, version: str,
-               options: dict[str, dict]) -> list[Evaluation]:
+def _callbacks(
+    evaluations: list[str],
+    datasets: dict[str, str],
+    threat_models: list[dict] | None,
+    version: str,
+    options: dict[str, dict],
+) -> list[Evaluation]:
     unknown = [name for name in evaluations if name not in EVALUATIONS] + [
-        name for name in options if name not in EVALUATIONS]
+        name for name in options if name not in EVALUATIONS
+    ]
     if unknown:
         raise UserError(f"unknown evaluation {unknown[0]!r}; the evaluations are {', '.join(EVALUATIONS)}")
-    attack = {"threat_models": list(threat_models or DEFAULT_THREAT_MODELS), "version": version,
-              **options.get("autoattack", {})}
+    attack = {
+        "threat_models": list(threat_models or DEFAULT_THREAT_MODELS),
+        "version": version,
+        **options.get("autoattack", {}),
+    }
 
     def root(name: str) -> str:
         if not datasets.get(name):
@@ -146,16 +172,23 @@ def _callbacks(evaluations: list[str], datasets: dict[str, str], threat_models: 
 
     callbacks: list[Evaluation] = []
     if "card" in evaluations:
-        card = {key: options[key] for key in ("benchmarks", "imagenet_c", "imagenet_p", "resolution_sweep")
-                if key in options}
+        card = {
+            key: options[key]
+            for key in ("benchmarks", "imagenet_c", "imagenet_p", "resolution_sweep")
+            if key in options
+        }
         callbacks.append(RobustnessCard(datasets=dict(datasets), autoattack=attack, **card))
     if "autoattack" in evaluations:
         callbacks.append(AutoAttackEvaluation(**attack))
     shifts = [name for name in SHIFTS if name in evaluations]
     if shifts:
-        callbacks.append(DistributionShiftBenchmarks(**{name: root(name) for name in shifts},
-                                                     imagenet_val=datasets.get("imagenet_val"),
-                                                     **options.get("benchmarks", {})))
+        callbacks.append(
+            DistributionShiftBenchmarks(
+                **{name: root(name) for name in shifts},
+                imagenet_val=datasets.get("imagenet_val"),
+                **options.get("benchmarks", {}),
+            )
+        )
     if "imagenet_c" in evaluations:
         where = root("imagenet_c")
         source = {"source": "generated"} if where == "generated" else {"root": where}
@@ -223,10 +256,17 @@ def evaluate(
         raise UserError(f"model must be a torch nn.Module, got {type(model).__name__}")
     evaluations = list(evaluations or ["autoattack"])
     if isinstance(data, (str, Path)):
-        datamodule = ImageNetDataModule(source="folder", root=str(data), image_size=image_size, crop_pct=crop_pct,
-                                        eval_subset=eval_subset, eval_limit=eval_limit, val_labels=val_labels,
-                                        batch_size=batch_size, **({} if num_workers is None else
-                                                                  {"num_workers": num_workers}))
+        datamodule = ImageNetDataModule(
+            source="folder",
+            root=str(data),
+            image_size=image_size,
+            crop_pct=crop_pct,
+            eval_subset=eval_subset,
+            eval_limit=eval_limit,
+            val_labels=val_labels,
+            batch_size=batch_size,
+            **({} if num_workers is None else {"num_workers": num_workers}),
+        )
         num_classes = datamodule.num_classes
         found = _num_classes(model, torch.zeros(2, 3, image_size, image_size))
         if found != num_classes:
@@ -235,20 +275,28 @@ def evaluate(
         images, labels = _tensors(data)
         num_classes = _num_classes(model, images)
         if labels.min() < 0 or labels.max() >= num_classes:
-            raise UserError(f"labels must be class indices of the model's {num_classes} classes, got values in "
-                            f"[{labels.min().item()}, {labels.max().item()}]")
+            raise UserError(
+                f"labels must be class indices of the model's {num_classes} classes, got values in "
+                f"[{labels.min().item()}, {labels.max().item()}]"
+            )
         datamodule = GivenImages(images, labels, batch_size)
     callbacks = _callbacks(evaluations, dict(datasets or {}), threat_models, version, dict(options or {}))
 
     from robust_lightning.training.lightning_module import ImageClassifier  # noqa: PLC0415 (heavy)
 
-    module = ImageClassifier(arch=model, num_classes=num_classes, mean=mean, std=std,
-                             image_size=datamodule.image_size)
+    module = ImageClassifier(arch=model, num_classes=num_classes, mean=mean, std=std, image_size=datamodule.image_size)
     with tempfile.TemporaryDirectory(prefix="robust-lightning-evaluate-") as scratch:
         run_dir = Path(out_dir) if out_dir is not None else Path(scratch)
-        trainer = Trainer(accelerator=accelerator, devices=devices, strategy=strategy, logger=False,
-                          default_root_dir=str(run_dir), enable_checkpointing=False, inference_mode=False,
-                          callbacks=[RunResults(), *callbacks])
+        trainer = Trainer(
+            accelerator=accelerator,
+            devices=devices,
+            strategy=strategy,
+            logger=False,
+            default_root_dir=str(run_dir),
+            enable_checkpointing=False,
+            inference_mode=False,
+            callbacks=[RunResults(), *callbacks],
+        )
         trainer.test(module, datamodule=datamodule)
         trainer.strategy.barrier()  # under DDP: rank zero has written results.json before any rank reads it
         results = run_dir / "results.json"

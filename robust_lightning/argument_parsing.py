@@ -104,15 +104,17 @@ def tool_parser(function: Callable[..., Any], prog: str, description: str) -> Ar
     """A parser whose options are the parameters of ``function``: required ones positional, the others
     ``--name value``, with the help of its docstring; environment variables RL_<TOOL>_<NAME>."""
     tool = prog.split()[-1].upper()
-    parser = ArgumentParser(prog=prog, description=description, default_env=True, env_prefix=f"RL_{tool}",
-                            formatter_class=_HelpFormatter)
+    parser = ArgumentParser(
+        prog=prog, description=description, default_env=True, env_prefix=f"RL_{tool}", formatter_class=_HelpFormatter
+    )
     parser.add_argument("--config", action=ActionConfigFile, help="a YAML file of options (repeatable: later ones win)")
     parser.add_function_arguments(function, as_group=False, as_positional=True)
     return parser
 
 
-def parse_tool_arguments(function: Callable[..., Any], argv: Sequence[str], prog: str,
-                         description: str) -> tuple[dict[str, Any], list[Path]]:
+def parse_tool_arguments(
+    function: Callable[..., Any], argv: Sequence[str], prog: str, description: str
+) -> tuple[dict[str, Any], list[Path]]:
     """The parameters of ``function`` from ``argv`` (and the config files it names), and those files."""
     parser = tool_parser(function, prog, description)
     options = parser.parse_args(accept_gnu_spellings(argv, parser)).as_dict()

@@ -96,8 +96,10 @@ TOOL_COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "export": ("write the raw or EMA weights of a checkpoint to a .safetensors file or a timm model folder", _export),
     "sweep": ("submit a grid of runs (configs/sweeps/*.yaml) as one SLURM array job, skipping done cells", _sweep),
     "report": ("merge the results.json of a sweep's cells into one table (markdown, CSV, JSON)", _report),
-    "claim": ("write RobustBench's model-info JSON for a leaderboard claim from a standard AutoAttack evaluation",
-              _claim),
+    "claim": (
+        "write RobustBench's model-info JSON for a leaderboard claim from a standard AutoAttack evaluation",
+        _claim,
+    ),
     "cell": ("run one cell of a sweep's array job (what the sweep's array script runs under srun)", _cell),
     "workspace": ("save the project's W&B workspace: training, validation, throughput, evaluation tables", _workspace),
 }
@@ -144,8 +146,11 @@ def continue_in_latest_run_directory(config) -> None:
             if index == 0:
                 run_dir = runs / (init.version if isinstance(init.version, str) else f"version_{init.version}")
             continue
-        versions = [int(p.name[len("version_"):]) for p in runs.glob("version_*") if p.name[len("version_"):].isdigit()
-                    and (index > 0 or fit_checkpoint_directory(p) is not None)]
+        versions = [
+            int(p.name[len("version_") :])
+            for p in runs.glob("version_*")
+            if p.name[len("version_") :].isdigit() and (index > 0 or fit_checkpoint_directory(p) is not None)
+        ]
         if not versions and index == 0:
             rank_zero_info(f"--ckpt_path last: no earlier fit of this config in {runs}; starting one")
             config.ckpt_path = None
@@ -171,8 +176,10 @@ def continue_in_latest_run_directory(config) -> None:
     where = f" (the run in {run_dir})" if run_dir is not None else ""
     notes = "".join(f"; {note}" for note in passed)
     if chosen is None:
-        rank_zero_info(f"--ckpt_path last: no intact checkpoint in {checkpoints}{where}{notes}: the run stopped "
-                       "before its first one, so it starts afresh in the same run directory")
+        rank_zero_info(
+            f"--ckpt_path last: no intact checkpoint in {checkpoints}{where}{notes}: the run stopped "
+            "before its first one, so it starts afresh in the same run directory"
+        )
         config.ckpt_path = None
     elif passed or not chosen.name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST):
         rank_zero_info(f"--ckpt_path last: resuming from {chosen}, the newest intact checkpoint{where}{notes}")
@@ -222,8 +229,10 @@ def model_settings_over_checkpoint(subcommand: str, ckpt_path: str, model: dict,
             applied[key] = value
             continue
         option = f"--model.{key}" if key in named else f"model.{key} (from a config)"
-        raise UserError(f"{option} {value!r} conflicts with the checkpoint's {key} {saved[key]!r} ({ckpt_path}): "
-                        f"the checkpoint's setting wins for {wins}; drop the option")
+        raise UserError(
+            f"{option} {value!r} conflicts with the checkpoint's {key} {saved[key]!r} ({ckpt_path}): "
+            f"the checkpoint's setting wins for {wins}; drop the option"
+        )
     return applied
 
 
@@ -294,8 +303,12 @@ class RobustLightningCLI(LightningCLI):
 
 def _usage() -> str:
     width = max(map(len, [*TRAINER_COMMANDS, *TOOL_COMMANDS]))
-    lines = ["usage: robust-lightning <command> [--config FILE ...] [--key value ...]",
-             "       robust-lightning --version", "", "commands:"]
+    lines = [
+        "usage: robust-lightning <command> [--config FILE ...] [--key value ...]",
+        "       robust-lightning --version",
+        "",
+        "commands:",
+    ]
     lines += [f"  {name:<{width}}  {text}" for name, text in TRAINER_COMMANDS.items()]
     lines += [f"  {name:<{width}}  {text}" for name, (text, _) in TOOL_COMMANDS.items()]
     lines += [
@@ -323,8 +336,11 @@ def check_config_files(args: Sequence[str]) -> None:
     """An empty config file or one with a YAML syntax error, reported with its name (jsonargparse says
     "Unexpected config" or quotes "<unicode string>"); a missing one is left to the parser, which names it."""
     for index, token in enumerate(args):
-        name = token.partition("=")[2] if token.startswith("--config=") else (
-            args[index + 1] if token == "--config" and index + 1 < len(args) else None)
+        name = (
+            token.partition("=")[2]
+            if token.startswith("--config=")
+            else (args[index + 1] if token == "--config" and index + 1 < len(args) else None)
+        )
         if not name or not Path(name).is_file():
             continue
         try:
@@ -334,8 +350,9 @@ def check_config_files(args: Sequence[str]) -> None:
         except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"cannot read config file {name}: {e}") from None
         if content is None:
-            raise UserError(f"config file {name} is empty; expected a YAML mapping of options, e.g. 'trainer: "
-                            "{max_epochs: 2}'")
+            raise UserError(
+                f"config file {name} is empty; expected a YAML mapping of options, e.g. 'trainer: {{max_epochs: 2}}'"
+            )
 
 
 def describe_os_error(e: OSError) -> str:
@@ -359,8 +376,14 @@ def cli_arguments() -> dict[str, Any]:
         seed_everything_default=0,
         trainer_defaults={
             # Interruption before RunResults: an interrupted fit's results.json names the checkpoint it just saved
-            "callbacks": [CorruptImageReport(), Interruption(), RunResults(), PredictionWriter(), FitRunDirectory(),
-                          Throughput()],
+            "callbacks": [
+                CorruptImageReport(),
+                Interruption(),
+                RunResults(),
+                PredictionWriter(),
+                FitRunDirectory(),
+                Throughput(),
+            ],
             # a kill during a save never corrupts last.ckpt
             "plugins": [{"class_path": f"{AtomicCheckpointIO.__module__}.{AtomicCheckpointIO.__name__}"}],
             # attacks in validate/test need autograd, which inference mode forbids even under enable_grad
@@ -426,14 +449,18 @@ def main(args: Sequence[str] | None = None) -> int:
         if args[0] in TOOL_COMMANDS:
             return TOOL_COMMANDS[args[0]][1](args[1:])
         if args[0] not in TRAINER_COMMANDS:
-            raise UserError(f"unknown command {args[0]!r}; expected one of: "
-                            f"{', '.join([*TRAINER_COMMANDS, *TOOL_COMMANDS])}")
+            raise UserError(
+                f"unknown command {args[0]!r}; expected one of: {', '.join([*TRAINER_COMMANDS, *TOOL_COMMANDS])}"
+            )
         # args None: LightningCLI reads sys.argv itself
         RobustLightningCLI(**cli_arguments(), args=None if from_command_line else args)
     except SIGTERMException:  # a SystemExit without a code: the process would exit 0 as if the run had finished
         if rank_zero_only.rank == 0:
-            print(f"robust-lightning: {args[0]} interrupted by SIGTERM (exit status {EXIT_SIGTERM}); the same "
-                  "command resumes it (fit: with --ckpt_path last)", file=sys.stderr)
+            print(
+                f"robust-lightning: {args[0]} interrupted by SIGTERM (exit status {EXIT_SIGTERM}); the same "
+                "command resumes it (fit: with --ckpt_path last)",
+                file=sys.stderr,
+            )
         return EXIT_SIGTERM
     except OSError as e:  # a file or folder that cannot be written or read (read-only, full, not a folder)
         print(f"robust-lightning: error: {describe_os_error(e)}", file=sys.stderr)

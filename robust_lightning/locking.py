@@ -45,7 +45,7 @@ def _holder(fd: int) -> str:
     try:
         text = os.pread(fd, 4096, 0).decode(errors="replace")
         info = json.loads(text)
-        return (f"pid {info['pid']} on {info['host']}, started {info['started']}: {info['command']}")
+        return f"pid {info['pid']} on {info['host']}, started {info['started']}: {info['command']}"
     except (OSError, ValueError, KeyError, TypeError):  # the holder has not written its details yet
         return "another process"
 
@@ -61,10 +61,16 @@ def exclusive(lock_file: str | os.PathLike, what: str) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise UserError(f"{what} is being written by {_holder(fd)}; wait for it to finish or stop it "
-                            f"(the lock, {lock_file}, is released as soon as that process ends)") from None
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv),
-                "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+            raise UserError(
+                f"{what} is being written by {_holder(fd)}; wait for it to finish or stop it "
+                f"(the lock, {lock_file}, is released as soon as that process ends)"
+            ) from None
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "command": " ".join(sys.argv),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         _held.add(fd)

@@ -40,9 +40,11 @@ class SaveConfigToWandb(SaveConfigCallback):
         if first is not None and not isinstance(first, (CSVLogger, TensorBoardLogger)) and not self.already_saved:
             # trainer.log_dir is then the first logger's bare save_dir, shared by every run: config.yaml and
             # results.json of one run would overwrite (or merge into) another's. The W&B copy stays per run.
-            rank_zero_warn(f"the first logger ({type(first).__name__}) has no per-run directory: config.yaml and "
-                           f"results.json go to {first.save_dir} for every run. List a CSVLogger first "
-                           "(configs/loggers/wandb.yaml does).")
+            rank_zero_warn(
+                f"the first logger ({type(first).__name__}) has no per-run directory: config.yaml and "
+                f"results.json go to {first.save_dir} for every run. List a CSVLogger first "
+                "(configs/loggers/wandb.yaml does)."
+            )
         super().setup(trainer, pl_module, stage)
 
     def save_config(self, trainer, pl_module, stage: str) -> None:  # rank zero only
@@ -60,4 +62,3 @@ class SaveConfigToWandb(SaveConfigCallback):
                 path = Path(run.dir) / WANDB_CONFIG_FILE
                 path.write_text(text)
                 run.save(str(path), base_path=run.dir, policy="now")
-

@@ -39,8 +39,15 @@ def _read_terminal(master: int, chunks: list[bytes]) -> None:
         chunks.append(data)
 
 
-def run_command(args: list[str], *, cwd: Path, timeout: float, terminal: bool = False, env: dict | None = None,
-                script: Path | None = None) -> subprocess.CompletedProcess:
+def run_command(
+    args: list[str],
+    *,
+    cwd: Path,
+    timeout: float,
+    terminal: bool = False,
+    env: dict | None = None,
+    script: Path | None = None,
+) -> subprocess.CompletedProcess:
     """Run ``python -m robust_lightning ARGS`` as a user would (or ``python SCRIPT ARGS``), in a session of its own.
 
     Every process it starts (DDP ranks, loader workers) is in that session: after ``timeout`` seconds all of them
@@ -50,8 +57,11 @@ def run_command(args: list[str], *, cwd: Path, timeout: float, terminal: bool = 
     ``stderr`` alike. ``tests/`` is on PYTHONPATH, so configs can name callbacks of helpers.py.
     """
     command = [sys.executable, *([str(script)] if script else ["-m", "robust_lightning"]), *args]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
-           **(env or {})}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+        **(env or {}),
+    }
     options = dict(cwd=cwd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
     chunks: list[bytes] = []
     if terminal:
@@ -80,15 +90,17 @@ def run_command(args: list[str], *, cwd: Path, timeout: float, terminal: bool = 
             stdout = stderr = b"".join(chunks).decode(errors="replace")
     if timed_out:
         output = stdout if terminal else "".join(part or "" for part in process.communicate())
-        pytest.fail(f"{' '.join(command[1:])} did not end within {timeout:.0f} s (killed with every "
-                    f"process it started):\n{output[-3000:]}")
+        pytest.fail(
+            f"{' '.join(command[1:])} did not end within {timeout:.0f} s (killed with every "
+            f"process it started):\n{output[-3000:]}"
+        )
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def write_image(path: Path, seed: int, size: int = 40, fmt: str = "JPEG") -> None:
     """A small image whose content depends on the seed (a coloured rectangle on a gradient)."""
     rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:size, 0:size + 8]
+    y, x = np.mgrid[0:size, 0 : size + 8]
     image = np.stack([x * 4 % 256, y * 6 % 256, (x + y) * 3 % 256], -1).astype(np.uint8)
     x0, y0 = rng.integers(0, size // 2, 2)
     image[y0 : y0 + size // 3, x0 : x0 + size // 3] = rng.integers(0, 256, 3)
@@ -160,11 +172,23 @@ class HostReads(TorchDispatchMode):
     frames, or the environment's HOSTREADS_DEPTH)."""
 
     _aten = torch.ops.aten
-    READS = {_aten._local_scalar_dense.default, _aten.nonzero.default, _aten.masked_select.default,
-             _aten._unique2.default, _aten.unique_dim.default, _aten.unique_consecutive.default,
-             _aten.bincount.default, _aten.equal.default, _aten.repeat_interleave.Tensor}
-    MASK_INDEXING = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default,
-                     _aten._index_put_impl_.default}
+    READS = {
+        _aten._local_scalar_dense.default,
+        _aten.nonzero.default,
+        _aten.masked_select.default,
+        _aten._unique2.default,
+        _aten.unique_dim.default,
+        _aten.unique_consecutive.default,
+        _aten.bincount.default,
+        _aten.equal.default,
+        _aten.repeat_interleave.Tensor,
+    }
+    MASK_INDEXING = {
+        _aten.index.Tensor,
+        _aten.index_put.default,
+        _aten.index_put_.default,
+        _aten._index_put_impl_.default,
+    }
 
     def __init__(self):
         super().__init__()
@@ -187,8 +211,11 @@ class HostReads(TorchDispatchMode):
 def force_device_path(monkeypatch) -> None:
     """Make the attacks and the batched augmentation take, on the CPU, the path they take on GPUs (where reading
     values back is not cheap)."""
-    for module in ("robust_lightning.attacks.projections", "robust_lightning.attacks.apgd",
-                   "robust_lightning.data.augment"):
+    for module in (
+        "robust_lightning.attacks.projections",
+        "robust_lightning.attacks.apgd",
+        "robust_lightning.data.augment",
+    ):
         monkeypatch.setattr(importlib.import_module(module), "host_reads_are_cheap", lambda t: False)
 
 
@@ -209,8 +236,12 @@ def device_path_reads_nothing(attack, monkeypatch) -> list[tuple[str, str]]:
 def synthetic_points(n: int, seed: int, classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
     """3 x 16 x 16 images: a class-specific smooth pattern plus noise, in [0, 1]."""
     g = torch.Generator().manual_seed(seed)
-    patterns = F.interpolate(torch.rand(classes, 3, 3, 3, generator=torch.Generator().manual_seed(99)), size=16,
-                             mode="bilinear", align_corners=False)
+    patterns = F.interpolate(
+        torch.rand(classes, 3, 3, 3, generator=torch.Generator().manual_seed(99)),
+        size=16,
+        mode="bilinear",
+        align_corners=False,
+    )
     y = torch.randint(classes, (n,), generator=g)
     x = (0.25 + 0.5 * patterns[y] + 0.2 * torch.randn(n, 3, 16, 16, generator=g)).clamp(0, 1)
     return x, y
@@ -221,8 +252,14 @@ def train_small_cnn() -> nn.Module:
     eval mode, on ``synthetic_points`` of 10 classes."""
     torch.manual_seed(0)
     model = nn.Sequential(  # with BatchNorm: the fast engine attacks a folded copy (checked against the reference)
-        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2, padding=1),
-        nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(128, 10),
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(128, 10),
     )
     x, y = synthetic_points(2048, seed=0)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -231,7 +268,7 @@ def train_small_cnn() -> nn.Module:
         xb, yb = x[index], y[index]
         delta = (torch.rand_like(xb) * 2 - 1) * 4 / 255
         delta.requires_grad_(True)
-        grad, = torch.autograd.grad(F.cross_entropy(model(xb + delta), yb), delta)
+        (grad,) = torch.autograd.grad(F.cross_entropy(model(xb + delta), yb), delta)
         xb = (xb + (delta + 5 / 255 * grad.sign()).clamp(-4 / 255, 4 / 255)).clamp(0, 1).detach()
         optimizer.zero_grad()
         F.cross_entropy(model(xb), yb).backward()

@@ -23,8 +23,17 @@ from lightning import Callback
 
 PACKAGES = ("slurmctld", "slurmd", "munge")
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "sinfo", "scontrol", "scancel")
-FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
-            "DEADLINE"}
+FINISHED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 
 class ClusterUnavailable(Exception):
@@ -40,8 +49,10 @@ def install_packages(timeout: float = 600) -> None:
     if not _missing_binaries():
         return
     if os.geteuid() != 0 or not shutil.which("apt-get"):
-        raise ClusterUnavailable(f"SLURM binaries missing ({', '.join(_missing_binaries())}) and they cannot be "
-                                 "installed here (needs root and apt-get: apt-get install slurmctld slurmd munge)")
+        raise ClusterUnavailable(
+            f"SLURM binaries missing ({', '.join(_missing_binaries())}) and they cannot be "
+            "installed here (needs root and apt-get: apt-get install slurmctld slurmd munge)"
+        )
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     command = ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES]
     log = []
@@ -99,56 +110,66 @@ class SlurmCluster:
         (r / "munge" / "munge.key").write_bytes(os.urandom(1024))
         os.chmod(r / "munge" / "munge.key", 0o600)
         self.munge_socket = r / "munge" / "munge.socket"
-        self.conf.write_text("\n".join([
-            "ClusterName=rltest",
-            f"SlurmctldHost={self.node}(127.0.0.1)",
-            f"SlurmctldPort={_free_port()}",
-            f"SlurmdPort={_free_port()}",
-            "SlurmUser=root",
-            "SlurmdUser=root",
-            "AuthType=auth/munge",
-            "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket}",
-            f"StateSaveLocation={r / 'ctld'}",
-            f"SlurmdSpoolDir={r / 'spool'}",
-            f"SlurmctldPidFile={r / 'ctld' / 'slurmctld.pid'}",
-            f"SlurmdPidFile={r / 'spool' / 'slurmd.pid'}",
-            f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
-            f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
-            "SlurmctldDebug=info",
-            "SlurmdDebug=info",
-            # containers have no usable cgroups: track processes by parent id, bind nothing
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "JobAcctGatherType=jobacct_gather/none",
-            "AccountingStorageType=accounting_storage/none",
-            "JobCompType=jobcomp/none",
-            "MpiDefault=none",
-            "SwitchType=switch/none",
-            "SchedulerType=sched/builtin",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_CPU",
-            # declare the node as configured, whatever the machine reports (2 cores in CI)
-            "SlurmdParameters=config_overrides",
-            "ReturnToService=2",
-            "JobRequeue=1",
-            "KillWait=5",
-            "MinJobAge=600",
-            "SlurmctldTimeout=30",
-            "SlurmdTimeout=30",
-            "InactiveLimit=0",
-            "MessageTimeout=20",
-            f"PlugStackConfig={r / 'etc' / 'plugstack.conf'}",  # no SPANK plugins from /etc/slurm
-            f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory=4000 State=UNKNOWN",
-            f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO",
-            "",
-        ]))
+        self.conf.write_text(
+            "\n".join(
+                [
+                    "ClusterName=rltest",
+                    f"SlurmctldHost={self.node}(127.0.0.1)",
+                    f"SlurmctldPort={_free_port()}",
+                    f"SlurmdPort={_free_port()}",
+                    "SlurmUser=root",
+                    "SlurmdUser=root",
+                    "AuthType=auth/munge",
+                    "CredType=cred/munge",
+                    f"AuthInfo=socket={self.munge_socket}",
+                    f"StateSaveLocation={r / 'ctld'}",
+                    f"SlurmdSpoolDir={r / 'spool'}",
+                    f"SlurmctldPidFile={r / 'ctld' / 'slurmctld.pid'}",
+                    f"SlurmdPidFile={r / 'spool' / 'slurmd.pid'}",
+                    f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
+                    f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
+                    "SlurmctldDebug=info",
+                    "SlurmdDebug=info",
+                    # containers have no usable cgroups: track processes by parent id, bind nothing
+                    "ProctrackType=proctrack/linuxproc",
+                    "TaskPlugin=task/none",
+                    "JobAcctGatherType=jobacct_gather/none",
+                    "AccountingStorageType=accounting_storage/none",
+                    "JobCompType=jobcomp/none",
+                    "MpiDefault=none",
+                    "SwitchType=switch/none",
+                    "SchedulerType=sched/builtin",
+                    "SelectType=select/cons_tres",
+                    "SelectTypeParameters=CR_CPU",
+                    # declare the node as configured, whatever the machine reports (2 cores in CI)
+                    "SlurmdParameters=config_overrides",
+                    "ReturnToService=2",
+                    "JobRequeue=1",
+                    "KillWait=5",
+                    "MinJobAge=600",
+                    "SlurmctldTimeout=30",
+                    "SlurmdTimeout=30",
+                    "InactiveLimit=0",
+                    "MessageTimeout=20",
+                    f"PlugStackConfig={r / 'etc' / 'plugstack.conf'}",  # no SPANK plugins from /etc/slurm
+                    f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory=4000 State=UNKNOWN",
+                    f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO",
+                    "",
+                ]
+            )
+        )
         (r / "etc" / "plugstack.conf").write_text("")
 
     def _spawn(self, name: str, command: list[str]) -> None:
         log = open(self.root / "log" / f"{name}.out", "w")
-        self.processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                                start_new_session=True, preexec_fn=_die_with_parent)
+        self.processes[name] = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
 
     def _log_tail(self, name: str, chars: int = 1500) -> str:
         text = ""
@@ -160,16 +181,27 @@ class SlurmCluster:
     def _check_alive(self, name: str) -> None:
         process = self.processes[name]
         if process.poll() is not None:
-            raise ClusterUnavailable(f"{name} exited with status {process.returncode} at start:\n"
-                                     f"{self._log_tail(name)}")
+            raise ClusterUnavailable(
+                f"{name} exited with status {process.returncode} at start:\n{self._log_tail(name)}"
+            )
 
     def start(self, timeout: float = 60) -> "SlurmCluster":
         install_packages()
         self._write_config()
         r = self.root
-        self._spawn("munged", [_sbin("munged"), "--foreground", "--force", f"--socket={self.munge_socket}",
-                               f"--key-file={r / 'munge' / 'munge.key'}", f"--pid-file={r / 'munge' / 'munged.pid'}",
-                               f"--log-file={r / 'log' / 'munged.log'}", f"--seed-file={r / 'munge' / 'seed'}"])
+        self._spawn(
+            "munged",
+            [
+                _sbin("munged"),
+                "--foreground",
+                "--force",
+                f"--socket={self.munge_socket}",
+                f"--key-file={r / 'munge' / 'munge.key'}",
+                f"--pid-file={r / 'munge' / 'munged.pid'}",
+                f"--log-file={r / 'log' / 'munged.log'}",
+                f"--seed-file={r / 'munge' / 'seed'}",
+            ],
+        )
         deadline = time.time() + timeout
         while not self.munge_socket.exists():
             self._check_alive("munged")
@@ -186,19 +218,23 @@ class SlurmCluster:
             if state.startswith("IDLE"):
                 return self
             if time.time() > deadline:
-                raise ClusterUnavailable(f"node {self.node} not idle after {timeout:.0f} s (state {state!r}):\n"
-                                         f"{self._log_tail('slurmctld')}\n{self._log_tail('slurmd')}")
+                raise ClusterUnavailable(
+                    f"node {self.node} not idle after {timeout:.0f} s (state {state!r}):\n"
+                    f"{self._log_tail('slurmctld')}\n{self._log_tail('slurmd')}"
+                )
             time.sleep(0.5)
 
     def node_state(self) -> str:
-        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, env=self.env,
-                             timeout=30)
+        out = subprocess.run(
+            ["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, env=self.env, timeout=30
+        )
         return out.stdout.strip().upper() if out.returncode == 0 else ""
 
     def stop(self) -> None:
         if "slurmctld" in self.processes and self.processes["slurmctld"].poll() is None:
-            subprocess.run(["scancel", "--full", "--quiet", "--partition", "debug"], env=self.env,
-                           capture_output=True, timeout=30)
+            subprocess.run(
+                ["scancel", "--full", "--quiet", "--partition", "debug"], env=self.env, capture_output=True, timeout=30
+            )
             # cancelled jobs' steps end within KillWait; give them that long before the daemons go
             deadline = time.time() + 15
             while time.time() < deadline and self.queue():
@@ -216,8 +252,14 @@ class SlurmCluster:
 
     # -------------------------------------------------------------------------------------------- jobs
     def run(self, *command: str, timeout: float = 60, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
-        done = subprocess.run(list(command), capture_output=True, text=True, env={**self.env, **kwargs.pop("env", {})},
-                              timeout=timeout, **kwargs)
+        done = subprocess.run(
+            list(command),
+            capture_output=True,
+            text=True,
+            env={**self.env, **kwargs.pop("env", {})},
+            timeout=timeout,
+            **kwargs,
+        )
         if check and done.returncode != 0:
             raise AssertionError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr}{done.stdout}")
         return done
@@ -252,8 +294,10 @@ class SlurmCluster:
             if records and all(r.get("JobState") in FINISHED for r in records):
                 return records
             if time.time() > deadline:
-                raise AssertionError(f"job {job_id} not finished after {timeout:.0f} s: "
-                                     f"{[(r.get('JobId'), r.get('JobState')) for r in records]}\n{self.queue()}")
+                raise AssertionError(
+                    f"job {job_id} not finished after {timeout:.0f} s: "
+                    f"{[(r.get('JobId'), r.get('JobState')) for r in records]}\n{self.queue()}"
+                )
             time.sleep(1)
 
 
@@ -268,8 +312,16 @@ class Pace(Callback):
         time.sleep(self.seconds)
         if trainer.is_global_zero:
             with open(self.record, "a") as f:
-                f.write(json.dumps({"attempt": int(os.environ.get("SLURM_RESTART_COUNT", 0)),
-                                    "epoch": trainer.current_epoch, "step": trainer.global_step}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "attempt": int(os.environ.get("SLURM_RESTART_COUNT", 0)),
+                            "epoch": trainer.current_epoch,
+                            "step": trainer.global_step,
+                        }
+                    )
+                    + "\n"
+                )
 
 
 class SignalMidStep(Callback):

@@ -36,7 +36,8 @@ def test_soft_targets_match_label_smoothing():
     targets = soft_targets(labels, 7, 0.1)
     assert torch.allclose(targets.sum(1), torch.ones(5))
     assert F.cross_entropy(logits, targets).item() == pytest.approx(
-        F.cross_entropy(logits, labels, label_smoothing=0.1).item(), rel=1e-6)
+        F.cross_entropy(logits, labels, label_smoothing=0.1).item(), rel=1e-6
+    )
 
 
 def test_reusing_the_last_attack_forward_gives_the_same_update():
@@ -145,22 +146,38 @@ def test_eps_warm_up_is_linear_in_steps():
 # ------------------------------------------------------------------------------------------------- EMA
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
-    synthetic = SyntheticData(num_classes=4, train_per_class=8, val_per_class=4, image_size=32,
-                              root=str(tmp_path_factory.mktemp("synthetic")))
+    synthetic = SyntheticData(
+        num_classes=4, train_per_class=8, val_per_class=4, image_size=32, root=str(tmp_path_factory.mktemp("synthetic"))
+    )
     return dict(source="synthetic", image_size=32, batch_size=8, num_workers=0, synthetic=synthetic)
 
 
 def _trainer(tmp_path, **kwargs):
-    options = dict(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
-                   enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=tmp_path,
-                   inference_mode=False)
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+        inference_mode=False,
+    )
     return Trainer(**{**options, **kwargs})
 
 
 def test_ema_follows_every_optimiser_step_and_round_trips_through_a_checkpoint(tmp_path, tiny_data):
     decay = 0.6
-    module = ImageClassifier(arch="test_convnext", num_classes=4, attack="apgd", ema_decay=decay, lr=1e-2,
-                             warmup_epochs=0, select_attack_steps=1)
+    module = ImageClassifier(
+        arch="test_convnext",
+        num_classes=4,
+        attack="apgd",
+        ema_decay=decay,
+        lr=1e-2,
+        warmup_epochs=0,
+        select_attack_steps=1,
+    )
     expected = {k: v.clone() for k, v in module.model.state_dict().items()}  # recomputed independently
 
     def after_step(trainer, pl_module, outputs, batch, batch_idx):
@@ -168,6 +185,7 @@ def test_ema_follows_every_optimiser_step_and_round_trips_through_a_checkpoint(t
             expected[k] = decay * expected[k] + (1 - decay) * v if v.is_floating_point() else v.clone()
 
     from lightning.pytorch.callbacks import Callback
+
     follower = type("Follower", (Callback,), {"on_train_batch_end": staticmethod(after_step)})()
     trainer = _trainer(tmp_path, callbacks=[follower], limit_train_batches=3)
     trainer.fit(module, datamodule=ImageNetDataModule(**tiny_data))
@@ -224,8 +242,13 @@ def test_robust_selection_keeps_the_most_robust_checkpoint(tmp_path, tiny_data, 
         return torch.arange(labels.numel()) < round(share * labels.numel())
 
     monkeypatch.setattr(module, "_robust", scripted_robust)
-    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val/select_acc", mode="max",
-                                 filename="epoch{epoch}", auto_insert_metric_name=False)
+    checkpoint = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt",
+        monitor="val/select_acc",
+        mode="max",
+        filename="epoch{epoch}",
+        auto_insert_metric_name=False,
+    )
     trainer = _trainer(tmp_path, max_epochs=3, callbacks=[checkpoint], enable_checkpointing=True)
     trainer.fit(module, datamodule=ImageNetDataModule(**tiny_data, eval_batch_size=4))
     assert Path(checkpoint.best_model_path).name == "epoch1.ckpt"
@@ -252,8 +275,9 @@ def test_folder_holdout_is_fixed_exact_and_disjoint_from_training(tmp_path):
     make_image_tree(tmp_path / "in" / "val", {w: 2 for w in WNIDS})
     keys = []
     for seed in (0, 1):  # the data-order seed does not move the held-out split
-        dm = ImageNetDataModule(source="folder", root=str(tmp_path / "in"), image_size=32, holdout=5,
-                                num_workers=0, seed=seed)
+        dm = ImageNetDataModule(
+            source="folder", root=str(tmp_path / "in"), image_size=32, holdout=5, num_workers=0, seed=seed
+        )
         dm.setup("fit")
         held = {Path(dm.eval_set.dataset.samples[i][0]).stem for i in dm.eval_set.indices}
         train = {Path(dm.train_set.dataset.samples[i][0]).stem for i in dm.train_set.indices}

@@ -32,8 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def tiny_cnn(seed: int, classes: int = 3) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
-                         nn.Linear(32, classes)).eval()
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(32, classes)
+    ).eval()
 
 
 # ------------------------------------------------------------------------------------------------ spatial
@@ -114,8 +115,9 @@ def test_fgsm_at_eps_0_is_clean_accuracy_and_accuracy_falls_with_eps():
     y = model(x).argmax(1)  # all correct at first
     y[:8] = 1 - y[:8]
     eps = [0.0, 0.002, 0.005, 0.01, 0.02, 0.05]
-    section, metrics, figure = stubbed(AttackSweep(attacks=["fgsm", "pgd"], eps=eps, steps=[3], batch_size=16,
-                                                   plot=False), model, x, y)
+    section, metrics, figure = stubbed(
+        AttackSweep(attacks=["fgsm", "pgd"], eps=eps, steps=[3], batch_size=16, plot=False), model, x, y
+    )
     assert figure is None
     fgsm_acc = section["curves"]["fgsm"]["accuracy"]
     assert fgsm_acc[0] == section["clean_accuracy"] == pytest.approx(56 / 64)
@@ -129,8 +131,9 @@ def test_fgsm_at_eps_0_is_clean_accuracy_and_accuracy_falls_with_eps():
 
 def test_a_step_sweep_draws_both_panels(tmp_path):
     model, x, y = tiny_cnn(1), torch.rand(8, 3, 8, 8), torch.arange(8) % 3
-    section, _, figure = stubbed(AttackSweep(attacks=["pgd"], eps=[0, 0.01], steps=[1, 2], relative_step=0.25,
-                                             random_start=True), model, x, y)
+    section, _, figure = stubbed(
+        AttackSweep(attacks=["pgd"], eps=[0, 0.01], steps=[1, 2], relative_step=0.25, random_start=True), model, x, y
+    )
     assert set(section["curves"]) == {"pgd-1", "pgd-2"} and len(figure.axes) == 2
     figure.savefig(tmp_path / "sweep.png")
     with pytest.raises(UserError, match="unknown attack 'cw'"):
@@ -144,8 +147,13 @@ def test_the_transfer_matrix_diagonal_is_the_white_box_attack():
     matrix = TransferMatrix(checkpoints=["a.ckpt", "b.ckpt"], **settings)
     clean, accuracy = matrix.matrix(models, x, y)
     for i, model in enumerate(models):
-        sweep = AttackSweep(attacks=["pgd"], eps=[settings["eps"]], steps=[settings["steps"]], plot=False,
-                            **{k: settings[k] for k in ("relative_step", "random_start", "seed", "batch_size")})
+        sweep = AttackSweep(
+            attacks=["pgd"],
+            eps=[settings["eps"]],
+            steps=[settings["steps"]],
+            plot=False,
+            **{k: settings[k] for k in ("relative_step", "random_start", "seed", "batch_size")},
+        )
         section, _, _ = stubbed(sweep, model, x, y)
         assert accuracy[i][i] == section["curves"]["pgd-3"]["accuracy"][0]
         assert clean[i] == section["clean_accuracy"]
@@ -315,15 +323,23 @@ def shipped(name: str, tmp_path: Path, checkpoint: Path, synthetic: Path, **call
     return path, tmp_path / "runs" / config["trainer"]["logger"]["init_args"]["name"] / "version_0"
 
 
-@pytest.mark.parametrize("name,arch,section,args", [
-    ("attack_sweep_bhojanapalli", "test_resnet", "attack_sweep", {"max_images": 8}),
-    ("pgd_sweep_chen", "test_resnet", "pgd_sweep", {"max_images": 8, "steps": [1, 2], "eps": [0.0, 0.004]}),
-    ("fgsm_sweep_chen", "test_resnet", "fgsm_sweep", {"max_images": 8, "eps": [0.0, 0.1]}),
-    ("feature_variance_chen", "test_resnet", "feature_variance", {"max_images": 8, "batch_size": 4}),
-    ("spatial_attack", "test_resnet", "spatial_attack", {"max_images": 4, "translations": 3, "rotations": 3}),
-    ("hessian_parkkim_fig4", "test_resnet", "hessian", {"max_images": 8, "batch_size": 4, "top_k": 2, "max_iter": 3}),
-    ("kernel_distance_chen", "test_convnext", "kernel_distance", {}),
-])
+@pytest.mark.parametrize(
+    "name,arch,section,args",
+    [
+        ("attack_sweep_bhojanapalli", "test_resnet", "attack_sweep", {"max_images": 8}),
+        ("pgd_sweep_chen", "test_resnet", "pgd_sweep", {"max_images": 8, "steps": [1, 2], "eps": [0.0, 0.004]}),
+        ("fgsm_sweep_chen", "test_resnet", "fgsm_sweep", {"max_images": 8, "eps": [0.0, 0.1]}),
+        ("feature_variance_chen", "test_resnet", "feature_variance", {"max_images": 8, "batch_size": 4}),
+        ("spatial_attack", "test_resnet", "spatial_attack", {"max_images": 4, "translations": 3, "rotations": 3}),
+        (
+            "hessian_parkkim_fig4",
+            "test_resnet",
+            "hessian",
+            {"max_images": 8, "batch_size": 4, "top_k": 2, "max_iter": 3},
+        ),
+        ("kernel_distance_chen", "test_convnext", "kernel_distance", {}),
+    ],
+)
 def test_a_shipped_config_runs_end_to_end(tmp_path, synthetic, name, arch, section, args):
     config, run = shipped(name, tmp_path, tiny_checkpoint(tmp_path / "model.ckpt", arch), synthetic, **args)
     assert main(["test", "--config", str(config)]) == 0
@@ -337,8 +353,9 @@ def test_the_shipped_transfer_matrix_config_end_to_end(tmp_path, synthetic):
     """configs/analysis/transfer_matrix.yaml: the tested checkpoint against another one."""
     robust = tiny_checkpoint(tmp_path / "robust" / "checkpoints" / "last.ckpt", seed=0)
     clean = tiny_checkpoint(tmp_path / "clean" / "checkpoints" / "last.ckpt", seed=1)
-    config, run = shipped("transfer_matrix", tmp_path, robust, synthetic, checkpoints=[str(clean)], max_images=8,
-                          steps=2)
+    config, run = shipped(
+        "transfer_matrix", tmp_path, robust, synthetic, checkpoints=[str(clean)], max_images=8, steps=2
+    )
     assert main(["test", "--config", str(config)]) == 0
     section = json.loads((run / "results.json").read_text())["transfer_matrix"]
     assert section["models"] == ["robust", "clean"] and section["num_images"] == 8

@@ -55,8 +55,13 @@ def figure_text(figure) -> list[dict]:
     panels = []
     for ax in figure.axes:
         legend = ax.get_legend()
-        panels.append({"x": ax.get_xlabel(), "y": ax.get_ylabel(),
-                       "legend": [t.get_text() for t in legend.get_texts()] if legend else []})
+        panels.append(
+            {
+                "x": ax.get_xlabel(),
+                "y": ax.get_ylabel(),
+                "legend": [t.get_text() for t in legend.get_texts()] if legend else [],
+            }
+        )
     return panels
 
 
@@ -64,8 +69,12 @@ def fit(tmp_path: Path, family: str) -> Path:
     """configs/quickstart_<family>.yaml as shipped, cut to two training steps on a small synthetic set."""
     config = yaml.safe_load((REPO / "configs" / f"quickstart_{family}.yaml").read_text())
     runs = tmp_path / "runs"
-    config["trainer"] |= {"limit_train_batches": 2, "limit_val_batches": 1, "default_root_dir": str(runs / family),
-                          "enable_progress_bar": False}
+    config["trainer"] |= {
+        "limit_train_batches": 2,
+        "limit_val_batches": 1,
+        "default_root_dir": str(runs / family),
+        "enable_progress_bar": False,
+    }
     config["trainer"]["logger"]["init_args"]["save_dir"] = str(runs)
     config["checkpoint"]["dirpath"] = str(runs / family / "checkpoints")
     config["data"] |= {"batch_size": 8, "num_workers": 0}
@@ -91,8 +100,10 @@ def analyse(tmp_path: Path, name: str, ckpt: Path, **init_args) -> dict:
     assert main(["test", "--config", str(path)]) == 0
     run = max((runs / config["trainer"]["logger"]["init_args"]["name"]).glob("version_*"))
     results = json.loads((run / "results.json").read_text())
-    section = results[config["trainer"]["callbacks"][0]["init_args"].get("name") or next(
-        k for k in results if k not in ("test", "versions"))]
+    section = results[
+        config["trainer"]["callbacks"][0]["init_args"].get("name")
+        or next(k for k in results if k not in ("test", "versions"))
+    ]
     assert Path(section["plot"]).stat().st_size > 1000
     return section
 
@@ -106,8 +117,9 @@ def test_the_family_quickstarts_train_and_the_analyses_draw_the_papers_figures(t
     assert (single["x"], single["y"]) == ("Removed block", "Accuracy (%)")
     assert single["legend"] == ["Block", "Self-Attention", "MLP", "Intact"]
     assert random["x"] == "Number of removed blocks"  # the bottom row: one curve per removed part, one run
-    assert set(random["legend"]) == {f"{vit}, {part}: mean ± standard error"
-                                     for part in ("Block", "Self-Attention", "MLP")} | {"Intact"}
+    assert set(random["legend"]) == {
+        f"{vit}, {part}: mean ± standard error" for part in ("Block", "Self-Attention", "MLP")
+    } | {"Intact"}
     assert list(section["random"]) == ["block", "attention", "mlp"]
     assert section["random"]["mlp"]["2"]["removed"] == section["random"]["block"]["2"]["removed"]  # the same draws
 
@@ -115,8 +127,14 @@ def test_the_family_quickstarts_train_and_the_analyses_draw_the_papers_figures(t
     random = figure_text(LesionStudy.figure(section))[1]
     assert random["x"] == "Proportion of blocks dropped" and "RepLKNet (replknet_test)" in random["legend"]
 
-    section = analyse(tmp_path, "restricted_attention_bhojanapalli", checkpoints["vit"], permutations=1,
-                      distances=[0, 1, float("inf")], cls_only=[1])
+    section = analyse(
+        tmp_path,
+        "restricted_attention_bhojanapalli",
+        checkpoints["vit"],
+        permutations=1,
+        distances=[0, 1, float("inf")],
+        cls_only=[1],
+    )
     local, cls_only = figure_text(RestrictedAttention.figure(section))
     assert (local["x"], local["y"]) == ("Maximum distance (patches)", "Accuracy (%)")
     assert local["legend"] == [vit, f"{vit}, random permutation", "No restriction"]
@@ -148,8 +166,15 @@ def test_the_family_quickstarts_train_and_the_analyses_draw_the_papers_figures(t
     (variance,) = figure_text(FeatureVariance.figure(section))
     assert (variance["x"], variance["y"]) == ("Normalized depth", "Feature map variance")
 
-    section = analyse(tmp_path, "occlusion_chen_fig4", checkpoints["replknet"], grid=4, samples=2,
-                      drop_fractions=[0.0, 0.5], lambdas=[0.5])
+    section = analyse(
+        tmp_path,
+        "occlusion_chen_fig4",
+        checkpoints["replknet"],
+        grid=4,
+        samples=2,
+        drop_fractions=[0.0, 0.5],
+        lambdas=[0.5],
+    )
     panels = figure_text(Occlusion.figure(section))
     assert [(p["x"], p["y"]) for p in panels] == [("Information loss ratio (%)", "Top-1 accuracy drop (%)")] * 3
     assert all(p["legend"] == ["RepLKNet (replknet_test)"] for p in panels)
@@ -163,8 +188,11 @@ def test_the_family_quickstarts_train_and_the_analyses_draw_the_papers_figures(t
 
     section = analyse(tmp_path, "pgd_sweep_chen", checkpoints["replknet"], steps=[1, 2], eps=[0.0, 0.004])
     radius, steps = figure_text(AttackSweep.figure(section))[:2]
-    assert (radius["x"], radius["y"], radius["legend"]) == ("ε", "Accuracy (%)", ["RepLKNet (replknet_test), PGD-1",
-                                                                                   "RepLKNet (replknet_test), PGD-2"])
+    assert (radius["x"], radius["y"], radius["legend"]) == (
+        "ε",
+        "Accuracy (%)",
+        ["RepLKNet (replknet_test), PGD-1", "RepLKNet (replknet_test), PGD-2"],
+    )
     assert (steps["x"], steps["legend"]) == ("Attack steps", ["RepLKNet (replknet_test), ε = 0.004"])
 
     section = analyse(tmp_path, "spatial_attack", checkpoints["vit"], translations=3, rotations=3, max_images=4)

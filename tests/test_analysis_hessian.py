@@ -47,16 +47,18 @@ class Quadratic(nn.Module):
 
 def rotated(eigenvalues: list[float]) -> torch.Tensor:
     """A symmetric matrix with the given eigenvalues and random (not axis-aligned) eigenvectors."""
-    q, _ = torch.linalg.qr(torch.randn(len(eigenvalues), len(eigenvalues), dtype=torch.float64,
-                                       generator=torch.Generator().manual_seed(1)))
+    q, _ = torch.linalg.qr(
+        torch.randn(len(eigenvalues), len(eigenvalues), dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    )
     return q @ torch.diag(torch.tensor(eigenvalues, dtype=torch.float64)) @ q.T
 
 
 def test_top_eigenvalue_of_a_quadratic_loss_is_the_largest_of_its_matrix():
     loss = Quadratic(rotated([7.0, 2.0, 1.0, 0.5, -0.3]))
     hvp = hessian_vector_product(loss(), list(loss.parameters()))
-    values, steps = top_eigenvalues(hvp, 5, top_k=1, max_iter=500, tol=1e-10, dtype=torch.float64,
-                                    generator=torch.Generator().manual_seed(0))
+    values, steps = top_eigenvalues(
+        hvp, 5, top_k=1, max_iter=500, tol=1e-10, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
+    )
     assert values[0] == pytest.approx(7.0, rel=1e-6)
     assert steps[0] < 500  # converged, not cut off
 
@@ -65,8 +67,9 @@ def test_deflation_finds_negative_eigenvalues_and_nep_ape_count_them():
     # top-3 by magnitude of {10, -6, 3, 1, 0.5, -0.2} are 10, -6, 3: one negative of three
     loss = Quadratic(rotated([10.0, -6.0, 3.0, 1.0, 0.5, -0.2]))
     hvp = hessian_vector_product(loss(), list(loss.parameters()))
-    values, _ = top_eigenvalues(hvp, 6, top_k=3, max_iter=1000, tol=1e-10, dtype=torch.float64,
-                                generator=torch.Generator().manual_seed(0))
+    values, _ = top_eigenvalues(
+        hvp, 6, top_k=3, max_iter=1000, tol=1e-10, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
+    )
     assert values == pytest.approx([10.0, -6.0, 3.0], rel=1e-6)
     summary = spectrum_summary(values)
     assert summary["nep"] == pytest.approx(1 / 3)
@@ -74,8 +77,9 @@ def test_deflation_finds_negative_eigenvalues_and_nep_ape_count_them():
     assert summary["max_eigenvalue"] == pytest.approx(10.0) and summary["min_eigenvalue"] == pytest.approx(-6.0)
     # the l2 term shifts every eigenvalue by weight_decay
     shifted = hessian_vector_product(loss(), list(loss.parameters()), weight_decay=0.5)
-    values, _ = top_eigenvalues(shifted, 6, top_k=1, max_iter=1000, tol=1e-10, dtype=torch.float64,
-                                generator=torch.Generator().manual_seed(0))
+    values, _ = top_eigenvalues(
+        shifted, 6, top_k=1, max_iter=1000, tol=1e-10, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
+    )
     assert values[0] == pytest.approx(10.5, rel=1e-6)
 
 
@@ -102,8 +106,9 @@ def test_spectrum_of_a_small_network_matches_its_full_hessian():
 
 
 def test_minibatch_spectrum_leaves_the_model_as_it_found_it():
-    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                        nn.Linear(4, 3)).eval()
+    net = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)
+    ).eval()
     net[0].weight.requires_grad_(False)  # like the EMA copy's weights
     stats = net[1].running_mean.clone()
     minibatch_spectrum(net, torch.rand(4, 3, 8, 8), torch.tensor([0, 1, 2, 0]), top_k=2, max_iter=5)
@@ -129,15 +134,32 @@ def test_bad_settings_are_refused():
 
 
 def test_the_callback_writes_a_spectrum_per_epoch_during_fit(tmp_path):
-    data = ImageNetDataModule(source="synthetic", image_size=32, batch_size=8, num_workers=0, augmentation="heavy",
-                              synthetic=SyntheticData(num_classes=4, train_per_class=8, val_per_class=2, image_size=32,
-                                                      root=str(tmp_path / "synthetic")))
+    data = ImageNetDataModule(
+        source="synthetic",
+        image_size=32,
+        batch_size=8,
+        num_workers=0,
+        augmentation="heavy",
+        synthetic=SyntheticData(
+            num_classes=4, train_per_class=8, val_per_class=2, image_size=32, root=str(tmp_path / "synthetic")
+        ),
+    )
     torch.manual_seed(0)
     module = ImageClassifier(arch="test_resnet", num_classes=4, image_size=32, warmup_epochs=0)
     hessian = HessianSpectrum(top_k=2, max_iter=4, max_images=8, batch_size=4, every_n_epochs=1)
-    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=2, limit_train_batches=2, limit_val_batches=1,
-                      num_sanity_val_steps=0, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, logger=CSVLogger(tmp_path, name="fit"), callbacks=[hessian])
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        limit_train_batches=2,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=CSVLogger(tmp_path, name="fit"),
+        callbacks=[hessian],
+    )
     trainer.fit(module, datamodule=data)
     assert trainer.global_step == 4  # training went on after each analysis
     run = tmp_path / "fit" / "version_0"
@@ -159,8 +181,14 @@ def synthetic_root(tmp_path_factory) -> Path:
 def datamodule(root: Path, **kwargs) -> ImageNetDataModule:
     """4 classes, 40 training and 8 evaluation images of 64 px, trained and evaluated at 32 px."""
     synthetic = SyntheticData(num_classes=4, train_per_class=10, val_per_class=2, image_size=64, root=str(root))
-    options = {"source": "synthetic", "image_size": 32, "batch_size": 8, "num_workers": 0, "augmentation": "basic",
-               "synthetic": synthetic}
+    options = {
+        "source": "synthetic",
+        "image_size": 32,
+        "batch_size": 8,
+        "num_workers": 0,
+        "augmentation": "basic",
+        "synthetic": synthetic,
+    }
     return ImageNetDataModule(**{**options, **kwargs})
 
 
@@ -209,8 +237,15 @@ def run_test(tmp_path: Path, data: ImageNetDataModule, hessian: HessianSpectrum,
     """robust-lightning test's loop on a tiny untrained model; returns results.json's "hessian" section."""
     seed_everything(0)
     module = ImageClassifier(arch="test_resnet", num_classes=4, image_size=32, warmup_epochs=0, **model_args)
-    trainer = Trainer(accelerator="cpu", devices=1, inference_mode=False, enable_progress_bar=False,
-                      enable_model_summary=False, logger=CSVLogger(tmp_path, name="test"), callbacks=[hessian])
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        inference_mode=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=CSVLogger(tmp_path, name="test"),
+        callbacks=[hessian],
+    )
     trainer.test(module, datamodule=data, verbose=False)
     return json.loads((tmp_path / "test" / "version_0" / "results.json").read_text())["hessian"]
 
@@ -231,6 +266,7 @@ def test_training_sample_is_a_seeded_fraction_of_the_augmented_training_set(synt
         assert 0 <= batch["image"].min() and batch["image"].max() <= 1
     # the test run's data stay as they were: its evaluation set, and no training set of its own
     assert data.eval_set is evaluation and data.train_set is None
+
     # the subset is fixed by the seed; the cap takes the first images of the same subset
     def keys_of(seed: int) -> list[str]:
         return [k for b in data.training_sample("cpu", fraction=0.1, batch_size=3, seed=seed).batches for k in b["key"]]
@@ -273,13 +309,14 @@ def test_the_hessian_minibatches_come_from_the_training_transform(tmp_path, synt
 
 
 def test_heavy_augmentation_gives_mixup_soft_targets_and_the_l2_term_is_the_models_weight_decay(
-        tmp_path, synthetic_root, monkeypatch):
+    tmp_path, synthetic_root, monkeypatch
+):
     data = datamodule(synthetic_root, augmentation="heavy")
     spy = Spy(monkeypatch)
     hessian = HessianSpectrum(train_fraction=0.25, max_images=4, top_k=1, max_iter=2, batch_size=4, plot=False)
     section = run_test(tmp_path, data, hessian, weight_decay=0.125)
-    (_, targets, kwargs), = spy.analysed
-    batch, = spy.yielded
+    ((_, targets, kwargs),) = spy.analysed
+    (batch,) = spy.yielded
     assert targets.shape == (4, 4) and torch.equal(targets, batch["target"])
     assert torch.allclose(targets.sum(1), torch.ones(4))
     # mixed: some image's target is not the smoothed one-hot of its own label

@@ -161,8 +161,11 @@ def numpy_minibatch_cka(batches: list[list[np.ndarray]], i: int, j: int) -> floa
         np.fill_diagonal(k, 0)
         np.fill_diagonal(m, 0)
         ones = np.ones(n)
-        value = np.trace(k @ m) + (ones @ k @ ones) * (ones @ m @ ones) / ((n - 1) * (n - 2)) \
+        value = (
+            np.trace(k @ m)
+            + (ones @ k @ ones) * (ones @ m @ ones) / ((n - 1) * (n - 2))
             - 2 / (n - 2) * (ones @ k @ m @ ones)
+        )
         return value / (n * (n - 3))
 
     def gram(x):
@@ -183,7 +186,7 @@ def test_a_convnet_with_differently_shaped_stages_gets_linear_cka_in_every_cell(
     labels = torch.zeros(6, dtype=torch.long)
     analysis = LayerCorrelation(tokens=["all"], plot=False)
     offline(analysis, net, batches[0])
-    analysis.batches = lambda trainer, pl_module: iter([(x, labels[:len(x)]) for x in batches])
+    analysis.batches = lambda trainer, pl_module: iter([(x, labels[: len(x)]) for x in batches])
     section, _, _ = analysis.analyse(TRAINER, PL_MODULE)
     matrix = section["all"]
     assert section["measures"] == {"all": "linear_cka"} and len(matrix) == len(bmap.units) == 4
@@ -192,8 +195,12 @@ def test_a_convnet_with_differently_shaped_stages_gets_linear_cka_in_every_cell(
 
     # independently: the units' outputs through forward hooks, CKA from the formula in numpy
     outputs: list[list[np.ndarray]] = []
-    hooks = [net.get_submodule(u.paths[0]).register_forward_hook(
-        lambda m, args, out: outputs[-1].append(out.detach().numpy())) for u in bmap.units]
+    hooks = [
+        net.get_submodule(u.paths[0]).register_forward_hook(
+            lambda m, args, out: outputs[-1].append(out.detach().numpy())
+        )
+        for u in bmap.units
+    ]
     with torch.no_grad():
         for x in batches:
             outputs.append([])
@@ -225,7 +232,7 @@ def numpy_notebook_fourier(maps: np.ndarray) -> np.ndarray:
     h, w = maps.shape[-2:]
     f = np.log(np.abs(np.fft.fft2(maps)) + 1e-6)
     f = np.roll(f, shift=(int(h / 2), int(w / 2)), axis=(2, 3)).mean(axis=(0, 1))
-    latent = np.diag(f)[int(h / 2):]
+    latent = np.diag(f)[int(h / 2) :]
     return latent - latent[0]
 
 
@@ -265,8 +272,9 @@ def numpy_fourier_mask(x: np.ndarray, f: float, s: float) -> np.ndarray:
         pad = int((w2 - w1) / 2)
         return np.pad(np.ones((1, 3, w1, w1)), ((0, 0), (0, 0), (pad, pad), (pad, pad)))
 
-    mask = (center_mask(int(((f + s) * h) / (2 * math.pi)) * 2, h)
-            - center_mask(int(((f - s) * h) / (2 * math.pi)) * 2, h))
+    mask = center_mask(int(((f + s) * h) / (2 * math.pi)) * 2, h) - center_mask(
+        int(((f - s) * h) / (2 * math.pi)) * 2, h
+    )
     spectrum = (mask * amplitude) * np.exp(1j * angle)
     return np.fft.ifft2(np.roll(spectrum, shift=(int(h / 2), int(w / 2)), axis=(2, 3))).real
 
@@ -306,8 +314,9 @@ def test_frequency_noise_section_records_its_protocol():
     section, _, _ = analysis.analyse(TRAINER, PL_MODULE)
     assert section["protocol"]["follows"] == "code" and section["conditions"]["eps"] == 0.5
     assert [b["centre"] for b in section["bands"]] == code_bands(0.1)
-    assert [b["bins"] for b in section["bands"]] == [int(code_band_mask(32, b * math.pi, 0.05 * math.pi).sum())
-                                                     for b in code_bands(0.1)]
+    assert [b["bins"] for b in section["bands"]] == [
+        int(code_band_mask(32, b * math.pi, 0.05 * math.pi).sum()) for b in code_bands(0.1)
+    ]
     # the noise's RMS in grey levels: white sign noise of 0.5 normalised units behind std 0.25 is 0.125 in [0, 1]
     # pixels, 31.875 grey levels, exactly; each band's, recomputed here from the same draw with numpy's FFT
     assert section["white_noise"]["noise_rms_grey_levels"] == pytest.approx(0.5 * 0.25 * 255)
@@ -315,7 +324,7 @@ def test_frequency_noise_section_records_its_protocol():
     for band in section["bands"]:
         mask = code_band_mask(32, band["centre"] * math.pi, 0.05 * math.pi).numpy()
         noise = np.fft.ifft2(np.fft.fft2(delta) * mask).real
-        assert band["noise_rms_grey_levels"] == pytest.approx(np.sqrt((noise ** 2).mean()) * 255, rel=1e-6)
+        assert band["noise_rms_grey_levels"] == pytest.approx(np.sqrt((noise**2).mean()) * 255, rel=1e-6)
 
 
 # ------------------------------------------------------------------------------------ feature variance
@@ -328,16 +337,21 @@ def test_chens_feature_variance_takes_the_variance_of_each_batchs_mean_map():
     labels = torch.zeros(4, dtype=torch.long)
     net = tiny("test_resnet")
     results = {}
-    for protocol, batches in (("parkkim", [images]), ("chen", [images[i:i + 1] for i in range(4)]),
-                              ("chen-batch", [images])):
+    for protocol, batches in (
+        ("parkkim", [images]),
+        ("chen", [images[i : i + 1] for i in range(4)]),
+        ("chen-batch", [images]),
+    ):
         analysis = FeatureVariance(protocol=protocol.split("-")[0], plot=False)
         offline(analysis, net, images)
-        analysis.batches = lambda trainer, pl_module, batches=batches: iter([(b, labels[:len(b)]) for b in batches])
+        analysis.batches = lambda trainer, pl_module, batches=batches: iter([(b, labels[: len(b)]) for b in batches])
         section, _, _ = analysis.analyse(TRAINER, PL_MODULE)
         results[protocol] = [p["variance"] for p in section["points"] if p["variance"] is not None]  # 1x1: none
     assert results["chen"] == pytest.approx(results["parkkim"], rel=1e-5)
     assert results["chen-batch"] != pytest.approx(results["parkkim"], rel=1e-3)
-    assert section["conditions"]["protocol"] == "chen" and "feature_map_variance/main.py" in section["protocol"][
-        "reference"]
+    assert (
+        section["conditions"]["protocol"] == "chen"
+        and "feature_map_variance/main.py" in section["protocol"]["reference"]
+    )
     with pytest.raises(UserError, match="FeatureVariance.protocol must be one of parkkim, chen"):
         FeatureVariance(protocol="park")

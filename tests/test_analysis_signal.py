@@ -167,8 +167,16 @@ def test_vit_sublayer_features_are_the_residual_stream_after_each_branch():
 # ------------------------------------------------------------------------------------------ end to end
 def test_the_shipped_configs_run_on_tiny_checkpoints(tmp_path):
     vit = checkpoint(tmp_path, "vit_tiny_patch16_224", arch_kwargs={"patch_size": 8, "depth": 2})
-    config = shipped_config(tmp_path, "occlusion_chen_fig4", vit, saliency="attention", grid=4, samples=2,
-                            drop_fractions=[0.0, 0.5, 0.9], lambdas=[0.5, 1.0])
+    config = shipped_config(
+        tmp_path,
+        "occlusion_chen_fig4",
+        vit,
+        saliency="attention",
+        grid=4,
+        samples=2,
+        drop_fractions=[0.0, 0.5, 0.9],
+        lambdas=[0.5, 1.0],
+    )
     for name in ("frequency_noise_parkkim_fig2b", "fourier_features_parkkim", "feature_variance_parkkim"):
         shipped = yaml.safe_load((REPO / "configs" / "analysis" / f"{name}.yaml").read_text())
         callback = shipped["trainer"]["callbacks"][0]
@@ -187,9 +195,10 @@ def test_the_shipped_configs_run_on_tiny_checkpoints(tmp_path):
     fourier = results["fourier_features"]["points"]
     assert [p["kind"] for p in fourier] == ["stem", "attention", "mlp", "attention", "mlp"]
     # 4x4 patch grid: the code's half-diagonal has bins 0 and 1 (true frequency 0.5 pi), plotted at 0 and 1.0 pi
-    assert all(p["frequencies"] == [0.0, 1.0] and p["dft_frequencies"] == [0.0, 0.5]
-               and p["relative_log_amplitude"][0] == 0
-               for p in fourier)
+    assert all(
+        p["frequencies"] == [0.0, 1.0] and p["dft_frequencies"] == [0.0, 0.5] and p["relative_log_amplitude"][0] == 0
+        for p in fourier
+    )
     variance = results["feature_variance"]["points"]
     assert len(variance) == 5 and all(p["variance"] > 0 for p in variance)
     for name in ("occlusion", "frequency_noise", "fourier_features", "feature_variance"):

@@ -52,14 +52,17 @@ def out(net, x=X):
 
 
 # ---------------------------------------------------------------------------------------- discovery
-@pytest.mark.parametrize("arch, kwargs, family, units, parts", [
-    ("vit_tiny_patch16_224", dict(img_size=32, patch_size=8, depth=3), "vit", 3, ["attention", "mlp"]),
-    ("test_convnext", {}, "convnext", 9, []),
-    ("test_resnet", {}, "resnet", 4, []),
-    ("convnext_iso_small", dict(depth=2, dim=48), "isotropic_convnext", 2, []),
-    ("replknet_test", {}, "replknet", None, ["large_kernel", "mlp"]),
-    ("alternet_test", {}, "alternet", None, ["attention"]),
-])
+@pytest.mark.parametrize(
+    "arch, kwargs, family, units, parts",
+    [
+        ("vit_tiny_patch16_224", dict(img_size=32, patch_size=8, depth=3), "vit", 3, ["attention", "mlp"]),
+        ("test_convnext", {}, "convnext", 9, []),
+        ("test_resnet", {}, "resnet", 4, []),
+        ("convnext_iso_small", dict(depth=2, dim=48), "isotropic_convnext", 2, []),
+        ("replknet_test", {}, "replknet", None, ["large_kernel", "mlp"]),
+        ("alternet_test", {}, "alternet", None, ["attention"]),
+    ],
+)
 def test_every_family_has_its_blocks_found(arch, kwargs, family, units, parts):
     net = tiny(arch, **kwargs)
     bmap = find_blocks(net)
@@ -294,10 +297,18 @@ def test_the_shipped_configs_run_on_tiny_checkpoints(tmp_path, capsys):
 
     # the Bhojanapalli configs together on a tiny ViT: correlation, restricted attention and the lesion modes
     vit = checkpoint(tmp_path, "vit_tiny_patch16_224", arch_kwargs={"patch_size": 8, "depth": 3})
-    config = shipped_config(tmp_path, "restricted_attention_bhojanapalli", vit, distances=[0, 1, float("inf")],
-                            permutations=1, cls_only=[1, 3])
-    for name, args in (("layer_correlation_bhojanapalli", {}),
-                       ("lesion_bhojanapalli_fig8", {"random_counts": [2], "samples": 2})):
+    config = shipped_config(
+        tmp_path,
+        "restricted_attention_bhojanapalli",
+        vit,
+        distances=[0, 1, float("inf")],
+        permutations=1,
+        cls_only=[1, 3],
+    )
+    for name, args in (
+        ("layer_correlation_bhojanapalli", {}),
+        ("lesion_bhojanapalli_fig8", {"random_counts": [2], "samples": 2}),
+    ):
         shipped = yaml.safe_load((REPO / "configs" / "analysis" / f"{name}.yaml").read_text())
         callback = shipped["trainer"]["callbacks"][0]
         callback["init_args"] |= {"max_images": 8, "batch_size": 8, **args}
@@ -313,8 +324,9 @@ def test_the_shipped_configs_run_on_tiny_checkpoints(tmp_path, capsys):
     assert restricted["local"][1]["allowed_fraction"] == 100 / 256 and restricted["protocol"]["follows"] == "paper"
     assert [e["k"] for e in restricted["cls_only"]["last"]] == [1, 3]
     correlation = results["layer_correlation"]
-    assert len(correlation["layers"]) == 3 and all(correlation[k][i][i] == pytest.approx(1) for k in ("all", "cls")
-                                                     for i in range(3))
+    assert len(correlation["layers"]) == 3 and all(
+        correlation[k][i][i] == pytest.approx(1) for k in ("all", "cls") for i in range(3)
+    )
     assert set(results["lesion"]["single"]) == {"block", "attention", "mlp"}
     for name in ("restricted_attention", "layer_correlation", "lesion"):
         assert (run_dir / f"{name}.png").is_file()

@@ -245,8 +245,17 @@ def _assert_matches_reference(res, ref, pixel_atol=1e-5):
 @ignore_zero_grad_warning
 @pytest.mark.parametrize(
     "norm,loss,n_iter",
-    [("Linf", "ce", 2), ("Linf", "ce", 20), ("Linf", "dlr", 20), ("L2", "ce", 2), ("L2", "ce", 20),
-     ("L2", "dlr", 10), ("L1", "ce", 2), ("L1", "ce", 20), ("L1", "dlr", 10)],
+    [
+        ("Linf", "ce", 2),
+        ("Linf", "ce", 20),
+        ("Linf", "dlr", 20),
+        ("L2", "ce", 2),
+        ("L2", "ce", 20),
+        ("L2", "dlr", 10),
+        ("L1", "ce", 2),
+        ("L1", "ce", 20),
+        ("L1", "dlr", 10),
+    ],
 )
 def test_apgd_matches_reference_from_clean_start(norm, loss, n_iter):
     pytest.importorskip("pyautoattack")
@@ -283,8 +292,9 @@ def test_apgd_targeted_matches_reference(norm):
     x, y = make_batch(model)
     y_target = (y + 3) % NUM_CLASSES
     ref = _reference(model, x, y, norm, "dlr-targeted", 10, x_init=x.clone(), y_target=y_target)
-    res = apgd(model, x, y, norm=norm, eps=EPS[norm], n_iter=10, loss="dlr-targeted", y_target=y_target,
-               x_init=x.clone())
+    res = apgd(
+        model, x, y, norm=norm, eps=EPS[norm], n_iter=10, loss="dlr-targeted", y_target=y_target, x_init=x.clone()
+    )
     _assert_matches_reference(res, ref)
 
 

@@ -407,8 +407,9 @@ DEVICE_PATH_SCHEMES = [
 @pytest.mark.parametrize("scheme,options", DEVICE_PATH_SCHEMES)
 @pytest.mark.parametrize("batch_size", [16, 15])
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
-def test_batch_augment_device_path_reads_nothing_and_matches_the_cpu_path(monkeypatch, scheme, options, batch_size,
-                                                                          dtype):
+def test_batch_augment_device_path_reads_nothing_and_matches_the_cpu_path(
+    monkeypatch, scheme, options, batch_size, dtype
+):
     images = torch.from_numpy(np.stack(smooth_images(n=batch_size, seed=8))).permute(0, 3, 1, 2).contiguous()
     images = images if dtype == torch.uint8 else images.float() / 255
     labels = torch.arange(batch_size) % 10
@@ -564,16 +565,18 @@ def test_parse_rand_augment_rejects_unsupported(spec):
 
 
 # --------------------------------------------------------------- fill and noise: ImageNet defaults vs official
-@pytest.mark.parametrize("fill_name,expected", [("imagenet", [round(255 * v) for v in IMAGENET_MEAN]),
-                                                ("official", [0, 0, 0])])
+@pytest.mark.parametrize(
+    "fill_name,expected", [("imagenet", [round(255 * v) for v in IMAGENET_MEAN]), ("official", [0, 0, 0])]
+)
 def test_rand_augment_fill_colour(monkeypatch, fill_name, expected):
     augment = BatchAugment("heavy", 10, augmentation_fill=fill_name)
     batch = to_batch(smooth_images(n=2, seed=7))
     ours = to_uint8(augment.rand_augment.apply_op(batch, "TranslateXRel", 9.0, 1.0))
     # timm's own op on PIL with the img_mean its transform factory derives from the transform's mean
     monkeypatch.setattr(timm_aa, "_randomly_negate", lambda v: v)
-    op = timm_aa.AugmentOp("TranslateXRel", prob=1.0, magnitude=9.0,
-                           hparams={"img_mean": tuple(expected), "interpolation": Image.BICUBIC})
+    op = timm_aa.AugmentOp(
+        "TranslateXRel", prob=1.0, magnitude=9.0, hparams={"img_mean": tuple(expected), "interpolation": Image.BICUBIC}
+    )
     reference = np.stack([np.asarray(op(Image.fromarray(a))) for a in smooth_images(n=2, seed=7)]).astype(np.int64)
     assert np.abs(ours - reference).max() <= 1
     # a shift by 0.405 of the width (13 px) samples beyond the right edge: the right-most columns are fill
@@ -581,10 +584,12 @@ def test_rand_augment_fill_colour(monkeypatch, fill_name, expected):
 
 
 def test_official_erasing_noise_is_unclamped_standard_normal():
-    augment = BatchAugment("heavy", 10, augmentation_fill="official", rand_augment="", erase_prob=1.0, mix=False,
-                           flip=False)
-    out, _ = augment(torch.full((64, 3, 32, 32), 0.5), torch.zeros(64, dtype=torch.long),
-                     generator=torch.Generator().manual_seed(0))
+    augment = BatchAugment(
+        "heavy", 10, augmentation_fill="official", rand_augment="", erase_prob=1.0, mix=False, flip=False
+    )
+    out, _ = augment(
+        torch.full((64, 3, 32, 32), 0.5), torch.zeros(64, dtype=torch.long), generator=torch.Generator().manual_seed(0)
+    )
     noise = out[out != 0.5]
     assert noise.numel() > 10000
     # timm's _get_pixels: N(0, 1) in the normalised space, which mean 0 / std 1 makes the [0, 1] space
@@ -599,8 +604,9 @@ def test_default_fill_and_noise_stay_timm_imagenet_defaults():
     augment = BatchAugment("heavy", 10, rand_augment="", erase_prob=1.0, mix=False, flip=False)
     assert augment.rand_augment is None and augment.erasing.clamp
     assert BatchAugment("heavy", 10).rand_augment.fill.tolist() == [round(255 * v) for v in IMAGENET_MEAN]
-    out, _ = augment(torch.full((64, 3, 32, 32), 0.5), torch.zeros(64, dtype=torch.long),
-                     generator=torch.Generator().manual_seed(0))
+    out, _ = augment(
+        torch.full((64, 3, 32, 32), 0.5), torch.zeros(64, dtype=torch.long), generator=torch.Generator().manual_seed(0)
+    )
     assert out.min() >= 0 and out.max() <= 1
     for c in range(3):
         values = out[:, c][out[:, c] != 0.5]
@@ -618,8 +624,9 @@ def test_unknown_fill_names_the_choices():
 def tiny_data(tmp_path_factory):
     from robust_lightning.data.datamodule import SyntheticData
 
-    synthetic = SyntheticData(num_classes=4, train_per_class=8, val_per_class=4, image_size=40,
-                              root=str(tmp_path_factory.mktemp("synthetic")))
+    synthetic = SyntheticData(
+        num_classes=4, train_per_class=8, val_per_class=4, image_size=40, root=str(tmp_path_factory.mktemp("synthetic"))
+    )
     return {"source": "synthetic", "image_size": 32, "batch_size": 8, "num_workers": 0, "synthetic": synthetic}
 
 
@@ -637,8 +644,7 @@ def training_batch(data: dict, **options) -> tuple[dict, object]:
 def test_official_noise_reaches_the_batch_on_both_paths(tiny_data):
     for augment_on in ("device", "cpu"):
         torch.manual_seed(0)
-        raw, dm = training_batch(tiny_data, augmentation="heavy", augment_on=augment_on,
-                                 augmentation_fill="official")
+        raw, dm = training_batch(tiny_data, augmentation="heavy", augment_on=augment_on, augmentation_fill="official")
         assert raw["image"].dtype == torch.uint8
         assert dm.device_augment.erasing is not None and not dm.device_augment.erasing.clamp
         if augment_on == "cpu":  # the workers erase nothing: their uint8 could not hold the noise
@@ -677,8 +683,9 @@ def test_results_list_the_differences_from_the_official_code(tiny_data):
     assert "reproduced" not in data_differences(augment_on="cpu")
 
     def model_differences(**options) -> str:
-        return " | ".join(ImageClassifier(arch="test_resnet", num_classes=4, **options).conditions()[
-            "differences_from_official_code"])
+        return " | ".join(
+            ImageClassifier(arch="test_resnet", num_classes=4, **options).conditions()["differences_from_official_code"]
+        )
 
     timm_rule = model_differences(select_attack_steps=1)
     assert "weight decay: timm's rule" in timm_rule and "lr schedule" in timm_rule and "selection" in timm_rule

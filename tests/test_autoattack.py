@@ -119,8 +119,13 @@ def test_claimed_successes_are_verified_in_fp32_and_refuted_ones_attacked_again_
 def test_the_reference_engine_runs_in_true_fp32(trained, points, monkeypatch):
     # PyTorch lets cuDNN convolutions use TF32 by default; an "fp32" reference number must not
     seen = []
-    monkeypatch.setattr(AutoAttack, "_reference_attack", lambda self, attack, x, y, bs: seen.append(
-        (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)) or x)
+    monkeypatch.setattr(
+        AutoAttack,
+        "_reference_attack",
+        lambda self, attack, x, y, bs: (
+            seen.append((torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)) or x
+        ),
+    )
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     x, y = points
     report = AutoAttack(trained, norm="Linf", eps=EPS["Linf"], version="apgd-ce", engine="reference").evaluate(x, y)
@@ -171,8 +176,14 @@ def test_channels_last_inputs_change_the_layout_not_the_result(trained, points):
 def batchnorm_net() -> nn.Module:
     """A conv net with BatchNorm whose running statistics are not the initial ones (so folding changes weights)."""
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
-                        nn.Linear(8 * 16 * 16, 10), nn.BatchNorm1d(10))
+    net = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 16 * 16, 10),
+        nn.BatchNorm1d(10),
+    )
     with torch.no_grad():
         for _ in range(3):
             net(torch.rand(16, 3, 16, 16) * 2)
@@ -370,19 +381,46 @@ def eval_config(tmp_path: Path, synthetic_root: Path, devices: int = 1, **callba
     config = {
         "seed_everything": 0,
         "trainer": {
-            "accelerator": "cpu", "devices": devices, "max_epochs": 1, "limit_train_batches": 4,
-            "num_sanity_val_steps": 0, "inference_mode": False,
+            "accelerator": "cpu",
+            "devices": devices,
+            "max_epochs": 1,
+            "limit_train_batches": 4,
+            "num_sanity_val_steps": 0,
+            "inference_mode": False,
             "default_root_dir": str(tmp_path / "runs"),
-            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
-                       "init_args": {"save_dir": str(tmp_path / "runs"), "name": "aa"}},
-            "callbacks": [{"class_path": "robust_lightning.evaluation.autoattack.AutoAttackEvaluation",
-                           "init_args": {"threat_models": [LINF], "version": "apgd-ce", "n_iter": 5,
-                                         "results_dir": str(tmp_path / "outcomes"), **callback}}],
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.CSVLogger",
+                "init_args": {"save_dir": str(tmp_path / "runs"), "name": "aa"},
+            },
+            "callbacks": [
+                {
+                    "class_path": "robust_lightning.evaluation.autoattack.AutoAttackEvaluation",
+                    "init_args": {
+                        "threat_models": [LINF],
+                        "version": "apgd-ce",
+                        "n_iter": 5,
+                        "results_dir": str(tmp_path / "outcomes"),
+                        **callback,
+                    },
+                }
+            ],
         },
         "model": {"arch": "test_resnet"},
-        "data": {"source": "synthetic", "image_size": 32, "batch_size": 8, "eval_batch_size": 6, "num_workers": 0,
-                 "synthetic": {"num_classes": 4, "train_per_class": 16, "val_per_class": 5, "image_size": 32,
-                               "samples_per_shard": 5, "root": str(synthetic_root)}},
+        "data": {
+            "source": "synthetic",
+            "image_size": 32,
+            "batch_size": 8,
+            "eval_batch_size": 6,
+            "num_workers": 0,
+            "synthetic": {
+                "num_classes": 4,
+                "train_per_class": 16,
+                "val_per_class": 5,
+                "image_size": 32,
+                "samples_per_shard": 5,
+                "root": str(synthetic_root),
+            },
+        },
     }
     if devices > 1:
         config["trainer"]["strategy"] = "ddp"
@@ -394,8 +432,9 @@ def eval_config(tmp_path: Path, synthetic_root: Path, devices: int = 1, **callba
 def tiny_synthetic(root: Path):
     from robust_lightning.data.datamodule import SyntheticData
 
-    return SyntheticData(num_classes=4, train_per_class=16, val_per_class=5, samples_per_shard=5, image_size=32,
-                         root=str(root))
+    return SyntheticData(
+        num_classes=4, train_per_class=16, val_per_class=5, samples_per_shard=5, image_size=32, root=str(root)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -409,8 +448,9 @@ def checkpoint(tmp_path_factory):
 
     tmp_path = tmp_path_factory.mktemp("aa-fit")
     synthetic_root = tmp_path_factory.mktemp("aa-synthetic")
-    data = ImageNetDataModule(source="synthetic", image_size=32, eval_batch_size=100, num_workers=0,
-                              synthetic=tiny_synthetic(synthetic_root))
+    data = ImageNetDataModule(
+        source="synthetic", image_size=32, eval_batch_size=100, num_workers=0, synthetic=tiny_synthetic(synthetic_root)
+    )
     data.prepare_data()
     data.setup("test")
     batch = next(iter(data.test_dataloader()))
@@ -445,8 +485,9 @@ def direct_outcomes(checkpoint, batches: list[list[str]]) -> dict[str, bool]:
 
     ckpt, synthetic_root = checkpoint
     module = ImageClassifier.load_from_checkpoint(ckpt, map_location="cpu", weights_only=True).eval()
-    data = ImageNetDataModule(source="synthetic", image_size=32, eval_batch_size=100, num_workers=0,
-                              synthetic=tiny_synthetic(synthetic_root))
+    data = ImageNetDataModule(
+        source="synthetic", image_size=32, eval_batch_size=100, num_workers=0, synthetic=tiny_synthetic(synthetic_root)
+    )
     data.setup("test")
     everything = next(iter(data.test_dataloader()))
     where = {key: i for i, key in enumerate(everything["key"])}
@@ -504,8 +545,9 @@ def test_listed_images_that_never_arrive_are_reported_not_silently_left_out(tmp_
     subset.write_text("plus/synthetic_val_000003\ncircle/synthetic_val_000000\ncircle/synthetic_val_999999")
     # data.on_missing_images warn: evaluate what arrived (the default, error, stops the run:
     # tests/test_missing_images.py)
-    section = run_test(tmp_path, checkpoint, "--data.eval_subset", str(subset),
-                       "--data.on_missing_images", "warn")["threat_models"]["Linf-4_255"]
+    section = run_test(tmp_path, checkpoint, "--data.eval_subset", str(subset), "--data.on_missing_images", "warn")[
+        "threat_models"
+    ]["Linf-4_255"]
     assert section["num_points"] == 2 and section["images_not_evaluated"] == 1
     assert section["keys_not_evaluated"] == ["synthetic_val_999999"]
 
@@ -570,8 +612,9 @@ def test_the_call_signatures_of_both_reference_codes_work_unchanged(trained, poi
     x, y = points
 
     def written_for_pyautoattack(cls):  # the same lines for both classes
-        adversary = cls(trained, attacks=["apgd-ce", "square"], device="cpu", eps=EPS["Linf"], norm="Linf", seed=0,
-                        version="custom")
+        adversary = cls(
+            trained, attacks=["apgd-ce", "square"], device="cpu", eps=EPS["Linf"], norm="Linf", seed=0, version="custom"
+        )
         adversary.apgd.n_restarts, adversary.apgd.n_iter = 1, 100
         adversary.square.n_queries = 300
         return adversary
@@ -619,8 +662,11 @@ def test_robustbench_benchmark_call_prints_and_logs_fra31_lines(trained, points,
     state_path=aa_state_path); fra31's verbose default prints its lines, and log_path gets the same."""
     x, y = points[0][:16], points[1][:16]
     log = tmp_path / "autoattack.log"
-    adversary = shortened(AutoAttack(trained, norm="Linf", eps=EPS["Linf"], version="standard",
-                                     device=torch.device("cpu"), log_path=str(log)))
+    adversary = shortened(
+        AutoAttack(
+            trained, norm="Linf", eps=EPS["Linf"], version="standard", device=torch.device("cpu"), log_path=str(log)
+        )
+    )
     x_adv = adversary.run_standard_evaluation(x, y, bs=8, state_path=None)
     printed = capsys.readouterr().out.splitlines()
     assert log.read_text().splitlines() == printed
@@ -630,8 +676,9 @@ def test_robustbench_benchmark_call_prints_and_logs_fra31_lines(trained, points,
     assert printed[0] == "using standard version including apgd-ce, apgd-t, fab-t, square."
     assert printed[1] == f"initial accuracy: {clean:.2%}"
     after = [line for line in printed if line.startswith("robust accuracy after ")]
-    assert [line.split(":")[0] for line in after] == [f"robust accuracy after {attack}"
-                                                      for attack in ("APGD-CE", "APGD-T", "FAB-T", "SQUARE")]
+    assert [line.split(":")[0] for line in after] == [
+        f"robust accuracy after {attack}" for attack in ("APGD-CE", "APGD-T", "FAB-T", "SQUARE")
+    ]
     assert after[-1].startswith(f"robust accuracy after SQUARE: {robust:.2%} (total time ")
     broken = [int(line.split(" - ")[1].split()[0]) for line in printed if "successfully perturbed" in line]
     assert sum(broken) == round((clean - robust) * len(x))
@@ -649,16 +696,23 @@ def test_fra31_readme_calls_run_unchanged(trained, points, capsys):
     attribute and budgets on the attack objects, the seed as an attribute, the individual evaluation."""
     x, y = points[0][:16], points[1][:16]
     positional = AutoAttack(trained, "L2", 0.5, None, False, [], "standard", False, "cpu", None)
-    assert (positional.norm, positional.eps, positional.verbose, positional.device) == ("L2", 0.5, False,
-                                                                                       torch.device("cpu"))
+    assert (positional.norm, positional.eps, positional.verbose, positional.device) == (
+        "L2",
+        0.5,
+        False,
+        torch.device("cpu"),
+    )
     assert positional.attacks == ("apgd-ce", "apgd-t", "fab-t", "square") and isinstance(positional.seed, int)
 
     adversary = AutoAttack(trained, norm="Linf", eps=EPS["Linf"], version="custom")
     adversary.attacks_to_run = ["apgd-ce", "fab"]  # the README's example: untargeted FAB is not implemented
     adversary.apgd.n_restarts = 2
     adversary.fab.n_restarts = 2
-    with pytest.raises(ValueError, match=r"untargeted FAB \('fab'\) is not implemented here; the standard "
-                                         r"version's targeted FAB \('fab-t'\) is"):
+    with pytest.raises(
+        ValueError,
+        match=r"untargeted FAB \('fab'\) is not implemented here; the standard "
+        r"version's targeted FAB \('fab-t'\) is",
+    ):
         adversary.run_standard_evaluation(x, y, bs=8)
     adversary.attacks_to_run = ["apgd-ce", "apgd-dlr"]
     adversary.seed = 0
@@ -686,10 +740,14 @@ def test_custom_starts_from_the_reference_constructors_budgets(trained):
     pyautoattack = pytest.importorskip("pyautoattack")
     for norm in ("Linf", "L1"):
         ours = AutoAttack(trained, norm=norm, version="custom", attacks_to_run=["apgd-ce", "apgd-t"])
-        theirs = pyautoattack.AutoAttack(trained, norm=norm, version="custom", attacks=["apgd-ce", "apgd-t"],
-                                         device="cpu")
+        theirs = pyautoattack.AutoAttack(
+            trained, norm=norm, version="custom", attacks=["apgd-ce", "apgd-t"], device="cpu"
+        )
         assert (ours.apgd.n_restarts, ours.apgd_targeted.n_target_classes, ours.square.n_queries) == (
-            theirs.apgd.n_restarts, theirs.apgd_targeted.n_target_classes, theirs.square.n_queries)
+            theirs.apgd.n_restarts,
+            theirs.apgd_targeted.n_target_classes,
+            theirs.square.n_queries,
+        )
 
 
 def test_budgets_set_on_the_attack_objects_reach_the_attacks(trained, points, monkeypatch):

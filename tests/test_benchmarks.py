@@ -67,7 +67,7 @@ def numpy_ece(confidence: np.ndarray, correct: np.ndarray, bins: int = 15) -> fl
 def test_ece_matches_an_independent_numpy_computation():
     rng = np.random.default_rng(0)
     confidence = rng.uniform(0.05, 1.0, 500)
-    correct = rng.uniform(size=500) < confidence ** 2  # miscalibrated on purpose
+    correct = rng.uniform(size=500) < confidence**2  # miscalibrated on purpose
     ours = expected_calibration_error(torch.tensor(confidence), torch.tensor(correct))
     assert ours == pytest.approx(numpy_ece(confidence, correct.astype(float)), abs=1e-12)
     assert ours > 0.05
@@ -82,7 +82,7 @@ def test_the_test_loop_calibration_metric_accumulates_batches_to_the_same_ece():
     labels = torch.randint(0, 7, (300,), generator=torch.Generator().manual_seed(1))
     metric = CalibrationError()
     for part in range(3):  # batches (or ranks: the per-bin sums add up the same way)
-        metric.update(logits[part * 100:(part + 1) * 100], labels[part * 100:(part + 1) * 100])
+        metric.update(logits[part * 100 : (part + 1) * 100], labels[part * 100 : (part + 1) * 100])
     confidence, prediction = logits.softmax(1).max(1)
     expected = numpy_ece(confidence.double().numpy(), (prediction == labels).double().numpy())
     assert metric.compute().item() == pytest.approx(expected, abs=1e-6)
@@ -191,8 +191,10 @@ def test_layouts_read_labels_from_folder_names(tmp_path):
 
 # ----------------------------------------------------------------------------------------- through the CLI
 # the first ImageNet-A class that ImageNet-R lacks: favouring it leaves ImageNet-R's predictions alone
-A_FAVOURED = next(i for i, index in enumerate(subset_classes("imagenet_a")[1])
-                  if index not in subset_classes("imagenet_r")[1])
+A_FAVOURED = next(
+    i for i, index in enumerate(subset_classes("imagenet_a")[1]) if index not in subset_classes("imagenet_r")[1]
+)
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
@@ -236,16 +238,29 @@ def bench_config(tmp_path: Path, roots: dict[str, str], devices: int = 1) -> Pat
     config = {
         "seed_everything": 0,
         "trainer": {
-            "accelerator": "cpu", "devices": devices,
+            "accelerator": "cpu",
+            "devices": devices,
             "default_root_dir": str(tmp_path / "runs"),
-            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
-                       "init_args": {"save_dir": str(tmp_path / "runs"), "name": "bench"}},
-            "callbacks": [{"class_path": "robust_lightning.evaluation.benchmarks.DistributionShiftBenchmarks",
-                           "init_args": {**roots, "batch_size": 4, "num_workers": 0}}],
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.CSVLogger",
+                "init_args": {"save_dir": str(tmp_path / "runs"), "name": "bench"},
+            },
+            "callbacks": [
+                {
+                    "class_path": "robust_lightning.evaluation.benchmarks.DistributionShiftBenchmarks",
+                    "init_args": {**roots, "batch_size": 4, "num_workers": 0},
+                }
+            ],
         },
         "model": {"arch": "test_resnet"},
-        "data": {"source": "folder", "root": str(tmp_path / "imagenet"), "class_map": "imagenet", "image_size": 32,
-                 "eval_batch_size": 8, "num_workers": 0},
+        "data": {
+            "source": "folder",
+            "root": str(tmp_path / "imagenet"),
+            "class_map": "imagenet",
+            "image_size": 32,
+            "eval_batch_size": 8,
+            "num_workers": 0,
+        },
     }
     if devices > 1:
         config["trainer"]["strategy"] = "ddp"
@@ -347,8 +362,7 @@ def test_cli_fails_at_test_start_on_a_bad_root(tmp_path, checkpoint, capsys):
 def test_ddp_splits_every_benchmark_over_ranks_and_counts_each_image_once(tmp_path, checkpoint):
     roots = benchmark_trees(tmp_path)
     config = bench_config(tmp_path, roots, devices=2)
-    result = run_command(["test", "--config", str(config), "--ckpt_path", str(checkpoint)], cwd=tmp_path,
-                         timeout=300)
+    result = run_command(["test", "--config", str(config), "--ckpt_path", str(checkpoint)], cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     section = json.loads(next((tmp_path / "runs" / "bench").glob("version_*/results.json")).read_text())["benchmarks"]
     assert (section["imagenet_r"]["num_images"], section["imagenet_a"]["num_images"]) == (6, 4)  # odd splits too

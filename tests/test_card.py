@@ -21,36 +21,66 @@ QUICK_ATTACK = {"version": "apgd-ce", "n_iter": 3}
 
 def test_render_card_lays_out_our_numbers_beside_the_papers():
     results = {
-        "autoattack": {"threat_models": {
-            "Linf-4_255": {"norm": "Linf", "eps": 4 / 255, "num_points": 50, "clean_accuracy": 0.76,
-                           "robust_accuracy": 0.56},
-            "L2-2": {"norm": "L2", "eps": 2.0, "num_points": 50, "clean_accuracy": 0.76, "robust_accuracy": 0.4},
-        }, "conditions": {"version": "standard", "precision": "fp32"}},
-        "benchmarks": {"imagenet_r": {"acc1": 0.5, "ece": 0.1},
-                       "skipped": [{"benchmark": "imagenet_a", "reason": "no root"}]},
-        "imagenet_c": {"mce_partial": {"value": 0.61}, "mean_acc1": 0.45, "corruptions": {
-            "fog": {"mean_error": 0.5, "ce": 0.6, "ece": 0.2}}},
-        "resolution_sweep": {"resolutions": {
-            "224": {"resolution": 224, "num_images": 50, "clean_accuracy": 0.7,
-                    "threat_models": {"Linf-4_255": {"norm": "Linf", "eps": 4 / 255, "robust_accuracy": 0.5}}},
-            "256": {"resolution": 256, "num_images": 50, "clean_accuracy": 0.72,
-                    "threat_models": {"Linf-4_255": {"norm": "Linf", "eps": 4 / 255, "robust_accuracy": 0.52}}}},
-            "best": {"by_robust": {"resolution": 256}}, "conditions": {"attack": "apgd-t"}},
+        "autoattack": {
+            "threat_models": {
+                "Linf-4_255": {
+                    "norm": "Linf",
+                    "eps": 4 / 255,
+                    "num_points": 50,
+                    "clean_accuracy": 0.76,
+                    "robust_accuracy": 0.56,
+                },
+                "L2-2": {"norm": "L2", "eps": 2.0, "num_points": 50, "clean_accuracy": 0.76, "robust_accuracy": 0.4},
+            },
+            "conditions": {"version": "standard", "precision": "fp32"},
+        },
+        "benchmarks": {
+            "imagenet_r": {"acc1": 0.5, "ece": 0.1},
+            "skipped": [{"benchmark": "imagenet_a", "reason": "no root"}],
+        },
+        "imagenet_c": {
+            "mce_partial": {"value": 0.61},
+            "mean_acc1": 0.45,
+            "corruptions": {"fog": {"mean_error": 0.5, "ce": 0.6, "ece": 0.2}},
+        },
+        "resolution_sweep": {
+            "resolutions": {
+                "224": {
+                    "resolution": 224,
+                    "num_images": 50,
+                    "clean_accuracy": 0.7,
+                    "threat_models": {"Linf-4_255": {"norm": "Linf", "eps": 4 / 255, "robust_accuracy": 0.5}},
+                },
+                "256": {
+                    "resolution": 256,
+                    "num_images": 50,
+                    "clean_accuracy": 0.72,
+                    "threat_models": {"Linf-4_255": {"norm": "Linf", "eps": 4 / 255, "robust_accuracy": 0.52}},
+                },
+            },
+            "best": {"by_robust": {"resolution": 256}},
+            "conditions": {"attack": "apgd-t"},
+        },
     }
     header = {"arch": "convnext_base_convstem", "checkpoint": "x.ckpt", "resolution": 224, "data": {}}
     papers = paper_rows("convnext_base_convstem")
     # Table 2's 50-epoch, 250-epoch and 250-epoch 3-step rows, and Table 3's best test resolution
     assert [(p["resolution"], p["note"]) for p in papers] == [
-        ("224", "50 epochs"), ("224", "250 epochs"), ("224", "250 epochs, 3 steps"),
-        ("256", "best test resolution, 250 epochs")]
+        ("224", "50 epochs"),
+        ("224", "250 epochs"),
+        ("224", "250 epochs, 3 steps"),
+        ("256", "best test resolution, 250 epochs"),
+    ]
     skipped = [{"benchmark": "imagenet_p", "reason": "no dataset root given"}]
     card = render_card(header, {"test/acc1": 0.75, "test/ece": 0.03}, results, skipped, papers)
     lines = card.splitlines()
     assert "| this checkpoint (224 px) | 76.00 | 56.00 | 40.00 |" in lines
     # the published L2 2 number beside ours; a paper row without one keeps an empty cell
     assert "| ConvNeXt-B + ConvStem, Singh et al. 2023 (224 px, 250 epochs) | 75.90 | 56.14 | 49.12 |" in lines
-    assert ("| ConvNeXt-B + ConvStem, Singh et al. 2023 (256 px, best test resolution, 250 epochs) | 76.9 | 57.3 | - |"
-            in lines)
+    assert (
+        "| ConvNeXt-B + ConvStem, Singh et al. 2023 (256 px, best test resolution, 250 epochs) | 76.9 | 57.3 | - |"
+        in lines
+    )
     assert any(line.startswith("| this checkpoint | 75.00 | 61.00 (partial) | 45.00 | 50.00 | - |") for line in lines)
     assert "| **256** | 50 | 72.00 | 52.00 |" in lines and "| 224 | 50 | 70.00 | 50.00 |" in lines
     assert "| resolution | images | clean | Linf 4/255 (apgd-t) |" in lines
@@ -84,23 +114,45 @@ def test_the_card_runs_every_benchmark_that_has_data(tmp_path, imagenet_checkpoi
     config = {
         "seed_everything": 0,
         "trainer": {
-            "accelerator": "cpu", "devices": 1, "enable_progress_bar": False, "inference_mode": False,
+            "accelerator": "cpu",
+            "devices": 1,
+            "enable_progress_bar": False,
+            "inference_mode": False,
             "default_root_dir": str(tmp_path / "runs"),
-            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
-                       "init_args": {"save_dir": str(tmp_path / "runs"), "name": "card"}},
-            "callbacks": [{"class_path": "robust_lightning.evaluation.card.RobustnessCard", "init_args": {
-                "datasets": roots,
-                "autoattack": {**QUICK_ATTACK, "threat_models": [{"norm": "Linf", "eps": 4 / 255},
-                                                                 {"norm": "L2", "eps": 0.3}]},
-                "benchmarks": quick,
-                "imagenet_p": {"batch_size": 2, "num_workers": 0, "perturbations": ["brightness", "gaussian_noise"]},
-                "imagenet_c": {**quick, "corruptions": ["gaussian_noise", "brightness"], "clean_error": 0.5},
-                "resolution_sweep": {"resolutions": [32, 48], "attack": "apgd-ce", "n_iter": 2},
-            }}],
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.CSVLogger",
+                "init_args": {"save_dir": str(tmp_path / "runs"), "name": "card"},
+            },
+            "callbacks": [
+                {
+                    "class_path": "robust_lightning.evaluation.card.RobustnessCard",
+                    "init_args": {
+                        "datasets": roots,
+                        "autoattack": {
+                            **QUICK_ATTACK,
+                            "threat_models": [{"norm": "Linf", "eps": 4 / 255}, {"norm": "L2", "eps": 0.3}],
+                        },
+                        "benchmarks": quick,
+                        "imagenet_p": {
+                            "batch_size": 2,
+                            "num_workers": 0,
+                            "perturbations": ["brightness", "gaussian_noise"],
+                        },
+                        "imagenet_c": {**quick, "corruptions": ["gaussian_noise", "brightness"], "clean_error": 0.5},
+                        "resolution_sweep": {"resolutions": [32, 48], "attack": "apgd-ce", "n_iter": 2},
+                    },
+                }
+            ],
         },
         "model": {"arch": "test_resnet"},
-        "data": {"source": "folder", "root": str(tmp_path / "imagenet"), "class_map": "imagenet", "image_size": 32,
-                 "eval_batch_size": 8, "num_workers": 0},
+        "data": {
+            "source": "folder",
+            "root": str(tmp_path / "imagenet"),
+            "class_map": "imagenet",
+            "image_size": 32,
+            "eval_batch_size": 8,
+            "num_workers": 0,
+        },
     }
     path = tmp_path / "card.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -111,8 +163,14 @@ def test_the_card_runs_every_benchmark_that_has_data(tmp_path, imagenet_checkpoi
     card = (run / "robustness_card.md").read_text()
     bench = results["benchmarks"]
     shift_row = next(line for line in card.splitlines() if line.startswith("| this checkpoint |"))
-    for value in (bench["imagenet_r"]["acc1"], bench["imagenet_a"]["acc1"], bench["imagenet_v2"]["acc1"],
-                  bench["imagenet_o"]["aupr"], bench["imagenet_9"]["bg_gap"], results["imagenet_c"]["mean_acc1"]):
+    for value in (
+        bench["imagenet_r"]["acc1"],
+        bench["imagenet_a"]["acc1"],
+        bench["imagenet_v2"]["acc1"],
+        bench["imagenet_o"]["aupr"],
+        bench["imagenet_9"]["bg_gap"],
+        results["imagenet_c"]["mean_acc1"],
+    ):
         assert f" {percent(value)} " in shift_row
     linf = results["autoattack"]["threat_models"]["Linf-4_255"]
     assert linf["num_points"] == 6 and f"| {percent(linf['robust_accuracy'])} |" in card

@@ -149,13 +149,16 @@ def test_official_full_model_file_is_read_without_unpickling_code(tmp_path):
     for group in optimizer.param_groups:
         group["lr"] = np.interp([0.5], [0, 1], [0, 1e-3])[0]  # the release sets numpy float64 learning rates
     path = tmp_path / "full_model_20.pth"
-    torch.save({
-        "model_state_dict": {f"module.{k}": v for k, v in wrapped.state_dict().items()},
-        "optimizer_state_dict": optimizer.state_dict(),
-        "loss_scaler_state_dict": torch.amp.GradScaler("cpu").state_dict(),
-        "epoch": 20,
-        "state_dict_ema": AttackWrapper(ema).state_dict(),
-    }, path)
+    torch.save(
+        {
+            "model_state_dict": {f"module.{k}": v for k, v in wrapped.state_dict().items()},
+            "optimizer_state_dict": optimizer.state_dict(),
+            "loss_scaler_state_dict": torch.amp.GradScaler("cpu").state_dict(),
+            "epoch": 20,
+            "state_dict_ema": AttackWrapper(ema).state_dict(),
+        },
+        path,
+    )
     with pytest.raises(pickle.UnpicklingError):  # plain weights_only loading refuses the numpy scalars
         torch.load(path, weights_only=True)
     model = robust_lightning.load_model("convnext_tiny_convstem", path, arch_kwargs=TINY_CONVNEXT)
@@ -179,8 +182,9 @@ def test_robustbench_files(tmp_path):
     net = released_convnext_t(3)
     bare = tmp_path / "Singh2023Revisiting_ConvNeXt-T-ConvStem.pt"
     torch.save(net.state_dict(), bare)
-    model = robust_lightning.load_model("robustbench:Singh2023Revisiting_ConvNeXt-T-ConvStem", bare,
-                                        arch_kwargs=TINY_CONVNEXT)
+    model = robust_lightning.load_model(
+        "robustbench:Singh2023Revisiting_ConvNeXt-T-ConvStem", bare, arch_kwargs=TINY_CONVNEXT
+    )
     assert isinstance(model.normalize, nn.Identity)
     assert_same_logits(model, net, images())
 
@@ -189,8 +193,9 @@ def test_robustbench_files(tmp_path):
     stored = tmp_path / "with_normalizer.pt"
     torch.save({"state_dict": {k.removeprefix("model."): v for k, v in normalized.state_dict().items()}}, stored)
     assert "normalize.mean" in torch.load(stored)["state_dict"]
-    model = robust_lightning.load_model("robustbench:Singh2023Revisiting_ConvNeXt-T-ConvStem", stored,
-                                        arch_kwargs=TINY_CONVNEXT)
+    model = robust_lightning.load_model(
+        "robustbench:Singh2023Revisiting_ConvNeXt-T-ConvStem", stored, arch_kwargs=TINY_CONVNEXT
+    )
     assert_same_logits(model, normalized, images())
 
     # ViT-S: RobustBench wraps it in normalize_model(..., ImageNet mean/std); the file holds only the net
@@ -198,8 +203,9 @@ def test_robustbench_files(tmp_path):
     path = tmp_path / "Singh2023Revisiting_ViT-S-ConvStem.pt"
     torch.save(vit.state_dict(), path)
     assert "patch_embed.proj.stem.0.weight" in torch.load(path)
-    model = robust_lightning.load_model("robustbench:Singh2023Revisiting_ViT-S-ConvStem", path, image_size=32,
-                                        arch_kwargs=TINY_VIT)
+    model = robust_lightning.load_model(
+        "robustbench:Singh2023Revisiting_ViT-S-ConvStem", path, image_size=32, arch_kwargs=TINY_VIT
+    )
     assert_same_logits(model, normalize_model(vit), images())
 
 
@@ -243,8 +249,9 @@ def test_our_checkpoint_and_exports(tmp_path):
     from robust_lightning.training.lightning_module import ImageClassifier
 
     torch.manual_seed(0)
-    module = ImageClassifier(arch="convnext_atto_convstem", num_classes=5, mean=(0.4, 0.5, 0.6),
-                             std=(0.2, 0.3, 0.4), ema_decay=0.9)
+    module = ImageClassifier(
+        arch="convnext_atto_convstem", num_classes=5, mean=(0.4, 0.5, 0.6), std=(0.2, 0.3, 0.4), ema_decay=0.9
+    )
     with torch.no_grad():
         for p in module.ema.module.parameters():
             p.mul_(0.5)  # an EMA copy that differs from the raw weights
@@ -262,7 +269,7 @@ def test_our_checkpoint_and_exports(tmp_path):
         # a timm model folder: the architecture, classes and normaliser from its config.json
         folder = export_timm_folder(ckpt, tmp_path / f"folder_{prefer_ema}", ema=prefer_ema)
         model = robust_lightning.load_model(None, folder)
-        assert model.net.num_classes == 5 and model.normalize.mean.flatten().tolist() == pytest.approx([.4, .5, .6])
+        assert model.net.num_classes == 5 and model.normalize.mean.flatten().tolist() == pytest.approx([0.4, 0.5, 0.6])
         assert_same_logits(model, reference, images())
     (folder / "model.safetensors").unlink()
     with pytest.raises(UserError, match=f"the timm model folder {folder} has no model.safetensors"):
@@ -314,8 +321,12 @@ def test_every_file_kind_load_model_reads_is_a_command_line_warm_start(tmp_path)
     files["safetensors_export"] = export_weights(files["lightning"], tmp_path / "export.safetensors")
     files["pt_export"] = export_weights(files["lightning"], tmp_path / "export.pt")
     for export in ("safetensors_export", "pt_export"):  # timm alone reads the net (its head: num_classes in the cfg)
-        plain = timm.create_model("convnext_atto_convstem", num_classes=4, pretrained=True,
-                                  pretrained_cfg_overlay={"file": str(files[export]), "num_classes": 4})
+        plain = timm.create_model(
+            "convnext_atto_convstem",
+            num_classes=4,
+            pretrained=True,
+            pretrained_cfg_overlay={"file": str(files[export]), "num_classes": 4},
+        )
         assert_same_logits(plain.eval(), module.model.net, images())
     files["timm_folder"] = export_timm_folder(files["lightning"], tmp_path / "folder")
     saved = {  # state dicts as other code writes them, with our normaliser's buffers beside the net's
@@ -347,20 +358,25 @@ def test_robustbench_load_model_call_reads_its_layout(tmp_path):
     models = tmp_path / "models"
     (models / "imagenet" / "Linf").mkdir(parents=True)
     torch.save(net.state_dict(), models / "imagenet" / "Linf" / f"{name}.pt")
-    model = robust_lightning.load_model(model_name=name, model_dir=models, dataset="imagenet", threat_model="Linf",
-                                        arch_kwargs=TINY_CONVNEXT)
+    model = robust_lightning.load_model(
+        model_name=name, model_dir=models, dataset="imagenet", threat_model="Linf", arch_kwargs=TINY_CONVNEXT
+    )
     assert_same_logits(model, net, images())
 
     class ThreatModel:  # RobustBench's enums are read by their value
         value = "Linf"
 
-    model = robust_lightning.load_model(name, model_dir=str(models), threat_model=ThreatModel(),
-                                        arch_kwargs=TINY_CONVNEXT)  # the name first, as RobustBench's signature
+    model = robust_lightning.load_model(
+        name, model_dir=str(models), threat_model=ThreatModel(), arch_kwargs=TINY_CONVNEXT
+    )  # the name first, as RobustBench's signature
     assert_same_logits(model, net, images())
 
     missing = tmp_path / "elsewhere" / "imagenet" / "Linf" / f"{name}.pt"
-    with pytest.raises(UserError, match=f"{missing} does not exist. RobustBench's load_model would download {name} "
-                                        "there; nothing is downloaded here"):
+    with pytest.raises(
+        UserError,
+        match=f"{missing} does not exist. RobustBench's load_model would download {name} "
+        "there; nothing is downloaded here",
+    ):
         robust_lightning.load_model(model_name=name, model_dir=tmp_path / "elsewhere")
     with pytest.raises(UserError, match="dataset 'imagenet', threat_model 'Linf' only .* not 'cifar10', 'Linf'"):
         robust_lightning.load_model(model_name=name, model_dir=models, dataset="cifar10")
@@ -373,8 +389,9 @@ def test_file_of_another_architecture_is_a_clear_error(tmp_path):
     released = AttackWrapper(normalize_model(released_convnext_t(0)))
     torch.save({f"module.{k}": v for k, v in released.state_dict().items()}, path)
     with pytest.raises(UserError) as info:
-        robust_lightning.load_model("robustbench:Singh2023Revisiting_ViT-S-ConvStem", path, image_size=32,
-                                    arch_kwargs=TINY_VIT)
+        robust_lightning.load_model(
+            "robustbench:Singh2023Revisiting_ViT-S-ConvStem", path, image_size=32, arch_kwargs=TINY_VIT
+        )
     message = str(info.value)
     assert str(path) in message and "expected architecture 'vit_small_patch16_224_convstem'" in message
     assert "unexpected in checkpoint: stages.0" in message
@@ -387,8 +404,12 @@ def test_cli_validates_a_released_file(tmp_path):
     raw = normalize_model(released_convnext_t(0, num_classes=4))
     path = tmp_path / "weights_20.pt"
     torch.save({f"module.{k}": v for k, v in AttackWrapper(raw).state_dict().items()}, path)
-    overrides = {"model.arch": "robustbench:Singh2023Revisiting_ConvNeXt-T-ConvStem", "model.init_from": str(path),
-                 "model.arch_kwargs": TINY_CONVNEXT, "data.synthetic.val_per_class": 2}
+    overrides = {
+        "model.arch": "robustbench:Singh2023Revisiting_ConvNeXt-T-ConvStem",
+        "model.init_from": str(path),
+        "model.arch_kwargs": TINY_CONVNEXT,
+        "data.synthetic.val_per_class": 2,
+    }
     config = tiny_config(tmp_path, tmp_path / "synthetic", **overrides)
     result = run_cli("validate", "--config", str(config))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -406,10 +427,20 @@ def test_cli_validates_a_released_file(tmp_path):
 def test_card_shows_the_leaderboard_numbers_of_a_robustbench_arch():
     from robust_lightning.evaluation.card import paper_rows, render_card
 
-    results = {"autoattack": {"threat_models": {
-        "Linf-4_255": {"norm": "Linf", "eps": 4 / 255, "num_points": 50, "clean_accuracy": 0.76,
-                       "robust_accuracy": 0.5},
-    }, "conditions": {"version": "standard", "precision": "fp32"}}}
+    results = {
+        "autoattack": {
+            "threat_models": {
+                "Linf-4_255": {
+                    "norm": "Linf",
+                    "eps": 4 / 255,
+                    "num_points": 50,
+                    "clean_accuracy": 0.76,
+                    "robust_accuracy": 0.5,
+                },
+            },
+            "conditions": {"version": "standard", "precision": "fp32"},
+        }
+    }
     arch = "robustbench:Singh2023Revisiting_ConvNeXt-B-ConvStem"
     papers = paper_rows(arch)
     header = {"arch": arch, "checkpoint": "weights_249.pt", "resolution": 224, "data": {}}

@@ -28,9 +28,11 @@ def moved_checkpoint(tmp_path_factory):
     moved to another folder. Returns (config naming the deleted init_from, checkpoint, synthetic data root)."""
     tmp_path = tmp_path_factory.mktemp("portable")
     warm = save_net_weights(build_classifier("test_convnext", 4, mean=MEAN, std=STD), tmp_path / "warm.safetensors")
-    config = tiny_config(tmp_path, tmp_path / "synthetic", **{"model.arch": "test_convnext",
-                                                              "model.init_from": str(warm),
-                                                              "trainer.limit_train_batches": 1})
+    config = tiny_config(
+        tmp_path,
+        tmp_path / "synthetic",
+        **{"model.arch": "test_convnext", "model.init_from": str(warm), "trainer.limit_train_batches": 1},
+    )
     assert main(["fit", "--config", str(config)]) == 0
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -49,8 +51,12 @@ def independent_top1(ckpt, config) -> float:
     model = ImageClassifier(**{k: v for k, v in state["hyper_parameters"].items() if not k.startswith("_")})
     model.load_state_dict(state["state_dict"])  # holds the adopted normaliser as buffers
     model.eval()
-    dm = ImageNetDataModule(source="synthetic", image_size=32, num_workers=0,
-                            synthetic=SyntheticData(**yaml.safe_load(config.read_text())["data"]["synthetic"]))
+    dm = ImageNetDataModule(
+        source="synthetic",
+        image_size=32,
+        num_workers=0,
+        synthetic=SyntheticData(**yaml.safe_load(config.read_text())["data"]["synthetic"]),
+    )
     dm.setup("validate")
     with torch.no_grad():
         pairs = [(model(b["image"].float() / 255).argmax(1).numpy(), b["label"].numpy()) for b in dm.val_dataloader()]
@@ -68,23 +74,63 @@ def test_the_checkpoint_records_the_warm_start_normaliser(moved_checkpoint):
 @pytest.mark.parametrize("command", ["validate", "test", "predict"])
 def test_evaluation_never_reads_the_deleted_warm_start_file(moved_checkpoint, tmp_path, command, capsys):
     config, ckpt, _ = moved_checkpoint
-    assert main([command, "--config", str(config), "--ckpt_path", str(ckpt),
-                 "--trainer.logger.init_args.save_dir", str(tmp_path)]) == 0, capsys.readouterr().err[-2000:]
+    assert (
+        main(
+            [
+                command,
+                "--config",
+                str(config),
+                "--ckpt_path",
+                str(ckpt),
+                "--trainer.logger.init_args.save_dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    ), capsys.readouterr().err[-2000:]
     if command == "validate":
         assert results_of(tmp_path, "validate")["metrics"]["val/acc1"] == pytest.approx(independent_top1(ckpt, config))
 
 
 def test_init_from_null_beside_the_checkpoint_is_accepted(moved_checkpoint, tmp_path):
     config, ckpt, _ = moved_checkpoint
-    assert main(["validate", "--config", str(config), "--ckpt_path", str(ckpt), "--model.init_from", "null",
-                 "--trainer.logger.init_args.save_dir", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "validate",
+                "--config",
+                str(config),
+                "--ckpt_path",
+                str(ckpt),
+                "--model.init_from",
+                "null",
+                "--trainer.logger.init_args.save_dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     assert results_of(tmp_path, "validate")["metrics"]["val/acc1"] == pytest.approx(independent_top1(ckpt, config))
 
 
 def test_fit_resumes_without_the_warm_start_file(moved_checkpoint, tmp_path):
     config, ckpt, _ = moved_checkpoint
-    assert main(["fit", "--config", str(config), "--ckpt_path", str(ckpt), "--trainer.max_epochs", "2",
-                 "--trainer.logger.init_args.save_dir", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "fit",
+                "--config",
+                str(config),
+                "--ckpt_path",
+                str(ckpt),
+                "--trainer.max_epochs",
+                "2",
+                "--trainer.logger.init_args.save_dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     assert results_of(tmp_path, "fit")["epochs"] == 2
 
 
@@ -103,19 +149,27 @@ def test_load_from_checkpoint_then_evaluate_keeps_the_checkpoint_weights(moved_c
     config, ckpt, _ = moved_checkpoint
     module = ImageClassifier.load_from_checkpoint(ckpt, weights_only=True)
     before = {k: v.clone() for k, v in module.state_dict().items()}
-    dm = ImageNetDataModule(source="synthetic", image_size=32, num_workers=0,
-                            synthetic=SyntheticData(**yaml.safe_load(config.read_text())["data"]["synthetic"]))
-    trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                      inference_mode=False)
+    dm = ImageNetDataModule(
+        source="synthetic",
+        image_size=32,
+        num_workers=0,
+        synthetic=SyntheticData(**yaml.safe_load(config.read_text())["data"]["synthetic"]),
+    )
+    trainer = Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_checkpointing=False, inference_mode=False
+    )
     trainer.validate(module, datamodule=dm, verbose=False)
     assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
 
 
-@pytest.mark.parametrize("command,option,value,wins", [
-    ("validate", "arch", "test_vit", "the checkpoint's arch 'test_convnext'"),
-    ("test", "ema_decay", "0.99", "the checkpoint's ema_decay None"),
-    ("fit", "lr", "0.5", "the checkpoint's lr 0.001"),
-])
+@pytest.mark.parametrize(
+    "command,option,value,wins",
+    [
+        ("validate", "arch", "test_vit", "the checkpoint's arch 'test_convnext'"),
+        ("test", "ema_decay", "0.99", "the checkpoint's ema_decay None"),
+        ("fit", "lr", "0.5", "the checkpoint's lr 0.001"),
+    ],
+)
 def test_a_setting_the_checkpoint_decides_stops_the_run(moved_checkpoint, command, option, value, wins, capsys):
     config, ckpt, _ = moved_checkpoint
     assert main([command, "--config", str(config), "--ckpt_path", str(ckpt), f"--model.{option}", value]) == 2
@@ -127,8 +181,24 @@ def test_a_setting_the_checkpoint_decides_stops_the_run(moved_checkpoint, comman
 def test_a_setting_of_the_evaluation_applies_over_the_checkpoint(moved_checkpoint, tmp_path):
     # the checkpoint was trained without a selection attack; the flag makes validation measure robust accuracy
     config, ckpt, _ = moved_checkpoint
-    assert main(["validate", "--config", str(config), "--ckpt_path", str(ckpt), "--model.select_attack_steps", "1",
-                 "--model.lr", "0.5", "--trainer.logger.init_args.save_dir", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "validate",
+                "--config",
+                str(config),
+                "--ckpt_path",
+                str(ckpt),
+                "--model.select_attack_steps",
+                "1",
+                "--model.lr",
+                "0.5",
+                "--trainer.logger.init_args.save_dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     results = results_of(tmp_path, "validate")
     assert 0 <= results["metrics"]["val/robust_acc"] <= results["metrics"]["val/acc1"]
     assert "APGD-CE 1 steps" in results["conditions"]["model"]["selection"]["metric"]

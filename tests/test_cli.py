@@ -41,8 +41,13 @@ def tiny_config(tmp_path: Path, synthetic_root: Path, **overrides) -> Path:
             "image_size": 32,
             "batch_size": 8,
             "num_workers": 0,
-            "synthetic": {"num_classes": 4, "train_per_class": 8, "val_per_class": 4, "image_size": 32,
-                          "root": str(synthetic_root)},
+            "synthetic": {
+                "num_classes": 4,
+                "train_per_class": 8,
+                "val_per_class": 4,
+                "image_size": 32,
+                "root": str(synthetic_root),
+            },
         },
     }
     for dotted, value in overrides.items():
@@ -74,8 +79,12 @@ def fitted(tmp_path_factory, synthetic_root):
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """The installed console entry point in a fresh process, as a user runs it."""
     return subprocess.run(
-        [sys.executable, "-m", "robust_lightning", *args], capture_output=True, text=True, cwd=REPO,
-        env={**os.environ, **(env or {})}, timeout=300,
+        [sys.executable, "-m", "robust_lightning", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        timeout=300,
     )
 
 
@@ -107,8 +116,20 @@ def test_fit_writes_checkpoints_and_results(fitted):
 def test_validate_accuracy_matches_an_independent_computation(fitted, tmp_path):
     config, run_dir = fitted
     ckpt = run_dir / "checkpoints" / "last.ckpt"
-    assert main(["validate", "--config", str(config), "--ckpt_path", str(ckpt),
-                 "--trainer.logger.init_args.save_dir", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "validate",
+                "--config",
+                str(config),
+                "--ckpt_path",
+                str(ckpt),
+                "--trainer.logger.init_args.save_dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     results = json.loads(next(tmp_path.glob("tiny/version_*/results.json")).read_text())["validate"]
     assert results["checkpoint"]["path"] == str(ckpt.resolve())
 
@@ -135,8 +156,22 @@ def test_validate_accuracy_matches_an_independent_computation(fitted, tmp_path):
 def test_resume_from_checkpoint_continues_training(fitted, tmp_path):
     config, run_dir = fitted
     ckpt = run_dir / "checkpoints" / "last.ckpt"
-    assert main(["fit", "--config", str(config), "--ckpt_path", str(ckpt), "--trainer.max_epochs", "2",
-                 "--trainer.logger.init_args.save_dir", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "fit",
+                "--config",
+                str(config),
+                "--ckpt_path",
+                str(ckpt),
+                "--trainer.max_epochs",
+                "2",
+                "--trainer.logger.init_args.save_dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     results = json.loads(next(tmp_path.glob("tiny/version_*/results.json")).read_text())["fit"]
     assert results["epochs"] == 2 and results["steps"] == 6  # 3 steps per epoch, continued from step 3
 
@@ -146,8 +181,7 @@ def test_configs_compose_left_to_right_and_print_config(tmp_path, synthetic_root
     override = tmp_path / "override.yaml"
     override.write_text("model:\n  lr: 0.5\ntrainer:\n  max_epochs: 7\n")
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", str(config), "--config", str(override), "--trainer.max_epochs", "9",
-              "--print_config"])
+        main(["fit", "--config", str(config), "--config", str(override), "--trainer.max_epochs", "9", "--print_config"])
     assert exit_info.value.code == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["model"]["lr"] == 0.5  # from the second file
@@ -211,8 +245,20 @@ def test_environment_variables_set_options(tmp_path, synthetic_root):
 
 def test_predict_writes_top5_predictions(fitted, tmp_path):
     config, run_dir = fitted
-    assert main(["predict", "--config", str(config), "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt"),
-                 "--trainer.logger.init_args.save_dir", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "predict",
+                "--config",
+                str(config),
+                "--ckpt_path",
+                str(run_dir / "checkpoints" / "last.ckpt"),
+                "--trainer.logger.init_args.save_dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     rows = next(tmp_path.glob("tiny/version_*/predictions-rank0.csv")).read_text().splitlines()
     assert rows[0] == "key,label,top5,top5_prob" and len(rows) == 1 + 16
     key, label, top5, probs = rows[1].split(",")
@@ -223,8 +269,10 @@ def test_shards_command_converts_a_folder(tmp_path, capsys):
     from helpers import WNIDS, make_image_tree
 
     make_image_tree(tmp_path / "val", {w: 2 for w in WNIDS})
-    assert main(["shards", str(tmp_path / "val"), str(tmp_path / "out"), "--samples-per-shard", "4",
-                 "--workers", "1"]) == 0
+    assert (
+        main(["shards", str(tmp_path / "val"), str(tmp_path / "out"), "--samples-per-shard", "4", "--workers", "1"])
+        == 0
+    )
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["num_samples"] == 6 and len(manifest["shards"]) == 2
     assert main(["shards", str(tmp_path / "missing"), str(tmp_path / "out2")]) == 2
@@ -243,8 +291,11 @@ def test_corrupt_images_are_skipped_counted_and_reported(tmp_path, synthetic_roo
     from helpers import WNIDS, make_image_tree
 
     make_image_tree(tmp_path / "imagenet" / "val", {w: 2 for w in WNIDS}, corrupt=["n01440764/n01440764_bad.JPEG"])
-    config = tiny_config(tmp_path, synthetic_root, **{"data.source": "folder", "data.root": str(tmp_path / "imagenet"),
-                                                       "model.arch": "test_convnext"})
+    config = tiny_config(
+        tmp_path,
+        synthetic_root,
+        **{"data.source": "folder", "data.root": str(tmp_path / "imagenet"), "model.arch": "test_convnext"},
+    )
     assert main(["validate", "--config", str(config)]) == 0
     results = json.loads(next(tmp_path.glob("runs/tiny/version_*/results.json")).read_text())["validate"]
     assert results["metrics"]["val/num_images"] == 6
@@ -260,8 +311,11 @@ def test_fit_warm_starts_a_convstem_model_from_a_patchstem_checkpoint(tmp_path, 
 
     source = build_classifier("convnext_atto", num_classes=4).net
     safetensors.torch.save_file(source.state_dict(), str(tmp_path / "convnext_atto.safetensors"))
-    config = tiny_config(tmp_path, synthetic_root, **{"model.init_from": str(tmp_path / "convnext_atto.safetensors"),
-                                                       "trainer.limit_train_batches": 1})
+    config = tiny_config(
+        tmp_path,
+        synthetic_root,
+        **{"model.init_from": str(tmp_path / "convnext_atto.safetensors"), "trainer.limit_train_batches": 1},
+    )
     assert main(["fit", "--config", str(config)]) == 0
     results = json.loads(next(tmp_path.glob("runs/tiny/version_*/results.json")).read_text())
     model = results["fit"]["conditions"]["model"]
@@ -276,8 +330,17 @@ def test_checkpoint_of_another_architecture_is_refused_clearly(fitted, tmp_path)
 
     config, run_dir = fitted
     make_image_tree(tmp_path / "imagenet" / "val", {w: 1 for w in WNIDS})
-    result = run_cli("validate", "--config", str(config), "--data.source", "folder", "--data.root",
-                     str(tmp_path / "imagenet"), "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt"))
+    result = run_cli(
+        "validate",
+        "--config",
+        str(config),
+        "--data.source",
+        "folder",
+        "--data.root",
+        str(tmp_path / "imagenet"),
+        "--ckpt_path",
+        str(run_dir / "checkpoints" / "last.ckpt"),
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "'convnext_atto_convstem' model (num_classes 4" in result.stderr and "mismatched keys" in result.stderr
     assert "model.net.head.fc.weight (checkpoint (4, 320) vs model (1000, 320))" in result.stderr
@@ -289,16 +352,31 @@ def test_checkpoints_given_with_ckpt_path_load_weights_only(fitted, tmp_path, mo
     seen = []
     original = torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **k: seen.append(k.get("weights_only")) or original(*a, **k))
-    assert main(["validate", "--config", str(config), "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt"),
-                 "--trainer.logger.init_args.save_dir", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "validate",
+                "--config",
+                str(config),
+                "--ckpt_path",
+                str(run_dir / "checkpoints" / "last.ckpt"),
+                "--trainer.logger.init_args.save_dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     assert seen and all(flag is True for flag in seen)
 
 
 def test_last_checkpoint_is_the_latest_epoch_even_when_the_score_did_not_improve(tmp_path, synthetic_root):
     # monitor 'epoch' in mode min: epoch 0 stays the best, so no top-k checkpoint is saved after it (Lightning 2.6
     # then left last.ckpt at epoch 0, and --ckpt_path last silently trained the later epochs again)
-    config = tiny_config(tmp_path, synthetic_root, **{"trainer.max_epochs": 3, "trainer.limit_train_batches": 2,
-                                                      "model.arch": "test_resnet"})
+    config = tiny_config(
+        tmp_path,
+        synthetic_root,
+        **{"trainer.max_epochs": 3, "trainer.limit_train_batches": 2, "model.arch": "test_resnet"},
+    )
     assert main(["fit", "--config", str(config), "--checkpoint.monitor", "epoch", "--checkpoint.mode", "min"]) == 0
     checkpoints = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints"
     last = torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=True)

@@ -20,10 +20,20 @@ def test_three_compiled_steps_give_the_eager_losses(tmp_path):
     losses = {}
     for compiled in (False, True):
         (tmp_path / str(compiled)).mkdir()
-        config = tiny_config(tmp_path / str(compiled), tmp_path / "synthetic", **{
-            "trainer.max_steps": 3, "trainer.log_every_n_steps": 1, "trainer.limit_val_batches": 0,
-            "model.arch": "test_vit", "model.attack": "apgd", "model.attack_steps": 1,
-            "model.compile": compiled, "data.batch_size": 8})
+        config = tiny_config(
+            tmp_path / str(compiled),
+            tmp_path / "synthetic",
+            **{
+                "trainer.max_steps": 3,
+                "trainer.log_every_n_steps": 1,
+                "trainer.limit_val_batches": 0,
+                "model.arch": "test_vit",
+                "model.attack": "apgd",
+                "model.attack_steps": 1,
+                "model.compile": compiled,
+                "data.batch_size": 8,
+            },
+        )
         assert main(["fit", "--config", str(config)]) == 0
         losses[compiled] = train_losses(tmp_path / str(compiled) / "runs" / "tiny" / "version_0")
     assert len(losses[False]) == 3

@@ -47,8 +47,22 @@ from robust_lightning.evaluation.corruptions import (
 from robust_lightning.paths import DATA_DIR
 
 SEVERITIES = (1, 2, 3, 4, 5)
-EXACT = ("gaussian_noise", "shot_noise", "impulse_noise", "speckle_noise", "defocus_blur", "glass_blur",
-         "motion_blur", "zoom_blur", "gaussian_blur", "fog", "brightness", "contrast", "saturate", "jpeg_compression")
+EXACT = (
+    "gaussian_noise",
+    "shot_noise",
+    "impulse_noise",
+    "speckle_noise",
+    "defocus_blur",
+    "glass_blur",
+    "motion_blur",
+    "zoom_blur",
+    "gaussian_blur",
+    "fog",
+    "brightness",
+    "contrast",
+    "saturate",
+    "jpeg_compression",
+)
 
 
 def natural_image(height: int, width: int, seed: int = 0) -> np.ndarray:
@@ -56,7 +70,7 @@ def natural_image(height: int, width: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:height, 0:width]
     image = np.stack([x * 255 // width, y * 255 // height, (x + y) * 127 // (height + width) + 60], -1)
-    image[height // 4:height // 2, width // 4:width // 2] = [200, 30, 90]
+    image[height // 4 : height // 2, width // 4 : width // 2] = [200, 30, 90]
     return np.clip(image + rng.integers(-20, 21, image.shape), 0, 255).astype(np.uint8)
 
 
@@ -159,12 +173,16 @@ def test_frost_equal_to_the_original_at_224_and_to_imagecorruptions_when_scaled(
         draws = np.random.RandomState(severity)  # the original: texture index, crop row, crop column
         texture = cv2.imread(str(textures / FROST_FILES[draws.randint(5)]))
         top, left = draws.randint(0, texture.shape[0] - 224), draws.randint(0, texture.shape[1] - 224)
-        expected = np.uint8(np.clip(a * image + b * texture[top:top + 224, left:left + 224][..., [2, 1, 0]], 0, 255))
+        expected = np.uint8(
+            np.clip(a * image + b * texture[top : top + 224, left : left + 224][..., [2, 1, 0]], 0, 255)
+        )
         assert np.array_equal(ours("frost", image, severity, seed=severity), expected)
     large = natural_image(640, 928)  # larger than every texture (at most 600 x 900): both scale them up
     for severity in SEVERITIES:
-        assert np.array_equal(ours("frost", large, severity, seed=severity),
-                              run_reference(reference, "frost", large, severity, seed=severity))
+        assert np.array_equal(
+            ours("frost", large, severity, seed=severity),
+            run_reference(reference, "frost", large, severity, seed=severity),
+        )
 
 
 def original_elastic_transform(image: np.ndarray, severity: int, rng: np.random.RandomState) -> np.ndarray:
@@ -173,25 +191,34 @@ def original_elastic_transform(image: np.ndarray, severity: int, rng: np.random.
     from scipy.ndimage import map_coordinates
     from skimage.filters import gaussian
 
-    c = [(244 * 2, 244 * 0.7, 244 * 0.1), (244 * 2, 244 * 0.08, 244 * 0.2), (244 * 0.05, 244 * 0.01, 244 * 0.02),
-         (244 * 0.07, 244 * 0.01, 244 * 0.02), (244 * 0.12, 244 * 0.01, 244 * 0.02)][severity - 1]
-    image = np.array(image, dtype=np.float32) / 255.
+    c = [
+        (244 * 2, 244 * 0.7, 244 * 0.1),
+        (244 * 2, 244 * 0.08, 244 * 0.2),
+        (244 * 0.05, 244 * 0.01, 244 * 0.02),
+        (244 * 0.07, 244 * 0.01, 244 * 0.02),
+        (244 * 0.12, 244 * 0.01, 244 * 0.02),
+    ][severity - 1]
+    image = np.array(image, dtype=np.float32) / 255.0
     shape = image.shape
     shape_size = shape[:2]
     center_square = np.float32(shape_size) // 2
     square_size = min(shape_size) // 3
-    pts1 = np.float32([center_square + square_size,
-                       [center_square[0] + square_size, center_square[1] - square_size],
-                       center_square - square_size])
+    pts1 = np.float32(
+        [
+            center_square + square_size,
+            [center_square[0] + square_size, center_square[1] - square_size],
+            center_square - square_size,
+        ]
+    )
     pts2 = pts1 + rng.uniform(-c[2], c[2], size=pts1.shape).astype(np.float32)
     M = cv2.getAffineTransform(pts1, pts2)
     image = cv2.warpAffine(image, M, shape_size[::-1], borderMode=cv2.BORDER_REFLECT_101)
-    dx = (gaussian(rng.uniform(-1, 1, size=shape[:2]), c[1], mode='reflect', truncate=3) * c[0]).astype(np.float32)
-    dy = (gaussian(rng.uniform(-1, 1, size=shape[:2]), c[1], mode='reflect', truncate=3) * c[0]).astype(np.float32)
+    dx = (gaussian(rng.uniform(-1, 1, size=shape[:2]), c[1], mode="reflect", truncate=3) * c[0]).astype(np.float32)
+    dy = (gaussian(rng.uniform(-1, 1, size=shape[:2]), c[1], mode="reflect", truncate=3) * c[0]).astype(np.float32)
     dx, dy = dx[..., np.newaxis], dy[..., np.newaxis]
     x, y, z = np.meshgrid(np.arange(shape[1]), np.arange(shape[0]), np.arange(shape[2]))
     indices = np.reshape(y + dy, (-1, 1)), np.reshape(x + dx, (-1, 1)), np.reshape(z, (-1, 1))
-    return np.uint8(np.clip(map_coordinates(image, indices, order=1, mode='reflect').reshape(shape), 0, 1) * 255)
+    return np.uint8(np.clip(map_coordinates(image, indices, order=1, mode="reflect").reshape(shape), 0, 1) * 255)
 
 
 def test_elastic_transform_equal_to_the_original_at_224():
@@ -274,8 +301,9 @@ def test_pipeline_at_224_is_the_release_resize_256_crop_224_corrupt_jpeg_85(tmp_
     path = tmp_path / "source.JPEG"
     Image.fromarray(natural_image(300, 400, seed=3)).save(path, quality=95)
     # the release's own preprocessing: torchvision Resize(256) at its default interpolation, CenterCrop(224)
-    release = torchvision.transforms.Compose([torchvision.transforms.Resize(256),
-                                              torchvision.transforms.CenterCrop(224)])
+    release = torchvision.transforms.Compose(
+        [torchvision.transforms.Resize(256), torchvision.transforms.CenterCrop(224)]
+    )
     clean = np.asarray(release(Image.open(path).convert("RGB")))
     # which is bilinear, not the bicubic resize of the clean evaluation
     bicubic = Image.open(path).convert("RGB").resize((341, 256), Image.BICUBIC).crop((58, 16, 58 + 224, 16 + 224))

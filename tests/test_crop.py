@@ -83,8 +83,10 @@ def test_crop_boxes_follow_torchvision_get_params():
     assert (top >= 0).all() and (left >= 0).all() and (top + h <= 375).all() and (left + w <= 500).all()
     assert torch.equal(boxes, boxes.round())  # integer pixel boxes, as torchvision's
     torch.manual_seed(0)
-    reference = torch.tensor([T.RandomResizedCrop.get_params(torch.empty(3, 375, 500), (0.08, 1.0), (3 / 4, 4 / 3))
-                              for _ in range(20000)], dtype=torch.float32)
+    reference = torch.tensor(
+        [T.RandomResizedCrop.get_params(torch.empty(3, 375, 500), (0.08, 1.0), (3 / 4, 4 / 3)) for _ in range(20000)],
+        dtype=torch.float32,
+    )
 
     def statistics(b):  # area fraction, log aspect ratio, vertical centre
         return b[:, 2] * b[:, 3] / (375 * 500), (b[:, 3] / b[:, 2]).log(), b[:, 0] + b[:, 2] / 2
@@ -139,9 +141,19 @@ def test_default_canvas_holds_typical_imagenet_images_unreduced():
 def test_training_batches_are_canvases_cropped_on_the_device(tmp_path):
     from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
 
-    dm = ImageNetDataModule(image_size=32, batch_size=8, num_workers=0, synthetic=SyntheticData(
-        root=str(tmp_path / "synthetic"), num_classes=4, train_per_class=4, val_per_class=2, image_size=40,
-        samples_per_shard=8))
+    dm = ImageNetDataModule(
+        image_size=32,
+        batch_size=8,
+        num_workers=0,
+        synthetic=SyntheticData(
+            root=str(tmp_path / "synthetic"),
+            num_classes=4,
+            train_per_class=4,
+            val_per_class=2,
+            image_size=40,
+            samples_per_shard=8,
+        ),
+    )
     dm.prepare_data()
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))

@@ -37,8 +37,9 @@ def imagenet_tree(tmp_path_factory):
 @pytest.fixture(scope="module")
 def val_shards(imagenet_tree, tmp_path_factory):
     out = tmp_path_factory.mktemp("val_shards")
-    convert_image_folder(imagenet_tree / "val", out, samples_per_shard=3, shuffle=False, verify=False,
-                         workers=1, progress=False)
+    convert_image_folder(
+        imagenet_tree / "val", out, samples_per_shard=3, shuffle=False, verify=False, workers=1, progress=False
+    )
     return out
 
 
@@ -71,19 +72,24 @@ def test_bhojanapallis_preprocessing_resizes_the_whole_image(tmp_path):
     ours = eval_transform(48, 0.875, "whole")(image)
     np.testing.assert_array_equal(ours.permute(1, 2, 0).numpy(), expected)
     make_image_tree(tmp_path / "root" / "val", {w: 1 for w in WNIDS})
-    data = ImageNetDataModule(source="folder", root=str(tmp_path / "root"), image_size=48, eval_resize="whole",
-                              num_workers=0)
+    data = ImageNetDataModule(
+        source="folder", root=str(tmp_path / "root"), image_size=48, eval_resize="whole", num_workers=0
+    )
     data.setup("test")
-    assert data.conditions()["eval_preprocessing"] == ("resize 48x48 bicubic (whole image, aspect ratio ignored), "
-                                                       "no crop")
+    assert data.conditions()["eval_preprocessing"] == (
+        "resize 48x48 bicubic (whole image, aspect ratio ignored), no crop"
+    )
     with pytest.raises(UserError, match="data.eval_resize must be one of shorter_side, whole, got 'crop'"):
         ImageNetDataModule(eval_resize="crop")
 
 
 def test_folder_labels_follow_the_imagenet_map_not_the_folder_order(imagenet_tree):
     dataset = LabelledImageFolder(imagenet_tree / "val", class_map("imagenet"), eval_transform(32))
-    labels = {sample["key"]: sample["label"] for sample in map(dataset.__getitem__, range(len(dataset)))
-              if not isinstance(sample, Corrupt)}
+    labels = {
+        sample["key"]: sample["label"]
+        for sample in map(dataset.__getitem__, range(len(dataset)))
+        if not isinstance(sample, Corrupt)
+    }
     assert labels["n01440764_0"] == 0
     assert labels["n01443537_2"] == 1
     assert labels["n15075141_2"] == 999  # third folder, ImageNet label 999
@@ -117,10 +123,12 @@ def _read_all(dm: ImageNetDataModule):
 
 
 def test_folder_and_shards_give_the_same_labels_and_pixels(imagenet_tree, val_shards):
-    folder = ImageNetDataModule(source="folder", root=str(imagenet_tree), image_size=32, eval_batch_size=4,
-                                num_workers=0)
-    shards = ImageNetDataModule(source="shards", val_shards=str(val_shards), image_size=32, eval_batch_size=4,
-                                num_workers=2)
+    folder = ImageNetDataModule(
+        source="folder", root=str(imagenet_tree), image_size=32, eval_batch_size=4, num_workers=0
+    )
+    shards = ImageNetDataModule(
+        source="shards", val_shards=str(val_shards), image_size=32, eval_batch_size=4, num_workers=2
+    )
     folder.setup("validate")
     shards.setup("validate")
     from_folder, corrupt_folder = _read_all(folder)
@@ -182,8 +190,9 @@ def test_shard_stream_workers_and_ranks_read_disjoint_shards(val_shards):
     assert len(urls) == 4  # 10 files in shards of 3
     keys_per_rank = []
     for rank in range(2):
-        dm = ImageNetDataModule(source="shards", val_shards=str(val_shards), image_size=16, eval_batch_size=2,
-                                num_workers=2)
+        dm = ImageNetDataModule(
+            source="shards", val_shards=str(val_shards), image_size=16, eval_batch_size=2, num_workers=2
+        )
         dm.rank, dm.world_size = rank, 2
         dm.setup("validate")
         keys, _ = _read_all(dm)
@@ -196,8 +205,16 @@ def test_training_stream_reshuffles_each_epoch_and_keeps_epoch_length(tmp_path):
     src = make_image_tree(tmp_path / "train", {w: 6 for w in WNIDS})
     out = tmp_path / "shards"
     convert_image_folder(src, out, samples_per_shard=3, workers=1, progress=False, verify=False)
-    dm = ImageNetDataModule(source="shards", train_shards=str(out), val_shards=str(out), image_size=16,
-                            batch_size=4, num_workers=2, shuffle_buffer=4, seed=1)
+    dm = ImageNetDataModule(
+        source="shards",
+        train_shards=str(out),
+        val_shards=str(out),
+        image_size=16,
+        batch_size=4,
+        num_workers=2,
+        shuffle_buffer=4,
+        seed=1,
+    )
     dm.setup("fit")
     loader = dm.train_dataloader()
     assert len(loader) == 18 // 4
@@ -219,8 +236,7 @@ def test_uint8_batches_become_unit_range_floats_on_the_device():
 
 
 def test_dataloader_with_workers_yields_each_folder_image_once(imagenet_tree):
-    dm = ImageNetDataModule(source="folder", root=str(imagenet_tree), image_size=16, eval_batch_size=4,
-                            num_workers=2)
+    dm = ImageNetDataModule(source="folder", root=str(imagenet_tree), image_size=16, eval_batch_size=4, num_workers=2)
     dm.setup("validate")
     assert isinstance(dm.val_dataloader(), DataLoader)
     samples, corrupt = _read_all(dm)
@@ -248,23 +264,41 @@ def _subset_tree(tmp_path: Path) -> tuple[Path, list[str]]:
     root = tmp_path / "imagenet"
     make_image_tree(root / "val", {w: 4 for w in WNIDS})
     make_image_tree(root / "train", {w: 1 for w in WNIDS})
-    listed = [f"{WNIDS[2]}/{WNIDS[2]}_3.JPEG", f"{WNIDS[0]}/{WNIDS[0]}_1.JPEG", f"{WNIDS[1]}/{WNIDS[1]}_0.JPEG",
-              f"{WNIDS[0]}/{WNIDS[0]}_0.JPEG", f"{WNIDS[2]}/{WNIDS[2]}_0.JPEG"]
+    listed = [
+        f"{WNIDS[2]}/{WNIDS[2]}_3.JPEG",
+        f"{WNIDS[0]}/{WNIDS[0]}_1.JPEG",
+        f"{WNIDS[1]}/{WNIDS[1]}_0.JPEG",
+        f"{WNIDS[0]}/{WNIDS[0]}_0.JPEG",
+        f"{WNIDS[2]}/{WNIDS[2]}_0.JPEG",
+    ]
     (tmp_path / "subset.txt").write_text("\n".join(listed))  # no trailing newline, like RobustBench's file
     return root, listed
 
 
 def test_eval_subset_from_a_folder_tree_keeps_the_files_order(tmp_path):
     root, listed = _subset_tree(tmp_path)
-    dm = ImageNetDataModule(source="folder", root=str(root), image_size=16, eval_batch_size=10, num_workers=0,
-                            eval_subset=str(tmp_path / "subset.txt"))
+    dm = ImageNetDataModule(
+        source="folder",
+        root=str(root),
+        image_size=16,
+        eval_batch_size=10,
+        num_workers=0,
+        eval_subset=str(tmp_path / "subset.txt"),
+    )
     dm.setup("test")
     batch = next(iter(dm.test_dataloader()))
     assert batch["key"] == [Path(name).stem for name in listed]
     labels = class_map("imagenet")
     assert batch["label"].tolist() == [labels[name.split("/")[0]] for name in listed]
-    dm = ImageNetDataModule(source="folder", root=str(root), image_size=16, eval_batch_size=10, num_workers=0,
-                            eval_subset=str(tmp_path / "subset.txt"), eval_limit=2)
+    dm = ImageNetDataModule(
+        source="folder",
+        root=str(root),
+        image_size=16,
+        eval_batch_size=10,
+        num_workers=0,
+        eval_subset=str(tmp_path / "subset.txt"),
+        eval_limit=2,
+    )
     dm.setup("test")
     assert next(iter(dm.test_dataloader()))["key"] == [Path(name).stem for name in listed[:2]]
 
@@ -272,8 +306,14 @@ def test_eval_subset_from_a_folder_tree_keeps_the_files_order(tmp_path):
 def test_eval_subset_from_shards_keeps_exactly_the_listed_images(tmp_path):
     root, listed = _subset_tree(tmp_path)
     convert_image_folder(root / "val", tmp_path / "val_shards", samples_per_shard=5, workers=1, progress=False)
-    dm = ImageNetDataModule(source="shards", val_shards=str(tmp_path / "val_shards"), image_size=16,
-                            eval_batch_size=20, num_workers=0, eval_subset=str(tmp_path / "subset.txt"))
+    dm = ImageNetDataModule(
+        source="shards",
+        val_shards=str(tmp_path / "val_shards"),
+        image_size=16,
+        eval_batch_size=20,
+        num_workers=0,
+        eval_subset=str(tmp_path / "subset.txt"),
+    )
     dm.setup("test")
     keys = [k for batch in dm.test_dataloader() for k in batch["key"]]
     assert sorted(keys) == sorted(Path(name).stem for name in listed) and dm.conditions()["eval_images"] == 5
@@ -284,8 +324,13 @@ def test_shard_images_of_another_class_than_listed_are_a_clear_error(tmp_path):
     convert_image_folder(root / "val", tmp_path / "val_shards", samples_per_shard=5, workers=1, progress=False)
     moved = f"{WNIDS[1]}/{Path(listed[1]).name}"  # an image listed under another class than its own
     (tmp_path / "subset.txt").write_text("\n".join([listed[0], moved]))
-    dm = ImageNetDataModule(source="shards", val_shards=str(tmp_path / "val_shards"), image_size=16,
-                            num_workers=0, eval_subset=str(tmp_path / "subset.txt"))
+    dm = ImageNetDataModule(
+        source="shards",
+        val_shards=str(tmp_path / "val_shards"),
+        image_size=16,
+        num_workers=0,
+        eval_subset=str(tmp_path / "subset.txt"),
+    )
     dm.setup("test")
     with pytest.raises(UserError, match=f"is of class {WNIDS[0]}, but data.eval_subset lists it under {WNIDS[1]}"):
         list(dm.test_dataloader())
@@ -313,8 +358,9 @@ def test_the_robustbench_subset_needs_the_imagenet_labels(tmp_path, source):
             out = tmp_path / f"shards_{labels}"
             convert_image_folder(root / "val", out, samples_per_shard=2, class_map=labels, workers=1, progress=False)
             where = {"val_shards": str(out)}
-        dm = ImageNetDataModule(source=source, image_size=16, num_workers=0, eval_subset="robustbench",
-                                eval_limit=3, **where)
+        dm = ImageNetDataModule(
+            source=source, image_size=16, num_workers=0, eval_subset="robustbench", eval_limit=3, **where
+        )
         if labels == "imagenet":
             dm.setup("test")
             batch = next(iter(dm.test_dataloader()))
@@ -330,12 +376,19 @@ def test_the_robustbench_subset_needs_the_imagenet_labels(tmp_path, source):
 def test_eval_limit_takes_the_first_images_of_any_eval_set(tmp_path):
     root, _ = _subset_tree(tmp_path)
     convert_image_folder(root / "val", tmp_path / "val_shards", samples_per_shard=5, workers=1, progress=False)
-    dm = ImageNetDataModule(source="shards", val_shards=str(tmp_path / "val_shards"), image_size=16,
-                            eval_batch_size=20, num_workers=0, eval_limit=7)
+    dm = ImageNetDataModule(
+        source="shards",
+        val_shards=str(tmp_path / "val_shards"),
+        image_size=16,
+        eval_batch_size=20,
+        num_workers=0,
+        eval_limit=7,
+    )
     dm.setup("test")
     assert sum(len(b["key"]) for b in dm.test_dataloader()) == 7 and dm.conditions()["eval_images"] == 7
-    dm = ImageNetDataModule(source="folder", root=str(root), image_size=16, eval_batch_size=20, num_workers=0,
-                            eval_limit=7)
+    dm = ImageNetDataModule(
+        source="folder", root=str(root), image_size=16, eval_batch_size=20, num_workers=0, eval_limit=7
+    )
     dm.setup("test")
     assert len(next(iter(dm.test_dataloader()))["key"]) == 7
 
@@ -343,8 +396,9 @@ def test_eval_limit_takes_the_first_images_of_any_eval_set(tmp_path):
 def test_a_subset_naming_missing_images_is_a_clear_error(tmp_path):
     root, listed = _subset_tree(tmp_path)
     (tmp_path / "subset.txt").write_text("\n".join([*listed, f"{WNIDS[0]}/ILSVRC2012_val_00000001.JPEG"]))
-    dm = ImageNetDataModule(source="folder", root=str(root), image_size=16, num_workers=0,
-                            eval_subset=str(tmp_path / "subset.txt"))
+    dm = ImageNetDataModule(
+        source="folder", root=str(root), image_size=16, num_workers=0, eval_subset=str(tmp_path / "subset.txt")
+    )
     with pytest.raises(UserError, match="1 of the 6 images of data.eval_subset are not in"):
         dm.setup("test")
     with pytest.raises(UserError, match="no file"):
@@ -377,8 +431,14 @@ def test_eval_dataloader_with_another_transform_reads_the_same_images(tmp_path, 
     if source == "shards":
         convert_image_folder(root / "val", tmp_path / "val_shards", samples_per_shard=5, workers=1, progress=False)
         where = {"val_shards": str(tmp_path / "val_shards")}
-    dm = ImageNetDataModule(source=source, image_size=16, eval_batch_size=20, num_workers=0,
-                            eval_subset=str(tmp_path / "subset.txt"), **where)
+    dm = ImageNetDataModule(
+        source=source,
+        image_size=16,
+        eval_batch_size=20,
+        num_workers=0,
+        eval_subset=str(tmp_path / "subset.txt"),
+        **where,
+    )
     dm.setup("test")
     plain = next(iter(dm.test_dataloader()))
     larger = next(iter(dm.eval_dataloader_with(eval_transform(24))))
@@ -396,8 +456,7 @@ def test_images_sharing_a_file_name_in_two_class_folders_get_distinct_keys(tmp_p
     for i, wnid in enumerate(WNIDS[:2]):
         write_image(tmp_path / "in" / "val" / wnid / "0001.JPEG", seed=i)
     write_image(tmp_path / "in" / "val" / WNIDS[2] / "unique.JPEG", seed=5)
-    dm = ImageNetDataModule(source="folder", root=str(tmp_path / "in"), image_size=32, num_workers=0,
-                            eval_batch_size=8)
+    dm = ImageNetDataModule(source="folder", root=str(tmp_path / "in"), image_size=32, num_workers=0, eval_batch_size=8)
     dm.setup("predict")
     keys = [key for batch in dm.predict_dataloader() for key in batch["key"]]
     assert sorted(keys) == sorted([f"{WNIDS[0]}/0001", f"{WNIDS[1]}/0001", f"{WNIDS[2]}/unique"])

@@ -12,15 +12,29 @@ from helpers import WNIDS, make_image_tree, run_command, write_image
 from robust_lightning.data.shards import convert_image_folder
 
 
-def run_ddp(tmp_path: Path, command: str, data: dict, record_dir: Path, model: dict | None = None,
-            devices: int = 2, args: tuple[str, ...] = (), **trainer) -> dict:
+def run_ddp(
+    tmp_path: Path,
+    command: str,
+    data: dict,
+    record_dir: Path,
+    model: dict | None = None,
+    devices: int = 2,
+    args: tuple[str, ...] = (),
+    **trainer,
+) -> dict:
     config = {
         "seed_everything": 0,
         "trainer": {
-            "accelerator": "cpu", "devices": devices, "strategy": "ddp", "max_epochs": 1, "num_sanity_val_steps": 0,
+            "accelerator": "cpu",
+            "devices": devices,
+            "strategy": "ddp",
+            "max_epochs": 1,
+            "num_sanity_val_steps": 0,
             "default_root_dir": str(tmp_path / "runs"),
-            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
-                       "init_args": {"save_dir": str(tmp_path / "runs"), "name": command}},
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.CSVLogger",
+                "init_args": {"save_dir": str(tmp_path / "runs"), "name": command},
+            },
             "callbacks": [{"class_path": "helpers.KeyRecorder", "init_args": {"out_dir": str(record_dir)}}],
             **trainer,
         },
@@ -45,10 +59,19 @@ def test_ddp_fit_on_shards_reads_disjoint_shards_and_validates_each_image_once(t
     make_image_tree(trees / "train", {w: 10 for w in WNIDS})
     make_image_tree(trees / "val", {w: 5 for w in WNIDS})
     for split, per_shard in (("train", 5), ("val", 4)):
-        convert_image_folder(trees / split, tmp_path / "shards" / split, samples_per_shard=per_shard,
-                             shuffle=split == "train", workers=1, progress=False)
-    data = {"source": "shards", "train_shards": str(tmp_path / "shards/train"),
-            "val_shards": str(tmp_path / "shards/val")}
+        convert_image_folder(
+            trees / split,
+            tmp_path / "shards" / split,
+            samples_per_shard=per_shard,
+            shuffle=split == "train",
+            workers=1,
+            progress=False,
+        )
+    data = {
+        "source": "shards",
+        "train_shards": str(tmp_path / "shards/train"),
+        "val_shards": str(tmp_path / "shards/val"),
+    }
     fit = run_ddp(tmp_path, "fit", data, tmp_path / "keys")
 
     train = recorded(tmp_path / "keys", "train")
@@ -85,10 +108,21 @@ def test_ddp_adversarial_fit_selects_on_a_holdout_counted_exactly(tmp_path):
     make_image_tree(trees / "train", {w: 10 for w in WNIDS})
     make_image_tree(trees / "val", {w: 2 for w in WNIDS})
     for split in ("train", "val"):
-        convert_image_folder(trees / split, tmp_path / "shards" / split, samples_per_shard=5,
-                             shuffle=split == "train", workers=1, progress=False)
-    data = {"source": "shards", "train_shards": str(tmp_path / "shards/train"),
-            "val_shards": str(tmp_path / "shards/val"), "holdout": 7, "augmentation": "heavy"}
+        convert_image_folder(
+            trees / split,
+            tmp_path / "shards" / split,
+            samples_per_shard=5,
+            shuffle=split == "train",
+            workers=1,
+            progress=False,
+        )
+    data = {
+        "source": "shards",
+        "train_shards": str(tmp_path / "shards/train"),
+        "val_shards": str(tmp_path / "shards/val"),
+        "holdout": 7,
+        "augmentation": "heavy",
+    }
     model = {"attack": "apgd", "ema_decay": 0.5, "select_attack_steps": 1, "reuse_attack_forward": True}
     fit = run_ddp(tmp_path, "fit", data, tmp_path / "keys", model)
 
@@ -120,8 +154,14 @@ def test_more_ranks_than_validation_shards_split_the_samples_and_count_each_imag
     """3 ranks on 2 validation shards (7 and 4 images): ranks 0 and 2 share the first shard sample by sample,
     rank 1 reads the second; the metrics equal those of one process over the same shards."""
     make_image_tree(tmp_path / "trees" / "val", {WNIDS[0]: 4, WNIDS[1]: 4, WNIDS[2]: 3})
-    convert_image_folder(tmp_path / "trees" / "val", tmp_path / "shards" / "val", samples_per_shard=7,
-                         shuffle=False, workers=1, progress=False)
+    convert_image_folder(
+        tmp_path / "trees" / "val",
+        tmp_path / "shards" / "val",
+        samples_per_shard=7,
+        shuffle=False,
+        workers=1,
+        progress=False,
+    )
     data = {"source": "shards", "val_shards": str(tmp_path / "shards/val"), "num_classes": 1000}
     three = run_ddp(tmp_path, "validate", data, tmp_path / "keys3", devices=3)["metrics"]
     one = run_ddp(tmp_path, "validate", data, tmp_path / "keys1", devices=1)["metrics"]
@@ -140,8 +180,14 @@ def test_ranks_draw_their_own_augmentation_and_a_resumed_run_draws_the_same(tmp_
     for i, wnid in enumerate(WNIDS * 4):  # 12 copies of one image in 3 classes
         write_image(tmp_path / "same" / "train" / wnid / f"{wnid}_{i}.JPEG", seed=0)
     make_image_tree(tmp_path / "same" / "val", {w: 1 for w in WNIDS})
-    data = {"source": "folder", "root": str(tmp_path / "same"), "class_map": "folders", "augmentation": "heavy",
-            "batch_size": 3, "eval_batch_size": 3}
+    data = {
+        "source": "folder",
+        "root": str(tmp_path / "same"),
+        "class_map": "folders",
+        "augmentation": "heavy",
+        "batch_size": 3,
+        "eval_batch_size": 3,
+    }
     model = {"attack": "apgd", "attack_steps": 1, "ema_decay": 0.9, "label_smoothing": 0.1}
     record = {"class_path": "helpers.AugmentationRecorder", "init_args": {"out_dir": str(tmp_path / "drawn")}}
     callbacks = [{"class_path": "helpers.KeyRecorder", "init_args": {"out_dir": str(tmp_path / "keys")}}, record]
@@ -165,17 +211,29 @@ def test_ranks_draw_their_own_augmentation_and_a_resumed_run_draws_the_same(tmp_
 
     # resumed from the epoch-0 checkpoint: the second epoch draws, trains and ends as the uninterrupted run
     first_epoch = next((tmp_path / "runs" / "fit" / "version_0" / "checkpoints").glob("epoch000-*.ckpt"))
-    resumed_record = {"class_path": "helpers.AugmentationRecorder",
-                      "init_args": {"out_dir": str(tmp_path / "resumed")}}
+    resumed_record = {"class_path": "helpers.AugmentationRecorder", "init_args": {"out_dir": str(tmp_path / "resumed")}}
     trainer["callbacks"] = [callbacks[0], resumed_record]
-    run_ddp(tmp_path, "fit", data, tmp_path / "keys", model, args=("--ckpt_path", str(first_epoch),
-                                                                   "--checkpoint.save_top_k", "-1"), **trainer)
+    run_ddp(
+        tmp_path,
+        "fit",
+        data,
+        tmp_path / "keys",
+        model,
+        args=("--ckpt_path", str(first_epoch), "--checkpoint.save_top_k", "-1"),
+        **trainer,
+    )
     for rank in range(2):
         for step in range(2):
             again = torch.load(tmp_path / "resumed" / f"rank{rank}-e1-b{step}.pt", weights_only=True)
             for key, value in batch(rank, 1, step).items():
                 torch.testing.assert_close(again[key], value, atol=0, rtol=0, msg=f"rank {rank} step {step} {key}")
-    whole, resumed = (torch.load(next((tmp_path / "runs" / "fit" / f"version_{v}" / "checkpoints").glob(
-        "epoch001-*.ckpt")), map_location="cpu", weights_only=True)["state_dict"] for v in (0, 1))
+    whole, resumed = (
+        torch.load(
+            next((tmp_path / "runs" / "fit" / f"version_{v}" / "checkpoints").glob("epoch001-*.ckpt")),
+            map_location="cpu",
+            weights_only=True,
+        )["state_dict"]
+        for v in (0, 1)
+    )
     for name, value in whole.items():
         torch.testing.assert_close(resumed[name], value, atol=1e-6, rtol=0, msg=name)

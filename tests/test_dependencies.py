@@ -2,6 +2,7 @@
 package or the benchmarks import is a runtime dependency, every one the tests import is a runtime or test
 dependency (or a reference the Makefile installs), and every declared dependency is imported somewhere (the
 few that are not say why below). OpenCV is the headless build, and nothing installed pulls in the GUI one."""
+
 import ast
 import importlib.metadata
 import re
@@ -82,10 +83,16 @@ def test_every_declared_dependency_is_imported():
 
 def test_jsonargparse_bound_is_lightnings():
     """jsonargparse's range is the one lightning (its pytorch extra, which LightningCLI needs) requires."""
-    ours = next(Requirement(r) for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-                if Requirement(r).name == "jsonargparse")
-    lightnings = [Requirement(r) for r in importlib.metadata.requires("lightning")
-                  if r.startswith("jsonargparse") and "pytorch-extra" in r]
+    ours = next(
+        Requirement(r)
+        for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+        if Requirement(r).name == "jsonargparse"
+    )
+    lightnings = [
+        Requirement(r)
+        for r in importlib.metadata.requires("lightning")
+        if r.startswith("jsonargparse") and "pytorch-extra" in r
+    ]
     assert lightnings, "lightning no longer lists jsonargparse under its pytorch-extra"
     upper = {s.version for s in lightnings[0].specifier if s.operator == "<"}
     assert upper and upper == {s.version for s in ours.specifier if s.operator == "<"}
@@ -100,9 +107,13 @@ def test_opencv_is_the_headless_build_alone():
     assert "opencv-python-headless" in installed
     assert "opencv-python" not in installed, "the GUI build is installed beside the headless one"
     # no installed distribution but the --no-deps reference requires the GUI build
-    wanting_gui = {normalise(d.metadata["Name"]) for d in importlib.metadata.distributions()
-                   for r in d.requires or [] if normalise(Requirement(r).name) == "opencv-python"
-                   and not (Requirement(r).marker and "extra" in str(Requirement(r).marker))}
+    wanting_gui = {
+        normalise(d.metadata["Name"])
+        for d in importlib.metadata.distributions()
+        for r in d.requires or []
+        if normalise(Requirement(r).name) == "opencv-python"
+        and not (Requirement(r).marker and "extra" in str(Requirement(r).marker))
+    }
     assert wanting_gui <= makefile_references()
 
 
@@ -126,8 +137,20 @@ def test_results_record_the_version_of_everything_that_shapes_a_number():
     assert versions["opencv"] == cv2.__version__
     assert versions["torch"] == torch.__version__.split("+")[0]  # the wheel metadata drops the local +cuXXX
     # the distributions as installed: the headless OpenCV wheel, not the GUI one
-    for name in ("pillow", "numpy", "scipy", "scikit-image", "opencv-python-headless", "pyautoattack", "torchvision",
-                 "lightning", "timm", "torchmetrics", "webdataset", "kornia"):
+    for name in (
+        "pillow",
+        "numpy",
+        "scipy",
+        "scikit-image",
+        "opencv-python-headless",
+        "pyautoattack",
+        "torchvision",
+        "lightning",
+        "timm",
+        "torchmetrics",
+        "webdataset",
+        "kornia",
+    ):
         assert versions[name] == importlib.metadata.distribution(name).metadata["Version"], name
     assert "opencv-python" not in versions
     assert versions["opencv-python-headless"].startswith(cv2.__version__)

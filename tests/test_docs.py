@@ -38,10 +38,22 @@ def test_every_page_is_in_the_site_navigation():
 
 def test_the_site_builds_strictly(tmp_path):
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    build = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                           cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    build = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert build.returncode == 0, build.stderr[-3000:]
     api = (tmp_path / "site" / "api" / "index.html").read_text()
-    for name in ("load_model", "any_model.evaluate", "attacks.ensemble.AutoAttack", "evaluation.base.Evaluation",
-                 "training.lightning_module.ImageClassifier", "data.datamodule.ImageNetDataModule"):
+    for name in (
+        "load_model",
+        "any_model.evaluate",
+        "attacks.ensemble.AutoAttack",
+        "evaluation.base.Evaluation",
+        "training.lightning_module.ImageClassifier",
+        "data.datamodule.ImageNetDataModule",
+    ):
         assert f'id="robust_lightning.{name}"' in api, name  # an entry with its docstring, from the source

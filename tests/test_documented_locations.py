@@ -14,8 +14,9 @@ from helpers import REPO
 from robust_lightning.locking import LOCK_NAME
 from robust_lightning.scale.sweep import load_sweep
 
-RUN_CONFIGS = sorted(path for path in (REPO / "configs").rglob("*.yaml")
-                     if "trainer" in (yaml.safe_load(path.read_text()) or {}))
+RUN_CONFIGS = sorted(
+    path for path in (REPO / "configs").rglob("*.yaml") if "trainer" in (yaml.safe_load(path.read_text()) or {})
+)
 
 
 @pytest.mark.parametrize("config", RUN_CONFIGS, ids=lambda path: str(path.relative_to(REPO / "configs")))
@@ -39,8 +40,11 @@ def test_the_autoattack_configs_keep_their_outcomes_under_their_run_folder():
         config = yaml.safe_load((REPO / "configs" / "eval" / f"{name}.yaml").read_text())
         assert config["trainer"]["default_root_dir"] == root
         callbacks = config["trainer"]["callbacks"]
-        (autoattack,) = [c for c in (callbacks if isinstance(callbacks, list) else [callbacks])
-                         if c["class_path"].endswith("AutoAttackEvaluation")]
+        (autoattack,) = [
+            c
+            for c in (callbacks if isinstance(callbacks, list) else [callbacks])
+            if c["class_path"].endswith("AutoAttackEvaluation")
+        ]
         assert autoattack.get("init_args", {}).get("results_dir") is None  # the default: under default_root_dir
 
 
@@ -48,8 +52,10 @@ def test_the_synthetic_dataset_goes_to_data_synthetic():
     """README: the first run generates the synthetic dataset into data/synthetic/ (ROBUST_LIGHTNING_DATA moves
     data/). A new process: the data folder is read at import."""
     env = {k: v for k, v in os.environ.items() if k != "ROBUST_LIGHTNING_DATA"}
-    code = ("from robust_lightning.data.datamodule import ImageNetDataModule; "
-            "print(ImageNetDataModule(source='synthetic').synthetic_root)")
+    code = (
+        "from robust_lightning.data.datamodule import ImageNetDataModule; "
+        "print(ImageNetDataModule(source='synthetic').synthetic_root)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert Path(out.stdout.strip()) == REPO / "data" / "synthetic"
@@ -61,8 +67,12 @@ def test_the_lock_file_is_the_dot_lock_the_readme_names():
 
 
 def test_a_sweep_without_output_dir_writes_to_runs_sweeps_name(tmp_path, monkeypatch):
-    spec = {"name": "demo", "command": "validate", "configs": [str(REPO / "configs" / "quickstart.yaml")],
-            "grid": {"data.image_size": [32, 48]}}
+    spec = {
+        "name": "demo",
+        "command": "validate",
+        "configs": [str(REPO / "configs" / "quickstart.yaml")],
+        "grid": {"data.image_size": [32, 48]},
+    }
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(spec))
     monkeypatch.chdir(tmp_path)

@@ -71,7 +71,8 @@ def test_a_dataloader_and_a_normaliser(trained, points):
     plain = robust_lightning.evaluate(trained, (x, y), threat_models=LINF, **QUICK)
     for key in ("clean_accuracy", "robust_accuracy"):
         assert behind["autoattack"]["threat_models"]["Linf-10_255"][key] == pytest.approx(
-            plain["autoattack"]["threat_models"]["Linf-10_255"][key], abs=1 / 24 + 1e-9)  # float error at most
+            plain["autoattack"]["threat_models"]["Linf-10_255"][key], abs=1 / 24 + 1e-9
+        )  # float error at most
     assert behind["test"]["metrics"]["test/acc1"] == pytest.approx(plain["test"]["metrics"]["test/acc1"])
 
 
@@ -81,35 +82,54 @@ def test_an_imagenet_val_root_with_the_projects_preprocessing(tmp_path):
         write_image(tmp_path / "val" / wnid / f"ILSVRC2012_val_{i + 1:08d}.JPEG", seed=i)
     torch.manual_seed(0)
     model = timm.create_model("test_resnet", num_classes=1000).eval()
-    result = robust_lightning.evaluate(model, tmp_path, threat_models=[{"norm": "L2", "eps": 0.5}], image_size=32,
-                                       num_workers=0, **QUICK)
+    result = robust_lightning.evaluate(
+        model, tmp_path, threat_models=[{"norm": "L2", "eps": 0.5}], image_size=32, num_workers=0, **QUICK
+    )
     assert result["autoattack"]["threat_models"]["L2-0.5"]["num_points"] == 3
     assert result["test"]["conditions"]["data"]["image_size"] == 32
     with pytest.raises(UserError, match="the model has 10 classes, the data's class map 1000"):
         robust_lightning.evaluate(train_small_cnn(), tmp_path, image_size=32)
 
     # the whole card by name: its parts are the callbacks', the benchmarks without a root are listed as skipped
-    card = robust_lightning.evaluate(model, tmp_path, ["card"], image_size=32, num_workers=0, out_dir=tmp_path / "c",
-                                     datasets={"imagenet_c": "generated"}, version="apgd-ce",
-                                     options={"autoattack": {"n_iter": 3}, "imagenet_c": {"severities": [1]},
-                                              "resolution_sweep": {"resolutions": [32, 48]}})
+    card = robust_lightning.evaluate(
+        model,
+        tmp_path,
+        ["card"],
+        image_size=32,
+        num_workers=0,
+        out_dir=tmp_path / "c",
+        datasets={"imagenet_c": "generated"},
+        version="apgd-ce",
+        options={
+            "autoattack": {"n_iter": 3},
+            "imagenet_c": {"severities": [1]},
+            "resolution_sweep": {"resolutions": [32, 48]},
+        },
+    )
     assert card["card"]["parts"] == ["autoattack", "imagenet_c", "resolution_sweep"]
     assert {"autoattack", "imagenet_c", "resolution_sweep", "test"} <= set(card)
     assert card["autoattack"]["threat_models"].keys() == {"Linf-4_255", "L2-2", "L1-75"}  # the card's three
     # out_dir holds the card and its plots (README: results.json, the card, plots, outcomes)
     assert {"robustness_card.md", "results.json", "resolution_sweep.png", "imagenet_c_errors.png", "autoattack"} <= {
-        path.name for path in (tmp_path / "c").iterdir()}
+        path.name for path in (tmp_path / "c").iterdir()
+    }
 
 
 def test_bad_input_is_one_clear_message(trained, points):
     x, y = points
     with pytest.raises(UserError, match=r"images must be in \[0, 1\] \(the model's normalisation goes in mean/std\)"):
         robust_lightning.evaluate(trained, (x * 2 - 1, y))
-    with pytest.raises(UserError, match=r"labels must be class indices of the model's 10 classes, got values in "
-                                        r"\[1, 10\]"):
+    with pytest.raises(
+        UserError,
+        match=r"labels must be class indices of the model's 10 classes, got values in "
+        r"\[1, 10\]",
+    ):
         robust_lightning.evaluate(trained, (x, torch.where(y == 0, 10, y)))
-    with pytest.raises(UserError, match=r"the model must return logits of shape \(N, classes\); on 2 images it "
-                                        r"returned \(2, 32, 8, 8\)"):
+    with pytest.raises(
+        UserError,
+        match=r"the model must return logits of shape \(N, classes\); on 2 images it "
+        r"returned \(2, 32, 8, 8\)",
+    ):
         robust_lightning.evaluate(trained[:4], (x, y))
     with pytest.raises(UserError, match="unknown evaluation 'autoatack'; the evaluations are autoattack, "):
         robust_lightning.evaluate(trained, (x, y), ["autoatack"])
@@ -123,8 +143,11 @@ def test_bad_input_is_one_clear_message(trained, points):
 
 def test_the_docs_notebook_example_runs(points):
     """The notebook example of docs/evaluation.md, as printed there, on a small model and points."""
-    block = re.search(r"```python\n(import robust_lightning\n\nresult = robust_lightning\.evaluate.*?)```",
-                      (REPO / "docs" / "evaluation.md").read_text(), re.S)
+    block = re.search(
+        r"```python\n(import robust_lightning\n\nresult = robust_lightning\.evaluate.*?)```",
+        (REPO / "docs" / "evaluation.md").read_text(),
+        re.S,
+    )
     assert block, "docs/evaluation.md lost its notebook example"
     x, y = points
     torch.manual_seed(0)
@@ -142,8 +165,9 @@ def test_a_leaderboard_claim_only_for_the_leaderboards_evaluation(trained, point
     model-info JSON."""
     x, y = points
     monkeypatch.chdir(tmp_path)  # the claim's default output is relative to the working directory
-    robust_lightning.evaluate(trained, (x, y), threat_models=[{"norm": "Linf", "eps": 4 / 255}], out_dir=tmp_path,
-                              batch_size=24)
+    robust_lightning.evaluate(
+        trained, (x, y), threat_models=[{"norm": "Linf", "eps": 4 / 255}], out_dir=tmp_path, batch_size=24
+    )
     results = tmp_path / "results.json"
     assert main(["claim", str(tmp_path), "--model_name", "Me2026Robust"]) == 2
     err = capsys.readouterr().err
@@ -156,26 +180,70 @@ def test_a_leaderboard_claim_only_for_the_leaderboards_evaluation(trained, point
     linf = content["autoattack"]["threat_models"]["Linf-4_255"]
     linf.update(num_points=5000, clean_accuracy=0.72724, robust_accuracy=0.49456)
     content["test"]["conditions"]["data"] = {
-        "source": "shards", "eval_split": "val", "eval_subset": "robustbench", "eval_limit": None, "image_size": 224,
-        "eval_preprocessing": "resize 256 bicubic, center crop 224"}
+        "source": "shards",
+        "eval_split": "val",
+        "eval_subset": "robustbench",
+        "eval_limit": None,
+        "image_size": 224,
+        "eval_preprocessing": "resize 256 bicubic, center crop 224",
+    }
     results.write_text(json.dumps(content))
     out = tmp_path / "claims" / "Me2026Robust.json"
-    assert main(["claim", str(results), "--model_name", "Me2026Robust", "--architecture", "ConvNeXt-T + ConvStem",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "claim",
+                str(results),
+                "--model_name",
+                "Me2026Robust",
+                "--architecture",
+                "ConvNeXt-T + ConvStem",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     info = json.loads(out.read_text())
-    assert (info["clean_acc"], info["autoattack_acc"], info["eps"], info["dataset"]) == ("72.72", "49.46", "4/255",
-                                                                                      "imagenet")
+    assert (info["clean_acc"], info["autoattack_acc"], info["eps"], info["dataset"]) == (
+        "72.72",
+        "49.46",
+        "4/255",
+        "imagenet",
+    )
     assert info["architecture"] == "ConvNeXt-T + ConvStem" and info["number_forward_passes"] == 1
     # without --out: RobustBench's layout, model_info/imagenet/<threat model>/<name>.json, as the README says
     assert main(["claim", str(results), "--model_name", "Me2026Robust", "--architecture", "ConvNeXt-T + ConvStem"]) == 0
     assert json.loads((tmp_path / "model_info" / "imagenet" / "Linf" / "Me2026Robust.json").read_text()) == info
-    assert {key for key, value in info.items() if value is None} == {"link", "name", "authors", "additional_data",
-                                                                     "venue", "reported"}
+    assert {key for key, value in info.items() if value is None} == {
+        "link",
+        "name",
+        "authors",
+        "additional_data",
+        "venue",
+        "reported",
+    }
     assert "standard AutoAttack (fast engine, fp32 (TF32 off), seed 0)" in info["footnote"]
     # RobustBench's ModelInfo (robustbench/utils.py) takes exactly these fields
-    assert set(info) <= {"link", "name", "authors", "additional_data", "number_forward_passes", "dataset", "venue",
-                         "architecture", "eps", "clean_acc", "reported", "corruptions_acc", "corruptions_acc_3d",
-                         "corruptions_mce", "corruptions_mce_3d", "autoattack_acc", "footnote"}
+    assert set(info) <= {
+        "link",
+        "name",
+        "authors",
+        "additional_data",
+        "number_forward_passes",
+        "dataset",
+        "venue",
+        "architecture",
+        "eps",
+        "clean_acc",
+        "reported",
+        "corruptions_acc",
+        "corruptions_acc_3d",
+        "corruptions_mce",
+        "corruptions_mce_3d",
+        "autoattack_acc",
+        "footnote",
+    }
 
     content["autoattack"]["conditions"]["version"] = "apgd-ce"
     linf["claims_refuted_in_fp32_this_session"] = {"apgd-ce": 2}
@@ -210,8 +278,13 @@ def test_two_devices_split_the_images_and_return_the_same_result(trained, points
     script = tmp_path / "evaluate_ddp.py"
     script.write_text(DDP_SCRIPT)
     torch.save(trained.state_dict(), tmp_path / "weights.pt")
-    done = run_command([str(tmp_path / "out"), str(tmp_path / "weights.pt")], cwd=tmp_path, timeout=240,
-                       script=script, env={"OMP_NUM_THREADS": "1"})
+    done = run_command(
+        [str(tmp_path / "out"), str(tmp_path / "weights.pt")],
+        cwd=tmp_path,
+        timeout=240,
+        script=script,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     returned = [json.loads((tmp_path / "out" / f"returned-rank{r}.json").read_text()) for r in (0, 1)]
     assert returned[0] == returned[1] == json.loads((tmp_path / "out" / "results.json").read_text())
@@ -224,7 +297,8 @@ def test_two_devices_split_the_images_and_return_the_same_result(trained, points
         [record] = [json.loads(line) for line in path.read_text().splitlines()]  # one batch per rank
         index = [int(key) for key in record["key"]]
         direct = AutoAttack(trained, norm="Linf", eps=10 / 255, version="apgd-ce", n_iter=5).evaluate(
-            x[index], y[index], bs=len(index))
+            x[index], y[index], bs=len(index)
+        )
         assert record["robust"] == direct.robust.tolist() and record["clean"] == direct.clean.tolist()
         robust += record["robust"]
     assert section["num_points"] == 24 and section["robust_accuracy"] == pytest.approx(sum(robust) / 24)

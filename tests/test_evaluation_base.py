@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 def docs_example() -> dict:
     """The code block of "Writing a new evaluation" in docs/contributing.md, executed as it is written there."""
     text = (REPO / "docs" / "contributing.md").read_text()
-    section = text[text.index("### Writing a new evaluation"):]
+    section = text[text.index("### Writing a new evaluation") :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     namespace: dict = {"__name__": "docs_example"}
     exec(compile(code, "docs/contributing.md", "exec"), namespace)  # noqa: S102 (the repository's own docs)
@@ -38,15 +38,23 @@ def synthetic(tmp_path_factory):
 
 
 def datamodule(synthetic) -> ImageNetDataModule:
-    return ImageNetDataModule(source="synthetic", image_size=32, batch_size=4, eval_batch_size=3, num_workers=0,
-                              synthetic=synthetic)
+    return ImageNetDataModule(
+        source="synthetic", image_size=32, batch_size=4, eval_batch_size=3, num_workers=0, synthetic=synthetic
+    )
 
 
 def run_test(tmp_path, synthetic, callbacks, module=None):
     torch.manual_seed(0)
     module = module or ImageClassifier(arch="test_resnet", num_classes=4, image_size=32)
-    trainer = Trainer(accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False,
-                      logger=CSVLogger(tmp_path, name="run"), callbacks=callbacks, inference_mode=False)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=CSVLogger(tmp_path, name="run"),
+        callbacks=callbacks,
+        inference_mode=False,
+    )
     trainer.test(module, datamodule=datamodule(synthetic))
     return trainer, module
 
@@ -86,8 +94,14 @@ class Probe(Evaluation):
         import matplotlib.pyplot as plt
 
         figure = plt.figure()
-        self.published = self.publish(trainer, {"n": 1}, {"probe/x": 2.0}, figure,
-                                      {"rows": (["a"], [[1]]), "empty": (["a"], [])}, message="probe done")
+        self.published = self.publish(
+            trainer,
+            {"n": 1},
+            {"probe/x": 2.0},
+            figure,
+            {"rows": (["a"], [[1]]), "empty": (["a"], [])},
+            message="probe done",
+        )
 
 
 def test_eval_batches_are_unit_floats_on_the_device_up_to_the_limit(tmp_path, synthetic, capsys):
@@ -163,20 +177,29 @@ def test_evaluations_ask_the_data_module_only_what_evaluation_data_lists():
 
     def is_datamodule(node, names) -> bool:
         return (isinstance(node, ast.Attribute) and node.attr == "datamodule") or (
-            isinstance(node, ast.Name) and node.id in names)
+            isinstance(node, ast.Name) and node.id in names
+        )
 
     used = []
     for path in sorted((REPO / "robust_lightning").glob("*/*.py")):
         if path.parent.name not in ("evaluation", "analysis"):
             continue
         tree = ast.parse(path.read_text())
-        names = {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
-                 and is_datamodule(node.value, set()) for target in node.targets if isinstance(target, ast.Name)}
+        names = {
+            target.id
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Assign) and is_datamodule(node.value, set())
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        }
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and node.attr != "datamodule" and is_datamodule(node.value, names):
                 used.append((path.name, node.attr))
-            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr")
-                    and is_datamodule(node.args[0], names)):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) in ("getattr", "hasattr")
+                and is_datamodule(node.args[0], names)
+            ):
                 name = node.args[1]
                 used.append((path.name, name.value if isinstance(name, ast.Constant) else "<a computed name>"))
     assert used, "the check found no use at all: it is not looking where the evaluations are"

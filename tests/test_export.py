@@ -53,19 +53,27 @@ def write_checkpoint(path: Path, **hparams) -> ImageClassifier:
 def load_with_plain_timm(folder: Path, x: torch.Tensor, tmp_path: Path) -> dict:
     torch.save(x, tmp_path / "x.pt")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", PLAIN_TIMM, str(folder), str(tmp_path / "x.pt"),
-                             str(tmp_path / "out.json")], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", PLAIN_TIMM, str(folder), str(tmp_path / "x.pt"), str(tmp_path / "out.json")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     return json.loads((tmp_path / "out.json").read_text())
 
 
-@pytest.mark.parametrize("hparams, ema", [
-    # a normaliser with its own mean/std, the raw weights
-    (dict(arch="test_resnet", image_size=32, mean=(0.4, 0.5, 0.6), std=(0.2, 0.25, 0.3)), False),
-    # a net on raw [0, 1] images (no normaliser), a ViT built for 32 px, its EMA weights
-    (dict(arch="test_vit", image_size=32, mean=None, std=None, ema_decay=0.9), True),
-])
+@pytest.mark.parametrize(
+    "hparams, ema",
+    [
+        # a normaliser with its own mean/std, the raw weights
+        (dict(arch="test_resnet", image_size=32, mean=(0.4, 0.5, 0.6), std=(0.2, 0.25, 0.3)), False),
+        # a net on raw [0, 1] images (no normaliser), a ViT built for 32 px, its EMA weights
+        (dict(arch="test_vit", image_size=32, mean=None, std=None, ema_decay=0.9), True),
+    ],
+)
 def test_timm_folder_loads_in_plain_timm_and_gives_our_logits(tmp_path, capsys, hparams, ema):
     module = write_checkpoint(tmp_path / "m.ckpt", **hparams)
     folder = tmp_path / "exported"
@@ -93,13 +101,17 @@ def test_timm_folder_loads_in_plain_timm_and_gives_our_logits(tmp_path, capsys, 
 def test_export_takes_its_options_from_a_config_file(tmp_path, capsys):
     module = write_checkpoint(tmp_path / "m.ckpt", arch="test_resnet", image_size=32, ema_decay=0.9)
     options = tmp_path / "export.yaml"
-    options.write_text(yaml.safe_dump({"checkpoint": str(tmp_path / "m.ckpt"), "out": str(tmp_path / "w.safetensors"),
-                                       "ema": True}))
+    options.write_text(
+        yaml.safe_dump({"checkpoint": str(tmp_path / "m.ckpt"), "out": str(tmp_path / "w.safetensors"), "ema": True})
+    )
     with pytest.raises(SystemExit) as exit_info:
         main(["export", "--config", str(options), "--print_config"])
     assert exit_info.value.code == 0
-    assert yaml.safe_load(capsys.readouterr().out) == {"checkpoint": str(tmp_path / "m.ckpt"),
-                                                        "out": str(tmp_path / "w.safetensors"), "ema": True}
+    assert yaml.safe_load(capsys.readouterr().out) == {
+        "checkpoint": str(tmp_path / "m.ckpt"),
+        "out": str(tmp_path / "w.safetensors"),
+        "ema": True,
+    }
     assert main(["export", "--config", str(options)]) == 0
     assert "wrote EMA weights" in capsys.readouterr().out
     from robust_lightning.models.weights import read_state_dict
@@ -130,18 +142,35 @@ def test_the_folder_has_a_model_card_with_the_numbers_measured_on_that_checkpoin
 
     checkpoints = tmp_path / "run" / "checkpoints"
     checkpoints.mkdir(parents=True)
-    write_checkpoint(checkpoints / "last.ckpt", arch="test_resnet", image_size=32, mean=(0.4, 0.5, 0.6),
-                     std=(0.2, 0.25, 0.3), attack="apgd", attack_eps=4 / 255, attack_steps=2)
+    write_checkpoint(
+        checkpoints / "last.ckpt",
+        arch="test_resnet",
+        image_size=32,
+        mean=(0.4, 0.5, 0.6),
+        std=(0.2, 0.25, 0.3),
+        attack="apgd",
+        attack_eps=4 / 255,
+        attack_steps=2,
+    )
     named = {"path": str(checkpoints / "last.ckpt"), "sha256": file_sha256(checkpoints / "last.ckpt")}
     (tmp_path / "run" / "version_0").mkdir()
-    (tmp_path / "run" / "version_0" / "results.json").write_text(json.dumps({
-        "fit": {"metrics": {"val/acc1": 0.625, "val/robust_acc": 0.5}, "last_checkpoint": named},
-        "autoattack": {"threat_models": {"Linf-4_255": {"num_points": 16, "clean_accuracy": 0.625,
-                                                         "robust_accuracy": 0.4375}},
-                       "conditions": {"version": "standard", "precision": "fp32 (TF32 off)"}}}))
+    (tmp_path / "run" / "version_0" / "results.json").write_text(
+        json.dumps(
+            {
+                "fit": {"metrics": {"val/acc1": 0.625, "val/robust_acc": 0.5}, "last_checkpoint": named},
+                "autoattack": {
+                    "threat_models": {
+                        "Linf-4_255": {"num_points": 16, "clean_accuracy": 0.625, "robust_accuracy": 0.4375}
+                    },
+                    "conditions": {"version": "standard", "precision": "fp32 (TF32 off)"},
+                },
+            }
+        )
+    )
     (tmp_path / "run" / "version_1").mkdir()  # another checkpoint's run: not reported
-    (tmp_path / "run" / "version_1" / "results.json").write_text(json.dumps({
-        "test": {"metrics": {"test/acc1": 0.99}, "checkpoint": {**named, "sha256": "0" * 64}}}))
+    (tmp_path / "run" / "version_1" / "results.json").write_text(
+        json.dumps({"test": {"metrics": {"test/acc1": 0.99}, "checkpoint": {**named, "sha256": "0" * 64}}})
+    )
     assert main(["export", str(checkpoints / "last.ckpt"), str(tmp_path / "folder")]) == 0
     card = (tmp_path / "folder" / "README.md").read_text()
     assert card.startswith("# test_resnet: raw weights exported by robust-lightning")
@@ -156,8 +185,11 @@ def test_the_folder_has_a_model_card_with_the_numbers_measured_on_that_checkpoin
     recipe = tmp_path / "at" / "recipe"
     (recipe / "version_0").mkdir(parents=True)
     write_checkpoint(recipe / "best.ckpt", arch="test_resnet", image_size=32)
-    (recipe / "version_0" / "results.json").write_text(json.dumps({"fit": {
-        "metrics": {"val/acc1": 0.5}, "best_checkpoint": {"sha256": file_sha256(recipe / "best.ckpt")}}}))
+    (recipe / "version_0" / "results.json").write_text(
+        json.dumps(
+            {"fit": {"metrics": {"val/acc1": 0.5}, "best_checkpoint": {"sha256": file_sha256(recipe / "best.ckpt")}}}
+        )
+    )
     assert main(["export", str(recipe / "best.ckpt"), str(tmp_path / "recipe_folder")]) == 0
     assert "- fit: val/acc1 50.00 %" in (tmp_path / "recipe_folder" / "README.md").read_text()
 

@@ -38,8 +38,12 @@ def _train_model() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU(),
-        nn.Flatten(), nn.Linear(16 * 8 * 8, 10),
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 16, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(16 * 8 * 8, 10),
     )
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for _ in range(60):
@@ -74,8 +78,17 @@ def _reference(norm: str, n_iter: int = 100):
     model, _, _ = setup()
     # n_target_classes=1: perturb() runs the single target rank 2 (its loop is range(2, n_target_classes + 2)).
     # (Its backward also fills the parameters' .grad; harmless here, the gradient test uses a fresh model.)
-    return FABAttack_PT(model, norm=norm, n_restarts=1, n_iter=n_iter, eps=EPS[norm], seed=0, targeted=True,
-                        n_target_classes=1, device="cpu")
+    return FABAttack_PT(
+        model,
+        norm=norm,
+        n_restarts=1,
+        n_iter=n_iter,
+        eps=EPS[norm],
+        seed=0,
+        targeted=True,
+        n_target_classes=1,
+        device="cpu",
+    )
 
 
 # --------------------------------------------------------------------------------- vs the reference
@@ -97,8 +110,9 @@ def test_matches_reference_perturb(norm):
     assert (res.robust != ref_robust).sum() <= 1
     same = res.robust == ref_robust
     assert ((res.x_adv[same] - ref_adv[same]).abs() <= 1e-5).float().mean() > 0.99
-    torch.testing.assert_close(lp_norm(res.x_adv - x, norm)[same], lp_norm(ref_adv - x, norm)[same],
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        lp_norm(res.x_adv - x, norm)[same], lp_norm(ref_adv - x, norm)[same], rtol=1e-4, atol=1e-5
+    )
     # The batch is informative: some points broken by the attack, some robust, plus the mislabelled ones.
     n_broken = (~res.robust[N_MISLABELLED:]).sum()
     assert 5 <= n_broken <= len(x) - N_MISLABELLED - 5
@@ -144,8 +158,11 @@ def test_projections_match_reference(n, prefix, monkeypatch):
     w[2:4] *= 1e-9  # below the reference's 1e-8 threshold
     # Hyperplanes near and far (the far ones are out of the box's reach).
     b = (w * torch.rand(rows, n, generator=g)).sum(1) + torch.randn(rows, generator=g) * torch.arange(rows) / 4
-    for mine, theirs in ((project_hyperplane_linf, ref.projection_linf), (project_hyperplane_l2, ref.projection_l2),
-                         (project_hyperplane_l1, ref.projection_l1)):
+    for mine, theirs in (
+        (project_hyperplane_linf, ref.projection_linf),
+        (project_hyperplane_l2, ref.projection_l2),
+        (project_hyperplane_l1, ref.projection_l1),
+    ):
         d = mine(t, w, b)
         torch.testing.assert_close(d, theirs(t.clone(), w.clone(), b.clone()), rtol=1e-5, atol=1e-6)
         # Whatever the case, the projected point stays in the box.

@@ -57,11 +57,14 @@ def _results(save_dir: Path, stage: str) -> dict:
 def test_validate_and_predict_on_a_flat_folder_equal_the_class_folders(val, tmp_path):
     flat, tree, csv = val
     metrics = {}
-    for name, options in {"flat": {"data.root": str(flat), "data.val_labels": str(csv)},
-                          "tree": {"data.root": str(tree)}}.items():
+    for name, options in {
+        "flat": {"data.root": str(flat), "data.val_labels": str(csv)},
+        "tree": {"data.root": str(tree)},
+    }.items():
         (tmp_path / name).mkdir()
-        config = tiny_config(tmp_path / name, tmp_path / "synthetic",
-                             **{"data.source": "folder", "model.arch": "test_resnet", **options})
+        config = tiny_config(
+            tmp_path / name, tmp_path / "synthetic", **{"data.source": "folder", "model.arch": "test_resnet", **options}
+        )
         assert main(["validate", "--config", str(config)]) == 0
         metrics[name] = _results(tmp_path / name / "runs", "validate")["metrics"]
     assert metrics["flat"]["val/num_images"] == metrics["flat"]["val/expected_images"] == len(CLASSES)
@@ -79,8 +82,11 @@ def test_validate_and_predict_on_a_flat_folder_equal_the_class_folders(val, tmp_
 
 def test_a_flat_folder_without_labels_names_the_option(val, tmp_path, capsys):
     flat, _, _ = val
-    config = tiny_config(tmp_path, tmp_path / "synthetic",
-                         **{"data.source": "folder", "data.root": str(flat), "model.arch": "test_resnet"})
+    config = tiny_config(
+        tmp_path,
+        tmp_path / "synthetic",
+        **{"data.source": "folder", "data.root": str(flat), "model.arch": "test_resnet"},
+    )
     assert main(["validate", "--config", str(config)]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("error:") == 1
@@ -93,8 +99,9 @@ def test_a_flat_folder_without_labels_names_the_option(val, tmp_path, capsys):
 
 
 def _setup(root: Path, labels: Path | str, **options) -> ImageNetDataModule:
-    data = ImageNetDataModule(source="folder", root=str(root), val_labels=str(labels), image_size=32, num_workers=0,
-                              **options)
+    data = ImageNetDataModule(
+        source="folder", root=str(root), val_labels=str(labels), image_size=32, num_workers=0, **options
+    )
     data.setup("validate")
     return data
 
@@ -104,20 +111,29 @@ def test_bad_labels_files_are_one_clear_message_each(val, tmp_path):
     lines = csv.read_text().splitlines()
     without = tmp_path / "without.csv"
     without.write_text("\n".join(line for line in lines if not line.startswith(Path(_name(4)).stem)))
-    with pytest.raises(UserError, match=rf"1 of the 9 images in .*val are not in data.val_labels {without} "
-                                        rf"\(first: {_name(4)}\)"):
+    with pytest.raises(
+        UserError,
+        match=rf"1 of the 9 images in .*val are not in data.val_labels {without} "
+        rf"\(first: {_name(4)}\)",
+    ):
         _setup(flat, without)
     unknown = tmp_path / "unknown.csv"
     unknown.write_text("\n".join([*lines[:3], f"{Path(_name(7)).stem},n99999999 1 2 3 4", *lines[3:]]))
     with pytest.raises(UserError, match=r"unknown.csv, line 4: 'n99999999' is not a class of the class map"):
         _setup(flat, unknown)
-    with pytest.raises(UserError, match=rf"data.val_labels {tmp_path / 'nowhere.csv'} does not exist; expected "
-                                        "Kaggle's LOC_val_solution.csv"):
+    with pytest.raises(
+        UserError,
+        match=rf"data.val_labels {tmp_path / 'nowhere.csv'} does not exist; expected "
+        "Kaggle's LOC_val_solution.csv",
+    ):
         _setup(flat, tmp_path / "nowhere.csv")
     devkit = tmp_path / "ILSVRC2012_validation_ground_truth.txt"
     devkit.write_text("490\n361\n171\n822\n297\n482\n13\n704\n599\n")
-    with pytest.raises(UserError, match=rf"devkit's meta.mat beside the labels file, and {tmp_path / 'meta.mat'} "
-                                        "does not exist; copy it there from ILSVRC2012_devkit_t12/data/"):
+    with pytest.raises(
+        UserError,
+        match=rf"devkit's meta.mat beside the labels file, and {tmp_path / 'meta.mat'} "
+        "does not exist; copy it there from ILSVRC2012_devkit_t12/data/",
+    ):
         _setup(flat, devkit)
     (tmp_path / "meta.mat").write_text("not a MATLAB file")
     with pytest.raises(UserError, match="meta.mat is not the ImageNet devkit's meta.mat"):
@@ -148,8 +164,10 @@ def _devkit_meta(path: Path) -> dict[str, int]:
 
     wnids = [wnid for _, (wnid, _) in sorted(IMAGENET_INDEX.items(), key=lambda item: int(item[0]))]
     ids = {wnid: number for number, wnid in enumerate(reversed(wnids), start=1)}
-    synsets = np.array([(number, wnid, 0) for wnid, number in ids.items()] + [(1001, "n00001740", 3)],
-                       dtype=[("ILSVRC2012_ID", "O"), ("WNID", "O"), ("num_children", "O")])
+    synsets = np.array(
+        [(number, wnid, 0) for wnid, number in ids.items()] + [(1001, "n00001740", 3)],
+        dtype=[("ILSVRC2012_ID", "O"), ("WNID", "O"), ("num_children", "O")],
+    )
     savemat(str(path), {"synsets": synsets.reshape(-1, 1)})
     return ids
 
@@ -168,10 +186,40 @@ def test_the_devkit_ground_truth_file_is_read_with_its_meta_mat(val, tmp_path):
 
 def test_shards_of_a_flat_folder_equal_those_of_class_folders(val, tmp_path, capsys):
     flat, tree, csv = val
-    assert main(["shards", str(flat / "val"), str(tmp_path / "flat"), "--val_labels", str(csv), "--shuffle", "false",
-                 "--samples_per_shard", "4", "--workers", "1"]) == 0
-    assert main(["shards", str(tree / "val"), str(tmp_path / "tree"), "--shuffle", "false", "--samples_per_shard", "4",
-                 "--workers", "1"]) == 0
+    assert (
+        main(
+            [
+                "shards",
+                str(flat / "val"),
+                str(tmp_path / "flat"),
+                "--val_labels",
+                str(csv),
+                "--shuffle",
+                "false",
+                "--samples_per_shard",
+                "4",
+                "--workers",
+                "1",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "shards",
+                str(tree / "val"),
+                str(tmp_path / "tree"),
+                "--shuffle",
+                "false",
+                "--samples_per_shard",
+                "4",
+                "--workers",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert "Wrote 9 samples of 3 classes" in capsys.readouterr().out
 
     def samples(out: Path) -> dict[str, tuple]:
@@ -181,8 +229,11 @@ def test_shards_of_a_flat_folder_equal_those_of_class_folders(val, tmp_path, cap
     from_flat = samples(tmp_path / "flat")
     assert from_flat == samples(tmp_path / "tree")
     for i, c in enumerate(CLASSES):  # the images' own bytes under the label of the WNID the labels file gives
-        assert from_flat[Path(_name(i + 1)).stem] == ((flat / "val" / _name(i + 1)).read_bytes(), LABEL[WNIDS[c]],
-                                                       WNIDS[c])
+        assert from_flat[Path(_name(i + 1)).stem] == (
+            (flat / "val" / _name(i + 1)).read_bytes(),
+            LABEL[WNIDS[c]],
+            WNIDS[c],
+        )
     manifest = json.loads((tmp_path / "flat" / "manifest.json").read_text())
     assert manifest["options"]["val_labels"] == str(csv.resolve())
     assert manifest["class_counts"] == {WNIDS[0]: 3, WNIDS[1]: 3, WNIDS[2]: 3}
@@ -197,8 +248,15 @@ def test_the_robustbench_subset_and_other_subsets_from_a_flat_folder(tmp_path):
     csv = _loc_csv(tmp_path / "LOC_val_solution.csv", labels)
 
     # the RobustBench subset's first six images (data.eval_limit), in the list's order, with ImageNet's labels
-    data = ImageNetDataModule(source="folder", root=str(tmp_path), val_labels=str(csv), eval_subset="robustbench",
-                              eval_limit=6, image_size=32, num_workers=0)
+    data = ImageNetDataModule(
+        source="folder",
+        root=str(tmp_path),
+        val_labels=str(csv),
+        eval_subset="robustbench",
+        eval_limit=6,
+        image_size=32,
+        num_workers=0,
+    )
     data.setup("test")
     expected = ([Path(entry).stem for entry in listed], [LABEL[entry.split("/")[0]] for entry in listed])
     for loader in (data.test_dataloader(), data.eval_dataloader_with(eval_transform(24))):
@@ -209,8 +267,9 @@ def test_the_robustbench_subset_and_other_subsets_from_a_flat_folder(tmp_path):
     # a subset file of some of the images, in its own order
     subset = tmp_path / "subset.txt"
     subset.write_text(f"{WNIDS[1]}/{_name(3)}\n{listed[4]}\n{listed[1]}\n")
-    data = ImageNetDataModule(source="folder", root=str(tmp_path), val_labels=str(csv), eval_subset=str(subset),
-                              image_size=32, num_workers=0)
+    data = ImageNetDataModule(
+        source="folder", root=str(tmp_path), val_labels=str(csv), eval_subset=str(subset), image_size=32, num_workers=0
+    )
     data.setup("test")
     batch = next(iter(data.test_dataloader()))
     assert batch["key"] == [Path(_name(3)).stem, Path(listed[4]).stem, Path(listed[1]).stem]
@@ -218,8 +277,12 @@ def test_the_robustbench_subset_and_other_subsets_from_a_flat_folder(tmp_path):
 
     # a subset that lists an image under another class than the labels file is an error, not a silent relabel
     subset.write_text(f"{WNIDS[0]}/{_name(3)}\n")
-    data = ImageNetDataModule(source="folder", root=str(tmp_path), val_labels=str(csv), eval_subset=str(subset),
-                              image_size=32, num_workers=0)
-    with pytest.raises(UserError, match=rf"data.eval_subset lists {_name(3)} under {WNIDS[0]}, but data.val_labels "
-                                        rf".* labels it {WNIDS[1]}"):
+    data = ImageNetDataModule(
+        source="folder", root=str(tmp_path), val_labels=str(csv), eval_subset=str(subset), image_size=32, num_workers=0
+    )
+    with pytest.raises(
+        UserError,
+        match=rf"data.eval_subset lists {_name(3)} under {WNIDS[0]}, but data.val_labels "
+        rf".* labels it {WNIDS[1]}",
+    ):
         data.setup("test")

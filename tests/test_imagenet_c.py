@@ -62,17 +62,22 @@ def test_alexnet_data_files_parse():
 
 # ------------------------------------------------------------------------------------------------ metrics
 def test_mce_and_relative_mce_match_explicit_arithmetic():
-    alexnet = {r["corruption"]: [float(r[f"sev{s}"]) for s in range(1, 6)]
-               for r in read_csv("imagenet_c_alexnet_err_per_severity.csv")}
+    alexnet = {
+        r["corruption"]: [float(r[f"sev{s}"]) for s in range(1, 6)]
+        for r in read_csv("imagenet_c_alexnet_err_per_severity.csv")
+    }
     errors = {c: {s: 0.3 + 0.1 * s + 0.004 * i for s in range(1, 6)} for i, c in enumerate(STANDARD)}
     clean = 0.25
     result = corruption_errors(errors, clean_error=clean)
 
     ce = [sum(errors[c][s] for s in range(1, 6)) / sum(alexnet[c]) for c in STANDARD]
-    relative = [sum(errors[c][s] - clean for s in range(1, 6)) / sum(a - ALEXNET_CLEAN_ERROR for a in alexnet[c])
-                for c in STANDARD]
+    relative = [
+        sum(errors[c][s] - clean for s in range(1, 6)) / sum(a - ALEXNET_CLEAN_ERROR for a in alexnet[c])
+        for c in STANDARD
+    ]
     assert result["ce"]["gaussian_noise"] == pytest.approx(
-        (0.4 + 0.5 + 0.6 + 0.7 + 0.8) / (0.69528 + 0.82542 + 0.93554 + 0.98138 + 0.99452), abs=1e-12)
+        (0.4 + 0.5 + 0.6 + 0.7 + 0.8) / (0.69528 + 0.82542 + 0.93554 + 0.98138 + 0.99452), abs=1e-12
+    )
     assert [result["ce"][c] for c in STANDARD] == pytest.approx(ce, abs=1e-12)
     assert result["mce"] == pytest.approx(sum(ce) / 15, abs=1e-12)
     assert result["relative_mce"] == pytest.approx(sum(relative) / 15, abs=1e-12)
@@ -83,17 +88,27 @@ def test_mce_and_relative_mce_match_explicit_arithmetic():
 
 
 def test_partial_evaluations_get_a_different_key_and_extras_need_all_severities():
-    alexnet = {r["corruption"]: [float(r[f"sev{s}"]) for s in range(1, 6)]
-               for r in read_csv("imagenet_c_alexnet_err_per_severity.csv")}
+    alexnet = {
+        r["corruption"]: [float(r[f"sev{s}"]) for s in range(1, 6)]
+        for r in read_csv("imagenet_c_alexnet_err_per_severity.csv")
+    }
     extra_mean = {r["corruption"]: float(r["alexnet_err"]) for r in read_csv("imagenet_c_alexnet_baselines.csv")}
-    errors = {"fog": {1: 0.3, 3: 0.5}, "snow": {1: 0.4, 3: 0.6}, "spatter": {1: 0.5, 3: 0.5},
-              "saturate": {s: 0.2 for s in range(1, 6)}}
+    errors = {
+        "fog": {1: 0.3, 3: 0.5},
+        "snow": {1: 0.4, 3: 0.6},
+        "spatter": {1: 0.5, 3: 0.5},
+        "saturate": {s: 0.2 for s in range(1, 6)},
+    }
     result = corruption_errors(errors)  # no clean error: relative values are None
     fog = 0.8 / (alexnet["fog"][0] + alexnet["fog"][2])
     snow = 1.0 / (alexnet["snow"][0] + alexnet["snow"][2])
     assert "mce" not in result and "relative_mce" not in result
-    assert result["mce_partial"] == {"value": pytest.approx((fog + snow) / 2, abs=1e-12),
-                                     "corruptions": ["snow", "fog"], "severities": [1, 3], "images": ALL_IMAGES}
+    assert result["mce_partial"] == {
+        "value": pytest.approx((fog + snow) / 2, abs=1e-12),
+        "corruptions": ["snow", "fog"],
+        "severities": [1, 3],
+        "images": ALL_IMAGES,
+    }
     assert result["relative_mce_partial"]["value"] is None
     assert result["ce"]["spatter"] is None  # only the 5-severity mean is published for the extra corruptions
     assert result["ce"]["saturate"] == pytest.approx(1.0 / (5 * extra_mean["saturate"]), abs=1e-12)
@@ -105,9 +120,12 @@ def test_every_cell_on_fewer_images_is_partial_too():
     fewer = corruption_errors(errors, clean_error=0.25, fewer_images="5000 of the 50000 ImageNet val images")
     assert "mce" not in fewer and "relative_mce" not in fewer
     for key in ("mce", "relative_mce"):  # the same numbers, under the partial key with the images they cover
-        assert fewer[f"{key}_partial"] == {"value": full[key], "corruptions": list(STANDARD),
-                                           "severities": [1, 2, 3, 4, 5],
-                                           "images": "5000 of the 50000 ImageNet val images"}
+        assert fewer[f"{key}_partial"] == {
+            "value": full[key],
+            "corruptions": list(STANDARD),
+            "severities": [1, 2, 3, 4, 5],
+            "images": "5000 of the 50000 ImageNet val images",
+        }
     assert images_short_of_the_benchmark(50_000) is None
     assert images_short_of_the_benchmark(49_999) == "49999 of the 50000 ImageNet val images in the smallest cell"
     assert images_short_of_the_benchmark(50_000, imagenet_val=False) == "50000 images per cell, not of ImageNet val"
@@ -120,8 +138,14 @@ def write_square(path: Path, seed: int, size: int = 32) -> None:
     Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(path, quality=85)
 
 
-def imagenet_c_tree(root: Path, corruptions=("gaussian_noise", "brightness"), grouped: bool = False,
-                    per_class: int = 2, size: int = 32, uneven: bool = False) -> Path:
+def imagenet_c_tree(
+    root: Path,
+    corruptions=("gaussian_noise", "brightness"),
+    grouped: bool = False,
+    per_class: int = 2,
+    size: int = 32,
+    uneven: bool = False,
+) -> Path:
     """``uneven``: the second class gets severity - 1 more images, so each cell has its own class balance."""
     groups = {"gaussian_noise": "noise", "brightness": "weather", "contrast": "digital", "saturate": "extra"}
     for c, corruption in enumerate(corruptions):
@@ -129,8 +153,11 @@ def imagenet_c_tree(root: Path, corruptions=("gaussian_noise", "brightness"), gr
         for severity in range(1, 6):
             for w, wnid in enumerate(WNIDS[:2]):
                 for i in range(per_class + (severity - 1) * (uneven and w == 1)):
-                    write_square(folder / str(severity) / wnid / f"ILSVRC2012_val_{w}{i:07d}.JPEG",
-                                 1000 * c + 100 * severity + 10 * w + i, size)
+                    write_square(
+                        folder / str(severity) / wnid / f"ILSVRC2012_val_{w}{i:07d}.JPEG",
+                        1000 * c + 100 * severity + 10 * w + i,
+                        size,
+                    )
     return root
 
 
@@ -140,11 +167,16 @@ def test_cells_read_both_released_layouts(tmp_path, grouped):
     cells, groups = imagenet_c_cells(root, ["gaussian_noise", "brightness"], [1, 5])
     assert sorted(cells) == [("brightness", 1), ("brightness", 5), ("gaussian_noise", 1), ("gaussian_noise", 5)]
     assert [label for _, label in cells["brightness", 5]] == [0, 0, 1, 1]
-    assert groups == ({"gaussian_noise": "noise", "brightness": "weather"} if grouped
-                      else {"gaussian_noise": None, "brightness": None})
+    assert groups == (
+        {"gaussian_noise": "noise", "brightness": "weather"}
+        if grouped
+        else {"gaussian_noise": None, "brightness": None}
+    )
     limited, _ = imagenet_c_cells(root, ["brightness"], [2], limit_per_class=1)
-    assert [Path(p).name for p, _ in limited["brightness", 2]] == ["ILSVRC2012_val_00000000.JPEG",
-                                                                   "ILSVRC2012_val_10000000.JPEG"]
+    assert [Path(p).name for p, _ in limited["brightness", 2]] == [
+        "ILSVRC2012_val_00000000.JPEG",
+        "ILSVRC2012_val_10000000.JPEG",
+    ]
     capped, _ = imagenet_c_cells(root, ["brightness"], [2], max_images=2)
     assert [label for _, label in capped["brightness", 2]] == [0, 1]  # evenly spaced: both classes
 
@@ -198,9 +230,18 @@ def run_callback(tmp_path: Path, root: Path, model_size: int, **settings) -> tup
     settings = {"corruptions": ["brightness"], "severities": [2], **settings}
     callback = ImageNetC(root=str(root), clean_error=0.1, batch_size=3, num_workers=0, plot=False, **settings)
     trainer = SimpleNamespace(
-        world_size=1, global_rank=0, is_global_zero=True, log_dir=str(tmp_path / "run"), default_root_dir=None,
-        loggers=[], global_step=0, ckpt_path=None, callback_metrics={}, datamodule=None,
-        precision_plugin=SimpleNamespace(test_step_context=nullcontext))
+        world_size=1,
+        global_rank=0,
+        is_global_zero=True,
+        log_dir=str(tmp_path / "run"),
+        default_root_dir=None,
+        loggers=[],
+        global_step=0,
+        ckpt_path=None,
+        callback_metrics={},
+        datamodule=None,
+        precision_plugin=SimpleNamespace(test_step_context=nullcontext),
+    )
     model = Recorder(model_size)
     callback.on_test_start(trainer, model)
     callback.on_test_end(trainer, model)
@@ -212,8 +253,10 @@ def test_images_at_model_resolution_reach_the_model_as_decoded(tmp_path):
     model, section = run_callback(tmp_path, root, model_size=32)
     seen = torch.cat(model.inputs)
     files = sorted((root / "brightness" / "2").glob("*/*.JPEG"))
-    decoded = torch.stack([torch.from_numpy(np.array(Image.open(f).convert("RGB"))).permute(2, 0, 1)
-                           for f in files]).float() / 255
+    decoded = (
+        torch.stack([torch.from_numpy(np.array(Image.open(f).convert("RGB"))).permute(2, 0, 1) for f in files]).float()
+        / 255
+    )
     assert seen.shape == (4, 3, 32, 32) and torch.equal(seen, decoded)  # no resize, no crop
     assert section["preprocessing"] == "none (decoded as released)"
     assert section["corruptions"]["brightness"]["acc1"] == {"2": 0.5}  # class 0 predicted: 2 of 4 right
@@ -264,20 +307,34 @@ def checkpoint(tmp_path_factory) -> Path:
 def cli_config(tmp_path: Path, *callback_args: dict) -> Path:
     """A test run on a 5-image ImageNet val tree with an ImageNetC callback for each ``callback_args``."""
     make_image_tree(tmp_path / "imagenet" / "val", {WNIDS[0]: 2, WNIDS[1]: 2, WNIDS[2]: 1})
-    callbacks = [{"class_path": "robust_lightning.evaluation.imagenet_c.ImageNetC",
-                  "init_args": {"batch_size": 7, "num_workers": 0, **args}} for args in callback_args]
+    callbacks = [
+        {
+            "class_path": "robust_lightning.evaluation.imagenet_c.ImageNetC",
+            "init_args": {"batch_size": 7, "num_workers": 0, **args},
+        }
+        for args in callback_args
+    ]
     config = {
         "seed_everything": 0,
         "trainer": {
-            "accelerator": "cpu", "devices": 1,
+            "accelerator": "cpu",
+            "devices": 1,
             "default_root_dir": str(tmp_path / "runs"),
-            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
-                       "init_args": {"save_dir": str(tmp_path / "runs"), "name": "c"}},
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.CSVLogger",
+                "init_args": {"save_dir": str(tmp_path / "runs"), "name": "c"},
+            },
             "callbacks": callbacks,
         },
         "model": {"arch": "test_resnet"},
-        "data": {"source": "folder", "root": str(tmp_path / "imagenet"), "class_map": "imagenet", "image_size": 32,
-                 "eval_batch_size": 8, "num_workers": 0},
+        "data": {
+            "source": "folder",
+            "root": str(tmp_path / "imagenet"),
+            "class_map": "imagenet",
+            "image_size": 32,
+            "eval_batch_size": 8,
+            "num_workers": 0,
+        },
     }
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -311,8 +368,10 @@ def test_cli_run_writes_the_imagenet_c_section(tmp_path, checkpoint):
 
     assert section["layout"] == "group folders" and section["num_images"] == 2 * (5 * 4 + 10)
     assert section["preprocessing"] == "none (decoded as released)"
-    alexnet = {r["corruption"]: [float(r[f"sev{s}"]) for s in range(1, 6)]
-               for r in read_csv("imagenet_c_alexnet_err_per_severity.csv")}
+    alexnet = {
+        r["corruption"]: [float(r[f"sev{s}"]) for s in range(1, 6)]
+        for r in read_csv("imagenet_c_alexnet_err_per_severity.csv")
+    }
     accs = []
     for corruption, group in (("gaussian_noise", "noise"), ("brightness", "weather")):
         values = section["corruptions"][corruption]
@@ -358,8 +417,7 @@ def test_ddp_splits_the_images_over_ranks_and_counts_each_once(tmp_path, checkpo
     settings = yaml.safe_load(config.read_text())
     settings["trainer"].update(devices=2, strategy="ddp")
     config.write_text(yaml.safe_dump(settings))
-    result = run_command(["test", "--config", str(config), "--ckpt_path", str(checkpoint)], cwd=tmp_path,
-                         timeout=300)
+    result = run_command(["test", "--config", str(config), "--ckpt_path", str(checkpoint)], cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     section = json.loads(next((tmp_path / "runs" / "c").glob("version_*/results.json")).read_text())["imagenet_c"]
     assert section["num_images"] == 12 and section["corruptions"]["brightness"]["num_images"] == 12
@@ -381,8 +439,9 @@ def test_ddp_splits_the_images_over_ranks_and_counts_each_once(tmp_path, checkpo
 
 
 # ------------------------------------------------------------------------------------- generated on the fly
-def direct_generated(checkpoint: Path, val: Path, corruption: str, severities: list[int],
-                     seed: int = 0) -> tuple[dict[int, float], float]:
+def direct_generated(
+    checkpoint: Path, val: Path, corruption: str, severities: list[int], seed: int = 0
+) -> tuple[dict[int, float], float]:
     """(top-1 per severity, ECE over the severities pooled) of generated cells without the callback, the data
     module or Lightning: each image alone through the pipeline (so the draws cannot depend on batches, workers or
     ranks). The tiny model predicts class 0 for nearly every image, so the top-1 hardly tells images apart; the
@@ -407,8 +466,17 @@ def direct_generated(checkpoint: Path, val: Path, corruption: str, severities: l
 def test_generated_cli_run_writes_its_section(tmp_path, checkpoint):
     from robust_lightning.cli import main
 
-    config = cli_config(tmp_path, {"source": "generated", "corruptions": ["gaussian_noise", "contrast", "frost"],
-                                   "severities": [1, 5], "seed": 3, "batch_size": 3, "num_workers": 2})
+    config = cli_config(
+        tmp_path,
+        {
+            "source": "generated",
+            "corruptions": ["gaussian_noise", "contrast", "frost"],
+            "severities": [1, 5],
+            "seed": 3,
+            "batch_size": 3,
+            "num_workers": 2,
+        },
+    )
     assert main(["test", "--config", str(config), "--ckpt_path", str(checkpoint)]) == 0
     results_file = next((tmp_path / "runs" / "c").glob("version_*/results.json"))
     results = json.loads(results_file.read_text())
@@ -418,14 +486,18 @@ def test_generated_cli_run_writes_its_section(tmp_path, checkpoint):
     generated = section["generated"]
     assert generated["from"].startswith("ImageNet val") and generated["num_source_images"] == 5
     assert generated["seed"] == 3 and generated["resolution"] == 32  # the model's
-    assert ("resize shorter side to 36 (bilinear, as the release), centre crop 32, corrupt, JPEG quality 85"
-            in generated["pipeline"])
+    assert (
+        "resize shorter side to 36 (bilinear, as the release), centre crop 32, corrupt, JPEG quality 85"
+        in generated["pipeline"]
+    )
     assert "robust_lightning.evaluation.corruptions" in generated["implementation"]
     assert Path(generated["frost_textures"], "frost1.png").is_file()
     assert "approximations" in section["alexnet"]["note"]
     assert section["num_images"] == 5 * 3 * 2 and section["severities"] == [1, 5]
-    alexnet = {r["corruption"]: [float(r[f"sev{s}"]) for s in range(1, 6)]
-               for r in read_csv("imagenet_c_alexnet_err_per_severity.csv")}
+    alexnet = {
+        r["corruption"]: [float(r[f"sev{s}"]) for s in range(1, 6)]
+        for r in read_csv("imagenet_c_alexnet_err_per_severity.csv")
+    }
     for corruption, group in (("gaussian_noise", "noise"), ("contrast", "digital"), ("frost", "weather")):
         values = section["corruptions"][corruption]
         assert values["group"] == group and values["num_images"] == 10
@@ -446,11 +518,13 @@ def test_generated_cli_run_writes_its_section(tmp_path, checkpoint):
 
 
 def test_generated_checks_before_any_work(tmp_path):
-    for kwargs, message in (({"source": "generated", "seed": -1}, "seed must be a non-negative integer"),
-                            ({"source": "generated", "root": str(tmp_path)}, "leave root out"),
-                            ({"source": "generated", "max_images": 10}, "data.eval_subset / data.eval_limit"),
-                            ({"source": "made up"}, "'released' \\(with root\\) or 'generated'"),
-                            ({}, "ImageNetC needs root")):
+    for kwargs, message in (
+        ({"source": "generated", "seed": -1}, "seed must be a non-negative integer"),
+        ({"source": "generated", "root": str(tmp_path)}, "leave root out"),
+        ({"source": "generated", "max_images": 10}, "data.eval_subset / data.eval_limit"),
+        ({"source": "made up"}, "'released' \\(with root\\) or 'generated'"),
+        ({}, "ImageNetC needs root"),
+    ):
         with pytest.raises(UserError, match=message):
             ImageNetC(**kwargs)
     trainer = SimpleNamespace(datamodule=SimpleNamespace(eval_dataloader_with=None, image_size=224))

@@ -71,8 +71,11 @@ def brute_force_t5d(logits: list[list[float]], noise: bool, difficulty: int = 1)
     if noise:
         distances = [brute_force_pair_distance(logits[0], frame) for frame in logits[1:]]
     else:
-        distances = [brute_force_pair_distance(a, b) for start in range(difficulty)
-                     for a, b in zip(logits[start::difficulty], logits[start::difficulty][1:])]
+        distances = [
+            brute_force_pair_distance(a, b)
+            for start in range(difficulty)
+            for a, b in zip(logits[start::difficulty], logits[start::difficulty][1:])
+        ]
     return sum(distances) / len(distances)
 
 
@@ -95,7 +98,8 @@ def test_flip_probability_on_a_constructed_sequence():
     for noise, difficulty in ((True, 1), (False, 1), (False, 2), (False, 3)):
         sequence = rng.integers(0, 3, 31).tolist()
         assert flip_probability(torch.tensor(sequence), noise, 1 if noise else difficulty).item() == pytest.approx(
-            brute_force_flips(sequence, noise, difficulty), abs=1e-15)
+            brute_force_flips(sequence, noise, difficulty), abs=1e-15
+        )
 
 
 def test_top5_distance_by_hand():
@@ -186,10 +190,17 @@ def imagenet_p_tree(root: Path) -> dict[str, list[Path]]:
     PNG frames (img0 ... img11: natural order matters); speckle_noise (validation): 2 videos. Returns the sequences
     of each perturbation in the order the layout lists them."""
     sequences = {
-        "brightness": [root / "brightness" / WNIDS[0] / "a.mp4", root / "brightness" / WNIDS[0] / "b.mp4",
-                       root / "brightness" / WNIDS[1] / "c.mp4", root / "brightness" / WNIDS[2] / "short.mp4"],
-        "gaussian_noise": [root / "gaussian_noise" / WNIDS[0] / "a.mp4", root / "gaussian_noise" / WNIDS[1] / "b.mp4",
-                           root / "gaussian_noise" / WNIDS[1] / "frames"],
+        "brightness": [
+            root / "brightness" / WNIDS[0] / "a.mp4",
+            root / "brightness" / WNIDS[0] / "b.mp4",
+            root / "brightness" / WNIDS[1] / "c.mp4",
+            root / "brightness" / WNIDS[2] / "short.mp4",
+        ],
+        "gaussian_noise": [
+            root / "gaussian_noise" / WNIDS[0] / "a.mp4",
+            root / "gaussian_noise" / WNIDS[1] / "b.mp4",
+            root / "gaussian_noise" / WNIDS[1] / "frames",
+        ],
         "speckle_noise": [root / "speckle_noise" / WNIDS[2] / "a.mp4", root / "speckle_noise" / WNIDS[2] / "b.mp4"],
     }
     for p, (perturbation, paths) in enumerate(sequences.items()):
@@ -250,15 +261,28 @@ class FakeWandb(WandbLogger):
 
 def fake_trainer(run_dir: Path, world_size: int = 1, rank: int = 0, loggers=()) -> SimpleNamespace:
     return SimpleNamespace(
-        world_size=world_size, global_rank=rank, is_global_zero=rank == 0, log_dir=str(run_dir),
-        default_root_dir=None, loggers=list(loggers), global_step=0, ckpt_path=None, datamodule=None,
-        precision_plugin=SimpleNamespace(test_step_context=nullcontext))
+        world_size=world_size,
+        global_rank=rank,
+        is_global_zero=rank == 0,
+        log_dir=str(run_dir),
+        default_root_dir=None,
+        loggers=list(loggers),
+        global_step=0,
+        ckpt_path=None,
+        datamodule=None,
+        precision_plugin=SimpleNamespace(test_step_context=nullcontext),
+    )
 
 
 def run_callback(root: Path, run_dir: Path, model: torch.nn.Module, loggers=(), **kwargs) -> dict:
     kwargs = {"plot": False, **kwargs}
-    callback = ImageNetP(root=str(root), perturbations=["gaussian_noise", "brightness", "speckle_noise"],
-                         batch_size=2, num_workers=0, **kwargs)
+    callback = ImageNetP(
+        root=str(root),
+        perturbations=["gaussian_noise", "brightness", "speckle_noise"],
+        batch_size=2,
+        num_workers=0,
+        **kwargs,
+    )
     trainer = fake_trainer(run_dir, loggers=loggers)
     callback.on_test_start(trainer, model)
     callback.on_test_end(trainer, model)
@@ -332,8 +356,10 @@ def test_callback_matches_an_independent_computation_and_skips_a_corrupt_video(t
     assert len(brightness["corrupt_files"]) == 1 and str(broken) in brightness["corrupt_files"][0]
     assert section["corrupt_files"] == brightness["corrupt_files"]
     assert brightness["num_frames"] == {"min": 4, "max": 6}
-    assert section["unusual_length"] == [f"{sequences['gaussian_noise'][2]} (12 frames, most have 6)",
-                                         f"{sequences['brightness'][3]} (4 frames, most have 6)"]
+    assert section["unusual_length"] == [
+        f"{sequences['gaussian_noise'][2]} (12 frames, most have 6)",
+        f"{sequences['brightness'][3]} (4 frames, most have 6)",
+    ]
     assert section["perturbations"]["gaussian_noise"]["num_frames"] == {"min": 6, "max": 12}
     assert section["num_sequences"] == 9
     assert "mfr" not in section and section["mfr_partial"]["perturbations"] == ["gaussian_noise", "brightness"]
@@ -346,8 +372,9 @@ def test_callback_matches_an_independent_computation_and_skips_a_corrupt_video(t
 def test_frames_are_resized_only_for_another_model_resolution_and_wandb_gets_the_plot(tmp_path):
     imagenet_p_tree(tmp_path / "p")
     model, wandb = PoolModel(image_size=24), FakeWandb()
-    section = run_callback(tmp_path / "p", tmp_path / "run", model, loggers=[wandb], plot=True,
-                           max_videos_per_perturbation=1)
+    section = run_callback(
+        tmp_path / "p", tmp_path / "run", model, loggers=[wandb], plot=True, max_videos_per_perturbation=1
+    )
     assert {shape[1:] for shape in model.shapes} == {(3, 24, 24)}
     assert section["preprocessing"] == "resize 32 x 32 to 24 x 24 (bicubic)"
     assert section["conditions"]["image_size"] == 24 and section["conditions"]["frame_sizes"] == [[32, 32]]
@@ -381,8 +408,13 @@ def test_ddp_splits_sequences_over_ranks_and_gathers_each_once(tmp_path, monkeyp
     def rank(r: int) -> None:
         local.rank = r
         try:
-            callback = ImageNetP(root=str(tmp_path / "p"), batch_size=2, num_workers=0, plot=False,
-                                 perturbations=["gaussian_noise", "brightness", "speckle_noise"])
+            callback = ImageNetP(
+                root=str(tmp_path / "p"),
+                batch_size=2,
+                num_workers=0,
+                plot=False,
+                perturbations=["gaussian_noise", "brightness", "speckle_noise"],
+            )
             trainer = fake_trainer(tmp_path / "ddp", world_size=2, rank=r)
             callback.on_test_start(trainer, models[r])
             callback.on_test_end(trainer, models[r])
@@ -431,13 +463,15 @@ def cli_config(tmp_path: Path, root: Path) -> Path:
     """configs/eval/imagenet_p.yaml pointed at the tiny replicas, on the CPU."""
     make_image_tree(tmp_path / "imagenet" / "val", {WNIDS[0]: 2, WNIDS[1]: 1})
     config = yaml.safe_load((REPO / "configs" / "eval" / "imagenet_p.yaml").read_text())
-    config["trainer"].update(accelerator="cpu", devices=1, enable_progress_bar=False,
-                             default_root_dir=str(tmp_path / "runs"))
+    config["trainer"].update(
+        accelerator="cpu", devices=1, enable_progress_bar=False, default_root_dir=str(tmp_path / "runs")
+    )
     config["trainer"]["logger"]["init_args"].update(save_dir=str(tmp_path / "runs"), name="p")
     [callback] = config["trainer"]["callbacks"]
     assert callback["class_path"] == "robust_lightning.evaluation.imagenet_p.ImageNetP"
-    callback["init_args"].update(root=str(root), perturbations=["gaussian_noise", "brightness"], batch_size=3,
-                                 num_workers=0)
+    callback["init_args"].update(
+        root=str(root), perturbations=["gaussian_noise", "brightness"], batch_size=3, num_workers=0
+    )
     config["model"] = {"arch": "test_resnet"}
     config["data"].update(root=str(tmp_path / "imagenet"), image_size=SIZE, eval_batch_size=4, num_workers=0)
     path = tmp_path / "p.yaml"
@@ -449,8 +483,10 @@ def test_cli_run_with_the_eval_config_writes_the_imagenet_p_section(tmp_path, ch
     from robust_lightning.cli import main
 
     imagenet_p_tree(tmp_path / "imagenet-p")
-    assert main(["test", "--config", str(cli_config(tmp_path, tmp_path / "imagenet-p")),
-                 "--ckpt_path", str(checkpoint)]) == 0
+    assert (
+        main(["test", "--config", str(cli_config(tmp_path, tmp_path / "imagenet-p")), "--ckpt_path", str(checkpoint)])
+        == 0
+    )
     results_file = next((tmp_path / "runs" / "p").glob("version_*/results.json"))
     results = json.loads(results_file.read_text())
     section = results["imagenet_p"]
@@ -462,8 +498,12 @@ def test_cli_run_with_the_eval_config_writes_the_imagenet_p_section(tmp_path, ch
     plot = results_file.parent / "imagenet_p.png"
     assert section["plot"] == str(plot.resolve()) and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     logged = (results_file.parent / "metrics.csv").read_text().splitlines()[0].split(",")
-    assert {"imagenet_p/mfr_partial", "imagenet_p/mt5d_partial", "imagenet_p/brightness/fr",
-            "imagenet_p/gaussian_noise/t5d"} <= set(logged)
+    assert {
+        "imagenet_p/mfr_partial",
+        "imagenet_p/mt5d_partial",
+        "imagenet_p/brightness/fr",
+        "imagenet_p/gaussian_noise/t5d",
+    } <= set(logged)
 
 
 def test_cli_fails_at_test_start_on_a_bad_root(tmp_path, checkpoint, capsys):

@@ -49,23 +49,40 @@ def test_a_listed_image_absent_from_the_shards_stops_validation_with_the_counts(
     listed = []
     for shard in sorted((tmp_path / "synthetic" / "val").glob("*.tar")):
         with tarfile.open(shard) as tar:
-            listed += [f"{tar.extractfile(m).read().decode()}/{Path(m.name).stem}.JPEG"
-                       for m in tar.getmembers() if m.name.endswith(".wnid")]
+            listed += [
+                f"{tar.extractfile(m).read().decode()}/{Path(m.name).stem}.JPEG"
+                for m in tar.getmembers()
+                if m.name.endswith(".wnid")
+            ]
     assert len(listed) == VAL_IMAGES
     subset = tmp_path / "subset.txt"
     subset.write_text("\n".join([*listed, f"{listed[0].split('/')[0]}/not_in_any_shard.JPEG"]))
     assert main(["validate", "--config", str(config), "--data.eval_subset", str(subset)]) == 2
     message = _error_line(capsys.readouterr().err)
-    assert (f"read {VAL_IMAGES} of the {VAL_IMAGES + 1} evaluation images (1 missing, 0 of those read undecodable)"
-            in message)
+    assert (
+        f"read {VAL_IMAGES} of the {VAL_IMAGES + 1} evaluation images (1 missing, 0 of those read undecodable)"
+        in message
+    )
 
 
 def test_warn_mode_evaluates_what_is_there_and_records_the_counts(truncated, tmp_path):
     config, _ = truncated
     out = tmp_path / "warned"
     with pytest.warns(UserWarning, match="evaluation images"):
-        assert main(["validate", "--config", str(config), "--data.on_missing_images", "warn",
-                     "--trainer.logger.init_args.save_dir", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "validate",
+                    "--config",
+                    str(config),
+                    "--data.on_missing_images",
+                    "warn",
+                    "--trainer.logger.init_args.save_dir",
+                    str(out),
+                ]
+            )
+            == 0
+        )
     results = json.loads(next(out.glob("tiny/version_*/results.json")).read_text())["validate"]
     counts, metrics = results["eval_image_counts"]["val"], results["metrics"]
     # independent count: the images the loop evaluated (val/num_images) plus those it could not decode

@@ -15,9 +15,15 @@ from robust_lightning.models.classifier import build_classifier
 from robust_lightning.models.replknet import ConvFFN, ReparamLargeKernelConv, RepLKBlock, reparameterize
 
 NEW_MODELS = [
-    "replknet_31b", "replknet_31l", "replknet_test",
-    "convnext_tiny_lk", "convnext_small_lk", "convnext_base_lk", "convnext_lk_test",
-    "alternet_50", "alternet_test",
+    "replknet_31b",
+    "replknet_31l",
+    "replknet_test",
+    "convnext_tiny_lk",
+    "convnext_small_lk",
+    "convnext_base_lk",
+    "convnext_lk_test",
+    "alternet_50",
+    "alternet_test",
 ]
 
 
@@ -113,12 +119,26 @@ def test_replknet_keys_match_reference_checkpoints():
     keys = set(timm.create_model("replknet_test", device="meta").state_dict())
     block, ffn = "stages.0.blocks.0.", "stages.0.blocks.1."
     expected = [
-        "stem.0.conv.weight", "stem.0.bn.running_var", "stem.3.bn.weight",
-        block + "prelkb_bn.weight", block + "pw1.conv.weight", block + "pw1.bn.weight", block + "pw2.conv.weight",
-        block + "large_kernel.lkb_origin.conv.weight", block + "large_kernel.lkb_origin.bn.running_mean",
-        block + "large_kernel.small_conv.conv.weight", block + "large_kernel.small_conv.bn.bias",
-        ffn + "preffn_bn.weight", ffn + "pw1.conv.weight", ffn + "pw1.bn.weight", ffn + "pw2.conv.weight",
-        "transitions.0.0.conv.weight", "transitions.0.1.bn.weight", "norm.weight", "head.weight", "head.bias",
+        "stem.0.conv.weight",
+        "stem.0.bn.running_var",
+        "stem.3.bn.weight",
+        block + "prelkb_bn.weight",
+        block + "pw1.conv.weight",
+        block + "pw1.bn.weight",
+        block + "pw2.conv.weight",
+        block + "large_kernel.lkb_origin.conv.weight",
+        block + "large_kernel.lkb_origin.bn.running_mean",
+        block + "large_kernel.small_conv.conv.weight",
+        block + "large_kernel.small_conv.bn.bias",
+        ffn + "preffn_bn.weight",
+        ffn + "pw1.conv.weight",
+        ffn + "pw1.bn.weight",
+        ffn + "pw2.conv.weight",
+        "transitions.0.0.conv.weight",
+        "transitions.0.1.bn.weight",
+        "norm.weight",
+        "head.weight",
+        "head.bias",
     ]
     assert set(expected) <= keys
     merged = set(timm.create_model("replknet_test", small_kernel_merged=True, device="meta").state_dict())
@@ -255,6 +275,7 @@ def test_alternet_50_structure():
 
 def alternet_50_expected_params(num_classes=1000) -> int:
     """Parameter count of AlterNet-50 from the layer shapes of the reference (conv weights, BN affine, biases)."""
+
     def bottleneck(cin, w, proj):
         return 2 * cin + cin * w + 2 * w + 9 * w * w + 2 * w + w * 4 * w + (cin * 4 * w if proj else 0)
 
@@ -329,8 +350,12 @@ def test_window_attention_padding_and_position_bias():
 # Dosovitskiy et al. 2021, Table 1: ViT-Base 86M, ViT-Large 307M (the patch size changes only the patch embedding).
 @pytest.mark.parametrize(
     "name, millions",
-    [("vit_base_patch16_224", 86), ("vit_base_patch32_224", 86), ("vit_large_patch16_224", 307),
-     ("vit_large_patch32_224", 307)],
+    [
+        ("vit_base_patch16_224", 86),
+        ("vit_base_patch32_224", 86),
+        ("vit_large_patch16_224", 307),
+        ("vit_large_patch32_224", 307),
+    ],
 )
 def test_vit_parameter_counts(name, millions):
     count = n_params(meta_model(name, num_classes=1000))

@@ -53,7 +53,7 @@ def check_stem_layers(stem: nn.Module, convs, final_1x1=None):
     expected_len = 3 * len(convs) + (1 if final_1x1 else 0)
     assert len(layers) == expected_len
     for i, (cin, cout, stride) in enumerate(convs):
-        conv, norm, act = layers[3 * i: 3 * i + 3]
+        conv, norm, act = layers[3 * i : 3 * i + 3]
         assert isinstance(conv, nn.Conv2d)
         assert (conv.in_channels, conv.out_channels) == (cin, cout)
         assert conv.kernel_size == (3, 3) and conv.stride == (stride, stride) and conv.padding == (1, 1)
@@ -271,14 +271,28 @@ def _gmacs(name: str) -> float:
 
 # Singh et al. App. B: each registered stem and the FLOPs (G) its table gives, beside the PatchStem model's
 STEM_TABLES = {
-    "Table 7": ("convnext_tiny", 4.49, {"convnext_tiny_stem_c7s4": 4.50, "convnext_tiny_stem_c7s4_c3s1": 4.63,
-                                        "convnext_tiny_stem_c7s2_c3s2": 4.66, "convnext_tiny_stem_c5s2_c3s2": 4.62,
-                                        "convnext_tiny_convstem": 4.59}),
-    "Table 9": ("vit_small_patch16_224", 4.61, {"vit_small_patch16_224_convstem": 4.99,
-                                                "vit_small_patch16_224_stem_c2": 4.71,
-                                                "vit_small_patch16_224_stem_c3": 4.78,
-                                                "vit_small_patch16_224_stem_c4": 4.84,
-                                                "vit_small_patch16_224_stem_c5": 4.81}),
+    "Table 7": (
+        "convnext_tiny",
+        4.49,
+        {
+            "convnext_tiny_stem_c7s4": 4.50,
+            "convnext_tiny_stem_c7s4_c3s1": 4.63,
+            "convnext_tiny_stem_c7s2_c3s2": 4.66,
+            "convnext_tiny_stem_c5s2_c3s2": 4.62,
+            "convnext_tiny_convstem": 4.59,
+        },
+    ),
+    "Table 9": (
+        "vit_small_patch16_224",
+        4.61,
+        {
+            "vit_small_patch16_224_convstem": 4.99,
+            "vit_small_patch16_224_stem_c2": 4.71,
+            "vit_small_patch16_224_stem_c3": 4.78,
+            "vit_small_patch16_224_stem_c4": 4.84,
+            "vit_small_patch16_224_stem_c5": 4.81,
+        },
+    ),
 }
 
 

@@ -43,12 +43,21 @@ def test_files_follow_the_umask(tmp_path, umask_and_mode):
     atomic_write_text(tmp_path / "note.txt", "text")
     outcomes = tmp_path / "outcomes"
     claim_directory(outcomes, {"n_iter": 5}, True, "AutoAttackEvaluation")
-    append_record(outcomes / "rank0.jsonl", {"key": ["a"], "label": [0], "clean": [True], "robust": [True],
-                                             "broken_by": [None], "seconds": {}})
+    append_record(
+        outcomes / "rank0.jsonl",
+        {"key": ["a"], "label": [0], "clean": [True], "robust": [True], "broken_by": [None], "seconds": {}},
+    )
 
-    written = [tmp_path / "timm-folder" / "model.safetensors", tmp_path / "timm-folder" / "config.json",
-               tmp_path / "weights.safetensors", tmp_path / "ckpts" / "last.ckpt", tmp_path / "results.json",
-               tmp_path / "note.txt", outcomes / "manifest.json", outcomes / "rank0.jsonl"]
+    written = [
+        tmp_path / "timm-folder" / "model.safetensors",
+        tmp_path / "timm-folder" / "config.json",
+        tmp_path / "weights.safetensors",
+        tmp_path / "ckpts" / "last.ckpt",
+        tmp_path / "results.json",
+        tmp_path / "note.txt",
+        outcomes / "manifest.json",
+        outcomes / "rank0.jsonl",
+    ]
     assert {path.name: oct(mode_of(path)) for path in written} == {path.name: oct(mode) for path in written}
 
 

@@ -41,16 +41,25 @@ def test_an_interrupted_write_leaves_the_previous_file_whole(tmp_path, monkeypat
 def _fit(config: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "robust_lightning", "fit", "--config", str(config), *extra],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
 def test_kill_9_mid_epoch_then_ckpt_path_last_resumes_the_same_run(tmp_path):
     config = tiny_config(
-        tmp_path, tmp_path / "synthetic", **{
-            "trainer.max_epochs": 3, "trainer.limit_train_batches": STEPS_PER_EPOCH, "data.batch_size": 4,
-            "data.synthetic.train_per_class": STEPS_PER_EPOCH, "model.ema_decay": 0.9,
-        })
+        tmp_path,
+        tmp_path / "synthetic",
+        **{
+            "trainer.max_epochs": 3,
+            "trainer.limit_train_batches": STEPS_PER_EPOCH,
+            "data.batch_size": 4,
+            "data.synthetic.train_per_class": STEPS_PER_EPOCH,
+            "model.ema_decay": 0.9,
+        },
+    )
     run = tmp_path / "runs" / "tiny" / "version_0"
     last = run / "checkpoints" / "last.ckpt"
     process = _fit(config)
@@ -88,17 +97,33 @@ def test_sigterm_stops_a_fit_with_a_checkpoint_a_message_and_a_failing_status(tm
     resume and exits 143, not 0. The resume command it prints then finishes the run."""
     record = tmp_path / "batches.jsonl"
     pace = {"class_path": "slurm_cluster.Pace", "init_args": {"record": str(record), "seconds": 0.3}}
-    config = tiny_config(tmp_path, tmp_path / "synthetic", **{
-        "trainer.max_epochs": 2, "trainer.limit_train_batches": STEPS_PER_EPOCH, "trainer.callbacks": [pace],
-        "trainer.devices": devices, "trainer.strategy": "ddp" if devices > 1 else "auto",
-        "data.batch_size": 2, "data.synthetic.train_per_class": STEPS_PER_EPOCH,
-        # a user's defaults, which tiny_config turns off: the progress bar (here its line-per-N-steps form, as in a
-        # SLURM log) and loader workers, whose processes get the signal too
-        "trainer.enable_progress_bar": True, "data.num_workers": 1})
+    config = tiny_config(
+        tmp_path,
+        tmp_path / "synthetic",
+        **{
+            "trainer.max_epochs": 2,
+            "trainer.limit_train_batches": STEPS_PER_EPOCH,
+            "trainer.callbacks": [pace],
+            "trainer.devices": devices,
+            "trainer.strategy": "ddp" if devices > 1 else "auto",
+            "data.batch_size": 2,
+            "data.synthetic.train_per_class": STEPS_PER_EPOCH,
+            # a user's defaults, which tiny_config turns off: the progress bar (here its line-per-N-steps form, as in a
+            # SLURM log) and loader workers, whose processes get the signal too
+            "trainer.enable_progress_bar": True,
+            "data.num_workers": 1,
+        },
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
-    process = subprocess.Popen([sys.executable, "-m", "robust_lightning", "fit", "--config", str(config)],
-                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True, env=env)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "robust_lightning", "fit", "--config", str(config)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=env,
+    )
     try:
         deadline = time.time() + 240
         while (not record.exists() or len(record.read_text().splitlines()) < 3) and time.time() < deadline:
@@ -121,9 +146,14 @@ def test_sigterm_stops_a_fit_with_a_checkpoint_a_message_and_a_failing_status(tm
 
     if devices > 1:  # a DDP fit's resume is tested in test_ddp_commands.py
         return
-    resumed = subprocess.run([sys.executable, "-m", "robust_lightning", "fit", "--config", str(config),
-                              "--ckpt_path", "last"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                             env=env)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "robust_lightning", "fit", "--config", str(config), "--ckpt_path", "last"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     fit = json.loads((run / "results.json").read_text())["fit"]
     assert fit["epochs"] == 2 and "interrupted" not in fit
@@ -135,22 +165,47 @@ def test_the_slurm_requeue_signal_mid_step_checkpoints_at_the_end_of_that_step(t
     train again), scontrol is asked to requeue the job once, and the fit resumed from the checkpoint trains each
     remaining step exactly once."""
     record = tmp_path / "batches.jsonl"
-    callbacks = [{"class_path": "slurm_cluster.Pace", "init_args": {"record": str(record), "seconds": 0}},
-                 {"class_path": "slurm_cluster.SignalMidStep", "init_args": {"step": 3}}]
-    config = tiny_config(tmp_path, tmp_path / "synthetic", **{
-        "trainer.max_epochs": 1, "trainer.limit_train_batches": 6, "trainer.callbacks": callbacks,
-        "data.batch_size": 2, "data.synthetic.train_per_class": 6, "model.ema_decay": 0.9})
+    callbacks = [
+        {"class_path": "slurm_cluster.Pace", "init_args": {"record": str(record), "seconds": 0}},
+        {"class_path": "slurm_cluster.SignalMidStep", "init_args": {"step": 3}},
+    ]
+    config = tiny_config(
+        tmp_path,
+        tmp_path / "synthetic",
+        **{
+            "trainer.max_epochs": 1,
+            "trainer.limit_train_batches": 6,
+            "trainer.callbacks": callbacks,
+            "data.batch_size": 2,
+            "data.synthetic.train_per_class": 6,
+            "model.ema_decay": 0.9,
+        },
+    )
     scontrol = tmp_path / "bin" / "scontrol"  # records the requeue instead of asking a cluster
     scontrol.parent.mkdir()
     scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
     scontrol.chmod(0o755)
-    env = {**os.environ, "PATH": f"{scontrol.parent}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
-           # what SLURM sets in a one-task batch job; Lightning then enables its auto-requeue
-           "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "requeue-test", "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
-           "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost"}
-    first = subprocess.run([sys.executable, "-m", "robust_lightning", "fit", "--config", str(config)],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    env = {
+        **os.environ,
+        "PATH": f"{scontrol.parent}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+        # what SLURM sets in a one-task batch job; Lightning then enables its auto-requeue
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "requeue-test",
+        "SLURM_NTASKS": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_NODELIST": "localhost",
+    }
+    first = subprocess.run(
+        [sys.executable, "-m", "robust_lightning", "fit", "--config", str(config)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
     hpc = tmp_path / "runs" / "hpc_ckpt_1.ckpt"  # in trainer.default_root_dir (the templates': RUN_DIR)
@@ -161,8 +216,24 @@ def test_the_slurm_requeue_signal_mid_step_checkpoints_at_the_end_of_that_step(t
 
     record.unlink()
     env.pop("SLURM_JOB_ID")  # the resumed fit is not requeued again
-    resumed = subprocess.run([sys.executable, "-m", "robust_lightning", "fit", "--config", str(config),
-                              "--ckpt_path", str(hpc), "--trainer.callbacks", json.dumps(callbacks[:1])],
-                             cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    resumed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "robust_lightning",
+            "fit",
+            "--config",
+            str(config),
+            "--ckpt_path",
+            str(hpc),
+            "--trainer.callbacks",
+            json.dumps(callbacks[:1]),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [json.loads(line)["step"] for line in record.read_text().splitlines()] == [4, 5, 6]

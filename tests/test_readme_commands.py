@@ -43,10 +43,10 @@ MAKEFILE = REPO / "Makefile"
 # Programs other than robust-lightning that README code blocks may run, why, and what is checked of them.
 OTHER_COMMANDS = {
     "make": "the set-up targets of the Makefile: the target must exist; the robust-lightning commands of its "
-            "recipe are checked like README commands",
+    "recipe are checked like README commands",
     "source": "activates the virtual environment that `make env` creates: the path must be in the Makefile's VENV",
-    "sbatch": "submits a slurm/ template that runs `python -m robust_lightning COMMAND --config \"$VAR\" \"$@\"`: "
-              "the template must exist, and that command with the arguments after the template is checked",
+    "sbatch": 'submits a slurm/ template that runs `python -m robust_lightning COMMAND --config "$VAR" "$@"`: '
+    "the template must exist, and that command with the arguments after the template is checked",
     "pip": "installs packages: nothing of this project to parse",
     "git": "fetches the repository: nothing of this project to parse",
     "cd": "changes into the repository: nothing to parse",
@@ -65,8 +65,21 @@ PLACEHOLDERS = {
 }
 # Model files a user supplies (README: the recipes warm-start from local copies of clean ImageNet weights).
 USER_SUPPLIED_PREFIXES = ("weights/",)
-PATH_SUFFIXES = {".yaml", ".yml", ".ckpt", ".safetensors", ".pt", ".pth", ".txt", ".json", ".jsonl", ".tar",
-                 ".csv", ".md", ".sbatch"}
+PATH_SUFFIXES = {
+    ".yaml",
+    ".yml",
+    ".ckpt",
+    ".safetensors",
+    ".pt",
+    ".pth",
+    ".txt",
+    ".json",
+    ".jsonl",
+    ".tar",
+    ".csv",
+    ".md",
+    ".sbatch",
+}
 SHELL_OPERATORS = {"|", "||", "&&", ";", "<", ">>", "&", "2>"}
 
 
@@ -79,11 +92,11 @@ class Command:
 
     @property
     def env(self) -> dict[str, str]:
-        return dict(w.split("=", 1) for w in self.words[:self._program_index])
+        return dict(w.split("=", 1) for w in self.words[: self._program_index])
 
     @property
     def program(self) -> tuple[str, ...]:
-        return self.words[self._program_index:]
+        return self.words[self._program_index :]
 
     @property
     def _program_index(self) -> int:
@@ -108,7 +121,7 @@ def code_blocks() -> list[tuple[str, str, int, list[str]]]:
             if fence and start is None:
                 language, start = fence.group(1), number + 1
             elif fence:
-                blocks.append((name, language, start, lines[start - 1:number - 1]))
+                blocks.append((name, language, start, lines[start - 1 : number - 1]))
                 start = None
     return blocks
 
@@ -144,7 +157,7 @@ def readme_commands() -> list[Command]:
                 stdout_to = None
                 if ">" in words:
                     index = words.index(">")
-                    stdout_to, words = words[index + 1], words[:index] + words[index + 2:]
+                    stdout_to, words = words[index + 1], words[:index] + words[index + 2 :]
                 shown = shlex.join(words) + (f" > {stdout_to}" if stdout_to else "")
                 previous = Command(f"{document}:{first}", shown, tuple(words), stdout_to)
                 commands.append(previous)
@@ -158,7 +171,7 @@ def make_recipe(target: str) -> list[tuple[int, str]] | None:
     for index, line in enumerate(lines):
         if re.match(rf"{re.escape(target)}\s*:(?!=)", line):
             recipe = []
-            for number, body in enumerate(lines[index + 1:], index + 2):
+            for number, body in enumerate(lines[index + 1 :], index + 2):
                 if not body.startswith("\t"):
                     break
                 recipe.append((number, body.strip()))
@@ -188,8 +201,9 @@ def path_like(word: str) -> bool:
     if re.fullmatch(r"[A-Z][A-Z_]{2,}[A-Z0-9_]*", word) or Path(word).suffix in PATH_SUFFIXES:
         return True
     first = word.split("/")[0]
-    return "/" in word and (word.startswith(("/", "./", "../")) or first in ("runs", "weights")
-                            or (REPO / first).exists())
+    return "/" in word and (
+        word.startswith(("/", "./", "../")) or first in ("runs", "weights") or (REPO / first).exists()
+    )
 
 
 def value_words(words: list[str] | tuple[str, ...]) -> list[str]:
@@ -251,13 +265,13 @@ class Sandbox:
             return f"{name}={self.resolve(value)}"
         for placeholder, path in self.substitutes.items():
             if word == placeholder or (placeholder.startswith("/") and word.startswith(placeholder + "/")):
-                return str(path) + word[len(placeholder):]
+                return str(path) + word[len(placeholder) :]
         return word
 
     def unresolve(self, path: str) -> str:
         for placeholder, substitute in self.substitutes.items():
             if path == str(substitute) or path.startswith(f"{substitute}/"):
-                return placeholder + path[len(str(substitute)):]
+                return placeholder + path[len(str(substitute)) :]
         return path
 
     def is_substitute(self, path: str) -> bool:
@@ -299,11 +313,11 @@ def sbatch_args(command: Command, sandbox: Sandbox) -> tuple[list[str], dict[str
     """The robust-lightning arguments (placeholders replaced) that an sbatch template runs for this command."""
     words = [sandbox.resolve(w) for w in command.program[1:]]
     index = next(i for i, w in enumerate(words) if not w.startswith("-"))  # sbatch options are --name=value
-    script, forwarded = words[index], words[index + 1:]
+    script, forwarded = words[index], words[index + 1 :]
     assert (REPO / script).is_file(), f"{command.text}: no template {script}"
     text = (REPO / script).read_text()
     call = re.search(r'-m robust_lightning (\w+) --config "\$(\w+)" "\$@"', text)
-    assert call, f"{script} does not run `python -m robust_lightning COMMAND --config \"$VAR\" \"$@\"`"
+    assert call, f'{script} does not run `python -m robust_lightning COMMAND --config "$VAR" "$@"`'
     env = {name: sandbox.resolve(value) for name, value in command.env.items()}
     assert call.group(2) in env, f"{command.text}: {script} needs {call.group(2)}=CONFIG"
     args = [call.group(1), "--config", env[call.group(2)], *forwarded]
@@ -366,9 +380,11 @@ def check_paths(shown: str, words, sandbox: Sandbox, written: set[str], outputs:
             continue  # a file of the repository (configs/, slurm/, ...)
         if os.path.normpath(word) in outputs or os.path.normpath(word) in written:
             continue
-        pytest.fail(f"{shown}\n{word!r} is not a file of the repository, a placeholder of PLACEHOLDERS "
-                    f"({', '.join(PLACEHOLDERS)}), an output of this command, nor a path that a README command "
-                    f"writes ({', '.join(sorted(written))}): fix the README or add the placeholder to this test")
+        pytest.fail(
+            f"{shown}\n{word!r} is not a file of the repository, a placeholder of PLACEHOLDERS "
+            f"({', '.join(PLACEHOLDERS)}), an output of this command, nor a path that a README command "
+            f"writes ({', '.join(sorted(written))}): fix the README or add the placeholder to this test"
+        )
 
 
 def check_written(shown: str, what: str, path, sandbox: Sandbox, written: set[str]) -> None:
@@ -376,12 +392,14 @@ def check_written(shown: str, what: str, path, sandbox: Sandbox, written: set[st
     if path is None or str(path) in LIGHTNING_CKPT_NAMES or sandbox.is_substitute(str(path)):
         return
     if os.path.normpath(str(path)) not in written:
-        pytest.fail(f"{shown}\n{what} {path} is written by no README command "
-                    f"(they write: {', '.join(sorted(written))})")
+        pytest.fail(
+            f"{shown}\n{what} {path} is written by no README command (they write: {', '.join(sorted(written))})"
+        )
 
 
-def check_trainer_command(shown: str, args: list[str], env: dict[str, str], sandbox: Sandbox,
-                          written: set[str]) -> dict:
+def check_trainer_command(
+    shown: str, args: list[str], env: dict[str, str], sandbox: Sandbox, written: set[str]
+) -> dict:
     config = sandbox.printed_config(args, env, shown)
     check_written(shown, "ckpt_path", config.get("ckpt_path"), sandbox, written)
     init_from = config["model"].get("init_from")
@@ -396,14 +414,15 @@ def check_trainer_command(shown: str, args: list[str], env: dict[str, str], sand
         prefix = f"RL_{args[0].upper()}__"
         assert name.startswith(prefix), f"{shown}\n{name}: not an environment variable of `{args[0]}` ({prefix}...)"
         node = config
-        for key in name[len(prefix):].lower().split("__"):
+        for key in name[len(prefix) :].lower().split("__"):
             node = node[key]
         assert node == yaml.safe_load(value), f"{shown}\n{name}={value} did not reach the config ({node!r})"
     return config
 
 
-def check_robust_lightning(command: Command, args: list[str], env: dict[str, str], sandbox: Sandbox,
-                           written: set[str]) -> None:
+def check_robust_lightning(
+    command: Command, args: list[str], env: dict[str, str], sandbox: Sandbox, written: set[str]
+) -> None:
     shown = f"{command.where}: {command.text}"
     assert args and (args[0] in TRAINER_COMMANDS or args[0] in TOOL_COMMANDS), f"{shown}\nunknown command"
     run_redirect_writers(command, sandbox)
@@ -420,7 +439,8 @@ def check_robust_lightning(command: Command, args: list[str], env: dict[str, str
                 saved = yaml.safe_load((sandbox.work / command.words[index + 1]).read_text())
                 kept = {k: config[k] for k in saved if k not in named}
                 assert kept == {k: saved[k] for k in kept}, (
-                    f"{shown}\nthe options of {command.words[index + 1]} are lost")
+                    f"{shown}\nthe options of {command.words[index + 1]} are lost"
+                )
         if config.get("out"):  # a tool's output path (claim's has a default of its own)
             outputs.add(os.path.normpath(sandbox.unresolve(config["out"])))
         if command.stdout_to and "--print_config" in args:  # what the shell would write
@@ -453,7 +473,8 @@ def test_readme_command(command, sandbox, written):
     program = command.program[0]
     assert program in OTHER_COMMANDS, (
         f"{shown}\n{program} is neither robust-lightning nor one of the programs this test allows "
-        f"({', '.join(OTHER_COMMANDS)})")
+        f"({', '.join(OTHER_COMMANDS)})"
+    )
     if program == "make":
         for target in command.program[1:]:
             assert make_recipe(target) is not None, f"{shown}\nthe Makefile has no target {target!r}"
@@ -468,8 +489,13 @@ def test_readme_command(command, sandbox, written):
 
 def test_every_placeholder_is_used():
     """The substitution table lists only what the README uses, so it shows what the README's placeholders are."""
-    used = {p for p in PLACEHOLDERS for c in COMMANDS for w in value_words(c.words)
-            if w == p or (p.startswith("/") and w.startswith(p + "/"))}
+    used = {
+        p
+        for p in PLACEHOLDERS
+        for c in COMMANDS
+        for w in value_words(c.words)
+        if w == p or (p.startswith("/") and w.startswith(p + "/"))
+    }
     assert used == PLACEHOLDERS.keys()
 
 
@@ -477,9 +503,11 @@ def test_commands_are_found_and_only_in_shell_blocks():
     """Every shell block yields commands, and no other block hides one (it would go unchecked)."""
     for document, language, start, lines in code_blocks():
         if language in ("bash", "sh", "shell"):
-            assert any(c.where == f"{document}:{n}" for c in COMMANDS
-                       for n in range(start, start + len(lines))), f"{document}:{start}: no command found"
+            assert any(c.where == f"{document}:{n}" for c in COMMANDS for n in range(start, start + len(lines))), (
+                f"{document}:{start}: no command found"
+            )
         else:
             for number, line in enumerate(lines, start):
                 assert not re.match(r"\s*(robust-lightning|make|sbatch|python -m robust_lightning)\s", line), (
-                    f"{document}:{number}: a command in a ```{language} block; mark the block ```bash")
+                    f"{document}:{number}: a command in a ```{language} block; mark the block ```bash"
+                )

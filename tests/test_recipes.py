@@ -25,28 +25,70 @@ CLEAN = REPO / "configs" / "clean"
 TABLE2 = {
     "vit_small": ("vit_small_patch16_224", 300, 2, 1392, 20, 1, ("69.22", "44.04", "37.52", "15.12")),
     "convnext_iso_small": ("convnext_iso_small", 300, 2, 1392, 20, 1, ("69.04", "44.22", "36.64", "14.88")),
-    "convnext_iso_small_convstem": ("convnext_iso_small_convstem", 300, 2, 1392, 20, 1,
-        ("70.02", "45.90", "49.24", "27.84")),
+    "convnext_iso_small_convstem": (
+        "convnext_iso_small_convstem",
+        300,
+        2,
+        1392,
+        20,
+        1,
+        ("70.02", "45.90", "49.24", "27.84"),
+    ),
     "vit_small_convstem": ("vit_small_patch16_224_convstem", 300, 2, 1392, 20, 1, ("72.56", "48.08", "50.40", "26.68")),
     "convnext_tiny": ("convnext_tiny", 300, 2, 1392, 20, 1, ("72.40", "48.60", "38.02", "14.88")),
     "convnext_tiny_convstem": ("convnext_tiny_convstem", 300, 2, 1392, 20, 1, ("72.72", "49.46", "48.42", "24.52")),
-    "convnext_tiny_convstem_3step": ("convnext_tiny_convstem", 300, 3, 1392, 20, 1,
-        ("72.70", "50.16", "49.00", "24.16")),
+    "convnext_tiny_convstem_3step": (
+        "convnext_tiny_convstem",
+        300,
+        3,
+        1392,
+        20,
+        1,
+        ("72.70", "50.16", "49.00", "24.16"),
+    ),
     "vit_medium": ("deit3_medium_patch16_224", 50, 2, 1024, 10, 10, ("71.72", "47.24", "49.02", "29.20")),
-    "vit_medium_convstem": ("vit_medium_patch16_224_convstem", 50, 2, 1024, 10, 10,
-        ("72.40", "48.80", "50.56", "28.12")),
+    "vit_medium_convstem": (
+        "vit_medium_patch16_224_convstem",
+        50,
+        2,
+        1024,
+        10,
+        10,
+        ("72.40", "48.80", "50.56", "28.12"),
+    ),
     "convnext_small": ("convnext_small", 50, 2, 1024, 10, 10, ("74.10", "52.32", "43.84", "19.52")),
     "convnext_small_convstem": ("convnext_small_convstem", 50, 2, 1024, 10, 10, ("74.10", "52.42", "50.88", "25.64")),
     "vit_base": ("vit_base_patch16_224", 50, 2, 864, 10, 10, ("73.32", "50.02", "52.14", "33.12")),
     "vit_base_convstem": ("vit_base_patch16_224_convstem", 50, 2, 864, 10, 10, ("74.38", "52.58", "54.38", "31.20")),
     "convnext_base": ("convnext_base", 50, 2, 756, 10, 10, ("75.62", "54.34", "48.52", "23.70")),
     "convnext_base_convstem": ("convnext_base_convstem", 50, 2, 756, 10, 10, ("75.32", "54.38", "50.06", "24.76")),
-    "vit_base_convstem_250ep": ("vit_base_patch16_224_convstem", 250, 2, 864, 20, 10,
-        ("76.30", "54.66", "56.30", "32.06")),
-    "convnext_base_convstem_250ep": ("convnext_base_convstem", 250, 2, 756, 20, 10,
-        ("75.90", "56.14", "49.12", "23.34")),
-    "convnext_base_convstem_250ep_3step": ("convnext_base_convstem", 250, 3, 756, 20, 10,
-        ("75.18", "56.28", "49.40", "23.60")),
+    "vit_base_convstem_250ep": (
+        "vit_base_patch16_224_convstem",
+        250,
+        2,
+        864,
+        20,
+        10,
+        ("76.30", "54.66", "56.30", "32.06"),
+    ),
+    "convnext_base_convstem_250ep": (
+        "convnext_base_convstem",
+        250,
+        2,
+        756,
+        20,
+        10,
+        ("75.90", "56.14", "49.12", "23.34"),
+    ),
+    "convnext_base_convstem_250ep_3step": (
+        "convnext_base_convstem",
+        250,
+        3,
+        756,
+        20,
+        10,
+        ("75.18", "56.28", "49.40", "23.60"),
+    ),
 }
 # ConvStem clean pre-training (App. A, Table 10): config -> (arch, epochs; 100 small, 50 medium and large)
 CLEAN_TABLE10 = {
@@ -61,10 +103,18 @@ CLEAN_TABLE10 = {
 # Table 4 / App. A.5: fine-tune -> (architecture, the Table 2 recipe it starts from, batch, published numbers)
 FINETUNES = {
     "finetune_eps8": ("convnext_base_convstem", "convnext_base_convstem", 756, "clean 71.7, Linf 8/255 33.2"),
-    "finetune_eps8_vit_small_convstem": ("vit_small_patch16_224_convstem", "vit_small_convstem", 1392,
-                                         "clean 67.5, Linf 8/255 28.2"),
-    "finetune_eps8_convnext_tiny_convstem": ("convnext_tiny_convstem", "convnext_tiny_convstem", 1392,
-                                             "clean 68.6, Linf 8/255 29.6"),
+    "finetune_eps8_vit_small_convstem": (
+        "vit_small_patch16_224_convstem",
+        "vit_small_convstem",
+        1392,
+        "clean 67.5, Linf 8/255 28.2",
+    ),
+    "finetune_eps8_convnext_tiny_convstem": (
+        "convnext_tiny_convstem",
+        "convnext_tiny_convstem",
+        1392,
+        "clean 68.6, Linf 8/255 29.6",
+    ),
 }
 # App. D.6 (the first of its two "CIFAR-100" settings read as CIFAR-10): dataset -> (AT steps, peak lr, weight
 # decay, batch, resolution, stride-1 stem)
@@ -218,8 +268,10 @@ def lr_factors(module: ImageClassifier, max_epochs: int, steps_per_epoch: int = 
     return [scheduler.lr_lambdas[0](step) for step in range(max_epochs * steps_per_epoch)]
 
 
-@pytest.mark.parametrize("max_epochs,warmup_epochs,expected_warmup", [(300, None, 20), (50, None, 10), (250, None, 20),
-                                                                      (300, 5, 5), (50, 0.5, 0.5)])
+@pytest.mark.parametrize(
+    "max_epochs,warmup_epochs,expected_warmup",
+    [(300, None, 20), (50, None, 10), (250, None, 20), (300, 5, 5), (50, 0.5, 0.5)],
+)
 def test_warmup_follows_the_paper_unless_set(max_epochs, warmup_epochs, expected_warmup):
     module = ImageClassifier(arch="test_convnext", num_classes=4, lr=1e-3, min_lr=5e-6, warmup_epochs=warmup_epochs)
     total = max_epochs * 10
@@ -234,8 +286,9 @@ def decayed(arch: str, rule: str) -> tuple[set[str], set[str]]:
     module._trainer = SimpleNamespace(estimated_stepping_batches=10, max_epochs=1)
     optimizer = module.configure_optimizers()["optimizer"]
     names = {id(p): name for name, p in module.model.net.named_parameters()}
-    chosen = {names[id(p)] for group in optimizer.param_groups if group["weight_decay"] == 0.05
-              for p in group["params"]}
+    chosen = {
+        names[id(p)] for group in optimizer.param_groups if group["weight_decay"] == 0.05 for p in group["params"]
+    }
     assert all(group["weight_decay"] in (0.0, 0.05) for group in optimizer.param_groups)
     assert sum(len(group["params"]) for group in optimizer.param_groups) == len(names)
     return chosen, set(names.values())
@@ -249,13 +302,19 @@ def test_weight_decay_rules_on_convnext_tiny():
     timm_rule, names = decayed("convnext_tiny", "timm")
     official, _ = decayed("convnext_tiny", "official")
     # convolution and linear weights: stem conv, 3 downsampling convs, 18 blocks x (dw conv, fc1, fc2), head
-    weights = matching(r"(stem\.0|stages\.[123]\.downsample\.1|stages\.\d\.blocks\.\d+\.(conv_dw|mlp\.fc1|mlp\.fc2)"
-                       r"|head\.fc)\.weight", names)
+    weights = matching(
+        r"(stem\.0|stages\.[123]\.downsample\.1|stages\.\d\.blocks\.\d+\.(conv_dw|mlp\.fc1|mlp\.fc2)"
+        r"|head\.fc)\.weight",
+        names,
+    )
     assert len(weights) == 1 + 3 + 18 * 3 + 1
     assert timm_rule == weights
     # the official code spares only biases: LayerNorm weights (stem, downsampling, blocks, head) and gamma too
-    norms_and_scales = matching(r"(stem\.1|stages\.[123]\.downsample\.0|stages\.\d\.blocks\.\d+\.norm|head\.norm)"
-                                r"\.weight|stages\.\d\.blocks\.\d+\.gamma", names)
+    norms_and_scales = matching(
+        r"(stem\.1|stages\.[123]\.downsample\.0|stages\.\d\.blocks\.\d+\.norm|head\.norm)"
+        r"\.weight|stages\.\d\.blocks\.\d+\.gamma",
+        names,
+    )
     assert len(norms_and_scales) == 1 + 3 + 18 + 18 + 1
     assert official == weights | norms_and_scales
     assert official == {n for n in names if not n.endswith(".bias")}
@@ -264,8 +323,11 @@ def test_weight_decay_rules_on_convnext_tiny():
 def test_weight_decay_rules_on_vit_small():
     timm_rule, names = decayed("vit_small_patch16_224", "timm")
     official, _ = decayed("vit_small_patch16_224", "official")
-    weights = matching(r"patch_embed\.proj\.weight|blocks\.\d+\.(attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)\.weight"
-                       r"|head\.weight", names)
+    weights = matching(
+        r"patch_embed\.proj\.weight|blocks\.\d+\.(attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)\.weight"
+        r"|head\.weight",
+        names,
+    )
     assert len(weights) == 1 + 12 * 4 + 1
     assert timm_rule == weights
     # the official code decays the position embedding and the class token as well (not 1-D, not biases)
@@ -303,27 +365,36 @@ def test_the_docs_list_every_recipe_with_its_published_numbers(page):
 
 # Table 1's basic-augmentation rows (App. A.2): row -> recipe -> the published clean, Linf, L2, L1 accuracies
 TABLE1 = {
-    "random_basic": ('"random init., basic augment."', {
-        "convnext_tiny": ("64.0", "37.1", "28.9", "8.8"),
-        "convnext_tiny_convstem": ("64.2", "37.6", "40.2", "18.6"),
-        "convnext_iso_small": ("60.5", "31.7", "20.8", "4.0"),
-        "convnext_iso_small_convstem": ("62.1", "33.5", "40.0", "23.8"),
-        "vit_small": ("61.5", "31.8", "35.5", "15.1"),
-        "vit_small_convstem": ("62.8", "34.4", "39.2", "20.4")}),
-    "pretrained_basic": ('"+ strong clean pre-training"', {
-        "convnext_tiny": ("69.4", "41.6", "42.4", "18.9"),
-        "convnext_tiny_convstem": ("69.1", "42.2", "42.4", "19.7"),
-        "convnext_iso_small": ("68.0", "38.9", "38.3", "17.0"),
-        "convnext_iso_small_convstem": ("69.5", "41.8", "46.2", "26.9"),
-        "vit_small": ("66.8", "39.1", "34.5", "12.6"),
-        "vit_small_convstem": ("71.2", "44.3", "47.1", "23.2")}),
+    "random_basic": (
+        '"random init., basic augment."',
+        {
+            "convnext_tiny": ("64.0", "37.1", "28.9", "8.8"),
+            "convnext_tiny_convstem": ("64.2", "37.6", "40.2", "18.6"),
+            "convnext_iso_small": ("60.5", "31.7", "20.8", "4.0"),
+            "convnext_iso_small_convstem": ("62.1", "33.5", "40.0", "23.8"),
+            "vit_small": ("61.5", "31.8", "35.5", "15.1"),
+            "vit_small_convstem": ("62.8", "34.4", "39.2", "20.4"),
+        },
+    ),
+    "pretrained_basic": (
+        '"+ strong clean pre-training"',
+        {
+            "convnext_tiny": ("69.4", "41.6", "42.4", "18.9"),
+            "convnext_tiny_convstem": ("69.1", "42.2", "42.4", "19.7"),
+            "convnext_iso_small": ("68.0", "38.9", "38.3", "17.0"),
+            "convnext_iso_small_convstem": ("69.5", "41.8", "46.2", "26.9"),
+            "vit_small": ("66.8", "39.1", "34.5", "12.6"),
+            "vit_small_convstem": ("71.2", "44.3", "47.1", "23.2"),
+        },
+    ),
 }
 ABLATIONS = REPO / "configs" / "ablations"
 
 
 def test_every_ablation_config_is_a_table1_row():
-    assert {p.stem for p in ABLATIONS.glob("*.yaml")} == {f"table1_{name}_{row}" for row, (_, rows) in TABLE1.items()
-                                                           for name in rows}
+    assert {p.stem for p in ABLATIONS.glob("*.yaml")} == {
+        f"table1_{name}_{row}" for row, (_, rows) in TABLE1.items() for name in rows
+    }
 
 
 @pytest.mark.parametrize("row,name", [(row, name) for row, (_, rows) in TABLE1.items() for name in sorted(rows)])

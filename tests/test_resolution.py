@@ -46,8 +46,9 @@ def tree(tmp_path_factory) -> Path:
 
 
 def datamodule(tree: Path) -> ImageNetDataModule:
-    return ImageNetDataModule(source="folder", root=str(tree), class_map="folders", image_size=32, eval_batch_size=4,
-                              num_workers=0)
+    return ImageNetDataModule(
+        source="folder", root=str(tree), class_map="folders", image_size=32, eval_batch_size=4, num_workers=0
+    )
 
 
 def val_files(tree: Path) -> list[Path]:
@@ -89,14 +90,21 @@ def vit_checkpoint(tmp_path_factory) -> Path:
     return save_checkpoint(module, tmp_path_factory.mktemp("sweep-vit") / "vit.ckpt")
 
 
-def run_sweep(tmp_path: Path, tree: Path, checkpoint: Path, model: dict = TINY_CNN, **options
-              ) -> tuple[dict, ImageClassifier]:
+def run_sweep(
+    tmp_path: Path, tree: Path, checkpoint: Path, model: dict = TINY_CNN, **options
+) -> tuple[dict, ImageClassifier]:
     """``test`` with the sweep; returns the resolution_sweep section of results.json and the module after it."""
     options.setdefault("results_dir", str(tmp_path / "outcomes"))
     module = ImageClassifier(num_classes=3, image_size=32, **model)
-    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, default_root_dir=str(tmp_path / "run"),
-                      callbacks=[ResolutionSweep(**options)])
+    trainer = Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path / "run"),
+        callbacks=[ResolutionSweep(**options)],
+    )
     trainer.test(module, datamodule=datamodule(tree), ckpt_path=str(checkpoint), verbose=False, weights_only=True)
     return json.loads((tmp_path / "run" / "results.json").read_text())["resolution_sweep"], module
 
@@ -110,8 +118,10 @@ def load(checkpoint: Path, model: dict) -> ImageClassifier:
 # ------------------------------------------------------------------------------------------- input size
 def test_vit_position_embeddings_are_interpolated_on_a_copy():
     torch.manual_seed(0)
-    for model, patch in ((TINY_VIT, 8), (dict(arch="vit_small_patch16_224_convstem",
-                                               arch_kwargs=dict(depth=1, embed_dim=64, num_heads=2)), 16)):
+    for model, patch in (
+        (TINY_VIT, 8),
+        (dict(arch="vit_small_patch16_224_convstem", arch_kwargs=dict(depth=1, embed_dim=64, num_heads=2)), 16),
+    ):
         network = ImageClassifier(num_classes=3, image_size=32, **model).model.eval()
         before = {k: v.clone() for k, v in network.state_dict().items()}
         x = torch.rand(2, 3, 32, 32)
@@ -121,8 +131,9 @@ def test_vit_position_embeddings_are_interpolated_on_a_copy():
         grid = (r // patch, r // patch)
         assert resized is not network and resized.net.patch_embed.grid_size == grid
         assert resized.net.pos_embed.shape == (1, 1 + grid[0] * grid[1], network.net.embed_dim)
-        expected = resample_abs_pos_embed(network.net.pos_embed, new_size=grid, old_size=(32 // patch,) * 2,
-                                          num_prefix_tokens=1)
+        expected = resample_abs_pos_embed(
+            network.net.pos_embed, new_size=grid, old_size=(32 // patch,) * 2, num_prefix_tokens=1
+        )
         assert torch.equal(resized.net.pos_embed, expected)
         # the default is Singh et al.'s interpolation (tested against a direct bicubic below): not timm's
         singh = network_at(network, r)
@@ -204,8 +215,7 @@ def test_clean_accuracy_and_preprocessing_at_each_resolution(tmp_path, tree, cnn
 
     monkeypatch.setattr(ResolutionSweep, "_evaluate", spy)
     resolutions = [16, 24, 32, 40]
-    section, module = run_sweep(tmp_path, tree, cnn_checkpoints[0], resolutions=resolutions, attack=None,
-                                batch_size=5)
+    section, module = run_sweep(tmp_path, tree, cnn_checkpoints[0], resolutions=resolutions, attack=None, batch_size=5)
     reference = load(cnn_checkpoints[0], TINY_CNN)
     files = val_files(tree)
     labels = torch.tensor([WNIDS.index(f.parent.name) for f in files])
@@ -233,8 +243,17 @@ def test_clean_accuracy_and_preprocessing_at_each_resolution(tmp_path, tree, cnn
 
 
 def test_vit_sweep_leaves_the_model_as_it_found_it(tmp_path, tree, vit_checkpoint):
-    section, module = run_sweep(tmp_path, tree, vit_checkpoint, TINY_VIT, resolutions=[16, 32, 48],
-                                threat_models=[LINF], attack="apgd-ce", n_iter=2, max_images=5)
+    section, module = run_sweep(
+        tmp_path,
+        tree,
+        vit_checkpoint,
+        TINY_VIT,
+        resolutions=[16, 32, 48],
+        threat_models=[LINF],
+        attack="apgd-ce",
+        n_iter=2,
+        max_images=5,
+    )
     reference = load(vit_checkpoint, TINY_VIT)
     state = module.state_dict()
     assert state.keys() == reference.state_dict().keys()
@@ -261,11 +280,22 @@ def test_radii_are_scaled_with_resolution_and_recorded(tmp_path, tree, cnn_check
 
     monkeypatch.setattr(AutoAttack, "evaluate", spy)
     threats = [LINF, {"norm": "L2", "eps": 0.5}, {"norm": "L1", "eps": 3.0}]
-    section, _ = run_sweep(tmp_path, tree, cnn_checkpoints[0], resolutions=[16, 32], threat_models=threats,
-                           attack="apgd-ce", n_iter=3, max_images=4, scale_l2_with_resolution=True,
-                           scale_l1_with_resolution=True)
-    expected = {16: {"Linf-4_255": 4 / 255, "L2-0.5": 0.25, "L1-3": 0.75},
-                32: {"Linf-4_255": 4 / 255, "L2-0.5": 0.5, "L1-3": 3.0}}
+    section, _ = run_sweep(
+        tmp_path,
+        tree,
+        cnn_checkpoints[0],
+        resolutions=[16, 32],
+        threat_models=threats,
+        attack="apgd-ce",
+        n_iter=3,
+        max_images=4,
+        scale_l2_with_resolution=True,
+        scale_l1_with_resolution=True,
+    )
+    expected = {
+        16: {"Linf-4_255": 4 / 255, "L2-0.5": 0.25, "L1-3": 0.75},
+        32: {"Linf-4_255": 4 / 255, "L2-0.5": 0.5, "L1-3": 3.0},
+    }
     for r, radii in expected.items():
         entry = section["resolutions"][str(r)]["threat_models"]
         assert {name: entry[name]["eps"] for name in radii} == radii
@@ -287,8 +317,12 @@ def test_best_resolution_by_robust_accuracy_with_clean_as_tie_break():
         384: {"clean_accuracy": None, "robust_accuracy": {"Linf": None, "L2": None}},  # no images evaluated
     }
     best = best_resolutions(rows, "Linf")
-    assert best["by_robust"] == {"threat_model": "Linf", "resolution": 288, "robust_accuracy": 0.50,
-                                 "clean_accuracy": 0.75}
+    assert best["by_robust"] == {
+        "threat_model": "Linf",
+        "resolution": 288,
+        "robust_accuracy": 0.50,
+        "clean_accuracy": 0.75,
+    }
     assert best["by_clean"] == {"resolution": 288, "clean_accuracy": 0.75}
     assert best_resolutions(rows, "L2")["by_robust"]["resolution"] == 288
     rows[256]["robust_accuracy"]["Linf"] = 0.51

@@ -14,16 +14,23 @@ from test_cli import tiny_config
 
 DOC = (REPO / "docs" / "results-json.md").read_text()
 # the parent keys whose children are a family, written in the tables as one placeholder
-FAMILIES = {"threat_models": "<threat model>", "robust_accuracy_after": "<attack>", "seconds_this_session": "<attack>",
-            "claims_refuted_in_fp32_this_session": "<attack>", "versions": "<package>", "corrupt_images": "<split>",
-            "eval_image_counts": "<split>", "metrics": "<metric>"}
+FAMILIES = {
+    "threat_models": "<threat model>",
+    "robust_accuracy_after": "<attack>",
+    "seconds_this_session": "<attack>",
+    "claims_refuted_in_fp32_this_session": "<attack>",
+    "versions": "<package>",
+    "corrupt_images": "<split>",
+    "eval_image_counts": "<split>",
+    "metrics": "<metric>",
+}
 
 
 def table_rows(heading: str, until: str = "\n## ") -> dict[str, str]:
     """The rows `key` | meaning of the tables after a heading, up to the next heading of its level."""
     start = DOC.index(f"\n{heading}\n")
     end = DOC.find(until, start + 1)
-    text = DOC[start:end if end != -1 else None]
+    text = DOC[start : end if end != -1 else None]
     return dict(re.findall(r"^\| `([^`]+)` \| (.*) \|$", text, re.M))
 
 
@@ -46,13 +53,28 @@ def required(rows: dict[str, str]) -> set[str]:
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("results")
-    autoattack = {"class_path": "robust_lightning.evaluation.autoattack.AutoAttackEvaluation",
-                  "init_args": {"version": "apgd-ce", "n_iter": 2, "fit_images": 8,
-                                "threat_models": [{"norm": "Linf", "eps": 4 / 255}]}}
-    config = tiny_config(tmp_path, tmp_path / "synthetic", **{
-        "trainer.callbacks": [autoattack], "data.eval_limit": 8, "model.attack": "apgd", "model.attack_steps": 1,
-        "model.select_attack_steps": 1, "model.ema_decay": 0.9,
-        "trainer.log_every_n_steps": 1})  # throughput is summed over logging intervals
+    autoattack = {
+        "class_path": "robust_lightning.evaluation.autoattack.AutoAttackEvaluation",
+        "init_args": {
+            "version": "apgd-ce",
+            "n_iter": 2,
+            "fit_images": 8,
+            "threat_models": [{"norm": "Linf", "eps": 4 / 255}],
+        },
+    }
+    config = tiny_config(
+        tmp_path,
+        tmp_path / "synthetic",
+        **{
+            "trainer.callbacks": [autoattack],
+            "data.eval_limit": 8,
+            "model.attack": "apgd",
+            "model.attack_steps": 1,
+            "model.select_attack_steps": 1,
+            "model.ema_decay": 0.9,
+            "trainer.log_every_n_steps": 1,
+        },
+    )  # throughput is summed over logging intervals
     assert main(["fit", "--config", str(config)]) == 0
     fitted = tmp_path / "runs" / "tiny" / "version_0"
     assert main(["test", "--config", str(config), "--ckpt_path", str(fitted / "checkpoints" / "last.ckpt")]) == 0
@@ -66,20 +88,37 @@ def test_the_run_sections_keys_are_the_documented_ones(written):
     documented = set(rows)
     for section, paths in (("fit", key_paths(fit)), ("test", key_paths(test))):
         assert paths <= documented, f"{section}: undocumented {sorted(paths - documented)}"
-        only_here = {k for k, m in rows.items() if m.startswith(f"Only `{section}`")
-                     or (section == "test" and m.startswith("Only `validate` and `test`"))}
+        only_here = {
+            k
+            for k, m in rows.items()
+            if m.startswith(f"Only `{section}`") or (section == "test" and m.startswith("Only `validate` and `test`"))
+        }
         # the synthetic source, adversarial training, reduced decoding: the rows of this run's settings
-        this_run = {k for k, m in rows.items() if m.startswith(("Only adversarial training", "Only source `synthetic`",
-                                                                "Only sources `synthetic`", "Only with reduced"))}
+        this_run = {
+            k
+            for k, m in rows.items()
+            if m.startswith(
+                (
+                    "Only adversarial training",
+                    "Only source `synthetic`",
+                    "Only sources `synthetic`",
+                    "Only with reduced",
+                )
+            )
+        }
         missing = (required(rows) | only_here | this_run) - paths
         assert not missing, f"{section}: documented but not written: {sorted(missing)}"
 
 
 def test_every_metric_is_documented(written):
     rows = table_rows("### Metrics", until="\n### ")
-    names = {re.sub(r"^(val|test)(_ema)?/", "<split>/", name)
-             for results in written for section in ("fit", "test") if section in results
-             for name in results[section]["metrics"]}
+    names = {
+        re.sub(r"^(val|test)(_ema)?/", "<split>/", name)
+        for results in written
+        for section in ("fit", "test")
+        if section in results
+        for name in results[section]["metrics"]
+    }
     assert names <= set(rows), sorted(names - set(rows))
     assert (required(rows) | {k for k, m in rows.items() if m.startswith("Only adversarial training")}) <= names
     assert any(name.startswith("val_ema/") for name in written[0]["fit"]["metrics"])  # the EMA family is written

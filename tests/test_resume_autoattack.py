@@ -19,9 +19,15 @@ from test_autoattack import checkpoint, eval_config, run_test  # noqa: F401 (che
 from test_cli import tiny_config
 
 FIT_IMAGES = 8
-AUTOATTACK = {"class_path": "robust_lightning.evaluation.autoattack.AutoAttackEvaluation",
-              "init_args": {"threat_models": [{"norm": "Linf", "eps": 4 / 255}], "version": "apgd-ce", "n_iter": 2,
-                            "fit_images": FIT_IMAGES}}
+AUTOATTACK = {
+    "class_path": "robust_lightning.evaluation.autoattack.AutoAttackEvaluation",
+    "init_args": {
+        "threat_models": [{"norm": "Linf", "eps": 4 / 255}],
+        "version": "apgd-ce",
+        "n_iter": 2,
+        "fit_images": FIT_IMAGES,
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +37,16 @@ def synthetic_root(tmp_path_factory):
 
 def _config(tmp_path: Path, synthetic_root: Path) -> Path:
     # eval batches of 4: the fit-time evaluation appends its outcomes in two batches
-    return tiny_config(tmp_path, synthetic_root, **{"model.arch": "test_resnet", "trainer.limit_train_batches": 2,
-                                                    "data.eval_batch_size": 4, "trainer.callbacks": [AUTOATTACK]})
+    return tiny_config(
+        tmp_path,
+        synthetic_root,
+        **{
+            "model.arch": "test_resnet",
+            "trainer.limit_train_batches": 2,
+            "data.eval_batch_size": 4,
+            "trainer.callbacks": [AUTOATTACK],
+        },
+    )
 
 
 def _run(tmp_path: Path) -> Path:
@@ -41,8 +55,9 @@ def _run(tmp_path: Path) -> Path:
 
 def _final_weights_hash(run: Path) -> str:
     """The hash of the weights in the run's last checkpoint (those a fit ends with, which it evaluates)."""
-    module = ImageClassifier.load_from_checkpoint(run / "checkpoints" / "last.ckpt", map_location="cpu",
-                                                  weights_only=True)
+    module = ImageClassifier.load_from_checkpoint(
+        run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True
+    )
     return weights_sha256(module.model)
 
 
@@ -87,8 +102,9 @@ def test_a_finished_fit_resumed_for_more_epochs_evaluates_its_new_weights(tmp_pa
     assert _saved_batches(first) == [4, 4]  # the earlier weights' outcomes are kept as they were
 
 
-def test_a_fit_killed_during_its_autoattack_resumes_it_without_redoing_or_double_counting(tmp_path, synthetic_root,
-                                                                                            monkeypatch):
+def test_a_fit_killed_during_its_autoattack_resumes_it_without_redoing_or_double_counting(
+    tmp_path, synthetic_root, monkeypatch
+):
     config = _config(tmp_path, synthetic_root)
     evaluate_batch = AutoAttackEvaluation.on_test_batch_end
     calls = []
@@ -134,8 +150,12 @@ def test_a_fit_resumed_with_nothing_left_to_train_keeps_the_metrics_it_measured(
 
 
 # ------------------------------------------------------------------------ outcome folders of other evaluations
-def test_a_folder_with_only_another_evaluations_manifest_is_taken_over(tmp_path, checkpoint, monkeypatch,  # noqa: F811
-                                                                        caplog):
+def test_a_folder_with_only_another_evaluations_manifest_is_taken_over(
+    tmp_path,
+    checkpoint,
+    monkeypatch,  # noqa: F811
+    caplog,
+):
     ckpt, synthetic_root = checkpoint
 
     def stopped_before_attacking(self, *args, **kwargs):  # as a run stopped at a missing dataset root

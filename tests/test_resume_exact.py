@@ -19,13 +19,27 @@ STEPS_PER_EPOCH = 3
 
 def _config(tmp_path: Path, synthetic_root: Path, **extra) -> Path:
     # heavy augmentation (RandAugment, erasing, MixUp/CutMix: every random draw source) and 1-step APGD-AT
-    return tiny_config(tmp_path, synthetic_root, **{
-        "trainer.max_epochs": 2, "trainer.limit_train_batches": STEPS_PER_EPOCH, "trainer.log_every_n_steps": 1,
-        "data.batch_size": 4, "data.augmentation": "heavy", "data.image_size": 16,
-        "data.synthetic.image_size": 16, "data.synthetic.train_per_class": 4, "data.synthetic.val_per_class": 1,
-        "model.arch": "test_resnet", "model.attack": "apgd", "model.attack_steps": 1, "model.ema_decay": 0.9,
-        "checkpoint.save_top_k": -1, **extra,
-    })
+    return tiny_config(
+        tmp_path,
+        synthetic_root,
+        **{
+            "trainer.max_epochs": 2,
+            "trainer.limit_train_batches": STEPS_PER_EPOCH,
+            "trainer.log_every_n_steps": 1,
+            "data.batch_size": 4,
+            "data.augmentation": "heavy",
+            "data.image_size": 16,
+            "data.synthetic.image_size": 16,
+            "data.synthetic.train_per_class": 4,
+            "data.synthetic.val_per_class": 1,
+            "model.arch": "test_resnet",
+            "model.attack": "apgd",
+            "model.attack_steps": 1,
+            "model.ema_decay": 0.9,
+            "checkpoint.save_top_k": -1,
+            **extra,
+        },
+    )
 
 
 def _train_losses(run: Path) -> dict[int, float]:
@@ -49,9 +63,22 @@ def uninterrupted(tmp_path_factory):
 def test_resume_at_an_epoch_boundary_reproduces_every_step(uninterrupted, tmp_path):
     config, whole = uninterrupted
     first_epoch = next((whole / "checkpoints").glob("epoch000-*.ckpt"))
-    assert main(["fit", "--config", str(config), "--ckpt_path", str(first_epoch),
-                 "--trainer.default_root_dir", str(tmp_path / "runs"),
-                 "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]) == 0
+    assert (
+        main(
+            [
+                "fit",
+                "--config",
+                str(config),
+                "--ckpt_path",
+                str(first_epoch),
+                "--trainer.default_root_dir",
+                str(tmp_path / "runs"),
+                "--trainer.logger.init_args.save_dir",
+                str(tmp_path / "runs"),
+            ]
+        )
+        == 0
+    )
     resumed = tmp_path / "runs" / "tiny" / "version_0"
 
     expected, got = _train_losses(whole), _train_losses(resumed)

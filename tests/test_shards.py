@@ -133,8 +133,9 @@ def test_shuffle_is_deterministic_and_mixes_classes(tree, tmp_path):
 
 def test_no_shuffle_keeps_sorted_order(tree, tmp_path):
     src, files, corrupt = tree
-    manifest = convert_image_folder(src, tmp_path / "val", prefix="val", samples_per_shard=3, shuffle=False,
-                                    workers=2, progress=False)
+    manifest = convert_image_folder(
+        src, tmp_path / "val", prefix="val", samples_per_shard=3, shuffle=False, workers=2, progress=False
+    )
     keys = [s["__key__"] for shard in _read_shards(tmp_path / "val") for s in shard]
     expected = [Path(rel).stem for rel in sorted(files, key=lambda r: tuple(r.split("/")))]
     assert keys == expected
@@ -225,8 +226,9 @@ def test_verify_off_keeps_corrupt_files_and_real_format_wins(tree, tmp_path):
     sample = next(s for s in _read_shards(tmp_path / "v")[0] if s["__key__"] == "n01440764_disguised")
     assert sample["png"] == disguised
 
-    manifest = convert_image_folder(src, tmp_path / "nv", samples_per_shard=100, verify=False, workers=1,
-                                    progress=False)
+    manifest = convert_image_folder(
+        src, tmp_path / "nv", samples_per_shard=100, verify=False, workers=1, progress=False
+    )
     assert manifest["num_samples"] == len(files) + len(corrupt) + 1
     assert manifest["skipped"] == []
 
@@ -270,8 +272,12 @@ def test_shard_urls_errors(tree, tmp_path):
 def test_cli(tree, tmp_path, capsys):
     src, files, _ = tree
     out = tmp_path / "cli"
-    assert shards_main([str(src), str(out), "--prefix", "part", "--samples-per-shard", "4", "--no-shuffle",
-                        "--workers", "1"]) == 0
+    assert (
+        shards_main(
+            [str(src), str(out), "--prefix", "part", "--samples-per-shard", "4", "--no-shuffle", "--workers", "1"]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert f"{len(files)} samples" in printed and "skipped 2" in printed and "manifest.json" in printed
     assert (out / "part-000000.tar").is_file()
@@ -294,8 +300,10 @@ def test_a_plain_rerun_rewrites_missing_and_truncated_shards(tree, tmp_path, cap
 
     assert shards_main(command) == 0
     printed = capsys.readouterr().out.splitlines()
-    assert printed[0] == (f"Rewrote 2 missing or damaged shard(s) of {out}: train-000001.tar (700 of "
-                          f"{read_manifest(out)['shards'][1]['bytes']} bytes), train-000003.tar (missing)")
+    assert printed[0] == (
+        f"Rewrote 2 missing or damaged shard(s) of {out}: train-000001.tar (700 of "
+        f"{read_manifest(out)['shards'][1]['bytes']} bytes), train-000003.tar (missing)"
+    )
     assert printed[1].startswith(f"Wrote {len(files)} samples")
     # the intact shards are left as they were
     for name, data in intact.items():
@@ -317,13 +325,14 @@ def test_a_plain_rerun_rewrites_missing_and_truncated_shards(tree, tmp_path, cap
 def test_errors_about_damaged_shards_name_the_command_that_repairs_them(tree, tmp_path, capsys):
     src, files, _ = tree
     out = tmp_path / "out"
-    convert_image_folder(src, out, prefix="part", samples_per_shard=3, shuffle=False, seed=3, workers=1,
-                         progress=False)
+    convert_image_folder(src, out, prefix="part", samples_per_shard=3, shuffle=False, seed=3, workers=1, progress=False)
     shard = out / "part-000001.tar"
     whole = shard.read_bytes()
     shard.write_bytes(whole[:700])  # inside the shard's first image
-    expected = (f"robust-lightning shards {src.resolve()} {out.resolve()} --prefix part --samples_per_shard 3 "
-                "--shuffle false --seed 3")
+    expected = (
+        f"robust-lightning shards {src.resolve()} {out.resolve()} --prefix part --samples_per_shard 3 "
+        "--shuffle false --seed 3"
+    )
     with pytest.raises(UserError, match="part-000001.tar") as error:
         shard_urls(out)
     assert str(error.value).endswith(f"to rewrite the damaged shards, run: {expected}")
@@ -341,8 +350,10 @@ def test_errors_about_damaged_shards_name_the_command_that_repairs_them(tree, tm
         assert str(error.value).endswith(expected)
     data = ImageNetDataModule(source="shards", val_shards=str(out), image_size=32, on_missing_images="warn")
     data.setup("validate")
-    assert data.damaged_eval_shards() == [f"{shard} (700 of {len(whole)} bytes)",
-                                          f"to rewrite the damaged shards, run: {expected}"]
+    assert data.damaged_eval_shards() == [
+        f"{shard} (700 of {len(whole)} bytes)",
+        f"to rewrite the damaged shards, run: {expected}",
+    ]
 
     # the command repairs them
     assert shards_main(expected.split()[2:]) == 0
@@ -358,6 +369,9 @@ def test_errors_about_damaged_shards_name_the_command_that_repairs_them(tree, tm
     manifest = read_manifest(out)
     del manifest["options"]
     (out / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(UserError, match=f"run the robust-lightning shards command that wrote {out.resolve()} from "
-                                        f"{src.resolve()} again, with the same options$"):
+    with pytest.raises(
+        UserError,
+        match=f"run the robust-lightning shards command that wrote {out.resolve()} from "
+        f"{src.resolve()} again, with the same options$",
+    ):
         shard_urls(out)

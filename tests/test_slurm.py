@@ -50,28 +50,45 @@ def slurm_env(cluster, monkeypatch):
 
 
 def synthetic(root: Path, per_shard: int = 10) -> dict:
-    return {"num_classes": 10, "train_per_class": 4, "val_per_class": 2, "image_size": 32,
-            "samples_per_shard": per_shard, "root": str(root)}
+    return {
+        "num_classes": 10,
+        "train_per_class": 4,
+        "val_per_class": 2,
+        "image_size": 32,
+        "samples_per_shard": per_shard,
+        "root": str(root),
+    }
 
 
 def fit_config(tmp_path: Path, name: str, num_workers: int = 0, **trainer) -> Path:
     config = {
         "seed_everything": 0,
         # the progress display on: printed lines in the job's log, as on a real cluster
-        "trainer": {"accelerator": "cpu", "max_epochs": 1, "num_sanity_val_steps": 0, "enable_model_summary": False,
-                    **trainer},
+        "trainer": {
+            "accelerator": "cpu",
+            "max_epochs": 1,
+            "num_sanity_val_steps": 0,
+            "enable_model_summary": False,
+            **trainer,
+        },
         "model": {"arch": "test_resnet", "warmup_epochs": 0.5},
         # 10-image shards: 4 training and 2 validation shards, enough for two ranks
-        "data": {"source": "synthetic", "image_size": 32, "batch_size": 8, "num_workers": num_workers,
-                 "synthetic": synthetic(tmp_path / "synthetic", per_shard=10)},
+        "data": {
+            "source": "synthetic",
+            "image_size": 32,
+            "batch_size": 8,
+            "num_workers": num_workers,
+            "synthetic": synthetic(tmp_path / "synthetic", per_shard=10),
+        },
     }
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 
 
-def submit_training(cluster: SlurmCluster, config: Path, run_dir: Path | None, tasks: int, cwd: Path = REPO,
-                    env: dict | None = None) -> str:
+def submit_training(
+    cluster: SlurmCluster, config: Path, run_dir: Path | None, tasks: int, cwd: Path = REPO, env: dict | None = None
+) -> str:
     """slurm/train_multinode.sbatch on this 1-node CPU cluster: the template as shipped, with the node, task and
     GPU counts overridden on the sbatch command line as a user would. run_dir None: the template's own RUN_DIR
     and log file, relative to ``cwd``."""
@@ -80,8 +97,18 @@ def submit_training(cluster: SlurmCluster, config: Path, run_dir: Path | None, t
     if run_dir is not None:
         env["RUN_DIR"] = str(run_dir)
     out = cluster.run(
-        "sbatch", "--parsable", "--nodes=1", f"--ntasks-per-node={tasks}", "--gpus-per-node=0", "--cpus-per-task=1",
-        "--mem=0", "--time=10", *where, str(REPO / "slurm" / "train_multinode.sbatch"), env=env, cwd=cwd,
+        "sbatch",
+        "--parsable",
+        "--nodes=1",
+        f"--ntasks-per-node={tasks}",
+        "--gpus-per-node=0",
+        "--cpus-per-task=1",
+        "--mem=0",
+        "--time=10",
+        *where,
+        str(REPO / "slurm" / "train_multinode.sbatch"),
+        env=env,
+        cwd=cwd,
     )
     return out.stdout.strip().split(";")[0]
 
@@ -90,8 +117,7 @@ def submit_training(cluster: SlurmCluster, config: Path, run_dir: Path | None, t
 def tiny_checkpoint(tmp_path_factory):
     """A tiny 10-class model on the quickstart's synthetic data source (the quickstart's ResNet-18 takes minutes)."""
     tmp_path = tmp_path_factory.mktemp("tiny")
-    config = fit_config(tmp_path, "fit", limit_train_batches=3, default_root_dir=str(tmp_path / "run"),
-                        logger=False)
+    config = fit_config(tmp_path, "fit", limit_train_batches=3, default_root_dir=str(tmp_path / "run"), logger=False)
     assert main(["fit", "--config", str(config), "--checkpoint.dirpath", str(tmp_path / "ckpt")]) == 0
     return tmp_path / "ckpt" / "last.ckpt", tmp_path / "synthetic"
 
@@ -103,9 +129,16 @@ def test_sweep_array_job_then_report(slurm_env, tiny_checkpoint, tmp_path, capsy
     spec = yaml.safe_load((REPO / "configs" / "sweeps" / "quickstart.yaml").read_text())
     spec["grid"]["ckpt_path"] = {"tiny": str(checkpoint)}
     spec["grid"]["benchmark"]["apgd_ce"]["args"]["trainer.callbacks.init_args.n_iter"] = 3
-    spec["args"].update({"data.eval_limit": 10, "data.eval_batch_size": 10, "data.num_workers": 0,
-                         "data.synthetic": synthetic(synthetic_root), "trainer.accelerator": "cpu",
-                         "trainer.enable_model_summary": False})
+    spec["args"].update(
+        {
+            "data.eval_limit": 10,
+            "data.eval_batch_size": 10,
+            "data.num_workers": 0,
+            "data.synthetic": synthetic(synthetic_root),
+            "trainer.accelerator": "cpu",
+            "trainer.enable_model_summary": False,
+        }
+    )
     spec["output_dir"] = str(tmp_path / "sweep")
     spec["slurm"] = {"time": "00:10:00", "cpus-per-task": 1}
     sweep_file = tmp_path / "quickstart.yaml"
@@ -174,8 +207,9 @@ def test_srun_ddp_fit_with_two_tasks(slurm_env, tmp_path):
     cluster = slurm_env
     config = fit_config(tmp_path, "ddp", strategy="ddp")
     # the template's defaults: RUN_DIR and the log file named after the job, W&B offline on the compute node
-    job = submit_training(cluster, config, None, tasks=2, cwd=tmp_path,
-                          env={"WANDB_PROJECT": "slurm-test", "WANDB_MODE": "offline"})
+    job = submit_training(
+        cluster, config, None, tasks=2, cwd=tmp_path, env={"WANDB_PROJECT": "slurm-test", "WANDB_MODE": "offline"}
+    )
     record = cluster.wait(job, timeout=240)[0]
     log = (tmp_path / f"slurm-train_multinode.sbatch-{job}.out").read_text()
     assert record["JobState"] == "COMPLETED", log[-3000:]
@@ -206,8 +240,9 @@ def test_sigusr1_requeues_and_resumes_from_the_checkpoint(slurm_env, tmp_path):
 
     deadline = time.time() + 180
     while len(batches()) < 7:  # in the second epoch
-        assert time.time() < deadline and cluster.job(job).get("JobState") in ("PENDING", "RUNNING"), \
+        assert time.time() < deadline and cluster.job(job).get("JobState") in ("PENDING", "RUNNING"), (
             Path(f"{run_dir}.out").read_text()[-3000:] if Path(f"{run_dir}.out").is_file() else cluster.job(job)
+        )
         time.sleep(0.2)
     # what SLURM sends 90 s before the time limit with #SBATCH --signal=SIGUSR1@90
     cluster.run("scancel", "--signal=USR1", job)
@@ -235,17 +270,35 @@ def test_eval_array_template_gives_each_checkpoint_its_directory(slurm_env, tiny
     checkpoint, synthetic_root = tiny_checkpoint
     ckpts = tmp_path / "ckpts.txt"
     ckpts.write_text(f"# one checkpoint per line\n\n{checkpoint}\n")
-    job = cluster.run(
-        "sbatch", "--parsable", "--array=0-0", "--gpus-per-node=0", "--cpus-per-task=1", "--mem=0", "--time=10",
-        f"--output={tmp_path}/eval_%A_%a.out", str(REPO / "slurm" / "eval_array.sbatch"),
-        "--trainer.accelerator=cpu", "--data.eval_limit=10", "--data.num_workers=0",
-        f"--data.synthetic={json.dumps(synthetic(synthetic_root))}", "--trainer.callbacks.init_args.version=apgd-ce",
-        "--trainer.callbacks.init_args.n_iter=3",
-        '--trainer.callbacks.init_args.threat_models=[{"norm": "Linf", "eps": 0.01568627450980392}]',
-        # OUT_ROOT unset: the template's runs/eval, under the submission directory
-        env={"CKPTS": str(ckpts), "EVAL_CONFIG": str(REPO / "configs" / "eval" / "quickstart_autoattack.yaml"),
-             "PYTHON": sys.executable}, cwd=tmp_path,
-    ).stdout.strip().split(";")[0]
+    job = (
+        cluster.run(
+            "sbatch",
+            "--parsable",
+            "--array=0-0",
+            "--gpus-per-node=0",
+            "--cpus-per-task=1",
+            "--mem=0",
+            "--time=10",
+            f"--output={tmp_path}/eval_%A_%a.out",
+            str(REPO / "slurm" / "eval_array.sbatch"),
+            "--trainer.accelerator=cpu",
+            "--data.eval_limit=10",
+            "--data.num_workers=0",
+            f"--data.synthetic={json.dumps(synthetic(synthetic_root))}",
+            "--trainer.callbacks.init_args.version=apgd-ce",
+            "--trainer.callbacks.init_args.n_iter=3",
+            '--trainer.callbacks.init_args.threat_models=[{"norm": "Linf", "eps": 0.01568627450980392}]',
+            # OUT_ROOT unset: the template's runs/eval, under the submission directory
+            env={
+                "CKPTS": str(ckpts),
+                "EVAL_CONFIG": str(REPO / "configs" / "eval" / "quickstart_autoattack.yaml"),
+                "PYTHON": sys.executable,
+            },
+            cwd=tmp_path,
+        )
+        .stdout.strip()
+        .split(";")[0]
+    )
     record = cluster.wait(job, timeout=180)[0]
     log = next(tmp_path.glob("eval_*_0.out")).read_text()
     assert record["JobState"] == "COMPLETED", log[-3000:]

@@ -1,6 +1,7 @@
 """The spatial attack's warp (kornia ``warp_affine``) against a direct bilinear resampling written here: each
 output pixel centre p is looked up at R(-angle) (p - c - t) + c in the source (c the image centre, t the
 shift), bilinear between the four neighbouring pixel centres, zero outside."""
+
 import math
 
 import torch
@@ -12,8 +13,9 @@ def resample(image: torch.Tensor, dx: float, dy: float, angle: float) -> torch.T
     """(C, H, W) float64 image -> the transformed image, by inverse mapping in pixel units."""
     _, height, width = image.shape
     cy, cx = (height - 1) / 2, (width - 1) / 2
-    rows, cols = torch.meshgrid(torch.arange(height, dtype=torch.float64), torch.arange(width, dtype=torch.float64),
-                                indexing="ij")
+    rows, cols = torch.meshgrid(
+        torch.arange(height, dtype=torch.float64), torch.arange(width, dtype=torch.float64), indexing="ij"
+    )
     u, v = cols - cx - dx, rows - cy - dy
     a = math.radians(angle)  # counter-clockwise on screen (y down): undo it by turning the other way
     src_x = math.cos(a) * u - math.sin(a) * v + cx

@@ -100,8 +100,9 @@ def test_l1_projection_matches_reference():
     x = torch.rand(16, 3, 16, 16, generator=g)
     delta = torch.randn(16, 3, 16, 16, generator=g) * torch.rand(16, 1, 1, 1, generator=g)
     for eps in (0.5, 4.0, 40.0):
-        torch.testing.assert_close(l1_projection(x, delta, eps), delta + L1_projection(x, delta, eps),
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            l1_projection(x, delta, eps), delta + L1_projection(x, delta, eps), atol=1e-4, rtol=0
+        )
 
 
 # ------------------------------------------------------------------------------ replayed reference draws
@@ -147,8 +148,9 @@ class SharedDraws(square_module._Draws):
 
 def _replaying_reference(model, norm, eps, n_queries, draws: SharedDraws) -> SquareAttack:
     """The reference, with its random functions replaced by pops from ``draws``' queues."""
-    ref = SquareAttack(model, norm=norm, eps=eps, n_queries=n_queries, p_init=0.8, n_restarts=1,
-                       device="cpu", resc_schedule=False)
+    ref = SquareAttack(
+        model, norm=norm, eps=eps, n_queries=n_queries, p_init=0.8, n_restarts=1, device="cpu", resc_schedule=False
+    )
     ref.random_int = lambda low=0, high=1, shape=(1,): torch.tensor([draws.ints.pop(0)])
     ref.random_choice = lambda shape: draws.signs_q.pop(0).expand(*shape)
 
@@ -210,8 +212,17 @@ def test_statistically_agrees_with_reference(setup, norm):
     ours = square_attack(model, x, y, norm=norm, eps=EPS[norm], n_queries=n_queries, generator=0)
 
     # What SquareAttack.perturb does, keeping the per-point queries it does not return.
-    ref = SquareAttack(model, norm=norm, eps=EPS[norm], n_queries=n_queries, p_init=0.8, n_restarts=1,
-                       seed=0, device="cpu", resc_schedule=False)
+    ref = SquareAttack(
+        model,
+        norm=norm,
+        eps=EPS[norm],
+        n_queries=n_queries,
+        p_init=0.8,
+        n_restarts=1,
+        seed=0,
+        device="cpu",
+        resc_schedule=False,
+    )
     ref.init_hyperparam(x)
     torch.manual_seed(0)
     ref_queries, ref_x = ref.attack_single_run(x[clean], y[clean])
@@ -222,8 +233,10 @@ def test_statistically_agrees_with_reference(setup, norm):
     assert abs(n_robust - n_robust_ref) <= 7
     mean_queries, mean_queries_ref = ours.queries[clean].float().mean(), ref_queries.float().mean()
     assert abs(mean_queries - mean_queries_ref) < 0.1 * mean_queries_ref
-    print(f"{norm}: robust {n_robust} vs {n_robust_ref} of {n_clean}; "
-          f"mean queries {mean_queries:.1f} vs {mean_queries_ref:.1f}")
+    print(
+        f"{norm}: robust {n_robust} vs {n_robust_ref} of {n_clean}; "
+        f"mean queries {mean_queries:.1f} vs {mean_queries_ref:.1f}"
+    )
 
 
 # ------------------------------------------------------------------------------ invariants, determinism

@@ -37,20 +37,35 @@ def device_reads(calls: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return [(op, where) for op, where in calls if "torch/optim/optimizer.py" not in where]
 
 
-@pytest.mark.parametrize("arch, display, max_device_batch_size", [
-    ("test_resnet", "robust_lightning.training.progress.ProgressLines", None),
-    ("test_resnet", "robust_lightning.training.progress.StepProgressBar", 3),
-    ("test_convnext", "robust_lightning.training.progress.StepProgressBar", None),
-])
-def test_a_training_step_reads_nothing_back_outside_logging_steps(tmp_path, monkeypatch, arch, display,
-                                                                  max_device_batch_size):
+@pytest.mark.parametrize(
+    "arch, display, max_device_batch_size",
+    [
+        ("test_resnet", "robust_lightning.training.progress.ProgressLines", None),
+        ("test_resnet", "robust_lightning.training.progress.StepProgressBar", 3),
+        ("test_convnext", "robust_lightning.training.progress.StepProgressBar", None),
+    ],
+)
+def test_a_training_step_reads_nothing_back_outside_logging_steps(
+    tmp_path, monkeypatch, arch, display, max_device_batch_size
+):
     force_device_path(monkeypatch)
     ProbeStep.calls = []
-    config = tiny_config(tmp_path, tmp_path / "synthetic", **{
-        "trainer.max_steps": 3, "trainer.log_every_n_steps": 4, "trainer.enable_progress_bar": True,
-        "trainer.callbacks": [{"class_path": "test_step_host_reads.ProbeStep"}, {"class_path": display}],
-        "data.augmentation": "heavy", "data.batch_size": 6, "data.max_device_batch_size": max_device_batch_size,
-        "model.arch": arch, "model.attack": "apgd", "model.ema_decay": 0.9})
+    config = tiny_config(
+        tmp_path,
+        tmp_path / "synthetic",
+        **{
+            "trainer.max_steps": 3,
+            "trainer.log_every_n_steps": 4,
+            "trainer.enable_progress_bar": True,
+            "trainer.callbacks": [{"class_path": "test_step_host_reads.ProbeStep"}, {"class_path": display}],
+            "data.augmentation": "heavy",
+            "data.batch_size": 6,
+            "data.max_device_batch_size": max_device_batch_size,
+            "model.arch": arch,
+            "model.attack": "apgd",
+            "model.ema_decay": 0.9,
+        },
+    )
     assert main(["fit", "--config", str(config)]) == 0
     reads = device_reads(ProbeStep.calls)
     assert ProbeStep.calls, "the probe recorded nothing"

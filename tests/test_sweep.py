@@ -33,8 +33,10 @@ def write_sweep(tmp_path: Path, **spec) -> Path:
         "grid": {
             "ckpt_path": {"a": "/weights/a.ckpt", "b": "/weights/b.ckpt"},
             "data.image_size": [32, 48],
-            "benchmark": {"clean": {"args": {"trainer.callbacks": []}},
-                          "aa": {"args": {"trainer.callbacks.init_args.version": "apgd-ce"}}},
+            "benchmark": {
+                "clean": {"args": {"trainer.callbacks": []}},
+                "aa": {"args": {"trainer.callbacks.init_args.version": "apgd-ce"}},
+            },
         },
         "output_dir": str(tmp_path / "out"),
         "slurm": {"partition": "gpu", "gpus_per_node": 1, "max_parallel": 3, "setup": "module load cuda"},
@@ -55,7 +57,10 @@ def test_grid_expands_to_the_product_with_every_value_in_its_cell(tmp_path):
     assert len(cells) == 2 * 2 * 2
     # the last axis varies fastest; labels name the values
     assert [tuple(c.labels.values()) for c in cells[:3]] == [
-        ("a", "32", "clean"), ("a", "32", "aa"), ("a", "48", "clean")]
+        ("a", "32", "clean"),
+        ("a", "32", "aa"),
+        ("a", "48", "clean"),
+    ]
     cell = cells[5]  # b, 32, aa
     assert cell.labels == {"ckpt_path": "b", "data.image_size": "32", "benchmark": "aa"}
     argv = cell.argv
@@ -68,8 +73,12 @@ def test_grid_expands_to_the_product_with_every_value_in_its_cell(tmp_path):
     assert f"--trainer.default_root_dir={cell.dir}" in argv
     assert f"--checkpoint.dirpath={cell.dir / 'checkpoints'}" in argv
     loggers = json.loads(next(a for a in argv if a.startswith("--trainer.logger=")).split("=", 1)[1])
-    assert loggers == [{"class_path": "lightning.pytorch.loggers.CSVLogger",
-                        "init_args": {"save_dir": str(cell.dir), "name": "", "version": ""}}]
+    assert loggers == [
+        {
+            "class_path": "lightning.pytorch.loggers.CSVLogger",
+            "init_args": {"save_dir": str(cell.dir), "name": "", "version": ""},
+        }
+    ]
 
 
 def test_cell_ids_are_readable_stable_and_unique(tmp_path):
@@ -78,26 +87,35 @@ def test_cell_ids_are_readable_stable_and_unique(tmp_path):
     assert len(set(first)) == len(first)
     assert first[0].startswith("ckpt_path=a__image_size=32__benchmark=clean__")
     # a new value adds cells without renaming the others; a changed value renames only its cells
-    path = write_sweep(tmp_path, grid={"ckpt_path": {"a": "/weights/a.ckpt", "b": "/weights/b2.ckpt"},
-                                       "data.image_size": [32, 48, 64],
-                                       "benchmark": {"clean": {"args": {"trainer.callbacks": []}},
-                                                     "aa": {"args": {"trainer.callbacks.init_args.version":
-                                                                     "apgd-ce"}}}})
+    path = write_sweep(
+        tmp_path,
+        grid={
+            "ckpt_path": {"a": "/weights/a.ckpt", "b": "/weights/b2.ckpt"},
+            "data.image_size": [32, 48, 64],
+            "benchmark": {
+                "clean": {"args": {"trainer.callbacks": []}},
+                "aa": {"args": {"trainer.callbacks.init_args.version": "apgd-ce"}},
+            },
+        },
+    )
     second = [c.id for c in expand(load_sweep(path))]
     assert set(first[:4]) < set(second)  # the "a" cells at 32 and 48
     assert not set(first[4:]) & set(second)  # b's checkpoint changed
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"grid": {"data.image_size": [32, 32.0]}}, "same label"),
-    ({"grid": {"data image size": [32]}}, "expected a config key"),
-    ({"grid": {"data.image_size": []}}, "non-empty"),
-    ({"grid": {"benchmark": {"x": {"args": {}}, "y": {"configs": "no-list.yaml"}}}}, "a bundle is"),
-    ({"colour": "blue"}, "unknown key(s) colour"),
-    ({"command": "predict"}, "command must be one of"),
-    ({"configs": ["configs/eval/nope.yaml"]}, "config file configs/eval/nope.yaml not found"),
-    ({"slurm": {"array": "0-3"}}, "slurm.array is set by the sweep"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"grid": {"data.image_size": [32, 32.0]}}, "same label"),
+        ({"grid": {"data image size": [32]}}, "expected a config key"),
+        ({"grid": {"data.image_size": []}}, "non-empty"),
+        ({"grid": {"benchmark": {"x": {"args": {}}, "y": {"configs": "no-list.yaml"}}}}, "a bundle is"),
+        ({"colour": "blue"}, "unknown key(s) colour"),
+        ({"command": "predict"}, "command must be one of"),
+        ({"configs": ["configs/eval/nope.yaml"]}, "config file configs/eval/nope.yaml not found"),
+        ({"slurm": {"array": "0-3"}}, "slurm.array is set by the sweep"),
+    ],
+)
 def test_bad_sweep_files_are_refused_with_one_message(tmp_path, change, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_sweep(write_sweep(tmp_path, **change))
@@ -105,16 +123,33 @@ def test_bad_sweep_files_are_refused_with_one_message(tmp_path, change, message)
 
 def test_loggers_of_the_configs_are_kept_and_pointed_at_the_cell(tmp_path):
     extra = tmp_path / "wandb.yaml"
-    extra.write_text(yaml.safe_dump({"trainer": {"logger": [
-        {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs", "name": "x"}},
-        {"class_path": "lightning.pytorch.loggers.WandbLogger", "init_args": {"project": "mine", "save_dir": "runs"}},
-    ]}}))
+    extra.write_text(
+        yaml.safe_dump(
+            {
+                "trainer": {
+                    "logger": [
+                        {
+                            "class_path": "lightning.pytorch.loggers.CSVLogger",
+                            "init_args": {"save_dir": "runs", "name": "x"},
+                        },
+                        {
+                            "class_path": "lightning.pytorch.loggers.WandbLogger",
+                            "init_args": {"project": "mine", "save_dir": "runs"},
+                        },
+                    ]
+                }
+            }
+        )
+    )
     path = write_sweep(tmp_path, configs=[str(REPO / "configs" / "eval" / "quickstart_autoattack.yaml"), str(extra)])
     cell = expand(load_sweep(path))[0]
     loggers = json.loads(cell.argv[-1].split("=", 1)[1])
     assert [entry["init_args"]["save_dir"] for entry in loggers] == [str(cell.dir)] * 2
     assert loggers[0]["init_args"]["name"] == "" and loggers[1]["init_args"] == {
-        "project": "mine", "save_dir": str(cell.dir), "name": cell.id}
+        "project": "mine",
+        "save_dir": str(cell.dir),
+        "name": cell.id,
+    }
     # --wandb adds a WandbLogger where the configs have none
     cell = expand(load_sweep(write_sweep(tmp_path), wandb=True))[0]
     loggers = json.loads(cell.argv[-1].split("=", 1)[1])
@@ -126,13 +161,23 @@ def test_dry_run_prints_the_array_script_and_writes_nothing(tmp_path, capsys):
     assert main(["sweep", "--config", str(write_sweep(tmp_path)), "--dry-run"]) == 0
     out = capsys.readouterr().out
     script, _, listing = out.partition("\n# sweep demo:")
-    for line in ["#SBATCH --job-name=rl-demo", "#SBATCH --array=0-7%3", "#SBATCH --nodes=1",
-                 "#SBATCH --ntasks-per-node=1", "#SBATCH --requeue", "#SBATCH --signal=SIGUSR1@90",
-                 "#SBATCH --open-mode=append", "#SBATCH --partition=gpu", "#SBATCH --gpus-per-node=1",
-                 f"#SBATCH --output={tmp_path / 'out' / 'logs' / '%A_%a.out'}", "module load cuda",
-                 f"cd {Path.cwd()}", 'export WANDB_MODE="${WANDB_MODE:-offline}"',
-                 f'srun "$PYTHON" -m robust_lightning cell {tmp_path / "out" / "arrays" / "000.json"} '
-                 '--index "$SLURM_ARRAY_TASK_ID"']:
+    for line in [
+        "#SBATCH --job-name=rl-demo",
+        "#SBATCH --array=0-7%3",
+        "#SBATCH --nodes=1",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=SIGUSR1@90",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --gpus-per-node=1",
+        f"#SBATCH --output={tmp_path / 'out' / 'logs' / '%A_%a.out'}",
+        "module load cuda",
+        f"cd {Path.cwd()}",
+        'export WANDB_MODE="${WANDB_MODE:-offline}"',
+        f'srun "$PYTHON" -m robust_lightning cell {tmp_path / "out" / "arrays" / "000.json"} '
+        '--index "$SLURM_ARRAY_TASK_ID"',
+    ]:
         assert line in script.splitlines(), line
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     assert " 8 cells, 0 done, 0 in the queue, 8 to run" in listing and listing.count("\n# [") == 8
@@ -160,7 +205,8 @@ def test_rerun_submits_only_cells_without_results_nor_a_place_in_the_queue(tmp_p
     cells = [c["id"] for c in manifest["cells"]]
     assert len(cells) == 8 and (out_dir / "arrays" / "000.sbatch").is_file()
     assert json.loads((out_dir / "submissions.json").read_text()) == [
-        {"cells": cells, "job_id": "4242", "manifest": str(out_dir / "arrays" / "000.json")}]
+        {"cells": cells, "job_id": "4242", "manifest": str(out_dir / "arrays" / "000.json")}
+    ]
     assert (bin_dir / "sbatch.calls").read_text().split() == ["--parsable", str(out_dir / "arrays" / "000.sbatch")]
 
     # done, failed, interrupted, running (its job gone) and never-started cells; tasks 6 and 7 still queued
@@ -185,8 +231,10 @@ def test_a_misspelt_key_stops_the_sweep_before_anything_is_written_or_submitted(
     out, err = capsys.readouterr()
     assert out == ""  # not even the dry run's script
     first, *rest = err.strip().splitlines()
-    assert first == "robust-lightning: error: sweep cell 0 (ckpt_path=a, data.imag_size=32): unrecognized arguments: " \
+    assert (
+        first == "robust-lightning: error: sweep cell 0 (ckpt_path=a, data.imag_size=32): unrecognized arguments: "
         "--data.imag_size=32"
+    )
     assert rest[0].startswith("did you mean: data.image_size") and len(rest) == 1
     assert not (tmp_path / "out").exists() and not (bin_dir / "sbatch.calls").exists()
 
@@ -196,20 +244,25 @@ def test_a_bad_value_names_its_cell(tmp_path, monkeypatch, capsys):
     path = write_sweep(tmp_path, grid={"data.image_size": [32, "big"]})
     assert main(["sweep", "--config", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("robust-lightning: error: sweep cell 1 (data.image_size=big): "
-                          'Parser key "data.image_size":') and "Got value: big" in err
+    assert (
+        err.startswith('robust-lightning: error: sweep cell 1 (data.image_size=big): Parser key "data.image_size":')
+        and "Got value: big" in err
+    )
     assert not (tmp_path / "out").exists() and not (bin_dir / "sbatch.calls").exists()
 
 
 def test_a_misspelt_key_in_a_bundle_config_names_its_cell(tmp_path, monkeypatch, capsys):
     typo = tmp_path / "typo.yaml"
     typo.write_text(yaml.safe_dump({"data": {"eval_limt": 8}}))
-    path = write_sweep(tmp_path, grid={"benchmark": {"clean": {"args": {"trainer.callbacks": []}},
-                                                     "typo": {"configs": [str(typo)]}}})
+    path = write_sweep(
+        tmp_path, grid={"benchmark": {"clean": {"args": {"trainer.callbacks": []}}, "typo": {"configs": [str(typo)]}}}
+    )
     assert main(["sweep", "--config", str(path), "--dry-run"]) == 2
     first, second = capsys.readouterr().err.strip().splitlines()
-    assert first == "robust-lightning: error: sweep cell 1 (benchmark=typo): Subcommand 'test' does not accept " \
+    assert (
+        first == "robust-lightning: error: sweep cell 1 (benchmark=typo): Subcommand 'test' does not accept "
         "option 'data.eval_limt'"
+    )
     assert second.startswith("did you mean: data.eval_limit")
 
 
@@ -237,9 +290,25 @@ def test_task_records_a_failed_cell_with_its_exit_status(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "register_at_fork", lambda **hook: None)  # keep this process's forks as they are
     cell_dir = tmp_path / "cells" / "bad"
     manifest = tmp_path / "manifest.json"
-    manifest.write_text(json.dumps({"sweep": "demo", "workdir": str(REPO), "log_pattern": "", "wandb": None, "cells": [
-        {"id": "bad", "labels": {"x": "1"}, "values": {"x": 1}, "dir": str(cell_dir),
-         "argv": ["validate", "--no_such_option=1"]}]}))
+    manifest.write_text(
+        json.dumps(
+            {
+                "sweep": "demo",
+                "workdir": str(REPO),
+                "log_pattern": "",
+                "wandb": None,
+                "cells": [
+                    {
+                        "id": "bad",
+                        "labels": {"x": "1"},
+                        "values": {"x": 1},
+                        "dir": str(cell_dir),
+                        "argv": ["validate", "--no_such_option=1"],
+                    }
+                ],
+            }
+        )
+    )
     assert run_cell(str(manifest), 0, main) == 2
     status = json.loads((cell_dir / "results.json").read_text())["sweep"]
     assert status["status"] == "failed" and status["exit_code"] == 2 and status["cell"] == "bad"
@@ -260,12 +329,25 @@ def make_finished_sweep(tmp_path: Path, monkeypatch) -> tuple[Path, list[str]]:
     path = write_sweep(tmp_path, grid={"data.image_size": [32, 48, 64, 96]})
     assert main(["sweep", "--config", str(path)]) == 0
     cells = [c["id"] for c in json.loads((out_dir / "sweep.json").read_text())["cells"]]
-    test = {"metrics": {"test/acc1": 0.5, "test/num_images": 16.0}, "seconds": 2.0,
-            "conditions": {"seed": 0, "data": {"image_size": 32}}, "checkpoint": {"path": "/x", "sha256": "ab"}}
-    autoattack = {"threat_models": {"Linf-4_255": {"norm": "Linf", "eps": 0.0157, "num_points": 16,
-                                                   "clean_accuracy": 0.5, "robust_accuracy": 0.25,
-                                                   "robust_accuracy_after": {"apgd-ce": 0.25}}},
-                  "conditions": {"version": "apgd-ce"}}
+    test = {
+        "metrics": {"test/acc1": 0.5, "test/num_images": 16.0},
+        "seconds": 2.0,
+        "conditions": {"seed": 0, "data": {"image_size": 32}},
+        "checkpoint": {"path": "/x", "sha256": "ab"},
+    }
+    autoattack = {
+        "threat_models": {
+            "Linf-4_255": {
+                "norm": "Linf",
+                "eps": 0.0157,
+                "num_points": 16,
+                "clean_accuracy": 0.5,
+                "robust_accuracy": 0.25,
+                "robust_accuracy_after": {"apgd-ce": 0.25},
+            }
+        },
+        "conditions": {"version": "apgd-ce"},
+    }
     mark(out_dir / "cells" / cells[0], "done", test=test, autoattack=autoattack)
     mark(out_dir / "cells" / cells[1], "done", test=test)
     mark(out_dir / "cells" / cells[1], "done", test={**test, "metrics": {"test/acc1": 0.75, "test/num_images": 16.0}})
@@ -309,7 +391,11 @@ def test_report_merges_every_cell_once_and_lists_the_missing(tmp_path, monkeypat
 
     assert main(["report", str(out_dir), "--columns", "test/acc1"]) == 0
     assert json.loads((out_dir / "report.json").read_text())["columns"] == [
-        "data.image_size", "cell", "status", "test/acc1"]
+        "data.image_size",
+        "cell",
+        "status",
+        "test/acc1",
+    ]
 
 
 def test_report_without_sweep_json_reads_the_cells_on_disk(tmp_path, monkeypatch):
@@ -326,8 +412,9 @@ def test_help_lists_sweep_and_report(capsys):
     assert "\n  sweep " in out and "\n  report " in out
 
 
-@pytest.mark.parametrize("name, cells", [("quickstart", 4), ("quickstart_at", 4), ("paper_autoattack", 18),
-                                         ("paper_benchmarks", 10)])
+@pytest.mark.parametrize(
+    "name, cells", [("quickstart", 4), ("quickstart_at", 4), ("paper_autoattack", 18), ("paper_benchmarks", 10)]
+)
 def test_shipped_sweep_files_expand(name, cells, monkeypatch):
     monkeypatch.chdir(REPO)
     sweep = load_sweep(REPO / "configs" / "sweeps" / f"{name}.yaml")
@@ -368,15 +455,34 @@ def test_local_sweep_runs_each_cell_through_the_cell_command(tmp_path, capsys):
     srun: a cell that validates records done with its metrics, a cell that fails (a missing warm start, which the
     sweep's parse cannot see) records failed."""
     config = tmp_path / "validate.yaml"
-    config.write_text(yaml.safe_dump({
-        "trainer": {"accelerator": "cpu", "devices": 1, "enable_progress_bar": False, "limit_val_batches": 1},
-        "model": {"arch": "test_resnet"},
-        "data": {"source": "synthetic", "image_size": 32, "batch_size": 4, "num_workers": 0,
-                 "synthetic": {"num_classes": 4, "train_per_class": 1, "val_per_class": 1, "image_size": 32,
-                               "root": str(tmp_path / "synthetic")}},
-    }))
-    path = write_sweep(tmp_path, command="validate", configs=[str(config)], args={},
-                       grid={"model.init_from": {"none": None, "missing": str(tmp_path / "missing.ckpt")}})
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "trainer": {"accelerator": "cpu", "devices": 1, "enable_progress_bar": False, "limit_val_batches": 1},
+                "model": {"arch": "test_resnet"},
+                "data": {
+                    "source": "synthetic",
+                    "image_size": 32,
+                    "batch_size": 4,
+                    "num_workers": 0,
+                    "synthetic": {
+                        "num_classes": 4,
+                        "train_per_class": 1,
+                        "val_per_class": 1,
+                        "image_size": 32,
+                        "root": str(tmp_path / "synthetic"),
+                    },
+                },
+            }
+        )
+    )
+    path = write_sweep(
+        tmp_path,
+        command="validate",
+        configs=[str(config)],
+        args={},
+        grid={"model.init_from": {"none": None, "missing": str(tmp_path / "missing.ckpt")}},
+    )
     assert main(["sweep", "--config", str(path), "--local"]) == 1  # one cell failed
     assert "1 of 2 cells succeeded" in capsys.readouterr().out
     cells = sorted((tmp_path / "out" / "cells").iterdir())

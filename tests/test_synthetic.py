@@ -16,8 +16,9 @@ from robust_lightning.data.synthetic import ensure_synthetic_dataset, synthetic_
 from robust_lightning.errors import UserError
 
 # Small enough to generate in about a second, large enough to learn from.
-SMALL = dict(num_classes=10, train_per_class=100, val_per_class=20, image_size=32, samples_per_shard=250,
-             progress=False)
+SMALL = dict(
+    num_classes=10, train_per_class=100, val_per_class=20, image_size=32, samples_per_shard=250, progress=False
+)
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +110,9 @@ def test_concurrent_callers_generate_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(synthetic, "_generate", counting)
     params = dict(SMALL, train_per_class=2, val_per_class=1, workers=1)
-    threads = [threading.Thread(target=ensure_synthetic_dataset, args=(tmp_path / "d",), kwargs=params)
-               for _ in range(3)]
+    threads = [
+        threading.Thread(target=ensure_synthetic_dataset, args=(tmp_path / "d",), kwargs=params) for _ in range(3)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -170,8 +172,9 @@ def test_classes_are_shapes_not_colours(small, one_thread):
     def block(i, o):
         return nn.Sequential(nn.Conv2d(i, o, 3, padding=1), nn.BatchNorm2d(o), nn.ReLU(), nn.MaxPool2d(2))
 
-    net = nn.Sequential(block(3, 16), block(16, 32), block(32, 64), nn.AdaptiveMaxPool2d(1), nn.Flatten(),
-                        nn.Linear(64, 10))
+    net = nn.Sequential(
+        block(3, 16), block(16, 32), block(32, 64), nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(64, 10)
+    )
     optimizer = torch.optim.Adam(net.parameters(), lr=3e-3)
     for _ in range(10):
         net.train()

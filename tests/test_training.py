@@ -14,10 +14,10 @@ def test_warmup_cosine_against_the_closed_form():
     lr = [warmup_cosine(s, total, warm, peak, low) for s in range(total)]
     assert lr[0] == pytest.approx(peak / warm)
     assert lr[warm - 1] == pytest.approx(peak)  # the peak is reached at the end of warm-up
-    assert all(b > a for a, b in zip(lr[:warm - 1], lr[1:warm]))
+    assert all(b > a for a, b in zip(lr[: warm - 1], lr[1:warm]))
     mid = warm + (total - warm) // 2
     assert lr[mid] == pytest.approx(low + (peak - low) * 0.5 * (1 + math.cos(math.pi * 0.5)))
-    assert all(b <= a for a, b in zip(lr[warm:], lr[warm + 1:]))
+    assert all(b <= a for a, b in zip(lr[warm:], lr[warm + 1 :]))
     assert warmup_cosine(total, total, warm, peak, low) == pytest.approx(low)
 
 
@@ -36,16 +36,25 @@ def test_no_weight_decay_on_biases_norms_and_embeddings():
 
 
 def _trainer(tmp_path, **kwargs):
-    options = dict(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                   default_root_dir=tmp_path)
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+    )
     return Trainer(**{**options, **kwargs})
 
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
-    synthetic = SyntheticData(num_classes=4, train_per_class=8, val_per_class=4, image_size=32,
-                              root=str(tmp_path_factory.mktemp("synthetic")))
+    synthetic = SyntheticData(
+        num_classes=4, train_per_class=8, val_per_class=4, image_size=32, root=str(tmp_path_factory.mktemp("synthetic"))
+    )
     return dict(source="synthetic", image_size=32, batch_size=8, num_workers=0, synthetic=synthetic)
 
 
@@ -69,10 +78,12 @@ def test_learning_rate_follows_the_schedule_every_step(tmp_path, tiny_data):
 
 
 @pytest.mark.parametrize("precision,channels_last", [("bf16-mixed", False), ("32-true", True)])
-def test_bf16_and_channels_last_adversarial_training_and_robust_validation(tmp_path, tiny_data, precision,
-                                                                          channels_last):
-    module = ImageClassifier(arch="convnext_atto_convstem", num_classes=4, channels_last=channels_last,
-                             attack="apgd", select_attack_steps=1)
+def test_bf16_and_channels_last_adversarial_training_and_robust_validation(
+    tmp_path, tiny_data, precision, channels_last
+):
+    module = ImageClassifier(
+        arch="convnext_atto_convstem", num_classes=4, channels_last=channels_last, attack="apgd", select_attack_steps=1
+    )
     trainer = _trainer(tmp_path, precision=precision, limit_train_batches=2, inference_mode=False)
     trainer.fit(module, datamodule=ImageNetDataModule(**tiny_data))
     assert trainer.callback_metrics["val/num_images"] == 16

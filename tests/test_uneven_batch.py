@@ -52,8 +52,13 @@ def rank_batches(dataset, world_size: int, global_batch: int, epoch: int = 0) ->
     for rank in range(world_size):
         sampler = GlobalBatchSampler(dataset, world_size, rank, global_batch, seed=3)
         sampler.set_epoch(epoch)
-        loader = DataLoader(dataset, batch_size=rank_share(global_batch, world_size, rank), sampler=sampler,
-                            drop_last=True, collate_fn=list)
+        loader = DataLoader(
+            dataset,
+            batch_size=rank_share(global_batch, world_size, rank),
+            sampler=sampler,
+            drop_last=True,
+            collate_fn=list,
+        )
         batches.append(list(loader))
         assert len(loader) == len(batches[-1])
     return batches
@@ -89,8 +94,9 @@ def test_folder_loaders_of_an_uneven_split(tmp_path):
     make_image_tree(tmp_path / "in" / "val", {w: 1 for w in WNIDS})
     keys = []
     for rank in range(WORLD_SIZE):
-        dm = ImageNetDataModule(source="folder", root=str(tmp_path / "in"), image_size=32, num_workers=0,
-                                global_batch_size=5)
+        dm = ImageNetDataModule(
+            source="folder", root=str(tmp_path / "in"), image_size=32, num_workers=0, global_batch_size=5
+        )
         dm.trainer = type("T", (), {"global_rank": rank, "world_size": WORLD_SIZE})()
         dm.setup("fit")
         loader = dm.train_dataloader()
@@ -105,8 +111,14 @@ def test_folder_loaders_of_an_uneven_split(tmp_path):
 
 
 def test_shard_loaders_take_the_same_number_of_steps_on_every_rank(tmp_path):
-    synthetic = SyntheticData(num_classes=4, train_per_class=8, val_per_class=3, image_size=32, samples_per_shard=4,
-                              root=str(tmp_path / "synthetic"))
+    synthetic = SyntheticData(
+        num_classes=4,
+        train_per_class=8,
+        val_per_class=3,
+        image_size=32,
+        samples_per_shard=4,
+        root=str(tmp_path / "synthetic"),
+    )
     sizes = []
     for rank in range(WORLD_SIZE):
         dm = ImageNetDataModule(image_size=32, num_workers=0, global_batch_size=10, synthetic=synthetic)
@@ -123,8 +135,9 @@ def test_a_global_batch_larger_than_the_training_set_is_refused(tmp_path):
 
     make_image_tree(tmp_path / "in" / "train", {w: 2 for w in WNIDS})
     make_image_tree(tmp_path / "in" / "val", {w: 1 for w in WNIDS})
-    dm = ImageNetDataModule(source="folder", root=str(tmp_path / "in"), image_size=32, num_workers=0,
-                            global_batch_size=7)
+    dm = ImageNetDataModule(
+        source="folder", root=str(tmp_path / "in"), image_size=32, num_workers=0, global_batch_size=7
+    )
     dm.setup("fit")
     with pytest.raises(UserError, match="6 training images are fewer than one global batch of 7"):
         dm.train_dataloader()
@@ -162,8 +175,15 @@ class StepRecorder(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._save(trainer, "final", {k: v.clone() for k, v in pl_module.model.state_dict().items()})
-        self._save(trainer, "steps", {"global_step": trainer.global_step, "micro_batches": len(self.batches),
-                                      "accumulate_grad_batches": trainer.accumulate_grad_batches})
+        self._save(
+            trainer,
+            "steps",
+            {
+                "global_step": trainer.global_step,
+                "micro_batches": len(self.batches),
+                "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            },
+        )
 
 
 # no label smoothing: the reference below is then plain cross-entropy on the labels
@@ -174,13 +194,29 @@ def train_one_step(out: Path, world_size: int, max_device_batch_size: int | None
     """Folder data: the ranks' shares come from GlobalBatchSampler, which Lightning must keep (the shard
     source's split is the per-rank batch size alone, checked above)."""
     seed_everything(0)
-    trainer = Trainer(accelerator="cpu", devices=world_size, strategy="ddp" if world_size > 1 else "auto",
-                      max_steps=1, logger=False, enable_checkpointing=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, limit_val_batches=0, inference_mode=False,
-                      callbacks=[StepRecorder(str(out))], default_root_dir=str(out))
-    data = ImageNetDataModule(source="folder", root=str(out / "in"), class_map="folders", image_size=32,
-                              num_workers=0, global_batch_size=GLOBAL_BATCH,
-                              max_device_batch_size=max_device_batch_size)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy="ddp" if world_size > 1 else "auto",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        inference_mode=False,
+        callbacks=[StepRecorder(str(out))],
+        default_root_dir=str(out),
+    )
+    data = ImageNetDataModule(
+        source="folder",
+        root=str(out / "in"),
+        class_map="folders",
+        image_size=32,
+        num_workers=0,
+        global_batch_size=GLOBAL_BATCH,
+        max_device_batch_size=max_device_batch_size,
+    )
     trainer.fit(SGDClassifier(**MODEL), datamodule=data)
 
 
@@ -280,13 +316,20 @@ def test_trainer_accumulation_with_a_global_batch_is_refused_naming_the_option(t
 
     make_image_tree(tmp_path / "in" / "train", {w: 4 for w in WNIDS})
     make_image_tree(tmp_path / "in" / "val", {w: 1 for w in WNIDS})
-    dm = ImageNetDataModule(source="folder", root=str(tmp_path / "in"), image_size=32, num_workers=0,
-                            global_batch_size=6)
+    dm = ImageNetDataModule(
+        source="folder", root=str(tmp_path / "in"), image_size=32, num_workers=0, global_batch_size=6
+    )
     dm.trainer = type("T", (), {"global_rank": 0, "world_size": 1, "accumulate_grad_batches": 2})()
     with pytest.raises(UserError, match="set data.max_device_batch_size"):
         dm.setup("fit")
-    dm = ImageNetDataModule(source="folder", root=str(tmp_path / "in"), image_size=32, num_workers=0,
-                            global_batch_size=6, max_device_batch_size=2)
+    dm = ImageNetDataModule(
+        source="folder",
+        root=str(tmp_path / "in"),
+        image_size=32,
+        num_workers=0,
+        global_batch_size=6,
+        max_device_batch_size=2,
+    )
     dm.trainer = type("T", (), {"global_rank": 0, "world_size": 1, "accumulate_grad_batches": 1})()
     dm.setup("fit")
     assert dm.trainer.accumulate_grad_batches == 3 and len(dm.train_dataloader()) == 2 * 3

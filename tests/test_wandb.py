@@ -33,11 +33,11 @@ def read_records(path: Path) -> list[wandb_internal_pb2.Record]:
     records, chunks, pos = [], [], 7
     while pos + 7 <= len(data):
         left = 32768 - pos % 32768
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if left < 7 or kind == 0:  # padding to the end of the block
             pos += left
             continue
-        chunks.append(data[pos + 7:pos + 7 + length])
+        chunks.append(data[pos + 7 : pos + 7 + length])
         pos += 7 + length
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()
@@ -100,9 +100,15 @@ def workdir(tmp_path_factory):
     wandb.teardown()
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(tmp_path)
-        for name, value in {"WANDB_MODE": "offline", "WANDB_DIR": tmp_path, "WANDB_CONFIG_DIR": tmp_path / "config",
-                            "WANDB_CACHE_DIR": tmp_path / "cache", "WANDB_DATA_DIR": tmp_path / "data",
-                            "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true"}.items():
+        for name, value in {
+            "WANDB_MODE": "offline",
+            "WANDB_DIR": tmp_path,
+            "WANDB_CONFIG_DIR": tmp_path / "config",
+            "WANDB_CACHE_DIR": tmp_path / "cache",
+            "WANDB_DATA_DIR": tmp_path / "data",
+            "WANDB_SILENT": "true",
+            "WANDB_DISABLE_GIT": "true",
+        }.items():
             patch.setenv(name, str(value))
         patch.delenv("WANDB_API_KEY", raising=False)
         yield tmp_path
@@ -124,10 +130,28 @@ def run_cli(workdir: Path, *args: str) -> OfflineRun:
 def fitted(workdir):
     """APGD-AT (1 step) with EMA and 1-step robust selection for 3 steps; group and tags set on the command line."""
     config = tiny_config(workdir, workdir / "synthetic")
-    return run_cli(workdir, "fit", "--config", str(config), "--config", WANDB_YAML,
-                   "--model.attack", "apgd", "--model.attack_steps", "1", "--trainer.log_every_n_steps", "1",
-                   "--model.ema_decay", "0.9", "--model.select_attack_steps", "1",
-                   "--trainer.logger.init_args.group", "sweep-a", "--trainer.logger.init_args.tags", "[at, tiny]")
+    return run_cli(
+        workdir,
+        "fit",
+        "--config",
+        str(config),
+        "--config",
+        WANDB_YAML,
+        "--model.attack",
+        "apgd",
+        "--model.attack_steps",
+        "1",
+        "--trainer.log_every_n_steps",
+        "1",
+        "--model.ema_decay",
+        "0.9",
+        "--model.select_attack_steps",
+        "1",
+        "--trainer.logger.init_args.group",
+        "sweep-a",
+        "--trainer.logger.init_args.tags",
+        "[at, tiny]",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -154,16 +178,33 @@ def evaluated(workdir, fitted):
     config = yaml.safe_load(path.read_text())
     config["trainer"]["logger"]["init_args"]["name"] = "tiny"  # the fit's CSV run folder: version_1 next to it
     config["trainer"]["callbacks"] += [
-        {"class_path": "robust_lightning.evaluation.autoattack.AutoAttackEvaluation",
-         "init_args": {"threat_models": [{"norm": "Linf", "eps": 4 / 255}], "version": "apgd-ce", "n_iter": 2,
-                       "results_dir": str(workdir / "outcomes")}},
-        {"class_path": "robust_lightning.evaluation.benchmarks.DistributionShiftBenchmarks",
-         "init_args": {"imagenet_v2": str(v2), "batch_size": 4, "num_workers": 0}},
-        {"class_path": "robust_lightning.evaluation.imagenet_p.ImageNetP",
-         "init_args": {"root": str(workdir / "imagenet-p"), "perturbations": ["gaussian_noise", "brightness"],
-                       "batch_size": 4, "num_workers": 0, "max_videos_per_perturbation": 1}},
-        {"class_path": "robust_lightning.evaluation.resolution.ResolutionSweep",
-         "init_args": {"resolutions": [24, 32], "attack": None, "results_dir": str(workdir / "sweep")}},
+        {
+            "class_path": "robust_lightning.evaluation.autoattack.AutoAttackEvaluation",
+            "init_args": {
+                "threat_models": [{"norm": "Linf", "eps": 4 / 255}],
+                "version": "apgd-ce",
+                "n_iter": 2,
+                "results_dir": str(workdir / "outcomes"),
+            },
+        },
+        {
+            "class_path": "robust_lightning.evaluation.benchmarks.DistributionShiftBenchmarks",
+            "init_args": {"imagenet_v2": str(v2), "batch_size": 4, "num_workers": 0},
+        },
+        {
+            "class_path": "robust_lightning.evaluation.imagenet_p.ImageNetP",
+            "init_args": {
+                "root": str(workdir / "imagenet-p"),
+                "perturbations": ["gaussian_noise", "brightness"],
+                "batch_size": 4,
+                "num_workers": 0,
+                "max_videos_per_perturbation": 1,
+            },
+        },
+        {
+            "class_path": "robust_lightning.evaluation.resolution.ResolutionSweep",
+            "init_args": {"resolutions": [24, 32], "attack": None, "results_dir": str(workdir / "sweep")},
+        },
     ]
     path.write_text(yaml.safe_dump(config))
     with pytest.MonkeyPatch.context() as patch:
@@ -213,8 +254,9 @@ def test_evaluation_tables_and_plots_are_logged(evaluated):
     per_severity = evaluated.table("imagenet_c/per_severity")
     assert per_severity["columns"] == ["corruption", "severity", "acc1", "error"]
     assert len(per_severity["data"]) == 2 * 5
-    assert {(c, s) for c, s, *_ in per_severity["data"]} == {(c, s) for c in ("gaussian_noise", "brightness")
-                                                            for s in range(1, 6)}
+    assert {(c, s) for c, s, *_ in per_severity["data"]} == {
+        (c, s) for c in ("gaussian_noise", "brightness") for s in range(1, 6)
+    }
     assert all(acc1 + error == pytest.approx(1) for _, _, acc1, error in per_severity["data"])
     per_corruption = evaluated.table("imagenet_c/per_corruption")
     assert per_corruption["columns"] == ["corruption", "mean_acc1", "mean_error", "ce", "relative_ce", "ece"]

@@ -238,9 +238,7 @@ def test_timm_pretrained_tag_from_local_file(tmp_path, no_network, suffix):
     torch.manual_seed(0)
     src = build_classifier("test_convnext.r160_in1k", 1000)
     path = save_net_weights(src, tmp_path / f"test_convnext{suffix}")
-    net = timm.create_model(
-        "test_convnext.r160_in1k", pretrained=True, pretrained_cfg_overlay=dict(file=str(path))
-    )
+    net = timm.create_model("test_convnext.r160_in1k", pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
     for k, v in src.net.state_dict().items():
         torch.testing.assert_close(net.state_dict()[k], v, rtol=0, atol=0)
 

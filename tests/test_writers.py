@@ -27,8 +27,13 @@ from test_cli import REPO, tiny_config
 
 
 def _python(code: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for_holder(lock_file: Path, process: subprocess.Popen, timeout: float = 120) -> None:
@@ -118,9 +123,24 @@ def test_two_shards_commands_into_one_folder(tmp_path):
     """)
     try:
         _wait_for_holder(out / LOCK_NAME, first)
-        second = subprocess.run([sys.executable, "-m", "robust_lightning", "shards", str(src), str(out),
-                                 "--samples_per_shard", "4", "--workers", "1"], cwd=REPO, capture_output=True,
-                                text=True, timeout=300)
+        second = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "robust_lightning",
+                "shards",
+                str(src),
+                str(out),
+                "--samples_per_shard",
+                "4",
+                "--workers",
+                "1",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert second.returncode == 2, second.stderr
         assert f"shard directory {out} is being written by pid {first.pid}" in second.stderr
         assert "Traceback" not in second.stderr
@@ -144,9 +164,24 @@ def test_two_shards_commands_into_one_folder(tmp_path):
         assert samples[path.stem]["jpg"] == path.read_bytes() and samples[path.stem]["cls"] == labels[path.parent.name]
     assert not [p.name for p in out.iterdir() if ".tmp-" in p.name]
     # once the first is done, the same command finds the set complete
-    again = subprocess.run([sys.executable, "-m", "robust_lightning", "shards", str(src), str(out),
-                            "--samples_per_shard", "4", "--workers", "1"], cwd=REPO, capture_output=True, text=True,
-                           timeout=300)
+    again = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "robust_lightning",
+            "shards",
+            str(src),
+            str(out),
+            "--samples_per_shard",
+            "4",
+            "--workers",
+            "1",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 0, again.stderr
     assert read_manifest(out) == manifest
 
@@ -154,10 +189,14 @@ def test_two_shards_commands_into_one_folder(tmp_path):
 @pytest.fixture
 def fixed_dirpath_config(tmp_path):
     """The quickstart's layout: versioned run directories under runs/tiny, checkpoints in one fixed folder."""
-    return tiny_config(tmp_path, tmp_path / "synthetic", **{
-        "checkpoint.dirpath": str(tmp_path / "runs" / "tiny" / "checkpoints"),
-        "checkpoint.enable_version_counter": False,
-    })
+    return tiny_config(
+        tmp_path,
+        tmp_path / "synthetic",
+        **{
+            "checkpoint.dirpath": str(tmp_path / "runs" / "tiny" / "checkpoints"),
+            "checkpoint.enable_version_counter": False,
+        },
+    )
 
 
 def test_a_second_fit_into_a_fixed_checkpoint_dirpath_is_refused(tmp_path, fixed_dirpath_config, capsys):
@@ -177,17 +216,29 @@ def test_a_second_fit_into_a_fixed_checkpoint_dirpath_is_refused(tmp_path, fixed
         assert Path(fit[key]["path"]).parent == checkpoints
         assert fit[key]["sha256"] == file_sha256(fit[key]["path"])
     # resuming the run that owns them is allowed, in its own run directory
-    assert main(["fit", "--config", str(fixed_dirpath_config), "--trainer.max_epochs", "2",
-                 "--ckpt_path", "last"]) == 0
+    assert main(["fit", "--config", str(fixed_dirpath_config), "--trainer.max_epochs", "2", "--ckpt_path", "last"]) == 0
     fit = json.loads((first / "results.json").read_text())["fit"]
     assert fit["epochs"] == 2 and fit["last_checkpoint"]["sha256"] == file_sha256(checkpoints / "last.ckpt")
     assert not (tmp_path / "runs" / "tiny" / "version_1" / "results.json").exists()
     # so is a new run resuming from one of them by path: it would overwrite them as well
-    assert main(["fit", "--config", str(fixed_dirpath_config), "--trainer.max_epochs", "3",
-                 "--ckpt_path", str(checkpoints / "last.ckpt")]) == 2
+    assert (
+        main(
+            [
+                "fit",
+                "--config",
+                str(fixed_dirpath_config),
+                "--trainer.max_epochs",
+                "3",
+                "--ckpt_path",
+                str(checkpoints / "last.ckpt"),
+            ]
+        )
+        == 2
+    )
     assert f"holds the checkpoints of the run in {first}" in capsys.readouterr().err
-    assert json.loads((first / "results.json").read_text())["fit"]["last_checkpoint"]["sha256"] == \
-        file_sha256(checkpoints / "last.ckpt")
+    assert json.loads((first / "results.json").read_text())["fit"]["last_checkpoint"]["sha256"] == file_sha256(
+        checkpoints / "last.ckpt"
+    )
 
 
 def test_a_fit_into_a_run_directory_in_use_is_refused(tmp_path, fixed_dirpath_config, capsys):
@@ -209,8 +260,20 @@ def test_ckpt_path_last_without_an_earlier_fit_says_so_and_starts_one(tmp_path, 
     a validate's run directory is never taken for a fit's."""
     config = tiny_config(tmp_path, tmp_path / "synthetic")
     checkpoint_file = tmp_path / "model.ckpt"
-    assert main(["fit", "--config", str(config), "--trainer.logger", "false",
-                 "--checkpoint.dirpath", str(tmp_path / "elsewhere")]) == 0
+    assert (
+        main(
+            [
+                "fit",
+                "--config",
+                str(config),
+                "--trainer.logger",
+                "false",
+                "--checkpoint.dirpath",
+                str(tmp_path / "elsewhere"),
+            ]
+        )
+        == 0
+    )
     (tmp_path / "elsewhere" / "last.ckpt").rename(checkpoint_file)
     assert main(["validate", "--config", str(config), "--ckpt_path", str(checkpoint_file)]) == 0
     assert (tmp_path / "runs" / "tiny" / "version_0" / "results.json").is_file()  # a validate's run directory
@@ -277,8 +340,10 @@ def test_a_second_autoattack_evaluation_into_one_outcome_folder_is_refused(tmp_p
     """)
     try:
         _wait_for_holder(tmp_path / "held" / LOCK_NAME, holder)
-        with pytest.raises(UserError, match=f"AutoAttackEvaluation outcome folder {tmp_path / 'held'} is being "
-                                            f"written by pid {holder.pid}"):
+        with pytest.raises(
+            UserError,
+            match=f"AutoAttackEvaluation outcome folder {tmp_path / 'held'} is being written by pid {holder.pid}",
+        ):
             with ExitStack() as locks:
                 claim_directory(tmp_path / "held", {}, True, "AutoAttackEvaluation", locks)
     finally:
@@ -300,11 +365,14 @@ def full_disk(tmp_path):
     """A 256 KiB filesystem: smaller than any checkpoint, so writing one fills it."""
     mount = tmp_path / "tiny-disk"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if done.returncode:
-        pytest.skip(f"cannot mount a tiny filesystem on this machine ({done.stderr.strip() or 'not root'}); the "
-                    "other unwritable outputs are probed in tests/test_probes.py")
+        pytest.skip(
+            f"cannot mount a tiny filesystem on this machine ({done.stderr.strip() or 'not root'}); the "
+            "other unwritable outputs are probed in tests/test_probes.py"
+        )
     yield mount
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
@@ -318,8 +386,20 @@ def test_a_full_disk_is_one_message_and_leaves_nothing_half_written(tmp_path, fu
     assert not [p for p in (full_disk / "ckpts").iterdir() if p.suffix == ".ckpt" or ".tmp-" in p.name]
     # the export of a checkpoint to the full disk: the same
     saved = tmp_path / "model.ckpt"
-    assert main(["fit", "--config", str(config), "--trainer.logger", "false",
-                 "--checkpoint.dirpath", str(tmp_path / "elsewhere")]) == 0
+    assert (
+        main(
+            [
+                "fit",
+                "--config",
+                str(config),
+                "--trainer.logger",
+                "false",
+                "--checkpoint.dirpath",
+                str(tmp_path / "elsewhere"),
+            ]
+        )
+        == 0
+    )
     (tmp_path / "elsewhere" / "last.ckpt").rename(saved)
     capsys.readouterr()
     assert main(["export", str(saved), str(full_disk / "model.safetensors")]) == 2

@@ -40,16 +40,26 @@ def _check_attack(owner: str, attack: str, eps: list[float], steps: list[int], r
         raise UserError(f"{owner}: relative_step must be > 0 (PGD step = relative_step * eps), got {relative_step}")
 
 
-def attack_batch(model: nn.Module, x: Tensor, y: Tensor, attack: str, eps: float, steps: int = 1,
-                 relative_step: float | None = None, random_start: bool = False, seed: int = 0) -> Tensor:
+def attack_batch(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    attack: str,
+    eps: float,
+    steps: int = 1,
+    relative_step: float | None = None,
+    random_start: bool = False,
+    seed: int = 0,
+) -> Tensor:
     """Linf adversarial examples of one batch; eps 0 returns the images unchanged."""
     if eps == 0:
         return x
     if attack == "fgsm":
         return fgsm(model, x, y, eps=eps)
     step = None if relative_step is None else relative_step * eps
-    return pgd(model, x, y, norm="Linf", eps=eps, n_iter=steps, step_size=step, random_start=random_start,
-               generator=seed)
+    return pgd(
+        model, x, y, norm="Linf", eps=eps, n_iter=steps, step_size=step, random_start=random_start, generator=seed
+    )
 
 
 @torch.no_grad()
@@ -84,11 +94,20 @@ class AttackSweep(Analysis):
 
     name = "attack_sweep"
 
-    def __init__(self, attacks: list[str] = ("fgsm", "pgd"),
-                 eps: list[float] = (0.0, 0.00196078431372549, 0.00392156862745098), steps: list[int] = (8,),
-                 relative_step: float | None = 0.125, random_start: bool = False, seed: int = 0,
-                 name: str = "attack_sweep", max_images: int = 256, batch_size: int = 64, weights: str = "raw",
-                 plot: bool = True):
+    def __init__(
+        self,
+        attacks: list[str] = ("fgsm", "pgd"),
+        eps: list[float] = (0.0, 0.00196078431372549, 0.00392156862745098),
+        steps: list[int] = (8,),
+        relative_step: float | None = 0.125,
+        random_start: bool = False,
+        seed: int = 0,
+        name: str = "attack_sweep",
+        max_images: int = 256,
+        batch_size: int = 64,
+        weights: str = "raw",
+        plot: bool = True,
+    ):
         super().__init__(max_images=max_images, batch_size=batch_size, weights=weights, plot=plot)
         self.attacks, self.eps, self.steps = list(attacks), sorted(float(e) for e in eps), list(steps)
         if not self.attacks:
@@ -109,27 +128,60 @@ class AttackSweep(Analysis):
         x, y = self.images(trainer, pl_module)
         clean = torch.cat([correct(model, xb, yb) for _, xb, yb in _chunks(x, y, self.batch_size)])
         curves: dict[str, Any] = {}
-        bar = tqdm(total=len(self.curves()) * len(self.eps), desc="attack sweep", unit="point", leave=False,
-                   disable=not trainer.is_global_zero)
+        bar = tqdm(
+            total=len(self.curves()) * len(self.eps),
+            desc="attack sweep",
+            unit="point",
+            leave=False,
+            disable=not trainer.is_global_zero,
+        )
         for label, attack, steps in self.curves():
             accuracy = []
             for eps in self.eps:
                 bar.set_postfix_str(f"{label} eps {eps:.4g}")
-                hits = [correct(model, attack_batch(model, xb, yb, attack, eps, steps, self.relative_step,
-                                                    self.random_start, self.seed + i), yb)
-                        for i, xb, yb in _chunks(x, y, self.batch_size)]
+                hits = [
+                    correct(
+                        model,
+                        attack_batch(
+                            model, xb, yb, attack, eps, steps, self.relative_step, self.random_start, self.seed + i
+                        ),
+                        yb,
+                    )
+                    for i, xb, yb in _chunks(x, y, self.batch_size)
+                ]
                 accuracy.append(float(torch.cat(hits).float().mean()))
                 bar.update()
-            curves[label] = {"attack": attack, "steps": steps, "eps": self.eps, "accuracy": accuracy,
-                             **({"step_size": _step_text(self.relative_step, steps),
-                                 "random_start": self.random_start} if attack == "pgd" else {})}
+            curves[label] = {
+                "attack": attack,
+                "steps": steps,
+                "eps": self.eps,
+                "accuracy": accuracy,
+                **(
+                    {"step_size": _step_text(self.relative_step, steps), "random_start": self.random_start}
+                    if attack == "pgd"
+                    else {}
+                ),
+            }
         bar.close()
-        section = {"clean_accuracy": float(clean.float().mean()), "num_images": len(y), "curves": curves,
-                   "conditions": {"arch": pl_module.hparams.get("arch"), "norm": "Linf", "seed": self.seed,
-                                  "model_mode": "eval"}}
-        metrics = {"clean_accuracy": section["clean_accuracy"],
-                   **{f"{label}/eps_{eps:.4g}": acc for label, c in curves.items()
-                      for eps, acc in zip(c["eps"], c["accuracy"])}}
+        section = {
+            "clean_accuracy": float(clean.float().mean()),
+            "num_images": len(y),
+            "curves": curves,
+            "conditions": {
+                "arch": pl_module.hparams.get("arch"),
+                "norm": "Linf",
+                "seed": self.seed,
+                "model_mode": "eval",
+            },
+        }
+        metrics = {
+            "clean_accuracy": section["clean_accuracy"],
+            **{
+                f"{label}/eps_{eps:.4g}": acc
+                for label, c in curves.items()
+                for eps, acc in zip(c["eps"], c["accuracy"])
+            },
+        }
         return section, metrics, self.figure(section) if self.plot else None
 
     @staticmethod
@@ -155,8 +207,9 @@ class AttackSweep(Analysis):
             steps = [c["steps"] for c in pgd_curves]
             for j, eps in enumerate(pgd_curves[0]["eps"]):
                 if eps > 0:
-                    right.plot(steps, [100 * c["accuracy"][j] for c in pgd_curves], "o-",
-                               label=f"{label}, ε = {eps:.4g}")
+                    right.plot(
+                        steps, [100 * c["accuracy"][j] for c in pgd_curves], "o-", label=f"{label}, ε = {eps:.4g}"
+                    )
             right.set_xlabel("Attack steps")
             right.set_ylabel("Accuracy (%)")
             right.set_ylim(0, 100)
@@ -170,8 +223,9 @@ def checkpoint_label(path: str) -> str:
     """A short name for a checkpoint: its run directory (runs/<run>/[version_N/]checkpoints/x.ckpt -> <run>),
     plus the file stem unless it is "last"."""
     p = Path(path)
-    run = next((d.name for d in p.parents if d.name and d.name != "checkpoints" and not d.name.startswith("version_")),
-               p.stem)
+    run = next(
+        (d.name for d in p.parents if d.name and d.name != "checkpoints" and not d.name.startswith("version_")), p.stem
+    )
     return run if p.stem == "last" else f"{run}/{p.stem}"
 
 
@@ -189,8 +243,9 @@ def load_classifier(path: str, device: torch.device, weights: str = "raw") -> tu
         raise UserError(f"TransferMatrix: cannot load {path} as a robust-lightning checkpoint: {e}") from e
     if weights == "ema":
         if module.ema is None:
-            raise UserError(f"TransferMatrix.weights 'ema': {path} has no EMA weights "
-                            "(trained without model.ema_decay)")
+            raise UserError(
+                f"TransferMatrix.weights 'ema': {path} has no EMA weights (trained without model.ema_decay)"
+            )
         return module.ema.module.eval(), module.hparams.num_classes
     return module.model.eval(), module.hparams.num_classes
 
@@ -210,10 +265,22 @@ class TransferMatrix(Analysis):
 
     name = "transfer_matrix"
 
-    def __init__(self, checkpoints: list[str] = (), names: list[str] | None = None, include_tested_model: bool = True,
-                 attack: str = "pgd", eps: float = 0.00392156862745098, steps: int = 8,
-                 relative_step: float | None = 0.125, random_start: bool = False, seed: int = 0, max_images: int = 256,
-                 batch_size: int = 64, weights: str = "raw", plot: bool = True):
+    def __init__(
+        self,
+        checkpoints: list[str] = (),
+        names: list[str] | None = None,
+        include_tested_model: bool = True,
+        attack: str = "pgd",
+        eps: float = 0.00392156862745098,
+        steps: int = 8,
+        relative_step: float | None = 0.125,
+        random_start: bool = False,
+        seed: int = 0,
+        max_images: int = 256,
+        batch_size: int = 64,
+        weights: str = "raw",
+        plot: bool = True,
+    ):
         super().__init__(max_images=max_images, batch_size=batch_size, weights=weights, plot=plot)
         _check_attack("TransferMatrix", attack, [eps], [steps], relative_step)
         if not eps > 0:
@@ -237,8 +304,10 @@ class TransferMatrix(Analysis):
         for path in self.checkpoints:
             model, classes = load_classifier(path, pl_module.device, self.weights)
             if ours is not None and classes != ours:
-                raise UserError(f"TransferMatrix: {path} has {classes} classes, the tested model {ours}; "
-                                "transfer needs one label space")
+                raise UserError(
+                    f"TransferMatrix: {path} has {classes} classes, the tested model {ours}; "
+                    "transfer needs one label space"
+                )
             self._others.append(model)
 
     def models(self, trainer, pl_module) -> tuple[list[str], list[nn.Module]]:
@@ -253,20 +322,35 @@ class TransferMatrix(Analysis):
             names[i] = n if seen[n] == 1 else f"{n} ({seen[n]})"
         return names, models
 
-    def matrix(self, models: list[nn.Module], x: Tensor, y: Tensor, progress: bool = False
-               ) -> tuple[list[float], list[list[float]]]:
+    def matrix(
+        self, models: list[nn.Module], x: Tensor, y: Tensor, progress: bool = False
+    ) -> tuple[list[float], list[list[float]]]:
         """(clean accuracy per model, accuracy[source][target]); ``progress``: a bar over the attacked batches."""
         n = len(models)
         clean = torch.zeros(n)
         hits = torch.zeros(n, n)
-        bar = tqdm(total=math.ceil(len(y) / self.batch_size) * n, desc="transfer matrix", unit="attack",
-                   leave=False, disable=not progress)
+        bar = tqdm(
+            total=math.ceil(len(y) / self.batch_size) * n,
+            desc="transfer matrix",
+            unit="attack",
+            leave=False,
+            disable=not progress,
+        )
         for i, xb, yb in _chunks(x, y, self.batch_size):
             for b, target in enumerate(models):
                 clean[b] += correct(target, xb, yb).sum().item()
             for a, source in enumerate(models):
-                x_adv = attack_batch(source, xb, yb, self.attack, self.eps, self.steps, self.relative_step,
-                                     self.random_start, self.seed + i)
+                x_adv = attack_batch(
+                    source,
+                    xb,
+                    yb,
+                    self.attack,
+                    self.eps,
+                    self.steps,
+                    self.relative_step,
+                    self.random_start,
+                    self.seed + i,
+                )
                 for b, target in enumerate(models):
                     hits[a, b] += correct(target, x_adv, yb).sum().item()
                 bar.update()
@@ -279,13 +363,30 @@ class TransferMatrix(Analysis):
         clean, accuracy = self.matrix(models, x, y, progress=trainer.is_global_zero)
         self._others = []  # free the memory of the other models
         paths = ([trainer.ckpt_path] if self.include_tested_model else []) + self.checkpoints
-        section = {"models": names, "checkpoints": paths, "clean_accuracy": dict(zip(names, clean)),
-                   "accuracy": {src: dict(zip(names, row)) for src, row in zip(names, accuracy)},
-                   "white_box": {n: accuracy[i][i] for i, n in enumerate(names)}, "num_images": len(y),
-                   "conditions": {"attack": self.attack, "norm": "Linf", "eps": self.eps,
-                                  **({"steps": self.steps, "step_size": _step_text(self.relative_step, self.steps),
-                                      "random_start": self.random_start} if self.attack == "pgd" else {}),
-                                  "rows": "source (attacked) model", "columns": "evaluated model"}}
+        section = {
+            "models": names,
+            "checkpoints": paths,
+            "clean_accuracy": dict(zip(names, clean)),
+            "accuracy": {src: dict(zip(names, row)) for src, row in zip(names, accuracy)},
+            "white_box": {n: accuracy[i][i] for i, n in enumerate(names)},
+            "num_images": len(y),
+            "conditions": {
+                "attack": self.attack,
+                "norm": "Linf",
+                "eps": self.eps,
+                **(
+                    {
+                        "steps": self.steps,
+                        "step_size": _step_text(self.relative_step, self.steps),
+                        "random_start": self.random_start,
+                    }
+                    if self.attack == "pgd"
+                    else {}
+                ),
+                "rows": "source (attacked) model",
+                "columns": "evaluated model",
+            },
+        }
         metrics = {f"{src}->{dst}": accuracy[a][b] for a, src in enumerate(names) for b, dst in enumerate(names)}
         return section, metrics, self._plot(names, clean, accuracy) if self.plot else None
 
@@ -301,8 +402,10 @@ class TransferMatrix(Analysis):
         ax.set_xticks(range(n), names, rotation=30, ha="right")
         ax.set_yticks(range(n + 1), ["clean"] + [f"attack on {m}" for m in names])
         ax.set_xlabel("evaluated model")
-        what = (f"{self.attack.upper()}{'' if self.attack == 'fgsm' else f'-{self.steps}'} "
-                f"Linf eps {self.eps * 255:.3g}/255")
+        what = (
+            f"{self.attack.upper()}{'' if self.attack == 'fgsm' else f'-{self.steps}'} "
+            f"Linf eps {self.eps * 255:.3g}/255"
+        )
         ax.set_title(f"Transfer accuracy (%), {what}")
         figure.colorbar(image, ax=ax, label="accuracy (%)")
         figure.tight_layout()
@@ -324,25 +427,47 @@ class SpatialRobustness(Analysis):
 
     name = "spatial_attack"
 
-    def __init__(self, translations: int = 9, max_shift: float = 16.0, rotations: int = 31, max_angle: float = 30.0,
-                 forward_batch: int = 512, max_images: int = 256, batch_size: int = 64, weights: str = "raw",
-                 plot: bool = True):
+    def __init__(
+        self,
+        translations: int = 9,
+        max_shift: float = 16.0,
+        rotations: int = 31,
+        max_angle: float = 30.0,
+        forward_batch: int = 512,
+        max_images: int = 256,
+        batch_size: int = 64,
+        weights: str = "raw",
+        plot: bool = True,
+    ):
         super().__init__(max_images=max_images, batch_size=batch_size, weights=weights, plot=plot)
         if translations < 1 or rotations < 1 or forward_batch < 1:
             raise UserError("SpatialRobustness: translations, rotations and forward_batch must be >= 1")
         if max_shift < 0 or max_angle < 0:
             raise UserError("SpatialRobustness: max_shift and max_angle must be >= 0")
         self.translations, self.max_shift, self.rotations, self.max_angle = (
-            translations, max_shift, rotations, max_angle)
+            translations,
+            max_shift,
+            rotations,
+            max_angle,
+        )
         self.forward_batch = forward_batch
 
     def analyse(self, trainer, pl_module):
         model = self.model(pl_module)
-        batches = tqdm(self.batches(trainer, pl_module), desc="spatial attack", unit="batch", leave=False,
-                       total=math.ceil(self.max_images / self.batch_size), disable=not trainer.is_global_zero)
-        results = [spatial_grid_attack(model, xb, yb, self.translations, self.max_shift, self.rotations,
-                                       self.max_angle, self.forward_batch)
-                   for xb, yb in batches]
+        batches = tqdm(
+            self.batches(trainer, pl_module),
+            desc="spatial attack",
+            unit="batch",
+            leave=False,
+            total=math.ceil(self.max_images / self.batch_size),
+            disable=not trainer.is_global_zero,
+        )
+        results = [
+            spatial_grid_attack(
+                model, xb, yb, self.translations, self.max_shift, self.rotations, self.max_angle, self.forward_batch
+            )
+            for xb, yb in batches
+        ]
         if not results:
             raise UserError("SpatialRobustness: the test set has no images")
         grid = results[0].transforms
@@ -357,44 +482,65 @@ class SpatialRobustness(Analysis):
             return float(correct_all[:, keep].min(1).values.mean()) if keep.any() else math.nan
 
         by_angle = [float(correct_all[:, grid[:, 2] == a].mean()) for a in angles]
-        by_shift = [[float(correct_all[:, (grid[:, 0] == dx) & (grid[:, 1] == dy)].mean()) for dx in shifts]
-                    for dy in shifts]
+        by_shift = [
+            [float(correct_all[:, (grid[:, 0] == dx) & (grid[:, 1] == dy)].mean()) for dx in shifts] for dy in shifts
+        ]
         section = {
             "clean_accuracy": float(torch.cat([r.clean_correct for r in results]).float().mean()),
             "robust_accuracy": float(robust.float().mean()),
             "translation_only_accuracy": robust_under(no_rotation),
             "rotation_only_accuracy": robust_under(no_shift),
-            "num_images": int(robust.numel()), "num_transforms": int(grid.shape[0]),
-            "shifts": shifts.tolist(), "angles": angles.tolist(),
-            "accuracy_by_angle": by_angle, "accuracy_by_shift": by_shift,
+            "num_images": int(robust.numel()),
+            "num_transforms": int(grid.shape[0]),
+            "shifts": shifts.tolist(),
+            "angles": angles.tolist(),
+            "accuracy_by_angle": by_angle,
+            "accuracy_by_shift": by_shift,
             "images": {"robust": robust.tolist(), "worst_transform": worst.tolist()},
-            "conditions": {"arch": pl_module.hparams.get("arch"), "translations": self.translations,
-                           "max_shift_px": self.max_shift,
-                           "rotations": self.rotations, "max_angle_deg": self.max_angle, "fill": "zeros",
-                           "interpolation": "bilinear", "order": "rotate about the centre, then shift"},
+            "conditions": {
+                "arch": pl_module.hparams.get("arch"),
+                "translations": self.translations,
+                "max_shift_px": self.max_shift,
+                "rotations": self.rotations,
+                "max_angle_deg": self.max_angle,
+                "fill": "zeros",
+                "interpolation": "bilinear",
+                "order": "rotate about the centre, then shift",
+            },
         }
-        metrics = {k: section[k] for k in ("clean_accuracy", "robust_accuracy", "translation_only_accuracy",
-                                           "rotation_only_accuracy")}
+        metrics = {
+            k: section[k]
+            for k in ("clean_accuracy", "robust_accuracy", "translation_only_accuracy", "rotation_only_accuracy")
+        }
         return section, metrics, self.figure(section) if self.plot else None
 
     @staticmethod
     def figure(section: dict[str, Any]):
         figure, (bars, heat, curve) = new_figure(1, 3, figsize=(15, 4.2))
         kinds = ["clean", "translations", "rotations", "full grid"]
-        values = [section[k] for k in ("clean_accuracy", "translation_only_accuracy", "rotation_only_accuracy",
-                                       "robust_accuracy")]
+        values = [
+            section[k]
+            for k in ("clean_accuracy", "translation_only_accuracy", "rotation_only_accuracy", "robust_accuracy")
+        ]
         bars.bar(kinds, [100 * v for v in values], color=["C0", "C1", "C2", "C3"])
         for i, v in enumerate(values):
             bars.text(i, 100 * v + 1, f"{100 * v:.1f}", ha="center")
         bars.set_ylim(0, 105)
         bars.set_ylabel("Accuracy (%)")  # Bhojanapalli et al.'s Fig. 3 (right): worst case per image
-        bars.set_title(f"{model_label(section['conditions'].get('arch'))}: {section['num_transforms']} transforms, "
-                       f"{section['num_images']} images", fontsize=10)
+        bars.set_title(
+            f"{model_label(section['conditions'].get('arch'))}: {section['num_transforms']} transforms, "
+            f"{section['num_images']} images",
+            fontsize=10,
+        )
         shifts = section["shifts"]
         half = (shifts[1] - shifts[0]) / 2 if len(shifts) > 1 else 0.5  # cells centred on their shift
-        image = heat.imshow([[100 * v for v in row] for row in section["accuracy_by_shift"]], vmin=0, vmax=100,
-                            origin="upper",
-                            extent=[shifts[0] - half, shifts[-1] + half, shifts[-1] + half, shifts[0] - half])
+        image = heat.imshow(
+            [[100 * v for v in row] for row in section["accuracy_by_shift"]],
+            vmin=0,
+            vmax=100,
+            origin="upper",
+            extent=[shifts[0] - half, shifts[-1] + half, shifts[-1] + half, shifts[0] - half],
+        )
         heat.set_xlabel("x shift (px)")
         heat.set_ylabel("y shift (px)")
         heat.set_title("Accuracy per shift (mean over angles)")

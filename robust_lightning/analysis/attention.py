@@ -28,8 +28,16 @@ from robust_lightning.analysis.base import Analysis, model_label, new_figure
 from robust_lightning.analysis.blocks import BlockMap, find_blocks, replace_module, token_grid
 from robust_lightning.errors import UserError
 
-__all__ = ["MaskedAttention", "RestrictedAttention", "allowed_patch_pairs", "cls_only_mask", "local_mask", "masked",
-           "patch_permutation", "permuted_mask"]
+__all__ = [
+    "MaskedAttention",
+    "RestrictedAttention",
+    "allowed_patch_pairs",
+    "cls_only_mask",
+    "local_mask",
+    "masked",
+    "patch_permutation",
+    "permuted_mask",
+]
 
 
 def local_mask(grid: tuple[int, int], num_prefix: int, distance: float) -> torch.Tensor:
@@ -120,20 +128,33 @@ class RestrictedAttention(Analysis):
 
     name = "restricted_attention"
 
-    def __init__(self, distances: list[float] = (0, 1, 2, 3, 4, 6, 8, 12), permutations: int = 1,
-                 blocks: list[int] | None = None, cls_only: list[int] = (1, 2, 4, 6), seed: int = 0,
-                 max_images: int = 256, batch_size: int = 64, weights: str = "raw", plot: bool = True):
+    def __init__(
+        self,
+        distances: list[float] = (0, 1, 2, 3, 4, 6, 8, 12),
+        permutations: int = 1,
+        blocks: list[int] | None = None,
+        cls_only: list[int] = (1, 2, 4, 6),
+        seed: int = 0,
+        max_images: int = 256,
+        batch_size: int = 64,
+        weights: str = "raw",
+        plot: bool = True,
+    ):
         super().__init__(max_images=max_images, batch_size=batch_size, weights=weights, plot=plot)
         if any(d < 0 for d in distances) or any(k < 1 for k in cls_only):
             raise UserError("RestrictedAttention: distances must be >= 0 and cls_only entries >= 1")
         fractional = [d for d in distances if math.isfinite(d) and d != int(d)]
         if fractional:
-            raise UserError(f"RestrictedAttention.distances {fractional}: the distance along each axis is a whole "
-                            "number of patches (the paper's square neighbourhoods); use integers or .inf")
+            raise UserError(
+                f"RestrictedAttention.distances {fractional}: the distance along each axis is a whole "
+                "number of patches (the paper's square neighbourhoods); use integers or .inf"
+            )
         if permutations not in (0, 1):
-            raise UserError(f"RestrictedAttention.permutations {permutations}: the control is one random but fixed "
-                            "permutation of the mask (Bhojanapalli et al.), so permutations is 1 (or 0: no control); "
-                            "run again with another seed for another permutation")
+            raise UserError(
+                f"RestrictedAttention.permutations {permutations}: the control is one random but fixed "
+                "permutation of the mask (Bhojanapalli et al.), so permutations is 1 (or 0: no control); "
+                "run again with another seed for another permutation"
+            )
         self.distances, self.permutations = sorted(float(d) for d in distances), permutations
         self.blocks, self.cls_only, self.seed = blocks, sorted(set(cls_only)), seed
 
@@ -144,8 +165,10 @@ class RestrictedAttention(Analysis):
             bmap.require_cls("RestrictedAttention.cls_only")
         depth = len(bmap.units)
         if any(k > depth for k in self.cls_only) or any(not 0 <= b < depth for b in self.blocks or []):
-            raise UserError(f"RestrictedAttention: the model has {depth} blocks; cls_only {self.cls_only} and "
-                            f"blocks {self.blocks} must fit in them")
+            raise UserError(
+                f"RestrictedAttention: the model has {depth} blocks; cls_only {self.cls_only} and "
+                f"blocks {self.blocks} must fit in them"
+            )
 
     def analyse(self, trainer, pl_module):
         images, labels = self.images(trainer, pl_module)
@@ -164,8 +187,11 @@ class RestrictedAttention(Analysis):
         patches = grid[0] * grid[1]
         permutation = patch_permutation(patches, self.seed)
 
-        total = 1 + sum(1 + self.permutations * (not local_mask(grid, prefix, d).all()) for d in self.distances) \
+        total = (
+            1
+            + sum(1 + self.permutations * (not local_mask(grid, prefix, d).all()) for d in self.distances)
             + 2 * len(self.cls_only)
+        )
         bar = tqdm(total=total, desc="restricted attention", disable=not trainer.is_global_zero, leave=False)
 
         def measure(masks: dict[int, torch.Tensor]) -> float:
@@ -184,8 +210,16 @@ class RestrictedAttention(Analysis):
             if self.permutations and not mask.all():
                 permuted = {"accuracy": measure({i: permuted_mask(mask, prefix, permutation) for i in targets})}
             pairs = allowed_patch_pairs(mask, prefix)
-            rows.append({"distance": _distance_key(d), "allowed_pairs": int(mask.sum()), "allowed_patch_pairs": pairs,
-                         "allowed_fraction": pairs / patches ** 2, "local_accuracy": local, "permuted": permuted})
+            rows.append(
+                {
+                    "distance": _distance_key(d),
+                    "allowed_pairs": int(mask.sum()),
+                    "allowed_patch_pairs": pairs,
+                    "allowed_fraction": pairs / patches**2,
+                    "local_accuracy": local,
+                    "permuted": permuted,
+                }
+            )
         cls_rows = {"first": [], "last": []}
         if self.cls_only:
             only = cls_only_mask(grid, prefix)
@@ -194,16 +228,27 @@ class RestrictedAttention(Analysis):
                 cls_rows["last"].append({"k": k, "accuracy": measure({i: only for i in range(depth - k, depth)})})
         bar.close()
         section = {
-            "family": bmap.family, "grid": list(grid), "num_prefix_tokens": prefix, "full_accuracy": full,
-            "local": rows, "cls_only": cls_rows,
+            "family": bmap.family,
+            "grid": list(grid),
+            "num_prefix_tokens": prefix,
+            "full_accuracy": full,
+            "local": rows,
+            "cls_only": cls_rows,
             "permutation": permutation.tolist() if self.permutations else None,
-            "protocol": {"follows": "paper", "reference": "Bhojanapalli et al. 2021, Sec. 4 and App. A (Fig. 9); no "
-                         "public code", "differences": []},
-            "conditions": {"arch": pl_module.hparams.get("arch"), "blocks": list(targets),
-                           "permutations": self.permutations, "seed": self.seed,
-                           "distance": "max(|dy|, |dx|) on the patch grid (square neighbourhood); prefix (CLS) tokens "
-                                       "always allowed; allowed_fraction: allowed patch-patch pairs / patches^2",
-                           "cls_only": "patch tokens attend only to the prefix tokens in the first / last k blocks"},
+            "protocol": {
+                "follows": "paper",
+                "reference": "Bhojanapalli et al. 2021, Sec. 4 and App. A (Fig. 9); no public code",
+                "differences": [],
+            },
+            "conditions": {
+                "arch": pl_module.hparams.get("arch"),
+                "blocks": list(targets),
+                "permutations": self.permutations,
+                "seed": self.seed,
+                "distance": "max(|dy|, |dx|) on the patch grid (square neighbourhood); prefix (CLS) tokens "
+                "always allowed; allowed_fraction: allowed patch-patch pairs / patches^2",
+                "cls_only": "patch tokens attend only to the prefix tokens in the first / last k blocks",
+            },
         }
         metrics = {"full_accuracy": full}
         for row in rows:
@@ -226,12 +271,19 @@ class RestrictedAttention(Analysis):
         label = model_label(section["conditions"].get("arch"))
         fig, (left, right) = new_figure(1, 2, figsize=(11, 4))
         rows = [r for r in section["local"] if r["distance"] != "inf"]
-        line = left.plot([r["distance"] for r in rows], [100 * r["local_accuracy"] for r in rows], marker="o",
-                         label=label)[0]
+        line = left.plot(
+            [r["distance"] for r in rows], [100 * r["local_accuracy"] for r in rows], marker="o", label=label
+        )[0]
         perm = [r for r in rows if r["permuted"]]
         if perm:
-            left.plot([r["distance"] for r in perm], [100 * r["permuted"]["accuracy"] for r in perm], marker="s",
-                      linestyle="--", color=line.get_color(), label=f"{label}, random permutation")
+            left.plot(
+                [r["distance"] for r in perm],
+                [100 * r["permuted"]["accuracy"] for r in perm],
+                marker="s",
+                linestyle="--",
+                color=line.get_color(),
+                label=f"{label}, random permutation",
+            )
         left.axhline(100 * section["full_accuracy"], color="gray", linestyle=":", label="No restriction")
         left.set_xlabel("Maximum distance (patches)")
         left.set_ylabel("Accuracy (%)")

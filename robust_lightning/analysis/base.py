@@ -17,8 +17,15 @@ from robust_lightning.evaluation.base import Evaluation, check_weights, evaluati
 
 # How the papers name model families in their legends (Bhojanapalli et al.: "ViT", "ResNet"; Park & Kim: "ViT",
 # "ResNet", "AlterNet"; Chen et al.: "RepLKNet", "ConvNeXt"), matched in this order against the architecture name.
-FAMILY_NAMES = (("replknet", "RepLKNet"), ("alternet", "AlterNet"), ("convnext", "ConvNeXt"), ("vit", "ViT"),
-                ("deit", "ViT"), ("resnet", "ResNet"), ("bit", "ResNet"))
+FAMILY_NAMES = (
+    ("replknet", "RepLKNet"),
+    ("alternet", "AlterNet"),
+    ("convnext", "ConvNeXt"),
+    ("vit", "ViT"),
+    ("deit", "ViT"),
+    ("resnet", "ResNet"),
+    ("bit", "ResNet"),
+)
 
 
 # (marker, colour) of a family in Park & Kim's plots (their notebooks); other families: "s", tab:green
@@ -105,8 +112,8 @@ class Analysis(Evaluation):
         """Top-1 accuracy of ``model`` on ``images`` ([0, 1], on the model's device), ``batch_size`` at a time."""
         correct = 0
         for start in range(0, len(images), self.batch_size):
-            logits = model(images[start:start + self.batch_size])
-            correct += int((logits.argmax(-1) == labels[start:start + self.batch_size]).sum())
+            logits = model(images[start : start + self.batch_size])
+            correct += int((logits.argmax(-1) == labels[start : start + self.batch_size]).sum())
         return correct / max(len(images), 1)
 
     # ----------------------------------------------------------------------------------------- running
@@ -120,14 +127,22 @@ class Analysis(Evaluation):
             section, metrics, figure = self.analyse(trainer, pl_module)
         self.publish(trainer, section, metrics, figure)
 
-    def publish(self, trainer, section: dict[str, Any], metrics: dict[str, float], figure=None, tables=None,
-                message=None) -> dict[str, Any] | None:
+    def publish(
+        self, trainer, section: dict[str, Any], metrics: dict[str, float], figure=None, tables=None, message=None
+    ) -> dict[str, Any] | None:
         """As ``Evaluation.publish``, with the analysis's conditions added and its metrics under ``<name>/``."""
         # "images": those the analysis read (its own count when it gives one, e.g. a dataset of its own);
         # "max_images": the budget it was given (analyses run in one process: no sum over ranks)
-        section = {**section, "conditions": {"images": self.images_used, "max_images": self.max_images,
-                                             **section.get("conditions", {}), "weights": self.weights,
-                                             "checkpoint": trainer.ckpt_path}}
+        section = {
+            **section,
+            "conditions": {
+                "images": self.images_used,
+                "max_images": self.max_images,
+                **section.get("conditions", {}),
+                "weights": self.weights,
+                "checkpoint": trainer.ckpt_path,
+            },
+        }
         if figure is not None and not self.plot:
             import matplotlib.pyplot as plt  # noqa: PLC0415 (slow to import; only when plotting)
 

@@ -40,8 +40,18 @@ from robust_lightning.errors import UserError
 from robust_lightning.models.alternet import PreActBottleneck
 from robust_lightning.models.isotropic_convnext import IsotropicConvNeXt
 
-__all__ = ["BlockMap", "FeatureTap", "Unit", "ZeroOutput", "as_map", "attention_probabilities", "find_blocks",
-           "lesioned", "replace_module", "token_grid"]
+__all__ = [
+    "BlockMap",
+    "FeatureTap",
+    "Unit",
+    "ZeroOutput",
+    "as_map",
+    "attention_probabilities",
+    "find_blocks",
+    "lesioned",
+    "replace_module",
+    "token_grid",
+]
 
 ZERO, SKIP = "zero", "skip"  # how a part is removed: zero its output (a branch), or skip it (a residual block)
 
@@ -50,19 +60,19 @@ ZERO, SKIP = "zero", "skip"  # how a part is removed: zero its output (a branch)
 class Unit:
     """One residual unit: a block, or a block pair (RepLKNet) counted as one."""
 
-    name: str                      # e.g. "blocks.3", "stages.2.blocks.4+5"
-    stage: int                     # stage index (0 for isotropic models)
-    paths: tuple[str, ...]         # module path(s) of its residual block(s) in the net
+    name: str  # e.g. "blocks.3", "stages.2.blocks.4+5"
+    stage: int  # stage index (0 for isotropic models)
+    paths: tuple[str, ...]  # module path(s) of its residual block(s) in the net
     parts: dict[str, tuple[str, str]] = field(default_factory=dict)  # part -> (module path, ZERO | SKIP)
-    attention: str | None = None   # path of a timm-style attention module (q/k/v), if any
+    attention: str | None = None  # path of a timm-style attention module (q/k/v), if any
 
 
 @dataclass
 class BlockMap:
     family: str
     units: list[Unit]
-    tokens: bool                   # features are (B, N, C) token sequences (else (B, C, H, W) maps)
-    num_prefix_tokens: int = 0     # CLS (+ register) tokens in front of the patch tokens
+    tokens: bool  # features are (B, N, C) token sequences (else (B, C, H, W) maps)
+    num_prefix_tokens: int = 0  # CLS (+ register) tokens in front of the patch tokens
     has_cls: bool = False
 
     def part_names(self) -> list[str]:
@@ -71,14 +81,18 @@ class BlockMap:
 
     def require_cls(self, who: str) -> None:
         if not (self.tokens and self.has_cls):
-            raise UserError(f"{who} needs a model with a CLS token (a ViT); this is a {self.family} model, which "
-                            "has none, so the analysis does not apply to it")
+            raise UserError(
+                f"{who} needs a model with a CLS token (a ViT); this is a {self.family} model, which "
+                "has none, so the analysis does not apply to it"
+            )
 
     def require_attention(self, who: str) -> None:
         """Masks and attention maps need token sequences and timm-style attention modules (q, k, v)."""
         if not self.tokens or not all(u.attention for u in self.units):
-            raise UserError(f"{who} needs a Vision Transformer (token sequences with self-attention in every block); "
-                            f"this is a {self.family} model, so the analysis does not apply to it")
+            raise UserError(
+                f"{who} needs a Vision Transformer (token sequences with self-attention in every block); "
+                f"this is a {self.family} model, so the analysis does not apply to it"
+            )
 
 
 # ------------------------------------------------------------------------------------------- discovery
@@ -92,29 +106,45 @@ def find_blocks(net: nn.Module) -> BlockMap:
                 parts = {"attention": (f"blocks.{i}.attn", ZERO), "mlp": (f"blocks.{i}.mlp", ZERO)}
             attention = f"blocks.{i}.attn" if _is_qkv_attention(getattr(block, "attn", None)) else None
             units.append(Unit(f"blocks.{i}", 0, (f"blocks.{i}",), parts, attention))
-        return BlockMap("vit", units, tokens=True, num_prefix_tokens=int(net.num_prefix_tokens),
-                        has_cls=getattr(net, "cls_token", None) is not None)
+        return BlockMap(
+            "vit",
+            units,
+            tokens=True,
+            num_prefix_tokens=int(net.num_prefix_tokens),
+            has_cls=getattr(net, "cls_token", None) is not None,
+        )
     if isinstance(net, ConvNeXt):
         return BlockMap("convnext", _staged_units(net, plain=True), tokens=False)
     if isinstance(net, IsotropicConvNeXt):
-        return BlockMap("isotropic_convnext",
-                        [Unit(f"blocks.{j}", 0, (f"blocks.{j}",)) for j in range(len(net.blocks))],
-                        tokens=False)
+        return BlockMap(
+            "isotropic_convnext",
+            [Unit(f"blocks.{j}", 0, (f"blocks.{j}",)) for j in range(len(net.blocks))],
+            tokens=False,
+        )
     if isinstance(net, ResNet):
-        units = [Unit(f"layer{s}.{j}", s - 1, (f"layer{s}.{j}",))
-                 for s in range(1, 5) for j in range(len(getattr(net, f"layer{s}")))]
+        units = [
+            Unit(f"layer{s}.{j}", s - 1, (f"layer{s}.{j}",))
+            for s in range(1, 5)
+            for j in range(len(getattr(net, f"layer{s}")))
+        ]
         return BlockMap("resnet", units, tokens=False)
     stages = getattr(net, "stages", None)
     if isinstance(stages, (nn.Sequential, nn.ModuleList)) and all(hasattr(s, "blocks") for s in stages):
         units = _staged_units(net, plain=False)
         names = " ".join(type(m).__name__ for m in net.modules()).lower()
-        family = "replknet" if "replk" in names else "alternet" if any(u.parts.get("attention") for u in units) \
+        family = (
+            "replknet"
+            if "replk" in names
+            else "alternet"
+            if any(u.parts.get("attention") for u in units)
             else type(net).__name__.lower()
+        )
         return BlockMap(family, units, tokens=False)
     raise UserError(
         f"cannot find the residual blocks of a {type(net).__name__}: the analyses know timm ViTs (blocks), ConvNeXts "
         "(stages.i.blocks), ResNets (layer1-4), the isotropic ConvNeXt and staged nets with stages.i.blocks "
-        "(RepLKNet, AlterNet)")
+        "(RepLKNet, AlterNet)"
+    )
 
 
 def _staged_units(net: nn.Module, plain: bool) -> list[Unit]:
@@ -125,12 +155,17 @@ def _staged_units(net: nn.Module, plain: bool) -> list[Unit]:
             path = f"stages.{s}.blocks.{j}"
             block = blocks[j]
             follower = blocks[j + 1] if j + 1 < len(blocks) else None
-            if not plain and "replk" in type(block).__name__.lower() and follower is not None \
-                    and "ffn" in type(follower).__name__.lower():
+            if (
+                not plain
+                and "replk" in type(block).__name__.lower()
+                and follower is not None
+                and "ffn" in type(follower).__name__.lower()
+            ):
                 # RepLKNet: a large-kernel block and its ConvFFN form one "block" (Chen et al.; Ding et al.)
                 nxt = f"stages.{s}.blocks.{j + 1}"
-                units.append(Unit(f"{path}+{j + 1}", s, (path, nxt),
-                                  {"large_kernel": (path, SKIP), "mlp": (nxt, SKIP)}))
+                units.append(
+                    Unit(f"{path}+{j + 1}", s, (path, nxt), {"large_kernel": (path, SKIP), "mlp": (nxt, SKIP)})
+                )
                 j += 2
                 continue
             parts = {}
@@ -234,11 +269,13 @@ def as_map(feature: torch.Tensor, bmap: BlockMap, image_hw: tuple[int, int]) -> 
     if feature.dim() == 4:
         return feature
     if feature.dim() == 3 and bmap.tokens:
-        patches = feature[:, bmap.num_prefix_tokens:]
+        patches = feature[:, bmap.num_prefix_tokens :]
         h, w = token_grid(patches.shape[1], image_hw)
         return patches.transpose(1, 2).reshape(feature.shape[0], feature.shape[2], h, w)
-    raise UserError(f"a {bmap.family} block gave a feature of shape {tuple(feature.shape)}; expected (B, C, H, W) maps "
-                    "or (B, N, C) tokens")
+    raise UserError(
+        f"a {bmap.family} block gave a feature of shape {tuple(feature.shape)}; expected (B, C, H, W) maps "
+        "or (B, N, C) tokens"
+    )
 
 
 class FeatureTap:
@@ -261,7 +298,7 @@ class FeatureTap:
                 self._add(f"{unit.name}.attention", "attention", block, "attention_residual")
                 self._add(f"{unit.name}.mlp", "mlp", block, "output")
             elif sublayers and len(unit.paths) > 1:
-                for (part, (path, _)) in unit.parts.items():
+                for part, (path, _) in unit.parts.items():
                     self._add(f"{unit.name}.{part}", part, net.get_submodule(path), "output")
             else:
                 kind = "attention" if unit.parts.get("attention") else "block"
@@ -280,10 +317,14 @@ class FeatureTap:
                 self._handles.append(module.register_forward_hook(self._store_output(label)))
             else:  # the residual stream after the attention branch of a timm Block: input + drop_path1(...)
                 inputs: dict[str, torch.Tensor] = {}
-                self._handles.append(module.register_forward_pre_hook(
-                    lambda m, args, _i=inputs: _i.__setitem__("x", args[0])))
-                self._handles.append(module.drop_path1.register_forward_hook(
-                    lambda m, args, out, _i=inputs, _l=label: self.features.__setitem__(_l, _i["x"] + out)))
+                self._handles.append(
+                    module.register_forward_pre_hook(lambda m, args, _i=inputs: _i.__setitem__("x", args[0]))
+                )
+                self._handles.append(
+                    module.drop_path1.register_forward_hook(
+                        lambda m, args, out, _i=inputs, _l=label: self.features.__setitem__(_l, _i["x"] + out)
+                    )
+                )
         return self
 
     def _store_input(self, label):
@@ -308,8 +349,10 @@ def attention_probabilities(attn: nn.Module, tokens: torch.Tensor, mask: torch.T
     timm computes attention with fused kernels that never return the weights, so they are recomputed here from
     the module's own q/k projections (with its q/k norms and scale)."""
     if not _is_qkv_attention(attn):
-        raise UserError(f"cannot read attention weights from a {type(attn).__name__}: expected timm's Attention "
-                        "(qkv, num_heads, head_dim, scale)")
+        raise UserError(
+            f"cannot read attention weights from a {type(attn).__name__}: expected timm's Attention "
+            "(qkv, num_heads, head_dim, scale)"
+        )
     batch, n, _ = tokens.shape
     qkv = attn.qkv(tokens).reshape(batch, n, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
     q, k = qkv[0], qkv[1]
@@ -332,8 +375,11 @@ def removable_units(net: nn.Module, bmap: BlockMap, probe: torch.Tensor) -> tupl
         for path in unit.paths:
             module = net.get_submodule(path)
             if not isinstance(module, known):
-                handles.append(module.register_forward_hook(
-                    lambda m, args, out, _p=path: shapes.__setitem__(_p, (tuple(args[0].shape), tuple(out.shape)))))
+                handles.append(
+                    module.register_forward_hook(
+                        lambda m, args, out, _p=path: shapes.__setitem__(_p, (tuple(args[0].shape), tuple(out.shape)))
+                    )
+                )
     try:
         if handles:
             with torch.no_grad():

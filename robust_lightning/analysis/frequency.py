@@ -29,8 +29,16 @@ from tqdm import tqdm
 from robust_lightning.analysis.base import Analysis, family_style, model_label, new_figure, pi_axis
 from robust_lightning.errors import UserError
 
-__all__ = ["FrequencyNoise", "band_edges", "band_mask", "band_noise", "code_band_mask", "code_bands",
-           "normalised_frequency", "sign_noise"]
+__all__ = [
+    "FrequencyNoise",
+    "band_edges",
+    "band_mask",
+    "band_noise",
+    "code_band_mask",
+    "code_bands",
+    "normalised_frequency",
+    "sign_noise",
+]
 
 PROTOCOLS = ("code", "paper")
 
@@ -112,9 +120,20 @@ class FrequencyNoise(Analysis):
 
     name = "frequency_noise"
 
-    def __init__(self, protocol: str = "code", width: float = 0.1, eps: float = 0.007, noise_std: float = 0.1,
-                 repeats: int = 1, clamp: bool = False, seed: int = 0, max_images: int = 256, batch_size: int = 64,
-                 weights: str = "raw", plot: bool = True):
+    def __init__(
+        self,
+        protocol: str = "code",
+        width: float = 0.1,
+        eps: float = 0.007,
+        noise_std: float = 0.1,
+        repeats: int = 1,
+        clamp: bool = False,
+        seed: int = 0,
+        max_images: int = 256,
+        batch_size: int = 64,
+        weights: str = "raw",
+        plot: bool = True,
+    ):
         super().__init__(max_images=max_images, batch_size=batch_size, weights=weights, plot=plot)
         if protocol not in PROTOCOLS:
             raise UserError(f"FrequencyNoise.protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
@@ -127,15 +146,26 @@ class FrequencyNoise(Analysis):
         """[(band description, (H, W) mask)] of the protocol."""
         if self.protocol == "paper":
             edges = band_edges(self.width)
-            return [({"low": lo, "high": hi, "centre": (lo + hi) / 2},
-                     band_mask(height, width, lo, hi, closed=i == len(edges) - 1, device=device))
-                    for i, (lo, hi) in enumerate(edges)]
+            return [
+                (
+                    {"low": lo, "high": hi, "centre": (lo + hi) / 2},
+                    band_mask(height, width, lo, hi, closed=i == len(edges) - 1, device=device),
+                )
+                for i, (lo, hi) in enumerate(edges)
+            ]
         if height != width or height % 2:
-            raise UserError(f"FrequencyNoise protocol code: Park & Kim's frequency mask is defined for square, "
-                            f"even-sized images, got {height}x{width}; use protocol paper")
+            raise UserError(
+                f"FrequencyNoise protocol code: Park & Kim's frequency mask is defined for square, "
+                f"even-sized images, got {height}x{width}; use protocol paper"
+            )
         half = self.width / 2
-        return [({"low": f - half, "high": f + half, "centre": f},
-                 code_band_mask(height, f * math.pi, half * math.pi, device=device)) for f in code_bands(self.width)]
+        return [
+            (
+                {"low": f - half, "high": f + half, "centre": f},
+                code_band_mask(height, f * math.pi, half * math.pi, device=device),
+            )
+            for f in code_bands(self.width)
+        ]
 
     def delta(self, images: torch.Tensor, generator: torch.Generator, std: torch.Tensor) -> torch.Tensor:
         """One noise draw in [0, 1] pixel units."""
@@ -150,9 +180,13 @@ class FrequencyNoise(Analysis):
         clean_correct, seen = 0, 0
         generator = None
         with torch.no_grad():
-            for images, labels in tqdm(self.batches(trainer, pl_module), desc="frequency noise", leave=False,
-                                       disable=not trainer.is_global_zero,
-                                       total=math.ceil(self.max_images / self.batch_size)):
+            for images, labels in tqdm(
+                self.batches(trainer, pl_module),
+                desc="frequency noise",
+                leave=False,
+                disable=not trainer.is_global_zero,
+                total=math.ceil(self.max_images / self.batch_size),
+            ):
                 if generator is None:
                     generator = torch.Generator(device=images.device).manual_seed(self.seed)
                 height, width = images.shape[-2:]
@@ -177,33 +211,54 @@ class FrequencyNoise(Analysis):
         accuracy = (correct.double() / (seen * self.repeats)).tolist()
         # the noise's size as a reader judges it: root mean square over every pixel and channel, in grey levels
         rms = (squares / (seen * self.repeats * images[0].numel())).sqrt().mul(255).tolist()
-        bands = [{**band, "bins": int(mask.sum()), "accuracy": acc, "drop": clean - acc, "noise_rms_grey_levels": r}
-                 for (band, mask), acc, r in zip(bands, accuracy, rms)]
+        bands = [
+            {**band, "bins": int(mask.sum()), "accuracy": acc, "drop": clean - acc, "noise_rms_grey_levels": r}
+            for (band, mask), acc, r in zip(bands, accuracy, rms)
+        ]
         code = self.protocol == "code"
         section = {
-            "clean_accuracy": clean, "bands": bands,
+            "clean_accuracy": clean,
+            "bands": bands,
             "white_noise": {"accuracy": accuracy[-1], "drop": clean - accuracy[-1], "noise_rms_grey_levels": rms[-1]},
             "protocol": {
                 "follows": self.protocol,
-                "reference": "github.com/xxxnell/how-do-vits-work ops/adversarial.py (FreqAttack, Random)" if code
+                "reference": "github.com/xxxnell/how-do-vits-work ops/adversarial.py (FreqAttack, Random)"
+                if code
                 else "Park & Kim 2022, Sec. 2.2 / Fig. 2b text: x + F^-1(F(delta) * M_f), delta Gaussian",
                 "differences": [
                     "noise: code eps * sign(N(0, 1)) in normalised input space; paper text: Gaussian delta",
-                    ("band: code centred squares of bins -m .. m - 1 (int((f +- s) n / 2 pi)), real part of the "
-                     "inverse FFT; paper text: a frequency mask M_f (here max(|w_y|, |w_x|) in [f, f + width))"),
-                    ("size: the code's call site for Fig. 2b is not public; code protocol uses Random's default "
-                     "eps 0.007 and s = width / 2 (the paper's 0.1 pi window), not FreqAttack's default s = 0.2")]},
-            "conditions": {"arch": pl_module.hparams.get("arch"), "protocol": self.protocol, "width": self.width,
-                           **({"eps": self.eps} if code else {"noise_std": self.noise_std}),
-                           "repeats": self.repeats, "clamp": self.clamp, "seed": self.seed,
-                           "image_size": [height, width],
-                           "space": "eps in normalised input units (the model's normaliser), added as std * eps "
-                                    "to [0, 1] pixels" if code else "[0, 1] pixels, before the model's normaliser",
-                           "frequency": "band centre f +- width / 2 in units of pi, Chebyshev squares of DFT bins"
-                                        if code else "max(|w_y|, |w_x|) / pi of the 2-D DFT bin"},
+                    (
+                        "band: code centred squares of bins -m .. m - 1 (int((f +- s) n / 2 pi)), real part of the "
+                        "inverse FFT; paper text: a frequency mask M_f (here max(|w_y|, |w_x|) in [f, f + width))"
+                    ),
+                    (
+                        "size: the code's call site for Fig. 2b is not public; code protocol uses Random's default "
+                        "eps 0.007 and s = width / 2 (the paper's 0.1 pi window), not FreqAttack's default s = 0.2"
+                    ),
+                ],
+            },
+            "conditions": {
+                "arch": pl_module.hparams.get("arch"),
+                "protocol": self.protocol,
+                "width": self.width,
+                **({"eps": self.eps} if code else {"noise_std": self.noise_std}),
+                "repeats": self.repeats,
+                "clamp": self.clamp,
+                "seed": self.seed,
+                "image_size": [height, width],
+                "space": "eps in normalised input units (the model's normaliser), added as std * eps to [0, 1] pixels"
+                if code
+                else "[0, 1] pixels, before the model's normaliser",
+                "frequency": "band centre f +- width / 2 in units of pi, Chebyshev squares of DFT bins"
+                if code
+                else "max(|w_y|, |w_x|) / pi of the 2-D DFT bin",
+            },
         }
-        metrics = {"clean_accuracy": clean, "white_noise_drop": clean - accuracy[-1],
-                   **{f"drop_{b['centre' if code else 'low']:g}": b["drop"] for b in bands}}
+        metrics = {
+            "clean_accuracy": clean,
+            "white_noise_drop": clean - accuracy[-1],
+            **{f"drop_{b['centre' if code else 'low']:g}": b["drop"] for b in bands},
+        }
         return section, metrics, self.figure(section) if self.plot else None
 
     @staticmethod
@@ -214,8 +269,13 @@ class FrequencyNoise(Analysis):
         arch = conditions.get("arch")
         fig, ax = new_figure(figsize=(6.5, 4))
         marker, colour = family_style(arch)
-        ax.plot([b["centre"] for b in section["bands"]], [-100 * b["drop"] for b in section["bands"]], marker=marker,
-                color=colour, label=model_label(arch))
+        ax.plot(
+            [b["centre"] for b in section["bands"]],
+            [-100 * b["drop"] for b in section["bands"]],
+            marker=marker,
+            color=colour,
+            label=model_label(arch),
+        )
         ax.set_xlim(0, 1)
         pi_axis(ax.xaxis)
         ax.set_xlabel("Noise frequency")

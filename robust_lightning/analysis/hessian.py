@@ -61,9 +61,13 @@ def hessian_vector_product(loss: Tensor, params: list[Tensor], weight_decay: flo
         parts = v.split(sizes)
         hv = [None] * len(params)
         if live:
-            out = torch.autograd.grad([grads[i] for i in live], params,
-                                      grad_outputs=[parts[i].view_as(params[i]) for i in live],
-                                      retain_graph=True, allow_unused=True)
+            out = torch.autograd.grad(
+                [grads[i] for i in live],
+                params,
+                grad_outputs=[parts[i].view_as(params[i]) for i in live],
+                retain_graph=True,
+                allow_unused=True,
+            )
             hv = list(out)
         flat = torch.cat([(h if h is not None else torch.zeros_like(p)).reshape(-1) for h, p in zip(hv, params)])
         return flat + weight_decay * v if weight_decay else flat
@@ -121,8 +125,17 @@ def spectrum_summary(eigenvalues: list[float]) -> dict[str, float]:
     }
 
 
-def minibatch_spectrum(model: nn.Module, images: Tensor, targets: Tensor, *, top_k: int = 5, max_iter: int = 100,
-                       tol: float = 1e-3, weight_decay: float = 0.0, seed: int = 0) -> tuple[list[float], list[int]]:
+def minibatch_spectrum(
+    model: nn.Module,
+    images: Tensor,
+    targets: Tensor,
+    *,
+    top_k: int = 5,
+    max_iter: int = 100,
+    tol: float = 1e-3,
+    weight_decay: float = 0.0,
+    seed: int = 0,
+) -> tuple[list[float], list[int]]:
     """Top-k Hessian eigenvalues of the cross-entropy of ``model`` on one minibatch (hard labels or soft
     targets), with respect to all its parameters: in fp32, without autocast and with the math attention kernel.
     The model's mode is left alone; parameters that do not require gradients (EMA weights) are included too."""
@@ -137,8 +150,9 @@ def minibatch_spectrum(model: nn.Module, images: Tensor, targets: Tensor, *, top
             loss = F.cross_entropy(model(images.to(params[0].dtype)), targets)
             hvp = hessian_vector_product(loss, params, weight_decay)
             generator = torch.Generator().manual_seed(seed)
-            return top_eigenvalues(hvp, sum(p.numel() for p in params), top_k, max_iter, tol, generator, device,
-                                   params[0].dtype)
+            return top_eigenvalues(
+                hvp, sum(p.numel() for p in params), top_k, max_iter, tol, generator, device, params[0].dtype
+            )
     finally:
         for p, flag in zip(params, flags):
             p.requires_grad_(flag)
@@ -180,10 +194,21 @@ class HessianSpectrum(Analysis):
 
     name = "hessian"
 
-    def __init__(self, data: Literal["train", "eval"] = "train", train_fraction: float = 0.1,
-                 max_images: int | None = None, batch_size: int = 16, top_k: int = 5, max_iter: int = 100,
-                 tol: float = 1e-3, weight_decay: float | None = None, every_n_epochs: int = 1, seed: int = 0,
-                 weights: str = "raw", plot: bool = True):
+    def __init__(
+        self,
+        data: Literal["train", "eval"] = "train",
+        train_fraction: float = 0.1,
+        max_images: int | None = None,
+        batch_size: int = 16,
+        top_k: int = 5,
+        max_iter: int = 100,
+        tol: float = 1e-3,
+        weight_decay: float | None = None,
+        every_n_epochs: int = 1,
+        seed: int = 0,
+        weights: str = "raw",
+        plot: bool = True,
+    ):
         if max_images is not None and max_images < 1:
             raise UserError(f"HessianSpectrum.max_images must be a positive count or null, got {max_images}")
         super().__init__(max_images=max_images or 1, batch_size=batch_size, weights=weights, plot=plot)
@@ -206,11 +231,14 @@ class HessianSpectrum(Analysis):
         super().setup(trainer, pl_module, stage)
         self.model_weight_decay(pl_module)  # a missing weight decay is refused before any work
         if stage == "fit" and self.max_images is None:
-            raise UserError("HessianSpectrum during fit records max_images augmented images of each analysed epoch: "
-                            "set max_images")
+            raise UserError(
+                "HessianSpectrum during fit records max_images augmented images of each analysed epoch: set max_images"
+            )
         if stage == "test" and self.data == "train" and not hasattr(trainer.datamodule, "training_sample"):
-            raise UserError("HessianSpectrum.data 'train' needs the training set of an ImageNetDataModule "
-                            "(robust_lightning.data.datamodule); use data 'eval' for another data module")
+            raise UserError(
+                "HessianSpectrum.data 'train' needs the training set of an ImageNetDataModule "
+                "(robust_lightning.data.datamodule); use data 'eval' for another data module"
+            )
 
     def model_weight_decay(self, pl_module) -> float:
         """The coefficient of the l2 term: the one set, else the model's training weight decay."""
@@ -218,8 +246,10 @@ class HessianSpectrum(Analysis):
             return self.weight_decay
         value = pl_module.hparams.get("weight_decay")
         if value is None:
-            raise UserError("HessianSpectrum.weight_decay null means the model's training weight decay, but the "
-                            "model has no hparam weight_decay: set HessianSpectrum.weight_decay")
+            raise UserError(
+                "HessianSpectrum.weight_decay null means the model's training weight decay, but the "
+                "model has no hparam weight_decay: set HessianSpectrum.weight_decay"
+            )
         return float(value)
 
     # ------------------------------------------------------------------------------------------- compute
@@ -230,8 +260,16 @@ class HessianSpectrum(Analysis):
         eigenvalues, iterations, images = [], [], 0
         try:
             for i, (x, targets) in enumerate(minibatches):
-                values, steps = minibatch_spectrum(model, x, targets, top_k=self.top_k, max_iter=self.max_iter,
-                                                   tol=self.tol, weight_decay=weight_decay, seed=self.seed + i)
+                values, steps = minibatch_spectrum(
+                    model,
+                    x,
+                    targets,
+                    top_k=self.top_k,
+                    max_iter=self.max_iter,
+                    tol=self.tol,
+                    weight_decay=weight_decay,
+                    seed=self.seed + i,
+                )
                 eigenvalues.append(values)
                 iterations.append(steps)
                 images += len(x)
@@ -240,41 +278,64 @@ class HessianSpectrum(Analysis):
         if not eigenvalues:
             raise UserError("HessianSpectrum: no images to compute the spectrum on")
         flat = [v for values in eigenvalues for v in values]
-        return {**spectrum_summary(flat), "minibatches": eigenvalues, "iterations": iterations, "images": images,
-                "converged": sum(s < self.max_iter for steps in iterations for s in steps) / len(flat)}
+        return {
+            **spectrum_summary(flat),
+            "minibatches": eigenvalues,
+            "iterations": iterations,
+            "images": images,
+            "converged": sum(s < self.max_iter for steps in iterations for s in steps) / len(flat),
+        }
 
     def _conditions(self, model: nn.Module, data: str, weight_decay: float) -> dict[str, Any]:
-        return {"top_k": self.top_k, "minibatch_size": self.batch_size, "max_iter": self.max_iter, "tol": self.tol,
-                "weight_decay": weight_decay, "seed": self.seed, "data": data, "mode": MODEL_MODE,
-                "parameters": sum(p.numel() for p in model.parameters())}
+        return {
+            "top_k": self.top_k,
+            "minibatch_size": self.batch_size,
+            "max_iter": self.max_iter,
+            "tol": self.tol,
+            "weight_decay": weight_decay,
+            "seed": self.seed,
+            "data": data,
+            "mode": MODEL_MODE,
+            "parameters": sum(p.numel() for p in model.parameters()),
+        }
 
     # ------------------------------------------------------------------------------------------ test time
     def analyse(self, trainer, pl_module):
         model = self.model(pl_module)
         weight_decay = self.model_weight_decay(pl_module)
         if self.data == "train":
-            sample = trainer.datamodule.training_sample(pl_module.device, fraction=self.train_fraction,
-                                                        max_images=self.max_images, batch_size=self.batch_size,
-                                                        seed=self.seed)
+            sample = trainer.datamodule.training_sample(
+                pl_module.device,
+                fraction=self.train_fraction,
+                max_images=self.max_images,
+                batch_size=self.batch_size,
+                seed=self.seed,
+            )
             minibatches = ((b["image"], training_targets(pl_module, b)) for b in sample.batches)
             total = math.ceil(sample.images / self.batch_size)
         else:
             minibatches, total = self.batches(trainer, pl_module), None
-        bar = tqdm(minibatches, total=total, desc="hessian", unit="minibatch", leave=False,
-                   disable=not trainer.is_global_zero)
+        bar = tqdm(
+            minibatches, total=total, desc="hessian", unit="minibatch", leave=False, disable=not trainer.is_global_zero
+        )
         result = self.spectrum(model, bar, weight_decay)
         if self.data == "train":
             complete = sample.images == sample.subset_images
             comparability = {
                 "comparable_with_paper": complete,
-                "comparability": "the paper's protocol (App. A.1)" if complete else
-                f"the paper's protocol on {sample.images} of the {sample.subset_images} images of the "
+                "comparability": "the paper's protocol (App. A.1)"
+                if complete
+                else f"the paper's protocol on {sample.images} of the {sample.subset_images} images of the "
                 f"{self.train_fraction:.0%} subset (max_images): a sample of its minibatches",
                 "protocol": {
                     "data": "augmented training images: the training transform, crop and augmentation",
-                    "train_fraction": self.train_fraction, "training_images": sample.training_images,
-                    "subset_images": sample.subset_images, "max_images": self.max_images,
-                    "images": result["images"], "minibatch_size": self.batch_size, "top_k": self.top_k,
+                    "train_fraction": self.train_fraction,
+                    "training_images": sample.training_images,
+                    "subset_images": sample.subset_images,
+                    "max_images": self.max_images,
+                    "images": result["images"],
+                    "minibatch_size": self.batch_size,
+                    "top_k": self.top_k,
                     **sample.transform,
                     "label_smoothing": pl_module.hparams.get("label_smoothing") or 0.0,
                     "weight_decay": weight_decay,
@@ -287,11 +348,14 @@ class HessianSpectrum(Analysis):
             comparability = {
                 "comparable_with_paper": False,
                 "comparability": "clean evaluation images without augmentation; the paper uses augmented "
-                                 "training images (data: train)",
+                "training images (data: train)",
             }
             described = "evaluation images, no augmentation"
-        section = {**result, **comparability,
-                   "conditions": {**self._conditions(model, described, weight_decay), "images": result["images"]}}
+        section = {
+            **result,
+            **comparability,
+            "conditions": {**self._conditions(model, described, weight_decay), "images": result["images"]},
+        }
         section["conditions"]["arch"] = pl_module.hparams.get("arch")
         figure = self._plot({model_label(section["conditions"]["arch"]): result}) if self.plot else None
         return section, self._metrics(result), figure
@@ -322,17 +386,21 @@ class HessianSpectrum(Analysis):
         images = torch.cat([x for x, _ in self._recorded])
         targets = torch.cat([t for _, t in self._recorded])
         self._recorded = []
-        minibatches = ((images[i : i + self.batch_size].to(device), targets[i : i + self.batch_size].to(device))
-                       for i in range(0, len(images), self.batch_size))
+        minibatches = (
+            (images[i : i + self.batch_size].to(device), targets[i : i + self.batch_size].to(device))
+            for i in range(0, len(images), self.batch_size)
+        )
         try:
             result = self.spectrum(model, minibatches, weight_decay)
         finally:
             pl_module.train(was_training)
         self.epochs[trainer.current_epoch] = result
-        section = {"epochs": {str(e): r for e, r in self.epochs.items()}, "last_epoch": trainer.current_epoch,
-                   **{k: result[k] for k in ("nep", "ape", "max_eigenvalue", "min_eigenvalue")},
-                   "conditions": self._conditions(model, "augmented training images of the epoch (rank 0)",
-                                                  weight_decay)}
+        section = {
+            "epochs": {str(e): r for e, r in self.epochs.items()},
+            "last_epoch": trainer.current_epoch,
+            **{k: result[k] for k in ("nep", "ape", "max_eigenvalue", "min_eigenvalue")},
+            "conditions": self._conditions(model, "augmented training images of the epoch (rank 0)", weight_decay),
+        }
         figure = self._plot({f"epoch {e}": r for e, r in self.epochs.items()}) if self.plot else None
         self.publish(trainer, section, self._metrics(result), figure)
 
@@ -359,8 +427,10 @@ class HessianSpectrum(Analysis):
         ax.set_xlabel("Max Eigenvalue")
         ax.set_ylabel("Density")
         last = shown[-1][1]
-        ax.set_title(f"top-{self.top_k} per minibatch of {self.batch_size}: NEP {last['nep']:.1%}, "
-                     f"APE {last['ape']:.3g}", fontsize=9)
+        ax.set_title(
+            f"top-{self.top_k} per minibatch of {self.batch_size}: NEP {last['nep']:.1%}, APE {last['ape']:.3g}",
+            fontsize=9,
+        )
         ax.legend(fontsize=8)
         if over_epochs:
             epochs = [int(k.split()[-1]) for k in spectra]

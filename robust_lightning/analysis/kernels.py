@@ -59,18 +59,34 @@ def kernel_distance(weight: Tensor, normalize: bool = False) -> Tensor:
 
 
 def is_depthwise(module: nn.Module) -> bool:
-    return (isinstance(module, nn.Conv2d) and module.groups > 1 and module.groups == module.in_channels
-            and module.out_channels % module.in_channels == 0)
+    return (
+        isinstance(module, nn.Conv2d)
+        and module.groups > 1
+        and module.groups == module.in_channels
+        and module.out_channels % module.in_channels == 0
+    )
 
 
-def depthwise_convs(net: nn.Module, min_kernel_size: int = 7, small_kernels: bool = True
-                    ) -> list[tuple[str, nn.Conv2d]]:
+def depthwise_convs(
+    net: nn.Module, min_kernel_size: int = 7, small_kernels: bool = True
+) -> list[tuple[str, nn.Conv2d]]:
     """(name, conv) of every depthwise conv whose larger kernel side is at least ``min_kernel_size``;
     ``small_kernels`` False leaves out the parallel small kernels of RepLKNet's ``ReparamLargeKernelConv``."""
-    small = set() if small_kernels else {id(conv) for m in net.modules() if isinstance(m, ReparamLargeKernelConv)
-                                         and m.small_conv is not None for conv in m.small_conv.modules()}
-    return [(name, m) for name, m in net.named_modules()
-            if is_depthwise(m) and max(m.kernel_size) >= min_kernel_size and id(m) not in small]
+    small = (
+        set()
+        if small_kernels
+        else {
+            id(conv)
+            for m in net.modules()
+            if isinstance(m, ReparamLargeKernelConv) and m.small_conv is not None
+            for conv in m.small_conv.modules()
+        }
+    )
+    return [
+        (name, m)
+        for name, m in net.named_modules()
+        if is_depthwise(m) and max(m.kernel_size) >= min_kernel_size and id(m) not in small
+    ]
 
 
 def stage_of(name: str) -> str:
@@ -97,8 +113,16 @@ class KernelAttentionDistance(Analysis):
 
     name = "kernel_distance"
 
-    def __init__(self, min_kernel_size: int = 7, normalize: bool = False, small_kernels: bool = False,
-                 weights: str = "raw", plot: bool = True, max_images: int = 1, batch_size: int = 1):
+    def __init__(
+        self,
+        min_kernel_size: int = 7,
+        normalize: bool = False,
+        small_kernels: bool = False,
+        weights: str = "raw",
+        plot: bool = True,
+        max_images: int = 1,
+        batch_size: int = 1,
+    ):
         super().__init__(max_images=max_images, batch_size=batch_size, weights=weights, plot=plot)
         if min_kernel_size < 2:
             raise UserError(f"KernelAttentionDistance.min_kernel_size must be >= 2, got {min_kernel_size}")
@@ -129,31 +153,48 @@ class KernelAttentionDistance(Analysis):
             d = kernel_distance(conv.weight, self.normalize)
             valid = d[~d.isnan()]
             channels[name] = valid
-            per_layer.append({
-                "layer": name, "stage": stage_of(name), "kernel_size": list(conv.kernel_size),
-                "channels": int(d.numel()), "zero_channels": int(d.isnan().sum()),
-                "mean": float(valid.mean()) if valid.numel() else math.nan,
-                "std": float(valid.std()) if valid.numel() > 1 else 0.0,
-                "median": float(valid.median()) if valid.numel() else math.nan,
-                "min": float(valid.min()) if valid.numel() else math.nan,
-                "max": float(valid.max()) if valid.numel() else math.nan,
-                "sorted": valid.sort().values.tolist(),  # the per-channel curve Chen et al. plot (Fig. 9)
-            })
+            per_layer.append(
+                {
+                    "layer": name,
+                    "stage": stage_of(name),
+                    "kernel_size": list(conv.kernel_size),
+                    "channels": int(d.numel()),
+                    "zero_channels": int(d.isnan().sum()),
+                    "mean": float(valid.mean()) if valid.numel() else math.nan,
+                    "std": float(valid.std()) if valid.numel() > 1 else 0.0,
+                    "median": float(valid.median()) if valid.numel() else math.nan,
+                    "min": float(valid.min()) if valid.numel() else math.nan,
+                    "max": float(valid.max()) if valid.numel() else math.nan,
+                    "sorted": valid.sort().values.tolist(),  # the per-channel curve Chen et al. plot (Fig. 9)
+                }
+            )
         stages: dict[str, Any] = {}
         for stage in dict.fromkeys(row["stage"] for row in per_layer):
             values = torch.cat([channels[row["layer"]] for row in per_layer if row["stage"] == stage])
-            stages[stage] = {"layers": sum(row["stage"] == stage for row in per_layer),
-                             "mean": float(values.mean()) if values.numel() else math.nan}
+            stages[stage] = {
+                "layers": sum(row["stage"] == stage for row in per_layer),
+                "mean": float(values.mean()) if values.numel() else math.nan,
+            }
         everything = torch.cat(list(channels.values()))
         mean = float(everything.mean()) if everything.numel() else math.nan
-        section = {"mean": mean, "stages": stages, "layers": per_layer,
-                   "conditions": {"arch": pl_module.hparams.get("arch"), "images": 0,
-                                  "min_kernel_size": self.min_kernel_size, "normalize": self.normalize,
-                                  "small_kernels": self.small_kernels,
-                                  "definition": "sum |W| d / (R sqrt 2)"
-                                                + (" / sum |W| per channel (normalised, not the reference's)"
-                                                   if self.normalize else
-                                                   " per channel, as the reference code (kernel_atten_dis.py)")}}
+        section = {
+            "mean": mean,
+            "stages": stages,
+            "layers": per_layer,
+            "conditions": {
+                "arch": pl_module.hparams.get("arch"),
+                "images": 0,
+                "min_kernel_size": self.min_kernel_size,
+                "normalize": self.normalize,
+                "small_kernels": self.small_kernels,
+                "definition": "sum |W| d / (R sqrt 2)"
+                + (
+                    " / sum |W| per channel (normalised, not the reference's)"
+                    if self.normalize
+                    else " per channel, as the reference code (kernel_atten_dis.py)"
+                ),
+            },
+        }
         figure = self.figure(section) if self.plot else None
         metrics = {"mean": mean, **{f"{stage}/mean": s["mean"] for stage, s in stages.items()}}
         return section, metrics, figure

@@ -36,8 +36,14 @@ def summary(values: list[float]) -> dict[str, Any]:
     n = len(values)
     mean = sum(values) / n
     var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
-    return {"mean": mean, "stderr": math.sqrt(var / n), "min": min(values), "max": max(values), "samples": n,
-            "accuracies": list(values)}
+    return {
+        "mean": mean,
+        "stderr": math.sqrt(var / n),
+        "min": min(values),
+        "max": max(values),
+        "samples": n,
+        "accuracies": list(values),
+    }
 
 
 class LesionStudy(Analysis):
@@ -61,10 +67,20 @@ class LesionStudy(Analysis):
 
     name = "lesion"
 
-    def __init__(self, modes: list[str] | None = None, random_counts: list[int] = (2, 4, 6), samples: int = 25,
-                 random_parts: list[str] | None = ("block",), random_stages: list[int] | None = None, seed: int = 0,
-                 figure: str = "bhojanapalli", max_images: int = 256, batch_size: int = 64, weights: str = "raw",
-                 plot: bool = True):
+    def __init__(
+        self,
+        modes: list[str] | None = None,
+        random_counts: list[int] = (2, 4, 6),
+        samples: int = 25,
+        random_parts: list[str] | None = ("block",),
+        random_stages: list[int] | None = None,
+        seed: int = 0,
+        figure: str = "bhojanapalli",
+        max_images: int = 256,
+        batch_size: int = 64,
+        weights: str = "raw",
+        plot: bool = True,
+    ):
         super().__init__(max_images=max_images, batch_size=batch_size, weights=weights, plot=plot)
         if samples < 1 or any(n < 1 for n in random_counts):
             raise UserError("LesionStudy: samples and every random_counts entry must be positive")
@@ -90,17 +106,24 @@ class LesionStudy(Analysis):
             if mode != "block" and mode not in parts:
                 raise UserError(
                     f"LesionStudy: a {bmap.family} model has no {mode!r} branch to remove on its own "
-                    f"(its units have: {', '.join(['block', *parts])}); the {mode} lesion does not apply to it")
+                    f"(its units have: {', '.join(['block', *parts])}); the {mode} lesion does not apply to it"
+                )
         if self.random_stages is not None:
             stages = sorted({u.stage for u in bmap.units})
             if not set(self.random_stages) <= set(stages):
                 raise UserError(f"LesionStudy.random_stages {self.random_stages}: the model has stages {stages}")
-        pool = [u for u in bmap.units[1:] if (self.random_stages is None or u.stage in self.random_stages)
-                and all(part == "block" or part in u.parts for part in random_parts)]
+        pool = [
+            u
+            for u in bmap.units[1:]
+            if (self.random_stages is None or u.stage in self.random_stages)
+            and all(part == "block" or part in u.parts for part in random_parts)
+        ]
         too_many = [n for n in self.random_counts if n > len(pool)]
         if too_many:
-            raise UserError(f"LesionStudy.random_counts {too_many}: this {bmap.family} model has only {len(pool)} "
-                            "units to draw from (the first block is always kept)")
+            raise UserError(
+                f"LesionStudy.random_counts {too_many}: this {bmap.family} model has only {len(pool)} "
+                "units to draw from (the first block is always kept)"
+            )
 
     def analyse(self, trainer, pl_module):
         images, labels = self.images(trainer, pl_module)
@@ -110,28 +133,41 @@ class LesionStudy(Analysis):
         units, fixed = removable_units(net, bmap, model.normalize(images[:1]))
         modes = self.modes if self.modes is not None else ["block", *bmap.part_names()]
         # random lesions always keep the first block (Bhojanapalli et al., Fig. 8)
-        pool = [u for u in units if u.name != bmap.units[0].name
-                and (self.random_stages is None or u.stage in self.random_stages)]
+        pool = [
+            u
+            for u in units
+            if u.name != bmap.units[0].name and (self.random_stages is None or u.stage in self.random_stages)
+        ]
         random_parts = self.parts_drawn(bmap)
         pool = [u for u in pool if all(part == "block" or part in u.parts for part in random_parts)]
         too_many = [n for n in self.random_counts if n > len(pool)]
         if too_many:
-            raise UserError(f"LesionStudy.random_counts {too_many}: only {len(pool)} units can be drawn from (the "
-                            "first block is always kept)")
+            raise UserError(
+                f"LesionStudy.random_counts {too_many}: only {len(pool)} units can be drawn from (the "
+                "first block is always kept)"
+            )
 
         cases = [(mode, [u]) for mode in modes for u in units if mode == "block" or mode in u.parts]
         generator = torch.Generator().manual_seed(self.seed)
-        draws = [(n, [pool[i] for i in sorted(torch.randperm(len(pool), generator=generator)[:n].tolist())])
-                 for n in self.random_counts for _ in range(self.samples)]
-        bar = tqdm(total=1 + len(cases) + len(draws) * len(random_parts), desc="lesion",
-                   disable=not trainer.is_global_zero, leave=False)
+        draws = [
+            (n, [pool[i] for i in sorted(torch.randperm(len(pool), generator=generator)[:n].tolist())])
+            for n in self.random_counts
+            for _ in range(self.samples)
+        ]
+        bar = tqdm(
+            total=1 + len(cases) + len(draws) * len(random_parts),
+            desc="lesion",
+            disable=not trainer.is_global_zero,
+            leave=False,
+        )
         intact = self.accuracy(model, images, labels)
         bar.update()
         single: dict[str, list[dict]] = {mode: [] for mode in modes}
         for mode, (unit,) in cases:
             with lesioned(net, [unit], mode):
-                single[mode].append({"unit": unit.name, "stage": unit.stage,
-                                     "accuracy": self.accuracy(model, images, labels)})
+                single[mode].append(
+                    {"unit": unit.name, "stage": unit.stage, "accuracy": self.accuracy(model, images, labels)}
+                )
             bar.update()
         random: dict[str, dict[str, dict]] = {}  # part -> n -> draws
         for part in random_parts:
@@ -143,8 +179,10 @@ class LesionStudy(Analysis):
                 entry["removed"].append([u.name for u in chosen])
                 bar.update()
         bar.close()
-        random = {part: {n: {**summary(e["accuracies"]), "removed": e["removed"]} for n, e in by_n.items()}
-                  for part, by_n in random.items()}
+        random = {
+            part: {n: {**summary(e["accuracies"]), "removed": e["removed"]} for n, e in by_n.items()}
+            for part, by_n in random.items()
+        }
 
         section = {
             "family": bmap.family,
@@ -154,13 +192,22 @@ class LesionStudy(Analysis):
             "single": single,
             "random": random,
             "random_pool": [u.name for u in pool],
-            "protocol": {"follows": "paper", "reference": "Bhojanapalli et al. 2021, Sec. 4 and Fig. 8 (no public "
-                         "code); Chen et al. 2024 (github.com/Lauch1ng/LKRobust, lession_study) for RepLKNet",
-                         "differences": []},
-            "conditions": {"arch": pl_module.hparams.get("arch"), "modes": modes, "random_parts": random_parts,
-                           "random_stages": self.random_stages, "samples": self.samples, "seed": self.seed,
-                           "figure": self.figure_layout,
-                           "lesion": "residual branch removed (block -> its shortcut); part -> branch output zeroed"},
+            "protocol": {
+                "follows": "paper",
+                "reference": "Bhojanapalli et al. 2021, Sec. 4 and Fig. 8 (no public "
+                "code); Chen et al. 2024 (github.com/Lauch1ng/LKRobust, lession_study) for RepLKNet",
+                "differences": [],
+            },
+            "conditions": {
+                "arch": pl_module.hparams.get("arch"),
+                "modes": modes,
+                "random_parts": random_parts,
+                "random_stages": self.random_stages,
+                "samples": self.samples,
+                "seed": self.seed,
+                "figure": self.figure_layout,
+                "lesion": "residual branch removed (block -> its shortcut); part -> branch output zeroed",
+            },
         }
         metrics = {"intact_accuracy": intact}
         for mode, rows in single.items():
@@ -210,10 +257,22 @@ class LesionStudy(Analysis):
                 if chen:
                     line = ax.plot(xs, means, marker="o", label=name)[0]
                 else:
-                    line = ax.errorbar(xs, means, yerr=[100 * by_n[n]["stderr"] for n in ns], marker="o",
-                                       capsize=3, label=f"{name}: mean ± standard error").lines[0]
-                ax.fill_between(xs, [100 * by_n[n]["min"] for n in ns], [100 * by_n[n]["max"] for n in ns],
-                                alpha=0.2, color=line.get_color(), label=None if several else "min / max")
+                    line = ax.errorbar(
+                        xs,
+                        means,
+                        yerr=[100 * by_n[n]["stderr"] for n in ns],
+                        marker="o",
+                        capsize=3,
+                        label=f"{name}: mean ± standard error",
+                    ).lines[0]
+                ax.fill_between(
+                    xs,
+                    [100 * by_n[n]["min"] for n in ns],
+                    [100 * by_n[n]["max"] for n in ns],
+                    alpha=0.2,
+                    color=line.get_color(),
+                    label=None if several else "min / max",
+                )
             ax.axhline(100 * section["intact_accuracy"], color="gray", linestyle="--", label="Intact")
             if not chen:
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -120,12 +120,15 @@ def load_saliency_vit(path: str, arch: str) -> nn.Module:
     try:
         missing, unexpected = vit.load_state_dict(state, strict=False)
     except RuntimeError as e:  # shapes differ
-        raise UserError(f"{fit} ({str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else e}); "
-                        "set saliency_arch to the checkpoint's ViT") from e
+        raise UserError(
+            f"{fit} ({str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else e}); "
+            "set saliency_arch to the checkpoint's ViT"
+        ) from e
     missing = [k for k in missing if not k.startswith("head.")]
     if missing or unexpected:
-        raise UserError(f"{fit}: missing {missing[:5]}, unexpected {unexpected[:5]}; set saliency_arch to the "
-                        "checkpoint's ViT")
+        raise UserError(
+            f"{fit}: missing {missing[:5]}, unexpected {unexpected[:5]}; set saliency_arch to the checkpoint's ViT"
+        )
     return vit.eval().requires_grad_(False)
 
 
@@ -149,12 +152,23 @@ class Occlusion(Analysis):
 
     name = "occlusion"
 
-    def __init__(self, grid: int = 14, drop_fractions: list[float] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
-                 samples: int = 1, saliency: str = "gradient",
-                 lambdas: list[float] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
-                 saliency_checkpoint: str | None = None, saliency_arch: str = "vit_small_patch16_224",
-                 saliency_head: int | None = 1, saliency_normalize: bool = True, seed: int = 0,
-                 max_images: int = 256, batch_size: int = 64, weights: str = "raw", plot: bool = True):
+    def __init__(
+        self,
+        grid: int = 14,
+        drop_fractions: list[float] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
+        samples: int = 1,
+        saliency: str = "gradient",
+        lambdas: list[float] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+        saliency_checkpoint: str | None = None,
+        saliency_arch: str = "vit_small_patch16_224",
+        saliency_head: int | None = 1,
+        saliency_normalize: bool = True,
+        seed: int = 0,
+        max_images: int = 256,
+        batch_size: int = 64,
+        weights: str = "raw",
+        plot: bool = True,
+    ):
         super().__init__(max_images=max_images, batch_size=batch_size, weights=weights, plot=plot)
         if grid < 1 or samples < 1:
             raise UserError("Occlusion: grid and samples must be positive")
@@ -164,8 +178,10 @@ class Occlusion(Analysis):
             raise UserError(f"Occlusion.saliency must be one of {', '.join(SALIENCY_SOURCES)}, got {saliency!r}")
         if saliency == "checkpoint":
             if not saliency_checkpoint:
-                raise UserError("Occlusion.saliency 'checkpoint' needs saliency_checkpoint: the path of a DINO-style "
-                                "ViT state dict (e.g. dino_deitsmall16_pretrain.pth)")
+                raise UserError(
+                    "Occlusion.saliency 'checkpoint' needs saliency_checkpoint: the path of a DINO-style "
+                    "ViT state dict (e.g. dino_deitsmall16_pretrain.pth)"
+                )
             if not Path(saliency_checkpoint).is_file():
                 raise UserError(f"Occlusion.saliency_checkpoint not found: {saliency_checkpoint}")
         self.grid, self.drop_fractions, self.samples = grid, list(drop_fractions), samples
@@ -177,10 +193,13 @@ class Occlusion(Analysis):
     def check(self, trainer, pl_module) -> None:
         if self.saliency == "attention":
             find_blocks(pl_module.model.net).require_cls(
-                "Occlusion.saliency 'attention' (the model's own CLS attention)")
+                "Occlusion.saliency 'attention' (the model's own CLS attention)"
+            )
             if self.saliency_head is not None and self.saliency_head >= pl_module.model.net.blocks[-1].attn.num_heads:
-                raise UserError(f"Occlusion.saliency_head {self.saliency_head}: the model's attention has "
-                                f"{pl_module.model.net.blocks[-1].attn.num_heads} heads")
+                raise UserError(
+                    f"Occlusion.saliency_head {self.saliency_head}: the model's attention has "
+                    f"{pl_module.model.net.blocks[-1].attn.num_heads} heads"
+                )
         if self.saliency == "checkpoint" and self._saliency_vit is None:
             self._saliency_vit = load_saliency_vit(self.saliency_checkpoint, self.saliency_arch)
 
@@ -188,7 +207,7 @@ class Occlusion(Analysis):
         """(B, grid, grid) saliency mass per cell, ``batch_size`` images at a time."""
         parts = []
         for start in range(0, len(images), self.batch_size):
-            x = images[start:start + self.batch_size]
+            x = images[start : start + self.batch_size]
             if self.saliency == "gradient":
                 s = gradient_saliency(model, x)
             elif self.saliency == "attention":
@@ -223,8 +242,9 @@ class Occlusion(Analysis):
         clean = self.accuracy(model, images, labels)
         random = {}
         for fraction in self.drop_fractions:
-            accs = [measure(random_patch_mask(len(images), self.grid, fraction, generator))
-                    for _ in range(self.samples)]
+            accs = [
+                measure(random_patch_mask(len(images), self.grid, fraction, generator)) for _ in range(self.samples)
+            ]
             random[f"{fraction:g}"] = summary(accs)
         section: dict[str, Any] = {"grid": self.grid, "clean_accuracy": clean, "random": random}
         metrics = {"clean_accuracy": clean, **{f"random_{k}": v["mean"] for k, v in random.items()}}
@@ -234,15 +254,22 @@ class Occlusion(Analysis):
             salient = {f"{lam:g}": measure(mass_mask(saliency, lam, salient=True)) for lam in self.lambdas}
             non_salient = {f"{lam:g}": measure(mass_mask(saliency, lam, salient=False)) for lam in self.lambdas}
             section |= {"salient": salient, "non_salient": non_salient}
-            metrics |= ({f"salient_{k}": v for k, v in salient.items()}
-                        | {f"non_salient_{k}": v for k, v in non_salient.items()})
+            metrics |= {f"salient_{k}": v for k, v in salient.items()} | {
+                f"non_salient_{k}": v for k, v in non_salient.items()
+            }
         bar.close()
         section["conditions"] = {
-            "arch": pl_module.hparams.get("arch"), "samples": self.samples, "seed": self.seed,
-            "image_size": list(images.shape[-2:]), "fill": "0 in [0, 1] pixel space",
-            "saliency": {"source": self.saliency, "checkpoint": self.saliency_checkpoint,
-                         "arch": self.saliency_arch if self.saliency == "checkpoint" else None,
-                         "head": self.saliency_head if self.saliency in ("attention", "checkpoint") else None},
+            "arch": pl_module.hparams.get("arch"),
+            "samples": self.samples,
+            "seed": self.seed,
+            "image_size": list(images.shape[-2:]),
+            "fill": "0 in [0, 1] pixel space",
+            "saliency": {
+                "source": self.saliency,
+                "checkpoint": self.saliency_checkpoint,
+                "arch": self.saliency_arch if self.saliency == "checkpoint" else None,
+                "head": self.saliency_head if self.saliency in ("attention", "checkpoint") else None,
+            },
         }
         return section, metrics, self.figure(section) if self.plot else None
 
@@ -262,8 +289,14 @@ class Occlusion(Analysis):
             keys = list(section[kind])
             xs = [100 * float(k) for k in keys]
             if kind == "random":
-                ax.errorbar(xs, [100 * (section[kind][k]["mean"] - clean) for k in keys],
-                            yerr=[100 * section[kind][k]["stderr"] for k in keys], marker="o", capsize=3, label=label)
+                ax.errorbar(
+                    xs,
+                    [100 * (section[kind][k]["mean"] - clean) for k in keys],
+                    yerr=[100 * section[kind][k]["stderr"] for k in keys],
+                    marker="o",
+                    capsize=3,
+                    label=label,
+                )
             else:
                 ax.plot(xs, [100 * (section[kind][k] - clean) for k in keys], marker="o", label=label)
             ax.set_xlabel("Information loss ratio (%)")

@@ -30,8 +30,17 @@ from robust_lightning.analysis.base import Analysis, family_style, model_label, 
 from robust_lightning.analysis.blocks import BlockMap, FeatureTap, as_map, find_blocks
 from robust_lightning.errors import UserError
 
-__all__ = ["CorrelationAccumulator", "FeatureVariance", "FourierFeatures", "LayerCorrelation", "LinearCKAAccumulator",
-           "feature_variance", "fourier_grid", "relative_log_amplitude", "unbiased_hsic"]
+__all__ = [
+    "CorrelationAccumulator",
+    "FeatureVariance",
+    "FourierFeatures",
+    "LayerCorrelation",
+    "LinearCKAAccumulator",
+    "feature_variance",
+    "fourier_grid",
+    "relative_log_amplitude",
+    "unbiased_hsic",
+]
 
 LOG_EPS = 1e-6  # added to Fourier amplitudes before the log (as Park & Kim do): dead channels give log(eps) flat
 
@@ -53,8 +62,9 @@ def fourier_grid(size: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     ceil(n / 2) - 1, whose true frequency 2k / n is pi (1 - 2 / n) for even n (14x14: 6/7 pi), not the Nyquist
     bin n / 2, which the roll puts at index 0, outside the half-diagonal."""
     bins = list(range(size - size // 2))
-    plotted = (torch.linspace(0, 1, len(bins), dtype=torch.float64) if len(bins) > 1
-               else torch.zeros(1, dtype=torch.float64))
+    plotted = (
+        torch.linspace(0, 1, len(bins), dtype=torch.float64) if len(bins) > 1 else torch.zeros(1, dtype=torch.float64)
+    )
     return bins, plotted, 2 * torch.tensor(bins, dtype=torch.float64) / size
 
 
@@ -181,8 +191,15 @@ def depth_axis(ax, points: list[dict], key: str, arch: str | None, colour_by_dep
 class _FeatureAnalysis(Analysis):
     """Runs the model over the images with a FeatureTap and hands each batch's features to ``consume``."""
 
-    def __init__(self, sublayers: bool = True, stem: bool = True, max_images: int = 256, batch_size: int = 64,
-                 weights: str = "raw", plot: bool = True):
+    def __init__(
+        self,
+        sublayers: bool = True,
+        stem: bool = True,
+        max_images: int = 256,
+        batch_size: int = 64,
+        weights: str = "raw",
+        plot: bool = True,
+    ):
         super().__init__(max_images=max_images, batch_size=batch_size, weights=weights, plot=plot)
         self.sublayers, self.stem = sublayers, stem
 
@@ -194,9 +211,13 @@ class _FeatureAnalysis(Analysis):
         bmap = find_blocks(model.net)
         tap = FeatureTap(model.net, bmap, sublayers=self.sublayers, stem=self.stem)
         with tap, torch.no_grad():
-            for images, _ in tqdm(self.batches(trainer, pl_module), desc=self.name, leave=False,
-                                  disable=not trainer.is_global_zero,
-                                  total=math.ceil(self.max_images / self.batch_size)):
+            for images, _ in tqdm(
+                self.batches(trainer, pl_module),
+                desc=self.name,
+                leave=False,
+                disable=not trainer.is_global_zero,
+                total=math.ceil(self.max_images / self.batch_size),
+            ):
                 model(images)
                 consume(bmap, tap.ordered(), tuple(images.shape[-2:]))
         return bmap, tap
@@ -219,8 +240,16 @@ class LayerCorrelation(_FeatureAnalysis):
 
     name = "layer_correlation"
 
-    def __init__(self, tokens: list[str] = ("all", "cls"), stem: bool = False, measure: str = "auto",
-                 max_images: int = 256, batch_size: int = 64, weights: str = "raw", plot: bool = True):
+    def __init__(
+        self,
+        tokens: list[str] = ("all", "cls"),
+        stem: bool = False,
+        measure: str = "auto",
+        max_images: int = 256,
+        batch_size: int = 64,
+        weights: str = "raw",
+        plot: bool = True,
+    ):
         super().__init__(False, stem, max_images, batch_size, weights, plot)
         self.tokens = list(tokens)
         if not self.tokens or not set(self.tokens) <= {"all", "cls"}:
@@ -248,12 +277,16 @@ class LayerCorrelation(_FeatureAnalysis):
                 if "all" not in accumulators:  # the measure follows from the shapes of the first batch
                     same_shape = len({tuple(f.shape[1:]) for f in features}) == 1
                     if self.measure == "abs_pearson" and not same_shape:
-                        raise UserError(f"LayerCorrelation: the outputs of this {bmap.family} model differ in shape, "
-                                        "and have no Pearson correlation across stages; use measure linear_cka or auto")
-                    measures["all"] = self.measure if self.measure != "auto" else \
-                        "abs_pearson" if same_shape else "linear_cka"
-                    accumulators["all"] = CorrelationAccumulator() if measures["all"] == "abs_pearson" \
-                        else LinearCKAAccumulator()
+                        raise UserError(
+                            f"LayerCorrelation: the outputs of this {bmap.family} model differ in shape, "
+                            "and have no Pearson correlation across stages; use measure linear_cka or auto"
+                        )
+                    measures["all"] = (
+                        self.measure if self.measure != "auto" else "abs_pearson" if same_shape else "linear_cka"
+                    )
+                    accumulators["all"] = (
+                        CorrelationAccumulator() if measures["all"] == "abs_pearson" else LinearCKAAccumulator()
+                    )
                 accumulators["all"].add(features)
             if "cls" in accumulators:
                 accumulators["cls"].add([f[:, 0] for f in features])
@@ -276,13 +309,24 @@ class LayerCorrelation(_FeatureAnalysis):
         section["protocol"] = {
             "follows": "paper",
             "reference": "Bhojanapalli et al. 2021, Sec. 4 and App. F (Figs. 7, 31-33); no public code",
-            "differences": [("how the paper pools the Pearson correlation is not stated: here over images x tokens "
-                             "x channels (one pair of long vectors per layer pair)"),
-                            ("linear CKA is estimated over batches with the unbiased HSIC (Nguyen et al. 2021), "
-                             "not on all images' Gram matrix at once")]}
-        section["conditions"] = {"arch": pl_module.hparams.get("arch"), "tokens": self.tokens, "measure": self.measure,
-                                 "abs_pearson": "|Pearson correlation| over images x tokens x channels (float64 sums)",
-                                 "linear_cka": "minibatch linear CKA, features flattened per image"}
+            "differences": [
+                (
+                    "how the paper pools the Pearson correlation is not stated: here over images x tokens "
+                    "x channels (one pair of long vectors per layer pair)"
+                ),
+                (
+                    "linear CKA is estimated over batches with the unbiased HSIC (Nguyen et al. 2021), "
+                    "not on all images' Gram matrix at once"
+                ),
+            ],
+        }
+        section["conditions"] = {
+            "arch": pl_module.hparams.get("arch"),
+            "tokens": self.tokens,
+            "measure": self.measure,
+            "abs_pearson": "|Pearson correlation| over images x tokens x channels (float64 sums)",
+            "linear_cka": "minibatch linear CKA, features flattened per image",
+        }
         return section, metrics, self.figure(section) if self.plot else None
 
     @staticmethod
@@ -314,10 +358,10 @@ class LayerCorrelation(_FeatureAnalysis):
 VARIANCE_PROTOCOLS = {
     # Park & Kim 2022, Fig. 9: each image's maps, their spatial variance, averaged over channels and images
     "parkkim": "github.com/xxxnell/how-do-vits-work, featuremap_variance.ipynb (Park & Kim 2022, Fig. 9): "
-               "latent.var(dim=[-1, -2]).mean(dim=[0, 1])",
+    "latent.var(dim=[-1, -2]).mean(dim=[0, 1])",
     # Chen et al. 2024, Fig. 10: the batch's mean map first (torch.mean(xs, dim=0)), then its spatial variance
     "chen": "github.com/Lauch1ng/LKRobust, feature_map_variance/main.py (Chen et al. 2024, Fig. 10): "
-            "latents_item.append(torch.mean(xs, dim=0)), then latent.var(dim=[-1, -2]).mean(dim=[0, 1])",
+    "latents_item.append(torch.mean(xs, dim=0)), then latent.var(dim=[-1, -2]).mean(dim=[0, 1])",
 }
 
 
@@ -335,12 +379,21 @@ class FeatureVariance(_FeatureAnalysis):
 
     name = "feature_variance"
 
-    def __init__(self, sublayers: bool = True, stem: bool = True, protocol: str = "parkkim", max_images: int = 256,
-                 batch_size: int = 64, weights: str = "raw", plot: bool = True):
+    def __init__(
+        self,
+        sublayers: bool = True,
+        stem: bool = True,
+        protocol: str = "parkkim",
+        max_images: int = 256,
+        batch_size: int = 64,
+        weights: str = "raw",
+        plot: bool = True,
+    ):
         super().__init__(sublayers, stem, max_images, batch_size, weights, plot)
         if protocol not in VARIANCE_PROTOCOLS:
-            raise UserError(f"FeatureVariance.protocol must be one of {', '.join(VARIANCE_PROTOCOLS)}, "
-                            f"got {protocol!r}")
+            raise UserError(
+                f"FeatureVariance.protocol must be one of {', '.join(VARIANCE_PROTOCOLS)}, got {protocol!r}"
+            )
         self.protocol = protocol
 
     def analyse(self, trainer, pl_module):
@@ -363,18 +416,31 @@ class FeatureVariance(_FeatureAnalysis):
         bmap, tap = self.run(trainer, pl_module, consume)
         variances = [t / count[0] for t in totals]
         variances = [None if math.isnan(v) else v for v in variances]  # a 1x1 map has no spatial variance
-        points = [{"name": label, "kind": kind, "map_size": list(size), "subsampling": sub, "variance": v}
-                  for (label, kind), size, sub, v in zip(tap.points, sizes, _subsampling(sizes), variances)]
-        section = {"family": bmap.family, "points": points,
-                   "protocol": {"follows": "code", "reference": VARIANCE_PROTOCOLS[self.protocol],
-                                "differences": [] if self.protocol == "parkkim" else [
-                                    "the script keeps the mean map of the last batch of each of its 10 sweeps over "
-                                    "1280 images; here every batch's mean map counts"]},
-                   "conditions": {"arch": pl_module.hparams.get("arch"), "sublayers": self.sublayers,
-                                  "protocol": self.protocol,
-                                  "measure": "unbiased spatial variance per channel, mean over channels and "
-                                             + ("images" if self.protocol == "parkkim" else
-                                                "batches, of each batch's mean map")}}
+        points = [
+            {"name": label, "kind": kind, "map_size": list(size), "subsampling": sub, "variance": v}
+            for (label, kind), size, sub, v in zip(tap.points, sizes, _subsampling(sizes), variances)
+        ]
+        section = {
+            "family": bmap.family,
+            "points": points,
+            "protocol": {
+                "follows": "code",
+                "reference": VARIANCE_PROTOCOLS[self.protocol],
+                "differences": []
+                if self.protocol == "parkkim"
+                else [
+                    "the script keeps the mean map of the last batch of each of its 10 sweeps over "
+                    "1280 images; here every batch's mean map counts"
+                ],
+            },
+            "conditions": {
+                "arch": pl_module.hparams.get("arch"),
+                "sublayers": self.sublayers,
+                "protocol": self.protocol,
+                "measure": "unbiased spatial variance per channel, mean over channels and "
+                + ("images" if self.protocol == "parkkim" else "batches, of each batch's mean map"),
+            },
+        }
         known = [v for v in variances if v is not None]
         metrics = {"last": known[-1], "max": max(known)} if known else {}
         return section, metrics, self.figure(section) if self.plot else None
@@ -420,27 +486,50 @@ class FourierFeatures(_FeatureAnalysis):
 
         bmap, tap = self.run(trainer, pl_module, consume)
         points = []
-        for (label, kind), total, (bins, plotted, true), size, sub in zip(tap.points, totals, frequencies, sizes,
-                                                                          _subsampling(sizes)):
+        for (label, kind), total, (bins, plotted, true), size, sub in zip(
+            tap.points, totals, frequencies, sizes, _subsampling(sizes)
+        ):
             curve = (total / count[0]).tolist()
-            points.append({"name": label, "kind": kind, "map_size": list(size), "subsampling": sub,
-                           "frequencies": plotted.tolist(), "dft_bins": bins,
-                           "dft_frequencies": true.tolist(), "relative_log_amplitude": curve,
-                           # a 1x1 map has only frequency 0: no high-frequency value
-                           "high_frequency": curve[-1] if len(curve) > 1 else None})
-        section = {"family": bmap.family, "points": points,
-                   "protocol": {"follows": "code", "reference": "github.com/xxxnell/how-do-vits-work, "
-                                "fourier_analysis.ipynb (Park & Kim 2022, Figs. 2a and 8)",
-                                "differences": [("the paper (App. A) reports the amplitude at f = pi; the code's "
-                                                 "last point, followed here, is the diagonal bin ceil(n/2) - 1 (true "
-                                                 "frequency 2k/n, e.g. 6/7 pi on 14x14), plotted at 1.0 pi")]},
-                   "conditions": {"arch": pl_module.hparams.get("arch"), "sublayers": self.sublayers,
-                                  "measure": f"log(|FFT2| + {LOG_EPS}) averaged over channels and images, at the "
-                                             "diagonal bins (k, k), k = 0 .. ceil(n/2) - 1, minus its value at "
-                                             "frequency 0",
-                                  "frequencies": "the code's plotting axis linspace(0, 1, K), units of pi; "
-                                                 "dft_frequencies: the true frequency 2k/n of each bin along "
-                                                 "each axis"}}
+            points.append(
+                {
+                    "name": label,
+                    "kind": kind,
+                    "map_size": list(size),
+                    "subsampling": sub,
+                    "frequencies": plotted.tolist(),
+                    "dft_bins": bins,
+                    "dft_frequencies": true.tolist(),
+                    "relative_log_amplitude": curve,
+                    # a 1x1 map has only frequency 0: no high-frequency value
+                    "high_frequency": curve[-1] if len(curve) > 1 else None,
+                }
+            )
+        section = {
+            "family": bmap.family,
+            "points": points,
+            "protocol": {
+                "follows": "code",
+                "reference": "github.com/xxxnell/how-do-vits-work, "
+                "fourier_analysis.ipynb (Park & Kim 2022, Figs. 2a and 8)",
+                "differences": [
+                    (
+                        "the paper (App. A) reports the amplitude at f = pi; the code's "
+                        "last point, followed here, is the diagonal bin ceil(n/2) - 1 (true "
+                        "frequency 2k/n, e.g. 6/7 pi on 14x14), plotted at 1.0 pi"
+                    )
+                ],
+            },
+            "conditions": {
+                "arch": pl_module.hparams.get("arch"),
+                "sublayers": self.sublayers,
+                "measure": f"log(|FFT2| + {LOG_EPS}) averaged over channels and images, at the "
+                "diagonal bins (k, k), k = 0 .. ceil(n/2) - 1, minus its value at "
+                "frequency 0",
+                "frequencies": "the code's plotting axis linspace(0, 1, K), units of pi; "
+                "dft_frequencies: the true frequency 2k/n of each bin along "
+                "each axis",
+            },
+        }
         known = [p["high_frequency"] for p in points if p["high_frequency"] is not None]
         metrics = {"last_high_frequency": known[-1]} if known else {}
         return section, metrics, self.figure(section) if self.plot else None

@@ -39,8 +39,10 @@ from robust_lightning.paths import DATA_DIR
 
 MAPPING = DATA_DIR / "cue_conflict_16class_to_imagenet.json"
 NAME = re.compile(r"^([a-z]+)\d+-([a-z]+)\d+\.(png|jpe?g)$", re.IGNORECASE)
-LAYOUT = ("ROOT/<shape category>/<shape><n>-<texture><m>.png with the 16 category folders (airplane, bear, ..., "
-          "truck), e.g. ROOT/cat/cat2-elephant1.png (model-vs-human's cue-conflict folder)")
+LAYOUT = (
+    "ROOT/<shape category>/<shape><n>-<texture><m>.png with the 16 category folders (airplane, bear, ..., "
+    "truck), e.g. ROOT/cat/cat2-elephant1.png (model-vs-human's cue-conflict folder)"
+)
 
 
 def load_mapping(path: str | Path | None = None) -> dict[str, list[int]]:
@@ -66,8 +68,10 @@ def cue_conflict_images(root: str | Path, categories: list[str]) -> list[tuple[P
                 continue
             match = NAME.match(file.name)
             if not match or match.group(2).lower() not in categories:
-                raise UserError(f"ShapeBias: {file} is not named <shape><n>-<texture><m>.png with a texture among "
-                                f"the 16 categories; expected {LAYOUT}")
+                raise UserError(
+                    f"ShapeBias: {file} is not named <shape><n>-<texture><m>.png with a texture among "
+                    f"the 16 categories; expected {LAYOUT}"
+                )
             images.append((file, shape, match.group(2).lower()))
     if not images:
         raise UserError(f"ShapeBias: no images under {root}; expected {LAYOUT}")
@@ -88,8 +92,14 @@ class _Stimuli(Dataset):
 
 def stimulus_transform(image_size: int, crop_pct: float = 1.0) -> T.Compose:
     """The whole (square) stimulus resized to image_size; crop_pct < 1 resizes larger and centre-crops."""
-    return T.Compose([decode_rgb, T.Resize(eval_resize_size(image_size, crop_pct), interpolation=BICUBIC),
-                      T.CenterCrop(image_size), T.PILToTensor()])
+    return T.Compose(
+        [
+            decode_rgb,
+            T.Resize(eval_resize_size(image_size, crop_pct), interpolation=BICUBIC),
+            T.CenterCrop(image_size),
+            T.PILToTensor(),
+        ]
+    )
 
 
 def category_probabilities(logits: Tensor, mapping: dict[str, list[int]]) -> Tensor:
@@ -99,13 +109,24 @@ def category_probabilities(logits: Tensor, mapping: dict[str, list[int]]) -> Ten
 
 
 @torch.no_grad()
-def decisions(model: nn.Module, files: list[Path], mapping: dict[str, list[int]], image_size: int,
-              batch_size: int = 64, crop_pct: float = 1.0, device: torch.device | str = "cpu",
-              num_workers: int = 0) -> list[str]:
+def decisions(
+    model: nn.Module,
+    files: list[Path],
+    mapping: dict[str, list[int]],
+    image_size: int,
+    batch_size: int = 64,
+    crop_pct: float = 1.0,
+    device: torch.device | str = "cpu",
+    num_workers: int = 0,
+) -> list[str]:
     """The 16-class decision of the model for each file."""
     names = list(mapping)
-    loader = DataLoader(_Stimuli(files, stimulus_transform(image_size, crop_pct)), batch_size=batch_size,
-                        num_workers=num_workers, collate_fn=default_collate)
+    loader = DataLoader(
+        _Stimuli(files, stimulus_transform(image_size, crop_pct)),
+        batch_size=batch_size,
+        num_workers=num_workers,
+        collate_fn=default_collate,
+    )
     out = []
     for images in loader:
         logits = model(to_model_input(images, device))
@@ -133,10 +154,13 @@ def shape_bias_table(stimuli: list[tuple[Path, str, str]], decided: list[str], c
     return {
         "shape_bias": ratio(shape, texture),
         "shape_accuracy": shape_correct / len(stimuli) if stimuli else None,
-        "shape_decisions": shape, "texture_decisions": texture, "other_decisions": len(conflict) - shape - texture,
+        "shape_decisions": shape,
+        "texture_decisions": texture,
+        "other_decisions": len(conflict) - shape - texture,
         "fraction_shape": shape / len(conflict) if conflict else None,
         "fraction_texture": texture / len(conflict) if conflict else None,
-        "num_images": len(stimuli), "num_conflict_images": len(conflict),
+        "num_images": len(stimuli),
+        "num_conflict_images": len(conflict),
         "excluded_same_category": len(stimuli) - len(conflict),
         "per_category": per_category,
     }
@@ -158,9 +182,18 @@ class ShapeBias(Analysis):
 
     name = "shape_bias"
 
-    def __init__(self, root: str, mapping: str | None = None, image_size: int | None = None, crop_pct: float = 1.0,
-                 num_workers: int = 0, max_images: int = 100_000, batch_size: int = 64, weights: str = "raw",
-                 plot: bool = True):
+    def __init__(
+        self,
+        root: str,
+        mapping: str | None = None,
+        image_size: int | None = None,
+        crop_pct: float = 1.0,
+        num_workers: int = 0,
+        max_images: int = 100_000,
+        batch_size: int = 64,
+        weights: str = "raw",
+        plot: bool = True,
+    ):
         super().__init__(max_images=max_images, batch_size=batch_size, weights=weights, plot=plot)
         if not 0 < crop_pct <= 1:
             raise UserError(f"ShapeBias.crop_pct must be in (0, 1], got {crop_pct}")
@@ -175,8 +208,10 @@ class ShapeBias(Analysis):
         # fail before the test loop: wrong label space or wrong folder
         classes = pl_module.hparams.get("num_classes")
         if classes is not None and classes != 1000:
-            raise UserError(f"ShapeBias does not apply to this model: it has {classes} classes, and the cue-conflict "
-                            "decision maps ImageNet's 1000 classes to 16 categories; use an ImageNet-1k checkpoint")
+            raise UserError(
+                f"ShapeBias does not apply to this model: it has {classes} classes, and the cue-conflict "
+                "decision maps ImageNet's 1000 classes to 16 categories; use an ImageNet-1k checkpoint"
+            )
         cue_conflict_images(self.root, list(self.mapping))
 
     def analyse(self, trainer, pl_module):
@@ -185,16 +220,33 @@ class ShapeBias(Analysis):
         size = self.image_size or data_image_size(trainer)
         if size is None:
             raise UserError("ShapeBias: the data module has no image_size to default to; set ShapeBias.image_size")
-        decided = decisions(self.model(pl_module), [f for f, _, _ in stimuli], self.mapping, size, self.batch_size,
-                            self.crop_pct, pl_module.device, self.num_workers)
-        section = {**shape_bias_table(stimuli, decided, categories),
-                   "conditions": {"arch": pl_module.hparams.get("arch"), "images": len(stimuli),
-                                  "root": str(Path(self.root).resolve()),
-                                  "mapping": str(self.mapping_path),
-                                  "image_size": size, "crop_pct": self.crop_pct,
-                                  "decision": "argmax of the mean softmax probability over each category's classes"}}
-        metrics = {k: section[k] for k in ("shape_bias", "shape_accuracy", "fraction_shape", "fraction_texture")
-                   if section[k] is not None}
+        decided = decisions(
+            self.model(pl_module),
+            [f for f, _, _ in stimuli],
+            self.mapping,
+            size,
+            self.batch_size,
+            self.crop_pct,
+            pl_module.device,
+            self.num_workers,
+        )
+        section = {
+            **shape_bias_table(stimuli, decided, categories),
+            "conditions": {
+                "arch": pl_module.hparams.get("arch"),
+                "images": len(stimuli),
+                "root": str(Path(self.root).resolve()),
+                "mapping": str(self.mapping_path),
+                "image_size": size,
+                "crop_pct": self.crop_pct,
+                "decision": "argmax of the mean softmax probability over each category's classes",
+            },
+        }
+        metrics = {
+            k: section[k]
+            for k in ("shape_bias", "shape_accuracy", "fraction_shape", "fraction_texture")
+            if section[k] is not None
+        }
         return section, metrics, self.figure(section) if self.plot else None
 
     @staticmethod
@@ -211,8 +263,12 @@ class ShapeBias(Analysis):
         rows = [(c, r["shape_bias"]) for c, r in section["per_category"].items() if r["shape_bias"] is not None]
         ax.scatter([v for _, v in rows], range(len(rows)), s=60, color="C3", label="per category")
         if section["shape_bias"] is not None:
-            ax.axvline(section["shape_bias"], color="C3", linestyle="--",
-                       label=f"overall shape bias {section['shape_bias']:.2f}")
+            ax.axvline(
+                section["shape_bias"],
+                color="C3",
+                linestyle="--",
+                label=f"overall shape bias {section['shape_bias']:.2f}",
+            )
         ax.set_yticks(range(len(rows)), [c for c, _ in rows])
         ax.set_xlim(-0.02, 1.02)
         ax.set_xlabel("fraction of shape decisions (shape / (shape + texture))")

@@ -270,8 +270,10 @@ def apgd(
     if x_init is not None and x_init.shape != x.shape:
         raise ValueError(f"x_init must have the shape of x {tuple(x.shape)}, got {tuple(x_init.shape)}")
     if exit_broken is not None and (exit_broken.shape != x.shape[:1] or exit_broken.dtype != torch.int64):
-        raise ValueError(f"exit_broken must hold int64 point ids of shape ({x.shape[0]},), got {exit_broken.dtype} "
-                         f"of shape {tuple(exit_broken.shape)}")
+        raise ValueError(
+            f"exit_broken must hold int64 point ids of shape ({x.shape[0]},), got {exit_broken.dtype} "
+            f"of shape {tuple(exit_broken.shape)}"
+        )
     if exit_broken is not None and last_forward is not None:
         raise ValueError("exit_broken is for evaluation; last_forward (training) needs every row's last iterate")
 
@@ -333,8 +335,14 @@ def apgd(
         if i < n_iter - 1:
             logits, loss_cur, grad = input_gradient(model, x_adv, y, loss, y_target)
         else:  # no step follows the last iterate: its loss is all that is needed
-            logits, loss_cur = _last_logits(model if last_forward is None else last_forward, x_adv, y, loss,
-                                            y_target, keep_graph=last_forward is not None)
+            logits, loss_cur = _last_logits(
+                model if last_forward is None else last_forward,
+                x_adv,
+                y,
+                loss,
+                y_target,
+                keep_graph=last_forward is not None,
+            )
         correct = predicted_correct(logits, y)
         robust = robust & correct
         x_best_adv = torch.where(_per_sample(~correct, x), x_adv, x_best_adv)
@@ -374,11 +382,46 @@ def apgd(
                 by_leave = leave.to(torch.uint8).argsort(stable=True)  # the rows that stay, then those that leave
                 stay, gone = by_leave[: len(leave) - n_leave], by_leave[len(leave) - n_leave :]
                 exited.append(tuple(t[gone] for t in (rows, x_best, loss_best, x_best_adv, logits, improved, robust)))
-                (rows, exit_broken, x, y, x_adv, x_adv_old, grad, x_best, x_best_adv, grad_best, loss_best, step,
-                 robust, loss_best_last_check, reduced_last_check, logits, improved) = (
-                    t[stay] for t in (rows, exit_broken, x, y, x_adv, x_adv_old, grad, x_best, x_best_adv, grad_best,
-                                      loss_best, step, robust, loss_best_last_check, reduced_last_check, logits,
-                                      improved))
+                (
+                    rows,
+                    exit_broken,
+                    x,
+                    y,
+                    x_adv,
+                    x_adv_old,
+                    grad,
+                    x_best,
+                    x_best_adv,
+                    grad_best,
+                    loss_best,
+                    step,
+                    robust,
+                    loss_best_last_check,
+                    reduced_last_check,
+                    logits,
+                    improved,
+                ) = (
+                    t[stay]
+                    for t in (
+                        rows,
+                        exit_broken,
+                        x,
+                        y,
+                        x_adv,
+                        x_adv_old,
+                        grad,
+                        x_best,
+                        x_best_adv,
+                        grad_best,
+                        loss_best,
+                        step,
+                        robust,
+                        loss_best_last_check,
+                        reduced_last_check,
+                        logits,
+                        improved,
+                    )
+                )
                 loss_steps = loss_steps[:, stay]
                 if y_target is not None:
                     y_target = y_target[stay]
@@ -391,9 +434,17 @@ def apgd(
         parts = [*exited, (rows, x_best, loss_best, x_best_adv, logits, improved, robust)]
         order = torch.cat([part[0] for part in parts]).argsort()
         x_best, loss_best, x_best_adv, logits, improved, robust = (
-            torch.cat([part[j] for part in parts])[order] for j in range(1, 7))
-    return APGDResult(x_best=x_best, loss_best=loss_best, x_adv=x_best_adv, robust=robust, logits_last=logits,
-                      logits_start=logits_start, best_is_last=improved)
+            torch.cat([part[j] for part in parts])[order] for j in range(1, 7)
+        )
+    return APGDResult(
+        x_best=x_best,
+        loss_best=loss_best,
+        x_adv=x_best_adv,
+        robust=robust,
+        logits_last=logits,
+        logits_start=logits_start,
+        best_is_last=improved,
+    )
 
 
 def _last_logits(forward: Model, x_adv: Tensor, y: Tensor, loss: str, y_target: Tensor | None, keep_graph: bool):
@@ -405,4 +456,3 @@ def _last_logits(forward: Model, x_adv: Tensor, y: Tensor, loss: str, y_target: 
     with torch.no_grad():
         logits = forward(x_adv).float()
     return logits, per_sample_loss(logits, y, loss, y_target)
-

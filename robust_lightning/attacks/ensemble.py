@@ -63,8 +63,9 @@ VERSIONS = {
     "apgd-ce": ("apgd-ce",),
 }
 ATTACKS = ("apgd-ce", "apgd-dlr", "apgd-t", "fab-t", "square")  # the reference's names; its "fab" is not here
-NOT_IMPLEMENTED_ATTACKS = {"fab": "untargeted FAB ('fab') is not implemented here; the standard version's "
-                                  "targeted FAB ('fab-t') is"}
+NOT_IMPLEMENTED_ATTACKS = {
+    "fab": "untargeted FAB ('fab') is not implemented here; the standard version's targeted FAB ('fab-t') is"
+}
 
 
 @dataclass
@@ -113,13 +114,22 @@ class AutoAttackReport:
     def summary(self) -> dict[str, Any]:
         """JSON-ready figures (accuracies as fractions)."""
         return {
-            "norm": self.norm, "eps": self.eps, "version": self.version, "engine": self.engine,
-            "precision": precision_note(self.precision), "seed": self.seed, "attacks": list(self.attacks),
-            "channels_last": self.channels_last, "batchnorm_folded": self.batchnorm_folded,
-            "num_points": len(self.clean), "clean_accuracy": self.clean_accuracy,
-            "robust_accuracy": self.robust_accuracy, "robust_accuracy_after": dict(self.robust_after),
+            "norm": self.norm,
+            "eps": self.eps,
+            "version": self.version,
+            "engine": self.engine,
+            "precision": precision_note(self.precision),
+            "seed": self.seed,
+            "attacks": list(self.attacks),
+            "channels_last": self.channels_last,
+            "batchnorm_folded": self.batchnorm_folded,
+            "num_points": len(self.clean),
+            "clean_accuracy": self.clean_accuracy,
+            "robust_accuracy": self.robust_accuracy,
+            "robust_accuracy_after": dict(self.robust_after),
             "claims_refuted_in_fp32": dict(self.refuted),
-            "seconds": dict(self.seconds), "total_seconds": sum(self.seconds.values()),
+            "seconds": dict(self.seconds),
+            "total_seconds": sum(self.seconds.values()),
         }
 
 
@@ -156,8 +166,9 @@ class _ToChannelsLast(torch.autograd.Function):
         return grad.contiguous()
 
 
-def attack_stand_in(model: Callable[[Tensor], Tensor], fold_batchnorm: bool, channels_last: bool
-                    ) -> tuple[Callable[[Tensor], Tensor], bool]:
+def attack_stand_in(
+    model: Callable[[Tensor], Tensor], fold_batchnorm: bool, channels_last: bool
+) -> tuple[Callable[[Tensor], Tensor], bool]:
     """What the fast engine's attacks run instead of ``model``: a copy with BatchNorm folded
     (:func:`folded_batchnorm`, where it applies) and/or fed channels_last inputs; and whether BatchNorm is
     folded in it."""
@@ -182,8 +193,10 @@ def channels_last_inputs(model: Callable[[Tensor], Tensor]) -> Callable[[Tensor]
         except RuntimeError as error:
             if "view size is not compatible" not in str(error):
                 raise
-            raise RuntimeError("the model cannot take channels_last inputs (it calls .view on an image or feature "
-                               "map); run AutoAttack with channels_last=False") from error
+            raise RuntimeError(
+                "the model cannot take channels_last inputs (it calls .view on an image or feature "
+                "map); run AutoAttack with channels_last=False"
+            ) from error
 
     return forward
 
@@ -192,6 +205,7 @@ def folded_batchnorm(model: Callable[[Tensor], Tensor]) -> nn.Module | None:
     """A copy of ``model`` (an ``nn.Module`` in eval mode) with each BatchNorm folded into the convolution or
     linear layer before it, so that the pair costs one op, forward and backward; logits agree up to float
     rounding. None where nothing folds, or where torch.fx cannot trace the model (with a warning)."""
+
     def batchnorms(module: nn.Module) -> int:
         return sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
 
@@ -298,20 +312,26 @@ class AutoAttack:
         if norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
         if version in ("plus", "rand"):
-            raise ValueError(f"pyautoattack's version {version!r} is not implemented here; versions: "
-                             f"{(*VERSIONS, 'custom')}")
+            raise ValueError(
+                f"pyautoattack's version {version!r} is not implemented here; versions: {(*VERSIONS, 'custom')}"
+            )
         if version not in VERSIONS and version != "custom":  # custom: the attacks given, in that order
             raise ValueError(f"version must be one of {(*VERSIONS, 'custom')}, got {version!r}")
         if attacks is not None and attacks_to_run:
-            raise ValueError("give the attacks as attacks_to_run (fra31/auto-attack) or attacks (pyautoattack), "
-                             "not both")
+            raise ValueError(
+                "give the attacks as attacks_to_run (fra31/auto-attack) or attacks (pyautoattack), not both"
+            )
         custom_attacks = list(attacks if attacks is not None else attacks_to_run)
         if version != "custom" and custom_attacks:
-            raise ValueError(f"the attacks to run are set by version={version!r}; give them with "
-                             "version='custom' only, as the reference codes require")
+            raise ValueError(
+                f"the attacks to run are set by version={version!r}; give them with "
+                "version='custom' only, as the reference codes require"
+            )
         if is_tf_model:
-            raise ValueError("is_tf_model=True (fra31's TensorFlow adapter) is not implemented here; "
-                             "AutoAttack takes a PyTorch model (an nn.Module or a callable on tensors)")
+            raise ValueError(
+                "is_tf_model=True (fra31's TensorFlow adapter) is not implemented here; "
+                "AutoAttack takes a PyTorch model (an nn.Module or a callable on tensors)"
+            )
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
         if precision not in PRECISIONS:
@@ -364,8 +384,10 @@ class AutoAttack:
     def _check_settings(self) -> None:
         """The attacks and budgets can be changed after construction (as on the reference): checked per run."""
         if not self.attacks_to_run:
-            raise ValueError("version='custom' needs the attacks to run: AutoAttack(..., attacks_to_run=[...]) or "
-                             f"adversary.attacks_to_run = [...], of {ATTACKS}")
+            raise ValueError(
+                "version='custom' needs the attacks to run: AutoAttack(..., attacks_to_run=[...]) or "
+                f"adversary.attacks_to_run = [...], of {ATTACKS}"
+            )
         for attack in self.attacks_to_run:
             if attack in NOT_IMPLEMENTED_ATTACKS:
                 raise ValueError(NOT_IMPLEMENTED_ATTACKS[attack])
@@ -374,15 +396,27 @@ class AutoAttack:
             raise ValueError(f"attacks must be a non-empty list of {ATTACKS}, got {self.attacks_to_run}")
         for settings in (self.apgd, self.apgd_targeted):
             if self.norm == "L1" and settings.n_iter < L1_MIN_ITER:
-                raise ValueError(f"L1 APGD splits its iterations 30/30/40 % over 3, 2 and 1 x eps: n_iter must be "
-                                 f"at least {L1_MIN_ITER}, got {settings.n_iter}")
+                raise ValueError(
+                    f"L1 APGD splits its iterations 30/30/40 % over 3, 2 and 1 x eps: n_iter must be "
+                    f"at least {L1_MIN_ITER}, got {settings.n_iter}"
+                )
         if self.engine == "fast" and (self.apgd_targeted.n_restarts != 1 or self.square.n_restarts != 1):
-            raise ValueError("the fast engine runs APGD-T and Square with one restart (as the standard version "
-                             "does); engine='reference' runs more")
+            raise ValueError(
+                "the fast engine runs APGD-T and Square with one restart (as the standard version "
+                "does); engine='reference' runs more"
+            )
 
     # ------------------------------------------------------------------------------------------- public
-    def run_standard_evaluation(self, x: Tensor, y: Tensor, bs: int | None = None, return_labels: bool = False,
-                                *, batch_size: int | None = None, state_path=None) -> Tensor | tuple[Tensor, Tensor]:
+    def run_standard_evaluation(
+        self,
+        x: Tensor,
+        y: Tensor,
+        bs: int | None = None,
+        return_labels: bool = False,
+        *,
+        batch_size: int | None = None,
+        state_path=None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """The adversarial images (the clean image where no attack succeeded), as the reference codes return
         them: x_adv (fra31/auto-attack, ``bs=``), (x_adv, y_adv) with ``return_labels=True`` or when called as
         pyautoattack 0.2.0 is, with ``batch_size=``; y_adv is the model's prediction on x_adv. With ``verbose``,
@@ -397,16 +431,18 @@ class AutoAttack:
         if log:
             delta = (x_adv - x.to(x_adv.device)).flatten(1)
             size = {"Linf": delta.abs().amax(1), "L2": delta.norm(dim=1), "L1": delta.abs().sum(1)}[self.norm]
-            log(f"max {self.norm} perturbation: {size.max():.5f}, nan in tensor: {x_adv.isnan().sum()}, "
-                f"max: {x_adv.max():.5f}, min: {x_adv.min():.5f}")
+            log(
+                f"max {self.norm} perturbation: {size.max():.5f}, nan in tensor: {x_adv.isnan().sum()}, "
+                f"max: {x_adv.max():.5f}, min: {x_adv.min():.5f}"
+            )
             log(f"robust accuracy: {report.robust_accuracy:.2%}")
         if return_labels or batch_size is not None:
             return x_adv, self._predictions(x_adv, bs)
         return x_adv
 
-    def run_standard_evaluation_individual(self, x: Tensor, y: Tensor, bs: int | None = None,
-                                           return_labels: bool = False, *, batch_size: int | None = None
-                                           ) -> dict[str, Tensor | tuple[Tensor, Tensor]]:
+    def run_standard_evaluation_individual(
+        self, x: Tensor, y: Tensor, bs: int | None = None, return_labels: bool = False, *, batch_size: int | None = None
+    ) -> dict[str, Tensor | tuple[Tensor, Tensor]]:
         """Each attack on its own on all clean points, as the reference codes do: attack name -> what
         :meth:`run_standard_evaluation` returns for it. With ``verbose``, the robust accuracy of each."""
         ensemble, verbose = self.attacks_to_run, self.verbose
@@ -421,8 +457,10 @@ class AutoAttack:
                 results[attack] = (x_adv, y_adv) if return_labels or batch_size is not None else x_adv
                 if verbose:
                     accuracy = (y_adv == y.to(y_adv.device)).float().mean().item()
-                    self.log(f"robust accuracy by {attack.upper()}\t{accuracy:.2%}\t"
-                             f"(time attack: {time.perf_counter() - started:.1f} s)")
+                    self.log(
+                        f"robust accuracy by {attack.upper()}\t{accuracy:.2%}\t"
+                        f"(time attack: {time.perf_counter() - started:.1f} s)"
+                    )
             return results
         finally:
             self.attacks_to_run, self.verbose = ensemble, verbose
@@ -441,8 +479,14 @@ class AutoAttack:
             with open(self.log_path, "a") as log:
                 log.write(line + "\n")
 
-    def evaluate(self, x: Tensor, y: Tensor, bs: int = 250, progress: Callable[[str], None] | None = None,
-                 progress_bar: bool = False) -> AutoAttackReport:
+    def evaluate(
+        self,
+        x: Tensor,
+        y: Tensor,
+        bs: int = 250,
+        progress: Callable[[str], None] | None = None,
+        progress_bar: bool = False,
+    ) -> AutoAttackReport:
         """Run the ensemble on ``x`` (N, C, H, W) in [0, 1] with labels ``y`` (N,), ``bs`` points at a time.
         ``progress`` receives fra31's verbose lines (the initial accuracy, per attack the points it broke and the
         robust accuracy after it); ``progress_bar`` shows a bar over the attacks (rank zero)."""
@@ -463,8 +507,10 @@ class AutoAttack:
         if bs is not None and batch_size is not None:
             raise ValueError("give bs (fra31/auto-attack) or batch_size (pyautoattack), not both")
         if state_path is not None:
-            raise ValueError("pyautoattack's state_path is not implemented here; the AutoAttackEvaluation "
-                             "callback keeps per-image outcomes and resumes from them")
+            raise ValueError(
+                "pyautoattack's state_path is not implemented here; the AutoAttackEvaluation "
+                "callback keeps per-image outcomes and resumes from them"
+            )
         return bs or batch_size or 250
 
     def _stand_in(self) -> tuple[Callable[[Tensor], Tensor], bool]:
@@ -513,13 +559,27 @@ class AutoAttack:
             robust_after[attack] = robust.float().mean().item()
             seconds[attack] = time.perf_counter() - started
             if progress is not None:
-                progress(f"robust accuracy after {attack.upper()}: {robust_after[attack]:.2%} "
-                         f"(total time {time.perf_counter() - attacks_started:.1f} s)")
+                progress(
+                    f"robust accuracy after {attack.upper()}: {robust_after[attack]:.2%} "
+                    f"(total time {time.perf_counter() - attacks_started:.1f} s)"
+                )
         return AutoAttackReport(
-            norm=self.norm, eps=self.eps, version=self.version, engine=self.engine, precision=self.precision,
-            seed=self.seed, attacks=self.attacks, channels_last=self.channels_last, batchnorm_folded=folded,
-            clean=clean.cpu(), robust=robust.cpu(), broken_by=broken_by, robust_after=robust_after,
-            refuted=refuted, seconds=seconds, x_adv=x_adv,
+            norm=self.norm,
+            eps=self.eps,
+            version=self.version,
+            engine=self.engine,
+            precision=self.precision,
+            seed=self.seed,
+            attacks=self.attacks,
+            channels_last=self.channels_last,
+            batchnorm_folded=folded,
+            clean=clean.cpu(),
+            robust=robust.cpu(),
+            broken_by=broken_by,
+            robust_after=robust_after,
+            refuted=refuted,
+            seconds=seconds,
+            x_adv=x_adv,
         )
 
     def _correct(self, x: Tensor, y: Tensor, bs: int) -> Tensor:
@@ -530,19 +590,31 @@ class AutoAttack:
     def _predictions(self, x: Tensor, bs: int) -> Tensor:
         """fp32 (TF32 off) predicted classes, batch by batch, on x's device."""
         with numerics("fp32", self.device):
-            return torch.cat([
-                self.model(x[i : i + bs].to(self.device)).float().argmax(1).to(x.device) for i in range(0, len(x), bs)
-            ])
+            return torch.cat(
+                [self.model(x[i : i + bs].to(self.device)).float().argmax(1).to(x.device) for i in range(0, len(x), bs)]
+            )
 
-    def _attack(self, attack: str, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int,
-                precision: str | None = None) -> tuple[Tensor, Tensor | None]:
+    def _attack(
+        self,
+        attack: str,
+        model: Callable[[Tensor], Tensor],
+        x: Tensor,
+        y: Tensor,
+        bs: int,
+        precision: str | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
         """The attack's candidate images and, for the fast engine, its own robust flags (``model`` attacked at
         ``precision``)."""
         if self.engine == "reference":
             with numerics("fp32", self.device):  # TF32 off: PyTorch lets cuDNN convolutions use it by default
                 return self._reference_attack(attack, x, y, bs), None
-        run = {"apgd-ce": self._apgd_ce, "apgd-dlr": self._apgd_dlr, "apgd-t": self._apgd_t, "fab-t": self._fab_t,
-               "square": self._square}
+        run = {
+            "apgd-ce": self._apgd_ce,
+            "apgd-dlr": self._apgd_dlr,
+            "apgd-t": self._apgd_t,
+            "fab-t": self._fab_t,
+            "square": self._square,
+        }
         images, robust = [], []
         for i in range(0, len(x), bs):
             xb, yb = x[i : i + bs].to(self.device), y[i : i + bs].to(self.device)
@@ -561,8 +633,16 @@ class AutoAttack:
         with torch.no_grad():
             return model(x).float()
 
-    def _apgd(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, points: Tensor, generator: torch.Generator,
-              n_iter: int, **kwargs) -> tuple[Tensor, Tensor]:
+    def _apgd(
+        self,
+        model: Callable[[Tensor], Tensor],
+        x: Tensor,
+        y: Tensor,
+        points: Tensor,
+        generator: torch.Generator,
+        n_iter: int,
+        **kwargs,
+    ) -> tuple[Tensor, Tensor]:
         """One APGD run (x_adv, robust) on rows of the points ``points`` (a point's rows leave the run once one
         breaks it); for L1 the reference's 3/2/1 x eps schedule (30/30/40 % of the iterations) from a random
         point, each stage starting from the previous stage's best point (only a break at eps, in the last stage,
@@ -573,8 +653,18 @@ class AutoAttack:
         (the start's L0 distance); ours starts exactly sparse, so its first steps may be sparser. Matching it
         would need the reference's own projection bit for bit (ours agrees to float error only)."""
         if self.norm != "L1":
-            result = apgd(model, x, y, norm=self.norm, eps=self.eps, n_iter=n_iter,
-                          random_start=True, generator=generator, exit_broken=points, **kwargs)
+            result = apgd(
+                model,
+                x,
+                y,
+                norm=self.norm,
+                eps=self.eps,
+                n_iter=n_iter,
+                random_start=True,
+                generator=generator,
+                exit_broken=points,
+                **kwargs,
+            )
             return result.x_adv, result.robust
         stages = [math.ceil(0.3 * n_iter), math.ceil(0.3 * n_iter)]
         stages.append(n_iter - sum(stages))
@@ -582,8 +672,18 @@ class AutoAttack:
         start = x + l1_projection(x, noise, 3 * self.eps)
         for factor, stage_iter in zip((3, 2, 1), stages):
             start = x + l1_projection(x, start - x, factor * self.eps)
-            result = apgd(model, x, y, norm="L1", eps=factor * self.eps, n_iter=stage_iter, x_init=start,
-                          generator=generator, exit_broken=points if factor == 1 else None, **kwargs)
+            result = apgd(
+                model,
+                x,
+                y,
+                norm="L1",
+                eps=factor * self.eps,
+                n_iter=stage_iter,
+                x_init=start,
+                generator=generator,
+                exit_broken=points if factor == 1 else None,
+                **kwargs,
+            )
             start = result.x_best
         return result.x_adv, result.robust
 
@@ -593,8 +693,9 @@ class AutoAttack:
     def _apgd_dlr(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
         return self._apgd_untargeted(model, x, y, bs, "dlr")
 
-    def _apgd_untargeted(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int, loss: str
-                         ) -> tuple[Tensor, Tensor]:
+    def _apgd_untargeted(
+        self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int, loss: str
+    ) -> tuple[Tensor, Tensor]:
         generator = self._generator()
 
         def attack(rows: Tensor, restarts: Tensor) -> tuple[Tensor, Tensor]:  # each row its own random start
@@ -608,8 +709,16 @@ class AutoAttack:
 
         def attack(rows: Tensor, ranks: Tensor) -> tuple[Tensor, Tensor]:
             target = ranked[rows, ranked.shape[1] - ranks]
-            return self._apgd(model, x[rows], y[rows], rows, generator, self.apgd_targeted.n_iter,
-                              loss="dlr-targeted", y_target=target)
+            return self._apgd(
+                model,
+                x[rows],
+                y[rows],
+                rows,
+                generator,
+                self.apgd_targeted.n_iter,
+                loss="dlr-targeted",
+                y_target=target,
+            )
 
         return batched_runs(attack, x, range(2, self.apgd_targeted.n_target_classes + 2), bs)
 
@@ -617,15 +726,32 @@ class AutoAttack:
         logits = self._logits(model, x)
 
         def attack(rows: Tensor, ranks: Tensor) -> tuple[Tensor, Tensor]:
-            result = fab_targeted(model, x[rows], y[rows], norm=self.norm, eps=self.eps, n_iter=self.fab.n_iter,
-                                  target_rank=ranks, logits_clean=logits[rows])
+            result = fab_targeted(
+                model,
+                x[rows],
+                y[rows],
+                norm=self.norm,
+                eps=self.eps,
+                n_iter=self.fab.n_iter,
+                target_rank=ranks,
+                logits_clean=logits[rows],
+            )
             return result.x_adv, result.robust
 
         return batched_runs(attack, x, range(2, self.fab.n_target_classes + 2), bs)
 
     def _square(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
-        result = square_attack(model, x, y, norm=self.norm, eps=self.eps, n_queries=self.square.n_queries,
-                               p_init=0.8, generator=self._generator(), batch_size=bs)
+        result = square_attack(
+            model,
+            x,
+            y,
+            norm=self.norm,
+            eps=self.eps,
+            n_queries=self.square.n_queries,
+            p_init=0.8,
+            generator=self._generator(),
+            batch_size=bs,
+        )
         return torch.where(result.robust.view(-1, *[1] * (x.dim() - 1)), x, result.x_adv), result.robust
 
     # -------------------------------------------------------------------------------- reference engine
@@ -634,18 +760,31 @@ class AutoAttack:
         try:
             from pyautoattack import AutoAttack as ReferenceAutoAttack
         except ImportError as e:
-            raise RuntimeError("engine='reference' needs the pyautoattack package "
-                               "(pip install pyautoattack==0.2.0)") from e
+            raise RuntimeError(
+                "engine='reference' needs the pyautoattack package (pip install pyautoattack==0.2.0)"
+            ) from e
         from pyautoattack.autopgd_base import APGDAttack, APGDAttack_targeted
 
-        reference = ReferenceAutoAttack(self.model, norm=self.norm, eps=self.eps, version="standard",
-                                        seed=self.seed, device=self.device)
+        reference = ReferenceAutoAttack(
+            self.model, norm=self.norm, eps=self.eps, version="standard", seed=self.seed, device=self.device
+        )
         for name, build in (("apgd", APGDAttack), ("apgd_targeted", APGDAttack_targeted)):
             settings = getattr(self, name)
             if settings.n_iter != 100:  # rebuilt: the APGD checkpoint schedule is set in the constructor
-                setattr(reference, name, build(self.model, n_iter=settings.n_iter, eps=self.eps, norm=self.norm,
-                                               seed=self.seed, device=self.device, use_largereps=self.norm == "L1",
-                                               verbose=False))
+                setattr(
+                    reference,
+                    name,
+                    build(
+                        self.model,
+                        n_iter=settings.n_iter,
+                        eps=self.eps,
+                        norm=self.norm,
+                        seed=self.seed,
+                        device=self.device,
+                        use_largereps=self.norm == "L1",
+                        verbose=False,
+                    ),
+                )
             getattr(reference, name).n_restarts = settings.n_restarts
         reference.apgd_targeted.n_target_classes = self.apgd_targeted.n_target_classes
         reference.fab.n_iter, reference.fab.n_target_classes = self.fab.n_iter, self.fab.n_target_classes
@@ -655,8 +794,9 @@ class AutoAttack:
         return x_adv.to(x.device)
 
 
-def batched_runs(attack: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], x: Tensor, runs: range, bs: int
-                 ) -> tuple[Tensor, Tensor]:
+def batched_runs(
+    attack: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], x: Tensor, runs: range, bs: int
+) -> tuple[Tensor, Tensor]:
     """Attack runs one after the other (restarts, or target ranks) on the points not broken yet; the
     adversarial images (``x`` where no run succeeded) and the robust flags.
 

@@ -56,6 +56,7 @@ class FABResult:
 # L1), but only as far as its solution reaches (``_on_smallest``): few coordinates saturate or move. Orders
 # agree with the reference's up to ties, which change float rounding only.
 
+
 def _orient(t: Tensor, w: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     """Flip the hyperplane ``w.z = b`` so that ``t`` lies on its non-negative side.
 
@@ -66,8 +67,9 @@ def _orient(t: Tensor, w: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     return w * side[:, None], gap * side
 
 
-def _water_fill_radius(order: Tensor, rate: Tensor, radius: Tensor, c: Tensor, reachable: Tensor
-                       ) -> tuple[Tensor, Tensor]:
+def _water_fill_radius(
+    order: Tensor, rate: Tensor, radius: Tensor, c: Tensor, reachable: Tensor
+) -> tuple[Tensor, Tensor]:
     """``lam`` with ``sum_i rate_i * min(lam, radius_i) = c``, from the radii in ``order`` (the smallest)."""
     rate_s, radius_s = rate.gather(1, order), radius.gather(1, order)
     saturated_gap = _cumsum_from_zero(rate_s * radius_s)  # closed by the k smallest radii, k = 0..m
@@ -120,8 +122,9 @@ def project_hyperplane_l2(t: Tensor, w: Tensor, b: Tensor) -> Tensor:
     return torch.where(moves, _water_fill(w, w, r, c, reachable), 0.0)
 
 
-def _greedy_l1(order: Tensor, t: Tensor, w: Tensor, c: Tensor, d_box: Tensor, gain: Tensor, reachable: Tensor
-               ) -> tuple[Tensor, Tensor]:
+def _greedy_l1(
+    order: Tensor, t: Tensor, w: Tensor, c: Tensor, d_box: Tensor, gain: Tensor, reachable: Tensor
+) -> tuple[Tensor, Tensor]:
     """Full moves along ``order`` until the next coordinate only needs a partial one (see below)."""
     gap = torch.cumsum(torch.cat((c[:, None], gain.gather(1, order)), 1), 1)  # after k full moves, k = 0..m
     k = ((gap > 0).sum(1, keepdim=True) - 1).clamp(0, order.shape[1] - 1)  # full moves before the partial one

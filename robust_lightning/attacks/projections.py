@@ -94,6 +94,7 @@ def _on_smallest(solve: Callable[..., tuple[Tensor, Tensor]], keys: Tensor, *per
     the CPU ``m`` starts at ``_PREFIX`` and the incomplete rows are solved again with 8x more keys (the check
     costs nothing there); on other devices all keys are sorted at once, so that nothing waits for the host.
     """
+
     def smallest(keys: Tensor, m: int) -> Tensor:
         return torch.topk(keys, m, dim=1, largest=False).indices if m < n else torch.argsort(keys, dim=1)
 

@@ -59,8 +59,9 @@ def _axis(count: int, limit: float) -> Tensor:
     return values.where(values.abs() > 1e-9 * limit, 0.0)  # the middle value is exactly 0 (the identity)
 
 
-def spatial_grid(translations: int = 9, max_shift: float = 16.0, rotations: int = 31,
-                 max_angle: float = 30.0) -> Tensor:
+def spatial_grid(
+    translations: int = 9, max_shift: float = 16.0, rotations: int = 31, max_angle: float = 30.0
+) -> Tensor:
     """(T, 3) float64 rows (dx, dy, angle): every combination, T = translations^2 * rotations (2511 by default)."""
     shifts, angles = _axis(translations, max_shift), _axis(rotations, max_angle)
     dx, dy, angle = torch.meshgrid(shifts, shifts, angles, indexing="ij")

@@ -265,8 +265,9 @@ def _propose_linf(x: Tensor, x_best: Tensor, sides: Tensor, eps: float, corners:
     return (x_best + step).clamp((x - eps).clamp(min=0.0), (x + eps).clamp(max=1.0))
 
 
-def _propose_lp(x: Tensor, x_best: Tensor, sides: Tensor, norm: str, eps: float, corners: Tensor, signs: Tensor,
-                flips: Tensor) -> Tensor:
+def _propose_lp(
+    x: Tensor, x_best: Tensor, sides: Tensor, norm: str, eps: float, corners: Tensor, signs: Tensor, flips: Tensor
+) -> Tensor:
     """L2 / L1 update: clear a second random window and pour its mass (and the unused budget) into the
     first, as a fresh +-eta pattern added to the first window's normalised old content (per channel).
 
@@ -369,8 +370,9 @@ def square_attack(
         steps = draws.steps(len(active), n_queries, c, 1 if norm == "Linf" else 2, x.dtype)
         slot = torch.arange(len(active), device=x.device)  # each point's row in the draw table
         done = torch.zeros(len(active), dtype=torch.int64, device=x.device)  # iterations spent per point
-        sides = torch.tensor([_square_side(i, p_init, norm, c, h) for i in range(n_queries)], dtype=torch.int64,
-                             device=x.device)
+        sides = torch.tensor(
+            [_square_side(i, p_init, norm, c, h) for i in range(n_queries)], dtype=torch.int64, device=x.device
+        )
 
         while True:
             # Retire broken points and points out of queries (one host sync per pass, like the reference).
@@ -380,7 +382,8 @@ def square_attack(
                 x_adv[gone], robust[gone], queries[gone] = x_best[retire], ~fooled[retire], 1 + done[retire]
                 keep = ~retire
                 active, x_a, y_a, x_best, margin_best, done, slot = (
-                    t[keep] for t in (active, x_a, y_a, x_best, margin_best, done, slot))
+                    t[keep] for t in (active, x_a, y_a, x_best, margin_best, done, slot)
+                )
                 if active.numel() == 0:
                     break
 

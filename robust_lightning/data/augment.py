@@ -96,9 +96,7 @@ def _device_copy(t: Tensor, device: torch.device) -> Tensor:
     return t.to(device, non_blocking=True)
 
 
-def _apply_grouped(
-    x: Tensor, group: Tensor, num_groups: int, fn: Callable[[int, Tensor, Tensor], Tensor]
-) -> Tensor:
+def _apply_grouped(x: Tensor, group: Tensor, num_groups: int, fn: Callable[[int, Tensor, Tensor], Tensor]) -> Tensor:
     """out[rows] = fn(g, rows, x[rows]) for each group g < num_groups; samples with group == num_groups pass.
 
     `fn` must work per sample (a sample's result depends on its own image and parameters only): the two
@@ -585,13 +583,15 @@ class RandomErasing(torch.nn.Module):
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1), persistent=False)
 
     def extra_repr(self) -> str:
-        return (f"probability={self.probability}, area=({self.min_area}, {self.max_area:.4f}), mode={self.mode!r}, "
-                f"mean={self.mean.flatten().tolist()}, std={self.std.flatten().tolist()}, clamp={self.clamp}")
+        return (
+            f"probability={self.probability}, area=({self.min_area}, {self.max_area:.4f}), mode={self.mode!r}, "
+            f"mean={self.mean.flatten().tolist()}, std={self.std.flatten().tolist()}, clamp={self.clamp}"
+        )
 
     def boxes(self, n: int, height: int, width: int, generator=None, device=None) -> Tensor:
         """(n, 4) int boxes (top, left, h, w) per image; h = w = 0 where the image is not erased."""
         shape = (n, self.attempts)
-        area = (torch.rand(shape, generator=generator, device=device) * (self.max_area - self.min_area) + self.min_area)
+        area = torch.rand(shape, generator=generator, device=device) * (self.max_area - self.min_area) + self.min_area
         area = area * (height * width)
         lo, hi = self.log_aspect
         aspect = torch.exp(torch.rand(shape, generator=generator, device=device) * (hi - lo) + lo)
@@ -616,8 +616,10 @@ class RandomErasing(torch.nn.Module):
         rows = torch.arange(height, device=images.device).view(1, height, 1)
         cols = torch.arange(width, device=images.device).view(1, 1, width)
         inside = (
-            (rows >= top.view(-1, 1, 1)) & (rows < (top + h).view(-1, 1, 1))
-            & (cols >= left.view(-1, 1, 1)) & (cols < (left + w).view(-1, 1, 1))
+            (rows >= top.view(-1, 1, 1))
+            & (rows < (top + h).view(-1, 1, 1))
+            & (cols >= left.view(-1, 1, 1))
+            & (cols < (left + w).view(-1, 1, 1))
         ).unsqueeze(1)
         if self.mode == "pixel":
             noise = torch.randn(images.shape, generator=generator, device=images.device)
@@ -735,8 +737,9 @@ class MixUpCutMix:
         num_classes: int = 1000,
     ):
         if not (mixup_alpha > 0 or cutmix_alpha > 0):
-            raise ValueError(f"MixUp/CutMix needs mixup_alpha > 0 or cutmix_alpha > 0, got {mixup_alpha}, "
-                             f"{cutmix_alpha}")
+            raise ValueError(
+                f"MixUp/CutMix needs mixup_alpha > 0 or cutmix_alpha > 0, got {mixup_alpha}, {cutmix_alpha}"
+            )
         self.mixup_alpha, self.cutmix_alpha, self.switch_prob = mixup_alpha, cutmix_alpha, switch_prob
         self.label_smoothing, self.num_classes = label_smoothing, num_classes
 
@@ -826,15 +829,14 @@ class BatchAugment(torch.nn.Module):
         if scheme not in SCHEMES:
             raise ValueError(f"unknown augmentation scheme {scheme!r}; available: {', '.join(SCHEMES)}")
         if augmentation_fill not in AUGMENTATION_FILLS:
-            raise ValueError(f"unknown augmentation fill {augmentation_fill!r}; available: "
-                             f"{', '.join(AUGMENTATION_FILLS)}")
+            raise ValueError(
+                f"unknown augmentation fill {augmentation_fill!r}; available: {', '.join(AUGMENTATION_FILLS)}"
+            )
         self.scheme, self.num_classes, self.flip = scheme, num_classes, flip
         self.augmentation_fill = augmentation_fill
         fill = AUGMENTATION_FILLS[augmentation_fill]
         heavy = scheme == "heavy"
-        self.rand_augment = (
-            RandAugment.from_spec(rand_augment, fill=fill["mean"]) if heavy and rand_augment else None
-        )
+        self.rand_augment = RandAugment.from_spec(rand_augment, fill=fill["mean"]) if heavy and rand_augment else None
         self.erasing = RandomErasing(erase_prob, mode=erase_mode, **fill) if heavy and erase_prob > 0 else None
         jitter = COLOR_JITTER.get(scheme) if color_jitter is None else color_jitter
         self.three_augment = ThreeAugment(jitter) if scheme == "deit3" else None
@@ -846,10 +848,14 @@ class BatchAugment(torch.nn.Module):
         mix = ""
         if self.mixup is not None:
             m = self.mixup
-            mix = (f", mixup_alpha={m.mixup_alpha}, cutmix_alpha={m.cutmix_alpha}, switch_prob={m.switch_prob}, "
-                   f"label_smoothing={m.label_smoothing}")
-        return (f"scheme={self.scheme!r}, num_classes={self.num_classes}, flip={self.flip}, "
-                f"augmentation_fill={self.augmentation_fill!r}{mix}")
+            mix = (
+                f", mixup_alpha={m.mixup_alpha}, cutmix_alpha={m.cutmix_alpha}, switch_prob={m.switch_prob}, "
+                f"label_smoothing={m.label_smoothing}"
+            )
+        return (
+            f"scheme={self.scheme!r}, num_classes={self.num_classes}, flip={self.flip}, "
+            f"augmentation_fill={self.augmentation_fill!r}{mix}"
+        )
 
     def forward(
         self, images: Tensor, labels: Tensor, generator: torch.Generator | None = None, mix_rng=None

@@ -41,8 +41,9 @@ def class_map(spec: str, root: str | Path | None = None) -> dict[str, int]:
         return {name: i for i, name in enumerate(names)}
     path = Path(spec)
     if not path.is_file():
-        raise UserError(f"class_map must be 'imagenet', 'folders' or the path of a JSON file; "
-                        f"{spec!r} is none of these")
+        raise UserError(
+            f"class_map must be 'imagenet', 'folders' or the path of a JSON file; {spec!r} is none of these"
+        )
     try:
         mapping = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -55,9 +56,11 @@ def class_map(spec: str, root: str | Path | None = None) -> dict[str, int]:
 # Kaggle's ImageNet val labels (LOC_val_solution.csv) start with this header; their PredictionString begins with
 # the WNID, followed by bounding boxes.
 KAGGLE_HEADER = "ImageId,PredictionString"
-VAL_LABELS_FORMATS = ("Kaggle's LOC_val_solution.csv, the devkit's ILSVRC2012_validation_ground_truth.txt (with its "
-                      "meta.mat in the same folder), or one '<file name> <wnid>' line per image "
-                      "(separated by a space or a comma)")
+VAL_LABELS_FORMATS = (
+    "Kaggle's LOC_val_solution.csv, the devkit's ILSVRC2012_validation_ground_truth.txt (with its "
+    "meta.mat in the same folder), or one '<file name> <wnid>' line per image "
+    "(separated by a space or a comma)"
+)
 DEVKIT_META = "meta.mat"
 
 
@@ -71,9 +74,11 @@ def devkit_wnids(meta_path: Path, option: str) -> dict[int, str]:
     from scipy.io.matlab import MatReadError
 
     if not meta_path.is_file():
-        raise UserError(f"{option}: the devkit's class numbers need the devkit's {DEVKIT_META} beside the labels "
-                        f"file, and {meta_path} does not exist; copy it there from ILSVRC2012_devkit_t12/data/ or "
-                        f"pass {VAL_LABELS_FORMATS}")
+        raise UserError(
+            f"{option}: the devkit's class numbers need the devkit's {DEVKIT_META} beside the labels "
+            f"file, and {meta_path} does not exist; copy it there from ILSVRC2012_devkit_t12/data/ or "
+            f"pass {VAL_LABELS_FORMATS}"
+        )
     try:
         synsets = loadmat(str(meta_path), squeeze_me=True)["synsets"]
         return {int(s["ILSVRC2012_ID"]): str(s["WNID"]) for s in synsets if int(s["num_children"]) == 0}
@@ -105,25 +110,30 @@ def read_val_labels(path: str | Path, classes: dict[str, int], option: str) -> d
     for number, line in lines:
         fields = line.replace(",", " ", 1).split()
         if len(fields) < 2:
-            raise UserError(f"{option} {path}, line {number}: expected '<file name> <wnid>' "
-                            f"(or {KAGGLE_HEADER}), got {line!r}")
+            raise UserError(
+                f"{option} {path}, line {number}: expected '<file name> <wnid>' (or {KAGGLE_HEADER}), got {line!r}"
+            )
         stem, wnid = Path(fields[0]).stem, fields[1]
         if wnid not in classes:
-            raise UserError(f"{option} {path}, line {number}: {wnid!r} is not a class of the class map "
-                            "(ImageNet: a WNID such as n01440764)")
+            raise UserError(
+                f"{option} {path}, line {number}: {wnid!r} is not a class of the class map "
+                "(ImageNet: a WNID such as n01440764)"
+            )
         if labels.setdefault(stem, wnid) != wnid:
-            raise UserError(f"{option} {path}, line {number}: {fields[0]} is labelled twice, "
-                            f"{labels[stem]} and {wnid}")
+            raise UserError(f"{option} {path}, line {number}: {fields[0]} is labelled twice, {labels[stem]} and {wnid}")
     return labels
 
 
-def label_flat_folder(folder: str | Path, names: list[str], labels_file: str | Path, classes: dict[str, int],
-                      option: str) -> dict[str, str]:
+def label_flat_folder(
+    folder: str | Path, names: list[str], labels_file: str | Path, classes: dict[str, int], option: str
+) -> dict[str, str]:
     """The WNID of each image file ``names`` of the flat ``folder``, from ``labels_file`` (``read_val_labels``);
     every image must be listed there."""
     labels = read_val_labels(labels_file, classes, option)
     missing = [name for name in names if Path(name).stem not in labels]
     if missing:
-        raise UserError(f"{len(missing)} of the {len(names)} images in {folder} are not in {option} {labels_file} "
-                        f"(first: {missing[0]}); it must label every image of the folder")
+        raise UserError(
+            f"{len(missing)} of the {len(names)} images in {folder} are not in {option} {labels_file} "
+            f"(first: {missing[0]}); it must label every image of the folder"
+        )
     return {name: labels[Path(name).stem] for name in names}

@@ -37,10 +37,13 @@ class CorruptImageReport(Callback):
             pl_module.log(f"{stage}/corrupt_images", count)  # already a sum over ranks: no sync_dist
         if names:  # every rank names its own files
             shown = "\n  ".join(names[:20]) + (f"\n  ... and {len(names) - 20} more" if len(names) > 20 else "")
-            log.warning(f"\n[rank {trainer.global_rank}] skipped {len(names)} corrupt image(s) in this {stage} epoch:"
-                        f"\n  {shown}")
-        read = trainer.strategy.reduce(torch.tensor(float(self.epoch_read.pop(stage, 0)), device=pl_module.device),
-                                       reduce_op="sum")
+            log.warning(
+                f"\n[rank {trainer.global_rank}] skipped {len(names)} corrupt image(s) in this {stage} epoch:"
+                f"\n  {shown}"
+            )
+        read = trainer.strategy.reduce(
+            torch.tensor(float(self.epoch_read.pop(stage, 0)), device=pl_module.device), reduce_op="sum"
+        )
         if stage in ("val", "test"):
             self._check_complete(trainer, pl_module, stage, int(read.item()), int(count.item()))
 
@@ -59,11 +62,14 @@ class CorruptImageReport(Callback):
         if not missing:
             return
         damaged = data.damaged_eval_shards() if hasattr(data, "damaged_eval_shards") else []
-        message = (f"{stage}: read {read} of the {expected} evaluation images ({missing} missing, {corrupt} of those "
-                   f"read undecodable)" + (f"; damaged shards: {', '.join(damaged)}" if damaged else ""))
+        message = (
+            f"{stage}: read {read} of the {expected} evaluation images ({missing} missing, {corrupt} of those "
+            f"read undecodable)" + (f"; damaged shards: {', '.join(damaged)}" if damaged else "")
+        )
         if getattr(data, "on_missing_images", "error") == "error":
-            raise UserError(f"{message}; re-create the data, or set data.on_missing_images warn to evaluate what "
-                            "is there")
+            raise UserError(
+                f"{message}; re-create the data, or set data.on_missing_images warn to evaluate what is there"
+            )
         rank_zero_warn(f"\n{message}; the metrics are of the images read (data.on_missing_images warn)")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):

@@ -51,8 +51,10 @@ from robust_lightning.scale.srun import ignore_job_signals
 
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
 HOLDOUT_SEED = 0  # fixed: the selection split must not move with the data-order seed
-SUBSET_ADVICE = ("data.eval_subset lists the images to evaluate (robustbench: RobustBench's 5000 ImageNet val "
-                 "images); to evaluate every image of this tree instead, set --data.eval_subset null")
+SUBSET_ADVICE = (
+    "data.eval_subset lists the images to evaluate (robustbench: RobustBench's 5000 ImageNet val "
+    "images); to evaluate every image of this tree instead, set --data.eval_subset null"
+)
 
 
 @dataclass(frozen=True)
@@ -76,8 +78,9 @@ def split_micro_batches(batch: Batch, parts: int) -> Iterator[Batch]:
     start = 0
     for part in range(parts):
         end = start + size // parts + (part < size % parts)
-        yield {key: (value if part == 0 else []) if key == "corrupt" else value[start:end]
-               for key, value in batch.items()}
+        yield {
+            key: (value if part == 0 else []) if key == "corrupt" else value[start:end] for key, value in batch.items()
+        }
         start = end
 
 
@@ -136,12 +139,20 @@ class LabelledImageFolder(ImageFolder):
         # keyed by it); where stems repeat across class folders (0001.png in every class), its path without the
         # extension, so that no two images share a key.
         stems = [Path(path).stem for path, _ in self.samples]
-        self.keys = stems if len(set(stems)) == len(stems) else [
-            Path(path).relative_to(self.root).with_suffix("").as_posix() for path, _ in self.samples]
+        self.keys = (
+            stems
+            if len(set(stems)) == len(stems)
+            else [Path(path).relative_to(self.root).with_suffix("").as_posix() for path, _ in self.samples]
+        )
 
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
-        loose = sorted(entry.name for entry in os.scandir(directory) if entry.is_file()
-                       and not entry.name.startswith(".") and has_file_allowed_extension(entry.name, IMG_EXTENSIONS))
+        loose = sorted(
+            entry.name
+            for entry in os.scandir(directory)
+            if entry.is_file()
+            and not entry.name.startswith(".")
+            and has_file_allowed_extension(entry.name, IMG_EXTENSIONS)
+        )
         if self.labels_file is not None or loose:
             return self._flat_classes(directory, loose)
         folders = sorted(entry.name for entry in os.scandir(directory) if entry.is_dir())
@@ -155,19 +166,28 @@ class LabelledImageFolder(ImageFolder):
 
     def _flat_classes(self, directory: str, images: list[str]) -> tuple[list[str], dict[str, int]]:
         if self.labels_file is None:
-            raise UserError(f"{directory} holds images directly (e.g. {images[0]}) instead of class folders "
-                            f"<wnid>/<images>; a flat val folder (ImageNet's val as distributed) needs its labels: "
-                            f"set data.val_labels to {VAL_LABELS_FORMATS}")
+            raise UserError(
+                f"{directory} holds images directly (e.g. {images[0]}) instead of class folders "
+                f"<wnid>/<images>; a flat val folder (ImageNet's val as distributed) needs its labels: "
+                f"set data.val_labels to {VAL_LABELS_FORMATS}"
+            )
         if not images:
-            raise UserError(f"data.val_labels {self.labels_file} labels a flat folder of images, but {directory} "
-                            "holds none directly; for class folders <wnid>/<images> leave data.val_labels out")
-        self.file_wnids = label_flat_folder(directory, images, self.labels_file, self.class_to_label,
-                                            "data.val_labels")
+            raise UserError(
+                f"data.val_labels {self.labels_file} labels a flat folder of images, but {directory} "
+                "holds none directly; for class folders <wnid>/<images> leave data.val_labels out"
+            )
+        self.file_wnids = label_flat_folder(directory, images, self.labels_file, self.class_to_label, "data.val_labels")
         wnids = sorted(set(self.file_wnids.values()))
         return wnids, {name: self.class_to_label[name] for name in wnids}
 
-    def make_dataset(self, directory: str, class_to_idx: dict[str, int], extensions=None, is_valid_file=None,
-                     allow_empty: bool = False) -> list[tuple[str, int]]:
+    def make_dataset(
+        self,
+        directory: str,
+        class_to_idx: dict[str, int],
+        extensions=None,
+        is_valid_file=None,
+        allow_empty: bool = False,
+    ) -> list[tuple[str, int]]:
         if self.file_wnids is None:
             return super().make_dataset(directory, class_to_idx, extensions, is_valid_file, allow_empty)
         return [(os.path.join(directory, name), class_to_idx[wnid]) for name, wnid in self.file_wnids.items()]
@@ -197,8 +217,10 @@ class ListedImages:
         listed = self.folders[key]
         wnid = sample["wnid"].decode() if isinstance(sample.get("wnid"), bytes) else sample.get("wnid")
         if wnid is not None and wnid != listed:
-            raise UserError(f"{where}:{key} is of class {wnid}, but data.eval_subset lists it under {listed}: "
-                            f"these shards do not hold the listed images. {SUBSET_ADVICE}")
+            raise UserError(
+                f"{where}:{key} is of class {wnid}, but data.eval_subset lists it under {listed}: "
+                f"these shards do not hold the listed images. {SUBSET_ADVICE}"
+            )
         if self.labels is not None and self.labels.get(listed) != label:
             raise UserError(
                 f"{where}:{key} ({listed}) has label {label} but {self.labels.get(listed)} in the standard ImageNet "
@@ -223,8 +245,9 @@ def stop_at_unreadable_shard(exn: Exception) -> bool:
         repair = repair_hint(directory)
     else:
         repair = "re-create it with robust-lightning shards"
-    raise UserError(f"cannot read shard ({type(exn).__name__}: {reason}): {url or 'it'} is truncated or not a tar "
-                    f"file; {repair}") from exn
+    raise UserError(
+        f"cannot read shard ({type(exn).__name__}: {reason}): {url or 'it'} is truncated or not a tar file; {repair}"
+    ) from exn
 
 
 class ShardStream(IterableDataset):
@@ -235,8 +258,16 @@ class ShardStream(IterableDataset):
     Without ``repeat`` (evaluation) every shard is read exactly once.
     """
 
-    def __init__(self, urls: list[str] | ShardShare, transform, *, repeat: bool, shuffle_buffer: int = 0,
-                 seed: int = 0, subset: ListedImages | None = None):
+    def __init__(
+        self,
+        urls: list[str] | ShardShare,
+        transform,
+        *,
+        repeat: bool,
+        shuffle_buffer: int = 0,
+        seed: int = 0,
+        subset: ListedImages | None = None,
+    ):
         share = urls if isinstance(urls, ShardShare) else ShardShare(list(urls))
         self.urls = share.urls
         self.readers, self.reader = share.readers, share.reader  # ranks sharing these shards split their samples
@@ -351,8 +382,16 @@ class ShardTrainLoader(DataLoader):
     epoch starts so the shard order changes every epoch and follows a resumed run.
     """
 
-    def __init__(self, dataset: ShardStream, batches_per_epoch: int, current_epoch, *, micro_batches: int = 1,
-                 rank: int = 0, **kwargs):
+    def __init__(
+        self,
+        dataset: ShardStream,
+        batches_per_epoch: int,
+        current_epoch,
+        *,
+        micro_batches: int = 1,
+        rank: int = 0,
+        **kwargs,
+    ):
         super().__init__(dataset, **kwargs)
         self.batches_per_epoch = batches_per_epoch
         self.current_epoch = current_epoch
@@ -368,8 +407,7 @@ class ShardTrainLoader(DataLoader):
         # the workers' seeds come from (seed, epoch, rank), not from the global generator: creating the iterator
         # draws nothing from it, and a resumed run's workers draw what the uninterrupted run's drew
         self.generator = torch.Generator().manual_seed(draw_seed(self.dataset.seed, epoch, self.rank, 2))
-        yield from with_draws(itertools.islice(super().__iter__(), self.batches_per_epoch), epoch,
-                              self.micro_batches)
+        yield from with_draws(itertools.islice(super().__iter__(), self.batches_per_epoch), epoch, self.micro_batches)
 
 
 @dataclass
@@ -429,13 +467,20 @@ class EvaluationData(Protocol):
 
     def evaluation_source(self) -> EvaluationSource: ...
 
-    def eval_dataloader_with(self, transform, batch_size: int | None = None,
-                             num_workers: int | None = None) -> DataLoader: ...
+    def eval_dataloader_with(
+        self, transform, batch_size: int | None = None, num_workers: int | None = None
+    ) -> DataLoader: ...
 
     def expected_eval_images(self) -> tuple[int | None, frozenset[str] | None]: ...
 
-    def training_sample(self, device: torch.device | str, fraction: float = 1.0, max_images: int | None = None,
-                        batch_size: int | None = None, seed: int = 0) -> TrainingSample: ...
+    def training_sample(
+        self,
+        device: torch.device | str,
+        fraction: float = 1.0,
+        max_images: int | None = None,
+        batch_size: int | None = None,
+        seed: int = 0,
+    ) -> TrainingSample: ...
 
     def conditions(self) -> dict[str, Any]: ...
 
@@ -562,8 +607,10 @@ class ImageNetDataModule(LightningDataModule):
         self.train_shards, self.val_shards, self.train_size = train_shards, val_shards, train_size
         self.class_map = class_map
         if val_labels is not None and source != "folder":
-            raise UserError(f"data.val_labels labels a flat val folder of data.source folder, not {source!r} data "
-                            "(shards of a flat folder hold their labels: robust-lightning shards --val_labels FILE)")
+            raise UserError(
+                f"data.val_labels labels a flat val folder of data.source folder, not {source!r} data "
+                "(shards of a flat folder hold their labels: robust-lightning shards --val_labels FILE)"
+            )
         self.val_labels = val_labels
         self.image_size, self.crop_pct = image_size, crop_pct
         if eval_resize not in EVAL_RESIZES:
@@ -582,8 +629,9 @@ class ImageNetDataModule(LightningDataModule):
             raise UserError(f"data.holdout must be >= 0, got {holdout}")
         self.batch_size, self.global_batch_size = batch_size, global_batch_size
         if max_device_batch_size is not None and max_device_batch_size < 1:
-            raise UserError(f"data.max_device_batch_size must be a positive number of images, got "
-                            f"{max_device_batch_size}")
+            raise UserError(
+                f"data.max_device_batch_size must be a positive number of images, got {max_device_batch_size}"
+            )
         self.max_device_batch_size = max_device_batch_size
         self.micro_batches = 1  # forward passes per optimiser step on each device (set by setup)
         self.eval_batch_size = eval_batch_size or batch_size
@@ -658,8 +706,11 @@ class ImageNetDataModule(LightningDataModule):
         self._setup_augmentation()
         # validation of fit and validate runs on the held-out part of train when there is one
         on_holdout = self.holdout > 0 and stage in ("fit", "validate")
-        build = {"folder": self._build_folder_sets, "synthetic": self._build_synthetic_sets,
-                 "shards": self._build_shard_sets}[self.source]
+        build = {
+            "folder": self._build_folder_sets,
+            "synthetic": self._build_synthetic_sets,
+            "shards": self._build_shard_sets,
+        }[self.source]
         build(training, evaluation, needs_train=stage == "fit" or on_holdout, on_holdout=on_holdout)
 
     def _micro_batches(self) -> int:
@@ -670,9 +721,11 @@ class ImageNetDataModule(LightningDataModule):
         shares = [rank_share(self.global_batch, self.world_size, r) for r in range(self.world_size)]
         passes = math.ceil(max(shares) / self.max_device_batch_size)
         if min(shares) < passes:
-            raise UserError(f"data.max_device_batch_size {self.max_device_batch_size} splits the smallest share of "
-                            f"the global batch ({min(shares)} images) into {passes} micro-batches, some empty; "
-                            "use a larger data.max_device_batch_size")
+            raise UserError(
+                f"data.max_device_batch_size {self.max_device_batch_size} splits the smallest share of "
+                f"the global batch ({min(shares)} images) into {passes} micro-batches, some empty; "
+                "use a larger data.max_device_batch_size"
+            )
         return passes
 
     def _accumulate_over_micro_batches(self) -> None:
@@ -680,9 +733,11 @@ class ImageNetDataModule(LightningDataModule):
         multiply the global batch (the paper's recipes fix it), so it is refused where the global batch is ours."""
         accumulate = getattr(self.trainer, "accumulate_grad_batches", 1)
         if (self.global_batch_size or self.max_device_batch_size) and accumulate not in (1, self.micro_batches):
-            raise UserError(f"trainer.accumulate_grad_batches {accumulate} would multiply data.global_batch_size: "
-                            "every optimiser step already sees exactly the global batch; to fit it into less "
-                            "memory, set data.max_device_batch_size (images per forward pass on one device) instead")
+            raise UserError(
+                f"trainer.accumulate_grad_batches {accumulate} would multiply data.global_batch_size: "
+                "every optimiser step already sees exactly the global batch; to fit it into less "
+                "memory, set data.max_device_batch_size (images per forward pass on one device) instead"
+            )
         self.trainer.accumulate_grad_batches = self.micro_batches
 
     # ------------------------------------------------------------------------------ one builder per source
@@ -700,11 +755,25 @@ class ImageNetDataModule(LightningDataModule):
 
     def _build_synthetic_sets(self, training, evaluation, *, needs_train: bool, on_holdout: bool) -> None:
         root = self._ensure_synthetic()  # no-op when prepare_data made it; covers direct setup() calls
-        self._build_shard_sets(training, evaluation, needs_train=needs_train, on_holdout=on_holdout,
-                               train_spec=str(root / "train"), val_spec=str(root / "val"))
+        self._build_shard_sets(
+            training,
+            evaluation,
+            needs_train=needs_train,
+            on_holdout=on_holdout,
+            train_spec=str(root / "train"),
+            val_spec=str(root / "val"),
+        )
 
-    def _build_shard_sets(self, training, evaluation, *, needs_train: bool, on_holdout: bool,
-                          train_spec: str | None = None, val_spec: str | None = None) -> None:
+    def _build_shard_sets(
+        self,
+        training,
+        evaluation,
+        *,
+        needs_train: bool,
+        on_holdout: bool,
+        train_spec: str | None = None,
+        val_spec: str | None = None,
+    ) -> None:
         train_spec, val_spec = train_spec or self.train_shards, val_spec or self.val_shards
         if needs_train:
             if train_spec is None:
@@ -720,13 +789,17 @@ class ImageNetDataModule(LightningDataModule):
                 total -= held_images
             self.train_images = total
             self.train_set = ShardStream(
-                self._rank_shards(urls), training, repeat=True,
-                shuffle_buffer=self.shuffle_buffer, seed=self.seed,
+                self._rank_shards(urls),
+                training,
+                repeat=True,
+                shuffle_buffer=self.shuffle_buffer,
+                seed=self.seed,
             )
         if on_holdout:
             self.eval_images, self.eval_shard_spec = self.holdout, train_spec
-            self.eval_set = HoldoutStream(held_urls, evaluation, limit=self.holdout, rank=self.rank,
-                                          world_size=self.world_size)
+            self.eval_set = HoldoutStream(
+                held_urls, evaluation, limit=self.holdout, rank=self.rank, world_size=self.world_size
+            )
         else:
             self._build_shard_eval_set(val_spec, evaluation)
         if self.on_missing_images == "warn":
@@ -740,8 +813,9 @@ class ImageNetDataModule(LightningDataModule):
         self.eval_shard_spec = val_spec
         subset = self._subset_files()
         if subset is not None:
-            listed = ListedImages({Path(name).stem.replace(".", "_"): name.split("/")[0] for name in subset},
-                                  self._robustbench_labels())
+            listed = ListedImages(
+                {Path(name).stem.replace(".", "_"): name.split("/")[0] for name in subset}, self._robustbench_labels()
+            )
             self.eval_images = len(listed.folders)
             # a listed image missing from the shards can only be told after reading them
             self.eval_keys = frozenset(listed.folders)
@@ -749,8 +823,9 @@ class ImageNetDataModule(LightningDataModule):
         elif self.eval_limit:
             # the first n samples of the val shards, split sample by sample over ranks and workers
             self.eval_images = min(self.eval_limit, self.eval_images or self.eval_limit)
-            self.eval_set = HoldoutStream(urls, evaluation, limit=self.eval_limit, rank=self.rank,
-                                          world_size=self.world_size)
+            self.eval_set = HoldoutStream(
+                urls, evaluation, limit=self.eval_limit, rank=self.rank, world_size=self.world_size
+            )
         else:
             self.eval_set = ShardStream(self._rank_shards(urls), evaluation, repeat=False)
 
@@ -758,8 +833,11 @@ class ImageNetDataModule(LightningDataModule):
         """Everything after the crop: on the device by default, or in the workers with MixUp/CutMix (which
         needs the whole batch's labels) still on the device."""
         scheme = self.augmentation
-        options = dict(flip=scheme != "basic", label_smoothing=self.label_smoothing,  # the paper's basic = crop only
-                       augmentation_fill=self.augmentation_fill)
+        options = dict(
+            flip=scheme != "basic",
+            label_smoothing=self.label_smoothing,  # the paper's basic = crop only
+            augmentation_fill=self.augmentation_fill,
+        )
         self.worker_augment = None
         self.device_augment = BatchAugment(scheme, self.num_classes, **options)
         if self.augment_on == "cpu":
@@ -767,9 +845,19 @@ class ImageNetDataModule(LightningDataModule):
             # noise leaves [0, 1], which the workers' uint8 batches cannot carry.
             self.worker_augment = BatchAugment(scheme, self.num_classes, **options, mix=False, erase_prob=0)
             heavy = scheme == "heavy"
-            self.device_augment = BatchAugment("heavy", self.num_classes, flip=False, rand_augment="", mix=True,
-                                               label_smoothing=self.label_smoothing,
-                                               augmentation_fill=self.augmentation_fill) if heavy else None
+            self.device_augment = (
+                BatchAugment(
+                    "heavy",
+                    self.num_classes,
+                    flip=False,
+                    rand_augment="",
+                    mix=True,
+                    label_smoothing=self.label_smoothing,
+                    augmentation_fill=self.augmentation_fill,
+                )
+                if heavy
+                else None
+            )
 
     @property
     def uses_canvases(self) -> bool:
@@ -780,11 +868,15 @@ class ImageNetDataModule(LightningDataModule):
         """The evaluation subset's ``class_folder/file_name`` entries in order (cut to eval_limit), or None."""
         if self.eval_subset is None:
             return None
-        path = (DATA_DIR / "robustbench_imagenet_test_image_ids.txt" if self.eval_subset == "robustbench"
-                else Path(self.eval_subset))
+        path = (
+            DATA_DIR / "robustbench_imagenet_test_image_ids.txt"
+            if self.eval_subset == "robustbench"
+            else Path(self.eval_subset)
+        )
         if not path.is_file():
-            raise UserError(f"data.eval_subset {self.eval_subset}: no file {path}; "
-                            "expected lines class_folder/file_name")
+            raise UserError(
+                f"data.eval_subset {self.eval_subset}: no file {path}; expected lines class_folder/file_name"
+            )
         entries = [line.strip() for line in path.read_text().splitlines() if line.strip()]
         malformed = [e for e in entries if e.count("/") != 1]
         if malformed:
@@ -806,8 +898,10 @@ class ImageNetDataModule(LightningDataModule):
             wrong = [(wnid, name) for wnid, name in (e.split("/") for e in subset) if flat.get(name, wnid) != wnid]
             if wrong:
                 wnid, name = wrong[0]
-                raise UserError(f"data.eval_subset lists {name} under {wnid}, but data.val_labels "
-                                f"{dataset.labels_file} labels it {flat[name]} ({len(wrong)} images differ)")
+                raise UserError(
+                    f"data.eval_subset lists {name} under {wnid}, but data.val_labels "
+                    f"{dataset.labels_file} labels it {flat[name]} ({len(wrong)} images differ)"
+                )
         index = {}
         for i, (path, _) in enumerate(dataset.samples):
             name = Path(path).relative_to(dataset.root).as_posix()
@@ -917,9 +1011,15 @@ class ImageNetDataModule(LightningDataModule):
                     f"{self.train_images} training images are fewer than one global batch of {self.global_batch}"
                 )
             return self._loader(
-                self.train_set, self.batch_size, loader_cls=ShardTrainLoader, batches_per_epoch=batches,
-                current_epoch=lambda: self.trainer.current_epoch if self.trainer else 0, drop_last=True,
-                collate_fn=augmenting, micro_batches=self.micro_batches, rank=self.rank,
+                self.train_set,
+                self.batch_size,
+                loader_cls=ShardTrainLoader,
+                batches_per_epoch=batches,
+                current_epoch=lambda: self.trainer.current_epoch if self.trainer else 0,
+                drop_last=True,
+                collate_fn=augmenting,
+                micro_batches=self.micro_batches,
+                rank=self.rank,
             )
         if len(self.train_set) < self.global_batch:
             raise UserError(
@@ -929,10 +1029,16 @@ class ImageNetDataModule(LightningDataModule):
         # workers that only decode draw nothing and may persist; workers that crop or augment are seeded per epoch
         draws_in_workers = self.worker_augment is not None or not self.uses_canvases
         return self._loader(
-            self.train_set, self.batch_size, loader_cls=EpochLoader, sampler=sampler, drop_last=True,
-            persistent_workers=self.num_workers > 0 and not draws_in_workers, collate_fn=augmenting,
+            self.train_set,
+            self.batch_size,
+            loader_cls=EpochLoader,
+            sampler=sampler,
+            drop_last=True,
+            persistent_workers=self.num_workers > 0 and not draws_in_workers,
+            collate_fn=augmenting,
             generator=torch.Generator().manual_seed(self.seed),  # keeps iterator creation off the global generator
-            micro_batches=self.micro_batches, rank=self.rank,
+            micro_batches=self.micro_batches,
+            rank=self.rank,
         )
 
     def _eval_dataloader(self, dataset: Dataset | None = None, batch_size: int | None = None, **kwargs) -> DataLoader:
@@ -941,8 +1047,10 @@ class ImageNetDataModule(LightningDataModule):
         if isinstance(dataset, ShardStream):
             return self._loader(dataset, batch_size, **kwargs)
         if len(dataset) < self.world_size:  # a rank with no batch skips the loop and its hooks: the others hang
-            raise UserError(f"{len(dataset)} evaluation images cannot be split over {self.world_size} processes; "
-                            "evaluate more images or on fewer devices")
+            raise UserError(
+                f"{len(dataset)} evaluation images cannot be split over {self.world_size} processes; "
+                "evaluate more images or on fewer devices"
+            )
         sampler = ExactDistributedSampler(dataset, self.world_size, self.rank)
         return self._loader(dataset, batch_size, sampler=sampler, **kwargs)
 
@@ -951,8 +1059,9 @@ class ImageNetDataModule(LightningDataModule):
 
     test_dataloader = predict_dataloader = val_dataloader
 
-    def eval_dataloader_with(self, transform, batch_size: int | None = None,
-                             num_workers: int | None = None) -> DataLoader:
+    def eval_dataloader_with(
+        self, transform, batch_size: int | None = None, num_workers: int | None = None
+    ) -> DataLoader:
         """The evaluation images of the last ``setup`` (same subset, limit and share of this rank) through
         another per-image transform: e.g. another resolution, or corruptions generated on the fly.
         ``transform`` takes a lazily opened PIL image and returns a uint8 tensor; None: the evaluation
@@ -996,8 +1105,14 @@ class ImageNetDataModule(LightningDataModule):
                 damaged.append(f"{path} ({path.stat().st_size} of {shard['bytes']} bytes)")
         return damaged + [repair_hint(self.eval_shard_spec)] if damaged else []
 
-    def training_sample(self, device: torch.device | str, fraction: float = 1.0, max_images: int | None = None,
-                        batch_size: int | None = None, seed: int = 0) -> TrainingSample:
+    def training_sample(
+        self,
+        device: torch.device | str,
+        fraction: float = 1.0,
+        max_images: int | None = None,
+        batch_size: int | None = None,
+        seed: int = 0,
+    ) -> TrainingSample:
         """Training batches exactly as training_step receives them (the training transform and crop, the
         augmentation scheme, MixUp/CutMix soft targets), ``batch_size`` images each (default data.batch_size;
         MixUp/CutMix mix within a batch), for a fixed random subset of the training set: round(fraction x
@@ -1031,14 +1146,20 @@ class ImageNetDataModule(LightningDataModule):
             dataset = Subset(data.train_set, torch.randperm(total, generator=generator)[:images].tolist())
         augmenting = partial(collate, augment=data.worker_augment) if data.worker_augment else collate
         loader = data._loader(dataset, batch_size or data.batch_size, collate_fn=augmenting)
-        transform = {"augmentation": data.augmentation, "augment_on": data.augment_on,
-                     "crop_scale": list(data.crop_scale), "image_size": data.image_size,
-                     "mixup_cutmix": data.augmentation == "heavy"}
-        return TrainingSample(data._augmented_batches(loader, images, device, seed), images, subset_images, total,
-                              transform)
+        transform = {
+            "augmentation": data.augmentation,
+            "augment_on": data.augment_on,
+            "crop_scale": list(data.crop_scale),
+            "image_size": data.image_size,
+            "mixup_cutmix": data.augmentation == "heavy",
+        }
+        return TrainingSample(
+            data._augmented_batches(loader, images, device, seed), images, subset_images, total, transform
+        )
 
-    def _augmented_batches(self, loader: Iterable[dict], images: int, device: torch.device | str,
-                           seed: int) -> Iterator[dict]:
+    def _augmented_batches(
+        self, loader: Iterable[dict], images: int, device: torch.device | str, seed: int
+    ) -> Iterator[dict]:
         """The first ``images`` images of ``loader``, moved to ``device`` and augmented as in training."""
         seen = 0
         for index, batch in enumerate(loader):
@@ -1075,11 +1196,11 @@ class ImageNetDataModule(LightningDataModule):
         scale to [0, 1] there."""
         generator, mix_rng = self.batch_streams(batch.get("draw"), batch["image"].device)
         if "geometry" in batch:  # training canvases: the crop comes first
-            batch["image"] = random_resized_crop(batch["image"], batch["geometry"], self.image_size, self.crop_scale,
-                                                 generator=generator)
+            batch["image"] = random_resized_crop(
+                batch["image"], batch["geometry"], self.image_size, self.crop_scale, generator=generator
+            )
         if augment and self.device_augment is not None and batch["label"].numel():
-            images, targets = self.device_augment(batch["image"], batch["label"], generator=generator,
-                                                  mix_rng=mix_rng)
+            images, targets = self.device_augment(batch["image"], batch["label"], generator=generator, mix_rng=mix_rng)
             if targets.ndim == 2:  # MixUp/CutMix soft targets; "label" stays the unmixed class
                 batch["target"] = targets
             batch["image"] = images
@@ -1093,28 +1214,39 @@ class ImageNetDataModule(LightningDataModule):
         ImageFolder, timm's create_transform with mean 0 / std 1 run per image on PIL, 8 GPUs)."""
         differences = []
         if self.source == "shards":
-            differences.append("training images read from WebDataset shards, shuffled through a buffer "
-                               "(official: ImageFolder with a full random permutation)")
+            differences.append(
+                "training images read from WebDataset shards, shuffled through a buffer "
+                "(official: ImageFolder with a full random permutation)"
+            )
         if self.uses_canvases:
             differences.append(
                 f"images larger than the {self.canvas_size}-px canvas decoded at reduced scale (JPEG DCT scaling "
                 "by 2, 4 or 8) before the random-resized crop, which runs on the device (official: full-resolution "
-                "decode, PIL crop; data.full_resolution_decode)")
+                "decode, PIL crop; data.full_resolution_decode)"
+            )
         if self.augmentation != "basic" and self.augment_on == "device":
-            differences.append("augmentation after the crop runs batched on the device, timm's PIL ops reproduced "
-                               "(colour ops exact, bilinear/bicubic geometric ops within 1/255 on rare pixels)")
+            differences.append(
+                "augmentation after the crop runs batched on the device, timm's PIL ops reproduced "
+                "(colour ops exact, bilinear/bicubic geometric ops within 1/255 on rare pixels)"
+            )
         if self.augmentation == "heavy" and self.augmentation_fill != "official":
-            differences.append("RandAugment fill = ImageNet mean colour and RandomErasing noise mean + std * N(0, 1) "
-                               "clamped to [0, 1] (official: black fill and unclamped N(0, 1) noise; "
-                               "data.augmentation_fill official)")
+            differences.append(
+                "RandAugment fill = ImageNet mean colour and RandomErasing noise mean + std * N(0, 1) "
+                "clamped to [0, 1] (official: black fill and unclamped N(0, 1) noise; "
+                "data.augmentation_fill official)"
+            )
         if self.global_batch_size:
-            differences.append("data.global_batch_size split over any device count, each rank's loss weighted so "
-                               "the update is that of the whole batch (official: per-GPU batch x 8 GPUs)")
+            differences.append(
+                "data.global_batch_size split over any device count, each rank's loss weighted so "
+                "the update is that of the whole batch (official: per-GPU batch x 8 GPUs)"
+            )
         if self.micro_batches > 1:
-            differences.append(f"each device's share of the global batch in {self.micro_batches} micro-batches of at "
-                               f"most data.max_device_batch_size {self.max_device_batch_size} images, gradients "
-                               "accumulated exactly (BatchNorm statistics and MixUp/CutMix pairs per micro-batch; "
-                               "official: one forward per GPU and step, no accumulation)")
+            differences.append(
+                f"each device's share of the global batch in {self.micro_batches} micro-batches of at "
+                f"most data.max_device_batch_size {self.max_device_batch_size} images, gradients "
+                "accumulated exactly (BatchNorm statistics and MixUp/CutMix pairs per micro-batch; "
+                "official: one forward per GPU and step, no accumulation)"
+            )
         return differences
 
     def evaluation_source(self) -> EvaluationSource:
@@ -1131,8 +1263,11 @@ class ImageNetDataModule(LightningDataModule):
     def conditions(self) -> dict[str, Any]:
         """What results.json records about the data."""
         where = {
-            "folder": {"root": str(self.root), "class_map": self.class_map,
-                       **({"val_labels": self.val_labels} if self.val_labels else {})},
+            "folder": {
+                "root": str(self.root),
+                "class_map": self.class_map,
+                **({"val_labels": self.val_labels} if self.val_labels else {}),
+            },
             "shards": {"train_shards": self.train_shards, "val_shards": self.val_shards},
             "synthetic": {**asdict(self.synthetic), "root": str(self.synthetic_root)},
         }[self.source]

@@ -130,9 +130,7 @@ def write_manifest(
         "class_map": class_map,
         "classes": present,
         "class_counts": {name: wnid_counts[name] for name in present},
-        "shards": [
-            {key: s[key] for key in ("file", "num_samples", "bytes", "class_counts")} for s in shard_stats
-        ],
+        "shards": [{key: s[key] for key in ("file", "num_samples", "bytes", "class_counts")} for s in shard_stats],
         "skipped": list(skipped),
         "source": source,
         **({"options": options} if options is not None else {}),
@@ -176,14 +174,21 @@ def shard_urls(directory: str | Path, check_sizes: bool = True) -> list[str]:
     missing = [p.name for p in urls if not p.is_file()]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise UserError(f"{directory}: shard(s) listed in {MANIFEST_NAME} are missing: {', '.join(missing[:3])}{more}; "
-                        f"{repair_hint(directory)}")
+        raise UserError(
+            f"{directory}: shard(s) listed in {MANIFEST_NAME} are missing: {', '.join(missing[:3])}{more}; "
+            f"{repair_hint(directory)}"
+        )
     # a truncated copy can end exactly between two tar members, which tarfile reads as a normal end
-    resized = [f"{p.name} ({p.stat().st_size} bytes, the manifest says {s['bytes']})"
-               for p, s in zip(urls, manifest["shards"]) if "bytes" in s and p.stat().st_size != s["bytes"]]
+    resized = [
+        f"{p.name} ({p.stat().st_size} bytes, the manifest says {s['bytes']})"
+        for p, s in zip(urls, manifest["shards"])
+        if "bytes" in s and p.stat().st_size != s["bytes"]
+    ]
     if resized and check_sizes:
-        raise UserError(f"{directory}: shard(s) truncated or changed since they were written: "
-                        f"{', '.join(resized[:3])}; {repair_hint(directory)}")
+        raise UserError(
+            f"{directory}: shard(s) truncated or changed since they were written: "
+            f"{', '.join(resized[:3])}; {repair_hint(directory)}"
+        )
     return [str(p) for p in urls]
 
 
@@ -197,16 +202,20 @@ def repair_hint(directory: str | Path) -> str:
     except UserError:
         manifest = {}
     if manifest.get("class_map") == "synthetic":
-        return (f"the shards belong to the built-in synthetic dataset: delete {directory.parent} and run again to "
-                "generate it anew")
+        return (
+            f"the shards belong to the built-in synthetic dataset: delete {directory.parent} and run again to "
+            "generate it anew"
+        )
     options = manifest.get("options")
     if options is None:  # manifests of earlier versions: the plan holds the same options
         options = _read_json(directory / PLAN_NAME) or {}
     source = manifest.get("source", options.get("source"))
     if "prefix" not in options or source is None:
         where = f" from {source}" if source else ""
-        return (f"to rewrite the damaged shards, run the robust-lightning shards command that wrote {directory}{where} "
-                "again, with the same options")
+        return (
+            f"to rewrite the damaged shards, run the robust-lightning shards command that wrote {directory}{where} "
+            "again, with the same options"
+        )
     defaults = {name: p.default for name, p in inspect.signature(shards).parameters.items()}
     defaults["prefix"] = Path(source).name
     words = ["robust-lightning", "shards", source, str(directory)]
@@ -227,12 +236,17 @@ def repair_hint(directory: str | Path) -> str:
 def _scan_image_folder(src: Path, val_labels: str | None) -> list[str]:
     """Sorted image paths relative to ``src``, each ``<class folder>/.../<file>``, or with ``val_labels`` (a
     flat folder) the file names."""
-    loose = sorted(p.name for p in src.iterdir()
-                   if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS)
+    loose = sorted(
+        p.name
+        for p in src.iterdir()
+        if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS
+    )
     if val_labels is not None:
         if not loose:
-            raise UserError(f"--val_labels labels the images of a flat folder, but {src} holds none directly; "
-                            "for an ImageFolder tree SRC/<class folder>/<images> leave --val_labels out")
+            raise UserError(
+                f"--val_labels labels the images of a flat folder, but {src} holds none directly; "
+                "for an ImageFolder tree SRC/<class folder>/<images> leave --val_labels out"
+            )
         return loose
     if loose:
         raise UserError(
@@ -246,7 +260,8 @@ def _scan_image_folder(src: Path, val_labels: str | None) -> list[str]:
             rel = Path(dirpath).relative_to(src).as_posix()
             # Hidden files are skipped: e.g. macOS "._n01440764_10026.JPEG" metadata files are not images.
             files.extend(
-                f"{rel}/{name}" for name in sorted(filenames)
+                f"{rel}/{name}"
+                for name in sorted(filenames)
                 if not name.startswith(".") and Path(name).suffix.lower() in IMAGE_EXTENSIONS
             )
     return files
@@ -265,8 +280,17 @@ def _sample_keys(files: list[str]) -> dict[str, str]:
     return dict(zip(files, keys))
 
 
-def _make_plan(src: Path, *, prefix: str, samples_per_shard: int, class_map: str, shuffle: bool, seed: int,
-               verify: bool, val_labels: str | None) -> tuple[dict, dict[str, str]]:
+def _make_plan(
+    src: Path,
+    *,
+    prefix: str,
+    samples_per_shard: int,
+    class_map: str,
+    shuffle: bool,
+    seed: int,
+    verify: bool,
+    val_labels: str | None,
+) -> tuple[dict, dict[str, str]]:
     """The conversion plan (saved to compare on resume) and the sample key of each file."""
     labels = resolve_class_map(class_map, src)
     files = _scan_image_folder(src, val_labels)
@@ -374,8 +398,9 @@ def _read_source_sample(path: Path, key: str, label: int, wnid: str, verify: boo
     return {"__key__": key, ext: data, "cls": label, "wnid": wnid}, None
 
 
-def _convert_shard(src: Path, out: Path, prefix: str, index: int, entries: list[tuple[str, str, str]], labels: dict,
-                   verify: bool) -> dict:
+def _convert_shard(
+    src: Path, out: Path, prefix: str, index: int, entries: list[tuple[str, str, str]], labels: dict, verify: bool
+) -> dict:
     """Worker task: write one shard of ``entries`` (relative path, sample key, class folder name), then its stats
     file (the stats file marks the shard as done)."""
     skipped = []
@@ -464,17 +489,25 @@ def convert_image_folder(
     if "/" in prefix or "." in prefix:
         raise UserError(f"prefix {prefix!r} must not contain '/' or '.'")
 
-    plan, keys = _make_plan(src, prefix=prefix, samples_per_shard=samples_per_shard, class_map=class_map,
-                            shuffle=shuffle, seed=seed, verify=verify,
-                            val_labels=None if val_labels is None else str(Path(val_labels).resolve()))
+    plan, keys = _make_plan(
+        src,
+        prefix=prefix,
+        samples_per_shard=samples_per_shard,
+        class_map=class_map,
+        shuffle=shuffle,
+        seed=seed,
+        verify=verify,
+        val_labels=None if val_labels is None else str(Path(val_labels).resolve()),
+    )
     # One converter per output directory: a second one would delete the first's temporary files as leftovers
     # of a killed run, and the two would write the manifest over each other.
     with exclusive(out / LOCK_NAME, f"shard directory {out}"):
         return _convert(src, out, plan, keys, overwrite=overwrite, workers=workers, progress=progress)
 
 
-def _convert(src: Path, out: Path, plan: dict, keys: dict[str, str], *, overwrite: bool, workers: int,
-             progress: bool) -> dict:
+def _convert(
+    src: Path, out: Path, plan: dict, keys: dict[str, str], *, overwrite: bool, workers: int, progress: bool
+) -> dict:
     """The shards of ``plan`` that ``out`` lacks or holds damaged, then the manifest (under the directory's lock)."""
     prefix, verify, class_map = plan["prefix"], plan["verify"], plan["class_map"]
     _prepare_output(out, plan, overwrite)
@@ -485,10 +518,13 @@ def _convert(src: Path, out: Path, plan: dict, keys: dict[str, str], *, overwrit
     stats: list[dict | None] = [state for state, _ in states]
     damaged = [f"{shard_name(prefix, i)} ({why})" for i, (_, why) in enumerate(states) if why]
     todo = [i for i in range(num_shards) if stats[i] is None]
-    args = [(src, out, prefix, i, [(f, keys[f], _wnid(plan, f)) for f in plan["shards"][i]], plan["labels"], verify)
-            for i in todo]
-    with tqdm(total=num_shards, initial=num_shards - len(todo), desc=f"{prefix} shards", unit="shard",
-              disable=not progress) as bar:
+    args = [
+        (src, out, prefix, i, [(f, keys[f], _wnid(plan, f)) for f in plan["shards"][i]], plan["labels"], verify)
+        for i in todo
+    ]
+    with tqdm(
+        total=num_shards, initial=num_shards - len(todo), desc=f"{prefix} shards", unit="shard", disable=not progress
+    ) as bar:
         if workers == 1 or len(todo) <= 1:
             for a in args:
                 stats[a[3]] = _convert_shard(*a)
@@ -508,8 +544,9 @@ def _convert(src: Path, out: Path, plan: dict, keys: dict[str, str], *, overwrit
 
     skipped = [item for s in stats for item in s["skipped"]]
     options = {name: plan[name] for name in CONVERSION_OPTIONS if name in plan}
-    return write_manifest(out, stats, class_map=class_map, labels=plan["labels"], source=str(src), skipped=skipped,
-                          options=options)
+    return write_manifest(
+        out, stats, class_map=class_map, labels=plan["labels"], source=str(src), skipped=skipped, options=options
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -549,8 +586,17 @@ def shards(
         overwrite: delete shards and plan of an earlier, different conversion in OUT first
     """
     manifest = convert_image_folder(
-        src, out, prefix=prefix, samples_per_shard=samples_per_shard, class_map=class_map, shuffle=shuffle,
-        seed=seed, verify=verify, val_labels=val_labels, workers=workers or os.cpu_count(), overwrite=overwrite,
+        src,
+        out,
+        prefix=prefix,
+        samples_per_shard=samples_per_shard,
+        class_map=class_map,
+        shuffle=shuffle,
+        seed=seed,
+        verify=verify,
+        val_labels=val_labels,
+        workers=workers or os.cpu_count(),
+        overwrite=overwrite,
     )
     size = sum(s["bytes"] for s in manifest["shards"]) / 1e9
     print(
@@ -581,5 +627,6 @@ def shards_main(argv: list[str] | None = None) -> int:
               --val_labels LOC_val_solution.csv
         """
     )
-    return run_tool(shards, sys.argv[1:] if argv is None else argv, prog="robust-lightning shards",
-                    description=description)
+    return run_tool(
+        shards, sys.argv[1:] if argv is None else argv, prog="robust-lightning shards", description=description
+    )

@@ -85,12 +85,16 @@ def _shape_parts(name: str, rng: np.random.Generator) -> list[tuple[str, np.ndar
         return [("ellipse", np.array([[-1, -1], [1, 1]], dtype=float), 255)]
     if name == "ring":
         inner = rng.uniform(0.5, 0.65)
-        return [("ellipse", np.array([[-1, -1], [1, 1]], dtype=float), 255),
-                ("ellipse", np.array([[-inner, -inner], [inner, inner]]), 0)]
+        return [
+            ("ellipse", np.array([[-1, -1], [1, 1]], dtype=float), 255),
+            ("ellipse", np.array([[-inner, -inner], [inner, inner]]), 0),
+        ]
     if name == "crescent":
         shift = rng.uniform(0.45, 0.65)
-        return [("ellipse", np.array([[-1, -1], [1, 1]], dtype=float), 255),
-                ("ellipse", np.array([[-1 + shift, -1.05], [1 + shift, 0.95]]), 0)]
+        return [
+            ("ellipse", np.array([[-1, -1], [1, 1]], dtype=float), 255),
+            ("ellipse", np.array([[-1 + shift, -1.05], [1 + shift, 0.95]]), 0),
+        ]
     if name == "square":
         return [("poly", _rect(-0.85, -0.85, 0.85, 0.85), 255)]
     if name == "diamond":
@@ -113,8 +117,12 @@ def _shape_parts(name: str, rng: np.random.Generator) -> list[tuple[str, np.ndar
     if name == "checkerboard":
         cells = int(rng.integers(3, 5))
         edges = np.linspace(-0.9, 0.9, cells + 1)
-        return [("poly", _rect(edges[i], edges[j], edges[i + 1], edges[j + 1]), 255)
-                for i in range(cells) for j in range(cells) if (i + j) % 2 == 0]
+        return [
+            ("poly", _rect(edges[i], edges[j], edges[i + 1], edges[j + 1]), 255)
+            for i in range(cells)
+            for j in range(cells)
+            if (i + j) % 2 == 0
+        ]
     raise ValueError(f"unknown synthetic class {name!r}")
 
 
@@ -220,10 +228,12 @@ def synthetic_sample(seed: int, split: str, index: int, *, num_classes: int, ima
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _write_synthetic_shard(out: Path, split: str, shard: int, start: int, stop: int, seed: int,
-                           num_classes: int, image_size: int) -> dict:
-    samples = (synthetic_sample(seed, split, i, num_classes=num_classes, image_size=image_size)
-               for i in range(start, stop))
+def _write_synthetic_shard(
+    out: Path, split: str, shard: int, start: int, stop: int, seed: int, num_classes: int, image_size: int
+) -> dict:
+    samples = (
+        synthetic_sample(seed, split, i, num_classes=num_classes, image_size=image_size) for i in range(start, stop)
+    )
     return write_shard(out / shard_name(split, shard), samples)
 
 
@@ -245,8 +255,18 @@ def _generate(out: Path, params: dict, progress: bool, workers: int) -> None:
         (out / split).mkdir(parents=True)
         total = per_class[split] * params["num_classes"]
         for shard, start in enumerate(range(0, total, per_shard)):
-            tasks.append((out / split, split, shard, start, min(start + per_shard, total), params["seed"],
-                          params["num_classes"], params["image_size"]))
+            tasks.append(
+                (
+                    out / split,
+                    split,
+                    shard,
+                    start,
+                    min(start + per_shard, total),
+                    params["seed"],
+                    params["num_classes"],
+                    params["image_size"],
+                )
+            )
     stats: dict[tuple[str, int], dict] = {}
     with tqdm(total=len(tasks), desc="synthetic dataset", unit="shard", disable=not progress) as bar:
         if workers <= 1:
@@ -263,9 +283,13 @@ def _generate(out: Path, params: dict, progress: bool, workers: int) -> None:
     names = synthetic_class_names(params["num_classes"])
     for split in SPLIT_IDS:
         split_stats = [stats[key] for key in sorted(k for k in stats if k[0] == split)]
-        write_manifest(out / split, split_stats, class_map="synthetic", labels={n: i for i, n in enumerate(names)},
-                       source=f"synthetic (generator {GENERATOR_VERSION}, seed {params['seed']}, "
-                              f"{params['image_size']}px)")
+        write_manifest(
+            out / split,
+            split_stats,
+            class_map="synthetic",
+            labels={n: i for i, n in enumerate(names)},
+            source=f"synthetic (generator {GENERATOR_VERSION}, seed {params['seed']}, {params['image_size']}px)",
+        )
 
 
 def ensure_synthetic_dataset(
@@ -288,8 +312,12 @@ def ensure_synthetic_dataset(
     """
     root = Path(root)
     synthetic_class_names(num_classes)  # validates num_classes
-    for name, value, low in (("train_per_class", train_per_class, 1), ("val_per_class", val_per_class, 1),
-                             ("image_size", image_size, 16), ("samples_per_shard", samples_per_shard, 1)):
+    for name, value, low in (
+        ("train_per_class", train_per_class, 1),
+        ("val_per_class", val_per_class, 1),
+        ("image_size", image_size, 16),
+        ("samples_per_shard", samples_per_shard, 1),
+    ):
         if value < low:
             raise UserError(f"synthetic dataset: {name} must be at least {low}, got {value}")
     params = {

@@ -84,8 +84,10 @@ def parse_threat_models(items, owner: str, n_iter: int | None) -> list[ThreatMod
     if len({t.name for t in threats}) != len(threats):
         raise UserError(f"{owner}.threat_models has duplicates: {[t.name for t in threats]}")
     if n_iter is not None and n_iter < L1_MIN_ITER and any(t.norm == "L1" for t in threats):
-        raise UserError(f"{owner}.n_iter must be at least {L1_MIN_ITER} with an L1 threat model (its 3/2/1 x eps "
-                        f"schedule gives each stage at least one iteration), got {n_iter}")
+        raise UserError(
+            f"{owner}.n_iter must be at least {L1_MIN_ITER} with an L1 threat model (its 3/2/1 x eps "
+            f"schedule gives each stage at least one iteration), got {n_iter}"
+        )
     return threats
 
 
@@ -131,8 +133,12 @@ class AutoAttackEvaluation(Evaluation):
         fit_images: int | None = None,
         results_dir: str | None = None,
     ):
-        for name, value, allowed in (("version", version, tuple(VERSIONS)), ("engine", engine, ENGINES),
-                                     ("precision", precision, PRECISIONS), ("weights", weights, ("raw", "ema"))):
+        for name, value, allowed in (
+            ("version", version, tuple(VERSIONS)),
+            ("engine", engine, ENGINES),
+            ("precision", precision, PRECISIONS),
+            ("weights", weights, ("raw", "ema")),
+        ):
             if value not in allowed:
                 raise UserError(f"AutoAttackEvaluation.{name} must be one of {allowed}, got {value!r}")
         for name, value in (("channels_last", channels_last), ("fold_batchnorm", fold_batchnorm)):
@@ -161,32 +167,52 @@ class AutoAttackEvaluation(Evaluation):
         source = evaluation_source(trainer)
         kind, location = (source.kind, source.location) if source else (None, None)
         return {
-            "weights_sha256": weights_hash, "weights": self.weights,
+            "weights_sha256": weights_hash,
+            "weights": self.weights,
             # the images and their preprocessing, under the keys earlier manifests have (so those still resume)
-            "data_source": kind, "data_root": location if kind == "folder" else None,
-            "data_val_shards": location if kind == "shards" else None, "data_image_size": data_image_size(trainer),
+            "data_source": kind,
+            "data_root": location if kind == "folder" else None,
+            "data_val_shards": location if kind == "shards" else None,
+            "data_image_size": data_image_size(trainer),
             "data_crop_pct": getattr(trainer.datamodule, "crop_pct", None),
             # only where it is not the default, so that manifests written before the option still resume
-            **({"data_eval_resize": resize} if (resize := getattr(trainer.datamodule, "eval_resize", "shorter_side"))
-               != "shorter_side" else {}),
+            **(
+                {"data_eval_resize": resize}
+                if (resize := getattr(trainer.datamodule, "eval_resize", "shorter_side")) != "shorter_side"
+                else {}
+            ),
             "data_eval_subset": source.subset if source else None,
-            "norm": threat.norm, "eps": threat.eps, "version": self.version,
-            "engine": self.engine, "precision": self.precision, "seed": self.seed, "n_iter": self.n_iter,
+            "norm": threat.norm,
+            "eps": threat.eps,
+            "version": self.version,
+            "engine": self.engine,
+            "precision": self.precision,
+            "seed": self.seed,
+            "n_iter": self.n_iter,
         }
 
     def on_test_start(self, trainer, pl_module) -> None:
         if trainer.test_loop.inference_mode:
             raise UserError("AutoAttack needs gradients: set trainer.inference_mode: false (the CLI's default)")
         # not the versioned log dir: a re-run of the same command must find the saved outcomes
-        self._start(trainer, pl_module, self.outcomes_root or Path(trainer.default_root_dir) / "autoattack",
-                    weights_sha256(self.network(pl_module)))  # once: it reads every weight
+        self._start(
+            trainer,
+            pl_module,
+            self.outcomes_root or Path(trainer.default_root_dir) / "autoattack",
+            weights_sha256(self.network(pl_module)),
+        )  # once: it reads every weight
 
     def _start(self, trainer, pl_module, results_dir: Path, weights_hash: str) -> None:
         self.results_dir, self.weights_hash = results_dir, weights_hash
         self.seen: set[str] = set()  # keys of this session's images
         for threat in self.threat_models:
-            claim_directory(self._directory(threat), self._identity(trainer, weights_hash, threat),
-                            trainer.is_global_zero, "AutoAttackEvaluation", self.locks)
+            claim_directory(
+                self._directory(threat),
+                self._identity(trainer, weights_hash, threat),
+                trainer.is_global_zero,
+                "AutoAttackEvaluation",
+                self.locks,
+            )
         # every rank has judged the folders before any adds an outcome: a folder without outcomes that rank zero
         # takes over must not look, to a rank still judging it, like one holding outcomes of the earlier evaluation
         barrier(trainer)
@@ -220,24 +246,40 @@ class AutoAttackEvaluation(Evaluation):
         images, labels, keys = batch["image"], batch["label"], list(batch["key"])
         repeated = [key for key in keys if key in self.seen] or [key for key in set(keys) if keys.count(key) > 1]
         if repeated:  # outcomes are saved per key: a repeated key would silently count two images as one
-            raise UserError(f"two test images share the key {repeated[0]!r} (the file name without extension); "
-                            "AutoAttack outcomes are saved per key, so every image needs its own file name")
+            raise UserError(
+                f"two test images share the key {repeated[0]!r} (the file name without extension); "
+                "AutoAttack outcomes are saved per key, so every image needs its own file name"
+            )
         self.seen.update(keys)
         for threat in self.threat_models:
             todo = [i for i, key in enumerate(keys) if key not in self.done[threat.name]]
             if not todo:
                 continue
-            adversary = AutoAttack(self.network(pl_module), norm=threat.norm, eps=threat.eps, version=self.version,
-                                   seed=self.seed, engine=self.engine, device=pl_module.device,
-                                   precision=self.precision, n_iter=self.n_iter, channels_last=self.channels_last,
-                                   fold_batchnorm=self.fold_batchnorm)
+            adversary = AutoAttack(
+                self.network(pl_module),
+                norm=threat.norm,
+                eps=threat.eps,
+                version=self.version,
+                seed=self.seed,
+                engine=self.engine,
+                device=pl_module.device,
+                precision=self.precision,
+                n_iter=self.n_iter,
+                channels_last=self.channels_last,
+                fold_batchnorm=self.fold_batchnorm,
+            )
             index = torch.tensor(todo, device=images.device)
             with torch.enable_grad():
-                report = adversary.evaluate(images[index], labels[index], bs=self.batch_size or len(todo),
-                                            progress_bar=trainer.is_global_zero)
+                report = adversary.evaluate(
+                    images[index], labels[index], bs=self.batch_size or len(todo), progress_bar=trainer.is_global_zero
+                )
             record = {
-                "key": [keys[i] for i in todo], "label": labels[index].tolist(), "clean": report.clean.tolist(),
-                "robust": report.robust.tolist(), "broken_by": report.broken_by, "seconds": report.seconds,
+                "key": [keys[i] for i in todo],
+                "label": labels[index].tolist(),
+                "clean": report.clean.tolist(),
+                "robust": report.robust.tolist(),
+                "broken_by": report.broken_by,
+                "seconds": report.seconds,
             }
             append_record(self._directory(threat) / f"rank{trainer.global_rank}.jsonl", record)
             self.done[threat.name].update(record["key"])
@@ -272,24 +314,48 @@ class AutoAttackEvaluation(Evaluation):
             if summary["num_points"]:
                 metrics[f"autoattack/{threat.name}/clean_acc"] = summary["clean_accuracy"]
                 metrics[f"autoattack/{threat.name}/robust_acc"] = summary["robust_accuracy"]
-                rows.append([threat.name, summary["num_points"], summary["clean_accuracy"],
-                             summary["robust_accuracy"], *summary["robust_accuracy_after"].values()])
-        conditions = {"version": self.version, "engine": self.engine, "precision": precision_note(self.precision),
-                      "channels_last": uses_channels_last(self.engine, pl_module.device, self.channels_last),
-                      "batchnorm_folded": folds_batchnorm(self.engine, self.fold_batchnorm)
-                      and folded_batchnorm(self.network(pl_module)) is not None,
-                      "seed": self.seed, "weights": self.weights, "weights_sha256": self.weights_hash,
-                      "attacks": list(VERSIONS[self.version]),
-                      "results_dir": str(self.results_dir.resolve())}
-        lines = [f"AutoAttack {name}: clean {section['clean_accuracy']:.2%}, robust {section['robust_accuracy']:.2%} "
-                 f"on {section['num_points']} images" for name, section in sections.items() if section["num_points"]]
+                rows.append(
+                    [
+                        threat.name,
+                        summary["num_points"],
+                        summary["clean_accuracy"],
+                        summary["robust_accuracy"],
+                        *summary["robust_accuracy_after"].values(),
+                    ]
+                )
+        conditions = {
+            "version": self.version,
+            "engine": self.engine,
+            "precision": precision_note(self.precision),
+            "channels_last": uses_channels_last(self.engine, pl_module.device, self.channels_last),
+            "batchnorm_folded": folds_batchnorm(self.engine, self.fold_batchnorm)
+            and folded_batchnorm(self.network(pl_module)) is not None,
+            "seed": self.seed,
+            "weights": self.weights,
+            "weights_sha256": self.weights_hash,
+            "attacks": list(VERSIONS[self.version]),
+            "results_dir": str(self.results_dir.resolve()),
+        }
+        lines = [
+            f"AutoAttack {name}: clean {section['clean_accuracy']:.2%}, robust {section['robust_accuracy']:.2%} "
+            f"on {section['num_points']} images"
+            for name, section in sections.items()
+            if section["num_points"]
+        ]
         columns = ["threat_model", "images", "clean", "robust", *VERSIONS[self.version]]
-        published = self.publish(trainer, {"threat_models": sections, "conditions": conditions}, metrics,
-                                 tables={"summary": (columns, rows)}, message=lines)
+        published = self.publish(
+            trainer,
+            {"threat_models": sections, "conditions": conditions},
+            metrics,
+            tables={"summary": (columns, rows)},
+            message=lines,
+        )
         if published is None:  # not global rank zero
             return
         for name, section in sections.items():
             if section.get("images_not_evaluated"):
-                rank_zero_warn(f"AutoAttack {name}: {section['images_not_evaluated']} of the {expected} evaluation "
-                               f"images were not evaluated (missing from the data, unreadable, or cut short by a "
-                               f"limit); results.json lists them under keys_not_evaluated where known")
+                rank_zero_warn(
+                    f"AutoAttack {name}: {section['images_not_evaluated']} of the {expected} evaluation "
+                    f"images were not evaluated (missing from the data, unreadable, or cut short by a "
+                    f"limit); results.json lists them under keys_not_evaluated where known"
+                )

@@ -114,18 +114,28 @@ class Evaluation(Callback):
         """The data module, if it can give the evaluation images (else a UserError, before any work)."""
         data = trainer.datamodule
         if not hasattr(data, "eval_dataloader_with"):
-            raise UserError(f"{type(self).__name__} reads the evaluation images through the datamodule: run it "
-                            "with robust_lightning's ImageNetDataModule (the data: section of the config)")
+            raise UserError(
+                f"{type(self).__name__} reads the evaluation images through the datamodule: run it "
+                "with robust_lightning's ImageNetDataModule (the data: section of the config)"
+            )
         return data
 
-    def eval_loader(self, trainer, transform: Callable | None = None, batch_size: int | None = None,
-                    num_workers: int | None = None):
+    def eval_loader(
+        self, trainer, transform: Callable | None = None, batch_size: int | None = None, num_workers: int | None = None
+    ):
         """This rank's evaluation images through ``transform`` (default None: the data's own preprocessing)."""
         return self.check_data(trainer).eval_dataloader_with(transform, batch_size, num_workers)
 
-    def eval_batches(self, trainer, pl_module, transform: Callable | None = None, limit: int | None = None,
-                     batch_size: int | None = None, num_workers: int | None = None,
-                     progress: str | None = None) -> Iterator[dict[str, Any]]:
+    def eval_batches(
+        self,
+        trainer,
+        pl_module,
+        transform: Callable | None = None,
+        limit: int | None = None,
+        batch_size: int | None = None,
+        num_workers: int | None = None,
+        progress: str | None = None,
+    ) -> Iterator[dict[str, Any]]:
         """Batches {image: [0, 1] float on the module's device, label: on the device, key: names} of this
         rank's evaluation images. ``limit``: the first ``limit`` images over all ranks (each rank takes its
         share). ``progress``: show a progress bar (rank zero) with this description."""
@@ -140,8 +150,11 @@ class Evaluation(Callback):
                 take = len(batch[KEY]) if share is None else min(len(batch[KEY]), share - seen)
                 if take:
                     seen += take
-                    yield {IMAGE: to_model_input(batch[IMAGE][:take], pl_module.device),
-                           LABEL: batch[LABEL][:take].to(pl_module.device), KEY: list(batch[KEY][:take])}
+                    yield {
+                        IMAGE: to_model_input(batch[IMAGE][:take], pl_module.device),
+                        LABEL: batch[LABEL][:take].to(pl_module.device),
+                        KEY: list(batch[KEY][:take]),
+                    }
                 if share is not None and seen >= share:
                     return
         finally:
@@ -153,9 +166,15 @@ class Evaluation(Callback):
         """Where results.json and the plots go. A collective under DDP (every rank calls it)."""
         return Path(trainer.log_dir or trainer.default_root_dir)
 
-    def publish(self, trainer, section: dict[str, Any] | None, metrics: dict[str, float] | None, figure=None,
-                tables: dict[str, tuple[list[str], list[list]]] | None = None,
-                message: str | list[str] | Callable[[dict[str, Any]], str] | None = None) -> dict[str, Any] | None:
+    def publish(
+        self,
+        trainer,
+        section: dict[str, Any] | None,
+        metrics: dict[str, float] | None,
+        figure=None,
+        tables: dict[str, tuple[list[str], list[list]]] | None = None,
+        message: str | list[str] | Callable[[dict[str, Any]], str] | None = None,
+    ) -> dict[str, Any] | None:
         """Publish one result. Every rank calls it; only global rank zero writes (elsewhere the arguments may
         be None). Returns the section as written (None off rank zero).
 

@@ -53,8 +53,17 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 IN9_VARIANTS = ("original", "mixed_same", "mixed_rand")
 # Class folders of the released IN-9 data, in class order (data/PROVENANCE.md; the names come from the release
 # tarballs, not from in9_classes.txt, which lists display names and WordNet superclasses in the same order)
-IN9_FOLDERS = ("00_dog", "01_bird", "02_wheeled vehicle", "03_reptile", "04_carnivore", "05_insect",
-               "06_musical instrument", "07_primate", "08_fish")
+IN9_FOLDERS = (
+    "00_dog",
+    "01_bird",
+    "02_wheeled vehicle",
+    "03_reptile",
+    "04_carnivore",
+    "05_insect",
+    "06_musical instrument",
+    "07_primate",
+    "08_fish",
+)
 
 
 # ----------------------------------------------------------------------------------------------- class lists
@@ -80,8 +89,9 @@ def in9_map() -> torch.Tensor:
 
 def choose(names: str | list[str], standard: tuple[str, ...], every: tuple[str, ...], what: str) -> list[str]:
     """A config's selection: "standard", "all", one name or a list, checked against ``every``, in its order."""
-    chosen = list(standard if names == "standard" else every if names == "all" else [names] if isinstance(names, str)
-                  else names)
+    chosen = list(
+        standard if names == "standard" else every if names == "all" else [names] if isinstance(names, str) else names
+    )
     unknown = [name for name in chosen if name not in every]
     if unknown or not chosen:
         raise UserError(f"{what}: unknown {unknown}; use 'standard', 'all' or names among {', '.join(every)}")
@@ -144,8 +154,9 @@ def _class_folders(root: Path, expected: str) -> list[Path]:
 def _check_known(root: Path, folders: list[Path], known, expected: str) -> None:
     unknown = [f.name for f in folders if f.name not in known]
     if unknown:
-        raise UserError(f"{root}: unknown class folders {unknown[:5]}{' ...' if len(unknown) > 5 else ''}; "
-                        f"expected {expected}")
+        raise UserError(
+            f"{root}: unknown class folders {unknown[:5]}{' ...' if len(unknown) > 5 else ''}; expected {expected}"
+        )
 
 
 def _images(folder: Path, label: int) -> list[tuple[str, int]]:
@@ -173,8 +184,10 @@ def subset_split(benchmark: str, root: str | Path) -> Split:
 def full_split(benchmark: str, root: str | Path) -> Split:
     """ImageNet-Sketch / -V2: ``root/<wnid>/*``, or ``root/<class index 0..999>/*`` (V2's released layout)."""
     root = Path(root)
-    expected = (f"{root}/<class folder>/<images>, class folders named by ImageNet wnid (n01440764, ...) or all by "
-                "class index (0 ... 999)")
+    expected = (
+        f"{root}/<class folder>/<images>, class folders named by ImageNet wnid (n01440764, ...) or all by "
+        "class index (0 ... 999)"
+    )
     folders = _class_folders(root, expected)
     label_of = class_map("imagenet")
     if all(f.name.isdigit() for f in folders):
@@ -188,8 +201,10 @@ def imagenet_o_splits(root: str | Path, val_root: str | Path | None) -> tuple[Sp
     OOD, 0 for in-distribution."""
     ood = subset_split("imagenet_o", root)
     if val_root is None:
-        raise UserError("ImageNet-O needs imagenet_val: the ImageNet val folder <val>/<wnid>/<images> whose images "
-                        "of the 200 ImageNet-O classes are the in-distribution set")
+        raise UserError(
+            "ImageNet-O needs imagenet_val: the ImageNet val folder <val>/<wnid>/<images> whose images "
+            "of the 200 ImageNet-O classes are the in-distribution set"
+        )
     val_root, (wnids, _) = Path(val_root), subset_classes("imagenet_o")
     expected = f"{val_root}/<wnid>/<images>, the ImageNet val folder (its ImageNet-O classes are used)"
     folders = [f for f in _class_folders(val_root, expected) if f.name in set(wnids)]
@@ -203,8 +218,10 @@ def in9_splits(root: str | Path) -> list[Split]:
     """ImageNet-9: ``root/{original,mixed_same,mixed_rand}/val/<class folder>/*`` (folders 00_dog ... 08_fish)."""
     root, splits = Path(root), []
     for variant in IN9_VARIANTS:
-        expected = (f"{root}/{{{','.join(IN9_VARIANTS)}}}/val/<class folder>/<images> with the class folders "
-                    f"{', '.join(repr(f) for f in IN9_FOLDERS)}")
+        expected = (
+            f"{root}/{{{','.join(IN9_VARIANTS)}}}/val/<class folder>/<images> with the class folders "
+            f"{', '.join(repr(f) for f in IN9_FOLDERS)}"
+        )
         path = root / variant / "val"
         folders = _class_folders(path, expected)
         label_of = {name: i for i, name in enumerate(IN9_FOLDERS)}
@@ -246,8 +263,14 @@ class DistributionShiftBenchmarks(Evaluation):
         batch_size: int = 64,
         num_workers: int = 4,
     ):
-        self.roots = {"imagenet_r": imagenet_r, "imagenet_a": imagenet_a, "imagenet_sketch": imagenet_sketch,
-                      "imagenet_v2": imagenet_v2, "imagenet_o": imagenet_o, "imagenet_9": imagenet_9}
+        self.roots = {
+            "imagenet_r": imagenet_r,
+            "imagenet_a": imagenet_a,
+            "imagenet_sketch": imagenet_sketch,
+            "imagenet_v2": imagenet_v2,
+            "imagenet_o": imagenet_o,
+            "imagenet_9": imagenet_9,
+        }
         self.imagenet_val = imagenet_val
         self.image_size, self.crop_pct = image_size, crop_pct
         self.batch_size, self.num_workers = batch_size, num_workers
@@ -281,8 +304,9 @@ class DistributionShiftBenchmarks(Evaluation):
 
     # ------------------------------------------------------------------------------------------ running
     def _predict(self, trainer, pl_module, split: Split, transform: Callable, classes: tuple[int, ...] | None):
-        return predict_split(trainer, pl_module, split, transform, classes, batch_size=self.batch_size,
-                             num_workers=self.num_workers)
+        return predict_split(
+            trainer, pl_module, split, transform, classes, batch_size=self.batch_size, num_workers=self.num_workers
+        )
 
     def _run(self, trainer, pl_module, name: str) -> dict[str, Any]:
         transform, note = self._preprocessing(name)
@@ -293,9 +317,12 @@ class DistributionShiftBenchmarks(Evaluation):
             classes = subset_classes(name)[1] if name in ("imagenet_r", "imagenet_a") else None
             p = self._predict(trainer, pl_module, splits[0], transform, classes)
             corrupt += p.corrupt
-            section.update(num_images=len(p.label), num_classes=len(classes or range(1000)),
-                           acc1=accuracy(p.prediction, p.label),
-                           ece=expected_calibration_error(p.confidence, p.prediction == p.label))
+            section.update(
+                num_images=len(p.label),
+                num_classes=len(classes or range(1000)),
+                acc1=accuracy(p.prediction, p.label),
+                ece=expected_calibration_error(p.confidence, p.prediction == p.label),
+            )
             if name in ("imagenet_r", "imagenet_a"):
                 rms = rms_calibration_error(p.confidence, p.prediction == p.label)
                 section["rms_calibration_error"] = None if math.isnan(rms) else rms  # None: under 2 bins of images
@@ -305,8 +332,12 @@ class DistributionShiftBenchmarks(Evaluation):
             corrupt += ood.corrupt + known.corrupt
             is_ood = torch.cat([ood.label, known.label]).bool()  # labels: 1 = OOD, 0 = in-distribution
             anomaly = -torch.cat([ood.confidence, known.confidence])  # -max softmax over the 200 classes
-            section.update(imagenet_val=str(Path(self.imagenet_val).resolve()), num_ood=len(ood.label),
-                           num_in_distribution=len(known.label), **ood_metrics(anomaly, is_ood))
+            section.update(
+                imagenet_val=str(Path(self.imagenet_val).resolve()),
+                num_ood=len(ood.label),
+                num_in_distribution=len(known.label),
+                **ood_metrics(anomaly, is_ood),
+            )
         else:
             to_in9 = in9_map()
             variants = {}
@@ -315,8 +346,11 @@ class DistributionShiftBenchmarks(Evaluation):
                 corrupt += p.corrupt
                 correct = to_in9[p.prediction] == p.label
                 # confidence: the max of the 1000-way softmax, whose argmax gave the (mapped) prediction
-                variants[split.name] = {"num_images": len(p.label), "acc1": correct.double().mean().item(),
-                                        "ece": expected_calibration_error(p.confidence, correct)}
+                variants[split.name] = {
+                    "num_images": len(p.label),
+                    "acc1": correct.double().mean().item(),
+                    "ece": expected_calibration_error(p.confidence, correct),
+                }
             section.update(variants=variants, bg_gap=bg_gap({k: v["acc1"] for k, v in variants.items()}))
         section["corrupt_images"] = corrupt
         return section
@@ -328,13 +362,23 @@ class DistributionShiftBenchmarks(Evaluation):
         # one table: benchmark, metric (e.g. mixed_rand/acc1)
         rows = [key.removeprefix("benchmarks/").split("/", 1) + [value] for key, value in metrics.items()]
         shown = ", ".join(f"{k.removeprefix('benchmarks/')}={v:.4f}" for k, v in metrics.items())
-        self.publish(trainer, {
-            **sections, "skipped": self.skipped,
-            "conditions": {"image_size": self.resolution, "crop_pct": self.crop_pct, "ece_bins": ECE_BINS,
-                           "rms_calibration_bin_size": RMS_BIN_SIZE,
-                           "checkpoint": trainer.ckpt_path},
-        }, metrics, tables={"summary": (["benchmark", "metric", "value"], rows)},
-            message=f"benchmarks: {shown or 'none run'}; skipped: {[s['benchmark'] for s in self.skipped]}")
+        self.publish(
+            trainer,
+            {
+                **sections,
+                "skipped": self.skipped,
+                "conditions": {
+                    "image_size": self.resolution,
+                    "crop_pct": self.crop_pct,
+                    "ece_bins": ECE_BINS,
+                    "rms_calibration_bin_size": RMS_BIN_SIZE,
+                    "checkpoint": trainer.ckpt_path,
+                },
+            },
+            metrics,
+            tables={"summary": (["benchmark", "metric", "value"], rows)},
+            message=f"benchmarks: {shown or 'none run'}; skipped: {[s['benchmark'] for s in self.skipped]}",
+        )
 
 
 def flat_metrics(sections: dict[str, dict[str, Any]]) -> dict[str, float]:

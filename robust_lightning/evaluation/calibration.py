@@ -55,7 +55,7 @@ def rms_calibration_error(confidence: torch.Tensor, correct: torch.Tensor, bin_s
     for lo, hi in zip(edges[:-2], edges[1:-1]):  # every bin but the last, as the reference's loop
         gap = confidence[lo:hi].mean() - correct[lo:hi].mean()
         total += (hi - lo) / count * gap.item() ** 2
-    return total ** 0.5
+    return total**0.5
 
 
 class CalibrationError(Metric):

@@ -27,11 +27,28 @@ from robust_lightning.evaluation.resolution import ResolutionSweep
 from robust_lightning.models.robustbench import is_robustbench_arch, robustbench_entry
 from robust_lightning.paths import DATA_DIR
 
-DATASETS = ("imagenet_c", "imagenet_p", "imagenet_r", "imagenet_a", "imagenet_sketch", "imagenet_v2", "imagenet_o",
-            "imagenet_val", "imagenet_9")
+DATASETS = (
+    "imagenet_c",
+    "imagenet_p",
+    "imagenet_r",
+    "imagenet_a",
+    "imagenet_sketch",
+    "imagenet_v2",
+    "imagenet_o",
+    "imagenet_val",
+    "imagenet_9",
+)
 # benchmarks whose labels are ImageNet-1k classes: they need a 1000-class model
-IMAGENET_LABELLED = ("imagenet_c", "imagenet_p", "imagenet_r", "imagenet_a", "imagenet_sketch", "imagenet_v2",
-                     "imagenet_o", "imagenet_9")
+IMAGENET_LABELLED = (
+    "imagenet_c",
+    "imagenet_p",
+    "imagenet_r",
+    "imagenet_a",
+    "imagenet_sketch",
+    "imagenet_v2",
+    "imagenet_o",
+    "imagenet_9",
+)
 CARD_FILE = "robustness_card.md"
 
 
@@ -42,10 +59,18 @@ def paper_rows(arch: str) -> list[dict[str, str]]:
     rows = []
     if is_robustbench_arch(arch):
         entry = robustbench_entry(arch)
-        rows.append({"paper": "RobustBench leaderboard", "model": entry.name, "arch": arch,
-                     "resolution": str(entry.preprocessing.image_size), "clean": f"{entry.clean_acc:.2f}",
-                     "autoattack_linf_4_255": f"{entry.autoattack_acc:.2f}", "note": "these weights",
-                     "source": "data/robustbench_imagenet_linf.csv"})
+        rows.append(
+            {
+                "paper": "RobustBench leaderboard",
+                "model": entry.name,
+                "arch": arch,
+                "resolution": str(entry.preprocessing.image_size),
+                "clean": f"{entry.clean_acc:.2f}",
+                "autoattack_linf_4_255": f"{entry.autoattack_acc:.2f}",
+                "note": "these weights",
+                "source": "data/robustbench_imagenet_linf.csv",
+            }
+        )
         arch = entry.timm_arch
     with open(DATA_DIR / "paper_results.csv", newline="") as f:
         return rows + [row for row in csv.DictReader(f) if row["arch"] == arch]
@@ -83,8 +108,13 @@ class RobustnessCard(Evaluation):
         if unknown:
             raise UserError(f"RobustnessCard.datasets: unknown {unknown}; the datasets are {', '.join(DATASETS)}")
         self.datasets = {name: datasets.get(name) for name in DATASETS}
-        self.settings = {"autoattack": autoattack, "benchmarks": benchmarks or {}, "imagenet_c": imagenet_c or {},
-                         "imagenet_p": imagenet_p or {}, "resolution_sweep": resolution_sweep}
+        self.settings = {
+            "autoattack": autoattack,
+            "benchmarks": benchmarks or {},
+            "imagenet_c": imagenet_c or {},
+            "imagenet_p": imagenet_p or {},
+            "resolution_sweep": resolution_sweep,
+        }
         self.paper_results = paper_results
         self.parts: dict[str, Evaluation] = {}
         self.skipped: list[dict[str, str]] = []
@@ -114,29 +144,38 @@ class RobustnessCard(Evaluation):
             for name in foreign:
                 skip(name, f"the model has {num_classes} classes; this benchmark is labelled with ImageNet's 1000")
             roots = {name: None if name in foreign else root for name, root in roots.items()}
-        shifts = {name: roots[name] for name in ("imagenet_r", "imagenet_a", "imagenet_sketch", "imagenet_v2",
-                                                 "imagenet_o", "imagenet_9")}
+        shifts = {
+            name: roots[name]
+            for name in ("imagenet_r", "imagenet_a", "imagenet_sketch", "imagenet_v2", "imagenet_o", "imagenet_9")
+        }
         if any(shifts.values()):
-            self.parts["benchmarks"] = self._part("benchmarks", DistributionShiftBenchmarks, **shifts,
-                                                  imagenet_val=roots["imagenet_val"] or imagenet_val,
-                                                  **settings["benchmarks"])
+            self.parts["benchmarks"] = self._part(
+                "benchmarks",
+                DistributionShiftBenchmarks,
+                **shifts,
+                imagenet_val=roots["imagenet_val"] or imagenet_val,
+                **settings["benchmarks"],
+            )
         elif num_classes == 1000:
             skip("distribution shifts (imagenet_r, _a, _sketch, _v2, _o, _9)", "no dataset root given")
         if roots["imagenet_c"] == "generated":
             self.parts["imagenet_c"] = self._part("imagenet_c", ImageNetC, source="generated", **settings["imagenet_c"])
         elif roots["imagenet_c"]:
-            self.parts["imagenet_c"] = self._part("imagenet_c", ImageNetC, root=roots["imagenet_c"],
-                                                  **settings["imagenet_c"])
+            self.parts["imagenet_c"] = self._part(
+                "imagenet_c", ImageNetC, root=roots["imagenet_c"], **settings["imagenet_c"]
+            )
         elif num_classes == 1000:
             skip("imagenet_c", "no dataset root given (a folder, or 'generated')")
         if roots["imagenet_p"]:
-            self.parts["imagenet_p"] = self._part("imagenet_p", ImageNetP, root=roots["imagenet_p"],
-                                                  **settings["imagenet_p"])
+            self.parts["imagenet_p"] = self._part(
+                "imagenet_p", ImageNetP, root=roots["imagenet_p"], **settings["imagenet_p"]
+            )
         elif num_classes == 1000:
             skip("imagenet_p", "no dataset root given")
         if settings["resolution_sweep"] is not None:
-            self.parts["resolution_sweep"] = self._part("resolution_sweep", ResolutionSweep,
-                                                        **settings["resolution_sweep"])
+            self.parts["resolution_sweep"] = self._part(
+                "resolution_sweep", ResolutionSweep, **settings["resolution_sweep"]
+            )
         else:
             skip("resolution_sweep", "not requested (resolution_sweep: null)")
 
@@ -156,6 +195,7 @@ class RobustnessCard(Evaluation):
         def forward(self, trainer, pl_module, *args, **kwargs) -> None:
             for part in self.parts.values():
                 getattr(part, hook)(trainer, pl_module, *args, **kwargs)
+
         forward.__name__ = hook
         return forward
 
@@ -185,9 +225,13 @@ class RobustnessCard(Evaluation):
         papers = paper_rows(header["arch"]) if self.paper_results else []
         atomic_write_text(run_dir / CARD_FILE, render_card(header, test_metrics, results, self.skipped, papers))
         columns, row = summary_row(test_metrics, results, header["num_classes"] == 1000)
-        self.publish(trainer, {"markdown": str((run_dir / CARD_FILE).resolve()), "parts": list(self.parts),
-                               "skipped": self.skipped}, None, tables={"summary": (columns, [row])},
-                     message=f"robustness card: {(run_dir / CARD_FILE).resolve()}")
+        self.publish(
+            trainer,
+            {"markdown": str((run_dir / CARD_FILE).resolve()), "parts": list(self.parts), "skipped": self.skipped},
+            None,
+            tables={"summary": (columns, [row])},
+            message=f"robustness card: {(run_dir / CARD_FILE).resolve()}",
+        )
 
 
 # ------------------------------------------------------------------------------------------------ rendering
@@ -213,23 +257,29 @@ def table(columns: list[str], rows: list[list[str]]) -> str:
 
 
 def threat_label(section: dict[str, Any]) -> str:
-    """"Linf 4/255", "L2 2", "L1 1.53": radii as the papers quote them."""
+    """ "Linf 4/255", "L2 2", "L1 1.53": radii as the papers quote them."""
     if section["norm"] == "Linf":
         return ThreatModel("Linf", section["eps"]).name.replace("-", " ").replace("_", "/")
     return f"{section['norm']} {section['eps']:.3g}"
 
 
-SHIFT_COLUMNS = (("IN-R", "imagenet_r"), ("IN-A", "imagenet_a"), ("IN-Sketch", "imagenet_sketch"),
-                 ("IN-V2", "imagenet_v2"))
+SHIFT_COLUMNS = (
+    ("IN-R", "imagenet_r"),
+    ("IN-A", "imagenet_a"),
+    ("IN-Sketch", "imagenet_sketch"),
+    ("IN-V2", "imagenet_v2"),
+)
 
 
 def _shift_values(test_metrics: dict[str, float], results: dict[str, Any], imagenet: bool = True) -> dict[str, str]:
     """The distribution-shift row: accuracies in %, mCE and flip rates in % (lower is better where marked).
     ``imagenet``: a 1000-class model; otherwise mCE (normalised by AlexNet's ImageNet errors) means nothing."""
     benchmarks, c, p = results.get("benchmarks", {}), results.get("imagenet_c") or {}, results.get("imagenet_p") or {}
-    row = {"test set": percent(test_metrics.get("test/acc1")),
-           "IN-C mCE ↓": mean_over(c, "mce") if imagenet else "- (not ImageNet)",
-           "IN-C acc": percent(c.get("mean_acc1"))}
+    row = {
+        "test set": percent(test_metrics.get("test/acc1")),
+        "IN-C mCE ↓": mean_over(c, "mce") if imagenet else "- (not ImageNet)",
+        "IN-C acc": percent(c.get("mean_acc1")),
+    }
     for label, name in SHIFT_COLUMNS:
         row[label] = percent(benchmarks.get(name, {}).get("acc1"))
     row["IN-O AUPR"] = percent(benchmarks.get("imagenet_o", {}).get("aupr"))
@@ -240,8 +290,9 @@ def _shift_values(test_metrics: dict[str, float], results: dict[str, Any], image
     return row
 
 
-def summary_row(test_metrics: dict[str, float], results: dict[str, Any],
-                imagenet: bool = True) -> tuple[list[str], list[str]]:
+def summary_row(
+    test_metrics: dict[str, float], results: dict[str, Any], imagenet: bool = True
+) -> tuple[list[str], list[str]]:
     """One row with every headline number (the W&B table of the card)."""
     row = {"clean": percent(test_metrics.get("test/acc1"))}
     for section in results.get("autoattack", {}).get("threat_models", {}).values():
@@ -272,68 +323,110 @@ def _sweep_lines(sweep: dict[str, Any]) -> list[str]:
     return [f"## Test resolution (best: {chosen} px)", "", table(columns, rows), ""]
 
 
-def render_card(header: dict[str, Any], test_metrics: dict[str, float], results: dict[str, Any],
-                skipped: list[dict[str, str]], papers: list[dict[str, str]]) -> str:
+def render_card(
+    header: dict[str, Any],
+    test_metrics: dict[str, float],
+    results: dict[str, Any],
+    skipped: list[dict[str, str]],
+    papers: list[dict[str, str]],
+) -> str:
     """The card as markdown, from the results.json sections of the run (all numbers in %)."""
     r = header["resolution"]
     data = header.get("data") or {}
-    lines = [f"# Robustness card: {header['arch']}", "",
-             f"- checkpoint: `{header.get('checkpoint')}`",
-             f"- resolution: {r} px; test set: {data.get('source', '?')}"
-             + (f", subset {data['eval_subset']}" if data.get("eval_subset") else "")
-             + (f", {data['eval_images']} images" if data.get("eval_images") else ""),
-             "- all numbers in %; ↓ marks metrics where lower is better", ""]
+    lines = [
+        f"# Robustness card: {header['arch']}",
+        "",
+        f"- checkpoint: `{header.get('checkpoint')}`",
+        f"- resolution: {r} px; test set: {data.get('source', '?')}"
+        + (f", subset {data['eval_subset']}" if data.get("eval_subset") else "")
+        + (f", {data['eval_images']} images" if data.get("eval_images") else ""),
+        "- all numbers in %; ↓ marks metrics where lower is better",
+        "",
+    ]
 
     autoattack = results.get("autoattack", {})
     threats = {name: s for name, s in autoattack.get("threat_models", {}).items() if s.get("num_points")}
     if threats:
         conditions = autoattack.get("conditions", {})
         points = {s["num_points"] for s in threats.values()}
-        lines += [f"## Adversarial robustness (AutoAttack {conditions.get('version')}, {conditions.get('precision')}, "
-                  f"{'/'.join(map(str, sorted(points)))} images)", ""]
+        lines += [
+            f"## Adversarial robustness (AutoAttack {conditions.get('version')}, {conditions.get('precision')}, "
+            f"{'/'.join(map(str, sorted(points)))} images)",
+            "",
+        ]
         labels = [threat_label(s) for s in threats.values()]
-        rows = [[f"this checkpoint ({r} px)", percent(next(iter(threats.values()))["clean_accuracy"]),
-                 *(percent(s["robust_accuracy"]) for s in threats.values())]]
+        rows = [
+            [
+                f"this checkpoint ({r} px)",
+                percent(next(iter(threats.values()))["clean_accuracy"]),
+                *(percent(s["robust_accuracy"]) for s in threats.values()),
+            ]
+        ]
         # published AutoAttack numbers at the radii of Singh et al.'s Table 2; other radii, or none given: "-"
         published = {"Linf 4/255": "autoattack_linf_4_255", "L2 2": "autoattack_l2_2", "L1 75": "autoattack_l1_75"}
         for paper in papers:
             cells = [paper.get(published.get(label, "")) or "-" for label in labels]
             note = f", {paper['note']}" if paper["note"] else ""
-            rows.append([f"{paper['model']}, {paper['paper']} ({paper['resolution']} px{note})", paper["clean"],
-                         *cells])
+            rows.append(
+                [f"{paper['model']}, {paper['paper']} ({paper['resolution']} px{note})", paper["clean"], *cells]
+            )
         lines += [table(["model", "clean", *labels], rows), ""]
         if any(paper.get("source") for paper in papers):
-            lines += ["Leaderboard numbers: data/robustbench_imagenet_linf.csv (the same weights, RobustBench's "
-                      "5000 images and preprocessing).", ""]
+            lines += [
+                "Leaderboard numbers: data/robustbench_imagenet_linf.csv (the same weights, RobustBench's "
+                "5000 images and preprocessing).",
+                "",
+            ]
         if any(not paper.get("source") for paper in papers):
-            lines += ["Published numbers: data/paper_results.csv (same architecture; not necessarily the same "
-                      "weights).", ""]
+            lines += [
+                "Published numbers: data/paper_results.csv (same architecture; not necessarily the same weights).",
+                "",
+            ]
 
     shift = _shift_values(test_metrics, results, header.get("num_classes", 1000) == 1000)
     if any(not v.startswith("-") for k, v in shift.items() if k != "test set"):
-        lines += ["## Distribution shifts (top-1 unless marked)", "",
-                  table(["model", *shift], [["this checkpoint", *shift.values()]]), ""]
+        lines += [
+            "## Distribution shifts (top-1 unless marked)",
+            "",
+            table(["model", *shift], [["this checkpoint", *shift.values()]]),
+            "",
+        ]
     ece = {"test set": test_metrics.get("test/ece")}
     ece |= {label: results.get("benchmarks", {}).get(name, {}).get("ece") for label, name in SHIFT_COLUMNS}
     corruptions = (results.get("imagenet_c") or {}).get("corruptions", {})
     if corruptions:
         ece["IN-C"] = sum(c["ece"] for c in corruptions.values()) / len(corruptions)
     if any(v is not None for v in ece.values()):
-        lines += ["## Calibration (expected calibration error, 15 bins) ↓", "",
-                  table(list(ece), [[percent(v) for v in ece.values()]]), ""]
+        lines += [
+            "## Calibration (expected calibration error, 15 bins) ↓",
+            "",
+            table(list(ece), [[percent(v) for v in ece.values()]]),
+            "",
+        ]
     if corruptions:
-        lines += ["## ImageNet-C per corruption (error, mean over severities) ↓", "",
-                  table(["corruption", "error", "CE"], [[name, percent(c["mean_error"]), percent(c.get("ce"))]
-                                                       for name, c in corruptions.items()]), ""]
+        lines += [
+            "## ImageNet-C per corruption (error, mean over severities) ↓",
+            "",
+            table(
+                ["corruption", "error", "CE"],
+                [[name, percent(c["mean_error"]), percent(c.get("ce"))] for name, c in corruptions.items()],
+            ),
+            "",
+        ]
 
     sweep = results.get("resolution_sweep")
     if sweep:
         lines += _sweep_lines(sweep)
 
-    plots = [(title, Path(path).name) for title, path in (
-        ("ImageNet-C", (results.get("imagenet_c") or {}).get("plot")),
-        ("ImageNet-P", (results.get("imagenet_p") or {}).get("plot")),
-        ("Resolution sweep", (sweep or {}).get("plot"))) if path and path != "not requested"]
+    plots = [
+        (title, Path(path).name)
+        for title, path in (
+            ("ImageNet-C", (results.get("imagenet_c") or {}).get("plot")),
+            ("ImageNet-P", (results.get("imagenet_p") or {}).get("plot")),
+            ("Resolution sweep", (sweep or {}).get("plot")),
+        )
+        if path and path != "not requested"
+    ]
     if plots:
         lines += ["## Plots", "", *(f"![{title}]({name})" for title, name in plots), ""]
 

@@ -33,31 +33,41 @@ def _percent(value: float) -> str:
 def leaderboard_differences(results: dict[str, Any]) -> tuple[list[str], dict[str, Any] | None]:
     """How an evaluation differs from the leaderboard's, and its Linf 4/255 section (None when absent)."""
     threats = results.get("autoattack", {}).get("threat_models", {})
-    linf = next((t for t in threats.values() if t.get("norm") == "Linf" and math.isclose(t.get("eps", 0), EPS)),
-                None)
+    linf = next((t for t in threats.values() if t.get("norm") == "Linf" and math.isclose(t.get("eps", 0), EPS)), None)
     if linf is None:
         return [f"no AutoAttack result in Linf at eps 4/255 (threat models: {', '.join(threats) or 'none'})"], None
     conditions = results["autoattack"].get("conditions", {})
     run = results.get("test") or results.get("fit") or {}
     data = run.get("conditions", {}).get("data") or {}
     checks = [
-        (linf.get("num_points") == IMAGES,
-         f"{linf.get('num_points')} images evaluated, not the leaderboard's {IMAGES}"),
+        (
+            linf.get("num_points") == IMAGES,
+            f"{linf.get('num_points')} images evaluated, not the leaderboard's {IMAGES}",
+        ),
         (not linf.get("images_not_evaluated"), f"{linf.get('images_not_evaluated')} images were not evaluated"),
-        (conditions.get("version") == "standard",
-         f"AutoAttack version {conditions.get('version')!r}, not 'standard'"),
-        (str(conditions.get("precision", "")).startswith("fp32"),
-         f"AutoAttack precision {conditions.get('precision')!r}, not fp32"),
-        (sum(linf.get("claims_refuted_in_fp32_this_session", {}).values()) == 0,
-         f"the fp32 check refuted {linf.get('claims_refuted_in_fp32_this_session')} attack successes"),
-        (data.get("source") in ("folder", "shards") and data.get("eval_split", "val") == "val",
-         f"data source {data.get('source')!r} (split {data.get('eval_split')!r}), not ImageNet val (folder or shards)"),
+        (conditions.get("version") == "standard", f"AutoAttack version {conditions.get('version')!r}, not 'standard'"),
+        (
+            str(conditions.get("precision", "")).startswith("fp32"),
+            f"AutoAttack precision {conditions.get('precision')!r}, not fp32",
+        ),
+        (
+            sum(linf.get("claims_refuted_in_fp32_this_session", {}).values()) == 0,
+            f"the fp32 check refuted {linf.get('claims_refuted_in_fp32_this_session')} attack successes",
+        ),
+        (
+            data.get("source") in ("folder", "shards") and data.get("eval_split", "val") == "val",
+            f"data source {data.get('source')!r} (split {data.get('eval_split')!r}), not ImageNet val (folder or shards)",
+        ),
         (data.get("class_map", "imagenet") == "imagenet", f"class map {data.get('class_map')!r}, not 'imagenet'"),
-        (data.get("eval_subset") == SUBSET,
-         f"evaluation subset {data.get('eval_subset')!r}, not {SUBSET!r} (the leaderboard's 5000 images)"),
+        (
+            data.get("eval_subset") == SUBSET,
+            f"evaluation subset {data.get('eval_subset')!r}, not {SUBSET!r} (the leaderboard's 5000 images)",
+        ),
         (data.get("eval_limit") is None, f"data.eval_limit {data.get('eval_limit')} cut the images"),
-        (data.get("image_size") == IMAGE_SIZE and data.get("eval_preprocessing") == PREPROCESSING,
-         f"preprocessing {data.get('eval_preprocessing')!r} at {data.get('image_size')} px, not {PREPROCESSING!r}"),
+        (
+            data.get("image_size") == IMAGE_SIZE and data.get("eval_preprocessing") == PREPROCESSING,
+            f"preprocessing {data.get('eval_preprocessing')!r} at {data.get('image_size')} px, not {PREPROCESSING!r}",
+        ),
     ]
     return [difference for holds, difference in checks if not holds], linf
 
@@ -91,18 +101,24 @@ def claim(results: str, *, model_name: str, architecture: str | None = None, out
         "clean_acc": _percent(linf["clean_accuracy"]),
         "autoattack_acc": _percent(linf["robust_accuracy"]),
         "footnote": f"Evaluated with robust-lightning: standard AutoAttack ({conditions.get('engine')} engine, "
-                    f"{conditions.get('precision')}, seed {conditions.get('seed')}) on RobustBench's {IMAGES} ImageNet "
-                    f"val images, {PREPROCESSING}; weights sha256 {conditions.get('weights_sha256')}.",
+        f"{conditions.get('precision')}, seed {conditions.get('seed')}) on RobustBench's {IMAGES} ImageNet "
+        f"val images, {PREPROCESSING}; weights sha256 {conditions.get('weights_sha256')}.",
     }
     target = Path(out) if out else Path("model_info") / "imagenet" / "Linf" / f"{model_name}.json"
     atomic_write_json(target, info)
-    print(f"wrote {target}: clean {info['clean_acc']} %, AutoAttack {info['autoattack_acc']} % (Linf 4/255, "
-          f"{IMAGES} images); fill in by hand: {', '.join(MANUAL_FIELDS)}")
+    print(
+        f"wrote {target}: clean {info['clean_acc']} %, AutoAttack {info['autoattack_acc']} % (Linf 4/255, "
+        f"{IMAGES} images); fill in by hand: {', '.join(MANUAL_FIELDS)}"
+    )
     return 0
 
 
 def claim_main(argv: list[str] | None = None) -> int:
-    return run_tool(claim, sys.argv[1:] if argv is None else argv, prog="robust-lightning claim",
-                    description="Write RobustBench's model-info JSON for a leaderboard claim from the results.json of "
-                    "a standard AutoAttack evaluation (Linf 4/255, the 5000-image subset, 224 px), e.g.\n"
-                    "  robust-lightning claim runs/eval/autoattack/version_0 --model_name Me2026Robust")
+    return run_tool(
+        claim,
+        sys.argv[1:] if argv is None else argv,
+        prog="robust-lightning claim",
+        description="Write RobustBench's model-info JSON for a leaderboard claim from the results.json of "
+        "a standard AutoAttack evaluation (Linf 4/255, the 5000-image subset, 224 px), e.g.\n"
+        "  robust-lightning claim runs/eval/autoattack/version_0 --model_name Me2026Robust",
+    )

@@ -55,8 +55,13 @@ PARAMETERS = {
     "motion_blur": ((10, 3), (15, 5), (15, 8), (15, 12), (20, 15)),
     # zoom factors np.arange(1, stop, step): float rounding makes the stop itself part of the first one
     "zoom_blur": ((1.11, 0.01), (1.16, 0.01), (1.21, 0.02), (1.26, 0.02), (1.31, 0.03)),
-    "snow": ((0.1, 0.3, 3, 0.5, 10, 4, 0.8), (0.2, 0.3, 2, 0.5, 12, 4, 0.7), (0.55, 0.3, 4, 0.9, 12, 8, 0.7),
-             (0.55, 0.3, 4.5, 0.85, 12, 8, 0.65), (0.55, 0.3, 2.5, 0.85, 12, 12, 0.55)),
+    "snow": (
+        (0.1, 0.3, 3, 0.5, 10, 4, 0.8),
+        (0.2, 0.3, 2, 0.5, 12, 4, 0.7),
+        (0.55, 0.3, 4, 0.9, 12, 8, 0.7),
+        (0.55, 0.3, 4.5, 0.85, 12, 8, 0.65),
+        (0.55, 0.3, 2.5, 0.85, 12, 12, 0.55),
+    ),
     "frost": ((1, 0.4), (0.8, 0.6), (0.7, 0.7), (0.65, 0.7), (0.6, 0.75)),
     "fog": ((1.5, 2), (2, 2), (2.5, 1.7), (2.5, 1.5), (3, 1.4)),
     "brightness": (0.1, 0.2, 0.3, 0.4, 0.5),
@@ -67,8 +72,13 @@ PARAMETERS = {
     "jpeg_compression": (25, 18, 15, 10, 7),
     "speckle_noise": (0.15, 0.2, 0.35, 0.45, 0.6),
     "gaussian_blur": (1, 2, 3, 4, 6),
-    "spatter": ((0.65, 0.3, 4, 0.69, 0.6, 0), (0.65, 0.3, 3, 0.68, 0.6, 0), (0.65, 0.3, 2, 0.68, 0.5, 0),
-                (0.65, 0.3, 1, 0.65, 1.5, 1), (0.67, 0.4, 1, 0.65, 1.5, 1)),
+    "spatter": (
+        (0.65, 0.3, 4, 0.69, 0.6, 0),
+        (0.65, 0.3, 3, 0.68, 0.6, 0),
+        (0.65, 0.3, 2, 0.68, 0.5, 0),
+        (0.65, 0.3, 1, 0.65, 1.5, 1),
+        (0.67, 0.4, 1, 0.65, 1.5, 1),
+    ),
     "saturate": ((0.3, 0), (0.1, 0), (2, 0), (5, 0.1), (20, 0.2)),
 }
 
@@ -112,7 +122,7 @@ def _clipped_zoom(x: np.ndarray, factor: float) -> np.ndarray:
     # channel by channel: the same values as one zoom by (factor, factor, 1), in less than half the time
     zoomed = np.stack([scipy_zoom(x[crop[0], crop[1], c], factor, order=1) for c in range(x.shape[2])], axis=-1)
     trim = [(zoomed.shape[axis] - x.shape[axis]) // 2 for axis in (0, 1)]
-    return zoomed[trim[0]:trim[0] + x.shape[0], trim[1]:trim[1] + x.shape[1]]
+    return zoomed[trim[0] : trim[0] + x.shape[0], trim[1] : trim[1] + x.shape[1]]
 
 
 def _motion_blur(x: np.ndarray, radius: int, sigma: float, angle: float) -> np.ndarray:
@@ -122,7 +132,7 @@ def _motion_blur(x: np.ndarray, radius: int, sigma: float, angle: float) -> np.n
     width = 2 * radius + 1
     taps = np.arange(width)
     # the constant factor cancels in the normalisation but is kept: it decides how the weights round
-    kernel = np.exp(-taps ** 2 / (2 * sigma ** 2)) / (np.sqrt(2 * np.pi) * sigma)
+    kernel = np.exp(-(taps**2) / (2 * sigma**2)) / (np.sqrt(2 * np.pi) * sigma)
     kernel = kernel / kernel.sum()
     point = (width * np.sin(np.deg2rad(angle)), width * np.cos(np.deg2rad(angle)))
     length = math.hypot(*point)
@@ -160,10 +170,12 @@ def _plasma_fractal(size: int, decay: float, rng: np.random.RandomState) -> np.n
         height[half::step, half::step] = noisy_mean(square)
         centres = height[half::step, half::step]
         # sums grouped in pairs as in the original, so they round the same
-        height[0::step, half::step] = noisy_mean((centres + np.roll(centres, 1, axis=0))
-                                                 + (corners + np.roll(corners, -1, axis=1)))
-        height[half::step, 0::step] = noisy_mean((centres + np.roll(centres, 1, axis=1))
-                                                 + (corners + np.roll(corners, -1, axis=0)))
+        height[0::step, half::step] = noisy_mean(
+            (centres + np.roll(centres, 1, axis=0)) + (corners + np.roll(corners, -1, axis=1))
+        )
+        height[half::step, 0::step] = noisy_mean(
+            (centres + np.roll(centres, 1, axis=1)) + (corners + np.roll(corners, -1, axis=0))
+        )
         step //= 2
         wibble /= decay
     height -= height.min()
@@ -258,7 +270,7 @@ def defocus_blur(image: np.ndarray, severity: int = 1) -> np.ndarray:
     span, ksize = (8, 3) if radius <= 8 else (radius, 5)
     grid = np.arange(-span, span + 1)
     xx, yy = np.meshgrid(grid, grid)
-    disk = (xx ** 2 + yy ** 2 <= radius ** 2).astype(np.float32)
+    disk = (xx**2 + yy**2 <= radius**2).astype(np.float32)
     disk /= disk.sum()
     kernel = cv2.GaussianBlur(disk, ksize=(ksize, ksize), sigmaX=alias_sigma)
     x = _unit(image)
@@ -330,8 +342,10 @@ def frost_directory(frost_dir: str | Path | None = None) -> Path:
     folder = Path(frost_dir) if frost_dir is not None else DATA_DIR / "imagenet_c_frost"
     missing = [name for name in FROST_FILES if not (folder / name).is_file()]
     if missing:
-        raise UserError(f"frost texture folder {folder} lacks {', '.join(missing)}; expected a folder holding "
-                        f"{', '.join(FROST_FILES)} (e.g. data/imagenet_c_frost of this repository)")
+        raise UserError(
+            f"frost texture folder {folder} lacks {', '.join(missing)}; expected a folder holding "
+            f"{', '.join(FROST_FILES)} (e.g. data/imagenet_c_frost of this repository)"
+        )
     return folder
 
 
@@ -362,7 +376,7 @@ def frost(image: np.ndarray, severity: int = 1, rng: RNG = None, frost_dir: str 
         texture = cv2.resize(texture, dsize=size, interpolation=cv2.INTER_CUBIC)
     top = state.randint(0, texture.shape[0] - height)
     left = state.randint(0, texture.shape[1] - width)
-    crop = texture[top:top + height, left:left + width, ::-1]  # BGR to RGB
+    crop = texture[top : top + height, left : left + width, ::-1]  # BGR to RGB
     return _to_uint8(weight_image * image + weight_frost * crop)
 
 
@@ -454,8 +468,10 @@ def elastic_transform(image: np.ndarray, severity: int = 1, rng: RNG = None) -> 
     anchors = np.float32([centre + arm, [centre[0] + arm, centre[1] - arm], centre - arm])
     moved = anchors + state.uniform(-jitter, jitter, size=anchors.shape).astype(np.float32)
     x = cv2.warpAffine(x, cv2.getAffineTransform(anchors, moved), shape[::-1], borderMode=cv2.BORDER_REFLECT_101)
-    dx, dy = ((gaussian(state.uniform(-1, 1, size=shape), sigma, mode="reflect", truncate=3) * alpha)
-              .astype(np.float32) for _ in range(2))
+    dx, dy = (
+        (gaussian(state.uniform(-1, 1, size=shape), sigma, mode="reflect", truncate=3) * alpha).astype(np.float32)
+        for _ in range(2)
+    )
     rows = np.arange(shape[0])[:, None, None] + dy[..., None]
     cols = np.arange(shape[1])[None, :, None] + dx[..., None]
     coordinates = np.broadcast_arrays(rows, cols, np.arange(3)[None, None, :])
@@ -488,17 +504,49 @@ def jpeg_round_trip(image: np.ndarray, quality: int) -> np.ndarray:
 # -------------------------------------------------------------------------------------------- dispatching
 # in the benchmark's order: the 15 of mCE, then the 4 extra ones
 CORRUPTIONS: dict[str, Callable[..., np.ndarray]] = {
-    f.__name__: f for f in (
-        gaussian_noise, shot_noise, impulse_noise, defocus_blur, glass_blur, motion_blur, zoom_blur, snow,
-        frost, fog, brightness, contrast, elastic_transform, pixelate, jpeg_compression,
-        speckle_noise, gaussian_blur, spatter, saturate)
+    f.__name__: f
+    for f in (
+        gaussian_noise,
+        shot_noise,
+        impulse_noise,
+        defocus_blur,
+        glass_blur,
+        motion_blur,
+        zoom_blur,
+        snow,
+        frost,
+        fog,
+        brightness,
+        contrast,
+        elastic_transform,
+        pixelate,
+        jpeg_compression,
+        speckle_noise,
+        gaussian_blur,
+        spatter,
+        saturate,
+    )
 }
-RANDOM = frozenset({"gaussian_noise", "shot_noise", "impulse_noise", "speckle_noise", "glass_blur", "motion_blur",
-                    "snow", "frost", "fog", "spatter", "elastic_transform"})
+RANDOM = frozenset(
+    {
+        "gaussian_noise",
+        "shot_noise",
+        "impulse_noise",
+        "speckle_noise",
+        "glass_blur",
+        "motion_blur",
+        "snow",
+        "frost",
+        "fog",
+        "spatter",
+        "elastic_transform",
+    }
+)
 
 
-def corrupt(image: np.ndarray, corruption: str, severity: int, rng: RNG = None,
-            frost_dir: str | Path | None = None) -> np.ndarray:
+def corrupt(
+    image: np.ndarray, corruption: str, severity: int, rng: RNG = None, frost_dir: str | Path | None = None
+) -> np.ndarray:
     """``image`` (H x W x 3 uint8, H and W >= 32) corrupted by ``corruption`` at ``severity`` 1..5, as
     H x W x 3 uint8. ``rng`` feeds the random corruptions (see the module docstring; None: fresh OS entropy);
     ``frost_dir``: the frost textures (default: data/imagenet_c_frost)."""
@@ -507,8 +555,7 @@ def corrupt(image: np.ndarray, corruption: str, severity: int, rng: RNG = None,
     if severity not in (1, 2, 3, 4, 5):
         raise UserError(f"corruption severity must be among 1..5, got {severity}")
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3 or min(image.shape[:2]) < MIN_SIZE:
-        raise ValueError(f"expected an H x W x 3 uint8 image with H, W >= {MIN_SIZE}, got {image.dtype} "
-                         f"{image.shape}")
+        raise ValueError(f"expected an H x W x 3 uint8 image with H, W >= {MIN_SIZE}, got {image.dtype} {image.shape}")
     function = CORRUPTIONS[corruption]
     if corruption == "frost":
         return function(image, severity, rng, frost_dir)
@@ -544,8 +591,15 @@ class CorruptedEvalTransform:
     corruption, a JPEG round trip at quality 85 (the release saved with optimize=True too, which changes only
     the file size)."""
 
-    def __init__(self, corruption: str, severities: list[int], resolution: int, seed: int = 0,
-                 crop_pct: float = 0.875, frost_dir: str | Path | None = None):
+    def __init__(
+        self,
+        corruption: str,
+        severities: list[int],
+        resolution: int,
+        seed: int = 0,
+        crop_pct: float = 0.875,
+        frost_dir: str | Path | None = None,
+    ):
         if corruption not in CORRUPTIONS:
             raise UserError(f"unknown corruption {corruption!r}; expected one of {', '.join(CORRUPTIONS)}")
         if resolution < MIN_SIZE:

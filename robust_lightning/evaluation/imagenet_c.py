@@ -68,16 +68,33 @@ from robust_lightning.evaluation.corruptions import (
 from robust_lightning.evaluation.prediction import ExactSize, Split, predict, predict_split
 from robust_lightning.paths import DATA_DIR
 
-STANDARD = ("gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "glass_blur", "motion_blur",
-            "zoom_blur", "snow", "frost", "fog", "brightness", "contrast", "elastic_transform", "pixelate",
-            "jpeg_compression")
+STANDARD = (
+    "gaussian_noise",
+    "shot_noise",
+    "impulse_noise",
+    "defocus_blur",
+    "glass_blur",
+    "motion_blur",
+    "zoom_blur",
+    "snow",
+    "frost",
+    "fog",
+    "brightness",
+    "contrast",
+    "elastic_transform",
+    "pixelate",
+    "jpeg_compression",
+)
 EXTRA = ("speckle_noise", "gaussian_blur", "spatter", "saturate")
 ALL = STANDARD + EXTRA
 assert tuple(CORRUPTIONS) == ALL, "corruptions.py and imagenet_c.py list the corruptions differently"
 GROUPS = ("noise", "blur", "weather", "digital", "extra")
 # the paper's groups (the 4 extra corruptions are the held-out validation set)
-GROUP_OF = {c: group for group, names in zip(GROUPS, (STANDARD[:3], STANDARD[3:7], STANDARD[7:11], STANDARD[11:],
-                                                      EXTRA)) for c in names}
+GROUP_OF = {
+    c: group
+    for group, names in zip(GROUPS, (STANDARD[:3], STANDARD[3:7], STANDARD[7:11], STANDARD[11:], EXTRA))
+    for c in names
+}
 SEVERITIES = (1, 2, 3, 4, 5)
 RELEASED_SIZE = 224
 IMAGENET_VAL_IMAGES = 50_000  # in every released cell: all of ImageNet val
@@ -86,18 +103,24 @@ ALL_IMAGES = f"all {IMAGENET_VAL_IMAGES} ImageNet val images in every cell"
 # evaluates; its Table 1 rounds the error to 43.5%). Not in data/: an init arg overrides it.
 ALEXNET_CLEAN_ERROR = 0.43478
 ALEXNET_CLEAN_SOURCE = "torchvision alexnet IMAGENET1K_V1 acc@1 56.522% (paper: 43.5% clean error)"
-ALEXNET_ON_RELEASED = ("the AlexNet errors were measured on the released ImageNet-C (all 50,000 val images, 224 px, "
-                       "the original generation code): on a subset of the images or at another resolution the CE, "
-                       "mCE and their relative versions are approximations, and even on all of val at 224 px the "
-                       "generated images are not the released ones (other random draws, today's JPEG encoder, the "
-                       "numpy motion blur instead of ImageMagick's)")
-IMPLEMENTATION = ("robust_lightning.evaluation.corruptions (numpy / OpenCV / scikit-image, in the loader workers): "
-                  "the per-severity parameters of Hendrycks' make_imagenet_c.py; motion blur (motion_blur, snow) as "
-                  "the imagecorruptions numpy port of ImageMagick's")
+ALEXNET_ON_RELEASED = (
+    "the AlexNet errors were measured on the released ImageNet-C (all 50,000 val images, 224 px, "
+    "the original generation code): on a subset of the images or at another resolution the CE, "
+    "mCE and their relative versions are approximations, and even on all of val at 224 px the "
+    "generated images are not the released ones (other random draws, today's JPEG encoder, the "
+    "numpy motion blur instead of ImageMagick's)"
+)
+IMPLEMENTATION = (
+    "robust_lightning.evaluation.corruptions (numpy / OpenCV / scikit-image, in the loader workers): "
+    "the per-severity parameters of Hendrycks' make_imagenet_c.py; motion blur (motion_blur, snow) as "
+    "the imagecorruptions numpy port of ImageMagick's"
+)
 
-EXPECTED = (f"<root>/<corruption>/<severity 1..5>/<wnid>/*.JPEG (the released ImageNet-C layout), optionally "
-            f"under group folders <root>/{{{','.join(GROUPS)}}}/<corruption>/<severity>/<wnid>/*.JPEG; "
-            f"corruptions: {', '.join(ALL)}; wnids: the ImageNet-1k class folders (n01440764 ...)")
+EXPECTED = (
+    f"<root>/<corruption>/<severity 1..5>/<wnid>/*.JPEG (the released ImageNet-C layout), optionally "
+    f"under group folders <root>/{{{','.join(GROUPS)}}}/<corruption>/<severity>/<wnid>/*.JPEG; "
+    f"corruptions: {', '.join(ALL)}; wnids: the ImageNet-1k class folders (n01440764 ...)"
+)
 
 
 # -------------------------------------------------------------------------------------------- AlexNet tables
@@ -133,9 +156,12 @@ def _alexnet_sum(corruption: str, severities: list[int]) -> float | None:
 
 
 # --------------------------------------------------------------------------------------------------- metrics
-def corruption_errors(errors: dict[str, dict[int, float]], clean_error: float | None = None,
-                      alexnet_clean_error: float = ALEXNET_CLEAN_ERROR, fewer_images: str | None = None,
-                      ) -> dict[str, Any]:
+def corruption_errors(
+    errors: dict[str, dict[int, float]],
+    clean_error: float | None = None,
+    alexnet_clean_error: float = ALEXNET_CLEAN_ERROR,
+    fewer_images: str | None = None,
+) -> dict[str, Any]:
     """CE, relative CE, mCE and relative mCE from top-1 errors ``errors[corruption][severity]`` (fractions).
     ``fewer_images``: None when every cell held all 50,000 ImageNet val images, else what the images were instead
     (``images_short_of_the_benchmark``).
@@ -150,13 +176,18 @@ def corruption_errors(errors: dict[str, dict[int, float]], clean_error: float | 
         alexnet = _alexnet_sum(corruption, severities)
         ours = sum(by_severity.values())
         ce[corruption] = None if alexnet is None else ours / alexnet
-        relative[corruption] = (None if alexnet is None or clean_error is None else
-                                (ours - len(severities) * clean_error)
-                                / (alexnet - len(severities) * alexnet_clean_error))
+        relative[corruption] = (
+            None
+            if alexnet is None or clean_error is None
+            else (ours - len(severities) * clean_error) / (alexnet - len(severities) * alexnet_clean_error)
+        )
     standard = [c for c in STANDARD if c in errors]
     result: dict[str, Any] = {"ce": ce, "relative_ce": relative}
-    complete = (len(standard) == len(STANDARD) and all(sorted(errors[c]) == list(SEVERITIES) for c in standard)
-                and fewer_images is None)
+    complete = (
+        len(standard) == len(STANDARD)
+        and all(sorted(errors[c]) == list(SEVERITIES) for c in standard)
+        and fewer_images is None
+    )
 
     def mean(values: dict[str, float | None]) -> float | None:
         picked = [values[c] for c in standard]
@@ -167,8 +198,12 @@ def corruption_errors(errors: dict[str, dict[int, float]], clean_error: float | 
     else:  # a different key, so a partial number is never mistaken for the benchmark's mCE
         severities = sorted({s for c in standard for s in errors[c]})
         for key, values in (("mce_partial", ce), ("relative_mce_partial", relative)):
-            result[key] = {"value": mean(values), "corruptions": standard, "severities": severities,
-                           "images": fewer_images or ALL_IMAGES}
+            result[key] = {
+                "value": mean(values),
+                "corruptions": standard,
+                "severities": severities,
+                "images": fewer_images or ALL_IMAGES,
+            }
     return result
 
 
@@ -207,13 +242,15 @@ def find_corruptions(root: str | Path) -> dict[str, tuple[Path, str | None]]:
         raise UserError(f"ImageNet-C root {root} holds no corruption folders; expected {EXPECTED}")
     twice = {c: [str(p) for p, _ in places] for c, places in found.items() if len(places) > 1}
     if twice:
-        raise UserError(f"ImageNet-C root {root}: corruptions found in more than one place {twice}; "
-                        f"expected each once, {EXPECTED}")
+        raise UserError(
+            f"ImageNet-C root {root}: corruptions found in more than one place {twice}; expected each once, {EXPECTED}"
+        )
     return {c: places[0] for c, places in found.items()}
 
 
-def _subsample(samples: list[tuple[str, int]], limit_per_class: int | None,
-               max_images: int | None) -> list[tuple[str, int]]:
+def _subsample(
+    samples: list[tuple[str, int]], limit_per_class: int | None, max_images: int | None
+) -> list[tuple[str, int]]:
     """Deterministic: the first ``limit_per_class`` files (sorted) of each class, then ``max_images`` evenly
     spaced over what is left. Every cell holds the same file names, so all cells keep the same images."""
     if limit_per_class is not None:
@@ -228,16 +265,22 @@ def _subsample(samples: list[tuple[str, int]], limit_per_class: int | None,
     return samples
 
 
-def imagenet_c_cells(root: str | Path, corruptions: list[str], severities: list[int],
-                     limit_per_class: int | None = None, max_images: int | None = None,
-                     ) -> tuple[dict[tuple[str, int], list[tuple[str, int]]], dict[str, str | None]]:
+def imagenet_c_cells(
+    root: str | Path,
+    corruptions: list[str],
+    severities: list[int],
+    limit_per_class: int | None = None,
+    max_images: int | None = None,
+) -> tuple[dict[tuple[str, int], list[tuple[str, int]]], dict[str, str | None]]:
     """The images of every requested (corruption, severity) cell as (path, ImageNet label), and each
     corruption's group folder (None at the top level). Raises UserError on any layout problem."""
     found = find_corruptions(root)
     missing = [c for c in corruptions if c not in found]
     if missing:
-        raise UserError(f"ImageNet-C root {root}: requested corruptions {missing} not found (found "
-                        f"{sorted(found)}); expected {EXPECTED}")
+        raise UserError(
+            f"ImageNet-C root {root}: requested corruptions {missing} not found (found "
+            f"{sorted(found)}); expected {EXPECTED}"
+        )
     label_of = class_map("imagenet")
     cells: dict[tuple[str, int], list[tuple[str, int]]] = {}
     for corruption in corruptions:
@@ -254,8 +297,12 @@ def imagenet_c_cells(root: str | Path, corruptions: list[str], severities: list[
             if not wnids or unknown:
                 what = f"unknown wnid folders {unknown[:5]}" if unknown else "no wnid folders"
                 raise UserError(f"{cell}: {what}; expected {EXPECTED}")
-            samples = [(str(p), label_of[w.name]) for w in wnids for p in sorted(w.iterdir())
-                       if p.suffix.lower() in IMAGE_SUFFIXES]
+            samples = [
+                (str(p), label_of[w.name])
+                for w in wnids
+                for p in sorted(w.iterdir())
+                if p.suffix.lower() in IMAGE_SUFFIXES
+            ]
             if not samples:
                 raise UserError(f"{cell} holds no images; expected {EXPECTED}")
             cells[corruption, severity] = _subsample(samples, limit_per_class, max_images)
@@ -341,11 +388,15 @@ class ImageNetC(Evaluation):
         if source not in ("released", "generated"):
             raise UserError(f"ImageNetC source must be 'released' (with root) or 'generated', got {source!r}")
         if source == "released" and root is None:
-            raise UserError(f"ImageNetC needs root, the released ImageNet-C folder: {EXPECTED}; or source: generated "
-                            "to make the corruptions from the evaluation images")
+            raise UserError(
+                f"ImageNetC needs root, the released ImageNet-C folder: {EXPECTED}; or source: generated "
+                "to make the corruptions from the evaluation images"
+            )
         if source == "generated" and root is not None:
-            raise UserError("ImageNetC root is the released ImageNet-C folder; with source: generated the corruptions "
-                            "are made from the data module's evaluation images: leave root out")
+            raise UserError(
+                "ImageNetC root is the released ImageNet-C folder; with source: generated the corruptions "
+                "are made from the data module's evaluation images: leave root out"
+            )
         corruptions = choose(corruptions, STANDARD, ALL, "ImageNetC corruptions")
         bad = [s for s in severities if s not in SEVERITIES]
         if bad or not severities:
@@ -354,8 +405,10 @@ class ImageNetC(Evaluation):
             if value is not None and value < 1:
                 raise UserError(f"ImageNetC {name} must be a positive number of images, got {value}")
             if value is not None and source == "generated":
-                raise UserError(f"ImageNetC {name} is for the released set; with source: generated choose the "
-                                "images with data.eval_subset / data.eval_limit")
+                raise UserError(
+                    f"ImageNetC {name} is for the released set; with source: generated choose the "
+                    "images with data.eval_subset / data.eval_limit"
+                )
         if clean_error is not None and not 0 <= clean_error <= 1:
             raise UserError(f"ImageNetC clean_error is a fraction in [0, 1], got {clean_error}")
         if not isinstance(seed, int) or seed < 0:
@@ -377,15 +430,19 @@ class ImageNetC(Evaluation):
         the run at once, not hours in."""
         self.resolution = evaluation_resolution(trainer, pl_module, self.image_size)
         if self.source == "released":
-            self.cells, self.groups = imagenet_c_cells(self.root, self.corruptions, self.severities,
-                                                       self.limit_per_class, self.max_images)
+            self.cells, self.groups = imagenet_c_cells(
+                self.root, self.corruptions, self.severities, self.limit_per_class, self.max_images
+            )
             return
         if not hasattr(trainer.datamodule, "eval_dataloader_with"):
-            raise UserError("ImageNetC source: generated makes the corruptions from the evaluation images of the data "
-                            "module: it needs robust_lightning's ImageNetDataModule (the data: section of the config)")
+            raise UserError(
+                "ImageNetC source: generated makes the corruptions from the evaluation images of the data "
+                "module: it needs robust_lightning's ImageNetDataModule (the data: section of the config)"
+            )
         if self.resolution < MIN_SIZE:
-            raise UserError(f"ImageNetC source: generated needs a resolution of at least {MIN_SIZE} px, got "
-                            f"{self.resolution}")
+            raise UserError(
+                f"ImageNetC source: generated needs a resolution of at least {MIN_SIZE} px, got {self.resolution}"
+            )
         self.textures = str(frost_directory(self.frost_dir)) if "frost" in self.corruptions else None
 
     def _workers(self, trainer) -> int:
@@ -404,16 +461,25 @@ class ImageNetC(Evaluation):
         per = section["corruptions"]
         # tables: one W&B panel compares the runs of a sweep cell by cell
         tables = {
-            "per_severity": (["corruption", "severity", "acc1", "error"],
-                             [[c, int(s), v["acc1"][s], v["error"][s]] for c, v in per.items() for s in v["acc1"]]),
-            "per_corruption": (["corruption", "mean_acc1", "mean_error", "ce", "relative_ce", "ece"],
-                               [[c, v["mean_acc1"], v["mean_error"], v["ce"], v["relative_ce"], v["ece"]]
-                                for c, v in per.items()]),
+            "per_severity": (
+                ["corruption", "severity", "acc1", "error"],
+                [[c, int(s), v["acc1"][s], v["error"][s]] for c, v in per.items() for s in v["acc1"]],
+            ),
+            "per_corruption": (
+                ["corruption", "mean_acc1", "mean_error", "ce", "relative_ce", "ece"],
+                [[c, v["mean_acc1"], v["mean_error"], v["ce"], v["relative_ce"], v["ece"]] for c, v in per.items()],
+            ),
         }
         mce = section.get("mce", (section.get("mce_partial") or {}).get("value"))
-        self.publish(trainer, section, flat_metrics(section), figure, tables,
-                     f"imagenet_c ({self.source}): mean acc1 {section['mean_acc1']:.4f}, "
-                     f"{'mCE' if 'mce' in section else 'partial mCE'} {mce}")
+        self.publish(
+            trainer,
+            section,
+            flat_metrics(section),
+            figure,
+            tables,
+            f"imagenet_c ({self.source}): mean acc1 {section['mean_acc1']:.4f}, "
+            f"{'mCE' if 'mce' in section else 'partial mCE'} {mce}",
+        )
 
     # ----------------------------------------------------------------------------------------- released
     def _released(self, trainer, pl_module) -> dict[str, Any] | None:
@@ -421,8 +487,15 @@ class ImageNetC(Evaluation):
         keys = list(self.cells)
         samples = [s for key in keys for s in self.cells[key]]
         cell_of = torch.tensor([k for k, key in enumerate(keys) for _ in self.cells[key]])
-        predictions = predict_split(trainer, pl_module, Split("imagenet_c", samples), ExactSize(self.resolution), None,
-                                    batch_size=self.batch_size, num_workers=self._workers(trainer))
+        predictions = predict_split(
+            trainer,
+            pl_module,
+            Split("imagenet_c", samples),
+            ExactSize(self.resolution),
+            None,
+            batch_size=self.batch_size,
+            num_workers=self._workers(trainer),
+        )
         cell_of = cell_of[predictions.index]  # unreadable images are skipped (and named in the results)
         if not trainer.is_global_zero:
             return None
@@ -435,13 +508,30 @@ class ImageNetC(Evaluation):
             "source": "released",
             "root": str(Path(self.root).resolve()),
             "layout": "group folders" if any(self.groups.values()) else "flat",
-            **self._metrics(trainer, keys, cell_of, predictions.label, predictions.prediction,
-                            predictions.confidence, self.groups, images_short_of_the_benchmark(per_cell)),
-            "preprocessing": ("none (decoded as released)" if released == (r, r)
-                              else f"resize {released[0]} x {released[1]} to {r} x {r} (bicubic)"),
-            "conditions": {"image_size": r, "released_image_size": list(released), "ece_bins": ECE_BINS,
-                           "subsampled": subsampled, "limit_per_class": self.limit_per_class,
-                           "max_images": self.max_images, "checkpoint": trainer.ckpt_path},
+            **self._metrics(
+                trainer,
+                keys,
+                cell_of,
+                predictions.label,
+                predictions.prediction,
+                predictions.confidence,
+                self.groups,
+                images_short_of_the_benchmark(per_cell),
+            ),
+            "preprocessing": (
+                "none (decoded as released)"
+                if released == (r, r)
+                else f"resize {released[0]} x {released[1]} to {r} x {r} (bicubic)"
+            ),
+            "conditions": {
+                "image_size": r,
+                "released_image_size": list(released),
+                "ece_bins": ECE_BINS,
+                "subsampled": subsampled,
+                "limit_per_class": self.limit_per_class,
+                "max_images": self.max_images,
+                "checkpoint": trainer.ckpt_path,
+            },
             "corrupt_images": predictions.corrupt,
         }
 
@@ -450,10 +540,10 @@ class ImageNetC(Evaluation):
     def _predict_generated(self, trainer, pl_module, corruption: str) -> tuple[list, list[str], int | None]:
         """(key, label, predictions per severity, confidences per severity) of this rank's readable images, the
         unreadable ones, and how many images the evaluation set holds (None where unknown)."""
-        transform = CorruptedEvalTransform(corruption, self.severities, self.resolution, self.seed, self.crop_pct,
-                                           self.textures)
-        loader = self.eval_loader(trainer, transform, max(1, self.batch_size // len(self.severities)),
-                                  self.num_workers)
+        transform = CorruptedEvalTransform(
+            corruption, self.severities, self.resolution, self.seed, self.crop_pct, self.textures
+        )
+        loader = self.eval_loader(trainer, transform, max(1, self.batch_size // len(self.severities)), self.num_workers)
         rows, corrupt = [], []
         for batch in tqdm(loader, desc=f"imagenet_c {corruption}", disable=not trainer.is_global_zero, leave=False):
             corrupt += batch["corrupt"]
@@ -463,8 +553,9 @@ class ImageNetC(Evaluation):
             with trainer.precision_plugin.test_step_context():
                 prediction, confidence = predict(pl_module(to_model_input(images.flatten(0, 1), pl_module.device)))
             shape = images.shape[:2]
-            rows += zip(batch["key"], batch["label"].tolist(), prediction.view(shape).tolist(),
-                        confidence.view(shape).tolist())
+            rows += zip(
+                batch["key"], batch["label"].tolist(), prediction.view(shape).tolist(), confidence.view(shape).tolist()
+            )
         return rows, corrupt, _known_size(loader.dataset)
 
     def _generated(self, trainer, pl_module) -> dict[str, Any] | None:
@@ -488,14 +579,22 @@ class ImageNetC(Evaluation):
                     confidence.append(confident[s_index])
         source, num_source_images = evaluation_source(trainer), len(rows[self.corruptions[0]])
         fewer = images_short_of_the_benchmark(num_source_images, source is not None and source.imagenet_val)
-        metrics = self._metrics(trainer, keys, torch.tensor(cell_of, dtype=torch.long),
-                                torch.tensor(target, dtype=torch.long), torch.tensor(prediction, dtype=torch.long),
-                                torch.tensor(confidence, dtype=torch.double), GROUP_OF, fewer)
+        metrics = self._metrics(
+            trainer,
+            keys,
+            torch.tensor(cell_of, dtype=torch.long),
+            torch.tensor(target, dtype=torch.long),
+            torch.tensor(prediction, dtype=torch.long),
+            torch.tensor(confidence, dtype=torch.double),
+            GROUP_OF,
+            fewer,
+        )
         metrics["alexnet"]["note"] = ALEXNET_ON_RELEASED
         r = self.resolution
         data = imagenet_val_test_set(source) or (
             f"data.source {source.kind if source else '?'} evaluation split (not ImageNet val: CE / mCE are not "
-            "comparable with AlexNet's)")
+            "comparable with AlexNet's)"
+        )
         return {
             "source": "generated",
             "generated": {
@@ -504,16 +603,20 @@ class ImageNetC(Evaluation):
                 "seed": self.seed,
                 "resolution": r,
                 "pipeline": f"resize shorter side to {eval_resize_size(r, self.crop_pct)} (bilinear, as the release), "
-                            f"centre crop {r}, corrupt, JPEG quality {RELEASED_JPEG_QUALITY} round trip (Pillow)",
+                f"centre crop {r}, corrupt, JPEG quality {RELEASED_JPEG_QUALITY} round trip (Pillow)",
                 "implementation": IMPLEMENTATION,
                 "per_image_seed": "numpy SeedSequence(seed, corruption index, severity, blake2b digest of the "
-                                  "image's clean preprocessed pixels) -> MT19937",
+                "image's clean preprocessed pixels) -> MT19937",
                 "frost_textures": self.textures,
             },
             **metrics,
             "preprocessing": "generated at the evaluation resolution (see generated.pipeline)",
-            "conditions": {"image_size": r, "crop_pct": self.crop_pct, "ece_bins": ECE_BINS,
-                           "checkpoint": trainer.ckpt_path},
+            "conditions": {
+                "image_size": r,
+                "crop_pct": self.crop_pct,
+                "ece_bins": ECE_BINS,
+                "checkpoint": trainer.ckpt_path,
+            },
             "corrupt_images": corrupt,
         }
 
@@ -527,9 +630,17 @@ class ImageNetC(Evaluation):
             return 1 - float(acc1), f"1 - test/acc1 of this run's test loop on {test_set}"
         return None, "none: set clean_error, or test on ImageNet val in the same run"
 
-    def _metrics(self, trainer, keys: list[tuple[str, int]], cell_of: torch.Tensor, target: torch.Tensor,
-                 prediction: torch.Tensor, confidence: torch.Tensor, groups: dict[str, str | None],
-                 fewer_images: str | None) -> dict[str, Any]:
+    def _metrics(
+        self,
+        trainer,
+        keys: list[tuple[str, int]],
+        cell_of: torch.Tensor,
+        target: torch.Tensor,
+        prediction: torch.Tensor,
+        confidence: torch.Tensor,
+        groups: dict[str, str | None],
+        fewer_images: str | None,
+    ) -> dict[str, Any]:
         """Top-1 and error per cell, per-corruption means, ECE (severities pooled), CE / mCE and their relative
         versions, for both sources. ``cell_of[i]``: the index in ``keys`` of the (corruption, severity) cell of
         prediction i; ``fewer_images``: see ``corruption_errors``."""
@@ -561,11 +672,14 @@ class ImageNetC(Evaluation):
             **{k: v for k, v in derived.items() if k not in ("ce", "relative_ce")},
             "clean_error": clean_error,
             "clean_error_source": clean_source,
-            "alexnet": {"clean_error": self.alexnet_clean_error,
-                        "clean_error_source": ALEXNET_CLEAN_SOURCE if self.alexnet_clean_error == ALEXNET_CLEAN_ERROR
-                        else "init arg alexnet_clean_error",
-                        "errors": "data/imagenet_c_alexnet_err_per_severity.csv (standard 15), "
-                                  "data/imagenet_c_alexnet_baselines.csv means (extra 4)"},
+            "alexnet": {
+                "clean_error": self.alexnet_clean_error,
+                "clean_error_source": ALEXNET_CLEAN_SOURCE
+                if self.alexnet_clean_error == ALEXNET_CLEAN_ERROR
+                else "init arg alexnet_clean_error",
+                "errors": "data/imagenet_c_alexnet_err_per_severity.csv (standard 15), "
+                "data/imagenet_c_alexnet_baselines.csv means (extra 4)",
+            },
         }
 
     def _plot(self, section: dict[str, Any]):

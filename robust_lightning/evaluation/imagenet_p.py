@@ -58,8 +58,18 @@ from robust_lightning.evaluation.benchmarks import IMAGE_SUFFIXES, choose
 from robust_lightning.evaluation.prediction import ExactSize, run_exactly_once
 from robust_lightning.paths import DATA_DIR
 
-TEST = ("gaussian_noise", "shot_noise", "motion_blur", "zoom_blur", "snow", "brightness", "translate", "rotate",
-        "tilt", "scale")
+TEST = (
+    "gaussian_noise",
+    "shot_noise",
+    "motion_blur",
+    "zoom_blur",
+    "snow",
+    "brightness",
+    "translate",
+    "rotate",
+    "tilt",
+    "scale",
+)
 VALIDATION = ("speckle_noise", "gaussian_blur", "spatter", "shear")
 ALL = TEST + VALIDATION
 NOISE = tuple(p for p in ALL if "noise" in p)  # test.py: noise_perturbation = 'noise' in args.perturbation
@@ -67,12 +77,16 @@ DIFFICULTIES = (1, 2, 3)
 VIDEO_SUFFIXES = (".mp4",)
 TOP_K = 5
 
-EXPECTED = (f"<root>/<perturbation>/<wnid>/<sequence>.mp4 (the released ImageNet-P layout; a sequence may also be "
-            f"a folder of frame images <root>/<perturbation>/<wnid>/<sequence>/<frames>); noise perturbations at "
-            f"difficulty 2 or 3 in <root>/<perturbation>_<difficulty>/; perturbations: {', '.join(ALL)}; "
-            f"wnids: the ImageNet-1k class folders (n01440764 ...)")
-MT5D_NOTE = ("mean top-5 distance, not AlexNet-normalised (no published AlexNet T5D constants): not comparable "
-             "with the mT5D percentages of Hendrycks & Dietterich")
+EXPECTED = (
+    f"<root>/<perturbation>/<wnid>/<sequence>.mp4 (the released ImageNet-P layout; a sequence may also be "
+    f"a folder of frame images <root>/<perturbation>/<wnid>/<sequence>/<frames>); noise perturbations at "
+    f"difficulty 2 or 3 in <root>/<perturbation>_<difficulty>/; perturbations: {', '.join(ALL)}; "
+    f"wnids: the ImageNet-1k class folders (n01440764 ...)"
+)
+MT5D_NOTE = (
+    "mean top-5 distance, not AlexNet-normalised (no published AlexNet T5D constants): not comparable "
+    "with the mT5D percentages of Hendrycks & Dietterich"
+)
 
 
 @cache
@@ -145,11 +159,12 @@ def perturbation_summary(scores: dict[str, dict[str, float | None]], difficulty:
     if len(test) == len(TEST):
         result.update(mfr=mean(fr, test), mt5d=mean(t5d, test))
     else:  # a different key, so a partial number is never mistaken for the benchmark's mFR
-        result.update(mfr_partial={"value": mean(fr, test), "perturbations": test},
-                      mt5d_partial={"value": mean(t5d, test), "perturbations": test})
+        result.update(
+            mfr_partial={"value": mean(fr, test), "perturbations": test},
+            mt5d_partial={"value": mean(t5d, test), "perturbations": test},
+        )
     if validation:
-        result["validation"] = {"perturbations": validation, "mfr": mean(fr, validation),
-                                "mt5d": mean(t5d, validation)}
+        result["validation"] = {"perturbations": validation, "mfr": mean(fr, validation), "mt5d": mean(t5d, validation)}
     return result
 
 
@@ -168,8 +183,9 @@ def perturbation_folder(perturbation: str, difficulty: int) -> str:
     return f"{perturbation}_{difficulty}" if perturbation in NOISE and difficulty > 1 else perturbation
 
 
-def imagenet_p_sequences(root: str | Path, perturbations: list[str], difficulty: int = 1,
-                         max_per_perturbation: int | None = None) -> dict[str, list[str]]:
+def imagenet_p_sequences(
+    root: str | Path, perturbations: list[str], difficulty: int = 1, max_per_perturbation: int | None = None
+) -> dict[str, list[str]]:
     """The sequences (video files or frame folders) of every requested perturbation, sorted by wnid and name.
     ``max_per_perturbation``: keep that many, evenly spaced over the sorted list. Raises UserError on any layout
     problem, naming the layout expected."""
@@ -183,8 +199,9 @@ def imagenet_p_sequences(root: str | Path, perturbations: list[str], difficulty:
     folders = {p: perturbation_folder(p, difficulty) for p in perturbations}
     missing = [name for name in folders.values() if name not in found]
     if missing:
-        raise UserError(f"ImageNet-P root {root}: perturbation folders {missing} not found (found {found}); "
-                        f"expected {EXPECTED}")
+        raise UserError(
+            f"ImageNet-P root {root}: perturbation folders {missing} not found (found {found}); expected {EXPECTED}"
+        )
     wnids = class_map("imagenet")
     sequences = {}
     for perturbation, name in folders.items():
@@ -194,8 +211,12 @@ def imagenet_p_sequences(root: str | Path, perturbations: list[str], difficulty:
         if not classes or unknown:
             what = f"unknown wnid folders {unknown[:5]}" if unknown else "no wnid folders"
             raise UserError(f"{folder}: {what}; expected {EXPECTED}")
-        found_here = [str(p) for c in classes for p in sorted(c.iterdir(), key=lambda p: _natural_key(p.name))
-                      if p.suffix.lower() in VIDEO_SUFFIXES or p.is_dir()]
+        found_here = [
+            str(p)
+            for c in classes
+            for p in sorted(c.iterdir(), key=lambda p: _natural_key(p.name))
+            if p.suffix.lower() in VIDEO_SUFFIXES or p.is_dir()
+        ]
         if not found_here:
             raise UserError(f"{folder} holds no .mp4 sequences; expected {EXPECTED}")
         if max_per_perturbation is not None and len(found_here) > max_per_perturbation:
@@ -208,8 +229,9 @@ def imagenet_p_sequences(root: str | Path, perturbations: list[str], difficulty:
 def read_frames(path: str) -> list[Image.Image]:
     """Every frame of a video (OpenCV, decoded in order, BGR -> RGB) or of a folder of frame images."""
     if Path(path).is_dir():
-        files = sorted((p for p in Path(path).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES),
-                       key=lambda p: _natural_key(p.name))
+        files = sorted(
+            (p for p in Path(path).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES), key=lambda p: _natural_key(p.name)
+        )
         return [Image.open(p) for p in files]
     import cv2  # noqa: PLC0415 (only the video path needs OpenCV)
 
@@ -275,8 +297,16 @@ class SequenceScores:
     sizes: list[tuple[int, int]]  # the distinct frame sizes (width, height) as decoded
 
 
-def score_sequences(trainer, pl_module, paths: list[str], rules: list[tuple[bool, int]], transform: Callable, *,
-                    batch_size: int, num_workers: int) -> SequenceScores:
+def score_sequences(
+    trainer,
+    pl_module,
+    paths: list[str],
+    rules: list[tuple[bool, int]],
+    transform: Callable,
+    *,
+    batch_size: int,
+    num_workers: int,
+) -> SequenceScores:
     """Flip probability and top-5 distance of every readable sequence, over all ranks, each exactly once.
     ``rules[i]``: (compare with the first frame, step) of sequence i. ``batch_size`` counts sequences."""
 
@@ -286,8 +316,9 @@ def score_sequences(trainer, pl_module, paths: list[str], rules: list[tuple[bool
         rows, too_short = [], []
         with trainer.precision_plugin.test_step_context():
             logits = pl_module(to_model_input(batch["frames"], pl_module.device))
-        for index, length, size, sequence in zip(batch["index"], batch["length"], batch["size"],
-                                                 logits.split(batch["length"])):
+        for index, length, size, sequence in zip(
+            batch["index"], batch["length"], batch["size"], logits.split(batch["length"])
+        ):
             first_frame, step = rules[index]
             if not first_frame and length <= step:
                 too_short.append((index, f"{paths[index]} ({length} frames: none {step} apart to compare)"))
@@ -295,13 +326,25 @@ def score_sequences(trainer, pl_module, paths: list[str], rules: list[tuple[bool
             rows.append((index, *sequence_scores(sequence, first_frame, step), length, tuple(size)))
         return rows, too_short
 
-    rows, corrupt = run_exactly_once(trainer, SequenceList(paths, transform), collate_sequences, step,
-                                     batch_size=batch_size, num_workers=num_workers, desc="imagenet_p",
-                                     what="sequences")
+    rows, corrupt = run_exactly_once(
+        trainer,
+        SequenceList(paths, transform),
+        collate_sequences,
+        step,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        desc="imagenet_p",
+        what="sequences",
+    )
     columns = list(zip(*rows)) if rows else [(), (), (), (), ()]
-    return SequenceScores(torch.tensor(columns[0], dtype=torch.long), torch.tensor(columns[1], dtype=torch.double),
-                          torch.tensor(columns[2], dtype=torch.double), torch.tensor(columns[3], dtype=torch.long),
-                          corrupt, sorted(set(columns[4])))
+    return SequenceScores(
+        torch.tensor(columns[0], dtype=torch.long),
+        torch.tensor(columns[1], dtype=torch.double),
+        torch.tensor(columns[2], dtype=torch.double),
+        torch.tensor(columns[3], dtype=torch.long),
+        corrupt,
+        sorted(set(columns[4])),
+    )
 
 
 # -------------------------------------------------------------------------------------------------- callback
@@ -342,8 +385,9 @@ class ImageNetP(Evaluation):
         if difficulty not in DIFFICULTIES:
             raise UserError(f"ImageNetP difficulty must be 1, 2 or 3, got {difficulty}")
         if max_videos_per_perturbation is not None and max_videos_per_perturbation < 1:
-            raise UserError(f"ImageNetP max_videos_per_perturbation must be a positive number, got "
-                            f"{max_videos_per_perturbation}")
+            raise UserError(
+                f"ImageNetP max_videos_per_perturbation must be a positive number, got {max_videos_per_perturbation}"
+            )
         self.root = root
         self.perturbations = perturbations
         self.difficulty, self.image_size = difficulty, image_size
@@ -359,8 +403,9 @@ class ImageNetP(Evaluation):
         self.sequences = imagenet_p_sequences(self.root, self.perturbations, self.difficulty, self.max_videos)
         if any(Path(s).suffix.lower() in VIDEO_SUFFIXES for paths in self.sequences.values() for s in paths):
             if importlib.util.find_spec("cv2") is None:
-                raise UserError("ImageNet-P videos are decoded with OpenCV: pip install opencv-python-headless "
-                                "(or opencv-python)")
+                raise UserError(
+                    "ImageNet-P videos are decoded with OpenCV: pip install opencv-python-headless (or opencv-python)"
+                )
         self.resolution = evaluation_resolution(trainer, pl_module, self.image_size)
 
     def on_test_end(self, trainer, pl_module) -> None:
@@ -368,9 +413,15 @@ class ImageNetP(Evaluation):
         paths = [s for p in self.perturbations for s in self.sequences[p]]
         perturbation_of = [p for p in self.perturbations for _ in self.sequences[p]]
         with evaluating(pl_module):
-            scores = score_sequences(trainer, pl_module, paths, [self._comparison(p) for p in perturbation_of],
-                                     ExactSize(self.resolution), batch_size=self.batch_size,
-                                     num_workers=self.num_workers)
+            scores = score_sequences(
+                trainer,
+                pl_module,
+                paths,
+                [self._comparison(p) for p in perturbation_of],
+                ExactSize(self.resolution),
+                batch_size=self.batch_size,
+                num_workers=self.num_workers,
+            )
         if not trainer.is_global_zero:
             self.publish(trainer, None, None)  # the run directory is agreed over all ranks
             return
@@ -380,13 +431,21 @@ class ImageNetP(Evaluation):
             section["plot"] = "not requested"
         # a table per perturbation, beside the scalars and the plot
         columns = ["split", "num_sequences", "fp", "alexnet_fp", "fr", "t5d"]
-        table = (["perturbation", *columns],
-                 [[p, *(v[k] for k in columns)] for p, v in section["perturbations"].items()])
+        table = (
+            ["perturbation", *columns],
+            [[p, *(v[k] for k in columns)] for p, v in section["perturbations"].items()],
+        )
         mfr = section.get("mfr", (section.get("mfr_partial") or {}).get("value"))
         mt5d = section.get("mt5d", (section.get("mt5d_partial") or {}).get("value"))
         partial = "" if "mfr" in section else "partial "
-        self.publish(trainer, section, flat_metrics(section), figure, {"per_perturbation": table},
-                     f"imagenet_p: {partial}mFR {mfr}, {partial}mT5D (unnormalised) {mt5d}")
+        self.publish(
+            trainer,
+            section,
+            flat_metrics(section),
+            figure,
+            {"per_perturbation": table},
+            f"imagenet_p: {partial}mFR {mfr}, {partial}mT5D (unnormalised) {mt5d}",
+        )
 
     def _section(self, trainer, paths, perturbation_of, scores: SequenceScores) -> dict[str, Any]:
         of = [perturbation_of[i] for i in scores.index.tolist()]
@@ -398,14 +457,21 @@ class ImageNetP(Evaluation):
         for p in self.perturbations:
             mine = torch.tensor([q == p for q in of], dtype=torch.bool)
             n, frames = int(mine.sum()), scores.frames[mine]
-            means[p] = {"fp": scores.fp[mine].mean().item() if n else None,
-                        "t5d": scores.t5d[mine].mean().item() if n else None}
+            means[p] = {
+                "fp": scores.fp[mine].mean().item() if n else None,
+                "t5d": scores.t5d[mine].mean().item() if n else None,
+            }
             first_frame, step = self._comparison(p)
             per_perturbation[p] = {
                 "split": "test" if p in TEST else "validation",
                 "folder": perturbation_folder(p, self.difficulty),
-                "compared": ("every frame with the first" if first_frame
-                             else "consecutive frames" if step == 1 else f"frames {step} apart"),
+                "compared": (
+                    "every frame with the first"
+                    if first_frame
+                    else "consecutive frames"
+                    if step == 1
+                    else f"frames {step} apart"
+                ),
                 "num_sequences": n,
                 "num_frames": {"min": int(frames.min()), "max": int(frames.max())} if n else None,
                 "fp": means[p]["fp"],
@@ -415,8 +481,11 @@ class ImageNetP(Evaluation):
             }
             if n:  # a truncated video decodes fewer frames than the others of its perturbation: name it
                 usual = Counter(frames.tolist()).most_common(1)[0][0]
-                unusual += [f"{paths[i]} ({f} frames, most have {usual})"
-                            for i, f in zip(scores.index[mine].tolist(), frames.tolist()) if f != usual]
+                unusual += [
+                    f"{paths[i]} ({f} frames, most have {usual})"
+                    for i, f in zip(scores.index[mine].tolist(), frames.tolist())
+                    if f != usual
+                ]
         summary = perturbation_summary(means, self.difficulty)
         for p in self.perturbations:
             per_perturbation[p]["fr"] = summary["fr"][p]
@@ -430,14 +499,20 @@ class ImageNetP(Evaluation):
             "num_sequences": len(scores.index),
             "corrupt_files": [reason for _, reason in scores.corrupt],
             "unusual_length": unusual,
-            "preprocessing": ("none (frames fed as decoded)" if scores.sizes in ([(r, r)], [])
-                              else f"resize {' / '.join(f'{w} x {h}' for w, h in scores.sizes)} to {r} x {r} "
-                                   "(bicubic)"),
-            "conditions": {"image_size": r, "frame_sizes": [list(s) for s in scores.sizes],
-                           "difficulty": self.difficulty, "subsampled": self.max_videos is not None,
-                           "max_videos_per_perturbation": self.max_videos,
-                           "alexnet_flip_probabilities": "data/imagenet_p_alexnet_flip_probs.csv",
-                           "checkpoint": trainer.ckpt_path},
+            "preprocessing": (
+                "none (frames fed as decoded)"
+                if scores.sizes in ([(r, r)], [])
+                else f"resize {' / '.join(f'{w} x {h}' for w, h in scores.sizes)} to {r} x {r} (bicubic)"
+            ),
+            "conditions": {
+                "image_size": r,
+                "frame_sizes": [list(s) for s in scores.sizes],
+                "difficulty": self.difficulty,
+                "subsampled": self.max_videos is not None,
+                "max_videos_per_perturbation": self.max_videos,
+                "alexnet_flip_probabilities": "data/imagenet_p_alexnet_flip_probs.csv",
+                "checkpoint": trainer.ckpt_path,
+            },
         }
 
     @staticmethod

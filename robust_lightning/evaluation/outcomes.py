@@ -32,10 +32,15 @@ def read_outcomes(directory: Path) -> dict[str, dict[str, Any]]:
             except json.JSONDecodeError:  # a line cut short by a kill: its batch is simply redone
                 continue
             for i, key in enumerate(batch["key"]):
-                outcomes.setdefault(key, {
-                    "label": batch["label"][i], "clean": batch["clean"][i], "robust": batch["robust"][i],
-                    "broken_by": batch["broken_by"][i],
-                })
+                outcomes.setdefault(
+                    key,
+                    {
+                        "label": batch["label"][i],
+                        "clean": batch["clean"][i],
+                        "robust": batch["robust"][i],
+                        "broken_by": batch["broken_by"][i],
+                    },
+                )
     return outcomes
 
 
@@ -51,8 +56,9 @@ def append_record(path: Path, record: dict) -> None:
         os.fsync(f.fileno())
 
 
-def claim_directory(directory: Path, identity: dict[str, Any], is_global_zero: bool, owner: str,
-                    locks: ExitStack | None = None) -> None:
+def claim_directory(
+    directory: Path, identity: dict[str, Any], is_global_zero: bool, owner: str, locks: ExitStack | None = None
+) -> None:
     """Refuse to mix outcomes of another checkpoint or setting into ``directory``; record ours (replacing the
     manifest of another evaluation that saved no image's outcome there).
     ``owner``: the callback whose ``results_dir`` the error message tells the user to change. ``locks``: where
@@ -75,8 +81,10 @@ def claim_directory(directory: Path, identity: dict[str, Any], is_global_zero: b
         # An evaluation stopped before its first batch was saved (e.g. at a missing dataset root) left its manifest
         # and at most empty or cut-short rank files: nothing of it can be mixed in, so it does not block this one.
         if is_global_zero:
-            rank_zero_info(f"{directory}: no image's outcome saved by an earlier evaluation with other settings "
-                           f"({', '.join(changed)}); taking the folder over for this one")
+            rank_zero_info(
+                f"{directory}: no image's outcome saved by an earlier evaluation with other settings "
+                f"({', '.join(changed)}); taking the folder over for this one"
+            )
     if is_global_zero:
         atomic_write_json(manifest, identity, default=str)
 

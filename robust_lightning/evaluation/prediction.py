@@ -72,8 +72,17 @@ class ExactSize:
 
 
 @torch.no_grad()
-def run_exactly_once(trainer, dataset: Dataset, collate_fn: Callable, step: Callable[[dict], tuple[list, list]], *,
-                     batch_size: int, num_workers: int, desc: str, what: str = "images") -> tuple[list, list]:
+def run_exactly_once(
+    trainer,
+    dataset: Dataset,
+    collate_fn: Callable,
+    step: Callable[[dict], tuple[list, list]],
+    *,
+    batch_size: int,
+    num_workers: int,
+    desc: str,
+    what: str = "images",
+) -> tuple[list, list]:
     """Run ``step`` on every batch of this rank's share of ``dataset`` and gather every rank's results.
 
     ``collate_fn`` puts (index, reason) of unreadable items under ``corrupt``; ``step(batch)`` returns (rows,
@@ -81,8 +90,7 @@ def run_exactly_once(trainer, dataset: Dataset, collate_fn: Callable, step: Call
     unreadable) of all ranks, sorted by index, on every rank, having checked each index came exactly once.
     Ranks split the items without padding (``ExactDistributedSampler``; a rank may get none)."""
     sampler = ExactDistributedSampler(dataset, trainer.world_size, trainer.global_rank)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                        collate_fn=collate_fn)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, collate_fn=collate_fn)
     rows, corrupt = [], []
     for batch in tqdm(loader, desc=desc, disable=not trainer.is_global_zero, leave=False):
         corrupt += batch[CORRUPT]
@@ -117,8 +125,16 @@ class Predictions:
     corrupt: list[str]  # the unreadable images, skipped and named
 
 
-def predict_split(trainer, pl_module, split: Split, transform: Callable, classes: tuple[int, ...] | None, *,
-                  batch_size: int, num_workers: int) -> Predictions:
+def predict_split(
+    trainer,
+    pl_module,
+    split: Split,
+    transform: Callable,
+    classes: tuple[int, ...] | None,
+    *,
+    batch_size: int,
+    num_workers: int,
+) -> Predictions:
     """Predictions for every readable image of ``split``, over all ranks, each image exactly once.
     ``classes``: logit indices the softmax and argmax are restricted to (prediction = position in them)."""
 
@@ -127,11 +143,20 @@ def predict_split(trainer, pl_module, split: Split, transform: Callable, classes
             return [], []
         with trainer.precision_plugin.test_step_context():
             prediction, confidence = predict(pl_module(to_model_input(batch[IMAGE], pl_module.device)), classes)
-        return list(zip(batch["index"].tolist(), batch[LABEL].tolist(), prediction.tolist(),
-                        confidence.tolist())), []
+        return list(zip(batch["index"].tolist(), batch[LABEL].tolist(), prediction.tolist(), confidence.tolist())), []
 
-    rows, corrupt = run_exactly_once(trainer, ImageList(split.samples, transform), collate_readable, step,
-                                     batch_size=batch_size, num_workers=num_workers, desc=split.name)
-    index, label, prediction, confidence = (torch.tensor(column) for column in zip(*rows)) if rows else (
-        torch.empty(0, dtype=torch.long),) * 3 + (torch.empty(0, dtype=torch.double),)
+    rows, corrupt = run_exactly_once(
+        trainer,
+        ImageList(split.samples, transform),
+        collate_readable,
+        step,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        desc=split.name,
+    )
+    index, label, prediction, confidence = (
+        (torch.tensor(column) for column in zip(*rows))
+        if rows
+        else (torch.empty(0, dtype=torch.long),) * 3 + (torch.empty(0, dtype=torch.double),)
+    )
     return Predictions(index, label, prediction, confidence.double(), [reason for _, reason in corrupt])

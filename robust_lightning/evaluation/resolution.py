@@ -69,8 +69,16 @@ from robust_lightning.evaluation.base import (
 from robust_lightning.evaluation.outcomes import append_record, cell_seconds, claim_directory, read_outcomes, summarise
 from robust_lightning.evaluation.results import update_results, weights_sha256
 
-__all__ = ["DEFAULT_RESOLUTIONS", "ResolutionSweep", "best_resolutions", "check_runs_at", "input_size_adaptation",
-           "interpolate_pos_embed_singh", "network_at", "scaled_eps"]
+__all__ = [
+    "DEFAULT_RESOLUTIONS",
+    "ResolutionSweep",
+    "best_resolutions",
+    "check_runs_at",
+    "input_size_adaptation",
+    "interpolate_pos_embed_singh",
+    "network_at",
+    "scaled_eps",
+]
 
 DEFAULT_RESOLUTIONS = (192, 224, 256, 288, 320, 384)
 POS_EMBED_INTERPOLATIONS = ("singh", "timm")
@@ -103,8 +111,10 @@ def input_size_adaptation(network: nn.Module, pos_embed_interpolation: str = "si
     if found is None:
         return "none (the network takes any input size as it is)"
     if pos_embed_interpolation == "singh" and _grid_pos_embed(found[1]) is not None:
-        how = ("interpolated as Singh et al.'s evaluation code (DINO-style: bicubic, scale factor (new grid + 0.1) / "
-               "old grid, no antialiasing)")
+        how = (
+            "interpolated as Singh et al.'s evaluation code (DINO-style: bicubic, scale factor (new grid + 0.1) / "
+            "old grid, no antialiasing)"
+        )
     else:
         how = "resampled by timm (bicubic to the exact grid, antialiased)"
     return f"{type(found[1]).__name__}.set_input_size on a copy; absolute position embeddings {how}"
@@ -119,8 +129,9 @@ def _grid_pos_embed(module: nn.Module) -> tuple[int, tuple[int, int]] | None:
     return prefix, tuple(patch_embed.grid_size)
 
 
-def interpolate_pos_embed_singh(pos_embed: torch.Tensor, old_grid: tuple[int, int], new_grid: tuple[int, int],
-                                num_prefix_tokens: int) -> torch.Tensor:
+def interpolate_pos_embed_singh(
+    pos_embed: torch.Tensor, old_grid: tuple[int, int], new_grid: tuple[int, int], num_prefix_tokens: int
+) -> torch.Tensor:
     """Position embeddings for ``new_grid`` as Singh et al.'s evaluation code computes them (interpolate_pos_encoding
     in utils_architecture.py of nmndeep/revisiting-at, adapted from DINO): the prefix (class token) embedding
     kept, the patch grid resized bicubically with the scale factor (new + 0.1) / old (the 0.1 guards the output
@@ -146,10 +157,15 @@ def network_at(network: nn.Module, resolution: int, pos_embed_interpolation: str
     name, module = found
     patch_embed = module if isinstance(module, PatchEmbed) else getattr(module, "patch_embed", None)
     patch = getattr(patch_embed, "patch_size", None)
-    if (patch and not getattr(patch_embed, "dynamic_img_pad", False)
-            and (resolution % patch[0] or resolution % patch[1])):
-        raise UserError(f"resolution {resolution} is not a multiple of the model's patch size {tuple(patch)}: "
-                        f"the {type(module).__name__} cannot split it into patches; use multiples of {patch[0]}")
+    if (
+        patch
+        and not getattr(patch_embed, "dynamic_img_pad", False)
+        and (resolution % patch[0] or resolution % patch[1])
+    ):
+        raise UserError(
+            f"resolution {resolution} is not a multiple of the model's patch size {tuple(patch)}: "
+            f"the {type(module).__name__} cannot split it into patches; use multiples of {patch[0]}"
+        )
     if tuple(getattr(patch_embed, "img_size", None) or ()) == (resolution, resolution):
         return network
     resized = copy.deepcopy(network)
@@ -160,11 +176,14 @@ def network_at(network: nn.Module, resolution: int, pos_embed_interpolation: str
         if pos_embed_interpolation == "singh" and trained is not None:
             prefix, old_grid = trained
             with torch.no_grad():  # replaces timm's resampling from the same trained embedding
-                target.pos_embed.data = interpolate_pos_embed_singh(module.pos_embed, old_grid,
-                                                                    tuple(target.patch_embed.grid_size), prefix)
+                target.pos_embed.data = interpolate_pos_embed_singh(
+                    module.pos_embed, old_grid, tuple(target.patch_embed.grid_size), prefix
+                )
     except (ValueError, RuntimeError, AssertionError, NotImplementedError, TypeError) as e:
-        raise UserError(f"the {type(module).__name__} cannot be set to {resolution} x {resolution} inputs "
-                        f"({type(e).__name__}: {e}); leave this resolution out of ResolutionSweep.resolutions") from e
+        raise UserError(
+            f"the {type(module).__name__} cannot be set to {resolution} x {resolution} inputs "
+            f"({type(e).__name__}: {e}); leave this resolution out of ResolutionSweep.resolutions"
+        ) from e
     return resized
 
 
@@ -174,8 +193,10 @@ def check_runs_at(model: Callable, resolution: int, device: torch.device, arch: 
         with torch.no_grad():
             model(torch.zeros(1, 3, resolution, resolution, device=device))
     except (RuntimeError, AssertionError, ValueError) as e:
-        raise UserError(f"the model ({arch}) cannot run at {resolution} x {resolution} px ({type(e).__name__}: "
-                        f"{e}); leave this resolution out of ResolutionSweep.resolutions") from e
+        raise UserError(
+            f"the model ({arch}) cannot run at {resolution} x {resolution} px ({type(e).__name__}: "
+            f"{e}); leave this resolution out of ResolutionSweep.resolutions"
+        ) from e
 
 
 # -------------------------------------------------------------------------------------------- choosing
@@ -191,9 +212,12 @@ def best_resolutions(rows: dict[int, dict[str, Any]], threat_model: str | None) 
     robust = {r: row for r, row in rows.items() if row.get("robust_accuracy", {}).get(threat_model) is not None}
     if threat_model is not None and robust:
         r = max(sorted(robust), key=lambda r: (robust[r]["robust_accuracy"][threat_model], robust[r]["clean_accuracy"]))
-        best["by_robust"] = {"threat_model": threat_model, "resolution": r,
-                             "robust_accuracy": robust[r]["robust_accuracy"][threat_model],
-                             "clean_accuracy": robust[r]["clean_accuracy"]}
+        best["by_robust"] = {
+            "threat_model": threat_model,
+            "resolution": r,
+            "robust_accuracy": robust[r]["robust_accuracy"][threat_model],
+            "clean_accuracy": robust[r]["clean_accuracy"],
+        }
     return best
 
 
@@ -272,9 +296,13 @@ class ResolutionSweep(Evaluation):
         plot: bool = True,
         results_dir: str | None = None,
     ):
-        for name, value, allowed in (("attack", attack, (*VERSIONS, None)), ("engine", engine, ENGINES),
-                                     ("precision", precision, PRECISIONS), ("weights", weights, ("raw", "ema")),
-                                     ("pos_embed_interpolation", pos_embed_interpolation, POS_EMBED_INTERPOLATIONS)):
+        for name, value, allowed in (
+            ("attack", attack, (*VERSIONS, None)),
+            ("engine", engine, ENGINES),
+            ("precision", precision, PRECISIONS),
+            ("weights", weights, ("raw", "ema")),
+            ("pos_embed_interpolation", pos_embed_interpolation, POS_EMBED_INTERPOLATIONS),
+        ):
             if value not in allowed:
                 raise UserError(f"ResolutionSweep.{name} must be one of {allowed}, got {value!r}")
         resolutions = [int(r) for r in resolutions]
@@ -282,8 +310,12 @@ class ResolutionSweep(Evaluation):
             raise UserError(f"ResolutionSweep.resolutions must be distinct positive sizes, got {resolutions}")
         if not 0 < crop_pct <= 1:
             raise UserError(f"ResolutionSweep.crop_pct must be in (0, 1], got {crop_pct}")
-        for name, value in (("max_images", max_images), ("batch_size", batch_size), ("n_iter", n_iter),
-                            ("reference_resolution", reference_resolution)):
+        for name, value in (
+            ("max_images", max_images),
+            ("batch_size", batch_size),
+            ("n_iter", n_iter),
+            ("reference_resolution", reference_resolution),
+        ):
             if value is not None and value < 1:
                 raise UserError(f"ResolutionSweep.{name} must be a positive number, got {value}")
         # without an attack: clean accuracy only
@@ -313,8 +345,9 @@ class ResolutionSweep(Evaluation):
         cells = [Cell(resolution, CLEAN, None, directory / CLEAN, self.max_images)]
         for threat in self.threat_models:
             eps = scaled_eps(threat, resolution, self.reference, self.scale_l2, self.scale_l1)
-            cells.append(Cell(resolution, threat.name, ThreatModel(threat.norm, eps), directory / threat.name,
-                              self.max_images))
+            cells.append(
+                Cell(resolution, threat.name, ThreatModel(threat.norm, eps), directory / threat.name, self.max_images)
+            )
         return cells
 
     def _identity(self, trainer, cell: Cell) -> dict[str, Any]:
@@ -322,13 +355,25 @@ class ResolutionSweep(Evaluation):
         outcomes are per image, whichever selection they were part of)."""
         source = evaluation_source(trainer)
         identity = {
-            "weights_sha256": self.weights_sha256, "weights": self.weights, "resolution": cell.resolution,
-            "crop_pct": self.crop_pct, "cell": cell.name, "pos_embed_interpolation": self.pos_embed_interpolation,
-            "eval_subset": source.subset if source else None, "eval_limit": source.limit if source else None,
+            "weights_sha256": self.weights_sha256,
+            "weights": self.weights,
+            "resolution": cell.resolution,
+            "crop_pct": self.crop_pct,
+            "cell": cell.name,
+            "pos_embed_interpolation": self.pos_embed_interpolation,
+            "eval_subset": source.subset if source else None,
+            "eval_limit": source.limit if source else None,
         }
         if cell.threat is not None:
-            identity.update(norm=cell.threat.norm, eps=cell.threat.eps, attack=self.attack, engine=self.engine,
-                            precision=self.precision, seed=self.seed, n_iter=self.n_iter)
+            identity.update(
+                norm=cell.threat.norm,
+                eps=cell.threat.eps,
+                attack=self.attack,
+                engine=self.engine,
+                precision=self.precision,
+                seed=self.seed,
+                n_iter=self.n_iter,
+            )
         return identity
 
     def on_test_start(self, trainer, pl_module) -> None:
@@ -345,13 +390,22 @@ class ResolutionSweep(Evaluation):
             for r in self.resolutions:
                 cells = self.cells(r)
                 for cell in cells:
-                    claim_directory(cell.directory, self._identity(trainer, cell), trainer.is_global_zero,
-                                    "ResolutionSweep", self.locks)
+                    claim_directory(
+                        cell.directory,
+                        self._identity(trainer, cell),
+                        trainer.is_global_zero,
+                        "ResolutionSweep",
+                        self.locks,
+                    )
                 if all(cell.complete for cell in cells):
                     rank_zero_info(f"resolution sweep {r} px: complete in {cells[0].directory.parent}, skipped")
                     continue
-                check_runs_at(self._model(pl_module, network_at(network, r, self.pos_embed_interpolation)), r,
-                              pl_module.device, arch)
+                check_runs_at(
+                    self._model(pl_module, network_at(network, r, self.pos_embed_interpolation)),
+                    r,
+                    pl_module.device,
+                    arch,
+                )
 
     # ------------------------------------------------------------------------------------------ running
     def on_test_end(self, trainer, pl_module) -> None:
@@ -377,10 +431,18 @@ class ResolutionSweep(Evaluation):
         done = {cell.name: set(read_outcomes(cell.directory)) for cell in todo}
         seen = []
         if trainer.is_global_zero and any(done.values()):
-            rank_zero_info(f"resolution sweep {resolution} px: resuming, "
-                           + ", ".join(f"{name} {len(keys)} images done" for name, keys in done.items()))
-        for batch in self.eval_batches(trainer, pl_module, eval_transform(resolution, self.crop_pct), self.max_images,
-                                       self.batch_size, progress=f"resolution sweep {resolution} px"):
+            rank_zero_info(
+                f"resolution sweep {resolution} px: resuming, "
+                + ", ".join(f"{name} {len(keys)} images done" for name, keys in done.items())
+            )
+        for batch in self.eval_batches(
+            trainer,
+            pl_module,
+            eval_transform(resolution, self.crop_pct),
+            self.max_images,
+            self.batch_size,
+            progress=f"resolution sweep {resolution} px",
+        ):
             images, labels, keys = batch["image"], batch["label"], batch["key"]
             seen += keys
             for cell in todo:
@@ -399,25 +461,43 @@ class ResolutionSweep(Evaluation):
         if cell.threat is None:
             started = time.perf_counter()
             clean = self._clean_flags(model, x, y, bs, device)
-            robust, broken_by, seconds = clean, [None if ok else "clean" for ok in clean], {
-                "clean": time.perf_counter() - started}
+            robust, broken_by, seconds = (
+                clean,
+                [None if ok else "clean" for ok in clean],
+                {"clean": time.perf_counter() - started},
+            )
         else:
-            adversary = AutoAttack(model, norm=cell.threat.norm, eps=cell.threat.eps, version=self.attack,
-                                   seed=self.seed, engine=self.engine, device=device, precision=self.precision,
-                                   n_iter=self.n_iter)
+            adversary = AutoAttack(
+                model,
+                norm=cell.threat.norm,
+                eps=cell.threat.eps,
+                version=self.attack,
+                seed=self.seed,
+                engine=self.engine,
+                device=device,
+                precision=self.precision,
+                n_iter=self.n_iter,
+            )
             with torch.enable_grad():
                 report = adversary.evaluate(x, y, bs=bs)
             clean, robust = report.clean.tolist(), report.robust.tolist()
             broken_by, seconds = report.broken_by, report.seconds
-        return {"key": [keys[i] for i in index], "label": y.tolist(), "clean": clean, "robust": robust,
-                "broken_by": broken_by, "seconds": seconds}
+        return {
+            "key": [keys[i] for i in index],
+            "label": y.tolist(),
+            "clean": clean,
+            "robust": robust,
+            "broken_by": broken_by,
+            "seconds": seconds,
+        }
 
     @staticmethod
     def _clean_flags(model, x, y, bs: int, device) -> list[bool]:
         """Correct predictions in fp32 with TF32 off, as AutoAttack judges clean points."""
         with torch.no_grad(), numerics("fp32", torch.device(device)):
-            return torch.cat([model(x[i : i + bs]).float().argmax(1) == y[i : i + bs]
-                              for i in range(0, len(x), bs)]).tolist()
+            return torch.cat(
+                [model(x[i : i + bs]).float().argmax(1) == y[i : i + bs] for i in range(0, len(x), bs)]
+            ).tolist()
 
     def _complete(self, trainer, cells: list[Cell], seen: list[str]) -> None:
         """Once every rank has read its images: check the cells hold every one of them, mark them complete."""
@@ -427,15 +507,21 @@ class ResolutionSweep(Evaluation):
             return
         expected = set(everyone)
         if len(expected) != len(everyone):
-            raise UserError(f"the evaluation images have duplicate keys ({len(everyone) - len(expected)} repeats): "
-                            "outcomes are kept per key, so every image needs its own file name")
+            raise UserError(
+                f"the evaluation images have duplicate keys ({len(everyone) - len(expected)} repeats): "
+                "outcomes are kept per key, so every image needs its own file name"
+            )
         for cell in cells:
             missing = expected - set(read_outcomes(cell.directory))
             if missing:  # an outcome file lost or unreadable (results_dir not shared by all ranks?)
-                raise UserError(f"{cell.directory} lacks the outcomes of {len(missing)} images (first: "
-                                f"{sorted(missing)[0]}); results_dir must be a directory every rank can read")
-            update_results(cell.directory / "done.json", {"num_images": len(expected), "max_images": self.max_images,
-                                                          "keys": sorted(expected)})
+                raise UserError(
+                    f"{cell.directory} lacks the outcomes of {len(missing)} images (first: "
+                    f"{sorted(missing)[0]}); results_dir must be a directory every rank can read"
+                )
+            update_results(
+                cell.directory / "done.json",
+                {"num_images": len(expected), "max_images": self.max_images, "keys": sorted(expected)},
+            )
 
     # ------------------------------------------------------------------------------------------ results
     def _summary(self) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
@@ -447,11 +533,15 @@ class ResolutionSweep(Evaluation):
             n = len(clean)
             correct = sum(o["clean"] for o in clean.values())
             entry = {
-                "resolution": r, "resize": eval_resize_size(r, self.crop_pct),
+                "resolution": r,
+                "resize": eval_resize_size(r, self.crop_pct),
                 "preprocessing": f"resize shorter side to {eval_resize_size(r, self.crop_pct)} (bicubic), "
-                                 f"centre crop {r}",
-                "num_images": n, "clean_correct": correct, "clean_accuracy": correct / n if n else None,
-                "threat_models": {}, "seconds": {CLEAN: cell_seconds(cells[0].directory)},
+                f"centre crop {r}",
+                "num_images": n,
+                "clean_correct": correct,
+                "clean_accuracy": correct / n if n else None,
+                "threat_models": {},
+                "seconds": {CLEAN: cell_seconds(cells[0].directory)},
                 "complete": all(cell.complete for cell in cells),
             }
             rows[r] = {"clean_accuracy": entry["clean_accuracy"], "robust_accuracy": {}}
@@ -460,8 +550,11 @@ class ResolutionSweep(Evaluation):
                 robust = sum(o["robust"] for o in outcomes.values())
                 summary = summarise(outcomes, VERSIONS[self.attack])
                 entry["threat_models"][cell.name] = {
-                    "norm": cell.threat.norm, "eps": cell.threat.eps, "eps_nominal": nominal.eps,
-                    "num_points": len(outcomes), "robust_correct": robust,
+                    "norm": cell.threat.norm,
+                    "eps": cell.threat.eps,
+                    "eps_nominal": nominal.eps,
+                    "num_points": len(outcomes),
+                    "robust_correct": robust,
                     "robust_accuracy": robust / len(outcomes) if outcomes else None,
                     "clean_accuracy_under_attack": summary.get("clean_accuracy"),
                     "robust_accuracy_after": summary.get("robust_accuracy_after", {}),
@@ -474,17 +567,26 @@ class ResolutionSweep(Evaluation):
     def _conditions(self, trainer) -> dict[str, Any]:
         network = self.network(trainer.lightning_module)
         return {
-            "attack": self.attack, "attacks": list(VERSIONS[self.attack]) if self.attack else [],
-            "n_iter": self.n_iter, "engine": self.engine, "precision": precision_note(self.precision),
-            "clean_precision": precision_note("fp32"), "seed": self.seed, "weights": self.weights,
-            "crop_pct": self.crop_pct, "reference_resolution": self.reference,
+            "attack": self.attack,
+            "attacks": list(VERSIONS[self.attack]) if self.attack else [],
+            "n_iter": self.n_iter,
+            "engine": self.engine,
+            "precision": precision_note(self.precision),
+            "clean_precision": precision_note("fp32"),
+            "seed": self.seed,
+            "weights": self.weights,
+            "crop_pct": self.crop_pct,
+            "reference_resolution": self.reference,
             "threat_models_at_reference": [{"norm": t.norm, "eps": t.eps} for t in self.threat_models],
-            "scale_l2_with_resolution": self.scale_l2, "scale_l1_with_resolution": self.scale_l1,
+            "scale_l2_with_resolution": self.scale_l2,
+            "scale_l1_with_resolution": self.scale_l1,
             "eps_scaling": "Linf never; L2 x r/reference when scale_l2_with_resolution; L1 x (r/reference)^2 when "
-                           "scale_l1_with_resolution",
+            "scale_l1_with_resolution",
             "input_size": input_size_adaptation(network, self.pos_embed_interpolation),
-            "pos_embed_interpolation": self.pos_embed_interpolation, "max_images": self.max_images,
-            "checkpoint": trainer.ckpt_path, "weights_sha256": self.weights_sha256,
+            "pos_embed_interpolation": self.pos_embed_interpolation,
+            "max_images": self.max_images,
+            "checkpoint": trainer.ckpt_path,
+            "weights_sha256": self.weights_sha256,
             "results_dir": str(self.results_dir.resolve()),
             "seconds": "device-seconds per cell, summed over ranks and sessions",
         }
@@ -502,18 +604,30 @@ class ResolutionSweep(Evaluation):
         if figure is None:
             section["plot"] = "not requested"
         names = [t.name for t in self.threat_models]
-        table = (["resolution", "images", "clean", *names],
-                 [[r, resolutions[str(r)]["num_images"], row["clean_accuracy"],
-                   *(row["robust_accuracy"][n] for n in names)] for r, row in rows.items()])
+        table = (
+            ["resolution", "images", "clean", *names],
+            [
+                [
+                    r,
+                    resolutions[str(r)]["num_images"],
+                    row["clean_accuracy"],
+                    *(row["robust_accuracy"][n] for n in names),
+                ]
+                for r, row in rows.items()
+            ],
+        )
 
         def message(published: dict[str, Any]) -> list[str]:
             lines = []
             for r, row in rows.items():
                 if row["clean_accuracy"] is not None:
-                    robust = "".join(f", {n} robust {a:.2%}" for n, a in row["robust_accuracy"].items()
-                                     if a is not None)
-                    lines.append(f"resolution {r}: clean {row['clean_accuracy']:.2%}{robust} on "
-                                 f"{resolutions[str(r)]['num_images']} images")
+                    robust = "".join(
+                        f", {n} robust {a:.2%}" for n, a in row["robust_accuracy"].items() if a is not None
+                    )
+                    lines.append(
+                        f"resolution {r}: clean {row['clean_accuracy']:.2%}{robust} on "
+                        f"{resolutions[str(r)]['num_images']} images"
+                    )
             chosen = best["by_robust"] or best["by_clean"]
             if chosen:
                 how = "by " + chosen["threat_model"] + " robust" if "threat_model" in chosen else "by clean"
@@ -525,21 +639,40 @@ class ResolutionSweep(Evaluation):
     def _plot(self, rows: dict[int, dict[str, Any]], best: dict[str, Any]):
         fig, ax = new_figure(figsize=(6, 4))
         shown = [r for r, row in rows.items() if row["clean_accuracy"] is not None]
-        colours = {"clean": ax.plot(shown, [100 * rows[r]["clean_accuracy"] for r in shown], "o-",
-                                    label="clean")[0].get_color()}
+        colours = {
+            "clean": ax.plot(shown, [100 * rows[r]["clean_accuracy"] for r in shown], "o-", label="clean")[
+                0
+            ].get_color()
+        }
         for threat in self.threat_models:
             points = [r for r in shown if rows[r]["robust_accuracy"].get(threat.name) is not None]
-            line = ax.plot(points, [100 * rows[r]["robust_accuracy"][threat.name] for r in points], "s-",
-                           label=f"{threat.name} ({self.attack})")[0]
+            line = ax.plot(
+                points,
+                [100 * rows[r]["robust_accuracy"][threat.name] for r in points],
+                "s-",
+                label=f"{threat.name} ({self.attack})",
+            )[0]
             colours[threat.name] = line.get_color()
         if best["by_clean"]:
             r = best["by_clean"]["resolution"]
-            ax.plot([r], [100 * best["by_clean"]["clean_accuracy"]], "*", markersize=16, color=colours["clean"],
-                    label=f"best clean: {r} px")
+            ax.plot(
+                [r],
+                [100 * best["by_clean"]["clean_accuracy"]],
+                "*",
+                markersize=16,
+                color=colours["clean"],
+                label=f"best clean: {r} px",
+            )
         if best["by_robust"]:
             r, name = best["by_robust"]["resolution"], best["by_robust"]["threat_model"]
-            ax.plot([r], [100 * best["by_robust"]["robust_accuracy"]], "*", markersize=16, color=colours[name],
-                    label=f"best {name}: {r} px")
+            ax.plot(
+                [r],
+                [100 * best["by_robust"]["robust_accuracy"]],
+                "*",
+                markersize=16,
+                color=colours[name],
+                label=f"best {name}: {r} px",
+            )
         ax.axvline(self.reference, color="grey", linestyle=":", label=f"reference {self.reference} px")
         ax.set_xlabel("test resolution (px)")
         ax.set_ylabel("accuracy (%)")
@@ -565,4 +698,3 @@ def flat_metrics(rows: dict[int, dict[str, Any]], best: dict[str, Any]) -> dict[
     if best["by_clean"]:
         metrics["resolution_sweep/best_resolution_clean"] = best["by_clean"]["resolution"]
     return {k: float(v) for k, v in metrics.items()}
-

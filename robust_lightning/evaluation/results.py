@@ -60,9 +60,24 @@ def software_versions() -> dict[str, str]:
     corruptions (Pillow, OpenCV, numpy, SciPy, scikit-image), the reference AutoAttack. Keys are distribution
     names; OpenCV under whichever of its wheels is installed, and "opencv" the library's own version."""
     versions = {"python": platform.python_version(), "robust_lightning": robust_lightning.__version__}
-    for package in ("torch", "torchvision", "lightning", "timm", "torchmetrics", "webdataset", "kornia", "pillow",
-                    "numpy", "scipy", "scikit-image", "opencv-python-headless", "opencv-python",
-                    "opencv-contrib-python-headless", "opencv-contrib-python", "pyautoattack"):
+    for package in (
+        "torch",
+        "torchvision",
+        "lightning",
+        "timm",
+        "torchmetrics",
+        "webdataset",
+        "kornia",
+        "pillow",
+        "numpy",
+        "scipy",
+        "scikit-image",
+        "opencv-python-headless",
+        "opencv-python",
+        "opencv-contrib-python-headless",
+        "opencv-contrib-python",
+        "pyautoattack",
+    ):
         try:
             versions[package] = version(package)
         except PackageNotFoundError:
@@ -130,8 +145,11 @@ class RunResults(Callback):
             payload["eval_image_counts"] = dict(counts)
         update_results(path, {section: payload})
         shown = ", ".join(f"{k}={v:.4g}" for k, v in payload["metrics"].items() if not k.startswith("train/"))
-        ended = f"interrupted after {payload['seconds']:.0f}s" if "interrupted" in extra else \
-            f"finished in {payload['seconds']:.0f}s"
+        ended = (
+            f"interrupted after {payload['seconds']:.0f}s"
+            if "interrupted" in extra
+            else f"finished in {payload['seconds']:.0f}s"
+        )
         print(f"\n{section} {ended}: {shown}\nresults: {path.resolve()}", flush=True)
 
     def _checkpoint(self, path: str | None) -> dict[str, Any] | None:
@@ -152,16 +170,25 @@ class RunResults(Callback):
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         """An interrupted fit (SIGTERM, Ctrl-C) still leaves its results.json: what it reached, marked interrupted."""
         interrupted = isinstance(exception, SIGTERMException) or (
-            isinstance(exception, KeyboardInterrupt) and trainer.world_size == 1)  # Ctrl-C: one rank only
+            isinstance(exception, KeyboardInterrupt) and trainer.world_size == 1
+        )  # Ctrl-C: one rank only
         if interrupted and trainer.state.fn == "fit" and trainer.is_global_zero:
             checkpoint = trainer.checkpoint_callback
             last = checkpoint.last_model_path if isinstance(checkpoint, ModelCheckpoint) else None
             # the logger's directory without trainer.log_dir's broadcast: the ranks may have stopped at other steps
             logger_dir = trainer.logger.log_dir if trainer.logger is not None else None
-            self._write(trainer, pl_module, "fit", run_dir=Path(logger_dir or trainer.default_root_dir), extra={
-                "interrupted": "SIGTERM" if isinstance(exception, SIGTERMException) else "SIGINT",
-                "epochs": trainer.current_epoch, "steps": trainer.global_step,
-                "last_checkpoint": self._checkpoint(last)})
+            self._write(
+                trainer,
+                pl_module,
+                "fit",
+                run_dir=Path(logger_dir or trainer.default_root_dir),
+                extra={
+                    "interrupted": "SIGTERM" if isinstance(exception, SIGTERMException) else "SIGINT",
+                    "epochs": trainer.current_epoch,
+                    "steps": trainer.global_step,
+                    "last_checkpoint": self._checkpoint(last),
+                },
+            )
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.state.fn == "validate":
@@ -180,8 +207,11 @@ class PredictionWriter(BasePredictionWriter):
     @staticmethod
     def run_dir(trainer) -> Path:
         # not trainer.log_dir: that is a collective under DDP, and ranks may predict different batch counts
-        return Path(trainer.logger.log_dir if trainer.logger is not None and trainer.logger.log_dir
-                    else trainer.default_root_dir)
+        return Path(
+            trainer.logger.log_dir
+            if trainer.logger is not None and trainer.logger.log_dir
+            else trainer.default_root_dir
+        )
 
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
         run_dir = self.run_dir(trainer)
@@ -192,8 +222,12 @@ class PredictionWriter(BasePredictionWriter):
             writer = csv.writer(f)
             if new:
                 writer.writerow(["key", "label", "top5", "top5_prob"])
-            for key, label, top, prob in zip(prediction["key"], prediction["label"].tolist(),
-                                             prediction["top5"].tolist(), prediction["top5_prob"].tolist()):
+            for key, label, top, prob in zip(
+                prediction["key"],
+                prediction["label"].tolist(),
+                prediction["top5"].tolist(),
+                prediction["top5_prob"].tolist(),
+            ):
                 writer.writerow([key, label, " ".join(map(str, top)), " ".join(f"{p:.5f}" for p in prob)])
 
     def on_predict_end(self, trainer, pl_module):

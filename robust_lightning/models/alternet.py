@@ -88,8 +88,16 @@ class WindowAttention2d(nn.Module):
     q, k, v are 1x1 convs without bias (``to_q``, ``to_kv``); ``to_out`` is a 1x1 conv with bias to ``out_chs``.
     """
 
-    def __init__(self, in_chs: int, out_chs: int, num_heads: int, head_dim: int = 64, window_size: int = 7,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        in_chs: int,
+        out_chs: int,
+        num_heads: int,
+        head_dim: int = 64,
+        window_size: int = 7,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         dd = {"device": device, "dtype": dtype}
         self.num_heads = num_heads
@@ -147,8 +155,16 @@ class WindowAttention2d(nn.Module):
 class MSABlock(nn.Module):
     """AlterNet's MSA block (pre-activation): x + DropPath(attn(norm2(conv(act(norm1(x))))))."""
 
-    def __init__(self, chs: int, num_heads: int, head_dim: int = 64, window_size: int = 7, drop_path: float = 0.0,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        chs: int,
+        num_heads: int,
+        head_dim: int = 64,
+        window_size: int = 7,
+        drop_path: float = 0.0,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         dd = {"device": device, "dtype": dtype}
         width = chs // EXPANSION
@@ -165,8 +181,19 @@ class MSABlock(nn.Module):
 
 
 class AlterNetStage(BlockStage):
-    def __init__(self, in_chs: int, width: int, stride: int, is_msa: Sequence[bool], num_heads: int, head_dim: int,
-                 window_size: int, drop_path: Sequence[float], device=None, dtype=None):
+    def __init__(
+        self,
+        in_chs: int,
+        width: int,
+        stride: int,
+        is_msa: Sequence[bool],
+        num_heads: int,
+        head_dim: int,
+        window_size: int,
+        drop_path: Sequence[float],
+        device=None,
+        dtype=None,
+    ):
         dd = {"device": device, "dtype": dtype}
         blocks: list[nn.Module] = []
         for i, msa in enumerate(is_msa):
@@ -220,8 +247,19 @@ class AlterNet(LinearHeadMixin, nn.Module):
         in_chs = stem_chs
         for i, (n, m, width, heads) in enumerate(zip(num_blocks, num_msa, widths, num_heads)):
             stride = 1 if i == 0 else 2
-            stages.append(AlterNetStage(in_chs, width, stride, msa_layout(n, m), heads, head_dim, window_size,
-                                        dpr[sum(num_blocks[:i]):sum(num_blocks[:i + 1])], **dd))
+            stages.append(
+                AlterNetStage(
+                    in_chs,
+                    width,
+                    stride,
+                    msa_layout(n, m),
+                    heads,
+                    head_dim,
+                    window_size,
+                    dpr[sum(num_blocks[:i]) : sum(num_blocks[: i + 1])],
+                    **dd,
+                )
+            )
             in_chs = width * EXPANSION
             self.feature_info.append(dict(num_chs=in_chs, reduction=4 * 2**i, module=f"stages.{i}"))
         self.stages = nn.Sequential(*stages)
@@ -273,8 +311,9 @@ def _create(variant: str, pretrained: bool, **kwargs) -> AlterNet:
 @register_model
 def alternet_50(pretrained: bool = False, **kwargs) -> AlterNet:
     """AlterNet-50: blocks 3/4/6/4, MSA blocks 0/1/3/2 (alternating at the stage ends), heads 3/6/12/24."""
-    model_args = dict(num_blocks=(3, 4, 6, 4), num_msa=(0, 1, 3, 2), widths=(64, 128, 256, 512),
-                      num_heads=(3, 6, 12, 24))
+    model_args = dict(
+        num_blocks=(3, 4, 6, 4), num_msa=(0, 1, 3, 2), widths=(64, 128, 256, 512), num_heads=(3, 6, 12, 24)
+    )
     return _create("alternet_50", pretrained, **dict(model_args, **kwargs))
 
 
@@ -282,6 +321,13 @@ def alternet_50(pretrained: bool = False, **kwargs) -> AlterNet:
 def alternet_test(pretrained: bool = False, **kwargs) -> AlterNet:
     """Small AlterNet for tests (not from the paper): blocks 1/2/2/2, one MSA block at the end of stages 1-3,
     widths 8/16/24/32, 2x2 windows (divide the 16/8/4/2 maps of a 64 px input)."""
-    model_args = dict(num_blocks=(1, 2, 2, 2), num_msa=(0, 1, 1, 1), widths=(8, 16, 24, 32), num_heads=(1, 1, 2, 2),
-                      head_dim=8, window_size=2, stem_chs=16)
+    model_args = dict(
+        num_blocks=(1, 2, 2, 2),
+        num_msa=(0, 1, 1, 1),
+        widths=(8, 16, 24, 32),
+        num_heads=(1, 1, 2, 2),
+        head_dim=8,
+        window_size=2,
+        stem_chs=16,
+    )
     return _create("alternet_test", pretrained, **dict(model_args, **kwargs))

@@ -53,9 +53,7 @@ class RobustClassifier(nn.Module):
     def __init__(self, net: nn.Module, mean: Sequence[float] | None = None, std: Sequence[float] | None = None):
         super().__init__()
         if (mean is None) != (std is None):
-            raise UserError(
-                f"mean and std must both be set or both be None (got mean={mean!r}, std={std!r})"
-            )
+            raise UserError(f"mean and std must both be set or both be None (got mean={mean!r}, std={std!r})")
         self.normalize = nn.Identity() if mean is None else InputNormalization(mean, std)
         self.net = net
 

@@ -97,15 +97,18 @@ class ConvStem(nn.Sequential):
     ):
         kernel_sizes = (3,) * len(channels) if kernel_sizes is None else tuple(kernel_sizes)
         if not len(channels) == len(strides) == len(kernel_sizes):
-            raise ValueError(f"ConvStem needs one stride and kernel size per conv, got channels={channels} "
-                             f"strides={strides} kernel_sizes={kernel_sizes}")
+            raise ValueError(
+                f"ConvStem needs one stride and kernel size per conv, got channels={channels} "
+                f"strides={strides} kernel_sizes={kernel_sizes}"
+            )
         dd = {"device": device, "dtype": dtype}
         layers: list[nn.Module] = []
         prev = in_chans
         for ch, stride, kernel in zip(channels, strides, kernel_sizes):
             layers += [
-                nn.Conv2d(prev, ch, kernel_size=kernel, stride=stride, padding=(kernel - stride + 1) // 2, bias=True,
-                          **dd),
+                nn.Conv2d(
+                    prev, ch, kernel_size=kernel, stride=stride, padding=(kernel - stride + 1) // 2, bias=True, **dd
+                ),
                 LayerNorm2d(ch, eps=norm_eps, **dd),
                 nn.GELU(),
             ]
@@ -139,8 +142,13 @@ class ConvNeXtConvStem(ConvNeXt):
     loading (``pretrained_cfg_overlay=dict(file=...)``) sees the final architecture.
     """
 
-    def __init__(self, stem_channels: Sequence[int], stem_strides: Sequence[int],
-                 stem_kernels: Sequence[int] | None = None, **kwargs):
+    def __init__(
+        self,
+        stem_channels: Sequence[int],
+        stem_strides: Sequence[int],
+        stem_kernels: Sequence[int] | None = None,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         stem = ConvStem(
             kwargs.get("in_chans", 3),
@@ -196,8 +204,7 @@ default_cfgs = generate_default_cfgs(
 )
 
 
-def _create_convnext_convstem(variant: str, pretrained: bool, stem_channels, stem_strides, stem_kernels=None,
-                              **kwargs):
+def _create_convnext_convstem(variant: str, pretrained: bool, stem_channels, stem_strides, stem_kernels=None, **kwargs):
     return build_model_with_cfg(
         ConvNeXtConvStem,
         variant,
@@ -268,8 +275,14 @@ class ConvStemPatchEmbed(PatchEmbed):
     as the 16x16 patchify conv, so ``patch_size`` must stay 16.
     """
 
-    def __init__(self, *args, stem_channels: Sequence[int] = VIT_STEM_CHANNELS,
-                 stem_strides: Sequence[int] | None = None, stem_kernels: Sequence[int] | None = None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        stem_channels: Sequence[int] = VIT_STEM_CHANNELS,
+        stem_strides: Sequence[int] | None = None,
+        stem_kernels: Sequence[int] | None = None,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         strides = (2,) * len(stem_channels) if stem_strides is None else tuple(stem_strides)
         stride = math.prod(strides)
@@ -367,12 +380,14 @@ def _register_stem_ablations() -> None:
     specs = [(name, layers, "convnext_tiny", tiny) for name, layers in CONVNEXT_TINY_STEM_ABLATIONS.items()]
     specs += [(name, layers, "convnext_base", base) for name, layers in CONVNEXT_BASE_STEM_ABLATIONS.items()]
     for name, layers, patchstem, model_args in specs:
+
         def entrypoint(pretrained: bool = False, name=name, layers=layers, model_args=model_args, **kwargs):
             return _create_convnext_convstem(name, pretrained, **_stem_args(layers), **dict(model_args, **kwargs))
 
         _register(name, entrypoint, _convnext_cfg(), patchstem, "stem.")
     vit = dict(patch_size=16, embed_dim=384, depth=12, num_heads=6)
     for name, layers in VIT_SMALL_STEM_ABLATIONS.items():
+
         def entrypoint(pretrained: bool = False, name=name, layers=layers, **kwargs):
             return _create_vit_convstem(name, pretrained, stem=_stem_args(layers), **dict(vit, **kwargs))
 

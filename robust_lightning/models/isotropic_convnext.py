@@ -132,8 +132,7 @@ def checkpoint_filter_fn(state_dict: dict, model: nn.Module) -> dict:
     return out
 
 
-_cfg = partial(pretrained_cfg, first_conv="stem", classifier="head", paper_ids="arXiv:2201.03545",
-               pool_size=(14, 14))
+_cfg = partial(pretrained_cfg, first_conv="stem", classifier="head", paper_ids="arXiv:2201.03545", pool_size=(14, 14))
 
 
 # register_model reads the module-level ``default_cfgs`` of the module that defines the entrypoint.
@@ -166,4 +165,3 @@ def convnext_iso_small_convstem(pretrained: bool = False, **kwargs) -> Isotropic
     """ConvNeXt-S (iso.) with the ViT ConvStem (Singh et al.): 3->48->96->192->384, 1x1 384->384."""
     model_args = dict(dim=384, depth=18, stem_type="convstem")
     return _create("convnext_iso_small_convstem", pretrained, **dict(model_args, **kwargs))
-

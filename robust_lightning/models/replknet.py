@@ -74,8 +74,9 @@ class ReparamLargeKernelConv(nn.Module):
     analysis wants is ``lkb_origin.conv.weight`` (the large branch as trained) or ``equivalent_kernel_bias()``.
     """
 
-    def __init__(self, channels: int, kernel_size: int, small_kernel: int | None, merged: bool = False,
-                 device=None, dtype=None):
+    def __init__(
+        self, channels: int, kernel_size: int, small_kernel: int | None, merged: bool = False, device=None, dtype=None
+    ):
         super().__init__()
         dd = {"device": device, "dtype": dtype}
         if kernel_size % 2 == 0 or (small_kernel is not None and (small_kernel % 2 == 0 or small_kernel > kernel_size)):
@@ -122,8 +123,16 @@ class ReparamLargeKernelConv(nn.Module):
         if self.lkb_reparam is not None:
             return
         kernel, bias = self.equivalent_kernel_bias()
-        conv = nn.Conv2d(self.channels, self.channels, self.kernel_size, 1, self.kernel_size // 2,
-                         groups=self.channels, device=kernel.device, dtype=kernel.dtype)
+        conv = nn.Conv2d(
+            self.channels,
+            self.channels,
+            self.kernel_size,
+            1,
+            self.kernel_size // 2,
+            groups=self.channels,
+            device=kernel.device,
+            dtype=kernel.dtype,
+        )
         conv.weight.copy_(kernel)
         conv.bias.copy_(bias)
         self.lkb_reparam = conv
@@ -133,8 +142,17 @@ class ReparamLargeKernelConv(nn.Module):
 class RepLKBlock(nn.Module):
     """Pre-BN residual block around the large depthwise kernel (``large_kernel``)."""
 
-    def __init__(self, channels: int, dw_channels: int, kernel_size: int, small_kernel: int | None,
-                 drop_path: float = 0.0, small_kernel_merged: bool = False, device=None, dtype=None):
+    def __init__(
+        self,
+        channels: int,
+        dw_channels: int,
+        kernel_size: int,
+        small_kernel: int | None,
+        drop_path: float = 0.0,
+        small_kernel_merged: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         dd = {"device": device, "dtype": dtype}
         self.prelkb_bn = nn.BatchNorm2d(channels, **dd)
@@ -169,14 +187,33 @@ class ConvFFN(nn.Module):
 class RepLKNetStage(BlockStage):
     """``blocks``: RepLKBlock, ConvFFN, RepLKBlock, ConvFFN, ... (two residual blocks per layer)."""
 
-    def __init__(self, channels: int, num_layers: int, kernel_size: int, small_kernel: int | None,
-                 drop_path: Sequence[float], dw_ratio: float = 1.0, ffn_ratio: float = 4.0,
-                 small_kernel_merged: bool = False, device=None, dtype=None):
+    def __init__(
+        self,
+        channels: int,
+        num_layers: int,
+        kernel_size: int,
+        small_kernel: int | None,
+        drop_path: Sequence[float],
+        dw_ratio: float = 1.0,
+        ffn_ratio: float = 4.0,
+        small_kernel_merged: bool = False,
+        device=None,
+        dtype=None,
+    ):
         dd = {"device": device, "dtype": dtype}
         blocks: list[nn.Module] = []
         for i in range(num_layers):
-            blocks.append(RepLKBlock(channels, int(channels * dw_ratio), kernel_size, small_kernel, drop_path[i],
-                                     small_kernel_merged, **dd))
+            blocks.append(
+                RepLKBlock(
+                    channels,
+                    int(channels * dw_ratio),
+                    kernel_size,
+                    small_kernel,
+                    drop_path[i],
+                    small_kernel_merged,
+                    **dd,
+                )
+            )
             blocks.append(ConvFFN(channels, int(channels * ffn_ratio), drop_path[i], **dd))
         super().__init__(blocks)
 
@@ -225,15 +262,28 @@ class RepLKNet(LinearHeadMixin, nn.Module):
         self.transitions = nn.ModuleList()
         self.feature_info = []
         for i, (kernel, n, ch) in enumerate(zip(large_kernel_sizes, layers, channels)):
-            self.stages.append(RepLKNetStage(ch, n, kernel, small_kernel, dpr[sum(layers[:i]):sum(layers[:i + 1])],
-                                             dw_ratio, ffn_ratio, small_kernel_merged, **dd))
+            self.stages.append(
+                RepLKNetStage(
+                    ch,
+                    n,
+                    kernel,
+                    small_kernel,
+                    dpr[sum(layers[:i]) : sum(layers[: i + 1])],
+                    dw_ratio,
+                    ffn_ratio,
+                    small_kernel_merged,
+                    **dd,
+                )
+            )
             self.feature_info.append(dict(num_chs=ch, reduction=4 * 2**i, module=f"stages.{i}"))
             if i < len(layers) - 1:
                 nxt = channels[i + 1]
-                self.transitions.append(nn.Sequential(
-                    ConvBN(ch, nxt, 1, relu=True, **dd),
-                    ConvBN(nxt, nxt, 3, stride=2, groups=nxt, relu=True, **dd),
-                ))
+                self.transitions.append(
+                    nn.Sequential(
+                        ConvBN(ch, nxt, 1, relu=True, **dd),
+                        ConvBN(nxt, nxt, 3, stride=2, groups=nxt, relu=True, **dd),
+                    )
+                )
         self.norm = nn.BatchNorm2d(channels[-1], **dd)
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(channels[-1], num_classes, **dd) if num_classes > 0 else nn.Identity()
@@ -241,8 +291,9 @@ class RepLKNet(LinearHeadMixin, nn.Module):
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False):
         # stage i and the transition after it form one group for layer-wise lr decay
-        return dict(stem=r"^stem", blocks=[(r"^stages\.(\d+)", None), (r"^transitions\.(\d+)", None),
-                                           (r"^norm", (99999,))])
+        return dict(
+            stem=r"^stem", blocks=[(r"^stages\.(\d+)", None), (r"^transitions\.(\d+)", None), (r"^norm", (99999,))]
+        )
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
@@ -320,6 +371,5 @@ def replknet_31l(pretrained: bool = False, **kwargs) -> RepLKNet:
 @register_model
 def replknet_test(pretrained: bool = False, **kwargs) -> RepLKNet:
     """Small RepLKNet for tests (not from the paper): kernels 7/7/5/5 with a parallel 3x3, one layer per stage."""
-    model_args = dict(large_kernel_sizes=(7, 7, 5, 5), layers=(1, 1, 1, 1), channels=(16, 24, 32, 48),
-                      small_kernel=3)
+    model_args = dict(large_kernel_sizes=(7, 7, 5, 5), layers=(1, 1, 1, 1), channels=(16, 24, 32, 48), small_kernel=3)
     return _create("replknet_test", pretrained, **dict(model_args, **kwargs))

@@ -137,7 +137,7 @@ def is_robustbench_arch(arch: str) -> bool:
 
 def robustbench_entry(arch: str) -> RobustBenchEntry:
     """The entry of ``robustbench:<name>`` (or of a bare name); a UserError names the known ones."""
-    name = arch[len(PREFIX):] if is_robustbench_arch(arch) else arch
+    name = arch[len(PREFIX) :] if is_robustbench_arch(arch) else arch
     entries = robustbench_entries()
     if name not in entries:
         close = difflib.get_close_matches(name, list(entries), n=3, cutoff=0.5)

@@ -45,8 +45,11 @@ class LinearHeadMixin:
                 raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
             self.global_pool = global_pool
         w = self.norm.weight
-        self.head = nn.Linear(self.num_features, num_classes, device=w.device, dtype=w.dtype) if num_classes > 0 \
+        self.head = (
+            nn.Linear(self.num_features, num_classes, device=w.device, dtype=w.dtype)
+            if num_classes > 0
             else nn.Identity()
+        )
 
 
 class BlockStage(nn.Module):

@@ -109,7 +109,7 @@ def _strip_prefixes(key: str) -> str:
         changed = False
         for prefix in WRAPPER_PREFIXES:
             if key.startswith(prefix):
-                key = key[len(prefix):]
+                key = key[len(prefix) :]
                 changed = True
     return key
 
@@ -132,8 +132,12 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def _numpy_scalar_safe_globals() -> list:
     scalar = np._core.multiarray.scalar
     dtype_classes = sorted({type(np.dtype(code)) for code in "?bBhHiIlLqQefdgFDG"}, key=str)
-    return [(scalar, "numpy.core.multiarray.scalar"), (scalar, "numpy._core.multiarray.scalar"), np.dtype,
-            *dtype_classes]
+    return [
+        (scalar, "numpy.core.multiarray.scalar"),
+        (scalar, "numpy._core.multiarray.scalar"),
+        np.dtype,
+        *dtype_classes,
+    ]
 
 
 def _load_file(path: Path) -> object:
@@ -199,8 +203,10 @@ def _pick_state_dict(obj: object, path: Path, prefer_ema: bool) -> dict[str, tor
 
 
 TIMM_FOLDER_CONFIG, TIMM_FOLDER_WEIGHTS = "config.json", "model.safetensors"
-CHECKPOINT_KINDS = ("a checkpoint file (.ckpt, .pt/.pth or .safetensors) or a timm model folder (config.json and "
-                    "model.safetensors, as export writes)")
+CHECKPOINT_KINDS = (
+    "a checkpoint file (.ckpt, .pt/.pth or .safetensors) or a timm model folder (config.json and "
+    "model.safetensors, as export writes)"
+)
 
 
 def require_weights(path: str | Path) -> None:
@@ -233,15 +239,20 @@ def read_lightning_checkpoint(path: str | Path) -> dict:
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
-        raise UserError(f"refusing to load {path}: it pickles Python objects (checkpoints load with "
-                        f"torch.load(weights_only=True)); expected {expected}") from e
+        raise UserError(
+            f"refusing to load {path}: it pickles Python objects (checkpoints load with "
+            f"torch.load(weights_only=True)); expected {expected}"
+        ) from e
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
-        raise UserError(f"cannot read checkpoint {path} (truncated or not a PyTorch checkpoint: {_reason(e)}); "
-                        f"expected {expected}") from e
+        raise UserError(
+            f"cannot read checkpoint {path} (truncated or not a PyTorch checkpoint: {_reason(e)}); expected {expected}"
+        ) from e
     if not isinstance(loaded, dict) or not isinstance(loaded.get("state_dict"), dict):
-        raise UserError(f"{path} is not a Lightning training checkpoint (no 'state_dict'); expected {expected}. "
-                        "To evaluate a weights file (.pt/.pth/.safetensors, a released model), pass it as "
-                        "--model.init_from instead of --ckpt_path")
+        raise UserError(
+            f"{path} is not a Lightning training checkpoint (no 'state_dict'); expected {expected}. "
+            "To evaluate a weights file (.pt/.pth/.safetensors, a released model), pass it as "
+            "--model.init_from instead of --ckpt_path"
+        )
     hparams = loaded.get("hyper_parameters")
     return dict(hparams) if isinstance(hparams, dict) else {}
 
@@ -262,7 +273,7 @@ def read_checkpoint(path: str | Path, prefer_ema: bool = False) -> CheckpointWei
     if isinstance(loaded, dict) and raw is not loaded:  # a normaliser kept beside the state dict (.pt exports)
         raw = {**{k: v for k, v in loaded.items() if k.startswith(NORMALIZE_PREFIX)}, **raw}
     # Our Lightning checkpoints keep the EMA copy beside the raw weights, under ema.module.*
-    ema = {k[len(EMA_PREFIX):]: v for k, v in raw.items() if k.startswith(EMA_PREFIX)}
+    ema = {k[len(EMA_PREFIX) :]: v for k, v in raw.items() if k.startswith(EMA_PREFIX)}
     raw = ema if prefer_ema and ema else {k: v for k, v in raw.items() if not k.startswith(EMA_PREFIX)}
     state_dict: dict[str, torch.Tensor] = {}
     normalize: dict[str, torch.Tensor] = {}
@@ -271,7 +282,7 @@ def read_checkpoint(path: str | Path, prefer_ema: bool = False) -> CheckpointWei
             continue  # e.g. Lightning may keep non-tensor extra state; not weights
         key = _strip_prefixes(key)
         if key.startswith(NORMALIZE_PREFIX):
-            normalize[key[len(NORMALIZE_PREFIX):]] = value
+            normalize[key[len(NORMALIZE_PREFIX) :]] = value
         elif key in ROBUSTNESS_LIB_NORMALIZE:
             normalize[ROBUSTNESS_LIB_NORMALIZE[key]] = value.reshape(1, -1, 1, 1)
         elif not key.startswith(ROBUSTNESS_LIB_ATTACKER):
@@ -279,8 +290,13 @@ def read_checkpoint(path: str | Path, prefer_ema: bool = False) -> CheckpointWei
     if not state_dict:
         raise UserError(f"checkpoint {path} contains no weight tensors")
     hparams = loaded.get("hyper_parameters") if isinstance(loaded, dict) else None
-    return CheckpointWeights(state_dict=state_dict, normalize=normalize, path=str(path), has_ema=bool(ema),
-                             hyper_parameters=hparams if isinstance(hparams, dict) else {})
+    return CheckpointWeights(
+        state_dict=state_dict,
+        normalize=normalize,
+        path=str(path),
+        has_ema=bool(ema),
+        hyper_parameters=hparams if isinstance(hparams, dict) else {},
+    )
 
 
 def read_timm_folder(path: Path) -> CheckpointWeights:
@@ -294,18 +310,28 @@ def read_timm_folder(path: Path) -> CheckpointWeights:
         raise UserError(f"{path / TIMM_FOLDER_CONFIG} is not a timm model config (no 'architecture'): {e}") from None
     weights = path / TIMM_FOLDER_WEIGHTS
     if not weights.is_file():
-        raise UserError(f"the timm model folder {path} has no {TIMM_FOLDER_WEIGHTS}; expected the folder "
-                        "`robust-lightning export CKPT FOLDER` writes")
+        raise UserError(
+            f"the timm model folder {path} has no {TIMM_FOLDER_WEIGHTS}; expected the folder "
+            "`robust-lightning export CKPT FOLDER` writes"
+        )
     read = read_checkpoint(weights)
     mean, std = pretrained.get("mean"), pretrained.get("std")
     normalize = {}
     if mean and std and not (all(m == 0 for m in mean) and all(s == 1 for s in std)):
         normalize = {"mean": torch.tensor(mean).view(1, -1, 1, 1), "std": torch.tensor(std).view(1, -1, 1, 1)}
-    hyper_parameters = {"arch": architecture, "num_classes": config.get("num_classes"),
-                        "image_size": (pretrained.get("input_size") or [None])[-1]}
+    hyper_parameters = {
+        "arch": architecture,
+        "num_classes": config.get("num_classes"),
+        "image_size": (pretrained.get("input_size") or [None])[-1],
+    }
     hyper_parameters = {key: value for key, value in hyper_parameters.items() if value is not None}
-    return CheckpointWeights(state_dict=read.state_dict, normalize=normalize, path=str(path), has_ema=False,
-                             hyper_parameters=hyper_parameters)
+    return CheckpointWeights(
+        state_dict=read.state_dict,
+        normalize=normalize,
+        path=str(path),
+        has_ema=False,
+        hyper_parameters=hyper_parameters,
+    )
 
 
 def read_state_dict(path: str | Path, prefer_ema: bool = False) -> dict[str, torch.Tensor]:
@@ -336,8 +362,10 @@ def save_net_weights(model: nn.Module, path: str | Path) -> Path:
     else:
         buffer = io.BytesIO()
         if norm is not None and hasattr(norm, "mean"):
-            state = {"state_dict": state, **{f"{NORMALIZE_PREFIX}{name}": buffer_.detach().cpu()
-                                             for name, buffer_ in norm.named_buffers()}}
+            state = {
+                "state_dict": state,
+                **{f"{NORMALIZE_PREFIX}{name}": buffer_.detach().cpu() for name, buffer_ in norm.named_buffers()},
+            }
         torch.save(state, buffer)
         data = buffer.getvalue()
     # atomic: a full disk or a kill never leaves a half-written weights file, and the file gets the umask's mode
@@ -390,7 +418,7 @@ def _adapt_foreign_layout(
         # patch_embed.proj.stem.0.weight) with the same layer order as ours: drop that level.
         nested = f"{stem_prefix}stem."
         if any(k.startswith(nested) for k in sd):
-            sd = {(stem_prefix + k[len(nested):] if k.startswith(nested) else k): v for k, v in sd.items()}
+            sd = {(stem_prefix + k[len(nested) :] if k.startswith(nested) else k): v for k, v in sd.items()}
             notes.append("ConvStem keys mapped from the revisiting-at layout")
     if isinstance(net, ConvNeXt) and any(k.startswith("downsample_layers.") for k in sd):
         sd = convnext_filter_fn(sd, net)  # facebookresearch/ConvNeXt names -> timm
@@ -565,14 +593,18 @@ def robustbench_weights_path(model_name: str, model_dir: str | Path, dataset: An
     ``dataset`` and ``threat_model`` may be RobustBench's enums (their ``.value`` is read)."""
     dataset, threat_model = getattr(dataset, "value", dataset), getattr(threat_model, "value", threat_model)
     if (dataset, threat_model) != ("imagenet", "Linf"):
-        raise UserError(f"RobustBench entries are known here for dataset 'imagenet', threat_model 'Linf' only "
-                        f"(data/robustbench_imagenet_linf.csv), not {dataset!r}, {threat_model!r}")
+        raise UserError(
+            f"RobustBench entries are known here for dataset 'imagenet', threat_model 'Linf' only "
+            f"(data/robustbench_imagenet_linf.csv), not {dataset!r}, {threat_model!r}"
+        )
     robustbench_entry(PREFIX + model_name)  # an unknown name: the closest entries
     path = Path(model_dir) / dataset / threat_model / f"{model_name}.pt"
     if not path.is_file():
-        raise UserError(f"{path} does not exist. RobustBench's load_model would download {model_name} there; "
-                        "nothing is downloaded here. Put the entry's weights file at that path, or pass "
-                        "custom_checkpoint=FILE (or load_model(arch, FILE))")
+        raise UserError(
+            f"{path} does not exist. RobustBench's load_model would download {model_name} there; "
+            "nothing is downloaded here. Put the entry's weights file at that path, or pass "
+            "custom_checkpoint=FILE (or load_model(arch, FILE))"
+        )
     return path
 
 
@@ -618,8 +650,10 @@ def load_model(
         arch = PREFIX + model_name
         checkpoint = custom_checkpoint or robustbench_weights_path(model_name, model_dir, dataset, threat_model)
     if checkpoint is None:
-        raise UserError("load_model needs a checkpoint: load_model(arch, FILE), or RobustBench's "
-                        "load_model(model_name=..., model_dir=...)")
+        raise UserError(
+            "load_model needs a checkpoint: load_model(arch, FILE), or RobustBench's "
+            "load_model(model_name=..., model_dir=...)"
+        )
     ckpt = read_checkpoint(checkpoint, prefer_ema=prefer_ema)
     hparams = ckpt.hyper_parameters
     if arch is None:

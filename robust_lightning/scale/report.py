@@ -24,8 +24,16 @@ from robust_lightning.scale.sweep import cell_status, write_json
 
 RUN_SECTIONS = ("fit", "validate", "test")
 # conditions and bookkeeping, not measurements (eps is in the threat model's name already)
-SKIPPED = {"conditions", "seconds_this_session", "claims_refuted_in_fp32_this_session", "checkpoint", "best_checkpoint",
-           "last_checkpoint", "corrupt_images", "eps"}
+SKIPPED = {
+    "conditions",
+    "seconds_this_session",
+    "claims_refuted_in_fp32_this_session",
+    "checkpoint",
+    "best_checkpoint",
+    "last_checkpoint",
+    "corrupt_images",
+    "eps",
+}
 DROPPED = {"metrics", "threat_models"}  # containers whose name adds nothing to a column name
 LOG_LINES = 20
 REASONS = {
@@ -71,11 +79,17 @@ def _expected_cells(directory: Path) -> tuple[dict[str, Any], list[dict[str, Any
     cells = []
     for path in sorted((directory / "cells").glob("*/results.json")):
         status = cell_status(path.parent)
-        cells.append({"id": status.get("cell", path.parent.name), "labels": status.get("labels", {}),
-                      "dir": str(path.parent.relative_to(directory))})
+        cells.append(
+            {
+                "id": status.get("cell", path.parent.name),
+                "labels": status.get("labels", {}),
+                "dir": str(path.parent.relative_to(directory)),
+            }
+        )
     if not cells:
-        raise UserError(f"{directory} holds no sweep: no sweep.json and no cells/*/results.json "
-                        "(run robust-lightning sweep first)")
+        raise UserError(
+            f"{directory} holds no sweep: no sweep.json and no cells/*/results.json (run robust-lightning sweep first)"
+        )
     axes = sorted({a for c in cells for a in c["labels"]})
     return {"name": directory.name, "axes": [{"name": a} for a in axes], "wandb": None}, cells
 
@@ -118,26 +132,48 @@ def build_report(directory: Path, columns: list[str] | None = None) -> dict[str,
         else:
             log, tail = _log_tail(directory, cell["id"], status)
             reason = status.get("error") or REASONS.get(state, state)
-            problems.append({"cell": cell["id"], "labels": cell["labels"], "state": state, "reason": reason,
-                             "log": log, "log_tail": tail})
+            problems.append(
+                {
+                    "cell": cell["id"],
+                    "labels": cell["labels"],
+                    "state": state,
+                    "reason": reason,
+                    "log": log,
+                    "log_tail": tail,
+                }
+            )
         rows.append({**{a: cell["labels"].get(a) for a in axes}, "cell": cell["id"], "status": state, **metrics})
     header = [*axes, "cell", "status", *sorted(metric_names)]
-    return {"sweep": description.get("name"), "columns": header, "rows": rows, "missing_or_failed": problems,
-            "cells": len(cells), "done": len(cells) - len(problems), "wandb": description.get("wandb")}
+    return {
+        "sweep": description.get("name"),
+        "columns": header,
+        "rows": rows,
+        "missing_or_failed": problems,
+        "cells": len(cells),
+        "done": len(cells) - len(problems),
+        "wandb": description.get("wandb"),
+    }
 
 
 def render_markdown(report: dict[str, Any]) -> str:
     header = report["columns"]
-    lines = [f"# Sweep {report['sweep']}", "",
-             f"{report['done']} of {report['cells']} cells done.", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = [
+        f"# Sweep {report['sweep']}",
+        "",
+        f"{report['done']} of {report['cells']} cells done.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
     for row in report["rows"]:
         lines.append("| " + " | ".join(_format(row.get(c)) for c in header) + " |")
     if report["missing_or_failed"]:
         lines += ["", "## Missing or failed cells", ""]
         for problem in report["missing_or_failed"]:
-            lines.append(f"- `{problem['cell']}`: {problem['state']}: {problem['reason']}"
-                         + (f" (log: {problem['log']})" if problem["log"] else ""))
+            lines.append(
+                f"- `{problem['cell']}`: {problem['state']}: {problem['reason']}"
+                + (f" (log: {problem['log']})" if problem["log"] else "")
+            )
             if problem["log_tail"]:
                 lines += ["", "  ```", *[f"  {line}" for line in problem["log_tail"].splitlines()], "  ```"]
     return "\n".join(lines) + "\n"
@@ -160,10 +196,17 @@ def log_wandb_table(report: dict[str, Any], directory: Path) -> None:
     import wandb
 
     settings = report.get("wandb") or {}
-    run = wandb.init(project=settings.get("project", "robust-lightning"), group=settings.get("group", report["sweep"]),
-                     tags=settings.get("tags"), job_type="report", name=f"{report['sweep']}-report", dir=str(directory))
-    table = wandb.Table(columns=report["columns"], data=[[row.get(c) for c in report["columns"]]
-                                                         for row in report["rows"]])
+    run = wandb.init(
+        project=settings.get("project", "robust-lightning"),
+        group=settings.get("group", report["sweep"]),
+        tags=settings.get("tags"),
+        job_type="report",
+        name=f"{report['sweep']}-report",
+        dir=str(directory),
+    )
+    table = wandb.Table(
+        columns=report["columns"], data=[[row.get(c) for c in report["columns"]] for row in report["rows"]]
+    )
     run.log({"sweep/report": table})
     run.finish()
 
@@ -192,7 +235,11 @@ def report(directory: str, columns: list[str] | None = None, wandb: bool | None 
 
 
 def report_main(argv: list[str] | None = None) -> int:
-    return run_tool(report, sys.argv[1:] if argv is None else argv, prog="robust-lightning report",
-                    description="Merge the results.json of every cell of a sweep into report.md, report.csv and "
-                    "report.json, e.g.\n  robust-lightning report runs/sweeps/quickstart --columns 'test/*' "
-                    "'autoattack.*'")
+    return run_tool(
+        report,
+        sys.argv[1:] if argv is None else argv,
+        prog="robust-lightning report",
+        description="Merge the results.json of every cell of a sweep into report.md, report.csv and "
+        "report.json, e.g.\n  robust-lightning report runs/sweeps/quickstart --columns 'test/*' "
+        "'autoattack.*'",
+    )

@@ -115,18 +115,22 @@ def _axis(name: Any, spec: Any) -> Axis:
         if bundle:
             for label, value in zip(labels, values):
                 if not isinstance(value.get("configs", []), list) or not isinstance(value.get("args", {}), dict):
-                    raise UserError(f"grid axis {name!r}, {label!r}: a bundle is "
-                                    "{configs: [files], args: {key: value}}")
+                    raise UserError(
+                        f"grid axis {name!r}, {label!r}: a bundle is {{configs: [files], args: {{key: value}}}}"
+                    )
         elif any(isinstance(v, dict) and set(v) & BUNDLE_KEYS for v in values):
             raise UserError(f"grid axis {name!r}: every value must be a bundle {{configs, args}} or none")
     elif isinstance(spec, list) and spec:
         labels, values, bundle = [_label(v) for v in spec], list(spec), False
     else:
-        raise UserError(f"grid axis {name!r}: expected a non-empty list of values or a mapping label -> value, "
-                        f"got {spec!r}")
+        raise UserError(
+            f"grid axis {name!r}: expected a non-empty list of values or a mapping label -> value, got {spec!r}"
+        )
     if len(set(labels)) != len(labels):
-        raise UserError(f"grid axis {name!r}: two values have the same label ({', '.join(labels)}); name them with "
-                        "a mapping label -> value")
+        raise UserError(
+            f"grid axis {name!r}: two values have the same label ({', '.join(labels)}); name them with "
+            "a mapping label -> value"
+        )
     return Axis(name, labels, values, bundle)
 
 
@@ -165,8 +169,12 @@ def sweep_from_spec(spec: dict[str, Any], source: str) -> Sweep:
     args = spec.get("args") or {}
     grid = spec.get("grid") or {}
     slurm = spec.get("slurm") or {}
-    if not isinstance(configs, list) or not isinstance(args, dict) or not isinstance(grid, dict) \
-            or not isinstance(slurm, dict):
+    if (
+        not isinstance(configs, list)
+        or not isinstance(args, dict)
+        or not isinstance(grid, dict)
+        or not isinstance(slurm, dict)
+    ):
         raise UserError(f"{source}: configs is a list of files; args, grid and slurm are mappings")
     for key in args:
         if not KEY_PATTERN.match(str(key)):
@@ -182,10 +190,14 @@ def sweep_from_spec(spec: dict[str, Any], source: str) -> Sweep:
     elif not isinstance(wandb_spec, dict):
         raise UserError(f"{source}: wandb is true or a mapping (project, tags, entity)")
     sweep = Sweep(
-        name=name, command=command, configs=[str(c) for c in configs], args=args,
+        name=name,
+        command=command,
+        configs=[str(c) for c in configs],
+        args=args,
         axes=[_axis(k, v) for k, v in grid.items()],
         output_dir=Path(spec.get("output_dir") or f"runs/sweeps/{name}").absolute(),
-        slurm=slurm, wandb=wandb_spec,
+        slurm=slurm,
+        wandb=wandb_spec,
     )
     for config in sweep.configs + [c for a in sweep.axes if a.bundle for v in a.values for c in v.get("configs", [])]:
         if not Path(config).is_file():
@@ -231,11 +243,16 @@ def cell_loggers(logger: Any, cell_dir: Path, cell_id: str, sweep: Sweep) -> Any
         entry["init_args"] = init
         loggers.append(entry)
     if not any(str(e.get("class_path", "")).rsplit(".", 1)[-1] in CSV_LIKE for e in loggers):
-        loggers.insert(0, {"class_path": DEFAULT_LOGGER, "init_args": {"save_dir": str(cell_dir), "name": "",
-                                                                        "version": ""}})
+        loggers.insert(
+            0, {"class_path": DEFAULT_LOGGER, "init_args": {"save_dir": str(cell_dir), "name": "", "version": ""}}
+        )
     if sweep.wandb is not None and not any(str(e.get("class_path", "")).endswith("WandbLogger") for e in loggers):
-        init = {"save_dir": str(cell_dir), "name": cell_id, "log_model": False,
-                "project": sweep.wandb.get("project", "robust-lightning")}
+        init = {
+            "save_dir": str(cell_dir),
+            "name": cell_id,
+            "log_model": False,
+            "project": sweep.wandb.get("project", "robust-lightning"),
+        }
         if sweep.wandb.get("entity"):
             init["entity"] = sweep.wandb["entity"]
         loggers.append({"class_path": WANDB_LOGGER, "init_args": init})
@@ -267,8 +284,11 @@ def expand(sweep: Sweep) -> list[Cell]:
         overrides.pop("trainer.logger", None)  # replaced below by the same loggers, pointed at the cell
         argv += [f"--{key}={_cli_value(value)}" for key, value in overrides.items()]
         # the cell's own directory for everything it writes: no mixing, and no other run's hpc_ckpt_* to pick up
-        argv += [f"--trainer.default_root_dir={cell_dir}", f"--checkpoint.dirpath={cell_dir / 'checkpoints'}",
-                 f"--trainer.logger={_cli_value(cell_loggers(_logger_spec(sweep, bundles), cell_dir, cell_id, sweep))}"]
+        argv += [
+            f"--trainer.default_root_dir={cell_dir}",
+            f"--checkpoint.dirpath={cell_dir / 'checkpoints'}",
+            f"--trainer.logger={_cli_value(cell_loggers(_logger_spec(sweep, bundles), cell_dir, cell_id, sweep))}",
+        ]
         cells.append(Cell(cell_id, labels, values, argv, cell_dir))
     return cells
 
@@ -300,8 +320,9 @@ def queued_cells(output_dir: Path) -> dict[str, str]:
     submissions = _submissions(output_dir)
     if not submissions or not shutil.which("squeue"):
         return {}
-    out = subprocess.run(["squeue", "-h", "-r", "-u", getpass.getuser(), "-o", "%F %K %T"], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        ["squeue", "-h", "-r", "-u", getpass.getuser(), "-o", "%F %K %T"], capture_output=True, text=True, timeout=60
+    )
     if out.returncode != 0:
         raise UserError(f"squeue failed, cannot tell which cells are still queued: {out.stderr.strip()}")
     active = {}
@@ -353,7 +374,7 @@ def array_script(sweep: Sweep, cells: list[Cell], manifest: Path) -> str:
         "# srun does not inherit --cpus-per-task from sbatch since SLURM 22.05",
         'if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"; fi',
         *setup,
-        f"PYTHON=\"${{RL_PYTHON:-{sys.executable}}}\"",
+        f'PYTHON="${{RL_PYTHON:-{sys.executable}}}"',
         "# one process per task (= per device); Lightning's SLURM environment wires up DDP and the requeue",
         f'srun "$PYTHON" -m robust_lightning cell {shlex.quote(str(manifest))} --index "$SLURM_ARRAY_TASK_ID"',
         "",
@@ -367,8 +388,9 @@ def manifest_content(sweep: Sweep, cells: list[Cell]) -> dict[str, Any]:
         "workdir": str(sweep.workdir),
         "log_pattern": str(sweep.output_dir / "logs" / "{job}_{task}.out"),
         "wandb": None if sweep.wandb is None else {"group": sweep.name, "tags": _wandb_tags(sweep)},
-        "cells": [{"id": c.id, "labels": c.labels, "values": c.values, "dir": str(c.dir), "argv": c.argv}
-                  for c in cells],
+        "cells": [
+            {"id": c.id, "labels": c.labels, "values": c.values, "dir": str(c.dir), "argv": c.argv} for c in cells
+        ],
     }
 
 
@@ -382,8 +404,13 @@ def sweep_description(sweep: Sweep, cells: list[Cell]) -> dict[str, Any]:
         "name": sweep.name,
         "command": sweep.command,
         "axes": [{"name": a.name, "labels": a.labels} for a in sweep.axes],
-        "wandb": None if sweep.wandb is None else {"project": sweep.wandb.get("project", "robust-lightning"),
-                                                   "group": sweep.name, "tags": _wandb_tags(sweep)},
+        "wandb": None
+        if sweep.wandb is None
+        else {
+            "project": sweep.wandb.get("project", "robust-lightning"),
+            "group": sweep.name,
+            "tags": _wandb_tags(sweep),
+        },
         "cells": [{"id": c.id, "labels": c.labels, "dir": str(c.dir.relative_to(sweep.output_dir))} for c in cells],
     }
 
@@ -430,12 +457,15 @@ def submit(sweep: Sweep, dry_run: bool, local: bool, check_command: Callable[[li
     states = {}
     for cell in cells:
         state = cell_state(cell.dir)
-        states[cell.id] = "done" if state == "done" else f"in the queue ({queued[cell.id]})" if cell.id in queued \
-            else "to run"
+        states[cell.id] = (
+            "done" if state == "done" else f"in the queue ({queued[cell.id]})" if cell.id in queued else "to run"
+        )
     todo = [c for c in cells if states[c.id] == "to run"]
     done = sum(s == "done" for s in states.values())
-    summary = (f"sweep {sweep.name}: {len(cells)} cells, {done} done, {len(cells) - done - len(todo)} in the queue, "
-               f"{len(todo)} to run")
+    summary = (
+        f"sweep {sweep.name}: {len(cells)} cells, {done} done, {len(cells) - done - len(todo)} in the queue, "
+        f"{len(todo)} to run"
+    )
     number = _next_array(sweep.output_dir)
     manifest = sweep.output_dir / "arrays" / f"{number:03d}.json"
     script = array_script(sweep, todo, manifest) if todo else ""
@@ -455,16 +485,24 @@ def submit(sweep: Sweep, dry_run: bool, local: bool, check_command: Callable[[li
         return _run_local(sweep, todo, manifest, summary)
     if not shutil.which("sbatch"):
         raise UserError("sbatch not found: submit from a SLURM login node, or use --dry_run / --local")
-    out = subprocess.run(["sbatch", "--parsable", str(manifest.with_suffix(".sbatch"))], capture_output=True,
-                         text=True, cwd=sweep.workdir, timeout=120)
+    out = subprocess.run(
+        ["sbatch", "--parsable", str(manifest.with_suffix(".sbatch"))],
+        capture_output=True,
+        text=True,
+        cwd=sweep.workdir,
+        timeout=120,
+    )
     if out.returncode != 0:
         raise UserError(f"sbatch refused the array job: {out.stderr.strip() or out.stdout.strip()}")
     job_id = out.stdout.strip().split(";")[0]
-    submissions = _submissions(sweep.output_dir) + [{"job_id": job_id, "manifest": str(manifest),
-                                                     "cells": [c.id for c in todo]}]
+    submissions = _submissions(sweep.output_dir) + [
+        {"job_id": job_id, "manifest": str(manifest), "cells": [c.id for c in todo]}
+    ]
     write_json(sweep.output_dir / "submissions.json", submissions)
-    print(f"{summary}: submitted array job {job_id} ({manifest.with_suffix('.sbatch')})\n"
-          f"logs: {sweep.output_dir / 'logs'}\nreport: robust-lightning report {sweep.output_dir}")
+    print(
+        f"{summary}: submitted array job {job_id} ({manifest.with_suffix('.sbatch')})\n"
+        f"logs: {sweep.output_dir / 'logs'}\nreport: robust-lightning report {sweep.output_dir}"
+    )
     return 0
 
 
@@ -502,15 +540,27 @@ def sweep_main(argv: list[str], command_check: Callable[[], Callable[[list[str]]
             dry_run: print the array script and the cells; submit nothing
             local: run the cells one after another here, without SLURM
         """
-        spec = {"name": name, "command": command, "configs": configs, "args": args, "grid": grid,
-                "output_dir": output_dir, "slurm": slurm, "wandb": wandb}
-        return submit(sweep_from_spec(spec, source=f"sweep {name}" if name else "sweep"), dry_run, local,
-                      command_check())
+        spec = {
+            "name": name,
+            "command": command,
+            "configs": configs,
+            "args": args,
+            "grid": grid,
+            "output_dir": output_dir,
+            "slurm": slurm,
+            "wandb": wandb,
+        }
+        return submit(
+            sweep_from_spec(spec, source=f"sweep {name}" if name else "sweep"), dry_run, local, command_check()
+        )
 
     options, files = parse_tool_arguments(
-        sweep, argv, prog="robust-lightning sweep",
+        sweep,
+        argv,
+        prog="robust-lightning sweep",
         description="Expand a sweep file into cells and submit those without results as one SLURM array job, e.g.\n"
-        "  robust-lightning sweep --config configs/sweeps/quickstart.yaml --dry_run")
+        "  robust-lightning sweep --config configs/sweeps/quickstart.yaml --dry_run",
+    )
     if not options["name"] and files:
         options["name"] = files[-1].stem
     return sweep(**options)
@@ -524,9 +574,13 @@ def _run_local(sweep: Sweep, cells: list[Cell], manifest: Path, summary: str) ->
         print(f"[{index + 1}/{len(cells)}] {cell.id} (log: {log})", flush=True)
         with open(log, "a") as f:
             command = [sys.executable, "-m", "robust_lightning", "cell", str(manifest), "--index", str(index)]
-            code = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, cwd=sweep.workdir,
-                                  env={**os.environ, "RL_SWEEP_LOG": str(log)}).returncode
+            code = subprocess.run(
+                command,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                cwd=sweep.workdir,
+                env={**os.environ, "RL_SWEEP_LOG": str(log)},
+            ).returncode
         failed += code != 0
     print(f"{len(cells) - failed} of {len(cells)} cells succeeded\nreport: robust-lightning report {sweep.output_dir}")
     return 1 if failed else 0
-

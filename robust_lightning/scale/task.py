@@ -42,19 +42,25 @@ def run_cell(manifest_path: str, index: int, run: Callable[[list[str]], int]) ->
     os.chdir(manifest["workdir"])
     rank_zero = os.environ.get("SLURM_PROCID", "0") == "0"
     array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    log = os.environ.get("RL_SWEEP_LOG") or (manifest["log_pattern"].format(job=array, task=task)
-                                             if array and task else None)
+    log = os.environ.get("RL_SWEEP_LOG") or (
+        manifest["log_pattern"].format(job=array, task=task) if array and task else None
+    )
     record: dict[str, Any] = {
-        "sweep": manifest["sweep"], "cell": cell["id"], "labels": cell["labels"], "values": cell["values"],
+        "sweep": manifest["sweep"],
+        "cell": cell["id"],
+        "labels": cell["labels"],
+        "values": cell["values"],
         "job": f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID"),
-        "restarts": int(os.environ.get("SLURM_RESTART_COUNT", 0)), "log": log,
+        "restarts": int(os.environ.get("SLURM_RESTART_COUNT", 0)),
+        "log": log,
     }
     results = Path(cell["dir"]) / "results.json"
 
     def mark(status: str, **extra: Any) -> None:
         if rank_zero:
-            update_results(results, {"sweep": {**record, "status": status, **extra,
-                                               "updated": time.strftime("%Y-%m-%dT%H:%M:%S")}})
+            update_results(
+                results, {"sweep": {**record, "status": status, **extra, "updated": time.strftime("%Y-%m-%dT%H:%M:%S")}}
+            )
 
     if manifest.get("wandb"):  # read by every WandbLogger of the cell: one group and the same tags per sweep
         os.environ.setdefault("WANDB_RUN_GROUP", manifest["wandb"]["group"])
@@ -98,5 +104,9 @@ def cell_main(argv: list[str], run: Callable[[list[str]], int]) -> int:
             index = int(os.environ["SLURM_ARRAY_TASK_ID"])
         return run_cell(manifest, index, run)
 
-    return run_tool(cell, argv, prog="robust-lightning cell",
-                    description="Run cell INDEX of a sweep's array manifest (the sweep's array script does).")
+    return run_tool(
+        cell,
+        argv,
+        prog="robust-lightning cell",
+        description="Run cell INDEX of a sweep's array manifest (the sweep's array script does).",
+    )

@@ -70,8 +70,10 @@ def export_timm_folder(checkpoint: str | Path, out_dir: str | Path, ema: bool = 
     model, hparams = _restore(checkpoint, ema)
     if hparams.get("small_input"):
         # the strides are changed after timm built the net (use_small_input_strides); config.json cannot say so
-        raise UserError(f"{checkpoint} was trained with model.small_input: timm would rebuild it with the standard "
-                        "strides; export a .safetensors file instead and load it with robust-lightning")
+        raise UserError(
+            f"{checkpoint} was trained with model.small_input: timm would rebuild it with the standard "
+            "strides; export a .safetensors file instead and load it with robust-lightning"
+        )
     net = model.net
     channels = net.pretrained_cfg.get("input_size", (3,))[0]
     if hasattr(model.normalize, "mean"):
@@ -79,8 +81,14 @@ def export_timm_folder(checkpoint: str | Path, out_dir: str | Path, ema: bool = 
     else:  # the net takes [0, 1] images: timm's normalisation must be the identity
         mean, std = [0.0] * channels, [1.0] * channels
     size = hparams.get("image_size") or net.pretrained_cfg["input_size"][-1]
-    data_config = {"input_size": (channels, size, size), "mean": tuple(mean), "std": tuple(std),
-                   "interpolation": EVAL_INTERPOLATION, "crop_pct": EVAL_CROP_PCT, "crop_mode": "center"}
+    data_config = {
+        "input_size": (channels, size, size),
+        "mean": tuple(mean),
+        "std": tuple(std),
+        "interpolation": EVAL_INTERPOLATION,
+        "crop_pct": EVAL_CROP_PCT,
+        "crop_mode": "center",
+    }
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"{out_dir} exists and is not a directory")
@@ -110,8 +118,11 @@ def results_naming(checkpoint: Path) -> list[tuple[Path, dict]]:
     from robust_lightning.evaluation.results import file_sha256  # noqa: PLC0415
 
     sha = file_sha256(checkpoint)
-    folders = [folder for parent in (checkpoint.parent, checkpoint.parent.parent)
-               for folder in (parent, *sorted(parent.glob("*/")))]
+    folders = [
+        folder
+        for parent in (checkpoint.parent, checkpoint.parent.parent)
+        for folder in (parent, *sorted(parent.glob("*/")))
+    ]
     found = []
     for path in dict.fromkeys(folder / "results.json" for folder in folders):
         try:
@@ -131,30 +142,39 @@ def _percent(value: float) -> str:
     return f"{100 * value:.2f}"
 
 
-def model_card(checkpoint: Path, hparams: dict[str, Any], ema: bool, data_config: dict[str, Any],
-               results: list[tuple[Path, dict]]) -> str:
+def model_card(
+    checkpoint: Path, hparams: dict[str, Any], ema: bool, data_config: dict[str, Any], results: list[tuple[Path, dict]]
+) -> str:
     """README.md of an exported folder: what the weights are, how to feed them, how they were trained and
     what was measured on them (only numbers a results.json holds, each with where it came from)."""
     arch = hparams["arch"]
     mean, std = data_config["mean"], data_config["std"]
     raw_input = all(m == 0 for m in mean) and all(s == 1 for s in std)
     lines = [
-        f"# {arch}: {'EMA' if ema else 'raw'} weights exported by robust-lightning", "",
-        f"Exported from `{checkpoint.resolve()}`.", "",
-        "## Loading", "",
+        f"# {arch}: {'EMA' if ema else 'raw'} weights exported by robust-lightning",
+        "",
+        f"Exported from `{checkpoint.resolve()}`.",
+        "",
+        "## Loading",
+        "",
         "```python",
         *(["import robust_lightning  # registers the architecture with timm"] if needs_robust_lightning(arch) else []),
         "import timm",
         'model = timm.create_model("local-dir:PATH_TO_THIS_FOLDER", pretrained=True).eval()',
-        "```", "",
-        "## Input", "",
+        "```",
+        "",
+        "## Input",
+        "",
         f"- RGB images of {data_config['input_size'][-1]} x {data_config['input_size'][-1]} pixels.",
-        "- The model takes [0, 1] images as they are (no normalisation)." if raw_input else
-        f"- Normalise [0, 1] images with mean {_values(mean)} and std {_values(std)} first (as timm's data config "
+        "- The model takes [0, 1] images as they are (no normalisation)."
+        if raw_input
+        else f"- Normalise [0, 1] images with mean {_values(mean)} and std {_values(std)} first (as timm's data config "
         "does).",
         f"- Evaluation preprocessing: resize the shorter side to floor(size / {data_config['crop_pct']}) "
-        f"({data_config['interpolation']}), centre crop.", "",
-        "## Training", "",
+        f"({data_config['interpolation']}), centre crop.",
+        "",
+        "## Training",
+        "",
     ]
     attack = hparams.get("attack", "none")
     if attack == "none":
@@ -163,8 +183,11 @@ def model_card(checkpoint: Path, hparams: dict[str, Any], ema: bool, data_config
         eps, norm = hparams.get("attack_eps"), hparams.get("attack_norm")
         shown_eps = f"{eps * 255:.4g}/255" if norm == "Linf" else f"{eps:.4g}"
         lines.append(f"- Adversarial training: {attack}, {norm} eps {shown_eps}, {hparams.get('attack_steps')} steps.")
-    lines += [f"- {key}: {hparams[key]}" for key in ("init_from", "lr", "weight_decay", "label_smoothing",
-                                                     "ema_decay") if hparams.get(key) is not None]
+    lines += [
+        f"- {key}: {hparams[key]}"
+        for key in ("init_from", "lr", "weight_decay", "label_smoothing", "ema_decay")
+        if hparams.get(key) is not None
+    ]
     lines += ["", "## Results", ""]
     if not results:
         lines.append("No results.json beside the checkpoint names it: no numbers are reported here.")
@@ -173,8 +196,11 @@ def model_card(checkpoint: Path, hparams: dict[str, Any], ema: bool, data_config
         lines.append("")
         for stage in ("fit", "validate", "test"):
             metrics = sections.get(stage, {}).get("metrics", {})
-            shown = {key: value for key, value in metrics.items()
-                     if key.startswith(("val/", "test/")) and key.endswith(("acc1", "robust_acc"))}
+            shown = {
+                key: value
+                for key, value in metrics.items()
+                if key.startswith(("val/", "test/")) and key.endswith(("acc1", "robust_acc"))
+            }
             if shown:
                 lines.append(f"- {stage}: " + ", ".join(f"{key} {_percent(value)} %" for key, value in shown.items()))
         attack_section = sections.get("autoattack", {})
@@ -183,12 +209,20 @@ def model_card(checkpoint: Path, hparams: dict[str, Any], ema: bool, data_config
             conditions = attack_section.get("conditions", {})
             run = sections.get("test") or sections.get("fit") or {}
             data = run.get("conditions", {}).get("data") or {}
-            lines += ["", f"AutoAttack ({conditions.get('version')}, {conditions.get('precision')}; data: "
-                          f"{data.get('source', 'see results.json')} at {data.get('image_size')} px, subset "
-                          f"{data.get('eval_subset') or 'none'}):", "",
-                      "| threat model | images | clean (%) | robust (%) |", "| --- | --- | --- | --- |"]
-            lines += [f"| {name} | {t['num_points']} | {_percent(t['clean_accuracy'])} | "
-                      f"{_percent(t['robust_accuracy'])} |" for name, t in threats.items() if t.get("num_points")]
+            lines += [
+                "",
+                f"AutoAttack ({conditions.get('version')}, {conditions.get('precision')}; data: "
+                f"{data.get('source', 'see results.json')} at {data.get('image_size')} px, subset "
+                f"{data.get('eval_subset') or 'none'}):",
+                "",
+                "| threat model | images | clean (%) | robust (%) |",
+                "| --- | --- | --- | --- |",
+            ]
+            lines += [
+                f"| {name} | {t['num_points']} | {_percent(t['clean_accuracy'])} | {_percent(t['robust_accuracy'])} |"
+                for name, t in threats.items()
+                if t.get("num_points")
+            ]
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -208,19 +242,28 @@ def export(checkpoint: str, out: str, ema: bool = False) -> int:
         print(f"wrote {kind} weights of {checkpoint} to {path}")
         return 0
     path = export_timm_folder(checkpoint, out, ema=ema)
-    print(f"wrote {kind} weights of {checkpoint} as a timm model folder {path}: "
-          f'timm.create_model("local-dir:{path}", pretrained=True)')
+    print(
+        f"wrote {kind} weights of {checkpoint} as a timm model folder {path}: "
+        f'timm.create_model("local-dir:{path}", pretrained=True)'
+    )
     arch = json.loads((path / "config.json").read_text())["architecture"]
     if needs_robust_lightning(arch):
-        print(f"note: {arch} is an architecture of robust-lightning, not of timm: a process loading this folder must "
-              "`import robust_lightning` first (it registers the architecture with timm)", file=sys.stderr)
+        print(
+            f"note: {arch} is an architecture of robust-lightning, not of timm: a process loading this folder must "
+            "`import robust_lightning` first (it registers the architecture with timm)",
+            file=sys.stderr,
+        )
     return 0
 
 
 def export_main(argv: list[str] | None = None) -> int:
-    return run_tool(export, sys.argv[1:] if argv is None else argv, prog="robust-lightning export",
-                    description="Write the raw or EMA weights of a training checkpoint, e.g.\n"
-                    "  robust-lightning export runs/at/version_0/checkpoints/last.ckpt model-ema.safetensors --ema\n"
-                    "  (then evaluate it with --model.init_from model-ema.safetensors), or\n"
-                    "  robust-lightning export runs/at/version_0/checkpoints/last.ckpt model-ema/ --ema\n"
-                    '  (a folder for timm.create_model("local-dir:model-ema/", pretrained=True)).')
+    return run_tool(
+        export,
+        sys.argv[1:] if argv is None else argv,
+        prog="robust-lightning export",
+        description="Write the raw or EMA weights of a training checkpoint, e.g.\n"
+        "  robust-lightning export runs/at/version_0/checkpoints/last.ckpt model-ema.safetensors --ema\n"
+        "  (then evaluate it with --model.init_from model-ema.safetensors), or\n"
+        "  robust-lightning export runs/at/version_0/checkpoints/last.ckpt model-ema/ --ema\n"
+        '  (a folder for timm.create_model("local-dir:model-ema/", pretrained=True)).',
+    )

@@ -149,5 +149,7 @@ class Interruption(Callback):
         saved = checkpoint.last_model_path if has_last else None
         signal_name = "SIGTERM" if isinstance(exception, SIGTERMException) else "SIGINT (Ctrl-C)"
         where = f"last checkpoint: {saved}" if saved else "no checkpoint yet"
-        rank_zero_info(f"\nfit interrupted by {signal_name} at epoch {trainer.current_epoch}, step "
-                       f"{trainer.global_step}; {where}\nresume with: {resume_command(sys.argv[1:])}")
+        rank_zero_info(
+            f"\nfit interrupted by {signal_name} at epoch {trainer.current_epoch}, step "
+            f"{trainer.global_step}; {where}\nresume with: {resume_command(sys.argv[1:])}"
+        )

@@ -43,8 +43,11 @@ MODE_DEPENDENT = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd
 
 # The epoch values of these stages are reduced over the ranks before they are logged (torchmetrics' compute(),
 # strategy.reduce), so they are logged without sync_dist: Lightning's advice to add it does not apply to them.
-warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\('(train|val|val_ema|test|test_ema)/",
-                        category=PossibleUserWarning)
+warnings.filterwarnings(
+    "ignore",
+    message=r"It is recommended to use `self\.log\('(train|val|val_ema|test|test_ema)/",
+    category=PossibleUserWarning,
+)
 
 
 def accuracy_metrics(num_classes: int) -> MetricCollection:
@@ -217,17 +220,26 @@ class ImageClassifier(LightningModule):
         self.warm_start_report = None
         self.weights_from_checkpoint = False  # set by on_load_checkpoint: init_from is then never read
         self.train_metrics = MetricCollection(
-            {"clean_acc1": MulticlassAccuracy(num_classes, average="micro"),
-             "adv_acc1": MulticlassAccuracy(num_classes, average="micro")}, prefix="train/")
-        self.eval_metrics = nn.ModuleDict({
-            weights: MetricCollection({
-                **accuracy_metrics(num_classes),
-                "loss": MeanMetric(),
-                "robust_acc": MeanMetric(),
-                "num_images": SumMetric(),
-                "ece": CalibrationError(),
-            }) for weights in (["raw", "ema"] if self.ema is not None else ["raw"])
-        })
+            {
+                "clean_acc1": MulticlassAccuracy(num_classes, average="micro"),
+                "adv_acc1": MulticlassAccuracy(num_classes, average="micro"),
+            },
+            prefix="train/",
+        )
+        self.eval_metrics = nn.ModuleDict(
+            {
+                weights: MetricCollection(
+                    {
+                        **accuracy_metrics(num_classes),
+                        "loss": MeanMetric(),
+                        "robust_acc": MeanMetric(),
+                        "num_images": SumMetric(),
+                        "ece": CalibrationError(),
+                    }
+                )
+                for weights in (["raw", "ema"] if self.ema is not None else ["raw"])
+            }
+        )
 
     def warm_start(self) -> None:
         """Load ``init_from`` into the model, once, unless a checkpoint's weights were (or will be) loaded.
@@ -237,13 +249,20 @@ class ImageClassifier(LightningModule):
         never needs its warm-start file again.
         """
         trainer = self._trainer
-        if (not self.hparams.init_from or self.warm_start_report is not None or self.weights_from_checkpoint
-                or (trainer is not None and trainer.ckpt_path is not None)):
+        if (
+            not self.hparams.init_from
+            or self.warm_start_report is not None
+            or self.weights_from_checkpoint
+            or (trainer is not None and trainer.ckpt_path is not None)
+        ):
             return
         try:
-            self.warm_start_report = load_pretrained(self.model, self.hparams.init_from,
-                                                     new_head=self.hparams.new_head,
-                                                     prefer_ema=self.hparams.init_from_ema)
+            self.warm_start_report = load_pretrained(
+                self.model,
+                self.hparams.init_from,
+                new_head=self.hparams.new_head,
+                prefer_ema=self.hparams.init_from_ema,
+            )
         except UserError as e:
             raise UserError(f"model.init_from: {e}") from e
         rank_zero_info(str(self.warm_start_report))
@@ -298,13 +317,17 @@ class ImageClassifier(LightningModule):
         mismatched = sorted(
             [f"{k} (missing in checkpoint)" for k in ours.keys() - theirs.keys()]
             + [f"{k} (not in this model)" for k in theirs.keys() - ours.keys()]
-            + [f"{k} (checkpoint {tuple(theirs[k].shape)} vs model {tuple(v.shape)})"
-               for k, v in ours.items() if k in theirs and theirs[k].shape != v.shape]
+            + [
+                f"{k} (checkpoint {tuple(theirs[k].shape)} vs model {tuple(v.shape)})"
+                for k, v in ours.items()
+                if k in theirs and theirs[k].shape != v.shape
+            ]
         )
         if mismatched:
             saved = checkpoint.get("hyper_parameters", {})
-            listed = "\n  ".join(mismatched[:20]) + (f"\n  ... {len(mismatched) - 20} more"
-                                                     if len(mismatched) > 20 else "")
+            listed = "\n  ".join(mismatched[:20]) + (
+                f"\n  ... {len(mismatched) - 20} more" if len(mismatched) > 20 else ""
+            )
             raise UserError(
                 f"the checkpoint holds a {saved.get('arch', 'unknown')!r} model (num_classes "
                 f"{saved.get('num_classes')}, ema_decay {saved.get('ema_decay')}), incompatible with the configured "
@@ -416,12 +439,22 @@ class ImageClassifier(LightningModule):
             if hp.attack == "apgd":
                 last_forward = None
                 if self.reuse_forward:
+
                     def last_forward(x):  # train mode = eval mode for this model; keeps the parameter graph
                         self.model.train()
                         return self(x)
-                result = apgd(partial(self._run_for_attack, self.model), images, targets, norm=hp.attack_norm,
-                              eps=eps, n_iter=hp.attack_steps, loss="ce", random_start=hp.attack_random_start,
-                              last_forward=last_forward)
+
+                result = apgd(
+                    partial(self._run_for_attack, self.model),
+                    images,
+                    targets,
+                    norm=hp.attack_norm,
+                    eps=eps,
+                    n_iter=hp.attack_steps,
+                    loss="ce",
+                    random_start=hp.attack_random_start,
+                    last_forward=last_forward,
+                )
                 x_adv, start_logits = result.x_best, result.logits_start
             else:
                 x_adv = self._simple_attack(images, targets, eps)
@@ -463,8 +496,15 @@ class ImageClassifier(LightningModule):
         hp = self.hparams
         forward = partial(self._run_for_attack, self.model)
         if hp.attack == "pgd":
-            return pgd(forward, images, targets, norm=hp.attack_norm, eps=eps, n_iter=hp.attack_steps,
-                       random_start=hp.attack_random_start)
+            return pgd(
+                forward,
+                images,
+                targets,
+                norm=hp.attack_norm,
+                eps=eps,
+                n_iter=hp.attack_steps,
+                random_start=hp.attack_random_start,
+            )
         return fgsm(forward, images, targets, eps=eps, random_start=hp.attack == "fgsm_rs")
 
     def optimizer_step(self, *args, **kwargs) -> None:
@@ -479,8 +519,13 @@ class ImageClassifier(LightningModule):
         # compute() gathers over the ranks here, on every rank at the same point; the values logged are then equal
         # everywhere and need no sync_dist, whose lazy all-reduce runs wherever a value is first read (rank zero's
         # progress bar reads them earlier than the other ranks: they would wait in different collectives).
-        self.log_dict({f"train/{name}": metric.compute() for name, metric in self.train_metrics.items(keep_base=True)
-                       if name != "adv_acc1" or self.hparams.attack != "none"})
+        self.log_dict(
+            {
+                f"train/{name}": metric.compute()
+                for name, metric in self.train_metrics.items(keep_base=True)
+                if name != "adv_acc1" or self.hparams.attack != "none"
+            }
+        )
         self.train_metrics.reset()
 
     def configure_optimizers(self):
@@ -489,9 +534,14 @@ class ImageClassifier(LightningModule):
         if hp.weight_decay_rule == "official":
             decayed = official_decayed_names(self.model.net)
             named = [(name, p) for name, p in self.model.net.named_parameters() if p.requires_grad]
-            params = [group for group in (
-                {"params": [p for name, p in named if name in decayed], "weight_decay": hp.weight_decay},
-                {"params": [p for name, p in named if name not in decayed], "weight_decay": 0.0}) if group["params"]]
+            params = [
+                group
+                for group in (
+                    {"params": [p for name, p in named if name in decayed], "weight_decay": hp.weight_decay},
+                    {"params": [p for name, p in named if name not in decayed], "weight_decay": 0.0},
+                )
+                if group["params"]
+            ]
         optimizer = create_optimizer_v2(params, "adamw", lr=hp.lr, weight_decay=hp.weight_decay, betas=hp.betas)
         total = self.trainer.estimated_stepping_batches
         epochs = max(1, self.trainer.max_epochs or 1)
@@ -523,9 +573,16 @@ class ImageClassifier(LightningModule):
         """Per image: still correct under APGD-CE (the selection attack of the paper, training threat model)."""
         hp = self.hparams
         with torch.enable_grad():  # Lightning evaluates under no_grad (inference_mode is off in our CLI)
-            result = apgd(partial(self._run_for_attack, model), images, labels, norm=hp.attack_norm, eps=hp.attack_eps,
-                          n_iter=hp.select_attack_steps, loss="ce",
-                          exit_broken=torch.arange(len(images), device=images.device))  # only the flags are used
+            result = apgd(
+                partial(self._run_for_attack, model),
+                images,
+                labels,
+                norm=hp.attack_norm,
+                eps=hp.attack_eps,
+                n_iter=hp.select_attack_steps,
+                loss="ce",
+                exit_broken=torch.arange(len(images), device=images.device),
+            )  # only the flags are used
         return result.robust
 
     def _eval_epoch_end(self, stage: str) -> None:
@@ -534,8 +591,11 @@ class ImageClassifier(LightningModule):
         for weights, metrics in self.eval_metrics.items():
             prefix = stage if weights == "raw" else f"{stage}_ema"
             # decided by the configuration, not by update counts: every rank must log the same keys
-            values = {f"{prefix}/{name}": metric.compute() for name, metric in metrics.items(keep_base=True)
-                      if name != "robust_acc" or self.hparams.select_attack_steps}
+            values = {
+                f"{prefix}/{name}": metric.compute()
+                for name, metric in metrics.items(keep_base=True)
+                if name != "robust_acc" or self.hparams.select_attack_steps
+            }
             self.log_dict(values)
             if weights == self.hparams.select_on:
                 score = values.get(f"{prefix}/robust_acc", values[f"{prefix}/acc1"])
@@ -570,15 +630,19 @@ class ImageClassifier(LightningModule):
             "same peak, warm-up length and end",
         ]
         if hp.weight_decay_rule != "official":
-            differences.append("weight decay: timm's rule, no decay on biases, 1-D tensors and no_weight_decay() "
-                               "(official: ConvNeXt norm weights and layer scales, ViT pos_embed and cls_token "
-                               "decayed too; model.weight_decay_rule official)")
+            differences.append(
+                "weight decay: timm's rule, no decay on biases, 1-D tensors and no_weight_decay() "
+                "(official: ConvNeXt norm weights and layer scales, ViT pos_embed and cls_token "
+                "decayed too; model.weight_decay_rule official)"
+            )
         trainer = self._trainer
         if trainer is not None and str(trainer.precision) != "16-mixed":
             differences.append(f"precision {trainer.precision} (official: fp16 autocast with a GradScaler)")
         if hp.select_attack_steps:
-            differences.append("checkpoint selection during training, at every validation, on the held-out images "
-                               "(official: weights saved every epoch and selected afterwards)")
+            differences.append(
+                "checkpoint selection during training, at every validation, on the held-out images "
+                "(official: weights saved every epoch and selected afterwards)"
+            )
         return differences
 
     def conditions(self) -> dict:
@@ -586,23 +650,33 @@ class ImageClassifier(LightningModule):
         hp = self.hparams
         training = {"attack": hp.attack}
         if hp.attack != "none":
-            training |= {"norm": hp.attack_norm, "eps": hp.attack_eps, "steps": hp.attack_steps,
-                         "random_start": hp.attack_random_start, "eps_warmup_epochs": hp.eps_warmup_epochs,
-                         "reuse_attack_forward": self.reuse_forward}
+            training |= {
+                "norm": hp.attack_norm,
+                "eps": hp.attack_eps,
+                "steps": hp.attack_steps,
+                "random_start": hp.attack_random_start,
+                "eps_warmup_epochs": hp.eps_warmup_epochs,
+                "reuse_attack_forward": self.reuse_forward,
+            }
         return {
             "arch": hp.arch,
             "num_classes": hp.num_classes,
             "num_params": sum(p.numel() for p in self.model.parameters()),
-            "input": "[0,1] RGB" + (f", normalised inside the model: {self.model.normalize}"
-                                    if hasattr(self.model.normalize, "mean") else ""),
+            "input": "[0,1] RGB"
+            + (
+                f", normalised inside the model: {self.model.normalize}"
+                if hasattr(self.model.normalize, "mean")
+                else ""
+            ),
             "init_from": hp.init_from,
             "warm_start": None if self.warm_start_report is None else str(self.warm_start_report),
             "training": training,
             "ema_decay": hp.ema_decay,
             "selection": {
                 "metric": f"APGD-CE {hp.select_attack_steps} steps, {hp.attack_norm} eps {hp.attack_eps:.6g}, "
-                          f"{hp.select_on} weights" if hp.select_attack_steps
-                          else f"clean top-1, {hp.select_on} weights",
+                f"{hp.select_on} weights"
+                if hp.select_attack_steps
+                else f"clean top-1, {hp.select_on} weights",
             },
             "differences_from_official_code": self.differences_from_official_code(),
         }

@@ -107,8 +107,10 @@ class ProgressLines(ProgressBar):
             self._print(self._line(f"epoch {trainer.current_epoch}", batch_idx, total, shown_values(trainer)))
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
-        self._print(f"epoch {trainer.current_epoch} done in {_duration(time.monotonic() - self._started)} | "
-                    f"{_format(shown_values(trainer))}")
+        self._print(
+            f"epoch {trainer.current_epoch} done in {_duration(time.monotonic() - self._started)} | "
+            f"{_format(shown_values(trainer))}"
+        )
 
     # -------------------------------------------------------------------------------- evaluation, predict
     def _evaluation_start(self) -> None:
@@ -122,8 +124,11 @@ class ProgressLines(ProgressBar):
 
     def _evaluation_end(self, trainer, stage: str) -> None:
         # computed on every rank by now (Lightning reduces an evaluation's values before its end hooks)
-        metrics = {k: float(v) for k, v in sorted(trainer.callback_metrics.items()) if k.split("/")[0] in
-                   (stage, f"{stage}_ema")}
+        metrics = {
+            k: float(v)
+            for k, v in sorted(trainer.callback_metrics.items())
+            if k.split("/")[0] in (stage, f"{stage}_ema")
+        }
         took = _duration(time.monotonic() - self._evaluation_started)
         self._print(f"{stage} done in {took}" + (f" | {_format(metrics)}" if metrics else ""))
 

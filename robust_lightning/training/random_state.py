@@ -14,8 +14,13 @@ def random_states() -> dict:
     kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
     states = {
         "torch": torch.get_rng_state(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "position": int(position),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
         "python": list(random.getstate()[1]),
         "python_version": random.getstate()[0],
         "python_gauss": random.getstate()[2],
@@ -29,8 +34,9 @@ def set_random_states(states: dict) -> None:
     """Restore what ``random_states`` saved (the CUDA state only where this process uses CUDA)."""
     torch.set_rng_state(states["torch"].cpu())
     n = states["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["position"], n["has_gauss"],
-                         n["cached_gaussian"]))
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["position"], n["has_gauss"], n["cached_gaussian"])
+    )
     random.setstate((states["python_version"], tuple(states["python"]), states["python_gauss"]))
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["cuda"].cpu())

@@ -85,14 +85,20 @@ class FitRunDirectory(Callback):
         ``continues_them``: this fit resumes from one of them, which makes checkpoints saved before the owner was
         recorded (no marker) its own."""
         owner = (_read_json(checkpoints / OWNER_MARKER) or {}).get("run_directory")
-        advice = (f"resume that run with --ckpt_path last, set checkpoint.dirpath to a new directory, or delete "
-                  f"{checkpoints} to start over")
+        advice = (
+            f"resume that run with --ckpt_path last, set checkpoint.dirpath to a new directory, or delete "
+            f"{checkpoints} to start over"
+        )
         if owner is not None and Path(owner) != run_dir:
-            raise UserError(f"checkpoint.dirpath {checkpoints} holds the checkpoints of the run in {owner}, not of "
-                            f"this run ({run_dir}); a new fit there would overwrite them: {advice}")
+            raise UserError(
+                f"checkpoint.dirpath {checkpoints} holds the checkpoints of the run in {owner}, not of "
+                f"this run ({run_dir}); a new fit there would overwrite them: {advice}"
+            )
         if owner is None and not continues_them and any(checkpoints.glob("*.ckpt")):
-            raise UserError(f"checkpoint.dirpath {checkpoints} holds checkpoints of an earlier run; a new fit there "
-                            f"would overwrite them: {advice}")
+            raise UserError(
+                f"checkpoint.dirpath {checkpoints} holds checkpoints of an earlier run; a new fit there "
+                f"would overwrite them: {advice}"
+            )
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._locks.close()

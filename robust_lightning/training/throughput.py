@@ -85,8 +85,11 @@ class Throughput(Callback):
     @staticmethod
     def figures(totals: dict[str, float]) -> dict[str, float]:
         seconds = max(totals["seconds"], 1e-9)
-        return {"images_per_s": totals["images"] / seconds, "step_seconds": seconds / max(totals["steps"], 1),
-                "data_wait_share": min(1.0, totals["wait"] / seconds)}
+        return {
+            "images_per_s": totals["images"] / seconds,
+            "step_seconds": seconds / max(totals["steps"], 1),
+            "data_wait_share": min(1.0, totals["wait"] / seconds),
+        }
 
     def summary(self) -> dict[str, float] | None:
         """The run's figures over its logging intervals (the first left out when there are others), with the
@@ -94,5 +97,8 @@ class Throughput(Callback):
         totals = self._run if self._run and self._run["steps"] else self._first
         if not totals or not totals["steps"]:
             return None
-        return {**{k: round(v, 4) for k, v in self.figures(totals).items()}, "steps": int(totals["steps"]),
-                "images_per_device": int(totals["images"])}
+        return {
+            **{k: round(v, 4) for k, v in self.figures(totals).items()},
+            "steps": int(totals["steps"]),
+            "images_per_device": int(totals["images"]),
+        }
