@@ -27,9 +27,11 @@ quickstart: env
 	$(BIN)/robust-lightning fit --config configs/quickstart_clean.yaml
 	$(BIN)/robust-lightning fit --config configs/quickstart.yaml
 
-# The linter, then the suite; --durations keeps the slowest tests in view (the suite should stay ~10 min).
+# The linter and the formatter's check, then the suite; --durations keeps the slowest tests in view (the suite
+# should stay ~10 min).
 test: env
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest --durations=15
 
 clean:

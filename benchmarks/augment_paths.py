@@ -44,7 +44,7 @@ def main() -> None:
     times = {"grouped": [], "masked": []}
     for repeat in range(args.warmup + args.repeats):
         for path in times:  # alternating, so drifts in machine speed hit both alike
-            seconds = timed(lambda: run(path), device)
+            seconds = timed(lambda path=path: run(path), device)
             if repeat >= args.warmup:
                 times[path].append(seconds)
     augment.host_reads_are_cheap = cheap

@@ -50,7 +50,7 @@ def main() -> None:
     per_image = {}
     for name in CORRUPTIONS:
 
-        def work():
+        def work(name=name):
             for i, image in enumerate(batch):
                 for severity in range(1, 6):
                     corrupt(image, name, severity, rng=i)

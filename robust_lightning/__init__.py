@@ -3,7 +3,7 @@
 __version__ = "0.1.0"
 
 # First, before timm imports wandb: its temporary folders into one a killed process's successor removes.
-from robust_lightning.process_temp import import_wandb_into_process_folder  # noqa: E402
+from robust_lightning.process_temp import import_wandb_into_process_folder
 
 import_wandb_into_process_folder()
 

@@ -17,7 +17,7 @@ import zipfile
 from argparse import ArgumentError
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
@@ -237,7 +237,7 @@ def model_settings_over_checkpoint(subcommand: str, ckpt_path: str, model: dict,
 
 
 class RobustLightningCLI(LightningCLI):
-    model_overrides: dict[str, Any] = {}
+    model_overrides: ClassVar[dict[str, Any]] = {}
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Check --ckpt_path before LightningCLI reads it, and keep the model settings that apply over it."""

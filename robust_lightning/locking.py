@@ -15,7 +15,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from robust_lightning.errors import UserError
@@ -30,10 +30,8 @@ _held: set[int] = set()
 
 def _close_in_child() -> None:
     for fd in _held:
-        try:
+        with suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
     _held.clear()
 
 

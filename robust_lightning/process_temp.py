@@ -73,7 +73,7 @@ def import_wandb_into_process_folder() -> None:
     weakref.finalize(_owner, _remove_if_owner, folder, os.getpid())
     previous, tempfile.tempdir = tempfile.tempdir, str(folder)
     try:
-        import wandb.sdk.artifacts.artifact  # noqa: F401
+        import wandb.sdk.artifacts.artifact
         import wandb.sdk.data_types._private  # noqa: F401
     except ImportError:  # a broken wandb: timm, which imports it too, carries on without it
         pass

@@ -4,7 +4,7 @@ import os
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(2)
 

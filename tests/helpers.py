@@ -14,6 +14,7 @@ import termios
 import threading
 import traceback
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -172,7 +173,7 @@ class HostReads(TorchDispatchMode):
     frames, or the environment's HOSTREADS_DEPTH)."""
 
     _aten = torch.ops.aten
-    READS = {
+    READS: ClassVar = {
         _aten._local_scalar_dense.default,
         _aten.nonzero.default,
         _aten.masked_select.default,
@@ -183,7 +184,7 @@ class HostReads(TorchDispatchMode):
         _aten.equal.default,
         _aten.repeat_interleave.Tensor,
     }
-    MASK_INDEXING = {
+    MASK_INDEXING: ClassVar = {
         _aten.index.Tensor,
         _aten.index_put.default,
         _aten.index_put_.default,

@@ -161,15 +161,15 @@ class SlurmCluster:
         (r / "etc" / "plugstack.conf").write_text("")
 
     def _spawn(self, name: str, command: list[str]) -> None:
-        log = open(self.root / "log" / f"{name}.out", "w")
-        self.processes[name] = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=self.env,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
+        with open(self.root / "log" / f"{name}.out", "w") as log:  # the daemon keeps its own descriptor
+            self.processes[name] = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
 
     def _log_tail(self, name: str, chars: int = 1500) -> str:
         text = ""

@@ -1,6 +1,7 @@
 """The seed papers' attack analyses and the weight / shape-bias analyses: the spatial grid attack, FGSM / PGD
 sweeps, the transfer matrix, kernel attention distance and shape bias, plus one shipped config end to end."""
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -121,7 +122,7 @@ def test_fgsm_at_eps_0_is_clean_accuracy_and_accuracy_falls_with_eps():
     assert figure is None
     fgsm_acc = section["curves"]["fgsm"]["accuracy"]
     assert fgsm_acc[0] == section["clean_accuracy"] == pytest.approx(56 / 64)
-    assert all(a >= b for a, b in zip(fgsm_acc, fgsm_acc[1:])) and fgsm_acc[-1] < fgsm_acc[0]
+    assert all(a >= b for a, b in itertools.pairwise(fgsm_acc)) and fgsm_acc[-1] < fgsm_acc[0]
     assert section["curves"]["pgd-3"]["accuracy"][0] == section["clean_accuracy"]
     assert metrics["fgsm/eps_0.05"] == fgsm_acc[-1]
     for attack in ("fgsm", "pgd"):  # perturbations stay in the eps-ball and in [0, 1]

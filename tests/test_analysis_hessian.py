@@ -263,7 +263,7 @@ def test_training_sample_is_a_seeded_fraction_of_the_augmented_training_set(synt
     assert len(set(keys)) == 4 and set(keys) <= set(raw)  # distinct training images
     for batch in batches:
         assert batch["image"].dtype == torch.float32 and batch["image"].shape[1:] == (3, 32, 32)
-        assert 0 <= batch["image"].min() and batch["image"].max() <= 1
+        assert batch["image"].min() >= 0 and batch["image"].max() <= 1
     # the test run's data stay as they were: its evaluation set, and no training set of its own
     assert data.eval_set is evaluation and data.train_set is None
 

@@ -333,7 +333,7 @@ def _slow_l1_projection(x, delta, eps):
     for xi, di in zip(x.double().flatten(1), delta.double().flatten(1)):
         upper = torch.where(di > 0, 1 - xi, xi)  # box room in the direction of each coordinate
 
-        def proj(lam):
+        def proj(lam, di=di, upper=upper):
             return torch.sign(di) * torch.minimum((di.abs() - lam).clamp(min=0), upper)
 
         lo, hi = 0.0, float(di.abs().max())

@@ -134,7 +134,7 @@ def test_the_reference_engine_runs_in_true_fp32(trained, points, monkeypatch):
 
 
 def test_channels_last_inputs_change_the_layout_not_the_result(trained, points):
-    x, y = points
+    x, _y = points
     layouts = []
 
     def recording(images):
@@ -321,7 +321,7 @@ def test_batched_runs_keep_the_sequential_semantics():
     for bs in (1, 6, 13, 1000):
         calls = []
 
-        def attack(rows, run_ids):
+        def attack(rows, run_ids, calls=calls):
             calls.append((rows.tolist(), run_ids.tolist()))
             candidates = x[rows] + run_ids.view(-1, 1, 1, 1) / 100  # encodes the run that produced it
             return candidates, ~breaks[rows, run_ids]
@@ -337,7 +337,7 @@ def test_batched_runs_keep_the_sequential_semantics():
         assert len(attacked) == len(set(attacked))
         for rows, run_ids in calls:
             assert len(rows) <= max(bs, n_points)
-            for row, run in zip(rows, run_ids):  # only points not broken by an earlier batch are attacked
+            for row, _run in zip(rows, run_ids):  # only points not broken by an earlier batch are attacked
                 assert not any(breaks[row, r] for r in runs if r < min(run_ids))
     assert len(calls) == 1  # bs=1000: all nine runs in one batch
 

@@ -1,6 +1,7 @@
 """Distribution-shift benchmarks: class lists, metrics against independent computations (numpy, scikit-learn),
 layout errors, and one run through the CLI on tiny replicas of every layout."""
 
+import itertools
 import json
 from pathlib import Path
 
@@ -57,7 +58,7 @@ def test_accuracy_of_sliced_logits_matches_a_hand_computation():
 def numpy_ece(confidence: np.ndarray, correct: np.ndarray, bins: int = 15) -> float:
     edges = np.linspace(0, 1, bins + 1)
     ece = 0.0
-    for lo, hi in zip(edges[:-1], edges[1:]):
+    for lo, hi in itertools.pairwise(edges):
         inside = (confidence > lo) & (confidence <= hi)
         if inside.any():
             ece += inside.mean() * abs(correct[inside].mean() - confidence[inside].mean())

@@ -135,7 +135,7 @@ def test_fit_resumes_without_the_warm_start_file(moved_checkpoint, tmp_path):
 
 
 def test_export_and_load_model_never_read_the_warm_start_file(moved_checkpoint, tmp_path):
-    config, ckpt, _ = moved_checkpoint
+    _config, ckpt, _ = moved_checkpoint
     assert main(["export", str(ckpt), str(tmp_path / "w.safetensors")]) == 0
     model = load_model(None, ckpt)
     exported = load_model("test_convnext", tmp_path / "w.safetensors")

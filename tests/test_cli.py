@@ -261,7 +261,7 @@ def test_predict_writes_top5_predictions(fitted, tmp_path):
     )
     rows = next(tmp_path.glob("tiny/version_*/predictions-rank0.csv")).read_text().splitlines()
     assert rows[0] == "key,label,top5,top5_prob" and len(rows) == 1 + 16
-    key, label, top5, probs = rows[1].split(",")
+    _key, _label, top5, probs = rows[1].split(",")
     assert len(top5.split()) == 4 and abs(sum(map(float, probs.split())) - 1) < 1e-3  # 4 classes: all of them
 
 

@@ -426,7 +426,7 @@ def test_the_robustbench_subset_file_is_the_5000_image_list():
 
 @pytest.mark.parametrize("source", ["folder", "shards"])
 def test_eval_dataloader_with_another_transform_reads_the_same_images(tmp_path, source):
-    root, listed = _subset_tree(tmp_path)
+    root, _listed = _subset_tree(tmp_path)
     where = {"root": str(root)}
     if source == "shards":
         convert_image_folder(root / "val", tmp_path / "val_shards", samples_per_shard=5, workers=1, progress=False)

@@ -109,7 +109,7 @@ def test_eval_batches_are_unit_floats_on_the_device_up_to_the_limit(tmp_path, sy
     trainer, module = run_test(tmp_path, synthetic, [probe])
     assert [len(b["key"]) for b in probe.batches] == [3, 2]  # eval_batch_size 3, cut at the limit
     images = torch.cat([b["image"] for b in probe.batches])
-    assert images.dtype == torch.float32 and 0 <= images.min() and images.max() <= 1
+    assert images.dtype == torch.float32 and images.min() >= 0 and images.max() <= 1
     assert images.device == module.device and len(set(k for b in probe.batches for k in b["key"])) == 5
     assert probe.mode_inside is False
     run = Path(trainer.log_dir)

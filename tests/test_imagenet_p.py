@@ -3,6 +3,7 @@ normalisation, layout errors, and runs of the callback on a tiny replica of vide
 against an independent decode, a corrupt video skipped and named, DDP over two processes, the CLI config)."""
 
 import csv
+import itertools
 import json
 from contextlib import nullcontext
 from pathlib import Path
@@ -47,7 +48,7 @@ def brute_force_flips(predictions: list[int], noise: bool, difficulty: int = 1) 
     else:
         for start in range(difficulty):
             chain = predictions[start::difficulty]
-            flips += [int(a != b) for a, b in zip(chain, chain[1:])]
+            flips += [int(a != b) for a, b in itertools.pairwise(chain)]
     return sum(flips) / len(flips)
 
 
@@ -203,7 +204,7 @@ def imagenet_p_tree(root: Path) -> dict[str, list[Path]]:
         ],
         "speckle_noise": [root / "speckle_noise" / WNIDS[2] / "a.mp4", root / "speckle_noise" / WNIDS[2] / "b.mp4"],
     }
-    for p, (perturbation, paths) in enumerate(sequences.items()):
+    for p, (_perturbation, paths) in enumerate(sequences.items()):
         for s, path in enumerate(paths):
             frames = frames_of(10 * p + s, 4 if path.stem == "short" else 12 if path.name == "frames" else 6)
             if path.name == "frames":

@@ -28,3 +28,11 @@ def test_the_licence_file_is_the_one_the_metadata_names():
     assert importlib.metadata.metadata("robust-lightning")["License-Expression"] == "Apache-2.0"
     citation = yaml.safe_load((REPO / "CITATION.cff").read_text())
     assert citation["license"] == "Apache-2.0" and citation["cff-version"] == "1.2.0"
+
+
+def test_pre_commit_runs_the_ruff_that_make_test_runs():
+    hooks = yaml.safe_load((REPO / ".pre-commit-config.yaml").read_text())["repos"]
+    (ruff,) = [repo for repo in hooks if repo["repo"].endswith("ruff-pre-commit")]
+    assert {hook["id"] for hook in ruff["hooks"]} == {"ruff-check", "ruff-format"}
+    installed = importlib.metadata.version("ruff").split(".")[:2]
+    assert ruff["rev"].removeprefix("v").split(".")[:2] == installed  # formatting changes between minor versions

@@ -200,7 +200,7 @@ def manual_preprocessing(path: Path, r: int) -> torch.Tensor:
     short = math.floor(r / 0.875)
     size = (short, int(short * h / w)) if w <= h else (int(short * w / h), short)
     image = image.resize(size, Image.BICUBIC)
-    left, top = int(round((size[0] - r) / 2)), int(round((size[1] - r) / 2))
+    left, top = round((size[0] - r) / 2), round((size[1] - r) / 2)
     return pil_to_tensor(image.crop((left, top, left + r, top + r)))
 
 

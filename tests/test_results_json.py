@@ -133,10 +133,10 @@ def test_the_autoattack_keys_are_the_documented_ones(written):
 
 
 def test_every_evaluation_section_is_listed():
-    import robust_lightning.evaluation.benchmarks  # noqa: F401  (the subclasses register on import)
-    import robust_lightning.evaluation.card  # noqa: F401
-    import robust_lightning.evaluation.imagenet_c  # noqa: F401
-    import robust_lightning.evaluation.imagenet_p  # noqa: F401
+    import robust_lightning.evaluation.benchmarks
+    import robust_lightning.evaluation.card
+    import robust_lightning.evaluation.imagenet_c
+    import robust_lightning.evaluation.imagenet_p
     import robust_lightning.evaluation.resolution  # noqa: F401
     from robust_lightning.analysis.base import Analysis
 

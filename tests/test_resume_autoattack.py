@@ -152,8 +152,8 @@ def test_a_fit_resumed_with_nothing_left_to_train_keeps_the_metrics_it_measured(
 # ------------------------------------------------------------------------ outcome folders of other evaluations
 def test_a_folder_with_only_another_evaluations_manifest_is_taken_over(
     tmp_path,
-    checkpoint,
-    monkeypatch,  # noqa: F811
+    checkpoint,  # noqa: F811 - the fixture imported from test_autoattack
+    monkeypatch,
     caplog,
 ):
     ckpt, synthetic_root = checkpoint

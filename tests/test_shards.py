@@ -1,7 +1,9 @@
 """ImageFolder -> WebDataset shards converter and the shard/manifest helpers."""
 
+import functools
 import io
 import json
+import operator
 import os
 from pathlib import Path
 
@@ -116,7 +118,7 @@ def test_convert_round_trip(tree, tmp_path):
 
 
 def test_shuffle_is_deterministic_and_mixes_classes(tree, tmp_path):
-    src, files, _ = tree
+    src, _files, _ = tree
     first = convert_image_folder(src, tmp_path / "a", samples_per_shard=4, verify=False, workers=1, progress=False)
     convert_image_folder(src, tmp_path / "b", samples_per_shard=4, verify=False, workers=2, progress=False)
     convert_image_folder(src, tmp_path / "c", samples_per_shard=4, seed=1, verify=False, workers=1, progress=False)
@@ -126,13 +128,13 @@ def test_shuffle_is_deterministic_and_mixes_classes(tree, tmp_path):
     keys = [[s["__key__"] for s in shard] for shard in _read_shards(tmp_path / "a")]
     other_seed = [[s["__key__"] for s in shard] for shard in _read_shards(tmp_path / "c")]
     assert keys != other_seed
-    assert sorted(sum(keys, [])) == sorted(sum(other_seed, []))
+    assert sorted(functools.reduce(operator.iadd, keys, [])) == sorted(functools.reduce(operator.iadd, other_seed, []))
     # Sorted order would put 4 images of one class in the first shard; shuffled shards mix classes.
     assert all(len(shard["class_counts"]) > 1 for shard in first["shards"][:2])
 
 
 def test_no_shuffle_keeps_sorted_order(tree, tmp_path):
-    src, files, corrupt = tree
+    src, files, _corrupt = tree
     manifest = convert_image_folder(
         src, tmp_path / "val", prefix="val", samples_per_shard=3, shuffle=False, workers=2, progress=False
     )
@@ -323,7 +325,7 @@ def test_a_plain_rerun_rewrites_missing_and_truncated_shards(tree, tmp_path, cap
 
 
 def test_errors_about_damaged_shards_name_the_command_that_repairs_them(tree, tmp_path, capsys):
-    src, files, _ = tree
+    src, _files, _ = tree
     out = tmp_path / "out"
     convert_image_folder(src, out, prefix="part", samples_per_shard=3, shuffle=False, seed=3, workers=1, progress=False)
     shard = out / "part-000001.tar"

@@ -174,7 +174,7 @@ def test_sweep_array_job_then_report(slurm_env, tiny_checkpoint, tmp_path, capsy
     assert report["done"] == report["cells"] == 4 and report["missing_or_failed"] == []
     cells = {(r["data.image_size"], r["benchmark"]): r for r in report["rows"]}
     assert set(cells) == {("32", "clean"), ("32", "apgd_ce"), ("48", "clean"), ("48", "apgd_ce")}
-    for (size, benchmark), row in cells.items():
+    for (_size, benchmark), row in cells.items():
         assert row["status"] == "done" and row["test/num_images"] == 10
         robust = row.get("autoattack.Linf-4_255.robust_accuracy")
         assert (robust is not None) == (benchmark == "apgd_ce")

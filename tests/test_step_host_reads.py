@@ -3,6 +3,8 @@ erasing and MixUp/CutMix, the attack, the update, gradient accumulation, the EMA
 progress display) reads nothing back from the device outside logging steps: on a GPU each read would make the host
 wait for the device's queue. The GPU code paths are forced on the CPU (helpers.force_device_path)."""
 
+from typing import ClassVar
+
 import pytest
 from lightning import Callback
 
@@ -17,7 +19,7 @@ class ProbeStep(Callback):
     """Records the reads from the end of the step before PROBED_STEP to the end of PROBED_STEP: the next batch's
     loading, transfer and augmentation, the training step, backward, optimiser step, EMA and every hook."""
 
-    calls: list = []
+    calls: ClassVar[list] = []
 
     def __init__(self):
         self.mode = None

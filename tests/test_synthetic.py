@@ -2,6 +2,7 @@
 
 import io
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -61,7 +62,7 @@ def test_deterministic_and_cached(small, tmp_path):
     other = ensure_synthetic_dataset(tmp_path / "again", **{**SMALL, "workers": 1})
     for split in ("train", "val"):
         for a, b in zip(shard_urls(small / split), shard_urls(other / split), strict=True):
-            assert open(a, "rb").read() == open(b, "rb").read()
+            assert Path(a).read_bytes() == Path(b).read_bytes()
 
     before = {p: p.stat().st_mtime_ns for p in other.rglob("*")}
     assert ensure_synthetic_dataset(tmp_path / "again", **SMALL) == tmp_path / "again"

@@ -145,7 +145,7 @@ def test_two_shards_commands_into_one_folder(tmp_path):
         assert f"shard directory {out} is being written by pid {first.pid}" in second.stderr
         assert "Traceback" not in second.stderr
         go.touch()
-        stdout, stderr = first.communicate(timeout=300)
+        _stdout, stderr = first.communicate(timeout=300)
     finally:
         first.kill()
     assert first.returncode == 0, stderr

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 from torch import nn

@@ -7,7 +7,8 @@ present) and its scalars to the loggers. Analyses run in one process: they are c
 most of them (lesion, Hessian spectra, ...) are not sums over images that ranks could split.
 """
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn

@@ -25,9 +25,9 @@ a part that is itself a residual block, skips it). ``lesioned`` swaps the module
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 import torch
 from timm.models.convnext import ConvNeXt, ConvNeXtBlock
@@ -309,7 +309,7 @@ class FeatureTap:
         self.points.append((label, kind))
         self._plan.append((label, kind, module, how))
 
-    def __enter__(self) -> "FeatureTap":
+    def __enter__(self) -> FeatureTap:
         for label, _, module, how in self._plan:
             if how == "input":
                 self._handles.append(module.register_forward_pre_hook(self._store_input(label)))

@@ -92,7 +92,7 @@ def top_eigenvalues(
     for _ in range(top_k):
         v = torch.randn(dim, generator=generator, dtype=dtype).to(device)
         value, steps = None, 0
-        for steps in range(1, max_iter + 1):
+        for steps in range(1, max_iter + 1):  # noqa: B007 - read after the loop: the iterations it took
             for u in vectors:  # deflation: stay orthogonal to the eigenvectors found so far
                 v = v - torch.dot(u, v) * u
             v = v / v.norm().clamp_min(1e-12)

@@ -20,14 +20,14 @@ from .spatial import SpatialResult, spatial_grid, spatial_grid_attack
 from .square import SquareResult, square_attack
 
 __all__ = [
+    "LOSSES",
+    "NORMS",
     "APGDResult",
     "AutoAttack",
     "AutoAttackReport",
     "FABResult",
     "SpatialResult",
     "SquareResult",
-    "LOSSES",
-    "NORMS",
     "apgd",
     "dlr_loss",
     "dlr_targeted_loss",

@@ -20,8 +20,8 @@ Design constraints:
 * perturbations and losses are float32 even when the caller runs the model under bf16/fp16 autocast.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

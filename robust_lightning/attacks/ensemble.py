@@ -42,9 +42,10 @@ import contextlib
 import math
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -216,7 +217,7 @@ def folded_batchnorm(model: Callable[[Tensor], Tensor]) -> nn.Module | None:
     try:
         folded = fuse(model)  # works on a deep copy
     except Exception as error:  # noqa: BLE001 - tracing fails in many ways on dynamic code; the model still runs
-        warnings.warn(f"BatchNorm not folded for the attacks: torch.fx cannot trace the model ({error})")
+        warnings.warn(f"BatchNorm not folded for the attacks: torch.fx cannot trace the model ({error})", stacklevel=2)
         return None
     if batchnorms(folded) == batchnorms(model):
         return None  # no BatchNorm follows a convolution or linear layer directly

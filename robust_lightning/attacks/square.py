@@ -37,7 +37,7 @@ iterates are computed as ``x + delta + correction`` (see :func:`_l1_to_ball`).
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 from torch import Tensor
@@ -126,7 +126,7 @@ def _square_side(it: int, p_init: float, norm: str, c: int, h: int) -> int:
     """Side of the square window at iteration ``it`` (L2/L1: odd and >= 3, as in the reference)."""
     n_features = c * h * h
     # p * n_features / c rather than p * h * w: the same float rounding as the reference.
-    s = int(round(math.sqrt(_p_selection(it, p_init) * n_features / c)))
+    s = round(math.sqrt(_p_selection(it, p_init) * n_features / c))
     if norm == "Linf":
         s = max(s, 1)
     else:
@@ -152,7 +152,7 @@ def _rectangle(a: int, b: int, power: int, norm: str) -> Tensor:
     return rect / (rect.pow(2).sum().sqrt() if norm == "L2" else rect.abs().sum())
 
 
-@lru_cache(maxsize=None)
+@cache
 def _eta_pair(s: int, norm: str, dtype: torch.dtype, device: torch.device) -> Tensor:
     """(2, s, s): the reference's ``eta(s)`` for L2 (weights 1/k^2) or L1 (1/k^4) and its transpose.
 

@@ -236,7 +236,7 @@ def _gaussian_blur(x: Tensor, radius: Tensor, max_radius: float, passes: int = 3
     (8.24 fixed point), with edge pixels replicated and every pass rounded to 8 bits: Pillow's result bit
     for bit.
     """
-    n, c, h, w = x.shape
+    n, _c, _h, _w = x.shape
     sigma2 = radius.float() ** 2 / passes
     inner = torch.floor((torch.sqrt(12 * sigma2 + 1) - 1) / 2)  # l
     frac = (2 * inner + 1) * (inner * (inner + 1) - 3 * sigma2) / (6 * (sigma2 - (inner + 1) ** 2))  # a

@@ -597,7 +597,7 @@ class ImageNetDataModule(LightningDataModule):
         shuffle_buffer: int = 5000,
         seed: int = 0,
         on_missing_images: Literal["error", "warn"] = "error",
-        synthetic: SyntheticData = SyntheticData(),
+        synthetic: SyntheticData = SyntheticData(),  # noqa: B008 - a default --print_config shows; read, never mutated
     ):
         super().__init__()
         # Plain attributes, not save_hyperparameters(): checkpoints must load with weights_only=True, which
@@ -946,7 +946,7 @@ class ImageNetDataModule(LightningDataModule):
             )
         counts = [s["num_samples"] for s in manifest["shards"]]
         held = 0
-        for n_held, count in enumerate(reversed(counts), start=1):
+        for n_held, count in enumerate(reversed(counts), start=1):  # noqa: B007 - read after the loop
             held += count
             if held >= self.holdout:
                 break

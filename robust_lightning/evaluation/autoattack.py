@@ -45,7 +45,7 @@ from robust_lightning.evaluation.base import (
     evaluation_source,
     sum_over_ranks,
 )
-from robust_lightning.evaluation.outcomes import (  # noqa: F401 (read_outcomes, append_record: public here too)
+from robust_lightning.evaluation.outcomes import (
     append_record,
     claim_directory,
     read_outcomes,
@@ -120,7 +120,7 @@ class AutoAttackEvaluation(Evaluation):
 
     def __init__(
         self,
-        threat_models: list[dict[str, Any]] = list(DEFAULT_THREAT_MODELS),
+        threat_models: list[dict[str, Any]] = list(DEFAULT_THREAT_MODELS),  # noqa: B006 - a default --print_config shows; read, never mutated
         version: str = "standard",
         engine: str = "fast",
         precision: str = "fp32",

@@ -30,9 +30,10 @@ reported as skipped, with the reason, in results.json.
 
 import json
 import math
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

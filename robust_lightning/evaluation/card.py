@@ -96,11 +96,11 @@ class RobustnessCard(Evaluation):
     def __init__(
         self,
         datasets: dict[str, str | None] | None = None,
-        autoattack: dict[str, Any] | None = {},
+        autoattack: dict[str, Any] | None = {},  # noqa: B006 - a default --print_config shows; read, never mutated
         benchmarks: dict[str, Any] | None = None,
         imagenet_c: dict[str, Any] | None = None,
         imagenet_p: dict[str, Any] | None = None,
-        resolution_sweep: dict[str, Any] | None = {},
+        resolution_sweep: dict[str, Any] | None = {},  # noqa: B006 - a default --print_config shows; read, never mutated
         paper_results: bool = True,
     ):
         datasets = dict(datasets or {})

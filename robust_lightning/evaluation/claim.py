@@ -56,7 +56,8 @@ def leaderboard_differences(results: dict[str, Any]) -> tuple[list[str], dict[st
         ),
         (
             data.get("source") in ("folder", "shards") and data.get("eval_split", "val") == "val",
-            f"data source {data.get('source')!r} (split {data.get('eval_split')!r}), not ImageNet val (folder or shards)",
+            f"data source {data.get('source')!r} (split {data.get('eval_split')!r}), "
+            "not ImageNet val (folder or shards)",
         ),
         (data.get("class_map", "imagenet") == "imagenet", f"class map {data.get('class_map')!r}, not 'imagenet'"),
         (

@@ -24,10 +24,10 @@ edge pixels repeated; ImageMagick's 16-bit intermediate and 8-bit PNG output are
 
 import hashlib
 import math
+from collections.abc import Callable
 from functools import cache
 from io import BytesIO
 from pathlib import Path
-from typing import Callable
 
 import cv2
 import numpy as np

@@ -372,7 +372,7 @@ class ImageNetC(Evaluation):
         root: str | None = None,
         source: str = "released",
         corruptions: str | list[str] = "standard",
-        severities: list[int] = list(SEVERITIES),
+        severities: list[int] = list(SEVERITIES),  # noqa: B006 - a default --print_config shows; read, never mutated
         clean_error: float | None = None,
         alexnet_clean_error: float = ALEXNET_CLEAN_ERROR,
         limit_per_class: int | None = None,

@@ -41,10 +41,11 @@ import csv
 import importlib.util
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from PIL import Image
@@ -401,11 +402,11 @@ class ImageNetP(Evaluation):
     def on_test_start(self, trainer, pl_module) -> None:
         """Check the whole layout before any work: a wrong root fails the run at once, not hours in."""
         self.sequences = imagenet_p_sequences(self.root, self.perturbations, self.difficulty, self.max_videos)
-        if any(Path(s).suffix.lower() in VIDEO_SUFFIXES for paths in self.sequences.values() for s in paths):
-            if importlib.util.find_spec("cv2") is None:
-                raise UserError(
-                    "ImageNet-P videos are decoded with OpenCV: pip install opencv-python-headless (or opencv-python)"
-                )
+        videos = any(Path(s).suffix.lower() in VIDEO_SUFFIXES for paths in self.sequences.values() for s in paths)
+        if videos and importlib.util.find_spec("cv2") is None:
+            raise UserError(
+                "ImageNet-P videos are decoded with OpenCV: pip install opencv-python-headless (or opencv-python)"
+            )
         self.resolution = evaluation_resolution(trainer, pl_module, self.image_size)
 
     def on_test_end(self, trainer, pl_module) -> None:

@@ -40,11 +40,12 @@ Everything runs in ``on_test_end``, after the model's own test set, as the other
 import copy
 import json
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -278,9 +279,9 @@ class ResolutionSweep(Evaluation):
 
     def __init__(
         self,
-        resolutions: list[int] = list(DEFAULT_RESOLUTIONS),
+        resolutions: list[int] = list(DEFAULT_RESOLUTIONS),  # noqa: B006 - a default --print_config shows; read, never mutated
         crop_pct: float = 0.875,
-        threat_models: list[dict[str, Any]] = [{"norm": "Linf", "eps": 4 / 255}],
+        threat_models: list[dict[str, Any]] = [{"norm": "Linf", "eps": 4 / 255}],  # noqa: B006 - a default --print_config shows; read, never mutated
         attack: str | None = "apgd-t",
         n_iter: int | None = None,
         engine: str = "fast",

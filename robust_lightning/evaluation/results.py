@@ -5,6 +5,7 @@ merged into the file atomically, so a crash never leaves a half-written results.
 never erase earlier ones.
 """
 
+import contextlib
 import csv
 import hashlib
 import json
@@ -78,10 +79,8 @@ def software_versions() -> dict[str, str]:
         "opencv-contrib-python",
         "pyautoattack",
     ):
-        try:
+        with contextlib.suppress(PackageNotFoundError):
             versions[package] = version(package)
-        except PackageNotFoundError:
-            pass
     try:
         import cv2  # noqa: PLC0415 (only for its version)
 

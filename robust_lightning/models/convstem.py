@@ -40,9 +40,9 @@ from robust_lightning.models.timm_api import pretrained_cfg
 __all__ = [
     "CONVSTEM_PATCHSTEM_PAIRS",
     "CONVSTEM_STEM_PREFIX",
+    "ConvNeXtConvStem",
     "ConvStem",
     "ConvStemPatchEmbed",
-    "ConvNeXtConvStem",
     "find_convstem_prefix",
 ]
 

@@ -300,7 +300,7 @@ class RepLKNet(LinearHeadMixin, nn.Module):
         for stage in self.stages:
             stage.grad_checkpointing = enable
 
-    def reparameterize(self) -> "RepLKNet":
+    def reparameterize(self) -> RepLKNet:
         """Merge every large/small kernel pair for inference (in place); see ``reparameterize``."""
         return reparameterize(self)
 

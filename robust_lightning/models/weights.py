@@ -72,8 +72,8 @@ __all__ = [
     "load_pretrained",
     "read_checkpoint",
     "read_lightning_checkpoint",
-    "require_checkpoint_file",
     "read_state_dict",
+    "require_checkpoint_file",
     "save_net_weights",
 ]
 

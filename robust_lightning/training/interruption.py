@@ -143,9 +143,9 @@ class Interruption(Callback):
         has_last = isinstance(checkpoint, ModelCheckpoint) and checkpoint.save_last
         # Under DDP a save is a collective, and Ctrl-C stops each rank wherever it was: no collective here, the run
         # resumes from its last checkpoint (on SLURM, the requeue's hpc_ckpt_N.ckpt).
-        if has_last and checkpoint.dirpath and trainer.world_size == 1:
-            if checkpoint._last_global_step_saved != trainer.global_step:  # steps since the last checkpoint
-                checkpoint._save_last_checkpoint(trainer, checkpoint._monitor_candidates(trainer))
+        one_process = has_last and checkpoint.dirpath and trainer.world_size == 1
+        if one_process and checkpoint._last_global_step_saved != trainer.global_step:  # steps since the last save
+            checkpoint._save_last_checkpoint(trainer, checkpoint._monitor_candidates(trainer))
         saved = checkpoint.last_model_path if has_last else None
         signal_name = "SIGTERM" if isinstance(exception, SIGTERMException) else "SIGINT (Ctrl-C)"
         where = f"last checkpoint: {saved}" if saved else "no checkpoint yet"
