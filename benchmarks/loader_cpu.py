@@ -23,7 +23,8 @@ from PIL import Image
 
 from robust_lightning.data.augment import BatchAugment
 from robust_lightning.data.crop import random_resized_crop
-from robust_lightning.data.datamodule import collate, transform_bytes
+from robust_lightning.data.datasets import transform_bytes
+from robust_lightning.data.loaders import collate
 from robust_lightning.data.transforms import CanvasDecode, train_transform
 
 # ImageNet train is mostly 500 x 375 / 375 x 500 with a tail of larger photos

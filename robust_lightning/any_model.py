@@ -23,7 +23,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from robust_lightning.data.batch import IMAGE, KEY, LABEL
-from robust_lightning.data.datamodule import EvaluationSource, ImageNetDataModule, TrainingSample
+from robust_lightning.data.contract import EvaluationSource, TrainingSample
+from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.data.samplers import ExactDistributedSampler
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.autoattack import DEFAULT_THREAT_MODELS, AutoAttackEvaluation

@@ -10,15 +10,10 @@ from torch.utils.data import DataLoader
 
 from helpers import WNIDS, make_image_tree, write_image
 from robust_lightning.data.classes import class_map
-from robust_lightning.data.datamodule import (
-    Corrupt,
-    EvaluationSource,
-    ImageNetDataModule,
-    LabelledImageFolder,
-    ShardStream,
-    SyntheticData,
-    collate,
-)
+from robust_lightning.data.contract import EvaluationSource
+from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
+from robust_lightning.data.datasets import Corrupt, LabelledImageFolder, ShardStream
+from robust_lightning.data.loaders import collate
 from robust_lightning.data.samplers import ExactDistributedSampler
 from robust_lightning.data.shards import convert_image_folder, shard_urls
 from robust_lightning.data.transforms import eval_resize_size, eval_transform

@@ -171,7 +171,7 @@ def test_evaluations_ask_the_data_module_only_what_evaluation_data_lists():
     getattr/hasattr on it) is one of EvaluationData's members: the data module's other settings are its own."""
     import ast  # noqa: PLC0415
 
-    from robust_lightning.data.datamodule import EvaluationData  # noqa: PLC0415
+    from robust_lightning.data.contract import EvaluationData  # noqa: PLC0415
 
     allowed = set(EvaluationData.__annotations__) | {n for n in vars(EvaluationData) if not n.startswith("_")}
 

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from robust_lightning.cli import main
-from robust_lightning.data.datamodule import EpochLoader
+from robust_lightning.data.loaders import EpochLoader
 from robust_lightning.data.samplers import GlobalBatchSampler
 from test_cli import tiny_config
 

@@ -340,7 +340,8 @@ def test_errors_about_damaged_shards_name_the_command_that_repairs_them(tree, tm
     assert str(error.value).endswith(f"to rewrite the damaged shards, run: {expected}")
 
     # read anyway (data.on_missing_images warn skips the size check): the reader stops at the cut, naming both
-    from robust_lightning.data.datamodule import ImageNetDataModule, ShardStream
+    from robust_lightning.data.datamodule import ImageNetDataModule
+    from robust_lightning.data.datasets import ShardStream
     from robust_lightning.data.transforms import eval_transform
 
     for cut in (len(whole) // 2, 700):  # inside an image; inside the first member's padding (webdataset passes

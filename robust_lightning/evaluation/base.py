@@ -2,7 +2,7 @@
 every analysis: which weights are evaluated, the evaluation images, gathering over ranks, and one way to publish.
 
 An evaluation reads the data module only through its public interface,
-``robust_lightning.data.datamodule.EvaluationData``: e.g. ``eval_dataloader_with(transform, batch_size,
+``robust_lightning.data.contract.EvaluationData``: e.g. ``eval_dataloader_with(transform, batch_size,
 num_workers)`` (the evaluation images of the last ``setup``, this rank's share, through another per-image
 transform), ``image_size``, ``crop_pct``, ``evaluation_source()`` and ``conditions()``. A batch carries the keys
 of ``robust_lightning.data.batch``.
@@ -25,7 +25,7 @@ from torch import nn
 from tqdm import tqdm
 
 from robust_lightning.data.batch import IMAGE, KEY, LABEL
-from robust_lightning.data.datamodule import EvaluationSource
+from robust_lightning.data.contract import EvaluationSource
 from robust_lightning.data.samplers import rank_share
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.results import update_results

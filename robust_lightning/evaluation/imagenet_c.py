@@ -39,7 +39,7 @@ from torch.utils.data import IterableDataset
 from tqdm import tqdm
 
 from robust_lightning.data.classes import class_map
-from robust_lightning.data.datamodule import EvaluationSource
+from robust_lightning.data.contract import EvaluationSource
 from robust_lightning.data.transforms import eval_resize_size
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.base import (
