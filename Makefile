@@ -27,12 +27,12 @@ quickstart: env
 	$(BIN)/robust-lightning fit --config configs/quickstart_clean.yaml
 	$(BIN)/robust-lightning fit --config configs/quickstart.yaml
 
-# The linter and the formatter's check, then the suite; --durations keeps the slowest tests in view (the suite
-# should stay ~10 min).
+# The linter and the formatter's check, then the suite: one worker per core, each test file whole on one worker
+# (its module fixtures built once); --durations keeps the slowest tests in view (the suite should stay ~10 min).
 test: env
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest --durations=15
+	$(BIN)/python -m pytest -n auto --dist loadfile --durations=15
 
 clean:
 	rm -rf runs lightning_logs .pytest_cache

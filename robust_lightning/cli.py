@@ -6,23 +6,19 @@ Trainer subcommands go to LightningCLI unchanged (configs compose left to right,
 the arguments; they parse their options with the same parser (robust_lightning.argument_parsing).
 """
 
-import inspect
-import itertools
-import math
 import netrc
 import os
 import re
 import sys
-import zipfile
 from argparse import ArgumentError
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import yaml
-from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import robust_lightning
@@ -32,13 +28,14 @@ from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.results import PredictionWriter, RunResults
 from robust_lightning.loggers import SaveConfigToWandb
-from robust_lightning.models.weights import read_lightning_checkpoint, require_weights
+from robust_lightning.models.weights import require_weights
 from robust_lightning.scale.srun import shield_forked_children
 from robust_lightning.training.checkpoint_io import AtomicCheckpointIO, LatestCheckpoint
+from robust_lightning.training.checkpoint_policy import model_settings_over_checkpoint
 from robust_lightning.training.interruption import EXIT_SIGTERM, Interruption
 from robust_lightning.training.lightning_module import ImageClassifier
 from robust_lightning.training.progress import default_progress_bar
-from robust_lightning.training.run_directory import FitRunDirectory, fit_checkpoint_directory
+from robust_lightning.training.run_directory import FitRunDirectory, continue_in_latest_run_directory
 from robust_lightning.training.throughput import Throughput
 
 TRAINER_COMMANDS = {
@@ -105,135 +102,7 @@ TOOL_COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
 }
 
 
-def newest_intact_checkpoint(directory: Path) -> tuple[Path | None, list[str]]:
-    """The checkpoint a resume should start from: last.ckpt, or else the newest other checkpoint of ``directory``,
-    provided it reads to its end (a torch checkpoint is a zip archive, whose directory is at the end: a cut file
-    has none). Returns it (None when there is none) and a note on each newer one passed over."""
-    if not directory.is_dir():
-        return None, []
-    files = [p for p in directory.glob(f"*{ModelCheckpoint.FILE_EXTENSION}") if not p.name.startswith(".")]
-    last = [p for p in files if p.name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST)]
-    others = sorted(set(files) - set(last), key=lambda p: p.stat().st_mtime, reverse=True)
-    passed = []
-    for candidate in sorted(last, key=lambda p: p.stat().st_mtime, reverse=True) + others:
-        try:
-            with zipfile.ZipFile(candidate):
-                return candidate, passed
-        except (zipfile.BadZipFile, OSError) as e:
-            passed.append(f"{candidate.name} is damaged ({type(e).__name__}: {e})")
-    return None, passed
-
-
-def continue_in_latest_run_directory(config) -> None:
-    """``fit --ckpt_path last`` continues a run in its own directory, whatever the moment it stopped.
-
-    The run-directory logger (the first; CSV or TensorBoard) without an explicit version takes the newest
-    version_N that a fit wrote (not one a validate or test created) instead of opening a new one, so the
-    checkpoint search, the logs and results.json all stay with the run being resumed (a requeued or killed job
-    continues where it was). Other versioned loggers take their newest version_N. The fit then starts from the
-    newest intact checkpoint of that run (``newest_intact_checkpoint``); with none (the run stopped before its
-    first checkpoint, or there was no earlier run), it says so and starts afresh in the same run directory:
-    Lightning alone would warn and silently start from scratch in a new one."""
-    loggers = config.trainer.get("logger")
-    loggers = loggers if isinstance(loggers, list) else [loggers]
-    run_dir = None
-    for index, logger in enumerate(loggers):
-        init = getattr(logger, "init_args", None)
-        if init is None or "version" not in init or "save_dir" not in init:
-            continue
-        runs = Path(init.save_dir) / (init.get("name") or "")  # no name: versions directly in save_dir
-        if init.version is not None:
-            if index == 0:
-                run_dir = runs / (init.version if isinstance(init.version, str) else f"version_{init.version}")
-            continue
-        versions = [
-            int(p.name[len("version_") :])
-            for p in runs.glob("version_*")
-            if p.name[len("version_") :].isdigit() and (index > 0 or fit_checkpoint_directory(p) is not None)
-        ]
-        if not versions and index == 0:
-            rank_zero_info(f"--ckpt_path last: no earlier fit of this config in {runs}; starting one")
-            config.ckpt_path = None
-            return
-        if versions:
-            init.version = max(versions)
-            run_dir = run_dir or runs / f"version_{init.version}"
-            # CSVLogger deletes an existing metrics.csv when it opens the directory: keep the history
-            metrics = runs / f"version_{init.version}" / "metrics.csv"
-            if metrics.is_file():
-                part = next(k for k in itertools.count(1) if not metrics.with_name(f"metrics.part{k}.csv").exists())
-                metrics.rename(metrics.with_name(f"metrics.part{part}.csv"))
-    dirpath = config.get("checkpoint.dirpath")
-    if dirpath:
-        checkpoints = Path(dirpath)
-    elif run_dir is not None:
-        checkpoints = fit_checkpoint_directory(run_dir) or run_dir / "checkpoints"
-    elif config.trainer.get("logger") is False:
-        checkpoints = Path(config.trainer.get("default_root_dir") or ".") / "checkpoints"
-    else:
-        return  # Lightning's default logger: its directory is not known before it is created
-    chosen, passed = newest_intact_checkpoint(checkpoints)
-    where = f" (the run in {run_dir})" if run_dir is not None else ""
-    notes = "".join(f"; {note}" for note in passed)
-    if chosen is None:
-        rank_zero_info(
-            f"--ckpt_path last: no intact checkpoint in {checkpoints}{where}{notes}: the run stopped "
-            "before its first one, so it starts afresh in the same run directory"
-        )
-        config.ckpt_path = None
-    elif passed or not chosen.name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST):
-        rank_zero_info(f"--ckpt_path last: resuming from {chosen}, the newest intact checkpoint{where}{notes}")
-        config.ckpt_path = str(chosen)
-
-
-# What a checkpoint given with --ckpt_path carries, and which of its settings win (docs/command-line.md, "What a
-# checkpoint carries"). LightningCLI re-parses the checkpoint's hyper-parameters over the command line and the configs;
-# model settings given there that differ from the checkpoint's are applied again over them, except:
-ARCHITECTURE_SETTINGS = ("arch", "arch_kwargs", "mean", "std", "small_input", "ema_decay")  # define its tensors
-OPTIMIZER_SETTINGS = ("lr", "min_lr", "warmup_epochs", "weight_decay", "weight_decay_rule", "betas")  # fit resumes them
-# unused: the checkpoint's weights replace a warm start
-WARM_START_SETTINGS = ("init_from", "init_from_ema", "new_head")
-DATA_LINKED_SETTINGS = ("num_classes", "image_size")  # set from data.*; on_load_checkpoint refuses a mismatch
 LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")  # resolved by the Trainer, not paths
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equal as settings: lists and tuples alike, floats to float32 precision (a normaliser read from tensors)."""
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(map(_same, a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if type(a) in (int, float) and type(b) in (int, float):
-        return math.isclose(a, b, rel_tol=1e-6)
-    return a == b
-
-
-def model_settings_over_checkpoint(subcommand: str, ckpt_path: str, model: dict, named: set[str]) -> dict:
-    """The model settings given on the command line or in a config that differ from the checkpoint's and apply
-    over them; a UserError for one the checkpoint decides. A setting counts as given when it is named on the
-    command line or differs from ImageClassifier's default."""
-    saved = read_lightning_checkpoint(ckpt_path)
-    defaults = {name: p.default for name, p in inspect.signature(ImageClassifier.__init__).parameters.items()}
-    applied = {}
-    for key, value in model.items():
-        if key not in saved or key in WARM_START_SETTINGS or key in DATA_LINKED_SETTINGS:
-            continue
-        given = key in named or not _same(value, defaults.get(key, value))
-        if not given or _same(value, saved[key]):
-            continue
-        if key in ARCHITECTURE_SETTINGS:
-            wins = "the architecture and the input normaliser, which define the weights it holds"
-        elif key in OPTIMIZER_SETTINGS and subcommand == "fit":
-            wins = "the optimiser and the learning-rate schedule, whose state fit resumes from it"
-        else:
-            applied[key] = value
-            continue
-        option = f"--model.{key}" if key in named else f"model.{key} (from a config)"
-        raise UserError(
-            f"{option} {value!r} conflicts with the checkpoint's {key} {saved[key]!r} ({ckpt_path}): "
-            f"the checkpoint's setting wins for {wins}; drop the option"
-        )
-    return applied
 
 
 class RobustLightningCLI(LightningCLI):

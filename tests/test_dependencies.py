@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOT_IMPORTED = {
     "jsonargparse": "LightningCLI (lightning.pytorch.cli) parses the command line and configs with it",
     "ruff": "the linter `make test` runs before the suite (a command, not a module)",
+    "pytest-xdist": "a pytest plugin: `make test` passes its -n option",
     "mkdocs-material": "the theme of the manual's site (mkdocs.yml), built by tests/test_docs.py",
     "mkdocstrings": "the API page of the manual's site (docs/api.md), a plugin mkdocs loads",
 }

@@ -8,15 +8,19 @@
   Resuming (``--ckpt_path last``) continues in the recorded run directory, so it is not refused; a resume by
   path from a new run directory is (the earlier run's results.json would no longer match its checkpoints).
 - The run directory of a fit is marked (``.fit``, naming its checkpoint directory): ``--ckpt_path last`` looks
-  only at run directories so marked, never at one a validate or test created.
+  only at run directories so marked, never at one a validate or test created
+  (``continue_in_latest_run_directory``), and starts from the newest intact checkpoint there.
 """
 
+import itertools
 import json
+import zipfile
 from contextlib import ExitStack
 from pathlib import Path
 
 from lightning import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info
 
 from robust_lightning.atomic import atomic_write_json
 from robust_lightning.errors import UserError
@@ -105,3 +109,84 @@ class FitRunDirectory(Callback):
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._locks.close()
+
+
+def newest_intact_checkpoint(directory: Path) -> tuple[Path | None, list[str]]:
+    """The checkpoint a resume should start from: last.ckpt, or else the newest other checkpoint of ``directory``,
+    provided it reads to its end (a torch checkpoint is a zip archive, whose directory is at the end: a cut file
+    has none). Returns it (None when there is none) and a note on each newer one passed over."""
+    if not directory.is_dir():
+        return None, []
+    files = [p for p in directory.glob(f"*{ModelCheckpoint.FILE_EXTENSION}") if not p.name.startswith(".")]
+    last = [p for p in files if p.name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST)]
+    others = sorted(set(files) - set(last), key=lambda p: p.stat().st_mtime, reverse=True)
+    passed = []
+    for candidate in sorted(last, key=lambda p: p.stat().st_mtime, reverse=True) + others:
+        try:
+            with zipfile.ZipFile(candidate):
+                return candidate, passed
+        except (zipfile.BadZipFile, OSError) as e:
+            passed.append(f"{candidate.name} is damaged ({type(e).__name__}: {e})")
+    return None, passed
+
+
+def continue_in_latest_run_directory(config) -> None:
+    """``fit --ckpt_path last`` continues a run in its own directory, whatever the moment it stopped.
+
+    The run-directory logger (the first; CSV or TensorBoard) without an explicit version takes the newest
+    version_N that a fit wrote (not one a validate or test created) instead of opening a new one, so the
+    checkpoint search, the logs and results.json all stay with the run being resumed (a requeued or killed job
+    continues where it was). Other versioned loggers take their newest version_N. The fit then starts from the
+    newest intact checkpoint of that run (``newest_intact_checkpoint``); with none (the run stopped before its
+    first checkpoint, or there was no earlier run), it says so and starts afresh in the same run directory:
+    Lightning alone would warn and silently start from scratch in a new one."""
+    loggers = config.trainer.get("logger")
+    loggers = loggers if isinstance(loggers, list) else [loggers]
+    run_dir = None
+    for index, logger in enumerate(loggers):
+        init = getattr(logger, "init_args", None)
+        if init is None or "version" not in init or "save_dir" not in init:
+            continue
+        runs = Path(init.save_dir) / (init.get("name") or "")  # no name: versions directly in save_dir
+        if init.version is not None:
+            if index == 0:
+                run_dir = runs / (init.version if isinstance(init.version, str) else f"version_{init.version}")
+            continue
+        versions = [
+            int(p.name[len("version_") :])
+            for p in runs.glob("version_*")
+            if p.name[len("version_") :].isdigit() and (index > 0 or fit_checkpoint_directory(p) is not None)
+        ]
+        if not versions and index == 0:
+            rank_zero_info(f"--ckpt_path last: no earlier fit of this config in {runs}; starting one")
+            config.ckpt_path = None
+            return
+        if versions:
+            init.version = max(versions)
+            run_dir = run_dir or runs / f"version_{init.version}"
+            # CSVLogger deletes an existing metrics.csv when it opens the directory: keep the history
+            metrics = runs / f"version_{init.version}" / "metrics.csv"
+            if metrics.is_file():
+                part = next(k for k in itertools.count(1) if not metrics.with_name(f"metrics.part{k}.csv").exists())
+                metrics.rename(metrics.with_name(f"metrics.part{part}.csv"))
+    dirpath = config.get("checkpoint.dirpath")
+    if dirpath:
+        checkpoints = Path(dirpath)
+    elif run_dir is not None:
+        checkpoints = fit_checkpoint_directory(run_dir) or run_dir / "checkpoints"
+    elif config.trainer.get("logger") is False:
+        checkpoints = Path(config.trainer.get("default_root_dir") or ".") / "checkpoints"
+    else:
+        return  # Lightning's default logger: its directory is not known before it is created
+    chosen, passed = newest_intact_checkpoint(checkpoints)
+    where = f" (the run in {run_dir})" if run_dir is not None else ""
+    notes = "".join(f"; {note}" for note in passed)
+    if chosen is None:
+        rank_zero_info(
+            f"--ckpt_path last: no intact checkpoint in {checkpoints}{where}{notes}: the run stopped "
+            "before its first one, so it starts afresh in the same run directory"
+        )
+        config.ckpt_path = None
+    elif passed or not chosen.name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST):
+        rank_zero_info(f"--ckpt_path last: resuming from {chosen}, the newest intact checkpoint{where}{notes}")
+        config.ckpt_path = str(chosen)
