@@ -28,7 +28,7 @@ from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.results import PredictionWriter, RunResults
 from robust_lightning.loggers import SaveConfigToWandb
-from robust_lightning.models.weights import require_weights
+from robust_lightning.models.checkpoints import require_weights
 from robust_lightning.scale.srun import shield_forked_children
 from robust_lightning.training.checkpoint_io import AtomicCheckpointIO, LatestCheckpoint
 from robust_lightning.training.checkpoint_policy import model_settings_over_checkpoint

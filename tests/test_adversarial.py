@@ -11,7 +11,7 @@ from lightning import Trainer
 
 from robust_lightning.attacks import apgd
 from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
-from robust_lightning.models.weights import read_checkpoint
+from robust_lightning.models.checkpoints import read_checkpoint
 from robust_lightning.training import lightning_module as classifier_module
 from robust_lightning.training.export import export_weights
 from robust_lightning.training.lightning_module import ImageClassifier, has_mode_dependent_layers, soft_targets

@@ -14,8 +14,8 @@ from lightning import Trainer
 from robust_lightning import load_model
 from robust_lightning.cli import main
 from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
+from robust_lightning.models.checkpoints import save_net_weights
 from robust_lightning.models.classifier import build_classifier
-from robust_lightning.models.weights import save_net_weights
 from robust_lightning.training.lightning_module import ImageClassifier
 from test_cli import tiny_config
 

@@ -114,7 +114,7 @@ def test_export_takes_its_options_from_a_config_file(tmp_path, capsys):
     }
     assert main(["export", "--config", str(options)]) == 0
     assert "wrote EMA weights" in capsys.readouterr().out
-    from robust_lightning.models.weights import read_state_dict
+    from robust_lightning.models.checkpoints import read_state_dict
 
     exported = read_state_dict(tmp_path / "w.safetensors")
     for key, value in module.ema.module.net.state_dict().items():

@@ -11,14 +11,9 @@ from timm.layers import resample_abs_pos_embed
 
 import robust_lightning  # noqa: F401  (registers the models with timm)
 from robust_lightning.errors import UserError
+from robust_lightning.models.checkpoints import read_checkpoint, read_state_dict, save_net_weights
 from robust_lightning.models.classifier import build_classifier
-from robust_lightning.models.weights import (
-    WarmStartReport,
-    load_pretrained,
-    read_checkpoint,
-    read_state_dict,
-    save_net_weights,
-)
+from robust_lightning.models.weights import WarmStartReport, load_pretrained
 
 
 class NotATensor:

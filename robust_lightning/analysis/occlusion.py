@@ -30,7 +30,7 @@ from robust_lightning.analysis.base import Analysis, model_label, new_figure
 from robust_lightning.analysis.blocks import as_map, attention_probabilities, find_blocks
 from robust_lightning.analysis.lesion import summary
 from robust_lightning.errors import UserError
-from robust_lightning.models.weights import read_state_dict
+from robust_lightning.models.checkpoints import read_state_dict
 
 __all__ = ["Occlusion", "cls_attention", "drop_patches", "mass_mask", "random_patch_mask"]
 

@@ -11,18 +11,11 @@ from robust_lightning.models import (  # noqa: F401  (registers with timm)
     large_kernel_convnext,
     replknet,
 )
+from robust_lightning.models.checkpoints import read_checkpoint, read_state_dict, save_net_weights
 from robust_lightning.models.classifier import InputNormalization, RobustClassifier, build_classifier
 from robust_lightning.models.convstem import CONVSTEM_PATCHSTEM_PAIRS, CONVSTEM_STEM_PREFIX, ConvStem
 from robust_lightning.models.robustbench import robustbench_entries, robustbench_entry
-from robust_lightning.models.weights import (
-    WarmStartReport,
-    adopt_normalizer,
-    load_model,
-    load_pretrained,
-    read_checkpoint,
-    read_state_dict,
-    save_net_weights,
-)
+from robust_lightning.models.weights import WarmStartReport, adopt_normalizer, load_model, load_pretrained
 
 __all__ = [
     "CONVSTEM_PATCHSTEM_PAIRS",

@@ -47,7 +47,7 @@ class RobustClassifier(nn.Module):
 
     ``normalize`` is an InputNormalization, or nn.Identity when the net takes raw [0, 1] input (as the
     released models of Singh et al. do). ``net`` is the timm model. Keep both attribute names: checkpoints and
-    ``weights.read_state_dict`` rely on the ``normalize.`` / ``net.`` key prefixes.
+    ``checkpoints.read_state_dict`` rely on the ``normalize.`` / ``net.`` key prefixes.
     """
 
     def __init__(self, net: nn.Module, mean: Sequence[float] | None = None, std: Sequence[float] | None = None):

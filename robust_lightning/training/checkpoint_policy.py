@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from robust_lightning.errors import UserError
-from robust_lightning.models.weights import read_lightning_checkpoint
+from robust_lightning.models.checkpoints import read_lightning_checkpoint
 from robust_lightning.training.lightning_module import ImageClassifier
 
 # The user's documentation: docs/command-line.md, "What a checkpoint carries". Given settings apply, except:

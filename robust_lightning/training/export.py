@@ -23,8 +23,8 @@ from timm.models import model_entrypoint, save_for_hf
 from robust_lightning.argument_parsing import run_tool
 from robust_lightning.atomic import atomic_write_json, atomic_write_text, give_ordinary_permissions
 from robust_lightning.errors import UserError
+from robust_lightning.models.checkpoints import read_checkpoint, save_net_weights
 from robust_lightning.models.classifier import RobustClassifier
-from robust_lightning.models.weights import read_checkpoint, save_net_weights
 
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".pt", ".pth")
 # the evaluation preprocessing of robust_lightning.data.transforms.eval_transform at its default
