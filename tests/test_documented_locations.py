@@ -12,7 +12,7 @@ import yaml
 
 from helpers import REPO
 from robust_lightning.locking import LOCK_NAME
-from robust_lightning.scale.sweep import load_sweep
+from robust_lightning.scale.sweep_spec import load_sweep
 
 RUN_CONFIGS = sorted(
     path for path in (REPO / "configs").rglob("*.yaml") if "trainer" in (yaml.safe_load(path.read_text()) or {})

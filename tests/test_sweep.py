@@ -17,7 +17,8 @@ from robust_lightning.errors import UserError
 from robust_lightning.evaluation.results import update_results
 from robust_lightning.scale import report as report_module
 from robust_lightning.scale.srun import shield_forked_children
-from robust_lightning.scale.sweep import cell_state, expand, load_sweep
+from robust_lightning.scale.sweep import cell_state
+from robust_lightning.scale.sweep_spec import expand, load_sweep
 from robust_lightning.scale.task import run_cell, slurm_layout
 from robust_lightning.training.interruption import EXIT_SIGTERM
 
