@@ -9,15 +9,16 @@ env: $(VENV)/.installed
 
 # Registry wheels: torchvision pins its matching torch build (the CUDA one, which also runs on CPU machines).
 # OpenCV is the headless build. The tests' reference ImageNet-C code, imagecorruptions 1.1.2, goes in with
-# --no-deps: it requires the GUI build opencv-python, which shares the cv2 folder and must not sit beside it
-# (it runs on the headless one; `pip check` names that requirement as unmet). An older env's opencv-python is
-# removed first, for the same reason.
+# --no-deps into its own folder, $(VENV)/reference, which only the tests put on the import path: it requires the
+# GUI build opencv-python, which shares the cv2 folder and must not sit beside the headless one (it runs on the
+# headless one). The environment itself then passes `pip check`. An older env's opencv-python and in-environment
+# imagecorruptions are removed first, for the same reason.
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip uninstall --quiet --yes opencv-python
+	$(BIN)/python -m pip uninstall --quiet --yes opencv-python imagecorruptions
 	$(BIN)/python -m pip install --quiet -e '.[test]'
-	$(BIN)/python -m pip install --quiet --no-deps imagecorruptions==1.1.2
+	$(BIN)/python -m pip install --quiet --no-deps --upgrade --target $(VENV)/reference imagecorruptions==1.1.2
 	touch $@
 
 # Stage 1 trains a clean model, stage 2 adversarially fine-tunes it (APGD-AT), as the paper's recipe does.

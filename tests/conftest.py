@@ -16,3 +16,5 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers.py
+# the tests' reference implementations that `make env` installs outside the environment (see the Makefile)
+sys.path.append(str(Path(sys.prefix) / "reference"))
