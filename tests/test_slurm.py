@@ -211,9 +211,10 @@ def test_srun_ddp_fit_with_two_tasks(slurm_env, tmp_path):
         cluster, config, None, tasks=2, cwd=tmp_path, env={"WANDB_PROJECT": "slurm-test", "WANDB_MODE": "offline"}
     )
     record = cluster.wait(job, timeout=240)[0]
-    log = (tmp_path / f"slurm-train_multinode.sbatch-{job}.out").read_text()
+    name = record["JobName"]  # the template's #SBATCH --job-name
+    log = (tmp_path / f"slurm-{name}-{job}.out").read_text()
     assert record["JobState"] == "COMPLETED", log[-3000:]
-    run_dir = tmp_path / "runs" / "slurm" / f"train_multinode.sbatch-{job}"
+    run_dir = tmp_path / "runs" / "slurm" / f"{name}-{job}"
     assert (run_dir / "metrics.csv").is_file() and (run_dir / "config.yaml").is_file()
     assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
     # two processes started by srun, ranks from SLURM (not spawned by Lightning), over gloo

@@ -54,7 +54,7 @@ def rms_calibration_error(confidence: torch.Tensor, correct: torch.Tensor, bin_s
     bins = count // bin_size
     edges = [i * bin_size for i in range(bins)] + [count]  # the last bin runs to the end
     total = 0.0
-    for lo, hi in itertools.pairwise(edges):  # every bin but the last, as the reference's loop
+    for lo, hi in itertools.pairwise(edges[:-1]):  # every bin but the last, as the reference's loop
         gap = confidence[lo:hi].mean() - correct[lo:hi].mean()
         total += (hi - lo) / count * gap.item() ** 2
     return total**0.5
