@@ -307,8 +307,29 @@ def test_frequency_noise_protocols_and_the_code_noise_in_normalised_units():
     assert gaussian.std().item() == pytest.approx(0.1, rel=0.05)
 
 
+def test_every_bands_noise_is_scaled_to_the_stated_size_by_default():
+    """The default size: ImageNet-C's mildest Gaussian noise (std 0.08 of [0, 1], 20.4 grey levels RMS) in every
+    band and in the white noise, whatever share of the draw's energy the band holds."""
+    analysis = FrequencyNoise(protocol="code", plot=False)
+    images = torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    offline(analysis, tiny("test_resnet"), images, mean=[0.5] * 3, std=[0.25] * 3)
+    section, _, _ = analysis.analyse(TRAINER, PL_MODULE)
+    assert section["conditions"]["rms_grey_levels"] == pytest.approx(0.08 * 255)
+    assert section["white_noise"]["noise_rms_grey_levels"] == pytest.approx(20.4, rel=1e-5)
+    for band in section["bands"]:  # the code's band at 0 pi holds no DFT bin at 32 px: no noise to scale
+        expected = 20.4 if band["bins"] else 0.0
+        assert band["noise_rms_grey_levels"] == pytest.approx(expected, rel=1e-5), band
+    assert sum(band["bins"] > 0 for band in section["bands"]) == 10
+    # the same size whatever the protocol's own draw: eps changes nothing once scaled
+    louder = FrequencyNoise(protocol="code", eps=0.5, plot=False)
+    offline(louder, tiny("test_resnet"), images, mean=[0.5] * 3, std=[0.25] * 3)
+    for loud, band in zip(louder.analyse(TRAINER, PL_MODULE)[0]["bands"], section["bands"], strict=True):
+        assert loud["accuracy"] == band["accuracy"]
+        assert loud["noise_rms_grey_levels"] == pytest.approx(band["noise_rms_grey_levels"], rel=1e-5)
+
+
 def test_frequency_noise_section_records_its_protocol():
-    analysis = FrequencyNoise(protocol="code", eps=0.5, plot=False)
+    analysis = FrequencyNoise(protocol="code", eps=0.5, rms_grey_levels=None, plot=False)
     images = torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     offline(analysis, tiny("test_resnet"), images, mean=[0.5] * 3, std=[0.25] * 3)
     section, _, _ = analysis.analyse(TRAINER, PL_MODULE)

@@ -1,0 +1,114 @@
+"""Does the default size of FrequencyNoise (every band's noise at 20.4 grey levels RMS, ImageNet-C's mildest
+Gaussian noise) separate a ConvNet from a ViT, as Park & Kim Fig. 2b and Chen et al. Fig. 8 show on ImageNet?
+
+Two small models are trained clean on the built-in synthetic shapes (32 px) with the family quickstarts:
+the ResNet-18 of configs/quickstart_clean.yaml and the ViT of configs/quickstart_vit.yaml (timm's test_vit, 4-px
+patches), given the same 4 epochs. configs/analysis/frequency_noise_parkkim_fig2b.yaml then measures each on the
+same validation images, at the default size and at Park & Kim's code's eps 0.007 (rms_grey_levels null).
+
+    python benchmarks/frequency_noise.py            # about 10 minutes on 2 CPU cores
+
+It prints each model's accuracy drop per band (points) and, as the last line, a JSON object with the curves and
+the mean drop over the low (0.1-0.3 pi) and high (0.6-1.0 pi) bands.
+"""
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+EPOCHS = 4
+IMAGES = 500
+LOW, HIGH = (0.1, 0.3), (0.6, 1.0)
+# the default size, and the size of Park & Kim's code's Random attack (the draw filtered, not scaled)
+SIZES = {"20.4 grey levels": (), "eps 0.007": ("--trainer.callbacks.init_args.rms_grey_levels", "null")}
+
+
+def run(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "robust_lightning", *args], check=True, cwd=REPO)
+
+
+def fit(config: str, name: str, root: Path) -> tuple[Path, float]:
+    run(
+        "fit",
+        "--config",
+        str(REPO / "configs" / config),
+        "--trainer.max_epochs",
+        str(EPOCHS),
+        "--trainer.limit_train_batches",
+        "null",
+        "--trainer.limit_val_batches",
+        "null",
+        "--trainer.logger.init_args.save_dir",
+        str(root),
+        "--trainer.logger.init_args.name",
+        name,
+        "--trainer.default_root_dir",
+        str(root / name),
+        "--checkpoint.dirpath",
+        str(root / name / "checkpoints"),
+        "--trainer.enable_progress_bar",
+        "false",
+    )
+    fitted = json.loads(next((root / name).glob("version_*/results.json")).read_text())["fit"]
+    return root / name / "checkpoints" / "last.ckpt", fitted["metrics"]["val/acc1"]
+
+
+def frequency_noise(checkpoint: Path, name: str, root: Path, *extra: str) -> dict:
+    run(
+        "test",
+        "--config",
+        str(REPO / "configs" / "analysis" / "frequency_noise_parkkim_fig2b.yaml"),
+        "--ckpt_path",
+        str(checkpoint),
+        "--trainer.callbacks.init_args.max_images",
+        str(IMAGES),
+        "--data.eval_limit",
+        str(IMAGES),
+        "--trainer.logger.init_args.save_dir",
+        str(root),
+        "--trainer.logger.init_args.name",
+        name,
+        "--trainer.default_root_dir",
+        str(root / name),
+        "--trainer.enable_progress_bar",
+        "false",
+        *extra,
+    )
+    return json.loads(next((root / name).glob("version_*/results.json")).read_text())["frequency_noise"]
+
+
+def mean_drop(section: dict, band: tuple[float, float]) -> float:
+    drops = [b["drop"] for b in section["bands"] if band[0] - 1e-9 <= b["centre"] <= band[1] + 1e-9]
+    return round(100 * sum(drops) / len(drops), 1)
+
+
+def main() -> None:
+    result = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for family, config in (("resnet18", "quickstart_clean.yaml"), ("vit", "quickstart_vit.yaml")):
+            checkpoint, val_acc = fit(config, family, root)
+            for size, extra in SIZES.items():
+                section = frequency_noise(checkpoint, f"{family}-{len(extra)}", root, *extra)
+                curve = {f"{b['centre']:.1f}": round(100 * b["drop"], 1) for b in section["bands"]}
+                rms = [round(b["noise_rms_grey_levels"], 2) for b in section["bands"] if b["bins"]]
+                result.setdefault(family, {"val_acc1": round(val_acc, 4)})[size] = {
+                    "clean_accuracy": round(section["clean_accuracy"], 4),
+                    "drop_points_by_band_centre_pi": curve,
+                    "noise_rms_grey_levels": [min(rms), max(rms)],
+                    "low_band_mean_drop": mean_drop(section, LOW),
+                    "high_band_mean_drop": mean_drop(section, HIGH),
+                }
+    for family, sizes in result.items():
+        for size, numbers in sizes.items():
+            if isinstance(numbers, dict):
+                curve = " ".join(f"{v:+.1f}" for v in numbers["drop_points_by_band_centre_pi"].values())
+                print(f"{family:>8} {size:>16}: drop (points) at 0, 0.1, ..., 1.0 pi: {curve}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
