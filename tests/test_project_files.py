@@ -36,3 +36,12 @@ def test_pre_commit_runs_the_ruff_that_make_test_runs():
     assert {hook["id"] for hook in ruff["hooks"]} == {"ruff-check", "ruff-format"}
     installed = importlib.metadata.version("ruff").split(".")[:2]
     assert ruff["rev"].removeprefix("v").split(".")[:2] == installed  # formatting changes between minor versions
+
+
+def test_the_package_metadata_names_authors_links_and_classifiers():
+    metadata = importlib.metadata.metadata("robust-lightning")
+    assert metadata.get_all("Author") == ["the robust-lightning authors"]
+    assert any("github.com/nmndeep/revisiting-at" in url for url in metadata.get_all("Project-URL"))
+    classifiers = metadata.get_all("Classifier")
+    assert "Intended Audience :: Science/Research" in classifiers
+    assert not [c for c in classifiers if c.startswith("License ::")]  # the SPDX expression says it (PEP 639)
