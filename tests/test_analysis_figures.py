@@ -11,7 +11,7 @@ import yaml
 
 from robust_lightning.analysis.attack_sweeps import AttackSweep, SpatialRobustness
 from robust_lightning.analysis.attention import RestrictedAttention
-from robust_lightning.analysis.base import model_family
+from robust_lightning.analysis.core import model_family
 from robust_lightning.analysis.frequency import FrequencyNoise
 from robust_lightning.analysis.kernels import KernelAttentionDistance
 from robust_lightning.analysis.lesion import LesionStudy

@@ -138,7 +138,7 @@ def test_every_evaluation_section_is_listed():
     import robust_lightning.evaluation.imagenet_c
     import robust_lightning.evaluation.imagenet_p
     import robust_lightning.evaluation.resolution  # noqa: F401
-    from robust_lightning.analysis.base import Analysis
+    from robust_lightning.analysis.core import Analysis
 
     def subclasses(cls):
         return {cls, *(s for child in cls.__subclasses__() for s in subclasses(child))}

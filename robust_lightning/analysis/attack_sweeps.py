@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from robust_lightning.analysis.base import Analysis, model_label, new_figure
+from robust_lightning.analysis.core import Analysis, model_label, new_figure
 from robust_lightning.attacks import fgsm, pgd
 from robust_lightning.attacks.spatial import spatial_grid_attack
 from robust_lightning.errors import UserError

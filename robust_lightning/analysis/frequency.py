@@ -26,7 +26,7 @@ import math
 import torch
 from tqdm import tqdm
 
-from robust_lightning.analysis.base import Analysis, family_style, model_label, new_figure, pi_axis
+from robust_lightning.analysis.core import Analysis, family_style, model_label, new_figure, pi_axis
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.corruptions import PARAMETERS
 

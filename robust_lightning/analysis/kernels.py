@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from robust_lightning.analysis.base import Analysis, model_label, new_figure
+from robust_lightning.analysis.core import Analysis, model_label, new_figure
 from robust_lightning.errors import UserError
 from robust_lightning.models.replknet import ReparamLargeKernelConv
 

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from robust_lightning.analysis.base import Analysis, family_style, model_label, new_figure, pi_axis
 from robust_lightning.analysis.blocks import BlockMap, FeatureTap, as_map, find_blocks
+from robust_lightning.analysis.core import Analysis, family_style, model_label, new_figure, pi_axis
 from robust_lightning.errors import UserError
 
 __all__ = [

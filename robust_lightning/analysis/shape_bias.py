@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 from torchvision.transforms import v2 as T
 
-from robust_lightning.analysis.base import Analysis, model_label, new_figure
+from robust_lightning.analysis.core import Analysis, model_label, new_figure
 from robust_lightning.data.transforms import BICUBIC, decode_rgb, eval_resize_size
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.base import data_image_size, to_model_input
