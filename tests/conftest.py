@@ -8,7 +8,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 THREADS = max(1, min(2, (os.cpu_count() or 2) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
-import torch  # noqa: E402 - after OMP_NUM_THREADS, which torch reads when imported
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402 - after OMP_NUM_THREADS, which torch reads when imported
 
 torch.set_num_threads(THREADS)
 
@@ -18,3 +20,38 @@ from pathlib import Path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers.py
 # the tests' reference implementations that `make env` installs outside the environment (see the Makefile)
 sys.path.append(str(Path(sys.prefix) / "reference"))
+
+from helpers import tiny_synthetic  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def autoattack_checkpoint(tmp_path_factory):
+    """A Lightning checkpoint of a tiny classifier fitted to the synthetic val images (a test of the callback,
+    not of generalisation: it needs a model that gets most images right and is robust on some)."""
+    from lightning import Trainer
+
+    from robust_lightning.data.datamodule import ImageNetDataModule
+    from robust_lightning.training.lightning_module import ImageClassifier
+
+    tmp_path = tmp_path_factory.mktemp("aa-fit")
+    synthetic_root = tmp_path_factory.mktemp("aa-synthetic")
+    data = ImageNetDataModule(
+        source="synthetic", image_size=32, eval_batch_size=100, num_workers=0, synthetic=tiny_synthetic(synthetic_root)
+    )
+    data.prepare_data()
+    data.setup("test")
+    batch = next(iter(data.test_dataloader()))
+    x, y = batch["image"].float() / 255, batch["label"]
+    torch.manual_seed(0)
+    module = ImageClassifier(arch="test_resnet", num_classes=4, image_size=32)
+    optimizer = torch.optim.Adam(module.parameters(), lr=3e-3)
+    module.train()
+    for _ in range(60):
+        optimizer.zero_grad()
+        F.cross_entropy(module(x), y).backward()
+        optimizer.step()
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.strategy.connect(module)
+    path = tmp_path / "tiny.ckpt"
+    trainer.save_checkpoint(path)
+    return path, synthetic_root

@@ -20,10 +20,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from lightning import Callback
 from PIL import Image
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from robust_lightning.cli import main
 
 WNIDS = ("n01440764", "n01443537", "n15075141")  # ImageNet labels 0, 1 and 999
 REPO = Path(__file__).resolve().parents[1]
@@ -276,3 +279,128 @@ def train_small_cnn() -> nn.Module:
         optimizer.step()
     model.eval().requires_grad_(False)
     return model
+
+
+def tiny_config(tmp_path: Path, synthetic_root: Path, **overrides) -> Path:
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "max_epochs": 1,
+            "limit_train_batches": 3,
+            "num_sanity_val_steps": 0,
+            "enable_progress_bar": False,
+            "default_root_dir": str(tmp_path / "runs"),
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.CSVLogger",
+                "init_args": {"save_dir": str(tmp_path / "runs"), "name": "tiny"},
+            },
+        },
+        "model": {"arch": "convnext_atto_convstem", "warmup_epochs": 0.5, "lr": 1e-3},
+        "data": {
+            "source": "synthetic",
+            "image_size": 32,
+            "batch_size": 8,
+            "num_workers": 0,
+            "synthetic": {
+                "num_classes": 4,
+                "train_per_class": 8,
+                "val_per_class": 4,
+                "image_size": 32,
+                "root": str(synthetic_root),
+            },
+        },
+    }
+    for dotted, value in overrides.items():
+        node = config
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The installed console entry point in a fresh process, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "robust_lightning", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+    )
+
+
+LINF = {"norm": "Linf", "eps": 4 / 255}
+
+
+def eval_config(tmp_path: Path, synthetic_root: Path, devices: int = 1, **callback) -> Path:
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": devices,
+            "max_epochs": 1,
+            "limit_train_batches": 4,
+            "num_sanity_val_steps": 0,
+            "inference_mode": False,
+            "default_root_dir": str(tmp_path / "runs"),
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.CSVLogger",
+                "init_args": {"save_dir": str(tmp_path / "runs"), "name": "aa"},
+            },
+            "callbacks": [
+                {
+                    "class_path": "robust_lightning.evaluation.autoattack.AutoAttackEvaluation",
+                    "init_args": {
+                        "threat_models": [LINF],
+                        "version": "apgd-ce",
+                        "n_iter": 5,
+                        "results_dir": str(tmp_path / "outcomes"),
+                        **callback,
+                    },
+                }
+            ],
+        },
+        "model": {"arch": "test_resnet"},
+        "data": {
+            "source": "synthetic",
+            "image_size": 32,
+            "batch_size": 8,
+            "eval_batch_size": 6,
+            "num_workers": 0,
+            "synthetic": {
+                "num_classes": 4,
+                "train_per_class": 16,
+                "val_per_class": 5,
+                "image_size": 32,
+                "samples_per_shard": 5,
+                "root": str(synthetic_root),
+            },
+        },
+    }
+    if devices > 1:
+        config["trainer"]["strategy"] = "ddp"
+    path = tmp_path / f"aa-{devices}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def tiny_synthetic(root: Path):
+    from robust_lightning.data.datamodule import SyntheticData
+
+    return SyntheticData(
+        num_classes=4, train_per_class=16, val_per_class=5, samples_per_shard=5, image_size=32, root=str(root)
+    )
+
+
+def run_test(tmp_path, checkpoint, *extra, **callback) -> dict:
+    ckpt, synthetic_root = checkpoint
+    config = eval_config(tmp_path, synthetic_root, **callback)
+    assert main(["test", "--config", str(config), "--ckpt_path", str(ckpt), *extra]) == 0
+    runs = sorted((tmp_path / "runs" / "aa").glob("version_*/results.json"))
+    return json.loads(runs[-1].read_text())["autoattack"]

@@ -8,13 +8,24 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-import yaml
 from torch import Tensor
 
-from helpers import HostReads, force_device_path, run_command, synthetic_points, train_small_cnn
+from helpers import (
+    HostReads,
+    eval_config,
+    force_device_path,
+    run_command,
+    run_test,
+    synthetic_points,
+    tiny_synthetic,
+    train_small_cnn,
+)
 from robust_lightning.attacks import ensemble, lp_norm
 from robust_lightning.attacks.ensemble import AutoAttack, batched_runs, channels_last_inputs, folded_batchnorm
+from robust_lightning.cli import main
+from robust_lightning.errors import UserError
+from robust_lightning.evaluation.autoattack import AutoAttackEvaluation, append_record, read_outcomes
+from robust_lightning.evaluation.results import weights_sha256
 
 REPO = Path(__file__).resolve().parents[1]
 EPS = {"Linf": 10 / 255, "L2": 0.75, "L1": 9.0}
@@ -369,113 +380,6 @@ def test_fab_target_ranks_batched_in_one_run_match_one_rank_at_a_time(trained, p
 
 
 # ------------------------------------------------------------------------------------------ the callback
-from robust_lightning.cli import main  # noqa: E402
-from robust_lightning.errors import UserError  # noqa: E402
-from robust_lightning.evaluation.autoattack import AutoAttackEvaluation, append_record, read_outcomes  # noqa: E402
-from robust_lightning.evaluation.results import weights_sha256  # noqa: E402
-
-LINF = {"norm": "Linf", "eps": 4 / 255}
-
-
-def eval_config(tmp_path: Path, synthetic_root: Path, devices: int = 1, **callback) -> Path:
-    config = {
-        "seed_everything": 0,
-        "trainer": {
-            "accelerator": "cpu",
-            "devices": devices,
-            "max_epochs": 1,
-            "limit_train_batches": 4,
-            "num_sanity_val_steps": 0,
-            "inference_mode": False,
-            "default_root_dir": str(tmp_path / "runs"),
-            "logger": {
-                "class_path": "lightning.pytorch.loggers.CSVLogger",
-                "init_args": {"save_dir": str(tmp_path / "runs"), "name": "aa"},
-            },
-            "callbacks": [
-                {
-                    "class_path": "robust_lightning.evaluation.autoattack.AutoAttackEvaluation",
-                    "init_args": {
-                        "threat_models": [LINF],
-                        "version": "apgd-ce",
-                        "n_iter": 5,
-                        "results_dir": str(tmp_path / "outcomes"),
-                        **callback,
-                    },
-                }
-            ],
-        },
-        "model": {"arch": "test_resnet"},
-        "data": {
-            "source": "synthetic",
-            "image_size": 32,
-            "batch_size": 8,
-            "eval_batch_size": 6,
-            "num_workers": 0,
-            "synthetic": {
-                "num_classes": 4,
-                "train_per_class": 16,
-                "val_per_class": 5,
-                "image_size": 32,
-                "samples_per_shard": 5,
-                "root": str(synthetic_root),
-            },
-        },
-    }
-    if devices > 1:
-        config["trainer"]["strategy"] = "ddp"
-    path = tmp_path / f"aa-{devices}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def tiny_synthetic(root: Path):
-    from robust_lightning.data.datamodule import SyntheticData
-
-    return SyntheticData(
-        num_classes=4, train_per_class=16, val_per_class=5, samples_per_shard=5, image_size=32, root=str(root)
-    )
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A Lightning checkpoint of a tiny classifier fitted to the synthetic val images (a test of the callback,
-    not of generalisation: it needs a model that gets most images right and is robust on some)."""
-    from lightning import Trainer
-
-    from robust_lightning.data.datamodule import ImageNetDataModule
-    from robust_lightning.training.lightning_module import ImageClassifier
-
-    tmp_path = tmp_path_factory.mktemp("aa-fit")
-    synthetic_root = tmp_path_factory.mktemp("aa-synthetic")
-    data = ImageNetDataModule(
-        source="synthetic", image_size=32, eval_batch_size=100, num_workers=0, synthetic=tiny_synthetic(synthetic_root)
-    )
-    data.prepare_data()
-    data.setup("test")
-    batch = next(iter(data.test_dataloader()))
-    x, y = batch["image"].float() / 255, batch["label"]
-    torch.manual_seed(0)
-    module = ImageClassifier(arch="test_resnet", num_classes=4, image_size=32)
-    optimizer = torch.optim.Adam(module.parameters(), lr=3e-3)
-    module.train()
-    for _ in range(60):
-        optimizer.zero_grad()
-        F.cross_entropy(module(x), y).backward()
-        optimizer.step()
-    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
-    trainer.strategy.connect(module)
-    path = tmp_path / "tiny.ckpt"
-    trainer.save_checkpoint(path)
-    return path, synthetic_root
-
-
-def run_test(tmp_path, checkpoint, *extra, **callback) -> dict:
-    ckpt, synthetic_root = checkpoint
-    config = eval_config(tmp_path, synthetic_root, **callback)
-    assert main(["test", "--config", str(config), "--ckpt_path", str(ckpt), *extra]) == 0
-    runs = sorted((tmp_path / "runs" / "aa").glob("version_*/results.json"))
-    return json.loads(runs[-1].read_text())["autoattack"]
 
 
 def direct_outcomes(checkpoint, batches: list[list[str]]) -> dict[str, bool]:
@@ -788,3 +692,9 @@ def test_the_progress_bar_shows_the_attacks_only_when_asked(trained, points, cap
     shown = adversary.evaluate(x, y, bs=48, progress_bar=True)
     assert "autoattack" in capsys.readouterr().err
     assert torch.equal(quiet.robust, shown.robust)
+
+
+@pytest.fixture
+def checkpoint(autoattack_checkpoint):
+    """The session's tiny AutoAttack checkpoint (tests/conftest.py) and its synthetic data."""
+    return autoattack_checkpoint

@@ -280,10 +280,10 @@ def test_a_folder_written_by_export_is_a_warm_start_on_the_command_line(tmp_path
     """--model.init_from FOLDER gives the same validation as the checkpoint it was exported from."""
     from lightning import Trainer
 
+    from helpers import tiny_config
     from robust_lightning.cli import main
     from robust_lightning.training.export import export_timm_folder
     from robust_lightning.training.lightning_module import ImageClassifier
-    from test_cli import tiny_config
 
     torch.manual_seed(0)
     module = ImageClassifier(arch="convnext_atto_convstem", num_classes=4, mean=(0.4, 0.5, 0.6), std=(0.2, 0.3, 0.4))
@@ -305,10 +305,10 @@ def test_every_file_kind_load_model_reads_is_a_command_line_warm_start(tmp_path)
     """validate --model.init_from FILE gives load_model's model for each kind of file: the same loss for all."""
     from lightning import Trainer
 
+    from helpers import tiny_config
     from robust_lightning.cli import main
     from robust_lightning.training.export import export_timm_folder, export_weights
     from robust_lightning.training.lightning_module import ImageClassifier
-    from test_cli import tiny_config
 
     torch.manual_seed(0)
     module = ImageClassifier(arch="convnext_atto_convstem", num_classes=4, mean=IMAGENET_MEAN, std=IMAGENET_STD)
@@ -399,7 +399,7 @@ def test_file_of_another_architecture_is_a_clear_error(tmp_path):
 
 def test_cli_validates_a_released_file(tmp_path):
     """--model.arch robustbench:<name> --model.init_from weights_N.pt, through the command line."""
-    from test_cli import run_cli, tiny_config
+    from helpers import run_cli, tiny_config
 
     raw = normalize_model(released_convnext_t(0, num_classes=4))
     path = tmp_path / "weights_20.pt"

@@ -11,13 +11,13 @@ import torch
 import yaml
 from lightning import Trainer
 
+from helpers import tiny_config
 from robust_lightning import load_model
 from robust_lightning.cli import main
 from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
 from robust_lightning.models.checkpoints import save_net_weights
 from robust_lightning.models.classifier import build_classifier
 from robust_lightning.training.lightning_module import ImageClassifier
-from test_cli import tiny_config
 
 MEAN, STD = (0.4, 0.45, 0.5), (0.2, 0.25, 0.3)
 

@@ -1,10 +1,7 @@
 """The command line end to end, through robust_lightning.cli.main, on a tiny synthetic dataset."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,53 +9,12 @@ import pytest
 import torch
 import yaml
 
+from helpers import run_cli, tiny_config
 from robust_lightning.cli import main
 from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
 from robust_lightning.training.lightning_module import ImageClassifier
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def tiny_config(tmp_path: Path, synthetic_root: Path, **overrides) -> Path:
-    config = {
-        "seed_everything": 0,
-        "trainer": {
-            "accelerator": "cpu",
-            "devices": 1,
-            "max_epochs": 1,
-            "limit_train_batches": 3,
-            "num_sanity_val_steps": 0,
-            "enable_progress_bar": False,
-            "default_root_dir": str(tmp_path / "runs"),
-            "logger": {
-                "class_path": "lightning.pytorch.loggers.CSVLogger",
-                "init_args": {"save_dir": str(tmp_path / "runs"), "name": "tiny"},
-            },
-        },
-        "model": {"arch": "convnext_atto_convstem", "warmup_epochs": 0.5, "lr": 1e-3},
-        "data": {
-            "source": "synthetic",
-            "image_size": 32,
-            "batch_size": 8,
-            "num_workers": 0,
-            "synthetic": {
-                "num_classes": 4,
-                "train_per_class": 8,
-                "val_per_class": 4,
-                "image_size": 32,
-                "root": str(synthetic_root),
-            },
-        },
-    }
-    for dotted, value in overrides.items():
-        node = config
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
-    path = tmp_path / "tiny.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -74,18 +30,6 @@ def fitted(tmp_path_factory, synthetic_root):
     assert main(["fit", "--config", str(config)]) == 0
     run_dir = tmp_path / "runs" / "tiny" / "version_0"
     return config, run_dir
-
-
-def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """The installed console entry point in a fresh process, as a user runs it."""
-    return subprocess.run(
-        [sys.executable, "-m", "robust_lightning", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, **(env or {})},
-        timeout=300,
-    )
 
 
 def test_help_lists_the_subcommands(capsys):

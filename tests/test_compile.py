@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import tiny_config
 from robust_lightning.cli import main
-from test_cli import tiny_config
 
 
 def train_losses(run: Path) -> list[float]:

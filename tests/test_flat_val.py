@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 import webdataset as wds
 
-from helpers import REPO, WNIDS, write_image
+from helpers import REPO, WNIDS, tiny_config, write_image
 from robust_lightning.cli import main
 from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.data.shards import shard_urls
 from robust_lightning.data.transforms import eval_transform
 from robust_lightning.errors import UserError
-from test_cli import tiny_config
 
 # the class of each image ILSVRC2012_val_0000000<i>.JPEG, i = 1..9 (indices into WNIDS: labels 0, 1, 999)
 CLASSES = [2, 0, 1, 1, 2, 0, 0, 1, 2]

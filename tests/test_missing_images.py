@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from helpers import tiny_config
 from robust_lightning.cli import main
 from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.errors import UserError
-from test_cli import tiny_config
 
 VAL_IMAGES = 16  # 4 classes x 4 images, 4 per shard
 

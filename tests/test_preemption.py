@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import REPO, tiny_config
 from robust_lightning.training.checkpoint_io import AtomicCheckpointIO, atomic_write_bytes
-from test_cli import REPO, tiny_config
 
 STEPS_PER_EPOCH = 12
 

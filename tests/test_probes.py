@@ -17,10 +17,9 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from helpers import WNIDS, make_image_tree, write_image
+from helpers import WNIDS, make_image_tree, tiny_config, write_image
 from robust_lightning.cli import main
 from robust_lightning.models.classifier import build_classifier
-from test_cli import tiny_config
 
 
 @dataclass(frozen=True)

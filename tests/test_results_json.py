@@ -7,10 +7,9 @@ import re
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, tiny_config
 from robust_lightning.cli import main
 from robust_lightning.evaluation.base import Evaluation
-from test_cli import tiny_config
 
 DOC = (REPO / "docs" / "results-json.md").read_text()
 # the parent keys whose children are a family, written in the tables as one placeholder

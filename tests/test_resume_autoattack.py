@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from helpers import eval_config, run_test, tiny_config
 from robust_lightning.cli import main
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.autoattack import WEIGHTS_HASH_PREFIX, AutoAttackEvaluation, read_outcomes
 from robust_lightning.evaluation.outcomes import append_record, claim_directory
 from robust_lightning.evaluation.results import file_sha256, weights_sha256
 from robust_lightning.training.lightning_module import ImageClassifier
-from test_autoattack import checkpoint, eval_config, run_test  # noqa: F401 (checkpoint: a fixture)
-from test_cli import tiny_config
 
 FIT_IMAGES = 8
 AUTOATTACK = {
@@ -152,7 +151,7 @@ def test_a_fit_resumed_with_nothing_left_to_train_keeps_the_metrics_it_measured(
 # ------------------------------------------------------------------------ outcome folders of other evaluations
 def test_a_folder_with_only_another_evaluations_manifest_is_taken_over(
     tmp_path,
-    checkpoint,  # noqa: F811 - the fixture imported from test_autoattack
+    checkpoint,
     monkeypatch,
     caplog,
 ):
@@ -176,7 +175,7 @@ def test_a_folder_with_only_another_evaluations_manifest_is_taken_over(
     assert json.loads((folder / "manifest.json").read_text())["n_iter"] == 5
 
 
-def test_a_folder_with_outcomes_of_another_evaluation_is_still_refused(tmp_path, checkpoint, capsys):  # noqa: F811
+def test_a_folder_with_outcomes_of_another_evaluation_is_still_refused(tmp_path, checkpoint, capsys):
     ckpt, synthetic_root = checkpoint
     run_test(tmp_path, checkpoint, "--trainer.limit_test_batches", "2", n_iter=7)  # ("1" would read as 100%)
     folder = tmp_path / "outcomes" / "Linf-4_255"
@@ -214,3 +213,9 @@ def test_one_complete_line_beside_a_cut_one_is_an_outcome_of_the_other_evaluatio
     with pytest.raises(UserError, match=r"holds outcomes of a different evaluation \(weights_sha256 differ\)"):
         claim_directory(folder, OURS, True, "AutoAttackEvaluation")
     assert json.loads((folder / "manifest.json").read_text()) == THEIRS
+
+
+@pytest.fixture
+def checkpoint(autoattack_checkpoint):
+    """The session's tiny AutoAttack checkpoint (tests/conftest.py) and its synthetic data."""
+    return autoattack_checkpoint

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
+from helpers import tiny_config
 from robust_lightning.cli import main
 from robust_lightning.data.loaders import EpochLoader
 from robust_lightning.data.samplers import GlobalBatchSampler
-from test_cli import tiny_config
 
 STEPS_PER_EPOCH = 3
 

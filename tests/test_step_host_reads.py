@@ -8,9 +8,8 @@ from typing import ClassVar
 import pytest
 from lightning import Callback
 
-from helpers import HostReads, force_device_path
+from helpers import HostReads, force_device_path, tiny_config
 from robust_lightning.cli import main
-from test_cli import tiny_config
 
 PROBED_STEP = 1  # not a logging step: log_every_n_steps is 4
 

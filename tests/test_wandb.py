@@ -12,10 +12,9 @@ import wandb
 import yaml
 from wandb.proto import wandb_internal_pb2
 
-from helpers import make_image_tree
+from helpers import make_image_tree, tiny_config
 from robust_lightning.cli import main
 from robust_lightning.loggers import WANDB_CONFIG_FILE
-from test_cli import tiny_config
 from test_imagenet_c import cli_config, imagenet_c_tree
 from test_imagenet_p import imagenet_p_tree
 

@@ -15,15 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from helpers import make_image_tree
+from helpers import REPO, eval_config, make_image_tree, tiny_config
 from robust_lightning.cli import main
 from robust_lightning.data.shards import read_manifest, shard_urls
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.outcomes import claim_directory
 from robust_lightning.evaluation.results import file_sha256
 from robust_lightning.locking import LOCK_NAME, exclusive
-from test_autoattack import checkpoint, eval_config  # noqa: F401 (checkpoint: a fixture)
-from test_cli import REPO, tiny_config
 
 
 def _python(code: str) -> subprocess.Popen:
@@ -326,7 +324,7 @@ def test_ckpt_path_last_passes_over_a_damaged_last_checkpoint(tmp_path, caplog):
     assert (fit["epochs"], fit["steps"]) == (2, 6)
 
 
-def test_a_second_autoattack_evaluation_into_one_outcome_folder_is_refused(tmp_path, checkpoint, capsys):  # noqa: F811
+def test_a_second_autoattack_evaluation_into_one_outcome_folder_is_refused(tmp_path, checkpoint, capsys):
     ckpt, synthetic_root = checkpoint
     config = eval_config(tmp_path, synthetic_root)
     holder = _python(f"""
@@ -406,3 +404,9 @@ def test_a_full_disk_is_one_message_and_leaves_nothing_half_written(tmp_path, fu
     err = capsys.readouterr().err
     assert "No space left on device" in err and "Traceback" not in err
     assert not (full_disk / "model.safetensors").exists()
+
+
+@pytest.fixture
+def checkpoint(autoattack_checkpoint):
+    """The session's tiny AutoAttack checkpoint (tests/conftest.py) and its synthetic data."""
+    return autoattack_checkpoint
