@@ -18,6 +18,7 @@ from typing import ClassVar
 
 import numpy as np
 import pytest
+import timm
 import torch
 import torch.nn.functional as F
 import yaml
@@ -404,3 +405,49 @@ def run_test(tmp_path, checkpoint, *extra, **callback) -> dict:
     assert main(["test", "--config", str(config), "--ckpt_path", str(ckpt), *extra]) == 0
     runs = sorted((tmp_path / "runs" / "aa").glob("version_*/results.json"))
     return json.loads(runs[-1].read_text())["autoattack"]
+
+
+# ------------------------------------------------------------------ the analyses' tiny models and configs
+def tiny(arch: str, **kwargs) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model(arch, num_classes=10, **kwargs).eval()
+
+
+def tiny_vit(**kwargs) -> torch.nn.Module:
+    return tiny("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=3, **kwargs)
+
+
+def untrained_checkpoint(tmp_path: Path, arch: str, **kwargs) -> Path:
+    from lightning import Trainer
+
+    from robust_lightning.training.lightning_module import ImageClassifier
+
+    torch.manual_seed(0)
+    module = ImageClassifier(arch=arch, num_classes=10, image_size=32, **kwargs)
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.strategy.connect(module)
+    path = tmp_path / f"{arch}.ckpt"
+    trainer.save_checkpoint(path)
+    return path
+
+
+def shipped_analysis_config(tmp_path: Path, name: str, ckpt: Path, images: int = 8, **init_args) -> dict:
+    """configs/analysis/<name>.yaml as shipped, on a tiny checkpoint, small data, into tmp_path."""
+    config = yaml.safe_load((REPO / "configs" / "analysis" / f"{name}.yaml").read_text())
+    config["ckpt_path"] = str(ckpt)
+    config["trainer"] |= {"default_root_dir": str(tmp_path / "runs"), "enable_progress_bar": False}
+    config["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path / "runs")
+    config["trainer"]["callbacks"][0]["init_args"] |= {"max_images": images, "batch_size": images, **init_args}
+    config["data"] |= {"eval_limit": images, "eval_batch_size": images, "num_workers": 0}
+    config["data"]["synthetic"] |= {"train_per_class": 1, "val_per_class": 1, "root": str(tmp_path / "synthetic")}
+    return config
+
+
+def run_analysis(tmp_path: Path, config: dict, name: str = "run.yaml") -> tuple[int, dict | None, Path]:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(config))
+    status = main(["test", "--config", str(path)])
+    runs = sorted((tmp_path / "runs" / config["trainer"]["logger"]["init_args"]["name"]).glob("version_*"))
+    written = runs[-1] / "results.json" if runs else None
+    results = json.loads(written.read_text()) if written and written.is_file() else None
+    return status, results, runs[-1] if runs else tmp_path

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import tiny, tiny_vit
 from robust_lightning.analysis import attention as attention_module
 from robust_lightning.analysis.attention import (
     RestrictedAttention,
@@ -40,7 +41,6 @@ from robust_lightning.analysis.representation import (
 )
 from robust_lightning.errors import UserError
 from robust_lightning.models.classifier import RobustClassifier
-from test_analysis_structure import tiny, tiny_vit
 
 TRAINER = SimpleNamespace(is_global_zero=True)
 PL_MODULE = SimpleNamespace(hparams={})

@@ -10,6 +10,7 @@ import timm
 import torch
 import yaml
 
+from helpers import REPO, run_analysis, shipped_analysis_config, tiny_vit, untrained_checkpoint
 from robust_lightning.analysis.blocks import FeatureTap, as_map, attention_probabilities, find_blocks
 from robust_lightning.analysis.frequency import band_edges, band_mask, band_noise, normalised_frequency
 from robust_lightning.analysis.occlusion import (
@@ -23,7 +24,6 @@ from robust_lightning.analysis.occlusion import (
 )
 from robust_lightning.analysis.representation import LOG_EPS, feature_variance, relative_log_amplitude
 from robust_lightning.errors import UserError
-from test_analysis_structure import REPO, checkpoint, run, shipped_config, tiny_vit
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -166,8 +166,8 @@ def test_vit_sublayer_features_are_the_residual_stream_after_each_branch():
 
 # ------------------------------------------------------------------------------------------ end to end
 def test_the_shipped_configs_run_on_tiny_checkpoints(tmp_path):
-    vit = checkpoint(tmp_path, "vit_tiny_patch16_224", arch_kwargs={"patch_size": 8, "depth": 2})
-    config = shipped_config(
+    vit = untrained_checkpoint(tmp_path, "vit_tiny_patch16_224", arch_kwargs={"patch_size": 8, "depth": 2})
+    config = shipped_analysis_config(
         tmp_path,
         "occlusion_chen_fig4",
         vit,
@@ -182,7 +182,7 @@ def test_the_shipped_configs_run_on_tiny_checkpoints(tmp_path):
         callback = shipped["trainer"]["callbacks"][0]
         callback["init_args"] |= {"max_images": 8, "batch_size": 8}
         config["trainer"]["callbacks"].append(callback)
-    status, results, run_dir = run(tmp_path, config)
+    status, results, run_dir = run_analysis(tmp_path, config)
     assert status == 0
     occlusion = results["occlusion"]
     assert occlusion["random"]["0"]["mean"] == occlusion["clean_accuracy"] == results["test"]["metrics"]["test/acc1"]

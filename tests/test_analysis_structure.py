@@ -4,16 +4,14 @@ Each check can fail: a lesion of an identity-initialised block must change nothi
 must change the output; a mask of infinite radius must equal no mask while a radius-0 mask must not; ...
 """
 
-import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import timm
 import torch
 import yaml
 
+from helpers import REPO, run_analysis, shipped_analysis_config, tiny, tiny_vit, untrained_checkpoint
 from robust_lightning.analysis.attention import (
     RestrictedAttention,
     cls_only_mask,
@@ -25,20 +23,9 @@ from robust_lightning.analysis.attention import (
 from robust_lightning.analysis.blocks import find_blocks, lesioned, removable_units
 from robust_lightning.analysis.lesion import LesionStudy
 from robust_lightning.analysis.representation import CorrelationAccumulator, LayerCorrelation
-from robust_lightning.cli import main
 from robust_lightning.errors import UserError
 
-REPO = Path(__file__).resolve().parents[1]
 X = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-
-
-def tiny(arch: str, **kwargs) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return timm.create_model(arch, num_classes=10, **kwargs).eval()
-
-
-def tiny_vit(**kwargs) -> torch.nn.Module:
-    return tiny("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=3, **kwargs)
 
 
 def module_with(net) -> SimpleNamespace:
@@ -232,51 +219,17 @@ def test_restricted_attention_does_not_apply_to_convnets():
 
 
 # ------------------------------------------------------------------------------------------ end to end
-def checkpoint(tmp_path: Path, arch: str, **kwargs) -> Path:
-    from lightning import Trainer
-
-    from robust_lightning.training.lightning_module import ImageClassifier
-
-    torch.manual_seed(0)
-    module = ImageClassifier(arch=arch, num_classes=10, image_size=32, **kwargs)
-    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
-    trainer.strategy.connect(module)
-    path = tmp_path / f"{arch}.ckpt"
-    trainer.save_checkpoint(path)
-    return path
-
-
-def shipped_config(tmp_path: Path, name: str, ckpt: Path, images: int = 8, **init_args) -> dict:
-    """configs/analysis/<name>.yaml as shipped, on a tiny checkpoint, small data, into tmp_path."""
-    config = yaml.safe_load((REPO / "configs" / "analysis" / f"{name}.yaml").read_text())
-    config["ckpt_path"] = str(ckpt)
-    config["trainer"] |= {"default_root_dir": str(tmp_path / "runs"), "enable_progress_bar": False}
-    config["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path / "runs")
-    config["trainer"]["callbacks"][0]["init_args"] |= {"max_images": images, "batch_size": images, **init_args}
-    config["data"] |= {"eval_limit": images, "eval_batch_size": images, "num_workers": 0}
-    config["data"]["synthetic"] |= {"train_per_class": 1, "val_per_class": 1, "root": str(tmp_path / "synthetic")}
-    return config
-
-
-def run(tmp_path: Path, config: dict, name: str = "run.yaml") -> tuple[int, dict | None, Path]:
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(config))
-    status = main(["test", "--config", str(path)])
-    runs = sorted((tmp_path / "runs" / config["trainer"]["logger"]["init_args"]["name"]).glob("version_*"))
-    written = runs[-1] / "results.json" if runs else None
-    results = json.loads(written.read_text()) if written and written.is_file() else None
-    return status, results, runs[-1] if runs else tmp_path
 
 
 def test_the_shipped_configs_run_on_tiny_checkpoints(tmp_path, capsys):
     # lesion_bhojanapalli_fig8.yaml on a quickstart-shaped ConvNet (10 synthetic classes, 32 px)
-    resnet = checkpoint(tmp_path, "test_resnet")
-    config = shipped_config(tmp_path, "lesion_bhojanapalli_fig8", resnet, random_counts=[1, 3], samples=2)
+    resnet = untrained_checkpoint(tmp_path, "test_resnet")
+    config = shipped_analysis_config(tmp_path, "lesion_bhojanapalli_fig8", resnet, random_counts=[1, 3], samples=2)
     callback = yaml.safe_load((REPO / "configs" / "analysis" / "layer_correlation_bhojanapalli.yaml").read_text())
     callback = callback["trainer"]["callbacks"][0]
     callback["init_args"] |= {"max_images": 8, "batch_size": 8, "tokens": ["all"]}
     config["trainer"]["callbacks"].append(callback)
-    status, results, run_dir = run(tmp_path, config)
+    status, results, run_dir = run_analysis(tmp_path, config)
     assert status == 0
     cka = results["layer_correlation"]  # stages of different shapes: linear CKA, no empty cell
     assert cka["measures"] == {"all": "linear_cka"} and all(v is not None for row in cka["all"] for v in row)
@@ -289,15 +242,15 @@ def test_the_shipped_configs_run_on_tiny_checkpoints(tmp_path, capsys):
     assert (run_dir / "lesion.png").stat().st_size > 1000 and lesion["plot"].endswith("lesion.png")
 
     # a ViT-only config on the ConvNet: one clear message, exit status 2, no traceback
-    config = shipped_config(tmp_path, "restricted_attention_bhojanapalli", resnet)
+    config = shipped_analysis_config(tmp_path, "restricted_attention_bhojanapalli", resnet)
     capsys.readouterr()
-    assert run(tmp_path, config, "restricted.yaml")[0] == 2
+    assert run_analysis(tmp_path, config, "restricted.yaml")[0] == 2
     err = capsys.readouterr().err
     assert "does not apply" in err and "Traceback" not in err
 
     # the Bhojanapalli configs together on a tiny ViT: correlation, restricted attention and the lesion modes
-    vit = checkpoint(tmp_path, "vit_tiny_patch16_224", arch_kwargs={"patch_size": 8, "depth": 3})
-    config = shipped_config(
+    vit = untrained_checkpoint(tmp_path, "vit_tiny_patch16_224", arch_kwargs={"patch_size": 8, "depth": 3})
+    config = shipped_analysis_config(
         tmp_path,
         "restricted_attention_bhojanapalli",
         vit,
@@ -313,7 +266,7 @@ def test_the_shipped_configs_run_on_tiny_checkpoints(tmp_path, capsys):
         callback = shipped["trainer"]["callbacks"][0]
         callback["init_args"] |= {"max_images": 8, "batch_size": 8, **args}
         config["trainer"]["callbacks"].append(callback)
-    status, results, run_dir = run(tmp_path, config, "vit.yaml")
+    status, results, run_dir = run_analysis(tmp_path, config, "vit.yaml")
     assert status == 0
     restricted = results["restricted_attention"]
     assert restricted["grid"] == [4, 4] and restricted["num_prefix_tokens"] == 1
