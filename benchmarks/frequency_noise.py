@@ -31,57 +31,26 @@ LOW, HIGH = (0.1, 0.3), (0.6, 1.0)
 SIZES = {"20.4 grey levels": (), "eps 0.007": ("--trainer.callbacks.init_args.rms_grey_levels", "null")}
 
 
-def run(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "robust_lightning", *args], check=True, cwd=REPO)
+def run(command: str, config: Path, name: str, root: Path, *args: str) -> dict:
+    """robust-lightning COMMAND with its run directory root/name (not the config's runs/...); its results.json."""
+    where = ["--trainer.logger.init_args.save_dir", str(root), "--trainer.logger.init_args.name", name]
+    where += ["--trainer.default_root_dir", str(root / name), "--trainer.enable_progress_bar", "false"]
+    command_line = [sys.executable, "-m", "robust_lightning", command, "--config", str(config), *where, *args]
+    subprocess.run(command_line, check=True, cwd=REPO)
+    return json.loads(next((root / name).glob("version_*/results.json")).read_text())
 
 
 def fit(config: str, name: str, root: Path, *extra: str) -> tuple[Path, float]:
-    run(
-        "fit",
-        "--config",
-        str(REPO / "configs" / config),
-        "--trainer.limit_train_batches",
-        "null",
-        "--trainer.limit_val_batches",
-        "null",
-        "--trainer.logger.init_args.save_dir",
-        str(root),
-        "--trainer.logger.init_args.name",
-        name,
-        "--trainer.default_root_dir",
-        str(root / name),
-        "--checkpoint.dirpath",
-        str(root / name / "checkpoints"),
-        "--trainer.enable_progress_bar",
-        "false",
-        *extra,
-    )
-    fitted = json.loads(next((root / name).glob("version_*/results.json")).read_text())["fit"]
+    checkpoints = ["--checkpoint.dirpath", str(root / name / "checkpoints")]
+    limits = ["--trainer.limit_train_batches", "null", "--trainer.limit_val_batches", "null"]
+    fitted = run("fit", REPO / "configs" / config, name, root, *checkpoints, *limits, *extra)["fit"]
     return root / name / "checkpoints" / "last.ckpt", fitted["metrics"]["val/acc1"]
 
 
 def frequency_noise(checkpoint: Path, name: str, root: Path, *extra: str) -> dict:
-    run(
-        "test",
-        "--config",
-        str(REPO / "configs" / "analysis" / "frequency_noise_parkkim_fig2b.yaml"),
-        "--ckpt_path",
-        str(checkpoint),
-        "--trainer.callbacks.init_args.max_images",
-        str(IMAGES),
-        "--data.eval_limit",
-        str(IMAGES),
-        "--trainer.logger.init_args.save_dir",
-        str(root),
-        "--trainer.logger.init_args.name",
-        name,
-        "--trainer.default_root_dir",
-        str(root / name),
-        "--trainer.enable_progress_bar",
-        "false",
-        *extra,
-    )
-    return json.loads(next((root / name).glob("version_*/results.json")).read_text())["frequency_noise"]
+    config = REPO / "configs" / "analysis" / "frequency_noise_parkkim_fig2b.yaml"
+    images = ["--trainer.callbacks.init_args.max_images", str(IMAGES), "--data.eval_limit", str(IMAGES)]
+    return run("test", config, name, root, "--ckpt_path", str(checkpoint), *images, *extra)["frequency_noise"]
 
 
 def mean_drop(section: dict, band: tuple[float, float]) -> float:
