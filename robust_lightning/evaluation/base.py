@@ -29,6 +29,7 @@ from robust_lightning.data.contract import EvaluationSource
 from robust_lightning.data.samplers import rank_share
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.results import update_results
+from robust_lightning.paths import run_directory
 
 WEIGHTS = ("raw", "ema")
 
@@ -164,7 +165,7 @@ class Evaluation(Callback):
     @staticmethod
     def run_dir(trainer) -> Path:
         """Where results.json and the plots go. A collective under DDP (every rank calls it)."""
-        return Path(trainer.log_dir or trainer.default_root_dir)
+        return run_directory(trainer, every_rank=True)
 
     def publish(
         self,

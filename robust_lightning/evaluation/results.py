@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 import robust_lightning
 from robust_lightning.atomic import atomic_write_json
 from robust_lightning.data.corrupt_report import CorruptImageReport
+from robust_lightning.paths import run_directory
 from robust_lightning.training.throughput import Throughput
 
 
@@ -117,7 +118,7 @@ class RunResults(Callback):
         }
 
     def _write(self, trainer, pl_module, section: str, extra: dict[str, Any], run_dir: Path | None = None) -> None:
-        run_dir = run_dir or Path(trainer.log_dir or trainer.default_root_dir)  # log_dir: a collective under DDP
+        run_dir = run_dir or run_directory(trainer, every_rank=True)  # every rank is here
         if not trainer.is_global_zero:
             return
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -174,13 +175,11 @@ class RunResults(Callback):
         if interrupted and trainer.state.fn == "fit" and trainer.is_global_zero:
             checkpoint = trainer.checkpoint_callback
             last = checkpoint.last_model_path if isinstance(checkpoint, ModelCheckpoint) else None
-            # the logger's directory without trainer.log_dir's broadcast: the ranks may have stopped at other steps
-            logger_dir = trainer.logger.log_dir if trainer.logger is not None else None
             self._write(
                 trainer,
                 pl_module,
                 "fit",
-                run_dir=Path(logger_dir or trainer.default_root_dir),
+                run_dir=run_directory(trainer),  # no collective: the ranks may have stopped at other steps
                 extra={
                     "interrupted": "SIGTERM" if isinstance(exception, SIGTERMException) else "SIGINT",
                     "epochs": trainer.current_epoch,
@@ -205,12 +204,7 @@ class PredictionWriter(BasePredictionWriter):
 
     @staticmethod
     def run_dir(trainer) -> Path:
-        # not trainer.log_dir: that is a collective under DDP, and ranks may predict different batch counts
-        return Path(
-            trainer.logger.log_dir
-            if trainer.logger is not None and trainer.logger.log_dir
-            else trainer.default_root_dir
-        )
+        return run_directory(trainer)  # no collective: ranks may predict different batch counts
 
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
         run_dir = self.run_dir(trainer)

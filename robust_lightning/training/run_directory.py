@@ -25,6 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from robust_lightning.atomic import atomic_write_json
 from robust_lightning.errors import UserError
 from robust_lightning.locking import LOCK_NAME, exclusive
+from robust_lightning.paths import run_directory
 
 FIT_MARKER = ".fit"  # in a fit's run directory: {"checkpoint_dirpath": ...}
 OWNER_MARKER = ".run_directory"  # in a checkpoint directory outside its run: {"run_directory": ...}
@@ -60,7 +61,7 @@ class FitRunDirectory(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit":
             return
-        run_dir = Path(trainer.log_dir or trainer.default_root_dir).resolve()  # a collective under DDP
+        run_dir = run_directory(trainer, every_rank=True).resolve()
         if not trainer.is_global_zero:
             return
         checkpoint = trainer.checkpoint_callback
