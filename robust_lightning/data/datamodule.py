@@ -39,6 +39,7 @@ from robust_lightning.data.transforms import (
     train_transform,
 )
 from robust_lightning.errors import UserError
+from robust_lightning.official_differences import data_differences
 from robust_lightning.paths import DATA_DIR
 from robust_lightning.scale.srun import ignore_job_signals
 
@@ -782,44 +783,8 @@ class ImageNetDataModule(LightningDataModule):
 
     # ------------------------------------------------------------------------------------------ reporting
     def differences_from_official_code(self) -> list[str]:
-        """How the training data pipeline departs from Singh et al.'s (github.com/nmndeep/revisiting-at:
-        ImageFolder, timm's create_transform with mean 0 / std 1 run per image on PIL, 8 GPUs)."""
-        differences = []
-        if self.source == "shards":
-            differences.append(
-                "training images read from WebDataset shards, shuffled through a buffer "
-                "(official: ImageFolder with a full random permutation)"
-            )
-        if self.uses_canvases:
-            differences.append(
-                f"images larger than the {self.canvas_size}-px canvas decoded at reduced scale (JPEG DCT scaling "
-                "by 2, 4 or 8) before the random-resized crop, which runs on the device (official: full-resolution "
-                "decode, PIL crop; data.full_resolution_decode)"
-            )
-        if self.augmentation != "basic" and self.augment_on == "device":
-            differences.append(
-                "augmentation after the crop runs batched on the device, timm's PIL ops reproduced "
-                "(colour ops exact, bilinear/bicubic geometric ops within 1/255 on rare pixels)"
-            )
-        if self.augmentation == "heavy" and self.augmentation_fill != "official":
-            differences.append(
-                "RandAugment fill = ImageNet mean colour and RandomErasing noise mean + std * N(0, 1) "
-                "clamped to [0, 1] (official: black fill and unclamped N(0, 1) noise; "
-                "data.augmentation_fill official)"
-            )
-        if self.global_batch_size:
-            differences.append(
-                "data.global_batch_size split over any device count, each rank's loss weighted so "
-                "the update is that of the whole batch (official: per-GPU batch x 8 GPUs)"
-            )
-        if self.micro_batches > 1:
-            differences.append(
-                f"each device's share of the global batch in {self.micro_batches} micro-batches of at "
-                f"most data.max_device_batch_size {self.max_device_batch_size} images, gradients "
-                "accumulated exactly (BatchNorm statistics and MixUp/CutMix pairs per micro-batch; "
-                "official: one forward per GPU and step, no accumulation)"
-            )
-        return differences
+        """How the training data pipeline departs from Singh et al.'s (robust_lightning.official_differences)."""
+        return data_differences(self)
 
     def evaluation_source(self) -> EvaluationSource:
         """Where the evaluation images come from (see ``EvaluationSource``); known from the settings alone."""

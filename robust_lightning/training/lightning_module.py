@@ -33,6 +33,7 @@ from robust_lightning.models.classifier import RobustClassifier, build_classifie
 from robust_lightning.models.isotropic_convnext import IsotropicConvNeXt
 from robust_lightning.models.robustbench import is_robustbench_arch, preprocessing_mismatch, resolve_arch
 from robust_lightning.models.weights import adopt_normalizer, load_pretrained
+from robust_lightning.official_differences import training_differences
 from robust_lightning.training.random_state import random_states, set_random_states
 from robust_lightning.training.schedule import warmup_cosine
 
@@ -621,29 +622,9 @@ class ImageClassifier(LightningModule):
 
     # ------------------------------------------------------------------------------------------ reporting
     def differences_from_official_code(self) -> list[str]:
-        """How this training recipe departs from Singh et al.'s code (github.com/nmndeep/revisiting-at, main.py);
-        the data pipeline's differences are the datamodule's."""
-        hp = self.hparams
-        differences = [
-            "lr schedule: linear warm-up from peak / warm-up steps, then an exact cosine, both per optimiser step "
-            "(official: warm-up from 1e-4 x peak, cosine values at whole epochs interpolated per iteration); "
-            "same peak, warm-up length and end",
-        ]
-        if hp.weight_decay_rule != "official":
-            differences.append(
-                "weight decay: timm's rule, no decay on biases, 1-D tensors and no_weight_decay() "
-                "(official: ConvNeXt norm weights and layer scales, ViT pos_embed and cls_token "
-                "decayed too; model.weight_decay_rule official)"
-            )
+        """How this training recipe departs from Singh et al.'s code (robust_lightning.official_differences)."""
         trainer = self._trainer
-        if trainer is not None and str(trainer.precision) != "16-mixed":
-            differences.append(f"precision {trainer.precision} (official: fp16 autocast with a GradScaler)")
-        if hp.select_attack_steps:
-            differences.append(
-                "checkpoint selection during training, at every validation, on the held-out images "
-                "(official: weights saved every epoch and selected afterwards)"
-            )
-        return differences
+        return training_differences(self.hparams, None if trainer is None else str(trainer.precision))
 
     def conditions(self) -> dict:
         """What results.json records about the model and the recipe."""
