@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from robust_lightning.cli import main
+from robust_lightning.training.lightning_module import ImageClassifier
 
 WNIDS = ("n01440764", "n01443537", "n15075141")  # ImageNet labels 0, 1 and 999
 REPO = Path(__file__).resolve().parents[1]
@@ -451,3 +452,18 @@ def run_analysis(tmp_path: Path, config: dict, name: str = "run.yaml") -> tuple[
     written = runs[-1] / "results.json" if runs else None
     results = json.loads(written.read_text()) if written and written.is_file() else None
     return status, results, runs[-1] if runs else tmp_path
+
+
+# ------------------------------------------------------------------ checkpoints as Lightning writes them
+def write_checkpoint(path: Path, **hparams) -> ImageClassifier:
+    """A training checkpoint as Lightning writes one (state_dict + hyper_parameters), untrained; the EMA copy
+    (when there is one) is moved away from the raw weights so that exporting the wrong one shows."""
+    torch.manual_seed(0)
+    module = ImageClassifier(num_classes=5, **hparams).eval()
+    if module.ema is not None:
+        with torch.no_grad():
+            for p in module.ema.module.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        module.ema.module.eval()
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, path)
+    return module

@@ -11,7 +11,7 @@ import torch
 import yaml
 from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
 
-from helpers import run_command, write_image
+from helpers import run_command
 from robust_lightning.data.classes import class_map
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.benchmarks import (
@@ -28,6 +28,7 @@ from robust_lightning.evaluation.benchmarks import (
     subset_classes,
     subset_split,
 )
+from shift_data import benchmark_trees, tree, write_favouring_checkpoint
 
 
 # --------------------------------------------------------------------------------------------- class lists
@@ -136,11 +137,6 @@ def test_bg_gap_maps_the_1000_way_prediction_and_counts_unmapped_ones_wrong():
 
 
 # ---------------------------------------------------------------------------------------------- layouts
-def tree(root: Path, folders, per_folder: int = 2, seed: int = 0) -> Path:
-    for f, folder in enumerate(folders):
-        for i in range(per_folder):
-            write_image(root / folder / f"img_{i}.JPEG", seed + 10 * f + i)
-    return root
 
 
 def test_layout_errors_name_the_expected_layout(tmp_path):
@@ -192,47 +188,12 @@ def test_layouts_read_labels_from_folder_names(tmp_path):
 
 # ----------------------------------------------------------------------------------------- through the CLI
 # the first ImageNet-A class that ImageNet-R lacks: favouring it leaves ImageNet-R's predictions alone
-A_FAVOURED = next(
-    i for i, index in enumerate(subset_classes("imagenet_a")[1]) if index not in subset_classes("imagenet_r")[1]
-)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    """A Lightning checkpoint of a tiny untrained 1000-class classifier (the benchmarks read 1000 logits) that
-    favours one ImageNet-R and one ImageNet-A class, so that their accuracies are known and not zero."""
-    from lightning import Trainer
-
-    from robust_lightning.training.lightning_module import ImageClassifier
-
-    torch.manual_seed(0)
-    module = ImageClassifier(arch="test_resnet", num_classes=1000, image_size=32)
-    with torch.no_grad():
-        favoured = [subset_classes("imagenet_r")[1][0], subset_classes("imagenet_a")[1][A_FAVOURED]]
-        module.model.net.fc.bias[favoured] += 5.0
-    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
-    trainer.strategy.connect(module)
-    path = tmp_path_factory.mktemp("bench-ckpt") / "tiny.ckpt"
-    trainer.save_checkpoint(path)
-    return path
-
-
-def benchmark_trees(root: Path) -> dict[str, str]:
-    """Tiny replicas of every layout but ImageNet-Sketch (left out to be reported as skipped)."""
-    r, a, o = (subset_classes(name)[0] for name in ("imagenet_r", "imagenet_a", "imagenet_o"))
-    # ImageNet val: two ImageNet-O classes (in-distribution) and tench (not ImageNet-O: must be ignored)
-    tree(root / "imagenet" / "val", [o[0], o[1], "n01440764"], seed=100)
-    tree(root / "in9" / "original" / "val", IN9_FOLDERS[:3], seed=200)
-    tree(root / "in9" / "mixed_same" / "val", IN9_FOLDERS[:3], seed=300)
-    tree(root / "in9" / "mixed_rand" / "val", IN9_FOLDERS[:3], seed=400)
-    return {
-        "imagenet_r": str(tree(root / "r", r[:3], seed=500)),
-        "imagenet_a": str(tree(root / "a", a[A_FAVOURED : A_FAVOURED + 2], seed=600)),
-        "imagenet_v2": str(tree(root / "v2", ["0", "1", "999"], seed=700)),
-        "imagenet_o": str(tree(root / "o", o[:3], seed=800)),
-        "imagenet_val": str(root / "imagenet" / "val"),
-        "imagenet_9": str(root / "in9"),
-    }
+    """A tiny untrained 1000-class classifier that favours one ImageNet-R and one ImageNet-A class."""
+    return write_favouring_checkpoint(tmp_path_factory.mktemp("bench-ckpt") / "tiny.ckpt")
 
 
 def bench_config(tmp_path: Path, roots: dict[str, str], devices: int = 1) -> Path:

@@ -10,13 +10,16 @@ import yaml
 from robust_lightning.cli import main
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.card import RobustnessCard, paper_rows, percent, render_card
-from test_benchmarks import benchmark_trees
-from test_benchmarks import checkpoint as imagenet_checkpoint  # noqa: F401 (a fixture: 1000-class tiny model)
-from test_imagenet_c import imagenet_c_tree
-from test_imagenet_p import imagenet_p_tree
+from shift_data import benchmark_trees, imagenet_c_tree, imagenet_p_tree, write_favouring_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK_ATTACK = {"version": "apgd-ce", "n_iter": 3}
+
+
+@pytest.fixture(scope="module")
+def imagenet_checkpoint(tmp_path_factory) -> Path:
+    """A tiny untrained 1000-class classifier that favours one ImageNet-R and one ImageNet-A class."""
+    return write_favouring_checkpoint(tmp_path_factory.mktemp("card-ckpt") / "tiny.ckpt")
 
 
 def test_render_card_lays_out_our_numbers_beside_the_papers():
@@ -102,7 +105,7 @@ def _load(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def test_the_card_runs_every_benchmark_that_has_data(tmp_path, imagenet_checkpoint):  # noqa: F811
+def test_the_card_runs_every_benchmark_that_has_data(tmp_path, imagenet_checkpoint):
     roots = benchmark_trees(tmp_path)
     roots["imagenet_c"] = str(imagenet_c_tree(tmp_path / "imagenet_c"))
     imagenet_p_tree(tmp_path / "imagenet_p")

@@ -12,8 +12,8 @@ import pytest
 import torch
 import yaml
 
+from helpers import write_checkpoint
 from robust_lightning.cli import main
-from robust_lightning.training.lightning_module import ImageClassifier
 
 # Runs in a fresh interpreter: only timm, preprocessing exactly as timm's data config of the folder says.
 PLAIN_TIMM = textwrap.dedent(
@@ -34,20 +34,6 @@ PLAIN_TIMM = textwrap.dedent(
               "interpolation", "crop_pct")}}, open(out, "w"))
     """
 )
-
-
-def write_checkpoint(path: Path, **hparams) -> ImageClassifier:
-    """A training checkpoint as Lightning writes one (state_dict + hyper_parameters), untrained; the EMA copy
-    (when there is one) is moved away from the raw weights so that exporting the wrong one shows."""
-    torch.manual_seed(0)
-    module = ImageClassifier(num_classes=5, **hparams).eval()
-    if module.ema is not None:
-        with torch.no_grad():
-            for p in module.ema.module.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-        module.ema.module.eval()
-    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, path)
-    return module
 
 
 def load_with_plain_timm(folder: Path, x: torch.Tensor, tmp_path: Path) -> dict:

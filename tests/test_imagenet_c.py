@@ -16,7 +16,7 @@ import torch
 import yaml
 from PIL import Image
 
-from helpers import make_image_tree, run_command
+from helpers import run_command
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation import imagenet_c
 from robust_lightning.evaluation.corruptions import CorruptedEvalTransform
@@ -33,6 +33,7 @@ from robust_lightning.evaluation.imagenet_c import (
     images_short_of_the_benchmark,
 )
 from robust_lightning.paths import DATA_DIR
+from shift_data import imagenet_c_config, imagenet_c_tree, write_square
 
 WNIDS = ("n01440764", "n01443537", "n15075141")  # ImageNet labels 0, 1, 999
 LAYOUT = r"<root>/<corruption>/<severity 1\.\.5>/<wnid>/\*\.JPEG"
@@ -132,33 +133,6 @@ def test_every_cell_on_fewer_images_is_partial_too():
 
 
 # ------------------------------------------------------------------------------------------------- layouts
-def write_square(path: Path, seed: int, size: int = 32) -> None:
-    rng = np.random.default_rng(seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(path, quality=85)
-
-
-def imagenet_c_tree(
-    root: Path,
-    corruptions=("gaussian_noise", "brightness"),
-    grouped: bool = False,
-    per_class: int = 2,
-    size: int = 32,
-    uneven: bool = False,
-) -> Path:
-    """``uneven``: the second class gets severity - 1 more images, so each cell has its own class balance."""
-    groups = {"gaussian_noise": "noise", "brightness": "weather", "contrast": "digital", "saturate": "extra"}
-    for c, corruption in enumerate(corruptions):
-        folder = root / groups[corruption] / corruption if grouped else root / corruption
-        for severity in range(1, 6):
-            for w, wnid in enumerate(WNIDS[:2]):
-                for i in range(per_class + (severity - 1) * (uneven and w == 1)):
-                    write_square(
-                        folder / str(severity) / wnid / f"ILSVRC2012_val_{w}{i:07d}.JPEG",
-                        1000 * c + 100 * severity + 10 * w + i,
-                        size,
-                    )
-    return root
 
 
 @pytest.mark.parametrize("grouped", [False, True])
@@ -304,43 +278,6 @@ def checkpoint(tmp_path_factory) -> Path:
     return path
 
 
-def cli_config(tmp_path: Path, *callback_args: dict) -> Path:
-    """A test run on a 5-image ImageNet val tree with an ImageNetC callback for each ``callback_args``."""
-    make_image_tree(tmp_path / "imagenet" / "val", {WNIDS[0]: 2, WNIDS[1]: 2, WNIDS[2]: 1})
-    callbacks = [
-        {
-            "class_path": "robust_lightning.evaluation.imagenet_c.ImageNetC",
-            "init_args": {"batch_size": 7, "num_workers": 0, **args},
-        }
-        for args in callback_args
-    ]
-    config = {
-        "seed_everything": 0,
-        "trainer": {
-            "accelerator": "cpu",
-            "devices": 1,
-            "default_root_dir": str(tmp_path / "runs"),
-            "logger": {
-                "class_path": "lightning.pytorch.loggers.CSVLogger",
-                "init_args": {"save_dir": str(tmp_path / "runs"), "name": "c"},
-            },
-            "callbacks": callbacks,
-        },
-        "model": {"arch": "test_resnet"},
-        "data": {
-            "source": "folder",
-            "root": str(tmp_path / "imagenet"),
-            "class_map": "imagenet",
-            "image_size": 32,
-            "eval_batch_size": 8,
-            "num_workers": 0,
-        },
-    }
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
 def direct_accuracy(checkpoint: Path, cell: Path) -> float:
     """Top-1 of one corruption x severity folder without the callback or Lightning's loops."""
     from robust_lightning.data.classes import class_map
@@ -360,7 +297,7 @@ def test_cli_run_writes_the_imagenet_c_section(tmp_path, checkpoint):
     from robust_lightning.cli import main
 
     root = imagenet_c_tree(tmp_path / "imagenet-c", grouped=True, uneven=True)
-    config = cli_config(tmp_path, {"root": str(root), "corruptions": ["gaussian_noise", "brightness"]})
+    config = imagenet_c_config(tmp_path, {"root": str(root), "corruptions": ["gaussian_noise", "brightness"]})
     assert main(["test", "--config", str(config), "--ckpt_path", str(checkpoint)]) == 0
     results_file = next((tmp_path / "runs" / "c").glob("version_*/results.json"))
     results = json.loads(results_file.read_text())
@@ -400,7 +337,7 @@ def test_cli_fails_at_test_start_on_a_bad_root(tmp_path, checkpoint, capsys):
     from robust_lightning.cli import main
 
     root = imagenet_c_tree(tmp_path / "imagenet-c", corruptions=("brightness",))
-    config = cli_config(tmp_path, {"root": str(root)})  # the default 15 corruptions: 14 are missing
+    config = imagenet_c_config(tmp_path, {"root": str(root)})  # the default 15 corruptions: 14 are missing
     assert main(["test", "--config", str(config), "--ckpt_path", str(checkpoint)]) == 2
     assert "not found" in capsys.readouterr().err
     assert not list((tmp_path / "runs").glob("**/results.json"))  # failed before any work
@@ -413,7 +350,7 @@ def test_ddp_splits_the_images_over_ranks_and_counts_each_once(tmp_path, checkpo
     # by the released one (the last callback), so it is read back from the logged metrics (other corruptions)
     generated = {"source": "generated", "corruptions": ["glass_blur", "fog"], "severities": [2, 5], "batch_size": 2}
     released = {"root": str(root), "corruptions": ["brightness"], "severities": [1, 4]}
-    config = cli_config(tmp_path, generated, released)
+    config = imagenet_c_config(tmp_path, generated, released)
     settings = yaml.safe_load(config.read_text())
     settings["trainer"].update(devices=2, strategy="ddp")
     config.write_text(yaml.safe_dump(settings))
@@ -466,7 +403,7 @@ def direct_generated(
 def test_generated_cli_run_writes_its_section(tmp_path, checkpoint):
     from robust_lightning.cli import main
 
-    config = cli_config(
+    config = imagenet_c_config(
         tmp_path,
         {
             "source": "generated",
@@ -540,7 +477,7 @@ def test_generated_checks_before_any_work(tmp_path):
 def test_generated_from_fewer_images_than_all_of_val_is_partial(tmp_path, checkpoint):
     from robust_lightning.cli import main
 
-    config = cli_config(tmp_path, {"source": "generated", "batch_size": 25})  # all 15 corruptions x 5 severities
+    config = imagenet_c_config(tmp_path, {"source": "generated", "batch_size": 25})  # all 15 corruptions x 5 severities
     assert main(["test", "--config", str(config), "--ckpt_path", str(checkpoint), "--data.eval_limit", "3"]) == 0
     results_file = next((tmp_path / "runs" / "c").glob("version_*/results.json"))
     section = json.loads(results_file.read_text())["imagenet_c"]

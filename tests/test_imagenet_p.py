@@ -31,11 +31,11 @@ from robust_lightning.evaluation.imagenet_p import (
     top5_distance,
 )
 from robust_lightning.paths import DATA_DIR
+from shift_data import SIZE, frames_of, imagenet_p_tree, write_video
 
 REPO = Path(__file__).resolve().parents[1]
 WNIDS = ("n01440764", "n01443537", "n15075141")  # ImageNet labels 0, 1, 999
 LAYOUT = r"<root>/<perturbation>/<wnid>/<sequence>\.mp4"
-SIZE = 32
 
 
 # ------------------------------------------------------------------------------------ independent references
@@ -162,58 +162,6 @@ def test_alexnet_constants_and_flip_rate_normalisation():
 
 
 # ------------------------------------------------------------------------------------------------- replicas
-def frames_of(seed: int, count: int) -> list[np.ndarray]:
-    """RGB frames with a square moving over a gradient (so a model's predictions change along the sequence)."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:SIZE, 0:SIZE]
-    background = np.stack([x * 7 % 256, y * 5 % 256, (x + 2 * y) * 3 % 256], -1).astype(np.uint8)
-    colour = rng.integers(0, 256, 3)
-    frames = []
-    for i in range(count):
-        frame = background.copy()
-        top, left = (3 * i + seed) % 20, (5 * i + 2 * seed) % 20
-        frame[top : top + 12, left : left + 12] = colour
-        frames.append(frame)
-    return frames
-
-
-def write_video(path: Path, frames: list[np.ndarray]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 1, (SIZE, SIZE))
-    assert writer.isOpened(), "this OpenCV build cannot write mp4v"
-    for frame in frames:
-        writer.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
-    writer.release()
-
-
-def imagenet_p_tree(root: Path) -> dict[str, list[Path]]:
-    """brightness: 3 videos of 6 frames and one of 4 (a short one); gaussian_noise: 2 videos and one folder of 12
-    PNG frames (img0 ... img11: natural order matters); speckle_noise (validation): 2 videos. Returns the sequences
-    of each perturbation in the order the layout lists them."""
-    sequences = {
-        "brightness": [
-            root / "brightness" / WNIDS[0] / "a.mp4",
-            root / "brightness" / WNIDS[0] / "b.mp4",
-            root / "brightness" / WNIDS[1] / "c.mp4",
-            root / "brightness" / WNIDS[2] / "short.mp4",
-        ],
-        "gaussian_noise": [
-            root / "gaussian_noise" / WNIDS[0] / "a.mp4",
-            root / "gaussian_noise" / WNIDS[1] / "b.mp4",
-            root / "gaussian_noise" / WNIDS[1] / "frames",
-        ],
-        "speckle_noise": [root / "speckle_noise" / WNIDS[2] / "a.mp4", root / "speckle_noise" / WNIDS[2] / "b.mp4"],
-    }
-    for p, (_perturbation, paths) in enumerate(sequences.items()):
-        for s, path in enumerate(paths):
-            frames = frames_of(10 * p + s, 4 if path.stem == "short" else 12 if path.name == "frames" else 6)
-            if path.name == "frames":
-                path.mkdir(parents=True)
-                for i, frame in enumerate(frames):
-                    Image.fromarray(frame).save(path / f"img{i}.png")
-            else:
-                write_video(path, frames)
-    return sequences
 
 
 def decode(path: Path) -> torch.Tensor:

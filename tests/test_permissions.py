@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import write_checkpoint
 from robust_lightning import atomic
 from robust_lightning.atomic import atomic_write_text, temporary_path, umask
 from robust_lightning.evaluation.outcomes import append_record, claim_directory
 from robust_lightning.evaluation.results import update_results
 from robust_lightning.training.checkpoint_io import AtomicCheckpointIO
 from robust_lightning.training.export import export
-from test_export import write_checkpoint
 
 
 @pytest.fixture(params=[(0o022, 0o644), (0o077, 0o600)], ids=["umask-022", "umask-077"])

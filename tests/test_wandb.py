@@ -15,8 +15,7 @@ from wandb.proto import wandb_internal_pb2
 from helpers import make_image_tree, tiny_config
 from robust_lightning.cli import main
 from robust_lightning.loggers import WANDB_CONFIG_FILE
-from test_imagenet_c import cli_config, imagenet_c_tree
-from test_imagenet_p import imagenet_p_tree
+from shift_data import imagenet_c_config, imagenet_c_tree, imagenet_p_tree
 
 REPO = Path(__file__).resolve().parents[1]
 WANDB_YAML = str(REPO / "configs" / "loggers" / "wandb.yaml")
@@ -173,7 +172,7 @@ def evaluated(workdir, fitted):
     imagenet_c = imagenet_c_tree(workdir / "imagenet-c", per_class=1)
     imagenet_p_tree(workdir / "imagenet-p")
     v2 = make_image_tree(workdir / "v2", {"n01440764": 2, "n01443537": 1})
-    path = cli_config(workdir, {"root": str(imagenet_c), "corruptions": ["gaussian_noise", "brightness"]})
+    path = imagenet_c_config(workdir, {"root": str(imagenet_c), "corruptions": ["gaussian_noise", "brightness"]})
     config = yaml.safe_load(path.read_text())
     config["trainer"]["logger"]["init_args"]["name"] = "tiny"  # the fit's CSV run folder: version_1 next to it
     config["trainer"]["callbacks"] += [
