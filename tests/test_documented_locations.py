@@ -77,3 +77,22 @@ def test_a_sweep_without_output_dir_writes_to_runs_sweeps_name(tmp_path, monkeyp
     path.write_text(yaml.safe_dump(spec))
     monkeypatch.chdir(tmp_path)
     assert Path(load_sweep(path).output_dir).resolve() == tmp_path / "runs" / "sweeps" / "demo"
+
+
+@pytest.mark.parametrize("first_logger", ["csv", "wandb", "none"])
+def test_every_writer_finds_the_run_directory_by_the_same_rule(tmp_path, first_logger):
+    """results.json, plots and outcomes (every rank, through Trainer.log_dir's broadcast) and predictions or an
+    interrupted fit's results (rank zero alone, no collective) go to one directory, whatever the first logger."""
+    from lightning import Trainer
+    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+    from robust_lightning.paths import run_directory
+
+    loggers = {
+        "csv": [CSVLogger(tmp_path / "csv", name="run"), WandbLogger(save_dir=tmp_path / "wandb", offline=True)],
+        "wandb": [WandbLogger(save_dir=tmp_path / "wandb", offline=True), CSVLogger(tmp_path / "csv", name="run")],
+        "none": False,
+    }[first_logger]
+    trainer = Trainer(logger=loggers, default_root_dir=tmp_path / "root", accelerator="cpu", enable_progress_bar=False)
+    expected = {"csv": tmp_path / "csv" / "run" / "version_0", "wandb": tmp_path / "wandb", "none": tmp_path / "root"}
+    assert run_directory(trainer) == run_directory(trainer, every_rank=True) == expected[first_logger]
