@@ -169,6 +169,8 @@ def test_the_slurm_requeue_signal_mid_step_checkpoints_at_the_end_of_that_step(t
         {"class_path": "slurm_cluster.Pace", "init_args": {"record": str(record), "seconds": 0}},
         {"class_path": "slurm_cluster.SignalMidStep", "init_args": {"step": 3}},
     ]
+    # tiny_config's bar off and no loader workers: the step-end timing tested here does not depend on them;
+    # tests/test_slurm.py signals a real SLURM job run with the progress display on and a loader worker
     config = tiny_config(
         tmp_path,
         tmp_path / "synthetic",

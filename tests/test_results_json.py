@@ -61,6 +61,8 @@ def written(tmp_path_factory):
             "threat_models": [{"norm": "Linf", "eps": 4 / 255}],
         },
     }
+    # tiny_config's bar off and no loader workers: results.json's keys do not depend on them (the user's defaults
+    # run in tests/test_ddp_commands.py)
     config = tiny_config(
         tmp_path,
         tmp_path / "synthetic",
