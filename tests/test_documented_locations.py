@@ -96,3 +96,22 @@ def test_every_writer_finds_the_run_directory_by_the_same_rule(tmp_path, first_l
     trainer = Trainer(logger=loggers, default_root_dir=tmp_path / "root", accelerator="cpu", enable_progress_bar=False)
     expected = {"csv": tmp_path / "csv" / "run" / "version_0", "wandb": tmp_path / "wandb", "none": tmp_path / "root"}
     assert run_directory(trainer) == run_directory(trainer, every_rank=True) == expected[first_logger]
+
+
+def test_the_quickstarts_first_stage_writes_where_the_readme_says(tmp_path, monkeypatch, capsys):
+    """README: configs/quickstart_clean.yaml writes runs/quickstart_clean/checkpoints/last.ckpt, and a second fit
+    of it refuses to overwrite them. The shipped config with the user's defaults (bar, loader workers), shrunk to a
+    tiny model and a few images; run from a fresh directory, as runs/ is relative."""
+    from robust_lightning.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["fit", "--config", str(REPO / "configs" / "quickstart_clean.yaml"), "--model.arch", "test_resnet",
+            "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1",
+            "--data.synthetic.root", str(tmp_path / "synthetic"), "--data.synthetic.train_per_class", "8",
+            "--data.synthetic.val_per_class", "4", "--data.synthetic.samples_per_shard", "20"]  # fmt: skip
+    assert main(args) == 0
+    assert (tmp_path / "runs" / "quickstart_clean" / "checkpoints" / "last.ckpt").is_file()
+    assert (tmp_path / "runs" / "quickstart_clean" / "version_0" / "results.json").is_file()
+    capsys.readouterr()
+    assert main(args) == 2  # the fixed checkpoint folder belongs to the first fit
+    assert "runs/quickstart_clean/checkpoints" in capsys.readouterr().err
