@@ -307,10 +307,25 @@ def test_frequency_noise_protocols_and_the_code_noise_in_normalised_units():
     assert gaussian.std().item() == pytest.approx(0.1, rel=0.05)
 
 
-def test_every_bands_noise_is_scaled_to_the_stated_size_by_default():
-    """The default size: ImageNet-C's mildest Gaussian noise (std 0.08 of [0, 1], 20.4 grey levels RMS) in every
-    band and in the white noise, whatever share of the draw's energy the band holds."""
-    analysis = FrequencyNoise(protocol="code", plot=False)
+def test_the_default_size_is_parks_eps_and_each_band_keeps_its_share_of_the_draw():
+    """The default is the sign noise of eps 0.7 normalised units of Park's code (how-do-vits-work issue 44), not
+    rescaled: the white noise is 0.7 x std in [0, 1] pixels, and a band's energy is its share of the draw's."""
+    analysis = FrequencyNoise(plot=False)
+    assert (analysis.protocol, analysis.eps, analysis.rms_grey_levels) == ("code", 0.7, None)
+    images = torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    offline(analysis, tiny("test_resnet"), images, mean=[0.5] * 3, std=[0.25] * 3)
+    section, _, _ = analysis.analyse(TRAINER, PL_MODULE)
+    assert section["conditions"]["eps"] == 0.7 and section["conditions"]["rms_grey_levels"] is None
+    assert section["white_noise"]["noise_rms_grey_levels"] == pytest.approx(0.7 * 0.25 * 255)
+    white = section["white_noise"]["noise_rms_grey_levels"]
+    for band in section["bands"]:  # a share of the draw: weaker than the white noise (the band at 0 pi is empty)
+        assert (0 < band["noise_rms_grey_levels"] < white) == (band["bins"] > 0), band
+
+
+def test_every_bands_noise_is_scaled_to_a_stated_size():
+    """rms_grey_levels 20.4 (ImageNet-C's mildest Gaussian noise, std 0.08 of [0, 1]): every band and the white
+    noise at that RMS, whatever share of the draw's energy the band holds."""
+    analysis = FrequencyNoise(protocol="code", rms_grey_levels=20.4, plot=False)
     images = torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     offline(analysis, tiny("test_resnet"), images, mean=[0.5] * 3, std=[0.25] * 3)
     section, _, _ = analysis.analyse(TRAINER, PL_MODULE)
@@ -321,7 +336,7 @@ def test_every_bands_noise_is_scaled_to_the_stated_size_by_default():
         assert band["noise_rms_grey_levels"] == pytest.approx(expected, rel=1e-5), band
     assert sum(band["bins"] > 0 for band in section["bands"]) == 10
     # the same size whatever the protocol's own draw: eps changes nothing once scaled
-    louder = FrequencyNoise(protocol="code", eps=0.5, plot=False)
+    louder = FrequencyNoise(protocol="code", eps=0.5, rms_grey_levels=20.4, plot=False)
     offline(louder, tiny("test_resnet"), images, mean=[0.5] * 3, std=[0.25] * 3)
     for loud, band in zip(louder.analyse(TRAINER, PL_MODULE)[0]["bands"], section["bands"], strict=True):
         assert loud["accuracy"] == band["accuracy"]

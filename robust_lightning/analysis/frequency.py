@@ -28,7 +28,6 @@ from tqdm import tqdm
 
 from robust_lightning.analysis.core import Analysis, family_style, model_label, new_figure, pi_axis
 from robust_lightning.errors import UserError
-from robust_lightning.evaluation.corruptions import PARAMETERS
 
 __all__ = [
     "FrequencyNoise",
@@ -42,8 +41,8 @@ __all__ = [
 ]
 
 PROTOCOLS = ("code", "paper")
-# ImageNet-C's mildest Gaussian noise (severity 1: std 0.08 in [0, 1]) as grey levels, the default noise size
-GAUSSIAN_NOISE_MILDEST_RMS = round(PARAMETERS["gaussian_noise"][0] * 255, 1)
+# the sign noise's size in Park's code for frequency-based noise (github.com/xxxnell/how-do-vits-work/issues/44)
+PARK_ISSUE_44_EPS = 0.7
 
 
 def normalised_frequency(height: int, width: int, device=None) -> torch.Tensor:
@@ -115,18 +114,17 @@ class FrequencyNoise(Analysis):
         protocol: "code" (Park & Kim's code: sign noise of size eps in the model's input space, centred square
             bands) or "paper" (the paper's text: Gaussian noise of std noise_std in pixel space, tiling bands).
         width: band width in units of pi (0.1 as the papers).
-        eps: size of the sign noise (protocol code), in the model's normalised input units; 0.007 is the only
-            size the public code states (ops/adversarial.py, ``class Random``: ``eps=0.007``, the default it copies
-            from torchattacks); the call that drew Fig. 2b is not public. Used as it is only with
-            ``rms_grey_levels`` None: at 0.007 the band noise is below one grey level and the curves are flat.
-        noise_std: standard deviation of the Gaussian delta in [0, 1] pixel units (protocol paper), likewise.
-        rms_grey_levels: the size of every band's noise (and of the white noise), as its root mean square over
-            each image's pixels in grey levels (0-255): each draw is filtered to its band, then scaled to this
-            size. The default, 20.4, is the RMS of ImageNet-C's mildest Gaussian noise (std 0.08 in [0, 1],
-            Hendrycks & Dietterich 2019; ``evaluation.corruptions``): visible, mild noise, the same in every band
-            so that bands compare. Neither paper nor public code states the size (see ``eps``).
-            benchmarks/frequency_noise.py shows the curves it gives for a small ConvNet and a small ViT. None:
-            the protocol's own size (``eps`` or ``noise_std``), each band then holding the draw's share.
+        eps: size of the sign noise (protocol code), in the model's normalised input units. The default, 0.7, is
+            the size Park posted as the code that makes the paper's frequency-based noise
+            (github.com/xxxnell/how-do-vits-work/issues/44: ``Random(eps=0.7, sign=True)`` wrapped in
+            ``FreqAttack``); the script that drew Fig. 2b is not in the repository (issue 23 there). The repository's
+            ops/adversarial.py keeps ``Random``'s torchattacks default, 0.007, under one grey level per band.
+        noise_std: standard deviation of the Gaussian delta in [0, 1] pixel units (protocol paper).
+        rms_grey_levels: None (the default) keeps the protocol's draw filtered to the band, as Park's code: a band
+            holds its share of the draw's energy. A number scales every band's noise (and the white noise) to that
+            root mean square over each image's pixels, in grey levels (0-255), so that bands compare at one size;
+            20.4 is ImageNet-C's mildest Gaussian noise (std 0.08 in [0, 1], Hendrycks & Dietterich 2019).
+            benchmarks/frequency_noise.py shows the curves both give for a small ConvNet and a small ViT.
         repeats: noise draws per image (accuracies averaged).
         clamp: clip the noisy image to [0, 1] (the papers do not).
         seed: seed of the noise.
@@ -139,9 +137,9 @@ class FrequencyNoise(Analysis):
         self,
         protocol: str = "code",
         width: float = 0.1,
-        eps: float = 0.007,
+        eps: float = PARK_ISSUE_44_EPS,
         noise_std: float = 0.1,
-        rms_grey_levels: float | None = GAUSSIAN_NOISE_MILDEST_RMS,
+        rms_grey_levels: float | None = None,
         repeats: int = 1,
         clamp: bool = False,
         seed: int = 0,
@@ -253,9 +251,10 @@ class FrequencyNoise(Analysis):
                         "inverse FFT; paper text: a frequency mask M_f (here max(|w_y|, |w_x|) in [f, f + width))"
                     ),
                     (
-                        "size: the code's call site for Fig. 2b is not public; each band's noise is scaled to "
-                        "rms_grey_levels (default ImageNet-C's mildest Gaussian noise), Random's eps 0.007 only with "
-                        "rms_grey_levels null; s = width / 2 (the paper's 0.1 pi window), not FreqAttack's s = 0.2"
+                        "size: eps 0.7 by default, from the code Park posted for frequency-based noise "
+                        "(how-do-vits-work issue 44: Random(eps=0.7, sign=True)), since the script of Fig. 2b is "
+                        "not public; the repository's Random defaults to eps 0.007; s = width / 2 (the paper's "
+                        "0.1 pi window), not FreqAttack's default s = 0.2"
                     ),
                 ],
             },
@@ -265,8 +264,7 @@ class FrequencyNoise(Analysis):
                 "width": self.width,
                 **({"eps": self.eps} if code else {"noise_std": self.noise_std}),
                 "rms_grey_levels": self.rms_grey_levels,
-                "size": "each band's noise scaled to rms_grey_levels per image (ImageNet-C's mildest Gaussian "
-                "noise: 0.08 x 255 = 20.4)"
+                "size": "each band's noise scaled to rms_grey_levels per image"
                 if self.rms_grey_levels is not None
                 else "the protocol's draw filtered to the band (eps or noise_std)",
                 "repeats": self.repeats,
@@ -308,6 +306,8 @@ class FrequencyNoise(Analysis):
         ax.set_xlabel("Noise frequency")
         ax.set_ylabel("Δ Accuracy (%)")
         size = f"ε={conditions['eps']:g} sign" if "eps" in conditions else f"Gaussian σ={conditions['noise_std']:g}"
+        if conditions["rms_grey_levels"] is not None:
+            size += f", scaled to {conditions['rms_grey_levels']:g} grey levels RMS,"
         ax.set_title(f"{size} noise, window {conditions['width']:g}π (protocol {conditions['protocol']})", fontsize=9)
         ax.legend()
         fig.tight_layout()
