@@ -214,7 +214,10 @@ def fab_targeted(
             logits_clean = model(x)
     logits_clean = logits_clean.detach().float()
     n_classes = logits_clean.shape[1]
-    ranks = torch.as_tensor(target_rank, device=x.device).expand(batch)
+    if isinstance(target_rank, torch.Tensor):
+        ranks = target_rank.to(x.device).expand(batch)
+    else:  # a fill on the device: as_tensor would copy the int from the host, which waits for the device (CUDA)
+        ranks = torch.full((batch,), target_rank, dtype=torch.long, device=x.device)
     if isinstance(target_rank, int) and not 2 <= target_rank <= n_classes:  # a tensor is not checked: no sync
         raise ValueError(f"target_rank must be in [2, {n_classes}], got {target_rank}")
     # Same sort as the reference, so ties between logits pick the same target.
