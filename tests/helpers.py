@@ -215,12 +215,13 @@ class HostReads(TorchDispatchMode):
 
 
 def force_device_path(monkeypatch) -> None:
-    """Make the attacks and the batched augmentation take, on the CPU, the path they take on GPUs (where reading
-    values back is not cheap)."""
+    """Make the attacks, the batched augmentation and the training step take, on the CPU, the path they take on GPUs
+    (where reading values back is not cheap)."""
     for module in (
         "robust_lightning.attacks.projections",
         "robust_lightning.attacks.apgd",
         "robust_lightning.data.augment",
+        "robust_lightning.training.lightning_module",
     ):
         monkeypatch.setattr(importlib.import_module(module), "host_reads_are_cheap", lambda t: False)
 

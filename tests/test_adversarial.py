@@ -40,6 +40,25 @@ def test_soft_targets_match_label_smoothing():
     )
 
 
+def test_the_automatic_reuse_is_the_cpus_and_the_bucketed_reforward_changes_no_logit():
+    """reuse_attack_forward None reuses on the CPU only (on an H100 it measured no faster); an explicit true holds on
+    any device. Off the CPU the re-forward runs at one of eight batch sizes: the logits are those of one forward."""
+    auto = ImageClassifier(arch="convnext_atto", num_classes=10, attack="apgd")
+    forced = ImageClassifier(arch="convnext_atto", num_classes=10, attack="apgd", reuse_attack_forward=True)
+    assert auto.reuse_forward and forced.reuse_forward
+    assert not auto.to("meta").reuse_forward and forced.to("meta").reuse_forward
+    module = ImageClassifier(arch="convnext_atto", num_classes=10, attack="apgd").eval()
+    x_adv = torch.rand(13, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    best_is_last = torch.rand(13, generator=torch.Generator().manual_seed(1)) < 0.6
+    with torch.no_grad():
+        stale = torch.zeros(13, 10)  # the last iterate's logits: kept where it was the best
+        expected = torch.where(best_is_last[:, None], stale, module(x_adv))
+        unbucketed = module._with_best_iterates(stale, x_adv, best_is_last)
+        module.hparams.compile = True  # the bucketed path, which every device but the CPU takes
+        bucketed = module._with_best_iterates(stale, x_adv, best_is_last)
+    assert torch.allclose(unbucketed, expected, atol=1e-5) and torch.allclose(bucketed, expected, atol=1e-5)
+
+
 def test_reusing_the_last_attack_forward_gives_the_same_update():
     """7/3 pass structure: the last attack forward doubles as the update's forward; loss and parameter
     gradients equal those of the plain 8/3 structure (a separate forward on x_best)."""

@@ -39,15 +39,16 @@ def device_reads(calls: list[tuple[str, str]]) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize(
-    "arch, display, max_device_batch_size",
+    "arch, display, max_device_batch_size, reuse",
     [
-        ("test_resnet", "robust_lightning.training.progress.ProgressLines", None),
-        ("test_resnet", "robust_lightning.training.progress.StepProgressBar", 3),
-        ("test_convnext", "robust_lightning.training.progress.StepProgressBar", None),
+        ("test_resnet", "robust_lightning.training.progress.ProgressLines", None, None),
+        ("test_resnet", "robust_lightning.training.progress.StepProgressBar", 3, None),
+        ("test_convnext", "robust_lightning.training.progress.StepProgressBar", None, None),
+        ("test_convnext", "robust_lightning.training.progress.ProgressLines", None, True),
     ],
 )
 def test_a_training_step_reads_nothing_back_outside_logging_steps(
-    tmp_path, monkeypatch, arch, display, max_device_batch_size
+    tmp_path, monkeypatch, arch, display, max_device_batch_size, reuse
 ):
     force_device_path(monkeypatch)
     ProbeStep.calls = []
@@ -65,14 +66,15 @@ def test_a_training_step_reads_nothing_back_outside_logging_steps(
             "model.arch": arch,
             "model.attack": "apgd",
             "model.ema_decay": 0.9,
+            "model.reuse_attack_forward": reuse,
         },
     )
     assert main(["fit", "--config", str(config)]) == 0
     reads = device_reads(ProbeStep.calls)
     assert ProbeStep.calls, "the probe recorded nothing"
-    if arch == "test_convnext":  # no BatchNorm: the attack's last forward is reused for the update
-        # the one read the recipe keeps: how many points need a forward of their own because their highest-loss
-        # iterate is not the last (a fixed shape would re-run the whole batch, an eighth of the step)
+    if reuse:  # forced (off the CPU the default does not reuse): the attack's last forward is the update's
+        # the one read it keeps: how many points need a forward of their own because their highest-loss iterate is
+        # not the last (a fixed shape would re-run the whole batch, an eighth of the step)
         assert [op for op, _ in reads] == ["aten.nonzero.default"], HostReads.listing(ProbeStep())
         assert "_with_best_iterates" in reads[0][1]
     else:

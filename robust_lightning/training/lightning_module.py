@@ -26,6 +26,7 @@ from torchmetrics import MeanMetric, MetricCollection, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from robust_lightning.attacks import apgd, fgsm, pgd
+from robust_lightning.attacks.projections import host_reads_are_cheap
 from robust_lightning.data.batch import Batch
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.calibration import CalibrationError
@@ -140,7 +141,8 @@ class ImageClassifier(LightningModule):
         eps_warmup_epochs: grow eps linearly from 0 to attack_eps over this many epochs (0 = off).
         reuse_attack_forward: compute the last attack forward with the parameter graph and reuse it for the
             update (7/3 instead of 8/3 of a clean step). Only valid when train and eval mode compute the same
-            function (no BatchNorm, dropout or drop-path); None = decide from the model.
+            function (no BatchNorm, dropout or drop-path). None = decide from the model and the device: reuse on
+            the CPU only, since on an H100 it measured no faster than the plain update (benchmarks/RESULTS.md).
         ema_decay: decay of the exponential moving average of the weights (the paper: 0.9999), updated after
             every optimiser step; None = no EMA. Validation and test then report the EMA model too (val_ema/...).
         select_attack_steps: APGD-CE iterations of the robust accuracy measured at every validation (the paper
@@ -206,9 +208,10 @@ class ImageClassifier(LightningModule):
             raise UserError(
                 f"model.reuse_attack_forward needs a model without BatchNorm, dropout or drop-path; {arch} has some"
             )
-        self.reuse_forward = attack == "apgd" and (
+        self._reuse_possible = attack == "apgd" and (
             not has_mode_dependent_layers(self.model) if reuse_attack_forward is None else reuse_attack_forward
         )
+        self._reuse_on_any_device = reuse_attack_forward is not None
         # The EMA copy never takes gradients; requires_grad False keeps DDP from expecting them.
         self.ema = None
         if ema_decay is not None:
@@ -354,6 +357,12 @@ class ImageClassifier(LightningModule):
         return torch.func.functional_call(model, detached, (images,))
 
     # ------------------------------------------------------------------------------------------- training
+    @property
+    def reuse_forward(self) -> bool:
+        """Whether the update reuses the attack's last forward (``reuse_attack_forward``) on the module's device."""
+        on_cpu = host_reads_are_cheap(next(self.model.parameters()))
+        return self._reuse_possible and (self._reuse_on_any_device or on_cpu)
+
     def current_eps(self) -> float:
         hp = self.hparams
         if hp.eps_warmup_epochs <= 0 or self._trainer is None:
@@ -479,14 +488,15 @@ class ImageClassifier(LightningModule):
         iterate is an earlier one, which get a forward of their own.
 
         Which points those are is read back from the device: the one read of the step, cheaper than the
-        fixed-shape alternative (a forward of the whole batch, an eighth of the step). A compiled network sees
-        one of eight batch sizes (the count rounded up to a multiple of an eighth of the batch, the extra points
-        forwarded and left unused) instead of a new shape at every step."""
+        fixed-shape alternative (a forward of the whole batch, an eighth of the step). A compiled network, and any
+        network off the CPU, sees one of eight batch sizes (the count rounded up to a multiple of an eighth of the
+        batch, the extra points forwarded and left unused) instead of a new shape at every step: on an H100 the
+        first forward and backward of each new size took seconds (benchmarks/RESULTS.md)."""
         redo = (~best_is_last).nonzero().squeeze(1)
         count = redo.numel()
         if not count:
             return logits
-        if self.hparams.compile:
+        if self.hparams.compile or not host_reads_are_cheap(logits):
             bucket = -(-len(best_is_last) // 8)
             padded = min(len(best_is_last), -(-count // bucket) * bucket)
             redo = torch.argsort(best_is_last.to(torch.uint8), stable=True)[:padded]  # the redo points first
