@@ -3,6 +3,7 @@ recorder of the ops that would make the host wait for a GPU."""
 
 import contextlib
 import fcntl
+import hashlib
 import importlib
 import json
 import os
@@ -284,7 +285,16 @@ def train_small_cnn() -> nn.Module:
     return model
 
 
-def tiny_config(tmp_path: Path, synthetic_root: Path, **overrides) -> Path:
+# The folder in which tiny_config's shared synthetic datasets go, one per worker's session (tests/conftest.py)
+SHARED_SYNTHETIC: Path | None = None
+
+
+def tiny_config(tmp_path: Path, synthetic_root: Path | None = None, **overrides) -> Path:
+    """A tiny fit/validate/test config in ``tmp_path/tiny.yaml``: dotted ``overrides`` replace its values.
+
+    ``synthetic_root`` None: the synthetic dataset these options give, shared by every test that reads the same
+    (generated once per worker, in a folder of its own per set of options). A test that changes the files passes a
+    folder of its own."""
     config = {
         "seed_everything": 0,
         "trainer": {
@@ -311,7 +321,7 @@ def tiny_config(tmp_path: Path, synthetic_root: Path, **overrides) -> Path:
                 "train_per_class": 8,
                 "val_per_class": 4,
                 "image_size": 32,
-                "root": str(synthetic_root),
+                "root": str(synthetic_root) if synthetic_root else None,  # None: the shared one, below
             },
         },
     }
@@ -321,6 +331,11 @@ def tiny_config(tmp_path: Path, synthetic_root: Path, **overrides) -> Path:
         for key in parents:
             node = node.setdefault(key, {})
         node[leaf] = value
+    synthetic = config["data"]["synthetic"]
+    if synthetic_root is None:
+        options = {key: value for key, value in synthetic.items() if key != "root"}
+        name = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:12]
+        synthetic["root"] = str(SHARED_SYNTHETIC / name)
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -382,7 +397,7 @@ def eval_config(tmp_path: Path, synthetic_root: Path, devices: int = 1, **callba
                 "val_per_class": 5,
                 "image_size": 32,
                 "samples_per_shard": 5,
-                "root": str(synthetic_root),
+                "root": str(synthetic_root) if synthetic_root else None,  # None: the shared one, below
             },
         },
     }

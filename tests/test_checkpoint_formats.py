@@ -294,7 +294,7 @@ def test_a_folder_written_by_export_is_a_warm_start_on_the_command_line(tmp_path
     metrics = {}
     for name, source in (("ckpt", tmp_path / "trained.ckpt"), ("folder", folder)):
         (tmp_path / name).mkdir()
-        config = tiny_config(tmp_path / name, tmp_path / "synthetic", **{"model.init_from": str(source)})
+        config = tiny_config(tmp_path / name, **{"model.init_from": str(source)})
         assert main(["validate", "--config", str(config)]) == 0
         [results] = (tmp_path / name / "runs").glob("tiny/version_*/results.json")
         metrics[name] = json.loads(results.read_text())["validate"]["metrics"]
@@ -341,7 +341,7 @@ def test_every_file_kind_load_model_reads_is_a_command_line_warm_start(tmp_path)
     losses = {}
     for kind, path in files.items():
         (tmp_path / kind).mkdir()
-        config = tiny_config(tmp_path / kind, tmp_path / "synthetic", **{"model.init_from": str(path)})
+        config = tiny_config(tmp_path / kind, **{"model.init_from": str(path)})
         assert main(["validate", "--config", str(config)]) == 0, kind
         [results] = (tmp_path / kind / "runs").glob("tiny/version_*/results.json")
         losses[kind] = json.loads(results.read_text())["validate"]["metrics"]["val/loss"]
@@ -410,14 +410,14 @@ def test_cli_validates_a_released_file(tmp_path):
         "model.arch_kwargs": TINY_CONVNEXT,
         "data.synthetic.val_per_class": 2,
     }
-    config = tiny_config(tmp_path, tmp_path / "synthetic", **overrides)
+    config = tiny_config(tmp_path, **overrides)
     result = run_cli("validate", "--config", str(config))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "input normaliser taken from the checkpoint" in result.stdout + result.stderr
 
     wrong = tmp_path / "vit.pt"
     torch.save(released_vit_s(1, num_classes=4).state_dict(), wrong)
-    config = tiny_config(tmp_path, tmp_path / "synthetic", **{**overrides, "model.init_from": str(wrong)})
+    config = tiny_config(tmp_path, **{**overrides, "model.init_from": str(wrong)})
     result = run_cli("validate", "--config", str(config))
     assert result.returncode == 2
     assert str(wrong) in result.stderr and "'convnext_tiny_convstem'" in result.stderr

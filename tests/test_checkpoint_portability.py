@@ -25,12 +25,11 @@ MEAN, STD = (0.4, 0.45, 0.5), (0.2, 0.25, 0.3)
 @pytest.fixture(scope="module")
 def moved_checkpoint(tmp_path_factory):
     """A run warm-started from a file (with a normaliser of its own) that is then deleted; the checkpoint is
-    moved to another folder. Returns (config naming the deleted init_from, checkpoint, synthetic data root)."""
+    moved to another folder. Returns (config naming the deleted init_from, checkpoint)."""
     tmp_path = tmp_path_factory.mktemp("portable")
     warm = save_net_weights(build_classifier("test_convnext", 4, mean=MEAN, std=STD), tmp_path / "warm.safetensors")
     config = tiny_config(
         tmp_path,
-        tmp_path / "synthetic",
         **{"model.arch": "test_convnext", "model.init_from": str(warm), "trainer.limit_train_batches": 1},
     )
     assert main(["fit", "--config", str(config)]) == 0
@@ -38,7 +37,7 @@ def moved_checkpoint(tmp_path_factory):
     elsewhere.mkdir()
     ckpt = shutil.move(tmp_path / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt", elsewhere / "m.ckpt")
     warm.unlink()
-    return config, ckpt, tmp_path / "synthetic"
+    return config, ckpt
 
 
 def results_of(save_dir, stage):
@@ -64,7 +63,7 @@ def independent_top1(ckpt, config) -> float:
 
 
 def test_the_checkpoint_records_the_warm_start_normaliser(moved_checkpoint):
-    _, ckpt, _ = moved_checkpoint
+    _, ckpt = moved_checkpoint
     saved = torch.load(ckpt, map_location="cpu", weights_only=True)
     assert saved["hyper_parameters"]["mean"] == pytest.approx(MEAN)
     assert saved["hyper_parameters"]["std"] == pytest.approx(STD)
@@ -73,7 +72,7 @@ def test_the_checkpoint_records_the_warm_start_normaliser(moved_checkpoint):
 
 @pytest.mark.parametrize("command", ["validate", "test", "predict"])
 def test_evaluation_never_reads_the_deleted_warm_start_file(moved_checkpoint, tmp_path, command, capsys):
-    config, ckpt, _ = moved_checkpoint
+    config, ckpt = moved_checkpoint
     assert (
         main(
             [
@@ -93,7 +92,7 @@ def test_evaluation_never_reads_the_deleted_warm_start_file(moved_checkpoint, tm
 
 
 def test_init_from_null_beside_the_checkpoint_is_accepted(moved_checkpoint, tmp_path):
-    config, ckpt, _ = moved_checkpoint
+    config, ckpt = moved_checkpoint
     assert (
         main(
             [
@@ -114,7 +113,7 @@ def test_init_from_null_beside_the_checkpoint_is_accepted(moved_checkpoint, tmp_
 
 
 def test_fit_resumes_without_the_warm_start_file(moved_checkpoint, tmp_path):
-    config, ckpt, _ = moved_checkpoint
+    config, ckpt = moved_checkpoint
     assert (
         main(
             [
@@ -135,7 +134,7 @@ def test_fit_resumes_without_the_warm_start_file(moved_checkpoint, tmp_path):
 
 
 def test_export_and_load_model_never_read_the_warm_start_file(moved_checkpoint, tmp_path):
-    _config, ckpt, _ = moved_checkpoint
+    _config, ckpt = moved_checkpoint
     assert main(["export", str(ckpt), str(tmp_path / "w.safetensors")]) == 0
     model = load_model(None, ckpt)
     exported = load_model("test_convnext", tmp_path / "w.safetensors")
@@ -146,7 +145,7 @@ def test_export_and_load_model_never_read_the_warm_start_file(moved_checkpoint, 
 
 
 def test_load_from_checkpoint_then_evaluate_keeps_the_checkpoint_weights(moved_checkpoint):
-    config, ckpt, _ = moved_checkpoint
+    config, ckpt = moved_checkpoint
     module = ImageClassifier.load_from_checkpoint(ckpt, weights_only=True)
     before = {k: v.clone() for k, v in module.state_dict().items()}
     dm = ImageNetDataModule(
@@ -171,7 +170,7 @@ def test_load_from_checkpoint_then_evaluate_keeps_the_checkpoint_weights(moved_c
     ],
 )
 def test_a_setting_the_checkpoint_decides_stops_the_run(moved_checkpoint, command, option, value, wins, capsys):
-    config, ckpt, _ = moved_checkpoint
+    config, ckpt = moved_checkpoint
     assert main([command, "--config", str(config), "--ckpt_path", str(ckpt), f"--model.{option}", value]) == 2
     err = capsys.readouterr().err
     assert f"--model.{option} " in err and wins in err and str(ckpt) in err and "drop the option" in err
@@ -180,7 +179,7 @@ def test_a_setting_the_checkpoint_decides_stops_the_run(moved_checkpoint, comman
 
 def test_a_setting_of_the_evaluation_applies_over_the_checkpoint(moved_checkpoint, tmp_path):
     # the checkpoint was trained without a selection attack; the flag makes validation measure robust accuracy
-    config, ckpt, _ = moved_checkpoint
+    config, ckpt = moved_checkpoint
     assert (
         main(
             [

@@ -18,15 +18,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def synthetic_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("synthetic")
-
-
-@pytest.fixture(scope="module")
-def fitted(tmp_path_factory, synthetic_root):
+def fitted(tmp_path_factory):
     """One short fit shared by the tests that need a trained run."""
     tmp_path = tmp_path_factory.mktemp("fit")
-    config = tiny_config(tmp_path, synthetic_root)
+    config = tiny_config(tmp_path)
     assert main(["fit", "--config", str(config)]) == 0
     run_dir = tmp_path / "runs" / "tiny" / "version_0"
     return config, run_dir
@@ -120,8 +115,8 @@ def test_resume_from_checkpoint_continues_training(fitted, tmp_path):
     assert results["epochs"] == 2 and results["steps"] == 6  # 3 steps per epoch, continued from step 3
 
 
-def test_configs_compose_left_to_right_and_print_config(tmp_path, synthetic_root, capsys):
-    config = tiny_config(tmp_path, synthetic_root)
+def test_configs_compose_left_to_right_and_print_config(tmp_path, capsys):
+    config = tiny_config(tmp_path)
     override = tmp_path / "override.yaml"
     override.write_text("model:\n  lr: 0.5\ntrainer:\n  max_epochs: 7\n")
     with pytest.raises(SystemExit) as exit_info:
@@ -142,8 +137,8 @@ def test_configs_compose_left_to_right_and_print_config(tmp_path, synthetic_root
         (["--data.source", "imagenet"], "source"),
     ],
 )
-def test_user_errors_exit_nonzero_with_a_message_and_no_traceback(tmp_path, synthetic_root, extra, expected):
-    config = tiny_config(tmp_path, synthetic_root)
+def test_user_errors_exit_nonzero_with_a_message_and_no_traceback(tmp_path, extra, expected):
+    config = tiny_config(tmp_path)
     result = run_cli("fit", "--config", str(config), *extra)
     assert result.returncode != 0
     assert expected in result.stderr
@@ -156,16 +151,16 @@ def test_missing_config_file_is_reported(tmp_path):
     assert "nope.yaml" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_missing_dataset_is_reported(tmp_path, synthetic_root):
-    config = tiny_config(tmp_path, synthetic_root, **{"data.source": "folder", "data.root": str(tmp_path / "imagenet")})
+def test_missing_dataset_is_reported(tmp_path):
+    config = tiny_config(tmp_path, **{"data.source": "folder", "data.root": str(tmp_path / "imagenet")})
     result = run_cli("fit", "--config", str(config))
     assert result.returncode == 2
     assert "imagenet does not exist" in result.stderr and "train/" in result.stderr
     assert "Traceback" not in result.stderr
 
 
-def test_missing_warm_start_checkpoint_is_reported(tmp_path, synthetic_root):
-    config = tiny_config(tmp_path, synthetic_root, **{"model.init_from": str(tmp_path / "weights.safetensors")})
+def test_missing_warm_start_checkpoint_is_reported(tmp_path):
+    config = tiny_config(tmp_path, **{"model.init_from": str(tmp_path / "weights.safetensors")})
     result = run_cli("fit", "--config", str(config))
     assert result.returncode == 2
     assert "weights.safetensors" in result.stderr and "Traceback" not in result.stderr
@@ -176,9 +171,9 @@ def test_unknown_command_is_reported(capsys):
     assert "unknown command 'train'" in capsys.readouterr().err
 
 
-def test_environment_variables_set_options(tmp_path, synthetic_root):
+def test_environment_variables_set_options(tmp_path):
     # environment variables replace defaults; config files and flags still override them
-    config = tiny_config(tmp_path, synthetic_root)
+    config = tiny_config(tmp_path)
     content = yaml.safe_load(config.read_text())
     del content["trainer"]["max_epochs"]
     config.write_text(yaml.safe_dump(content))
@@ -223,21 +218,20 @@ def test_shards_command_converts_a_folder(tmp_path, capsys):
     assert "missing" in capsys.readouterr().err
 
 
-def test_wandb_logger_config_composes(tmp_path, synthetic_root, capsys):
-    config = tiny_config(tmp_path, synthetic_root)
+def test_wandb_logger_config_composes(tmp_path, capsys):
+    config = tiny_config(tmp_path)
     with pytest.raises(SystemExit):
         main(["fit", "--config", str(config), "--config", str(REPO / "configs/loggers/wandb.yaml"), "--print_config"])
     loggers = yaml.safe_load(capsys.readouterr().out)["trainer"]["logger"]
     assert [logger["class_path"].rsplit(".", 1)[1] for logger in loggers] == ["CSVLogger", "WandbLogger"]
 
 
-def test_corrupt_images_are_skipped_counted_and_reported(tmp_path, synthetic_root, caplog):
+def test_corrupt_images_are_skipped_counted_and_reported(tmp_path, caplog):
     from helpers import WNIDS, make_image_tree
 
     make_image_tree(tmp_path / "imagenet" / "val", {w: 2 for w in WNIDS}, corrupt=["n01440764/n01440764_bad.JPEG"])
     config = tiny_config(
         tmp_path,
-        synthetic_root,
         **{"data.source": "folder", "data.root": str(tmp_path / "imagenet"), "model.arch": "test_convnext"},
     )
     assert main(["validate", "--config", str(config)]) == 0
@@ -248,7 +242,7 @@ def test_corrupt_images_are_skipped_counted_and_reported(tmp_path, synthetic_roo
     assert "n01440764_bad.JPEG" in caplog.text
 
 
-def test_fit_warm_starts_a_convstem_model_from_a_patchstem_checkpoint(tmp_path, synthetic_root):
+def test_fit_warm_starts_a_convstem_model_from_a_patchstem_checkpoint(tmp_path):
     import safetensors.torch
 
     from robust_lightning.models.classifier import build_classifier
@@ -257,7 +251,6 @@ def test_fit_warm_starts_a_convstem_model_from_a_patchstem_checkpoint(tmp_path, 
     safetensors.torch.save_file(source.state_dict(), str(tmp_path / "convnext_atto.safetensors"))
     config = tiny_config(
         tmp_path,
-        synthetic_root,
         **{"model.init_from": str(tmp_path / "convnext_atto.safetensors"), "trainer.limit_train_batches": 1},
     )
     assert main(["fit", "--config", str(config)]) == 0
@@ -313,12 +306,11 @@ def test_checkpoints_given_with_ckpt_path_load_weights_only(fitted, tmp_path, mo
     assert seen and all(flag is True for flag in seen)
 
 
-def test_last_checkpoint_is_the_latest_epoch_even_when_the_score_did_not_improve(tmp_path, synthetic_root):
+def test_last_checkpoint_is_the_latest_epoch_even_when_the_score_did_not_improve(tmp_path):
     # monitor 'epoch' in mode min: epoch 0 stays the best, so no top-k checkpoint is saved after it (Lightning 2.6
     # then left last.ckpt at epoch 0, and --ckpt_path last silently trained the later epochs again)
     config = tiny_config(
         tmp_path,
-        synthetic_root,
         **{"trainer.max_epochs": 3, "trainer.limit_train_batches": 2, "model.arch": "test_resnet"},
     )
     assert main(["fit", "--config", str(config), "--checkpoint.monitor", "epoch", "--checkpoint.mode", "min"]) == 0
@@ -331,9 +323,9 @@ def test_last_checkpoint_is_the_latest_epoch_even_when_the_score_did_not_improve
     assert state["best_model_path"].endswith(".ckpt") and state["best_model_score"] == 0
 
 
-def test_a_config_without_a_logger_writes_its_run_directory_under_lightning_logs(tmp_path, synthetic_root):
+def test_a_config_without_a_logger_writes_its_run_directory_under_lightning_logs(tmp_path):
     """What the README says: without a logger in the config, Lightning's default run directory."""
-    config = yaml.safe_load(tiny_config(tmp_path, synthetic_root, **{"model.arch": "test_resnet"}).read_text())
+    config = yaml.safe_load(tiny_config(tmp_path, **{"model.arch": "test_resnet"}).read_text())
     del config["trainer"]["logger"]
     path = tmp_path / "no_logger.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -22,7 +22,6 @@ def test_three_compiled_steps_give_the_eager_losses(tmp_path):
         (tmp_path / str(compiled)).mkdir()
         config = tiny_config(
             tmp_path / str(compiled),
-            tmp_path / "synthetic",
             **{
                 "trainer.max_steps": 3,
                 "trainer.log_every_n_steps": 1,

@@ -61,9 +61,7 @@ def test_validate_and_predict_on_a_flat_folder_equal_the_class_folders(val, tmp_
         "tree": {"data.root": str(tree)},
     }.items():
         (tmp_path / name).mkdir()
-        config = tiny_config(
-            tmp_path / name, tmp_path / "synthetic", **{"data.source": "folder", "model.arch": "test_resnet", **options}
-        )
+        config = tiny_config(tmp_path / name, **{"data.source": "folder", "model.arch": "test_resnet", **options})
         assert main(["validate", "--config", str(config)]) == 0
         metrics[name] = _results(tmp_path / name / "runs", "validate")["metrics"]
     assert metrics["flat"]["val/num_images"] == metrics["flat"]["val/expected_images"] == len(CLASSES)
@@ -83,7 +81,6 @@ def test_a_flat_folder_without_labels_names_the_option(val, tmp_path, capsys):
     flat, _, _ = val
     config = tiny_config(
         tmp_path,
-        tmp_path / "synthetic",
         **{"data.source": "folder", "data.root": str(flat), "model.arch": "test_resnet"},
     )
     assert main(["validate", "--config", str(config)]) == 2

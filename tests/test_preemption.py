@@ -51,7 +51,6 @@ def _fit(config: Path, *extra: str) -> subprocess.Popen:
 def test_kill_9_mid_epoch_then_ckpt_path_last_resumes_the_same_run(tmp_path):
     config = tiny_config(
         tmp_path,
-        tmp_path / "synthetic",
         **{
             "trainer.max_epochs": 3,
             "trainer.limit_train_batches": STEPS_PER_EPOCH,
@@ -99,7 +98,6 @@ def test_sigterm_stops_a_fit_with_a_checkpoint_a_message_and_a_failing_status(tm
     pace = {"class_path": "slurm_cluster.Pace", "init_args": {"record": str(record), "seconds": 0.3}}
     config = tiny_config(
         tmp_path,
-        tmp_path / "synthetic",
         **{
             "trainer.max_epochs": 2,
             "trainer.limit_train_batches": STEPS_PER_EPOCH,
@@ -173,7 +171,6 @@ def test_the_slurm_requeue_signal_mid_step_checkpoints_at_the_end_of_that_step(t
     # tests/test_slurm.py signals a real SLURM job run with the progress display on and a loader worker
     config = tiny_config(
         tmp_path,
-        tmp_path / "synthetic",
         **{
             "trainer.max_epochs": 1,
             "trainer.limit_train_batches": 6,

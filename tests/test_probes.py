@@ -243,7 +243,7 @@ def image_tree(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> Path:
     w = tmp_path_factory.mktemp("probes")
-    config = tiny_config(w, w / "synthetic", **{"model.arch": "test_convnext", "trainer.limit_train_batches": 1})
+    config = tiny_config(w, **{"model.arch": "test_convnext", "trainer.limit_train_batches": 1})
     assert main(["fit", "--config", str(config)]) == 0
     checkpoint = w / "last.ckpt"
     shutil.copy(w / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt", checkpoint)

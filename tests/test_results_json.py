@@ -65,7 +65,6 @@ def written(tmp_path_factory):
     # run in tests/test_ddp_commands.py)
     config = tiny_config(
         tmp_path,
-        tmp_path / "synthetic",
         **{
             "trainer.callbacks": [autoattack],
             "data.eval_limit": 8,

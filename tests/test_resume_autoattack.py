@@ -29,16 +29,10 @@ AUTOATTACK = {
 }
 
 
-@pytest.fixture(scope="module")
-def synthetic_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("synthetic")
-
-
-def _config(tmp_path: Path, synthetic_root: Path) -> Path:
+def _config(tmp_path: Path) -> Path:
     # eval batches of 4: the fit-time evaluation appends its outcomes in two batches
     return tiny_config(
         tmp_path,
-        synthetic_root,
         **{
             "model.arch": "test_resnet",
             "trainer.limit_train_batches": 2,
@@ -87,8 +81,8 @@ def _saved_batches(section: dict) -> list[int]:
     return [len(json.loads(line)["key"]) for line in path.read_text().splitlines()]
 
 
-def test_a_finished_fit_resumed_for_more_epochs_evaluates_its_new_weights(tmp_path, synthetic_root):
-    config = _config(tmp_path, synthetic_root)
+def test_a_finished_fit_resumed_for_more_epochs_evaluates_its_new_weights(tmp_path):
+    config = _config(tmp_path)
     assert main(["fit", "--config", str(config)]) == 0
     run = _run(tmp_path)
     first = _check_results(run, steps=2)
@@ -101,10 +95,8 @@ def test_a_finished_fit_resumed_for_more_epochs_evaluates_its_new_weights(tmp_pa
     assert _saved_batches(first) == [4, 4]  # the earlier weights' outcomes are kept as they were
 
 
-def test_a_fit_killed_during_its_autoattack_resumes_it_without_redoing_or_double_counting(
-    tmp_path, synthetic_root, monkeypatch
-):
-    config = _config(tmp_path, synthetic_root)
+def test_a_fit_killed_during_its_autoattack_resumes_it_without_redoing_or_double_counting(tmp_path, monkeypatch):
+    config = _config(tmp_path)
     evaluate_batch = AutoAttackEvaluation.on_test_batch_end
     calls = []
 
@@ -136,8 +128,8 @@ def test_a_fit_killed_during_its_autoattack_resumes_it_without_redoing_or_double
     assert _saved_batches(longer) == [4, 4]
 
 
-def test_a_fit_resumed_with_nothing_left_to_train_keeps_the_metrics_it_measured(tmp_path, synthetic_root):
-    config = _config(tmp_path, synthetic_root)
+def test_a_fit_resumed_with_nothing_left_to_train_keeps_the_metrics_it_measured(tmp_path):
+    config = _config(tmp_path)
     assert main(["fit", "--config", str(config)]) == 0
     path = _run(tmp_path) / "results.json"
     measured = json.loads(path.read_text())["fit"]["metrics"]

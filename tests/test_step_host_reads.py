@@ -54,7 +54,6 @@ def test_a_training_step_reads_nothing_back_outside_logging_steps(
     ProbeStep.calls = []
     config = tiny_config(
         tmp_path,
-        tmp_path / "synthetic",
         **{
             "trainer.max_steps": 3,
             "trainer.log_every_n_steps": 4,

@@ -127,7 +127,7 @@ def run_cli(workdir: Path, *args: str) -> OfflineRun:
 @pytest.fixture(scope="module")
 def fitted(workdir):
     """APGD-AT (1 step) with EMA and 1-step robust selection for 3 steps; group and tags set on the command line."""
-    config = tiny_config(workdir, workdir / "synthetic")
+    config = tiny_config(workdir)
     return run_cli(
         workdir,
         "fit",

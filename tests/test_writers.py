@@ -189,7 +189,6 @@ def fixed_dirpath_config(tmp_path):
     """The quickstart's layout: versioned run directories under runs/tiny, checkpoints in one fixed folder."""
     return tiny_config(
         tmp_path,
-        tmp_path / "synthetic",
         **{
             "checkpoint.dirpath": str(tmp_path / "runs" / "tiny" / "checkpoints"),
             "checkpoint.enable_version_counter": False,
@@ -256,7 +255,7 @@ def test_a_fit_into_a_run_directory_in_use_is_refused(tmp_path, fixed_dirpath_co
 def test_ckpt_path_last_without_an_earlier_fit_says_so_and_starts_one(tmp_path, caplog):
     """One command serves every restart: --ckpt_path last with nothing to resume starts the run (and says so);
     a validate's run directory is never taken for a fit's."""
-    config = tiny_config(tmp_path, tmp_path / "synthetic")
+    config = tiny_config(tmp_path)
     checkpoint_file = tmp_path / "model.ckpt"
     assert (
         main(
@@ -286,7 +285,7 @@ def test_ckpt_path_last_without_an_earlier_fit_says_so_and_starts_one(tmp_path, 
 def test_a_fit_killed_before_its_first_checkpoint_restarts_with_ckpt_path_last(tmp_path, caplog, capsys):
     """A fixed checkpoint.dirpath (the quickstart's, the recipes'): the killed run owns it with no checkpoint in
     it. Plain fit is refused (the folder is that run's); --ckpt_path last starts that run afresh in its directory."""
-    config = tiny_config(tmp_path, tmp_path / "synthetic")
+    config = tiny_config(tmp_path)
     checkpoints = tmp_path / "ckpts"
     fixed = ["--checkpoint.dirpath", str(checkpoints)]
     run_dir = tmp_path / "runs" / "tiny" / "version_0"
@@ -309,7 +308,7 @@ def test_a_fit_killed_before_its_first_checkpoint_restarts_with_ckpt_path_last(t
 def test_ckpt_path_last_passes_over_a_damaged_last_checkpoint(tmp_path, caplog):
     """After a disk-full failure: last.ckpt cut short, an intact per-epoch checkpoint beside it; the resume starts
     from the latter and the message names what is on disk."""
-    config = tiny_config(tmp_path, tmp_path / "synthetic", **{"trainer.max_epochs": 2, "checkpoint.save_top_k": -1})
+    config = tiny_config(tmp_path, **{"trainer.max_epochs": 2, "checkpoint.save_top_k": -1})
     assert main(["fit", "--config", str(config), "--trainer.max_epochs", "1"]) == 0
     checkpoints = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints"
     [epoch0] = checkpoints.glob("epoch000-*.ckpt")
@@ -376,7 +375,7 @@ def full_disk(tmp_path):
 
 
 def test_a_full_disk_is_one_message_and_leaves_nothing_half_written(tmp_path, full_disk, capsys):
-    config = tiny_config(tmp_path, tmp_path / "synthetic", **{"model.arch": "test_resnet"})
+    config = tiny_config(tmp_path, **{"model.arch": "test_resnet"})
     assert main(["fit", "--config", str(config), "--checkpoint.dirpath", str(full_disk / "ckpts")]) == 2
     err = capsys.readouterr().err
     assert f"cannot write {full_disk / 'ckpts'}/" in err and "No space left on device" in err
