@@ -65,37 +65,3 @@ def autoattack_checkpoint(tmp_path_factory):
     trainer.save_checkpoint(path)
     return path, synthetic_root
 
-
-# The slowest test files first (measured on 2 cores; test_compile as on a machine without inductor's cache).
-# `make test` hands whole files to the workers in collection order (pytest-xdist --dist loadfile): a long file
-# started last keeps one core busy after the others are done; longest first packs the cores.
-SLOWEST_FILES_FIRST = [
-    "test_preemption.py",
-    "test_ddp.py",
-    "test_autoattack.py",
-    "test_ddp_commands.py",
-    "test_slurm.py",
-    "test_writers.py",
-    "test_cli.py",
-    "test_compile.py",
-    "test_evaluate.py",
-    "test_uneven_batch.py",
-    "test_checkpoint_formats.py",
-    "test_imagenet_c.py",
-    "test_recipes.py",
-    "test_benchmarks.py",
-    "test_sweep.py",
-    "test_export.py",
-    "test_probes.py",
-    "test_analysis_figures.py",
-    "test_models.py",
-    "test_process_temp.py",
-    "test_readme_commands.py",
-    "test_analysis_attacks.py",
-    "test_resume_autoattack.py",
-]
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(SLOWEST_FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order

@@ -49,10 +49,23 @@ def evaluate(model, points, norm, engine, **kwargs):
     return adversary.evaluate(x, y, bs=32)
 
 
+@pytest.fixture(scope="module")
+def fast_report(trained, points):
+    """The fast engine's report per norm, run once for the tests that only read it."""
+    reports = {}
+
+    def report(norm):
+        if norm not in reports:
+            reports[norm] = evaluate(trained, points, norm, "fast")
+        return reports[norm]
+
+    return report
+
+
 @pytest.mark.parametrize("norm", ["Linf", "L2", "L1"])
-def test_fast_engine_matches_the_reference(trained, points, norm):
+def test_fast_engine_matches_the_reference(trained, points, fast_report, norm):
     pytest.importorskip("pyautoattack")
-    fast = evaluate(trained, points, norm, "fast")
+    fast = fast_report(norm)
     reference = evaluate(trained, points, norm, "reference")
     assert torch.equal(fast.clean, reference.clean)
     # some points must break and some survive, or the comparison says nothing
@@ -65,9 +78,9 @@ def test_fast_engine_matches_the_reference(trained, points, norm):
 
 
 @pytest.mark.parametrize("norm", ["Linf", "L2", "L1"])
-def test_adversarial_examples_stay_in_the_threat_model_and_are_misclassified(trained, points, norm):
+def test_adversarial_examples_stay_in_the_threat_model_and_are_misclassified(trained, points, fast_report, norm):
     x, y = points
-    report = evaluate(trained, points, norm, "fast")
+    report = fast_report(norm)
     assert report.x_adv.min() >= 0 and report.x_adv.max() <= 1
     assert (lp_norm(report.x_adv - x, norm) <= EPS[norm] * (1 + 1e-5) + 1e-6).all()
     with torch.no_grad():

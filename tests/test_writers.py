@@ -101,9 +101,11 @@ def test_forked_workers_do_not_keep_a_lock(tmp_path):
         os.kill(worker, signal.SIGKILL)
 
 
-def test_two_shards_commands_into_one_folder(tmp_path):
+def test_two_shards_commands_into_one_folder(tmp_path, capsys):
+    """A converter in another process holds the folder: this process's command stops with a message naming it."""
     src = make_image_tree(tmp_path / "train", {"n01440764": 5, "n01443537": 4, "n15075141": 3})
     out, go = tmp_path / "shards", tmp_path / "go"
+    command = ["shards", str(src), str(out), "--samples_per_shard", "4", "--workers", "1"]
     # the first converter pauses before each shard until the test lets it go: the second starts meanwhile
     first = _python(f"""
         import sys, time
@@ -117,31 +119,15 @@ def test_two_shards_commands_into_one_folder(tmp_path):
             return convert(*args)
         shards._convert_shard = paused
         from robust_lightning.cli import main
-        sys.exit(main(["shards", {str(src)!r}, {str(out)!r}, "--samples_per_shard", "4", "--workers", "1"]))
+        sys.exit(main({command!r}))
     """)
     try:
         _wait_for_holder(out / LOCK_NAME, first)
-        second = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "robust_lightning",
-                "shards",
-                str(src),
-                str(out),
-                "--samples_per_shard",
-                "4",
-                "--workers",
-                "1",
-            ],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert second.returncode == 2, second.stderr
-        assert f"shard directory {out} is being written by pid {first.pid}" in second.stderr
-        assert "Traceback" not in second.stderr
+        capsys.readouterr()
+        assert main(command) == 2  # the second, in this process (a lock is held per process)
+        stderr = capsys.readouterr().err
+        assert f"shard directory {out} is being written by pid {first.pid}" in stderr
+        assert "Traceback" not in stderr
         go.touch()
         _stdout, stderr = first.communicate(timeout=300)
     finally:
@@ -162,25 +148,7 @@ def test_two_shards_commands_into_one_folder(tmp_path):
         assert samples[path.stem]["jpg"] == path.read_bytes() and samples[path.stem]["cls"] == labels[path.parent.name]
     assert not [p.name for p in out.iterdir() if ".tmp-" in p.name]
     # once the first is done, the same command finds the set complete
-    again = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "robust_lightning",
-            "shards",
-            str(src),
-            str(out),
-            "--samples_per_shard",
-            "4",
-            "--workers",
-            "1",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert again.returncode == 0, again.stderr
+    assert main(command) == 0
     assert read_manifest(out) == manifest
 
 
