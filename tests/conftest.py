@@ -64,4 +64,3 @@ def autoattack_checkpoint(tmp_path_factory):
     path = tmp_path / "tiny.ckpt"
     trainer.save_checkpoint(path)
     return path, synthetic_root
-
