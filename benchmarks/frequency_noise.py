@@ -7,7 +7,7 @@ at chance). configs/analysis/frequency_noise_parkkim_fig2b.yaml then measures ea
 images at three sizes: the default eps 0.7 (the code Park posted, how-do-vits-work issue 44), every band scaled
 to 20.4 grey levels RMS (rms_grey_levels 20.4), and the repository's Random default eps 0.007.
 
-    python benchmarks/frequency_noise.py            # about 12 minutes on 2 CPU cores
+    python benchmarks/frequency_noise.py            # about 5 minutes on 2 CPU cores
 
 It prints each model's accuracy drop per band (points) and, as the last line, a JSON object with the curves and
 the mean drop over the low (0.1-0.3 pi) and high (0.6-1.0 pi) bands.

@@ -298,25 +298,30 @@ def test_frequency_noise_protocols_and_the_code_noise_in_normalised_units():
             code.bands(*odd_or_oblong)
     bands = code.bands(32, 32)
     assert [b["centre"] for b, _ in bands] == code_bands(0.1) and len(bands) == 11
-    std = torch.tensor([0.2, 0.3, 0.4]).view(1, 3, 1, 1)
-    delta = code.delta(torch.zeros(2, 3, 8, 8), torch.Generator().manual_seed(0), std)
+    std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)  # ImageNet's, which Park & Kim's data divide by
+    delta = code.delta(torch.zeros(2, 3, 8, 8), torch.Generator().manual_seed(0))
     assert torch.allclose(delta.abs(), (0.01 * std).expand(2, 3, 8, 8))  # eps of normalised input, in pixels
     paper = FrequencyNoise(protocol="paper", noise_std=0.1)
     assert len(paper.bands(30, 30)) == 10  # the text's bands tile the spectrum of any size
-    gaussian = paper.delta(torch.zeros(4, 3, 32, 32), torch.Generator().manual_seed(0), std)
+    gaussian = paper.delta(torch.zeros(4, 3, 32, 32), torch.Generator().manual_seed(0))
     assert gaussian.std().item() == pytest.approx(0.1, rel=0.05)
 
 
 def test_the_default_size_is_parks_eps_and_each_band_keeps_its_share_of_the_draw():
-    """The default is the sign noise of eps 0.7 normalised units of Park's code (how-do-vits-work issue 44), not
-    rescaled: the white noise is 0.7 x std in [0, 1] pixels, and a band's energy is its share of the draw's."""
+    """The default is the sign noise of eps 0.7 ImageNet-normalised units of Park's code (how-do-vits-work issue
+    44), not rescaled: the white noise is 0.7 x ImageNet's std in [0, 1] pixels whatever the model's normaliser,
+    and a band's energy is its share of the draw's."""
     analysis = FrequencyNoise(plot=False)
     assert (analysis.protocol, analysis.eps, analysis.rms_grey_levels) == ("code", 0.7, None)
     images = torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-    offline(analysis, tiny("test_resnet"), images, mean=[0.5] * 3, std=[0.25] * 3)
-    section, _, _ = analysis.analyse(TRAINER, PL_MODULE)
+    imagenet_std_rms = float(np.sqrt(np.mean(np.square([0.229, 0.224, 0.225]))))
+    white = []
+    for std in (0.25, 1.0):  # two normalisers, the same noise
+        offline(analysis, tiny("test_resnet"), images, mean=[0.5] * 3, std=[std] * 3)
+        section, _, _ = analysis.analyse(TRAINER, PL_MODULE)
+        white.append(section["white_noise"]["noise_rms_grey_levels"])
     assert section["conditions"]["eps"] == 0.7 and section["conditions"]["rms_grey_levels"] is None
-    assert section["white_noise"]["noise_rms_grey_levels"] == pytest.approx(0.7 * 0.25 * 255)
+    assert white == pytest.approx([0.7 * imagenet_std_rms * 255] * 2)
     white = section["white_noise"]["noise_rms_grey_levels"]
     for band in section["bands"]:  # a share of the draw: weaker than the white noise (the band at 0 pi is empty)
         assert (0 < band["noise_rms_grey_levels"] < white) == (band["bins"] > 0), band
@@ -353,10 +358,13 @@ def test_frequency_noise_section_records_its_protocol():
     assert [b["bins"] for b in section["bands"]] == [
         int(code_band_mask(32, b * math.pi, 0.05 * math.pi).sum()) for b in code_bands(0.1)
     ]
-    # the noise's RMS in grey levels: white sign noise of 0.5 normalised units behind std 0.25 is 0.125 in [0, 1]
-    # pixels, 31.875 grey levels, exactly; each band's, recomputed here from the same draw with numpy's FFT
-    assert section["white_noise"]["noise_rms_grey_levels"] == pytest.approx(0.5 * 0.25 * 255)
-    delta = (0.5 * torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0)).sign() * 0.25).numpy()
+    # the noise's RMS in grey levels: white sign noise of 0.5 ImageNet-normalised units is 0.5 x ImageNet's std in
+    # [0, 1] pixels, whatever the model's normaliser; each band's, recomputed here from the same draw with numpy
+    imagenet_std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    white = 0.5 * imagenet_std.pow(2).mean().sqrt().item() * 255
+    assert section["white_noise"]["noise_rms_grey_levels"] == pytest.approx(white)
+    draw = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0)).sign()
+    delta = (0.5 * draw * imagenet_std).numpy()
     for band in section["bands"]:
         mask = code_band_mask(32, band["centre"] * math.pi, 0.05 * math.pi).numpy()
         noise = np.fft.ifft2(np.fft.fft2(delta) * mask).real

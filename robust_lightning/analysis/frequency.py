@@ -4,10 +4,11 @@ noise restricted to one band of spatial frequencies, x_noise = x + F^-1(F(delta)
 Two protocols (``protocol``):
 
 - ``code`` (the default): Park & Kim's code, github.com/xxxnell/how-do-vits-work ops/adversarial.py,
-  ``FreqAttack(Random(eps), f=f, s=s)``. delta = eps * sign(N(0, 1)) per pixel and channel (``Random``), in the
-  model's input space (their datasets are normalised, so here delta is scaled by the normaliser's std into
-  [0, 1] pixels). The mask (``_fourier_mask``) is the difference of two squares centred on frequency 0 of the
-  rolled spectrum, of sides int((f +- s) n / 2 pi) * 2 (clipped to [0, n]): a square of side 2m covers the DFT
+  ``FreqAttack(Random(eps), f=f, s=s)``. delta = eps * sign(N(0, 1)) per pixel and channel (``Random``), added to
+  the inputs their datasets give: images normalised by ImageNet's std (0.229, 0.224, 0.225). So here delta is
+  eps * that std in [0, 1] pixels, whatever normaliser the model has: every model gets the same noise. The mask
+  (``_fourier_mask``) is the difference of two squares centred on frequency 0 of the rolled spectrum, of sides
+  int((f +- s) n / 2 pi) * 2 (clipped to [0, n]): a square of side 2m covers the DFT
   bins -m .. m - 1 along each axis; the filtered noise is the real part of the inverse FFT. Bands are centred
   on f = 0, width, 2 width, ..., pi with s = width / 2 (the paper's window of 0.1 pi). Square, even-sized images
   only, as their code.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import math
 
 import torch
+from timm.data import IMAGENET_DEFAULT_STD
 from tqdm import tqdm
 
 from robust_lightning.analysis.core import Analysis, family_style, model_label, new_figure, pi_axis
@@ -111,10 +113,11 @@ class FrequencyNoise(Analysis):
     """Accuracy under band-limited random noise, one band at a time.
 
     Args:
-        protocol: "code" (Park & Kim's code: sign noise of size eps in the model's input space, centred square
+        protocol: "code" (Park & Kim's code: sign noise of size eps in ImageNet-normalised units, centred square
             bands) or "paper" (the paper's text: Gaussian noise of std noise_std in pixel space, tiling bands).
         width: band width in units of pi (0.1 as the papers).
-        eps: size of the sign noise (protocol code), in the model's normalised input units. The default, 0.7, is
+        eps: size of the sign noise (protocol code), in units of ImageNet's normalised inputs (eps * ImageNet's std
+            in [0, 1] pixels, the model's own normaliser aside). The default, 0.7, is
             the size Park posted as the code that makes the paper's frequency-based noise
             (github.com/xxxnell/how-do-vits-work/issues/44: ``Random(eps=0.7, sign=True)`` wrapped in
             ``FreqAttack``); the script that drew Fig. 2b is not in the repository (issue 23 there). The repository's
@@ -184,11 +187,12 @@ class FrequencyNoise(Analysis):
             for f in code_bands(self.width)
         ]
 
-    def delta(self, images: torch.Tensor, generator: torch.Generator, std: torch.Tensor) -> torch.Tensor:
+    def delta(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """One noise draw in [0, 1] pixel units."""
         if self.protocol == "paper":
             return torch.randn(images.shape, generator=generator, device=images.device) * self.noise_std
-        # the code adds eps * sign(N(0, 1)) to normalised inputs: that is std times it in pixel units
+        # the code adds eps * sign(N(0, 1)) to ImageNet-normalised inputs: ImageNet's std times it in pixel units
+        std = torch.tensor(IMAGENET_DEFAULT_STD, device=images.device).view(1, 3, 1, 1)
         return sign_noise(images.shape, self.eps, generator, images.device) * std
 
     def analyse(self, trainer, pl_module):
@@ -212,12 +216,10 @@ class FrequencyNoise(Analysis):
                 if correct is None:
                     correct = torch.zeros(len(masks) + 1, dtype=torch.long)  # + 1: the unfiltered noise
                     squares = torch.zeros(len(masks) + 1, dtype=torch.float64)  # of the noise, in [0, 1] pixels
-                std = getattr(getattr(model, "normalize", None), "std", None)
-                std = torch.ones((), device=images.device) if std is None else std.to(images.device)
                 clean_correct += int((model(images).argmax(-1) == labels).sum())
                 seen += len(images)
                 for _ in range(self.repeats):
-                    delta = self.delta(images, generator, std)
+                    delta = self.delta(images, generator)
                     for i, noise in enumerate([*(band_noise(delta, m) for m in masks), delta]):
                         if self.rms_grey_levels is not None:
                             noise = scaled_to_rms(noise, self.rms_grey_levels / 255)
@@ -245,7 +247,7 @@ class FrequencyNoise(Analysis):
                 if code
                 else "Park & Kim 2022, Sec. 2.2 / Fig. 2b text: x + F^-1(F(delta) * M_f), delta Gaussian",
                 "differences": [
-                    "noise: code eps * sign(N(0, 1)) in normalised input space; paper text: Gaussian delta",
+                    "noise: code eps * sign(N(0, 1)) in ImageNet-normalised input space; paper text: Gaussian delta",
                     (
                         "band: code centred squares of bins -m .. m - 1 (int((f +- s) n / 2 pi)), real part of the "
                         "inverse FFT; paper text: a frequency mask M_f (here max(|w_y|, |w_x|) in [f, f + width))"
@@ -271,7 +273,8 @@ class FrequencyNoise(Analysis):
                 "clamp": self.clamp,
                 "seed": self.seed,
                 "image_size": [height, width],
-                "space": "eps in normalised input units (the model's normaliser), added as std * eps to [0, 1] pixels"
+                "space": "eps in ImageNet-normalised units (Park & Kim's data), added as ImageNet's std * eps to "
+                "[0, 1] pixels whatever the model's normaliser"
                 if code
                 else "[0, 1] pixels, before the model's normaliser",
                 "frequency": "band centre f +- width / 2 in units of pi, Chebyshev squares of DFT bins"
