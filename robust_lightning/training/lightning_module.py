@@ -211,7 +211,6 @@ class ImageClassifier(LightningModule):
         self._reuse_possible = attack == "apgd" and (
             not has_mode_dependent_layers(self.model) if reuse_attack_forward is None else reuse_attack_forward
         )
-        self._reuse_on_any_device = reuse_attack_forward is not None
         # The EMA copy never takes gradients; requires_grad False keeps DDP from expecting them.
         self.ema = None
         if ema_decay is not None:
@@ -360,8 +359,8 @@ class ImageClassifier(LightningModule):
     @property
     def reuse_forward(self) -> bool:
         """Whether the update reuses the attack's last forward (``reuse_attack_forward``) on the module's device."""
-        on_cpu = host_reads_are_cheap(next(self.model.parameters()))
-        return self._reuse_possible and (self._reuse_on_any_device or on_cpu)
+        forced = self.hparams.reuse_attack_forward is not None
+        return self._reuse_possible and (forced or host_reads_are_cheap(next(self.model.parameters())))
 
     def current_eps(self) -> float:
         hp = self.hparams
