@@ -321,7 +321,6 @@ def tiny_config(tmp_path: Path, synthetic_root: Path | None = None, **overrides)
                 "train_per_class": 8,
                 "val_per_class": 4,
                 "image_size": 32,
-                "root": str(synthetic_root) if synthetic_root else None,  # None: the shared one, below
             },
         },
     }
@@ -332,10 +331,10 @@ def tiny_config(tmp_path: Path, synthetic_root: Path | None = None, **overrides)
             node = node.setdefault(key, {})
         node[leaf] = value
     synthetic = config["data"]["synthetic"]
-    if synthetic_root is None:
-        options = {key: value for key, value in synthetic.items() if key != "root"}
-        name = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:12]
-        synthetic["root"] = str(SHARED_SYNTHETIC / name)
+    if synthetic_root is None:  # a folder per set of options: tests with other options never replace it
+        options = json.dumps(synthetic, sort_keys=True).encode()
+        synthetic_root = SHARED_SYNTHETIC / hashlib.sha256(options).hexdigest()[:12]
+    synthetic["root"] = str(synthetic_root)
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -397,7 +396,7 @@ def eval_config(tmp_path: Path, synthetic_root: Path, devices: int = 1, **callba
                 "val_per_class": 5,
                 "image_size": 32,
                 "samples_per_shard": 5,
-                "root": str(synthetic_root) if synthetic_root else None,  # None: the shared one, below
+                "root": str(synthetic_root),
             },
         },
     }
