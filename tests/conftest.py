@@ -5,8 +5,10 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The cores shared among pytest-xdist's workers (`make test` runs one per core), at most 2 threads each: more
 # threads than cores make torch's CPU kernels wait for each other. OMP_NUM_THREADS: the processes tests start.
+# Set, not defaulted: xdist's controller process loads this file too, without the worker count, and its workers
+# inherit its environment (a default would leave them its 2 threads on 2 shared cores: steps 10 times slower).
 THREADS = max(1, min(2, (os.cpu_count() or 2) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
-os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+os.environ["OMP_NUM_THREADS"] = str(THREADS)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
