@@ -29,7 +29,7 @@ quickstart: env
 	$(BIN)/robust-lightning fit --config configs/quickstart.yaml
 
 # The linter and the formatter's check, then the suite: one worker per core, each test file whole on one worker
-# (its module fixtures built once); --durations keeps the slowest tests in view (the suite should stay ~10 min).
+# (its module fixtures built once); --durations keeps the slowest tests in view (the suite should stay under 7 min).
 test: env
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

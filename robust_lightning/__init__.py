@@ -2,14 +2,17 @@
 
 __version__ = "0.1.0"
 
-# First, before timm imports wandb: its temporary folders into one a killed process's successor removes.
-from robust_lightning.process_temp import import_wandb_into_process_folder
+from robust_lightning.startup import collector_paused
 
-import_wandb_into_process_folder()
+with collector_paused():  # torch and timm import sooner (robust_lightning/startup.py)
+    # First, before timm imports wandb: its temporary folders into one a killed process's successor removes.
+    from robust_lightning.process_temp import import_wandb_into_process_folder
 
-# Registering the project's model variants with timm is a side effect of importing the models package.
-from robust_lightning import models  # noqa: E402,F401
-from robust_lightning.models.weights import load_model  # noqa: E402
+    import_wandb_into_process_folder()
+
+    # Registering the project's model variants with timm is a side effect of importing the models package.
+    from robust_lightning import models  # noqa: F401
+    from robust_lightning.models.weights import load_model
 
 __all__ = ["evaluate", "load_model"]
 

@@ -15,28 +15,32 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-import yaml
-from lightning.pytorch.callbacks import ProgressBar
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities import rank_zero_only
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from robust_lightning.startup import collector_paused, leave_imported_objects_out_of_collections
 
-import robust_lightning
-from robust_lightning.argument_parsing import ArgumentParser, did_you_mean
-from robust_lightning.data.corrupt_report import CorruptImageReport
-from robust_lightning.data.datamodule import ImageNetDataModule
-from robust_lightning.errors import UserError
-from robust_lightning.evaluation.results import PredictionWriter, RunResults
-from robust_lightning.loggers import SaveConfigToWandb
-from robust_lightning.models.checkpoints import require_weights
-from robust_lightning.scale.srun import shield_forked_children
-from robust_lightning.training.checkpoint_io import AtomicCheckpointIO, LatestCheckpoint
-from robust_lightning.training.checkpoint_policy import model_settings_over_checkpoint
-from robust_lightning.training.interruption import EXIT_SIGTERM, Interruption
-from robust_lightning.training.lightning_module import ImageClassifier
-from robust_lightning.training.progress import default_progress_bar
-from robust_lightning.training.run_directory import FitRunDirectory, continue_in_latest_run_directory
-from robust_lightning.training.throughput import Throughput
+with collector_paused():  # Lightning imports sooner (robust_lightning/startup.py)
+    import yaml
+    from lightning.pytorch.callbacks import ProgressBar
+    from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+    from lightning.pytorch.utilities import rank_zero_only
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    import robust_lightning
+    from robust_lightning.argument_parsing import ArgumentParser, did_you_mean
+    from robust_lightning.data.corrupt_report import CorruptImageReport
+    from robust_lightning.data.datamodule import ImageNetDataModule
+    from robust_lightning.errors import UserError
+    from robust_lightning.evaluation.results import PredictionWriter, RunResults
+    from robust_lightning.loggers import SaveConfigToWandb
+    from robust_lightning.models.checkpoints import require_weights
+    from robust_lightning.scale.srun import shield_forked_children
+    from robust_lightning.training.checkpoint_io import AtomicCheckpointIO, LatestCheckpoint
+    from robust_lightning.training.checkpoint_policy import model_settings_over_checkpoint
+    from robust_lightning.training.interruption import EXIT_SIGTERM, Interruption
+    from robust_lightning.training.lightning_module import ImageClassifier
+    from robust_lightning.training.progress import default_progress_bar
+    from robust_lightning.training.run_directory import FitRunDirectory, continue_in_latest_run_directory
+    from robust_lightning.training.throughput import Throughput
+leave_imported_objects_out_of_collections()  # later collections and the exit skip them
 
 TRAINER_COMMANDS = {
     "fit": "train a model (optionally warm-started), validating every epoch",
