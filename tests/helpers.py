@@ -221,6 +221,7 @@ def force_device_path(monkeypatch) -> None:
     for module in (
         "robust_lightning.attacks.projections",
         "robust_lightning.attacks.apgd",
+        "robust_lightning.attacks.square",
         "robust_lightning.data.augment",
         "robust_lightning.training.lightning_module",
     ):

@@ -4,8 +4,11 @@ Two kinds of comparison: (1) with the reference's random draws replayed (windows
 shared across the batch, as the reference draws them), both implementations must follow the same
 trajectories (all of them for Linf and L2; most for L1, whose update amplifies round-off); (2) with independent
 random streams (ours draws per point), robust accuracy and queries to break must agree statistically. Then
-invariants and determinism. Everything runs on CPU on a tiny conv net trained briefly on synthetic data.
+invariants, determinism, and the path GPUs take (forced on the CPU: the same results, logarithmically few reads
+back). Everything runs on CPU on a tiny conv net trained briefly on synthetic data.
 """
+
+import math
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from pyautoattack import square as reference_square
 from pyautoattack.autopgd_base import L1_projection
 from pyautoattack.square import SquareAttack
 
+from helpers import HostReads, force_device_path
 from robust_lightning.attacks import square as square_module
 from robust_lightning.attacks.projections import l1_projection, lp_norm
 from robust_lightning.attacks.square import (
@@ -323,6 +327,76 @@ def test_speculative_passes_change_the_cost_not_the_result(setup, norm):
     assert torch.equal(one.robust, many.robust) and torch.equal(one.queries, many.queries)
     torch.testing.assert_close(one.x_adv, many.x_adv, atol=1e-6, rtol=0)
     assert max(calls) <= 128 and len(calls) < len(one_calls) / 2
+
+
+# ------------------------------------------------------------------------------ the path GPUs take
+
+
+def _counted(model, calls):
+    def counting(inp):
+        calls.append(len(inp))
+        return model(inp)
+
+    return counting
+
+
+@pytest.mark.parametrize("batch_size", [None, 128])
+@pytest.mark.parametrize("norm", ["Linf", "L2", "L1"])
+def test_device_path_gives_the_cpu_path_result(setup, norm, batch_size, monkeypatch):
+    """Where reads are not cheap, broken points and points out of queries stay in the batch, masked, until a
+    read: every point's result is the one of the CPU path (which compacts before every pass), for a few more
+    rows forwarded. batch_size 128: several iterations per point per pass, the retired rows taking some."""
+    model, x, y = setup
+    x, y = x[:48], y[:48]
+    kwargs = dict(norm=norm, eps=EPS[norm], n_queries=300, generator=3, batch_size=batch_size)
+    cpu_calls, device_calls = [], []
+    with HostReads() as cpu_reads:
+        cpu = square_attack(_counted(model, cpu_calls), x, y, **kwargs)
+    force_device_path(monkeypatch)
+    with HostReads() as device_reads:
+        device = square_attack(_counted(model, device_calls), x, y, **kwargs)
+
+    broken = ~cpu.robust & (cpu.queries > 0)
+    assert cpu.robust.any() and broken.sum() >= 10 and len(cpu.queries[broken].unique()) >= 10  # broken at many
+    assert torch.equal(device.robust, cpu.robust) and torch.equal(device.queries, cpu.queries)
+    torch.testing.assert_close(device.x_adv, cpu.x_adv, atol=1e-6, rtol=0)
+    # The CPU path reads back before every pass; the device path after passes 1, 2, 4, ... (plus the start's
+    # read and at most as many reads near the end), at the cost of a few more passes and rows.
+    passes = len(device_calls) - 2  # the clean forward and the start's
+    assert len(cpu_reads.calls) >= len(cpu_calls) - 2
+    assert len(device_reads.calls) <= 1 + 2 * (int(math.log2(passes)) + 1), device_reads.listing()
+    assert len(device_calls) <= 1.25 * len(cpu_calls) and sum(device_calls) <= 1.25 * sum(cpu_calls)
+
+
+def test_device_path_reads_back_logarithmically_often(setup, monkeypatch):
+    """On the device path the reads grow with log2 of the passes: 8 times the queries, 3 more reads when
+    nothing breaks (one pass per query); when points break and a pass takes several iterations per point, a
+    few more at most (reads where every point may be done)."""
+    model, x, y = setup
+    x, y = x[:32], y[:32]
+    clean = int(_correct(model, x, y).sum())
+    force_device_path(monkeypatch)
+    counts = {}
+    for eps, batch_size in ((1e-4, None), (EPS["Linf"], 96)):
+        for n_queries in (50, 400):
+            calls = []
+            with HostReads() as reads:
+                result = square_attack(
+                    _counted(model, calls), x, y, eps=eps, n_queries=n_queries, generator=0, batch_size=batch_size
+                )
+            ops = [op for op, _ in reads.calls]
+            # The start's read (which points are correctly classified), then one number per compaction.
+            assert ops[0] == "aten.nonzero.default" and set(ops[1:]) == {"aten._local_scalar_dense.default"}
+            assert all("square.py" in where for _, where in reads.calls), reads.listing()
+            passes = len(calls) - 2  # the clean forward and the start's
+            assert len(ops) <= 1 + 2 * (int(math.log2(passes)) + 1), reads.listing()
+            counts[eps, n_queries] = len(ops), passes, int(result.robust.sum())
+    # Nothing breaks at eps 1e-4: one iteration per pass, reads after passes 1, 2, 4, ... below the budget
+    # (the end is known without a read), and the start's.
+    assert counts[1e-4, 50] == (1 + 6, 50, clean) and counts[1e-4, 400] == (1 + 9, 400, clean)
+    (few, few_passes, _), (many, many_passes, robust) = counts[EPS["Linf"], 50], counts[EPS["Linf"], 400]
+    assert 0 < robust < clean and many_passes > 5 * few_passes  # points broken, many more passes
+    assert few <= many <= few + 4
 
 
 def test_rejects_bad_arguments(setup):

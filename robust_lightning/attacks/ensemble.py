@@ -25,11 +25,13 @@ given, in fp32.
   unchanged, one attack at a time on the survivors: its own batching of survivors in index order and its
   seed reset before every attack on every batch, so the result is the package's own.
 * ``engine="fast"`` runs our implementations (robust_lightning.attacks: APGD, FAB-T, Square) with the same
-  settings: input-only gradients, no host syncs inside attack loops (APGD reads back only after iterations
-  1, 2, 4, 8, ..., when the rows of the points it broke leave the run), and survivors re-batched between target
-  classes and restarts so broken points are not attacked again; while few survivors are left, several
-  target classes (restarts) run in one batch of up to ``bs`` rows (:func:`batched_runs`), and Square
-  evaluates several of each point's next queries in one pass (speculatively, with the one-at-a-time result).
+  settings: input-only gradients, no host sync per iteration in the attack loops (APGD reads back only after
+  iterations 1, 2, 4, 8, ..., when the rows of the points it broke leave the run; Square after its forward passes
+  1, 2, 4, 8, ... and at most as many times more near its end, when the points it broke or that ran out of
+  queries leave its batch), and survivors re-batched between target classes and restarts so broken points are
+  not attacked again; while few survivors are left, several target classes (restarts) run in one batch of up
+  to ``bs`` rows (:func:`batched_runs`), and Square evaluates several of each point's next queries in one pass
+  (speculatively, with the one-at-a-time result).
   The attacks run a copy of the model with eval-mode BatchNorm folded into the convolutions before it
   (:func:`folded_batchnorm`: one op instead of two, forward and backward), and on the CPU give it inputs in
   the channels_last layout, where oneDNN's convolutions and pooling run faster (:func:`channels_last_inputs`).

@@ -15,6 +15,18 @@ accepted one, after which the rest are dropped. The random numbers are drawn up 
 iteration, so this speculation changes how many forward passes are made, not what any point does: the result
 is the one-iteration-at-a-time result (up to float rounding of the model in a larger batch).
 
+What is read back to the host (on a GPU each read waits for the device's queue to drain): once at the start,
+how many points are correctly classified (the draw tables are sized by it), and then one number per
+compaction, where the broken points and those out of queries leave the batch: how many points are left and
+the fewest iterations any of them has spent. On the CPU, where a read costs nothing, the batch is compacted
+before every forward pass. Elsewhere it is read only after forward passes 1, 2, 4, 8, ..., and, while a pass
+takes several iterations per point, also at the first pass after which every point may be out of queries
+(at most as many of these reads as of the former): at most 2 (log2(passes) + 1) reads in the loop. Between
+reads, the points that are done stay in the batch, masked (they accept nothing and spend no queries), so
+every point's trajectory is the one of compacting before every pass; only a few more rows are forwarded.
+Each pass spends at least one iteration of every point still live, so the loop ends without a read once the
+fewest iterations last read, plus the passes made since, reach the budget.
+
 Deviations from the reference (none changes the distribution of any single point's trajectory):
 
 * The random windows, signs and eta orientations are drawn independently per point; the reference draws
@@ -35,6 +47,7 @@ the last row/column unless s = side); the L1 update's budget has the reference's
 iterates are computed as ``x + delta + correction`` (see :func:`_l1_to_ball`).
 """
 
+import itertools
 import math
 from dataclasses import dataclass
 from functools import cache
@@ -43,7 +56,7 @@ import torch
 from torch import Tensor
 
 from .apgd import Model
-from .projections import check_count, check_threat_model, l1_projection
+from .projections import check_count, check_threat_model, host_reads_are_cheap, l1_projection
 
 # Iteration indices after which p halves (the reference's schedule for 10000 queries; AutoAttack uses it
 # unrescaled with 5000 queries, i.e. ``resc_schedule=False``).
@@ -165,15 +178,31 @@ def _eta_pair(s: int, norm: str, dtype: torch.dtype, device: torch.device) -> Te
     return torch.stack([eta, eta.t()]).to(device=device, dtype=dtype)
 
 
-def _patterns(sides: Tensor, flips: Tensor, norm: str, dtype: torch.dtype) -> Tensor:
-    """(..., S, S): each proposal's eta pattern of its own side (transposed where ``flips``), zero-padded to
-    the largest side S in the batch (a batch spans at most a few sides of the schedule)."""
-    size = int(sides.max())
-    patterns = torch.zeros(*sides.shape, size, size, dtype=dtype, device=sides.device)
-    for side in sides.unique().tolist():
-        rows = sides == side
-        patterns[rows, :side, :side] = _eta_pair(side, norm, dtype, sides.device)[flips[rows].long()]
-    return patterns
+def _eta_table(schedule: list[int], norm: str, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The eta pairs of every side in the schedule (a few sides), zero-padded to the largest side S:
+    (sides, 2, S, S), and each iteration's row in that table (n_queries,).
+
+    A proposal's pattern is then a lookup (``table[row[it], flip]``), so the host never needs to know which
+    sides a forward pass holds (zero padding changes no placed value, see :func:`_place`)."""
+    distinct = sorted(set(schedule))
+    size = max(distinct, default=0)
+    table = torch.zeros(len(distinct), 2, size, size, dtype=dtype, device=device)
+    for k, side in enumerate(distinct):
+        table[k, :, :side, :side] = _eta_pair(side, norm, dtype, device)
+    row = {side: k for k, side in enumerate(distinct)}
+    return table, _filled([row[side] for side in schedule], device)
+
+
+def _filled(values: list[int], device: torch.device) -> Tensor:
+    """int64 tensor of ``values``, a few runs of equal values (the schedule's), filled run by run on the device:
+    no copy from pageable host memory (on a GPU each waits for the device's queue)."""
+    t = torch.empty(len(values), dtype=torch.int64, device=device)
+    start = 0
+    for value, run in itertools.groupby(values):
+        end = start + len(list(run))
+        t[start:end] = value
+        start = end
+    return t
 
 
 def _place(patterns: Tensor, vh: Tensor, vw: Tensor, sides: Tensor, h: int) -> tuple[Tensor, Tensor]:
@@ -266,17 +295,18 @@ def _propose_linf(x: Tensor, x_best: Tensor, sides: Tensor, eps: float, corners:
 
 
 def _propose_lp(
-    x: Tensor, x_best: Tensor, sides: Tensor, norm: str, eps: float, corners: Tensor, signs: Tensor, flips: Tensor
+    x: Tensor, x_best: Tensor, sides: Tensor, norm: str, eps: float, corners: Tensor, signs: Tensor, patterns: Tensor
 ) -> Tensor:
     """L2 / L1 update: clear a second random window and pour its mass (and the unused budget) into the
-    first, as a fresh +-eta pattern added to the first window's normalised old content (per channel).
+    first, as a fresh +-eta pattern (``patterns``: (..., S, S), of side ``sides``, zero-padded) added to the
+    first window's normalised old content (per channel).
 
     Written on full-size images with window masks, so every proposal gets its own windows without a loop.
     """
     c, h = x.shape[-3], x.shape[-1]
     delta = x_best - x
     vh, vw, vh2, vw2 = (_corner(corners[..., i], h - sides) for i in range(4))
-    eta, mask1 = _place(_patterns(sides, flips, norm, x.dtype), vh, vw, sides, h)
+    eta, mask1 = _place(patterns, vh, vw, sides, h)
     mask2 = _window_mask(vh2, vw2, sides, h)
 
     hw = (-2, -1)
@@ -360,7 +390,8 @@ def square_attack(
         robust = correct.clone()
         queries = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
 
-        # State of the points still under attack, compacted (only those are forwarded).
+        # State of the points under attack (only those are forwarded). One read back: how many points are
+        # attacked sizes the draw tables (so a point's draws do not depend on the path).
         active = correct.nonzero().squeeze(1)
         if active.numel() == 0:
             return SquareResult(x_adv, robust, queries)
@@ -370,21 +401,44 @@ def square_attack(
         steps = draws.steps(len(active), n_queries, c, 1 if norm == "Linf" else 2, x.dtype)
         slot = torch.arange(len(active), device=x.device)  # each point's row in the draw table
         done = torch.zeros(len(active), dtype=torch.int64, device=x.device)  # iterations spent per point
-        sides = torch.tensor(
-            [_square_side(i, p_init, norm, c, h) for i in range(n_queries)], dtype=torch.int64, device=x.device
-        )
+        schedule = [_square_side(i, p_init, norm, c, h) for i in range(n_queries)]
+        sides = _filled(schedule, x.device)
+        if norm != "Linf":
+            etas, eta_row = _eta_table(schedule, norm, x.dtype, x.device)
 
+        # Points retire (broken, or out of queries) at a compaction, after the one read back of the loop (see
+        # the module docstring). On the CPU a read costs nothing, so it compacts before every pass: the fewest
+        # rows forwarded. Elsewhere the retired points stay in the batch between reads, masked.
+        cheap = host_reads_are_cheap(x)
+        passes, spare = 0, 0  # spare: reads allowed besides those after passes 1, 2, 4, 8, ...
+        least_done, least_done_at = 0, 0  # every live point had spent >= least_done iterations at pass least_done_at
         while True:
-            # Retire broken points and points out of queries (one host sync per pass, like the reference).
             retire = fooled | (done == n_queries)
-            if retire.any():
-                gone = active[retire]
-                x_adv[gone], robust[gone], queries[gone] = x_best[retire], ~fooled[retire], 1 + done[retire]
-                keep = ~retire
-                active, x_a, y_a, x_best, margin_best, done, slot = (
-                    t[keep] for t in (active, x_a, y_a, x_best, margin_best, done, slot)
+            # Passes since the last read, and iterations per point in each of them (the batch is unchanged since).
+            since, ahead = passes - least_done_at, max(1, batch_size // len(active))
+            if cheap:
+                read = True
+            elif least_done + since >= n_queries:  # each pass spends >= 1 iteration of every live point: none left
+                read, n_live = False, 0
+            elif passes > 0 and passes & (passes - 1) == 0:  # after passes 1, 2, 4, 8, ...
+                read, spare = True, spare + 1
+            elif spare and least_done + since * ahead >= n_queries:  # the first pass after which none may be left
+                read, spare = True, spare - 1
+            else:
+                read, n_live = False, len(active)
+            if read:  # the live points' count and their fewest iterations spent, packed in one number
+                packed = (~retire).sum() * (n_queries + 1) + torch.where(retire, n_queries, done).min()
+                n_live, least_done = divmod(int(packed), n_queries + 1)
+                least_done_at = passes
+            if n_live < len(active):
+                order = retire.to(torch.uint8).argsort(stable=True)  # the live points first, in their order
+                keep, gone = order[:n_live], order[n_live:]
+                x_adv[active[gone]], robust[active[gone]] = x_best[gone], ~fooled[gone]
+                queries[active[gone]] = 1 + done[gone]
+                active, x_a, y_a, x_best, margin_best, fooled, done, slot = (
+                    t[keep] for t in (active, x_a, y_a, x_best, margin_best, fooled, done, slot)
                 )
-                if active.numel() == 0:
+                if n_live == 0:
                     break
 
             # The next `ahead` iterations of every point, all proposed from its current best point. Iterations
@@ -397,17 +451,21 @@ def square_attack(
             if norm == "Linf":
                 x_new = _propose_linf(x_a, x_best, sides[it], eps, corners, signs)
             else:
-                x_new = _propose_lp(x_a, x_best, sides[it], norm, eps, corners, signs, steps.flips[slot, it])
+                patterns = etas[eta_row[it], steps.flips[slot, it].long()]
+                x_new = _propose_lp(x_a, x_best, sides[it], norm, eps, corners, signs, patterns)
             margin, misclassified = (t.view(ahead, n) for t in _margin(model, x_new.flatten(0, 1), y_a.repeat(ahead)))
 
-            # Each point takes its first accepted proposal (a strict improvement of the margin, or a
+            # Each live point takes its first accepted proposal (a strict improvement of the margin, or a
             # misclassified point); the proposals after it were made from a stale best point and are dropped.
-            accept = ((margin < margin_best) | misclassified) & in_budget
+            # Broken points waiting for a compaction accept nothing and spend nothing (out of queries, neither).
+            live = ~fooled
+            accept = ((margin < margin_best) | misclassified) & in_budget & live
             accepted = accept.any(0)
             first = (accept.to(torch.uint8).argmax(0), torch.arange(n, device=x.device))  # argmax: the first maximum
             x_best = torch.where(accepted[:, None, None, None], x_new[first], x_best)
             margin_best = torch.where(accepted, margin[first], margin_best)
-            fooled = accepted & misclassified[first]
-            done = done + torch.where(accepted, first[0] + 1, in_budget.sum(0))
+            fooled = fooled | (accepted & misclassified[first])
+            done = done + torch.where(accepted, first[0] + 1, in_budget.sum(0) * live)
+            passes += 1
 
     return SquareResult(x_adv, robust, queries)
