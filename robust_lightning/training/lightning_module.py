@@ -130,9 +130,12 @@ class ImageClassifier(LightningModule):
         betas: AdamW betas.
         label_smoothing: label smoothing of the cross-entropy (MixUp/CutMix targets are smoothed the same way).
         channels_last: run the model in channels_last memory format (faster convolutions on GPU).
-        compile: compile the network with torch.compile (off by default). The attack's passes run with the
-            parameters detached (input gradients only: no parameter gradient is built, compiled or eager), and
-            the re-forward of the points whose best iterate is not the last takes one of eight batch sizes.
+        compile: compile the network with torch.compile (off by default). An adversarial run then compiles three
+            graphs, each once for every batch size (the batch dimension is dynamic from the first call): the
+            attack's passes with input gradients (the parameters detached: no parameter gradient is built, compiled
+            or eager), the passes without gradients (the attack's last iterate, validation) and the update's pass
+            (clean training: the last two). The re-forward of the points whose best iterate is not the last takes
+            one of eight batch sizes.
         attack: training attack: "none" (clean training), "apgd" (the paper), "pgd", "fgsm" or "fgsm_rs".
         attack_norm: threat model of the training attack: "Linf", "L2" or "L1".
         attack_eps: radius of the training attack (4/255 in the paper).
@@ -203,7 +206,10 @@ class ImageClassifier(LightningModule):
         if channels_last:
             self.model.to(memory_format=torch.channels_last)
         if compile:  # in place: the state dict keeps its keys (torch.compile(module) would prefix _orig_mod)
-            self.model.net.compile()
+            # the whole classifier, so that the tensor marked by _any_batch is the compiled frame's input (the
+            # normaliser would hand the network a new, unmarked one). Copies run eager (the EMA's: nn.Module's
+            # __getstate__ drops the compiled call).
+            self.model.compile()
         if reuse_attack_forward and has_mode_dependent_layers(self.model):
             raise UserError(
                 f"model.reuse_attack_forward needs a model without BatchNorm, dropout or drop-path; {arch} has some"
@@ -345,15 +351,37 @@ class ImageClassifier(LightningModule):
     def _run(self, model: nn.Module, images: torch.Tensor) -> torch.Tensor:
         if self.hparams.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
-        return model(images)
+        return self._any_batch(model, model, images)
+
+    def _any_batch(self, model: nn.Module, forward, images: torch.Tensor) -> torch.Tensor:
+        """``forward(images)``, where a compiled ``model`` compiles each kind of pass once for every batch size.
+
+        The batch sizes of a run change (a smaller micro-batch or validation batch, the validation attack's
+        shrinking batch, the re-forward's buckets); each change would compile a static graph, then a dynamic one,
+        so the batch dimension is dynamic from the first call. A batch of one would still get a graph of its own
+        (Dynamo specialises sizes 0 and 1): in eval mode, where each row's logits are its own, it is forwarded
+        twice in a batch of two."""
+        if not self.hparams.compile:
+            return forward(images)
+        single = len(images) == 1 and not model.training
+        if single:
+            images = torch.cat([images, images])
+        torch._dynamo.maybe_mark_dynamic(images, 0)
+        logits = forward(images)
+        return logits[:1] if single else logits
 
     def _run_for_attack(self, model: nn.Module, images: torch.Tensor) -> torch.Tensor:
         """``model`` on ``images`` with its parameters detached: an attack needs input gradients only, so no
-        parameter-gradient graph is recorded (less memory), and a compiled network gets a graph without one."""
+        parameter-gradient graph is recorded (less memory), and a compiled network gets a graph without one.
+
+        Without gradients (the attack's last iterate) nothing is recorded to detach from: the model runs as it is,
+        and a compiled one reuses validation's graph instead of compiling one for detached parameters."""
+        if not torch.is_grad_enabled():
+            return self._run(model, images)
         if self.hparams.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         detached = {name: p.detach() for name, p in model.named_parameters()}
-        return torch.func.functional_call(model, detached, (images,))
+        return self._any_batch(model, partial(torch.func.functional_call, model, detached), images)
 
     # ------------------------------------------------------------------------------------------- training
     @property
@@ -497,7 +525,8 @@ class ImageClassifier(LightningModule):
             return logits
         if self.hparams.compile or not host_reads_are_cheap(logits):
             bucket = -(-len(best_is_last) // 8)
-            padded = min(len(best_is_last), -(-count // bucket) * bucket)
+            # at least two: a compiled model specialises a batch of one (a graph of its own)
+            padded = min(len(best_is_last), max(2, -(-count // bucket) * bucket))
             redo = torch.argsort(best_is_last.to(torch.uint8), stable=True)[:padded]  # the redo points first
             return logits.index_put((redo[:count],), self(x_adv[redo])[:count].to(logits.dtype))
         return logits.index_put((redo,), self(x_adv[redo]).to(logits.dtype))
