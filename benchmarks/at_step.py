@@ -24,10 +24,14 @@ import torch
 from robust_lightning.training.lightning_module import ImageClassifier, soft_targets
 
 
-def make_step(module: ImageClassifier, optimizer, images, targets, device):
+def make_step(module: ImageClassifier, optimizer, images, targets, bf16: bool):
+    """One training step of ``module`` on the batch as the trainer runs it; on CUDA it waits for the device, so
+    that a wall-clock timer around it measures the step."""
+    device = images.device
+
     def step():
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             if module.hparams.attack == "none":
                 loss = torch.nn.functional.cross_entropy(module(images), targets)
             else:
@@ -44,6 +48,18 @@ def timed(step) -> float:
     start = time.perf_counter()
     step()
     return time.perf_counter() - start
+
+
+def alternating_times(steps: dict, warmup: int, repeats: int) -> dict[str, list[float]]:
+    """Each step's times over ``repeats`` rounds after ``warmup`` untimed ones; the steps alternate within a round,
+    so that drifts in the machine's speed hit them alike."""
+    times = {name: [] for name in steps}
+    for repeat in range(warmup + repeats):
+        for name, step in steps.items():
+            seconds = timed(step)
+            if repeat >= warmup:
+                times[name].append(seconds)
+    return times
 
 
 def main() -> None:
@@ -67,16 +83,11 @@ def main() -> None:
     for name, options in variants.items():
         module = ImageClassifier(**common, **options).to(device).train()
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
-        steps[name] = make_step(module, optimizer, images, targets, device)
+        steps[name] = make_step(module, optimizer, images, targets, args.precision == "bf16")
         if name == "at":
             reuse = module.reuse_forward
-    times = {name: [] for name in steps}
     warmup = max(args.warmup, 3) if args.compile else args.warmup  # compiling takes the first calls
-    for repeat in range(warmup + args.repeats):
-        for name, step in steps.items():
-            seconds = timed(step)
-            if repeat >= warmup:
-                times[name].append(seconds)
+    times = alternating_times(steps, warmup, args.repeats)
     median = {name: statistics.median(values) for name, values in times.items()}
     result = {
         "model": args.model,

@@ -15,8 +15,8 @@ A derivation, not a measurement: no GPU was available. Three inputs:
 3. An H100 SXM's dense peak (NVIDIA's datasheet: 989 TFLOP/s bf16, 495 tf32, 67 fp32) times an assumed share
    of it that the passes reach (``--utilization``).
 
-bf16 adds an fp32 checking forward for each point an attack claims (``precision="bf16"`` verifies every
-success in fp32); refuted claims, which would be attacked again in fp32, are taken as none.
+bf16 and tf32 add an fp32 checking forward for each point an attack claims (both precisions verify every success
+in fp32); refuted claims, which would be attacked again in fp32, are taken as none.
 """
 
 import argparse
@@ -62,6 +62,23 @@ def passes_per_image(clean: float, robust: float, restarts: int, targets: int) -
     return backward, forward
 
 
+def passes_per_checkpoint() -> dict[str, tuple[float, float]]:
+    """(forward-backward passes, forward passes) of the default evaluation of one checkpoint on IMAGES images, per
+    threat model, with the paper's ConvNeXt-B + ConvStem accuracies."""
+    accuracies = paper_accuracies()
+    passes = {}
+    for name, (column, restarts, targets) in THREATS.items():
+        n_backward, n_forward = passes_per_image(accuracies["clean"], accuracies[column], restarts, targets)
+        passes[name] = (IMAGES * n_backward, IMAGES * n_forward)
+    return passes
+
+
+def fp32_check_forwards() -> float:
+    """bf16 and tf32 add an fp32 forward for each point an attack claims: at most every clean-correct point of the
+    three threat models (refuted claims, attacked again in fp32, taken as none)."""
+    return IMAGES * len(THREATS) * paper_accuracies()["clean"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -80,20 +97,21 @@ def main() -> None:
         f"{backward / 1e9:.1f} GFLOP (torch.utils.flop_counter)"
     )
     total = 0.0
-    for name, (column, restarts, targets) in THREATS.items():
-        n_backward, n_forward = passes_per_image(accuracies["clean"], accuracies[column], restarts, targets)
-        threat_flops = IMAGES * (n_backward * backward + n_forward * forward)
+    for name, (n_backward, n_forward) in passes_per_checkpoint().items():
+        threat_flops = n_backward * backward + n_forward * forward
         total += threat_flops
+        column = THREATS[name][0]
         print(
             f"{name}: clean {accuracies['clean']:.2%}, robust {accuracies[column]:.2%}: per image "
-            f"{n_backward:.0f} forward-backward + {n_forward:.0f} forward passes, {threat_flops / 1e15:.1f} PFLOP"
+            f"{n_backward / IMAGES:.0f} forward-backward + {n_forward / IMAGES:.0f} forward passes, "
+            f"{threat_flops / 1e15:.1f} PFLOP"
         )
-    checks = IMAGES * 3 * accuracies["clean"] * forward  # bf16: an fp32 forward per claimed success, at most
+    checks = fp32_check_forwards() * forward
     hours = {}
     for precision, peak in PEAK_TFLOPS.items():
         for share in args.utilization:
             seconds = total / (peak * 1e12 * share)
-            if precision == "bf16":
+            if precision != "fp32":  # the claimed successes verified in fp32
                 seconds += checks / (PEAK_TFLOPS["fp32"] * 1e12 * share)
             hours[f"{precision}@{share:.0%}"] = round(seconds / 3600, 2)
     print(f"all three threat models: {total / 1e15:.1f} PFLOP; hours on one H100 SXM (derived, not measured):")
