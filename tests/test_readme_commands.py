@@ -26,6 +26,7 @@ import io
 import os
 import re
 import shlex
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,10 @@ OTHER_COMMANDS = {
     "pip": "installs packages: nothing of this project to parse",
     "git": "fetches the repository: nothing of this project to parse",
     "cd": "changes into the repository: nothing to parse",
+    "bash": "runs a shell script of benchmarks/: the script must exist (gpu_packages.sh installs from the package "
+    "index; tests/test_gpu_suite.py checks the versions it installs)",
+    "python3": "runs a script of benchmarks/ (on a GPU machine): the script must exist and its --help must list every "
+    "option the command gives (tests/test_gpu_suite.py runs the GPU suite itself, with --smoke)",
 }
 
 # Placeholders in README commands: what each stands for, and the file the test puts in its place
@@ -481,6 +486,15 @@ def test_readme_command(command, sandbox, written):
     elif program == "source":
         venv = re.search(r"^VENV \?= (\S+)", MAKEFILE.read_text(), re.M).group(1)
         assert Path(command.program[1]).parts[0] == venv, f"{shown}\nthe Makefile's environment is {venv}/"
+    elif program in ("bash", "python3"):
+        script = Path(command.program[1])
+        assert script.parent == Path("benchmarks") and (REPO / script).is_file(), f"{shown}\nno script {script}"
+        if program == "python3":
+            shown_help = subprocess.run(
+                [sys.executable, str(REPO / script), "--help"], capture_output=True, text=True, cwd=REPO
+            ).stdout
+            for option in (word for word in command.program[2:] if word.startswith("--")):
+                assert f"{option} " in shown_help, f"{shown}\n{script} has no option {option}"
     elif program == "sbatch":
         args, env = sbatch_args(command, sandbox)
         check_paths(shown, command.words, sandbox, written, set())
