@@ -10,19 +10,50 @@ handler of its own, which ends the worker unless its parent sent the signal, and
 training process with "DataLoader worker ... is killed by signal: Terminated". ``robust-lightning`` (also as
 ``python -m robust_lightning``, which needs no console script on the compute nodes) and a sweep's cells call it
 first thing.
+
+A loader worker must still end when its own parent sends SIGTERM: that is how a worker left running is ended when
+the training process exits (multiprocessing's exit handler terminates every daemonic child, then waits for it). A
+worker is left running when an error ends a command in the middle of an epoch: the loader's iterator, which would
+tell its workers to stop, is then kept alive by the error's traceback until the process exits. A worker that
+ignored every SIGTERM kept the exiting process waiting for ever. So a loader worker blocks SIGTERM and a thread of
+its own takes each one: from its parent it ends the worker (status 0, as torch's own handler does); from anyone
+else (the scheduler) it is dropped.
 """
 
 import os
 import signal
+import threading
 
 
-def ignore_job_signals(*_) -> None:
-    """Ignore SLURM's requeue and stop signals in this process (a forked child; ``*_``: a worker id)."""
+def ignore_job_signals(worker_id: int | None = None) -> None:
+    """Ignore SLURM's requeue and stop signals in this process, a forked child. Given a worker id (as a
+    DataLoader's ``worker_init_fn``), the worker still ends on a SIGTERM that its parent sends."""
     try:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except ValueError:  # forked from a thread other than the main one: Python cannot set handlers there
         pass
+    if worker_id is not None:
+        end_on_parent_sigterm()
+
+
+def end_on_parent_sigterm() -> None:
+    """End this process (status 0) when its parent sends it SIGTERM, and drop a SIGTERM from anyone else.
+
+    SIGTERM is blocked in this thread, and so in every thread it starts later; a daemon thread waits for it and
+    reads who sent it. Call it before the process starts threads of its own (a forked worker, first thing). Where
+    the sender cannot be read (no ``sigwaitinfo``), SIGTERM stays as it was."""
+    if not hasattr(signal, "sigwaitinfo"):
+        return
+    parent = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def wait_for_sigterm() -> None:
+        while True:
+            if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+                os._exit(0)
+
+    threading.Thread(target=wait_for_sigterm, name="end-on-parent-sigterm", daemon=True).start()
 
 
 def shield_forked_children() -> None:
