@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from tqdm import tqdm
 
 from robust_lightning.analysis.core import Analysis, model_label, new_figure
 from robust_lightning.attacks import fgsm, pgd
 from robust_lightning.attacks.spatial import spatial_grid_attack
+from robust_lightning.console import tqdm
 from robust_lightning.errors import UserError
 
 ATTACKS = ("fgsm", "pgd")

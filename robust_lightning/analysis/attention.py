@@ -22,10 +22,10 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from robust_lightning.analysis.blocks import BlockMap, find_blocks, replace_module, token_grid
 from robust_lightning.analysis.core import Analysis, model_label, new_figure
+from robust_lightning.console import tqdm
 from robust_lightning.errors import UserError
 
 __all__ = [

@@ -26,9 +26,9 @@ import math
 
 import torch
 from timm.data import IMAGENET_DEFAULT_STD
-from tqdm import tqdm
 
 from robust_lightning.analysis.core import Analysis, family_style, model_label, new_figure, pi_axis
+from robust_lightning.console import tqdm
 from robust_lightning.errors import UserError
 
 __all__ = [

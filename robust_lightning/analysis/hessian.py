@@ -39,9 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from tqdm import tqdm
 
 from robust_lightning.analysis.core import Analysis, model_label, new_figure
+from robust_lightning.console import tqdm
 from robust_lightning.errors import UserError
 from robust_lightning.training.lightning_module import soft_targets
 

@@ -17,10 +17,10 @@ import math
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from robust_lightning.analysis.blocks import find_blocks, lesioned, removable_units
 from robust_lightning.analysis.core import Analysis, model_label, new_figure
+from robust_lightning.console import tqdm
 from robust_lightning.errors import UserError
 
 __all__ = ["LesionStudy", "summary"]

@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import nn
-from tqdm import tqdm
 
 from robust_lightning.analysis.blocks import as_map, attention_probabilities, find_blocks
 from robust_lightning.analysis.core import Analysis, model_label, new_figure
 from robust_lightning.analysis.lesion import summary
+from robust_lightning.console import tqdm
 from robust_lightning.errors import UserError
 from robust_lightning.models.checkpoints import read_state_dict
 

@@ -24,10 +24,10 @@ import math
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from robust_lightning.analysis.blocks import BlockMap, FeatureTap, as_map, find_blocks
 from robust_lightning.analysis.core import Analysis, family_style, model_label, new_figure, pi_axis
+from robust_lightning.console import tqdm
 from robust_lightning.errors import UserError
 
 __all__ = [

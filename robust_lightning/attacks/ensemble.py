@@ -51,7 +51,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from tqdm import tqdm
+
+from robust_lightning.console import tqdm
 
 from .apgd import apgd
 from .fab import fab_targeted

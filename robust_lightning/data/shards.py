@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 import webdataset as wds
 from PIL import Image
-from tqdm import tqdm
 
 from robust_lightning.atomic import atomic_write, atomic_write_json
+from robust_lightning.console import tqdm
 from robust_lightning.data.classes import VAL_LABELS_FORMATS, label_flat_folder
 from robust_lightning.data.classes import class_map as resolve_class_map
 from robust_lightning.errors import UserError

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
-from tqdm import tqdm
 
+from robust_lightning.console import tqdm
 from robust_lightning.data.shards import MANIFEST_NAME, shard_name, write_json_atomic, write_manifest, write_shard
 from robust_lightning.errors import UserError
 from robust_lightning.paths import DATA_DIR

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from lightning import Callback
 from lightning.pytorch.loggers import WandbLogger
 from torch import nn
-from tqdm import tqdm
 
+from robust_lightning.console import tqdm
 from robust_lightning.data.batch import IMAGE, KEY, LABEL
 from robust_lightning.data.contract import EvaluationSource
 from robust_lightning.data.samplers import rank_share

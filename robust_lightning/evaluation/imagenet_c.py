@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from PIL import Image
 from torch.utils.data import IterableDataset
-from tqdm import tqdm
 
+from robust_lightning.console import tqdm
 from robust_lightning.data.classes import class_map
 from robust_lightning.data.contract import EvaluationSource
 from robust_lightning.data.transforms import eval_resize_size

@@ -14,8 +14,8 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, default_collate
 from torchvision.transforms import v2 as T
-from tqdm import tqdm
 
+from robust_lightning.console import tqdm
 from robust_lightning.data.batch import CORRUPT, IMAGE, LABEL
 from robust_lightning.data.samplers import ExactDistributedSampler
 from robust_lightning.data.transforms import BICUBIC, decode_rgb

@@ -11,6 +11,10 @@ elsewhere.
 
 The command line picks one (``default_progress_bar``): a tqdm bar on a terminal, and lines on logs without one
 (SLURM's ``.out`` files, where a bar's carriage returns make one unreadable line).
+
+A fit resumed mid-epoch (``--ckpt_path last`` after a SIGTERM, a step checkpoint, SLURM's hpc checkpoint) gets no
+``on_train_epoch_start``: both displays then count the elapsed time from the fit's start (``on_train_start``) and
+the rate, so the time left, from the batches trained since, not from the epoch's first batch.
 """
 
 import sys
@@ -18,6 +22,9 @@ import time
 from typing import Any
 
 from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
+
+from robust_lightning.console import is_terminal
 
 SHOWN = ("train/loss", "val/acc1", "val/select_acc")  # the logged values a display shows, where logged
 
@@ -41,6 +48,24 @@ class StepProgressBar(TQDMProgressBar):
         super().__init__(**kwargs)
         self._read_now = True
         self._shown: dict[str, Any] = {}
+        self._resumed = False  # between on_train_start and a first batch with no on_train_epoch_start between
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)  # a new bar: its clock starts here
+        self._resumed = True
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._resumed = False
+        super().on_train_epoch_start(trainer, pl_module)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if self._resumed:  # a fit resumed mid-epoch: the bar of on_train_start, with the epoch's total and the
+            # batches trained before the resume as its start, so that tqdm's rate counts those since the resume
+            self._resumed = False
+            bar = self.train_progress_bar
+            bar.total = convert_inf(self.total_train_batches)
+            bar.initial = bar.n = bar.last_print_n = batch_idx
+            bar.set_description(f"Epoch {trainer.current_epoch}")
 
     def get_metrics(self, trainer, pl_module) -> dict[str, Any]:
         if self._read_now:
@@ -74,6 +99,9 @@ class ProgressLines(ProgressBar):
         super().__init__()
         self._enabled = True
         self._started = 0.0
+        # batches of this epoch trained before self._started: 0, or where a fit resumed mid-epoch (None until its
+        # first batch)
+        self._first: int | None = 0
 
     def disable(self) -> None:  # Lightning disables every rank but zero
         self._enabled = False
@@ -89,26 +117,47 @@ class ProgressLines(ProgressBar):
         if self._enabled:
             print(text, file=sys.stdout, flush=True)
 
-    def _line(self, stage: str, batch_idx: int, total: int | float, metrics: dict[str, Any] | None = None) -> str:
-        n, elapsed = batch_idx + 1, time.monotonic() - self._started
+    def _line(
+        self,
+        stage: str,
+        batch_idx: int,
+        total: int | float,
+        started: float,
+        first: int = 0,
+        metrics: dict[str, Any] | None = None,
+    ) -> str:
+        """The line after batch ``batch_idx``, timed from ``started``, when batch ``first`` began."""
+        n, elapsed = batch_idx + 1, time.monotonic() - started
         known = isinstance(total, int) or (isinstance(total, float) and total != float("inf"))
         of = f"/{int(total)}" if known else ""
-        rest = f" (~{_duration(elapsed / n * (total - n))} left)" if known and total > n else ""
+        rest = f" (~{_duration(elapsed / (n - first) * (total - n))} left)" if known and total > n else ""
         values = f" | {_format(metrics)}" if metrics else ""
         return f"{stage} batch {n}{of} | {_duration(elapsed)}{rest}{values}"
 
     # ------------------------------------------------------------------------------------------- training
+    def on_train_start(self, trainer, pl_module) -> None:
+        # a fit resumed mid-epoch gets no on_train_epoch_start: its times count from here, the resume
+        self._started, self._first = time.monotonic(), None
+
     def on_train_epoch_start(self, trainer, pl_module) -> None:
-        self._started = time.monotonic()
+        self._started, self._first = time.monotonic(), 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if self._first is None:  # the first batch since a resume mid-epoch
+            self._first = batch_idx
+            of = f"/{int(self.total_train_batches)}" if self.total_train_batches != float("inf") else ""
+            self._print(f"epoch {trainer.current_epoch} resumed at batch {batch_idx + 1}{of}: times count from here")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         total = self.total_train_batches
         if _reading_due(trainer, batch_idx, total):
-            self._print(self._line(f"epoch {trainer.current_epoch}", batch_idx, total, shown_values(trainer)))
+            epoch = f"epoch {trainer.current_epoch}"
+            self._print(self._line(epoch, batch_idx, total, self._started, self._first or 0, shown_values(trainer)))
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
+        since = "" if self._first == 0 else " since the resume"
         self._print(
-            f"epoch {trainer.current_epoch} done in {_duration(time.monotonic() - self._started)} | "
+            f"epoch {trainer.current_epoch} done in {_duration(time.monotonic() - self._started)}{since} | "
             f"{_format(shown_values(trainer))}"
         )
 
@@ -118,9 +167,7 @@ class ProgressLines(ProgressBar):
 
     def _evaluation_batch(self, trainer, stage: str, batch_idx: int, total: int | float) -> None:
         if _reading_due(trainer, batch_idx, total):
-            started, self._started = self._started, self._evaluation_started
-            self._print(self._line(stage, batch_idx, total))
-            self._started = started
+            self._print(self._line(stage, batch_idx, total, self._evaluation_started))
 
     def _evaluation_end(self, trainer, stage: str) -> None:
         # computed on every rank by now (Lightning reduces an evaluation's values before its end hooks)
@@ -164,5 +211,6 @@ class ProgressLines(ProgressBar):
 
 
 def default_progress_bar() -> ProgressBar:
-    """A tqdm bar when standard error is a terminal, printed lines otherwise (batch jobs, pipes)."""
-    return StepProgressBar() if sys.stderr.isatty() else ProgressLines()
+    """A tqdm bar when standard output, where Lightning draws it, is a terminal; printed lines otherwise (batch jobs,
+    pipes)."""
+    return StepProgressBar() if is_terminal(sys.stdout) else ProgressLines()
