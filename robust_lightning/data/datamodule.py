@@ -25,8 +25,15 @@ from robust_lightning.data.augment import BatchAugment
 from robust_lightning.data.classes import class_map as load_class_map
 from robust_lightning.data.contract import EvaluationSource, TrainingSample
 from robust_lightning.data.crop import random_resized_crop
-from robust_lightning.data.datasets import SUBSET_ADVICE, HoldoutStream, LabelledImageFolder, ListedImages, ShardStream
-from robust_lightning.data.loaders import EpochLoader, ShardTrainLoader, collate, draw_seed
+from robust_lightning.data.datasets import (
+    SUBSET_ADVICE,
+    HoldoutStream,
+    LabelledImageFolder,
+    ListedImages,
+    ReplayableSubset,
+    ShardStream,
+)
+from robust_lightning.data.loaders import EpochLoader, ShardTrainLoader, TrainingPosition, collate, draw_seed
 from robust_lightning.data.samplers import ExactDistributedSampler, GlobalBatchSampler, ShardShare, rank_share
 from robust_lightning.data.shards import read_manifest, repair_hint, shard_urls
 from robust_lightning.data.synthetic import ensure_synthetic_dataset
@@ -217,6 +224,7 @@ class ImageNetDataModule(LightningDataModule):
         self.synthetic = synthetic
         self.rank, self.world_size = 0, 1
         self._draw_generators: dict[torch.device, torch.Generator] = {}
+        self.training_position = TrainingPosition()  # checkpoint state of the training loaders (resuming mid-epoch)
         self.worker_augment = self.device_augment = None
         self.train_set = self.eval_set = None
         self.train_images = self.eval_images = None
@@ -506,7 +514,7 @@ class ImageNetDataModule(LightningDataModule):
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(HOLDOUT_SEED)).tolist()
         held = copy.copy(train)
         held.transform = evaluation
-        return Subset(train, sorted(order[self.holdout :])), Subset(held, sorted(order[: self.holdout]))
+        return ReplayableSubset(train, sorted(order[self.holdout :])), Subset(held, sorted(order[: self.holdout]))
 
     def _split_shard_holdout(self, spec: str, urls: list[str]) -> tuple[list[str], list[str], int]:
         """The last training shards (shuffled at conversion) hold the selection split: (train urls, held urls,
@@ -593,6 +601,7 @@ class ImageNetDataModule(LightningDataModule):
                 collate_fn=augmenting,
                 micro_batches=self.micro_batches,
                 rank=self.rank,
+                position=self.training_position,
             )
         if len(self.train_set) < self.global_batch:
             raise UserError(
@@ -612,6 +621,7 @@ class ImageNetDataModule(LightningDataModule):
             generator=torch.Generator().manual_seed(self.seed),  # keeps iterator creation off the global generator
             micro_batches=self.micro_batches,
             rank=self.rank,
+            position=self.training_position,
         )
 
     def _eval_dataloader(self, dataset: Dataset | None = None, batch_size: int | None = None, **kwargs) -> DataLoader:
@@ -746,8 +756,19 @@ class ImageNetDataModule(LightningDataModule):
             if seen >= images:
                 return
 
+    def state_dict(self) -> dict:
+        """Checkpoint state: where training stands in its epoch (resuming mid-epoch, robust_lightning.data.loaders)."""
+        return {"training_position": self.training_position.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "training_position" in state:  # checkpoints of earlier versions resume at their epoch's start
+            self.training_position.load_state_dict(state["training_position"])
+
     def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
-        return self._on_device(batch, augment=self.trainer is not None and self.trainer.training)
+        training = self.trainer is not None and self.trainer.training
+        if training and "draw" in batch:  # about to be trained: the loaders' checkpoint position moves on
+            self.training_position.record(batch["draw"])
+        return self._on_device(batch, augment=training)
 
     def batch_streams(self, draw: tuple[int, int] | None, device: torch.device) -> tuple[torch.Generator | None, Any]:
         """The random streams of one training batch's augmentation on ``device``: a torch generator for the

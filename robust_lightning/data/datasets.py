@@ -1,6 +1,8 @@
 """The datasets the data module reads: ImageFolder trees (with a flat val folder labelled by a file), listed
 images, and WebDataset shard streams. An image that cannot be decoded becomes a ``Corrupt`` marker, which the
-collate function drops and counts (``robust_lightning.data.loaders``).
+collate function drops and counts (``robust_lightning.data.loaders``). An image that a fit resumed mid-epoch had
+already trained on is replayed: its transform's random draws are made, its pixels are not decoded, and it becomes
+a ``Replayed`` marker, whose batch the training loader drops.
 """
 
 import io
@@ -14,13 +16,14 @@ from typing import Any
 
 import webdataset as wds
 from PIL import Image
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, Subset, get_worker_info
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
 from robust_lightning.data.classes import VAL_LABELS_FORMATS, label_flat_folder
-from robust_lightning.data.samplers import ShardShare
+from robust_lightning.data.samplers import ReplayIndex, ShardShare
 from robust_lightning.data.shards import MANIFEST_NAME, repair_hint
+from robust_lightning.data.transforms import draw_without_decoding
 from robust_lightning.errors import UserError
 
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
@@ -38,6 +41,27 @@ class Corrupt:
 
     key: str
     reason: str
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """Stands in for an image that the interrupted attempt of a resumed fit had already trained on in this epoch:
+    its transform's random draws were made (so the loader worker's random stream moves on as it did then), its
+    pixels were not decoded. The training loader drops the batches of such images."""
+
+    key: str
+
+
+class ReplayableSubset(Subset):
+    """A Subset (the training images left beside a holdout) that passes a ReplayIndex on as one; torch's Subset
+    would hand the dataset a plain index."""
+
+    def __getitem__(self, index):
+        inner = self.indices[index]
+        return self.dataset[ReplayIndex(inner) if isinstance(index, ReplayIndex) else inner]
+
+    def __getitems__(self, indices: list) -> list:
+        return [self[index] for index in indices]
 
 
 def transform_bytes(transform, data: bytes) -> dict[str, Any]:
@@ -117,10 +141,13 @@ class LabelledImageFolder(ImageFolder):
             return super().make_dataset(directory, class_to_idx, extensions, is_valid_file, allow_empty)
         return [(os.path.join(directory, name), class_to_idx[wnid]) for name, wnid in self.file_wnids.items()]
 
-    def __getitem__(self, index: int) -> dict | Corrupt:
+    def __getitem__(self, index: int) -> dict | Corrupt | Replayed:
         path, label = self.samples[index]
         try:
             with open(path, "rb") as f:
+                if isinstance(index, ReplayIndex):  # the header is read, for the image's size
+                    draw_without_decoding(self.transform, Image.open(f))
+                    return Replayed(self.keys[index])
                 fields = transform_bytes(self.transform, f.read())
         except Exception as e:  # any failure to read or decode means this one image is unusable
             return Corrupt(path, f"{type(e).__name__}: {e}")
@@ -181,6 +208,9 @@ class ShardStream(IterableDataset):
     With ``repeat`` (training) the stream is endless: each pass reshuffles the shard order with a seed of
     (seed, epoch, pass), so workers stay disjoint and epochs differ; ShardTrainLoader cuts it into epochs.
     Without ``repeat`` (evaluation) every shard is read exactly once.
+
+    A resumed epoch replays (``Replayed``) the samples of its first ``replay_batches`` batches of ``batch_size``,
+    over all workers: the DataLoader takes batch b from worker b % workers, each worker's batches in its own order.
     """
 
     def __init__(
@@ -202,6 +232,7 @@ class ShardStream(IterableDataset):
         self.shuffle_buffer = shuffle_buffer
         self.seed = seed
         self.epoch = 0  # set by ShardTrainLoader in the main process before workers start
+        self.replay_batches, self.batch_size = 0, 1  # likewise, for a resumed epoch
         # an unreadable shard stops the run; data.on_missing_images warn reads on and counts what is missing
         self.handler = stop_at_unreadable_shard
 
@@ -226,8 +257,11 @@ class ShardStream(IterableDataset):
         if self.shuffle_buffer > 1:
             rng = random.Random(f"{self.seed}-{self.epoch}-{worker}")
             samples = wds.shuffle(self.shuffle_buffer, min(100, self.shuffle_buffer), rng=rng)(samples)
-        for sample in samples:
-            if self.subset is None:
+        replayed = len(range(worker, self.replay_batches, num_workers)) * self.batch_size  # this worker's samples
+        for number, sample in enumerate(samples):
+            if number < replayed:
+                yield self.replay(sample)
+            elif self.subset is None:
                 yield self.decode(sample)
             elif sample.get("__key__") in self.subset.folders:
                 decoded = self.decode(sample)
@@ -235,21 +269,40 @@ class ShardStream(IterableDataset):
                     self.subset.check(sample, decoded["label"])
                 yield decoded
 
-    def decode(self, sample: dict) -> dict | Corrupt:
-        key = sample.get("__key__", "?")
-        where = f"{sample.get('__url__', '?')}:{key}"
+    @staticmethod
+    def _fields(sample: dict) -> tuple[str, str, int] | Corrupt:
+        """(where, image field, label) of a shard sample, or why it is unusable."""
+        where = f"{sample.get('__url__', '?')}:{sample.get('__key__', '?')}"
         field = next((f for f in IMAGE_FIELDS if f in sample), None)
         if field is None:
             return Corrupt(where, "no image field")
         try:
-            label = int(sample["cls"])
+            return where, field, int(sample["cls"])
         except (KeyError, ValueError):
             return Corrupt(where, "missing or invalid 'cls' label")
+
+    def decode(self, sample: dict) -> dict | Corrupt:
+        checked = self._fields(sample)
+        if isinstance(checked, Corrupt):
+            return checked
+        where, field, label = checked
         try:
             fields = transform_bytes(self.transform, sample[field])
         except Exception as e:  # any decode failure means this one image is unusable
             return Corrupt(where, f"{type(e).__name__}: {e}")
-        return {**fields, "label": label, "key": key}
+        return {**fields, "label": label, "key": sample.get("__key__", "?")}
+
+    def replay(self, sample: dict) -> Replayed | Corrupt:
+        """A sample the resumed epoch had trained on: its transform's draws from its header (see ``Replayed``)."""
+        checked = self._fields(sample)
+        if isinstance(checked, Corrupt):
+            return checked
+        where, field, _ = checked
+        try:
+            draw_without_decoding(self.transform, Image.open(io.BytesIO(sample[field])))
+        except Exception as e:  # an unreadable header: the decode failed there too, before any draw
+            return Corrupt(where, f"{type(e).__name__}: {e}")
+        return Replayed(sample.get("__key__", "?"))
 
 
 class HoldoutStream(ShardStream):

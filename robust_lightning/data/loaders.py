@@ -1,5 +1,11 @@
 """The data module's loaders and batches: collate (corrupt images dropped and counted), the epoch-aware loaders
 of the training set, micro-batches, and the random draws keyed by seed, epoch, batch and rank.
+
+A fit resumed mid-epoch (from a step checkpoint, SLURM's hpc_ckpt_N.ckpt, a SIGTERM's last.ckpt) trains exactly
+the batches of that epoch that its interrupted attempt had not trained, with the same draws. The training loaders
+are checkpoint state for it (``TrainingPosition``): the batches the attempt had trained are replayed, not loaded
+(robust_lightning.data.datasets.Replayed): the loader workers make those images' random draws from their headers,
+so that the draws of every later image are the interrupted attempt's, and the batches are dropped before training.
 """
 
 import itertools
@@ -11,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from robust_lightning.data.augment import BatchAugment
 from robust_lightning.data.batch import Batch
-from robust_lightning.data.datasets import Corrupt, ShardStream
+from robust_lightning.data.datasets import Corrupt, Replayed, ShardStream
 
 
 def draw_seed(*key: int) -> int:
@@ -35,9 +41,13 @@ def split_micro_batches(batch: Batch, parts: int) -> Iterator[Batch]:
 
 def with_draws(batches: Iterable[Batch], epoch: int, micro_batches: int) -> Iterator[Batch]:
     """Each training batch split into its micro-batches and tagged with ``draw`` = (epoch, index in the epoch): the
-    key of its augmentation's random streams (ImageNetDataModule.batch_streams)."""
+    key of its augmentation's random streams (ImageNetDataModule.batch_streams). Replayed batches (trained before a
+    resume) are counted, not yielded."""
     index = 0
     for batch in batches:
+        if isinstance(batch, dict) and "replayed" in batch:
+            index += micro_batches
+            continue
         for part in split_micro_batches(batch, micro_batches) if micro_batches > 1 else (batch,):
             if isinstance(part, dict):  # the data module's batches (another collate's pass as they are)
                 part["draw"] = (epoch, index)
@@ -50,8 +60,14 @@ def collate(items: list[dict | Corrupt], augment: BatchAugment | None = None) ->
 
     Image and label travel in one sample, so dropping a sample can never shift labels. ``augment`` (per-image
     augmentation in the loader workers, data.augment_on 'cpu') runs on the batch; the result goes back to uint8
-    so batches still cross to the device at a quarter of the float size.
+    so batches still cross to the device at a quarter of the float size. A replayed batch (a resumed epoch's
+    images trained before the stop) makes ``augment``'s random draws on stand-in images and carries nothing else.
     """
+    replayed = sum(isinstance(item, Replayed) for item in items)
+    if replayed:
+        if augment is not None:  # its draws depend on the batch size alone
+            augment(torch.zeros(replayed, 3, 8, 8, dtype=torch.uint8), torch.zeros(replayed, dtype=torch.long))
+        return {"replayed": replayed}
     good = [item for item in items if not isinstance(item, Corrupt)]
     bad = [f"{item.key} ({item.reason})" for item in items if isinstance(item, Corrupt)]
     images = torch.stack([item["image"] for item in good]) if good else torch.empty(0, dtype=torch.uint8)
@@ -64,7 +80,55 @@ def collate(items: list[dict | Corrupt], augment: BatchAugment | None = None) ->
     return batch
 
 
-class EpochLoader(DataLoader):
+class TrainingPosition:
+    """How far training got in its epoch: checkpoint state of the data module (``ImageNetDataModule.state_dict``).
+
+    The data module records each training micro-batch as it moves to the device (its ``draw`` key says which it
+    is), so a checkpoint written at the end of a step holds that step's position. A resumed fit's loader starts its
+    epoch by replaying the steps trained before: ``replay_steps``, once, and only in the epoch the position is of.
+    """
+
+    def __init__(self):
+        self.epoch, self.micro_batches = 0, 0
+        self._resume: tuple[int, int] | None = None
+
+    def record(self, draw: tuple[int, int]) -> None:
+        self.epoch, self.micro_batches = draw[0], draw[1] + 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "micro_batches": self.micro_batches}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume = (int(state["epoch"]), int(state["micro_batches"]))
+
+    def replay_steps(self, epoch: int, micro_batches: int) -> int:
+        """The optimiser steps of ``epoch`` trained before the resume (checkpoints are written at the end of a
+        step, after all of its micro-batches)."""
+        resume, self._resume = self._resume, None
+        return resume[1] // micro_batches if resume is not None and resume[0] == epoch else 0
+
+
+class ResumableLoader(DataLoader):
+    """A training loader whose position in its epoch is checkpoint state (``TrainingPosition``).
+
+    Lightning saves and restores the state of a loader that has ``state_dict``/``load_state_dict``, and warns that
+    a mid-epoch resume is inexact for one that has not. It restores that state only into a loader it builds after
+    the checkpoint is loaded, though, which the learning-rate schedule's ``trainer.estimated_stepping_batches``
+    prevents (it builds the loader first): the data module's own checkpoint state, restored before any loader is
+    built, carries the same position, and whichever restores it first sets it (the same value)."""
+
+    def __init__(self, dataset, *, position: TrainingPosition | None = None, **kwargs):
+        super().__init__(dataset, **kwargs)
+        self.position = position or TrainingPosition()
+
+    def state_dict(self) -> dict[str, int]:
+        return self.position.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position.load_state_dict(state)
+
+
+class EpochLoader(ResumableLoader):
     """The training loader of a map-style dataset: each optimiser step's batch of this rank, as ``micro_batches``
     micro-batches tagged with their augmentation's stream key (``with_draws``).
 
@@ -84,12 +148,13 @@ class EpochLoader(DataLoader):
 
     def __iter__(self):
         epoch = self.sampler.epoch
+        self.sampler.replay_steps = self.position.replay_steps(epoch, self.micro_batches)
         if not self.persistent_workers:
             self.generator = torch.Generator().manual_seed(draw_seed(self.sampler.seed, epoch, self.rank, 2))
         yield from with_draws(super().__iter__(), epoch, self.micro_batches)
 
 
-class ShardTrainLoader(DataLoader):
+class ShardTrainLoader(ResumableLoader):
     """An endless ShardStream cut into epochs of a fixed number of optimiser steps, each of ``micro_batches``
     micro-batches tagged with their augmentation's stream key (``with_draws``).
 
@@ -119,6 +184,8 @@ class ShardTrainLoader(DataLoader):
         # A generator: the epoch is read at the first batch, not when Lightning creates the iterator (a fit
         # resumed from a checkpoint creates it before its epoch counter is restored).
         epoch = self.dataset.epoch = self.current_epoch()
+        self.dataset.replay_batches = self.position.replay_steps(epoch, self.micro_batches)
+        self.dataset.batch_size = self.batch_size
         # the workers' seeds come from (seed, epoch, rank), not from the global generator: creating the iterator
         # draws nothing from it, and a resumed run's workers draw what the uninterrupted run's drew
         self.generator = torch.Generator().manual_seed(draw_seed(self.dataset.seed, epoch, self.rank, 2))

@@ -19,6 +19,11 @@ def rank_share(total: int, world_size: int, rank: int) -> int:
     return total // world_size + (rank < total % world_size)
 
 
+class ReplayIndex(int):
+    """The index of an image to replay rather than load (robust_lightning.data.datasets.Replayed): the training
+    sampler yields these for the steps that a resumed epoch had already trained."""
+
+
 class GlobalBatchSampler(DistributedSampler):
     """Training indices of this rank, one global batch of distinct images per step, however unevenly it splits.
 
@@ -27,18 +32,22 @@ class GlobalBatchSampler(DistributedSampler):
     ``rank_share`` images per step, and the same number of steps on every rank (DDP needs it). When the
     global batch splits evenly this is torch's DistributedSampler(shuffle=True, drop_last=True) batched by
     the per-rank size, image for image. Being a DistributedSampler keeps Lightning from swapping in its own.
+
+    In a resumed epoch the images of its first ``replay_steps`` steps come as ReplayIndex: the dataset replays
+    them instead of loading them (robust_lightning.data.datasets.Replayed).
     """
 
     def __init__(self, dataset: Dataset, num_replicas: int, rank: int, global_batch: int, seed: int = 0):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
         self.global_batch = global_batch
         self.steps = len(dataset) // global_batch
+        self.replay_steps = 0  # set by the training loader when it resumes an epoch
 
     def __iter__(self):
         order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch))
         for step in range(self.steps):
-            batch = order[step * self.global_batch : (step + 1) * self.global_batch]
-            yield from batch[self.rank :: self.num_replicas].tolist()
+            batch = order[step * self.global_batch : (step + 1) * self.global_batch][self.rank :: self.num_replicas]
+            yield from map(ReplayIndex, batch.tolist()) if step < self.replay_steps else batch.tolist()
 
     def __len__(self) -> int:
         return self.steps * rank_share(self.global_batch, self.num_replicas, self.rank)

@@ -99,3 +99,17 @@ class CanvasDecode:
         canvas[:, : pixels.shape[1], : pixels.shape[2]] = pixels
         geometry = torch.tensor([height, width, pixels.shape[1], pixels.shape[2]], dtype=torch.int32)
         return {"image": canvas, "geometry": geometry}
+
+
+def draw_without_decoding(transform, image: Image.Image) -> None:
+    """Make the random draws ``transform`` makes for ``image``, without decoding its pixels (``image`` opened
+    lazily: its size is in its header).
+
+    A fit resumed mid-epoch passes the images the interrupted attempt had already trained on through this instead
+    of ``transform``: the loader workers' random streams (the crop of data.full_resolution_decode and
+    data.augment_on cpu) then reach the stop in the state they had there, at the cost of reading headers."""
+    for step in transform.transforms if isinstance(transform, T.Compose) else [transform]:
+        if isinstance(step, T.RandomResizedCrop):
+            step.make_params([image])  # the crop box: the size is all it reads
+        elif not (step is decode_rgb or isinstance(step, (T.PILToTensor, CanvasDecode))):
+            raise TypeError(f"no draw-only form of the training transform {step!r}: say which draws it makes here")

@@ -308,19 +308,29 @@ class ImageClassifier(LightningModule):
                 rank_zero_warn(mismatch)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Lightning saves no random state; a resumed fit needs it to draw the same augmentation and attacks."""
-        checkpoint["random_states"] = random_states()
+        """Lightning saves no random state; a resumed fit needs it to draw the same attacks and drop paths. Under DDP
+        every rank saves a checkpoint together (a collective), so each rank's states are gathered into the file."""
+        checkpoint["random_states"] = states = random_states()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            ranks = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(ranks, states)
+            checkpoint["random_states_of_ranks"] = ranks
 
     def on_train_start(self) -> None:
         # After the sanity check and the creation of the first training iterator, which draw from the global
-        # generators too: the states of the checkpoint continue from here as they did in the saved run.
+        # generators too: the states of the checkpoint continue from here as they did in the saved run. Each rank
+        # takes its own where the checkpoint has them for this many ranks, else rank zero's.
         if self._resumed_random_states is not None:
-            set_random_states(self._resumed_random_states)
+            own, of_ranks = self._resumed_random_states
+            if of_ranks is not None and len(of_ranks) == self.trainer.world_size:
+                own = of_ranks[self.trainer.global_rank]
+            set_random_states(own)
             self._resumed_random_states = None
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Refuse a checkpoint of another architecture with one clear message instead of a state_dict traceback."""
-        self._resumed_random_states = checkpoint.get("random_states")  # for on_train_start
+        if checkpoint.get("random_states") is not None:  # for on_train_start
+            self._resumed_random_states = (checkpoint["random_states"], checkpoint.get("random_states_of_ranks"))
         ours = self.state_dict()
         theirs = checkpoint.get("state_dict", {})
         mismatched = sorted(
