@@ -1,5 +1,14 @@
 import os
 
+# The suite run inside a cluster job (sbatch, srun, torchrun): the job's launcher variables would make every fit of a
+# test take the job's place (Lightning reads SLURM_*, MASTER_PORT, RANK, ...), and the DDP tests running side by side
+# would all meet on the job's MASTER_PORT (EADDRINUSE). Tests that need such variables set their own.
+LAUNCHER_VARIABLES = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}
+LAUNCHER_VARIABLES |= {"GROUP_RANK", "NODE_RANK", "JSM_NAMESPACE_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"}
+for name in list(os.environ):
+    if name in LAUNCHER_VARIABLES or name.startswith(("SLURM_", "SBATCH_", "SRUN_", "TORCHELASTIC_", "PET_")):
+        del os.environ[name]
+
 # No network and no W&B in tests.
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
