@@ -21,6 +21,7 @@ with collector_paused():  # Lightning imports sooner (robust_lightning/startup.p
     import yaml
     from lightning.pytorch.callbacks import ProgressBar
     from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
     from lightning.pytorch.utilities import rank_zero_only
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -30,7 +31,7 @@ with collector_paused():  # Lightning imports sooner (robust_lightning/startup.p
     from robust_lightning.data.datamodule import ImageNetDataModule
     from robust_lightning.errors import UserError
     from robust_lightning.evaluation.results import PredictionWriter, RunResults
-    from robust_lightning.loggers import SaveConfigToWandb
+    from robust_lightning.loggers import SaveConfigToWandb, WandbLogger, use_project_loggers
     from robust_lightning.models.checkpoints import require_weights
     from robust_lightning.scale.srun import shield_forked_children
     from robust_lightning.training.checkpoint_io import AtomicCheckpointIO, LatestCheckpoint
@@ -145,16 +146,24 @@ class RobustLightningCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand)
         self.apply_model_settings(config)
+        use_project_loggers(config)  # one log across a run's attempts (robust_lightning.loggers)
         if self.subcommand == "fit" and config.get("ckpt_path") == "last":
             continue_in_latest_run_directory(config)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Any:
         """The project's progress display unless the config names one or turns it off: Lightning's own bar reads
-        the logged values after every step, a wait for the GPU each (robust_lightning.training.progress)."""
+        the logged values after every step, a wait for the GPU each (robust_lightning.training.progress). A W&B
+        logger keeps its run in the run directory of the first logger, so every attempt of a fit logs to one run."""
         configured = [*(config.get("callbacks") or []), *callbacks]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in configured):
             callbacks = [*callbacks, default_progress_bar()]
-        return super()._instantiate_trainer(config, callbacks)
+        trainer = super()._instantiate_trainer(config, callbacks)
+        first = trainer.loggers[0] if trainer.loggers else None
+        if rank_zero_only.rank == 0 and isinstance(first, (CSVLogger, TensorBoardLogger)):  # W&B logs on rank 0
+            for logger in trainer.loggers:
+                if isinstance(logger, WandbLogger):
+                    logger.keep_run_in(first.log_dir)
+        return trainer
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")

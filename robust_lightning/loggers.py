@@ -5,15 +5,36 @@ model and the data module. ``SaveConfigToWandb`` also puts the whole parsed conf
 checkpoint, ckpt_path, seed) into the config of every W&B run, flattened to the command line's own key
 names (``trainer.max_epochs``, ``model.attack_steps``, ``data.image_size``), so a W&B dashboard can filter and group
 runs by any option, and stores the exact YAML with the run's files (``lightning_config.yaml``).
+
+One training is one log however many attempts it takes (a requeue, ``--ckpt_path last``, a restart). Every command
+uses the project's ``CSVLogger`` and ``WandbLogger`` where a config names Lightning's (``use_project_loggers``):
+
+- ``CSVLogger`` continues the run directory's metrics.csv, where Lightning's deletes it: each attempt appends its
+  rows (a row of a step trained again after a resume appears once per attempt that trained it), the header gains
+  the columns a later attempt adds, and the rows logged up to a checkpoint are on disk (fsynced) with it
+  (``checkpoint_saved``), so even ``kill -9`` loses only rows of steps that will be trained again.
+- ``WandbLogger`` keeps its W&B run in the run directory (``wandb_run.json``: the run's id, the best value of each
+  ``BEST_IS_MAX`` score): every attempt resumes that run, and the summaries keep the best value over all attempts.
 """
 
+import csv
+import importlib
+import json
+import os
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
 import yaml
+from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.cli import SaveConfigCallback
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.loggers import CSVLogger as LightningCSVLogger
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+
+from robust_lightning.atomic import atomic_write, atomic_write_json
 
 # not config.yaml: W&B keeps its own run config under that name in the same folder
 WANDB_CONFIG_FILE = "lightning_config.yaml"
@@ -37,7 +58,8 @@ class SaveConfigToWandb(SaveConfigCallback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         first = trainer.loggers[0] if trainer.loggers else None
-        if first is not None and not isinstance(first, (CSVLogger, TensorBoardLogger)) and not self.already_saved:
+        per_run = isinstance(first, (LightningCSVLogger, TensorBoardLogger))
+        if first is not None and not per_run and not self.already_saved:
             # trainer.log_dir is then the first logger's bare save_dir, shared by every run: config.yaml and
             # results.json of one run would overwrite (or merge into) another's. The W&B copy stays per run.
             rank_zero_warn(
@@ -48,7 +70,7 @@ class SaveConfigToWandb(SaveConfigCallback):
         super().setup(trainer, pl_module, stage)
 
     def save_config(self, trainer, pl_module, stage: str) -> None:  # rank zero only
-        wandb_loggers = [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
+        wandb_loggers = [logger for logger in trainer.loggers if isinstance(logger, LightningWandbLogger)]
         if not wandb_loggers:
             return
         text = self.parser.dump(self.config, skip_none=False)  # what config.yaml holds
@@ -62,3 +84,154 @@ class SaveConfigToWandb(SaveConfigCallback):
                 path = Path(run.dir) / WANDB_CONFIG_FILE
                 path.write_text(text)
                 run.save(str(path), base_path=run.dir, policy="now")
+
+
+# ------------------------------------------------------------------------------- one log across attempts
+WANDB_RUN_FILE = "wandb_run.json"  # in the run directory: {"id": the W&B run, "best": {score: best value}}
+# Lightning's loggers (as configs name them) -> the project's, which continue a run's log (use_project_loggers)
+PROJECT_LOGGERS = {
+    f"lightning.pytorch.loggers.{module}{name}": f"{__name__}.{name}"
+    for name, modules in (("CSVLogger", ("", "csv_logs.")), ("WandbLogger", ("", "wandb.")))
+    for module in modules
+}
+
+
+def use_project_loggers(config) -> None:
+    """Lightning's CSVLogger and WandbLogger in a parsed config (``trainer.logger``: one or a list) become the
+    project's subclasses, with the same options: old configs and the shipped ones that name Lightning's keep
+    working, and continue their logs across attempts."""
+    loggers = config.trainer.get("logger")
+    for logger in loggers if isinstance(loggers, list) else [loggers]:
+        class_path = getattr(logger, "class_path", None)
+        if class_path in PROJECT_LOGGERS:
+            logger.class_path = PROJECT_LOGGERS[class_path]
+
+
+def logger_class(logger) -> type | None:
+    """The class a parsed logger entry (``class_path``) names; None for anything else."""
+    module, _, name = str(getattr(logger, "class_path", "")).rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name, None) if module else None
+    except ImportError:
+        return None
+
+
+def _keep_whole_rows(path: Path) -> list[str]:
+    """The columns of an existing metrics.csv, a last row cut short (a kill mid-write) removed; [] where there is no
+    file or not even a whole header (then emptied)."""
+    try:
+        file = open(path, "r+b")  # noqa: SIM115 (closed below)
+    except FileNotFoundError:
+        return []
+    with file:
+        header = file.readline()
+        if not header.endswith(b"\n"):
+            file.truncate(0)
+            return []
+        size = file.seek(0, os.SEEK_END)
+        start = max(len(header), size - (1 << 16))  # rows are far shorter
+        file.seek(start)
+        tail = file.read()
+        if tail and not tail.endswith(b"\n"):
+            file.truncate(start + tail.rfind(b"\n") + 1 if b"\n" in tail else len(header))
+    return next(csv.reader([header.decode()]))
+
+
+class _ContinuedMetrics(ExperimentWriter):
+    """Lightning's metrics.csv writer, continuing an existing file instead of deleting it."""
+
+    def _check_log_dir_exists(self) -> None:  # Lightning's warns "will be deleted" and deletes metrics.csv here
+        path = Path(self.metrics_file_path)
+        self.metrics_keys = _keep_whole_rows(path)
+        if self.metrics_keys:
+            rank_zero_info(f"{path}: continuing the log of the earlier attempts (their rows are kept)")
+
+    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
+        """A later attempt's new columns: the file written anew with the wider header, atomically (a kill
+        leaves the old file whole)."""
+        with open(self.metrics_file_path, newline="") as file:
+            rows = list(csv.DictReader(file))
+        with atomic_write(self.metrics_file_path) as file:
+            writer = csv.DictWriter(file, fieldnames=fieldnames)
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+class CSVLogger(LightningCSVLogger):
+    """Lightning's CSVLogger, continuing the run directory's metrics.csv across attempts (module docstring)."""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> _ContinuedMetrics:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _ContinuedMetrics(log_dir=self.log_dir)
+        return self._experiment
+
+    @rank_zero_only
+    def checkpoint_saved(self) -> None:
+        """A checkpoint is being written (and fsynced): the rows logged so far go to disk with it. (The trainer
+        writes each row it logs at once; rows logged straight to the logger, as the throughput's, wait for the next
+        write.)"""
+        self.save()
+        with suppress(FileNotFoundError):  # nothing logged yet
+            descriptor = os.open(self.experiment.metrics_file_path, os.O_RDONLY)
+            try:
+                os.fsync(descriptor)  # on disk, not only in the page cache: a node's crash keeps them too
+            finally:
+                os.close(descriptor)
+
+
+class WandbLogger(LightningWandbLogger):
+    """Lightning's WandbLogger, one W&B run per training however many attempts (module docstring). The command
+    gives it the run directory (``keep_run_in``, on rank zero: the trainer's first logger's directory); without
+    one, this is Lightning's logger. (It overrides neither ``__init__`` nor ``experiment``: the command line's
+    options of wandb.init are read from Lightning's code of those.)"""
+
+    _state: Path | None = None  # the run directory's WANDB_RUN_FILE
+    _state_written = False
+    _best: dict[str, float]
+    _carried: frozenset[str] = frozenset()  # the scores whose best an earlier attempt logged
+
+    def keep_run_in(self, run_dir: str | os.PathLike) -> None:
+        """Continue the W&B run kept in ``run_dir`` (its id), or keep there the new run started now. The file is
+        written once this run logs (a fit refused before it starts leaves its run directory as it was)."""
+        from wandb.sdk.lib.runid import generate_id  # noqa: PLC0415 (wandb loads only where it logs)
+
+        self._state = Path(run_dir) / WANDB_RUN_FILE
+        try:
+            state = json.loads(self._state.read_text())
+        except (OSError, ValueError):
+            state = {}
+        given = self._wandb_init.get("id") or os.environ.get("WANDB_RUN_ID")  # the user's choice wins
+        run_id = given or state.get("id") or generate_id()
+        self._best = dict(state.get("best") or {}) if state.get("id") == run_id else {}
+        self._carried = frozenset(self._best)
+        if state.get("id") == run_id:
+            rank_zero_info(f"W&B: every attempt of the run in {run_dir} logs to the W&B run {run_id}")
+        self._wandb_init["id"] = self._id = run_id
+        self._wandb_init["resume"] = self._wandb_init.get("resume") or "allow"  # the parsed config gives None
+
+    def _save_state(self) -> None:
+        atomic_write_json(self._state, {"id": self._id, "best": self._best})
+        self._state_written = True
+
+    @rank_zero_only
+    def log_hyperparams(self, params) -> None:
+        super().log_hyperparams(params)
+        if self._state is not None and not self._state_written:
+            self._save_state()
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        super().log_metrics(metrics, step)
+        if self._state is None:
+            return
+        scores = {key: float(metrics[key]) for key in BEST_IS_MAX if key in metrics}
+        better = {key: value for key, value in scores.items() if value > self._best.get(key, float("-inf"))}
+        self._best.update(better)
+        if better or not self._state_written:
+            self._save_state()
+        carried = {key: {"max": self._best[key]} for key in scores if key in self._carried}
+        if carried:  # W&B's max summary of a resumed run counts only the values logged since the resume
+            self.experiment.summary.update(carried)

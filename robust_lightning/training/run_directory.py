@@ -10,21 +10,28 @@
 - The run directory of a fit is marked (``.fit``, naming its checkpoint directory): ``--ckpt_path last`` looks
   only at run directories so marked, never at one a validate or test created
   (``continue_in_latest_run_directory``), and starts from the newest intact checkpoint there.
+- Its log goes to disk with each checkpoint (robust_lightning.loggers.CSVLogger.checkpoint_saved), and a fit
+  stopped by SIGTERM logs the row of the step it stopped at, whose checkpoint it wrote.
 """
 
 import itertools
 import json
+import shutil
 import zipfile
 from contextlib import ExitStack
 from pathlib import Path
 
 from lightning import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from robust_lightning.atomic import atomic_write_json
 from robust_lightning.errors import UserError
 from robust_lightning.locking import LOCK_NAME, exclusive
+from robust_lightning.loggers import CSVLogger as ContinuedCSVLogger
+from robust_lightning.loggers import logger_class
 from robust_lightning.paths import run_directory
 
 FIT_MARKER = ".fit"  # in a fit's run directory: {"checkpoint_dirpath": ...}
@@ -108,8 +115,18 @@ class FitRunDirectory(Callback):
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._locks.close()
 
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        for logger in trainer.loggers:
+            if isinstance(logger, ContinuedCSVLogger):
+                logger.checkpoint_saved()
+
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._locks.close()
+        # Stopped by SIGTERM at the end of a training step (training/interruption.py), which is checkpointed and
+        # will not be trained again: its row, which Lightning logs after the step's end hooks, is logged here.
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        if isinstance(exception, SIGTERMException) and trainer.training and progress.processed > progress.completed:
+            trainer._logger_connector.update_train_step_metrics()
 
 
 def newest_intact_checkpoint(directory: Path) -> tuple[Path | None, list[str]]:
@@ -137,7 +154,10 @@ def continue_in_latest_run_directory(config) -> None:
     The run-directory logger (the first; CSV or TensorBoard) without an explicit version takes the newest
     version_N that a fit wrote (not one a validate or test created) instead of opening a new one, so the
     checkpoint search, the logs and results.json all stay with the run being resumed (a requeued or killed job
-    continues where it was). Other versioned loggers take their newest version_N. The fit then starts from the
+    continues where it was). Other CSV or TensorBoard loggers take their newest version_N (a W&B logger's
+    ``version`` is its run id: the run directory keeps it, robust_lightning.loggers.WandbLogger). The CSV log
+    continues (robust_lightning.loggers.CSVLogger); a copy of it as the earlier attempts left it is kept as
+    metrics.partN.csv. The fit then starts from the
     newest intact checkpoint of that run (``newest_intact_checkpoint``); with none (the run stopped before its
     first checkpoint, or there was no earlier run), it says so and starts afresh in the same run directory:
     Lightning alone would warn and silently start from scratch in a new one."""
@@ -145,8 +165,8 @@ def continue_in_latest_run_directory(config) -> None:
     loggers = loggers if isinstance(loggers, list) else [loggers]
     run_dir = None
     for index, logger in enumerate(loggers):
-        init = getattr(logger, "init_args", None)
-        if init is None or "version" not in init or "save_dir" not in init:
+        init, kind = getattr(logger, "init_args", None), logger_class(logger)
+        if init is None or not (kind and issubclass(kind, (CSVLogger, TensorBoardLogger))):
             continue
         runs = Path(init.save_dir) / (init.get("name") or "")  # no name: versions directly in save_dir
         if init.version is not None:
@@ -165,11 +185,11 @@ def continue_in_latest_run_directory(config) -> None:
         if versions:
             init.version = max(versions)
             run_dir = run_dir or runs / f"version_{init.version}"
-            # CSVLogger deletes an existing metrics.csv when it opens the directory: keep the history
+            # the log continues in metrics.csv; a copy as the earlier attempts left it, named as before
             metrics = runs / f"version_{init.version}" / "metrics.csv"
-            if metrics.is_file():
+            if metrics.is_file() and rank_zero_only.rank == 0:
                 part = next(k for k in itertools.count(1) if not metrics.with_name(f"metrics.part{k}.csv").exists())
-                metrics.rename(metrics.with_name(f"metrics.part{part}.csv"))
+                shutil.copyfile(metrics, metrics.with_name(f"metrics.part{part}.csv"))
     dirpath = config.get("checkpoint.dirpath")
     if dirpath:
         checkpoints = Path(dirpath)
