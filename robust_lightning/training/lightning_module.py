@@ -225,6 +225,7 @@ class ImageClassifier(LightningModule):
             self.ema.module.train()  # follow the module's mode like any submodule (timm leaves it in eval)
         self._step_nominal: int | None = None  # images the current optimiser step is meant to see (global batch)
         self._step_images: int | None = None  # images of this rank the current optimiser step saw so far
+        self._step_totals: torch.Tensor | None = None  # the step's images and loss sums on this rank (device)
         self._resumed_random_states = None  # set by on_load_checkpoint, applied by on_train_start
         self.warm_start_report = None
         self.weights_from_checkpoint = False  # set by on_load_checkpoint: init_from is then never read
@@ -290,6 +291,12 @@ class ImageClassifier(LightningModule):
     # After any checkpoint restore (Lightning restores modules before these hooks) and before the first batch.
     def on_fit_start(self) -> None:
         self.warm_start()
+        batchnorms = [m for m in self.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        if self.trainer.world_size > 1 and batchnorms and not isinstance(batchnorms[0], nn.SyncBatchNorm):
+            rank_zero_info(
+                f"{self.hparams.arch} has BatchNorm: each rank normalises with the statistics of its own share of the "
+                "batch; --trainer.sync_batchnorm true computes them over all ranks (one all-reduce per layer)"
+            )
 
     def on_validation_start(self) -> None:
         self.warm_start()
@@ -410,7 +417,7 @@ class ImageClassifier(LightningModule):
     def training_step(self, batch: Batch, batch_idx: int):
         images, labels = batch["image"], batch["label"]
         shares_a_step = self._shares_a_step()
-        if shares_a_step and batch_idx % self.trainer.accumulate_grad_batches == 0:
+        if batch_idx % self.trainer.accumulate_grad_batches == 0:
             self._start_step()
         if labels.numel() == 0:  # every image of this batch was corrupt (reported by CorruptImageReport)
             # alone, the step is skipped; sharing one (other ranks, micro-batches), a zero loss over every
@@ -428,13 +435,12 @@ class ImageClassifier(LightningModule):
         else:
             logits, loss, clean_logits = self.adversarial_loss(images, targets)
             self.train_metrics["adv_acc1"].update(logits.detach(), hard)
-            self.log("train/adv_loss", loss.detach(), batch_size=labels.numel())
             self.log("train/eps", self.current_eps())
         self.train_metrics["clean_acc1"].update(clean_logits.detach(), hard)
-        self.log("train/clean_loss", F.cross_entropy(clean_logits.detach().float(), targets), batch_size=labels.numel())
-        # not prog_bar: Lightning turns progress-bar values into numbers after every step (a wait for the GPU);
-        # the progress display reads train/loss at logging steps only (robust_lightning.training.progress)
-        self.log("train/loss", loss, batch_size=labels.numel())
+        clean_loss = F.cross_entropy(clean_logits.detach().float(), targets)
+        # the losses are logged by on_before_optimizer_step, as means over the step's images on every rank
+        self._step_totals[0].add_(labels.numel())
+        self._step_totals[1:].add_(torch.stack([loss.detach().float(), clean_loss]) * labels.numel())
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         return loss * self.global_batch_weight(labels.numel()) if shares_a_step else loss
 
@@ -448,6 +454,8 @@ class ImageClassifier(LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None)
         self._step_nominal = getattr(datamodule, "global_batch", None)  # images one step is meant to see
         self._step_images = 0
+        # this rank's images, and their summed update and clean losses, in the step (a fill: nothing is copied)
+        self._step_totals = torch.zeros(3, device=self.device)
 
     def global_batch_weight(self, images: int) -> float:
         """The weight of a micro-batch's mean loss (``images`` images) in a step shared by ranks or micro-batches.
@@ -465,13 +473,26 @@ class ImageClassifier(LightningModule):
         return images * self.trainer.world_size * self.trainer.accumulate_grad_batches / self._step_nominal
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        if not self._shares_a_step() or self._step_images is None:
+        """Sum the step's images and losses over the ranks (the step's one all-reduce), rescale the gradient to
+        that of the mean loss over the images the step saw (see ``global_batch_weight``), and log the step's mean
+        losses over all of them: the same figures on any number of ranks and micro-batches."""
+        if self._step_totals is None:
             return
-        seen = torch.tensor(float(self._step_images), device=self.device)
-        total = self.trainer.strategy.reduce(seen, reduce_op="sum") if self.trainer.world_size > 1 else seen
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        torch._foreach_mul_(grads, self._step_nominal / total.clamp(min=1))  # a device scalar: no host read
-        self._step_images = None
+        totals = self._step_totals
+        if self.trainer.world_size > 1:
+            totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
+        seen = totals[0].clamp(min=1)
+        if self._shares_a_step() and self._step_images is not None:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            torch._foreach_mul_(grads, self._step_nominal / seen)  # a device scalar: no host read
+        # not prog_bar: Lightning turns progress-bar values into numbers after every step (a wait for the GPU);
+        # the progress display reads train/loss at logging steps only (robust_lightning.training.progress)
+        loss, clean_loss = totals[1] / seen, totals[2] / seen
+        self.log("train/loss", loss)
+        self.log("train/clean_loss", clean_loss)
+        if self.hparams.attack != "none":
+            self.log("train/adv_loss", loss)  # the update's loss on the attacked images
+        self._step_images = self._step_totals = None
 
     def adversarial_loss(self, images, targets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Attack the (augmented, mixed) batch in eval mode, then the loss of the update in train mode.

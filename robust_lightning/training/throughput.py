@@ -3,6 +3,8 @@
 Every ``trainer.log_every_n_steps`` optimiser steps, rank zero logs, over the steps since the last log:
 
 - ``perf/images_per_s``: training images per second on one device (this rank's images);
+- ``perf/job_images_per_s``: training images per second of the whole job, all ranks together (the global batch
+  of every step: ``data.global_batch_size``, or the per-rank batch times the number of ranks);
 - ``perf/step_seconds``: wall time per optimiser step;
 - ``perf/data_wait_share``: the share of that time spent between one batch's end and the next batch's start,
   waiting for the loader (and the batch's transfer to the device).
@@ -33,10 +35,11 @@ class Throughput(Callback):
     def __init__(self):
         self._window = self._run = self._first = None
         self._batch_end = None
+        self._step_images = 0  # this rank's images of the step in progress
 
     @staticmethod
     def _zero() -> dict[str, float]:
-        return {"images": 0, "steps": 0, "wait": 0.0, "seconds": 0.0}
+        return {"images": 0, "job_images": 0, "steps": 0, "wait": 0.0, "seconds": 0.0}
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._run = self._zero()
@@ -57,10 +60,15 @@ class Throughput(Callback):
         self._step_before = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if isinstance(batch, dict) and "label" in batch:
-            self._window["images"] += len(batch["label"])
+        images = len(batch["label"]) if isinstance(batch, dict) and "label" in batch else 0
+        self._window["images"] += images
+        self._step_images += images
         stepped = trainer.global_step != self._step_before
         self._window["steps"] += int(stepped)
+        if stepped:  # the whole job's images of the step: the global batch (else this rank's as every rank's)
+            global_batch = getattr(trainer.datamodule, "global_batch", None)
+            self._window["job_images"] += global_batch or self._step_images * trainer.world_size
+            self._step_images = 0
         if stepped and trainer.global_step % max(1, trainer.log_every_n_steps) == 0:
             self._close_window(trainer, pl_module)
         self._batch_end = time.perf_counter()
@@ -87,6 +95,7 @@ class Throughput(Callback):
         seconds = max(totals["seconds"], 1e-9)
         return {
             "images_per_s": totals["images"] / seconds,
+            "job_images_per_s": totals["job_images"] / seconds,
             "step_seconds": seconds / max(totals["steps"], 1),
             "data_wait_share": min(1.0, totals["wait"] / seconds),
         }
