@@ -336,11 +336,16 @@ def main(args: Sequence[str] | None = None) -> int:
             )
         # args None: LightningCLI reads sys.argv itself
         RobustLightningCLI(**cli_arguments(), args=None if from_command_line else args)
-    except SIGTERMException:  # a SystemExit without a code: the process would exit 0 as if the run had finished
+    except SIGTERMException as e:  # a SystemExit without a code: the process would exit 0 as if the run had finished
         if rank_zero_only.rank == 0:
+            requeued = getattr(e, "requeued_checkpoint", None)  # set by Interruption after a SLURM requeue
+            then = (
+                f"SLURM resumes the requeued job from {requeued}"
+                if requeued
+                else "the same command resumes it (fit: with --ckpt_path last)"
+            )
             print(
-                f"robust-lightning: {args[0]} interrupted by SIGTERM (exit status {EXIT_SIGTERM}); the same "
-                "command resumes it (fit: with --ckpt_path last)",
+                f"robust-lightning: {args[0]} interrupted by SIGTERM (exit status {EXIT_SIGTERM}); {then}",
                 file=sys.stderr,
             )
         return EXIT_SIGTERM

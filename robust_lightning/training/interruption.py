@@ -4,9 +4,12 @@ non-zero exit status (the command line's; ``robust_lightning.cli``).
 Lightning notes SIGTERM but, in one process, stops only at the end of the epoch (hours on ImageNet), and its
 ``SIGTERMException`` is a ``SystemExit`` without a code: the process exits 0, which schedulers, scripts and sweep
 bookkeeping take for a finished run. Here a fit stops at the next step boundary (under DDP every rank at the same
-one: the ranks agree at the end of each step), ``last.ckpt`` is written where training went further than the last
-checkpoint (one process only: under DDP a save is a collective that ranks stopped at different steps would never
-complete), and the resume command is printed. SIGINT (Ctrl-C) ends the same way; Lightning exits 1 after it.
+one: the ranks agree at the end of each step) and writes a checkpoint of that step there, where training went
+further than the last checkpoint: a collective save (every rank at that boundary), in one process and under DDP
+alike. The message then says what happens next: the one command that continues the fit, or, when the SIGTERM
+follows a SLURM requeue of this process, that SLURM resumes the job from the requeue's ``hpc_ckpt_N.ckpt``
+(brought to the stop step). SIGINT (Ctrl-C) ends the same way; Lightning exits 1 after it; under DDP it saves
+nothing (each rank stops wherever it was: no collective).
 SLURM's requeue signal (SIGUSR1 with ``#SBATCH --signal``) runs Lightning's requeue (``hpc_ckpt_N.ckpt``, then
 ``scontrol requeue``) at the end of the training step in progress. Lightning runs it inside the signal handler:
 a checkpoint of half a step (the resumed run then trained that batch twice) and, under DDP, a collective wherever
@@ -61,6 +64,7 @@ def _take_over_signals(trainer) -> None:
     connector = trainer._signal_connector
     distributed = trainer.world_size > 1
     trainer._rl_sigterm_pending = trainer._rl_requeue_pending = False
+    trainer._rl_requeued = None  # [hpc_ckpt_N.ckpt, its step] once this process requeued the job
     if distributed:  # its broadcast of rank zero's flag at the start of a step; _act_on_signals decides instead
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
 
@@ -96,10 +100,63 @@ def _requeue_signal(trainer):
     return None
 
 
+class _RequeueFailure(logging.Filter):
+    """Notes the warning Lightning's requeue handler logs (on rank zero) when ``scontrol requeue`` fails: the
+    handler returns nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.failed = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING and "Requeuing SLURM job" in record.getMessage():
+            self.failed = True
+        return True
+
+
+def _requeue(trainer) -> None:
+    """Lightning's own requeue: loggers flushed, hpc_ckpt_N.ckpt (a collective: every rank is here), scontrol on
+    rank zero. Where it requeued the job, ``trainer._rl_requeued`` names the checkpoint SLURM resumes it from."""
+    connector = trainer._signal_connector
+    path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)  # the handler's (nothing written yet)
+    lightning_log, failure = logging.getLogger(type(connector).__module__), _RequeueFailure()
+    lightning_log.addFilter(failure)
+    try:
+        connector._slurm_sigusr_handler_fn(_requeue_signal(trainer), None)
+    finally:
+        lightning_log.removeFilter(failure)
+    requeued, path = trainer.strategy.broadcast((not failure.failed, path), src=0)  # rank zero ran scontrol
+    if requeued:
+        trainer._rl_requeued = [path, trainer.global_step]
+
+
+def _save_at_stop(trainer) -> None:
+    """A checkpoint of the step the fit stops at, where training went further than the last checkpoint. Every rank
+    calls it at the same point: under DDP a save is a collective (every rank dumps its state, rank zero writes, a
+    barrier; ModelCheckpoint's also broadcasts whether the file exists). After a requeue of this process the
+    requeue's hpc_ckpt_N.ckpt is brought to this step, since SLURM resumes the job from it; otherwise last.ckpt."""
+    requeued = getattr(trainer, "_rl_requeued", None)
+    if requeued is not None:
+        if requeued[1] != trainer.global_step:  # steps trained between the requeue and SLURM's SIGTERM
+            trainer.save_checkpoint(requeued[0])
+            requeued[1] = trainer.global_step
+        return
+    checkpoint = trainer.checkpoint_callback
+    if not (isinstance(checkpoint, ModelCheckpoint) and checkpoint.save_last and checkpoint.dirpath):
+        return
+    if checkpoint._last_global_step_saved == trainer.global_step:  # saved at this step already
+        return
+    save_last, checkpoint.save_last = checkpoint.save_last, True  # "link" would point it at an older step's file
+    try:
+        checkpoint._save_last_checkpoint(trainer, checkpoint._monitor_candidates(trainer))
+    finally:
+        checkpoint.save_last = save_last
+
+
 def _act_on_signals(trainer) -> None:
-    """At the end of a training step: write the requeue checkpoint and requeue if the requeue signal came, stop
-    if SIGTERM came. Under DDP every rank does so at the same step: one small collective per step, as Lightning's
-    broadcast it replaces."""
+    """At the end of a training step: write the requeue checkpoint and requeue if the requeue signal came; if
+    SIGTERM came, save this step and stop. Under DDP every rank does so at the same step: one small collective per
+    step, as Lightning's broadcast it replaces."""
     requeue, stop = trainer._rl_requeue_pending, trainer.received_sigterm
     if trainer.world_size > 1:
         flags = torch.tensor([int(requeue), int(trainer._rl_sigterm_pending)], device=trainer.strategy.root_device)
@@ -107,15 +164,15 @@ def _act_on_signals(trainer) -> None:
         requeue, stop = flags.tolist()
     if requeue:
         trainer._rl_requeue_pending = False
-        # Lightning's own requeue: loggers flushed, hpc_ckpt_N.ckpt (a collective: every rank is here), scontrol
-        trainer._signal_connector._slurm_sigusr_handler_fn(_requeue_signal(trainer), None)
+        _requeue(trainer)
     if stop:
         trainer._signal_connector.received_sigterm = True
+        _save_at_stop(trainer)
         raise SIGTERMException()
 
 
 class Interruption(Callback):
-    """Stops a fit at the step boundary after SIGTERM, saves ``last.ckpt`` and says how to resume."""
+    """Stops a fit at the step boundary after SIGTERM, saves that step and says what happens next."""
 
     # after Lightning registers its signal handlers (Trainer._run), before any batch
     def on_train_start(self, trainer, pl_module) -> None:
@@ -139,17 +196,26 @@ class Interruption(Callback):
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if not isinstance(exception, (SIGTERMException, KeyboardInterrupt)) or trainer.state.fn != "fit":
             return
-        checkpoint = trainer.checkpoint_callback
-        has_last = isinstance(checkpoint, ModelCheckpoint) and checkpoint.save_last
-        # Under DDP a save is a collective, and Ctrl-C stops each rank wherever it was: no collective here, the run
-        # resumes from its last checkpoint (on SLURM, the requeue's hpc_ckpt_N.ckpt).
-        one_process = has_last and checkpoint.dirpath and trainer.world_size == 1
-        if one_process and checkpoint._last_global_step_saved != trainer.global_step:  # steps since the last save
-            checkpoint._save_last_checkpoint(trainer, checkpoint._monitor_candidates(trainer))
-        saved = checkpoint.last_model_path if has_last else None
+        # Stopped at a step boundary by SIGTERM, the fit saved there (_act_on_signals). In one process a stop
+        # elsewhere (SIGTERM in validation, Ctrl-C) saves here; under DDP Ctrl-C stops each rank wherever it was: no
+        # collective, the run resumes from its last checkpoint.
+        if trainer.world_size == 1:
+            _save_at_stop(trainer)
         signal_name = "SIGTERM" if isinstance(exception, SIGTERMException) else "SIGINT (Ctrl-C)"
-        where = f"last checkpoint: {saved}" if saved else "no checkpoint yet"
-        rank_zero_info(
-            f"\nfit interrupted by {signal_name} at epoch {trainer.current_epoch}, step "
-            f"{trainer.global_step}; {where}\nresume with: {resume_command(sys.argv[1:])}"
-        )
+        stopped = f"\nfit interrupted by {signal_name} at epoch {trainer.current_epoch}, step {trainer.global_step}"
+        requeued = getattr(trainer, "_rl_requeued", None)
+        if requeued is not None:  # the job is requeued whatever this process does now
+            path, step = requeued
+            exception.requeued_checkpoint = path  # for the command line's last word
+            rank_zero_info(
+                f"{stopped}, after SLURM's requeue of the job\nSLURM restarts the job, which resumes from {path} "
+                f"(step {step}): nothing to run (a resume of your own would start a second copy of the run)"
+            )
+            return
+        checkpoint = trainer.checkpoint_callback
+        saved = checkpoint.last_model_path if isinstance(checkpoint, ModelCheckpoint) and checkpoint.save_last else None
+        if saved and checkpoint._last_global_step_saved == trainer.global_step:
+            where = f"checkpoint of this step: {saved}"
+        else:
+            where = f"last checkpoint: {saved}" if saved else "no checkpoint yet"
+        rank_zero_info(f"{stopped}; {where}\nresume with: {resume_command(sys.argv[1:])}")
