@@ -22,7 +22,8 @@ with collector_paused():  # Lightning imports sooner (robust_lightning/startup.p
     from lightning.pytorch.callbacks import ProgressBar
     from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-    from lightning.pytorch.utilities import rank_zero_only
+    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     import robust_lightning
@@ -34,6 +35,7 @@ with collector_paused():  # Lightning imports sooner (robust_lightning/startup.p
     from robust_lightning.loggers import SaveConfigToWandb, WandbLogger, use_project_loggers
     from robust_lightning.models.checkpoints import require_weights
     from robust_lightning.scale.srun import shield_forked_children
+    from robust_lightning.scale.torchrun import join_process_group, restart_count
     from robust_lightning.training.checkpoint_io import AtomicCheckpointIO, LatestCheckpoint
     from robust_lightning.training.checkpoint_policy import model_settings_over_checkpoint
     from robust_lightning.training.interruption import EXIT_SIGTERM, Interruption
@@ -147,6 +149,10 @@ class RobustLightningCLI(LightningCLI):
         config = self.config.get(self.subcommand)
         self.apply_model_settings(config)
         use_project_loggers(config)  # one log across a run's attempts (robust_lightning.loggers)
+        restarts = restart_count()
+        if self.subcommand == "fit" and not config.get("ckpt_path") and restarts:
+            rank_zero_info(f"torchrun restarted this fit ({restarts} restarts so far): it goes on as --ckpt_path last")
+            config.ckpt_path = "last"
         if self.subcommand == "fit" and config.get("ckpt_path") == "last":
             continue_in_latest_run_directory(config)
 
@@ -158,6 +164,10 @@ class RobustLightningCLI(LightningCLI):
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in configured):
             callbacks = [*callbacks, default_progress_bar()]
         trainer = super()._instantiate_trainer(config, callbacks)
+        strategy = trainer.strategy
+        if isinstance(strategy, DDPStrategy) and trainer.world_size > 1:  # under torchrun: see scale/torchrun.py
+            default = "nccl" if strategy.root_device.type == "cuda" else "gloo"  # Lightning's choice
+            join_process_group(strategy.process_group_backend or default)
         first = trainer.loggers[0] if trainer.loggers else None
         if rank_zero_only.rank == 0 and isinstance(first, (CSVLogger, TensorBoardLogger)):  # W&B logs on rank 0
             for logger in trainer.loggers:

@@ -51,6 +51,8 @@ OTHER_COMMANDS = {
     "pip": "installs packages: nothing of this project to parse",
     "git": "fetches the repository: nothing of this project to parse",
     "cd": "changes into the repository: nothing to parse",
+    "torchrun": "starts `-m robust_lightning COMMAND ...` on every GPU of a node: that command is checked like the "
+    "README's robust-lightning commands",
     "bash": "runs a shell script of benchmarks/: the script must exist (gpu_packages.sh installs from the package "
     "index; tests/test_gpu_suite.py checks the versions it installs)",
     "python3": "runs a script of benchmarks/ (on a GPU machine): the script must exist and its --help must list every "
@@ -486,6 +488,12 @@ def test_readme_command(command, sandbox, written):
     elif program == "source":
         venv = re.search(r"^VENV \?= (\S+)", MAKEFILE.read_text(), re.M).group(1)
         assert Path(command.program[1]).parts[0] == venv, f"{shown}\nthe Makefile's environment is {venv}/"
+    elif program == "torchrun":
+        words = list(command.program)
+        start = next(i for i in range(len(words) - 1) if words[i : i + 2] == ["-m", "robust_lightning"]) + 2
+        args = [sandbox.resolve(word) for word in words[start:]]
+        check_paths(shown, command.words, sandbox, written, set())
+        check_trainer_command(shown, args, {}, sandbox, written)
     elif program in ("bash", "python3"):
         script = Path(command.program[1])
         assert script.parent == Path("benchmarks") and (REPO / script).is_file(), f"{shown}\nno script {script}"
