@@ -341,6 +341,26 @@ def tiny_config(tmp_path: Path, synthetic_root: Path | None = None, **overrides)
     return path
 
 
+def fake_slurm_job(tmp_path: Path) -> dict[str, str]:
+    """The environment SLURM gives a one-task batch job (Lightning then requeues it on SIGUSR1 and resumes it from its
+    hpc checkpoint), with an ``scontrol`` that records the requeue in tmp_path/scontrol.log instead of asking a
+    cluster. Merged over os.environ by the caller."""
+    scontrol = tmp_path / "bin" / "scontrol"
+    scontrol.parent.mkdir()
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+    scontrol.chmod(0o755)
+    return {
+        "PATH": f"{scontrol.parent}{os.pathsep}{os.environ['PATH']}",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "requeue-test",
+        "SLURM_NTASKS": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_NODELIST": "localhost",
+    }
+
+
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """The installed console entry point in a fresh process, as a user runs it."""
     return subprocess.run(

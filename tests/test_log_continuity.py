@@ -5,13 +5,12 @@ attempt is a command run as users run it (``python -m robust_lightning``); W&B o
 
 import csv
 import json
-import os
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from helpers import REPO, run_command, tiny_config
+from helpers import REPO, fake_slurm_job, run_command, tiny_config
 from robust_lightning.loggers import WANDB_RUN_FILE, use_project_loggers
 from test_wandb import OfflineRun, read_records
 
@@ -142,20 +141,7 @@ def test_a_slurm_requeue_keeps_every_attempts_rows_and_one_wandb_run(tmp_path):
         {"class_path": "robust_lightning.loggers.CSVLogger", "init_args": csv_logger},
         {"class_path": "robust_lightning.loggers.WandbLogger", "init_args": wandb_logger},
     ]
-    scontrol = tmp_path / "bin" / "scontrol"  # records the requeue instead of asking a cluster
-    scontrol.parent.mkdir()
-    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
-    scontrol.chmod(0o755)
-    slurm = {  # what SLURM sets in a one-task batch job; Lightning then requeues on SIGUSR1 and resumes from hpc
-        "PATH": f"{scontrol.parent}{os.pathsep}{os.environ['PATH']}",
-        "SLURM_JOB_ID": "4242",
-        "SLURM_JOB_NAME": "requeue-test",
-        "SLURM_NTASKS": "1",
-        "SLURM_PROCID": "0",
-        "SLURM_LOCALID": "0",
-        "SLURM_NODEID": "0",
-        "SLURM_NODELIST": "localhost",
-    }
+    slurm = fake_slurm_job(tmp_path)
     first, second = tmp_path / "attempt1.jsonl", tmp_path / "attempt2.jsonl"
     path = config(tmp_path, **{"trainer.logger": loggers, "checkpoint.dirpath": str(run_dir / "checkpoints")})
     callbacks = json.dumps([pace(first), signal_at(6, "SIGUSR1")])

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, tiny_config
+from helpers import REPO, fake_slurm_job, tiny_config
 from robust_lightning.training.checkpoint_io import AtomicCheckpointIO, atomic_write_bytes
 
 STEPS_PER_EPOCH = 12
@@ -180,22 +180,10 @@ def test_the_slurm_requeue_signal_mid_step_checkpoints_at_the_end_of_that_step(t
             "model.ema_decay": 0.9,
         },
     )
-    scontrol = tmp_path / "bin" / "scontrol"  # records the requeue instead of asking a cluster
-    scontrol.parent.mkdir()
-    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
-    scontrol.chmod(0o755)
     env = {
         **os.environ,
-        "PATH": f"{scontrol.parent}{os.pathsep}{os.environ['PATH']}",
+        **fake_slurm_job(tmp_path),
         "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
-        # what SLURM sets in a one-task batch job; Lightning then enables its auto-requeue
-        "SLURM_JOB_ID": "4242",
-        "SLURM_JOB_NAME": "requeue-test",
-        "SLURM_NTASKS": "1",
-        "SLURM_PROCID": "0",
-        "SLURM_LOCALID": "0",
-        "SLURM_NODEID": "0",
-        "SLURM_NODELIST": "localhost",
     }
     first = subprocess.run(
         [sys.executable, "-m", "robust_lightning", "fit", "--config", str(config)],

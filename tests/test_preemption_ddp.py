@@ -20,7 +20,7 @@ import torch
 import yaml
 from lightning import Callback
 
-from helpers import REPO, WNIDS, make_image_tree, run_command, tiny_config
+from helpers import REPO, WNIDS, fake_slurm_job, make_image_tree, run_command, tiny_config
 
 STEPS_PER_EPOCH = 6
 EPOCHS = 2
@@ -246,20 +246,7 @@ def test_the_sigterm_after_a_slurm_requeue_brings_its_checkpoint_to_the_stop_ste
             "model.arch": "test_resnet",
         },
     )
-    scontrol = tmp_path / "bin" / "scontrol"  # records the requeue instead of asking a cluster
-    scontrol.parent.mkdir()
-    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
-    scontrol.chmod(0o755)
-    slurm = {  # what SLURM sets in a one-task batch job; Lightning then enables its auto-requeue
-        "PATH": f"{scontrol.parent}{os.pathsep}{os.environ['PATH']}",
-        "SLURM_JOB_ID": "4242",
-        "SLURM_JOB_NAME": "requeue-test",
-        "SLURM_NTASKS": "1",
-        "SLURM_PROCID": "0",
-        "SLURM_LOCALID": "0",
-        "SLURM_NODEID": "0",
-        "SLURM_NODELIST": "localhost",
-    }
+    slurm = fake_slurm_job(tmp_path)
     first = run_command(["fit", "--config", str(config)], cwd=tmp_path, timeout=300, env=slurm)
     output = first.stdout + first.stderr
     assert first.returncode == 143, output[-3000:]
