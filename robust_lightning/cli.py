@@ -34,6 +34,7 @@ with collector_paused():  # Lightning imports sooner (robust_lightning/startup.p
     from robust_lightning.evaluation.results import PredictionWriter, RunResults
     from robust_lightning.loggers import SaveConfigToWandb, WandbLogger, use_project_loggers
     from robust_lightning.models.checkpoints import require_weights
+    from robust_lightning.scale.requeue import continue_slurm_restart
     from robust_lightning.scale.srun import shield_forked_children
     from robust_lightning.scale.torchrun import join_process_group, restart_count
     from robust_lightning.training.checkpoint_io import AtomicCheckpointIO, LatestCheckpoint
@@ -153,6 +154,7 @@ class RobustLightningCLI(LightningCLI):
         if self.subcommand == "fit" and not config.get("ckpt_path") and restarts:
             rank_zero_info(f"torchrun restarted this fit ({restarts} restarts so far): it goes on as --ckpt_path last")
             config.ckpt_path = "last"
+        continue_slurm_restart(self.subcommand, config)  # a SLURM restart: the same (scale/requeue.py)
         if self.subcommand == "fit" and config.get("ckpt_path") == "last":
             continue_in_latest_run_directory(config)
 

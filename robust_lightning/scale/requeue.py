@@ -1,0 +1,53 @@
+"""A SLURM job's restart: SLURM requeues a job (pre-emption, a node failure, ``scontrol requeue``) and runs its batch
+script again, under the same job id and with ``SLURM_RESTART_COUNT`` one higher. So a fit restarted by SLURM is the
+same command in the same run directory (slurm/train_multinode.sbatch, a sweep's cell).
+
+Lightning resumes such a fit by itself only from an ``hpc_ckpt_N.ckpt`` in ``trainer.default_root_dir``, which its
+requeue signal handler writes (``--signal=SIGUSR1@90``). A job requeued without that signal, pre-empted for instance
+(SLURM ends it with SIGTERM, and the fit writes last.ckpt of the step it stops at), has none: the restart would train
+the run again from its start. A restarted fit without ``ckpt_path`` then goes on as ``--ckpt_path last``, as a torchrun
+restart does (scale/torchrun.py): in its own run directory, from its newest checkpoint, with one log.
+"""
+
+import os
+
+from fsspec.core import url_to_fs
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.utilities import rank_zero_info
+
+HPC_CHECKPOINT = "hpc_ckpt_"  # what Lightning looks for in a file's name (_CheckpointConnector._hpc_resume_path)
+
+
+def restart_count() -> int | None:
+    """How many times SLURM has requeued this job; None outside a SLURM job (or one that does not say)."""
+    count = os.environ.get("SLURM_RESTART_COUNT")
+    return int(count) if count is not None and count.isdigit() else None
+
+
+def lightning_resumes_from_hpc(default_root_dir: str | None) -> bool:
+    """Whether Lightning, given no ckpt_path, resumes the fit from an hpc checkpoint by itself: under srun (its SLURM
+    environment detected) with a file named ``*hpc_ckpt_*`` in ``trainer.default_root_dir`` (the working directory
+    when unset). The same condition as Lightning 2.6's ``_CheckpointConnector._parse_ckpt_path``."""
+    if not SLURMEnvironment.detect():
+        return False
+    root = str(default_root_dir or os.getcwd())
+    fs, path = url_to_fs(root)
+    if not fs.isdir(path):
+        return False
+    return any(HPC_CHECKPOINT in os.path.basename(entry["name"]) for entry in fs.listdir(path))
+
+
+def continue_slurm_restart(subcommand: str, config) -> bool:
+    """A fit that SLURM restarted, given no ckpt_path and leaving Lightning no hpc checkpoint to resume from, goes on
+    as ``--ckpt_path last`` (``config.ckpt_path``). Returns whether it does."""
+    restarts = restart_count()
+    if subcommand != "fit" or config.get("ckpt_path") or not restarts:
+        return False
+    if lightning_resumes_from_hpc(config.trainer.get("default_root_dir")):
+        return False
+    rank_zero_info(
+        f"SLURM restarted this job ({restarts} restarts so far) and left no hpc checkpoint: the fit goes on as "
+        "--ckpt_path last"
+    )
+    config.ckpt_path = "last"
+    return True

@@ -1,0 +1,135 @@
+"""A fit that SLURM restarts (a requeued job: ``SLURM_RESTART_COUNT`` > 0) with no ``--ckpt_path`` and no hpc
+checkpoint for Lightning to resume from goes on as ``--ckpt_path last`` (robust_lightning/scale/requeue.py): a job
+pre-empted without the requeue signal (SLURM's SIGTERM; the fit writes last.ckpt of its stop step) continues its run
+instead of training it again from the start. Without a cluster: the environment SLURM gives the job's task."""
+
+import csv
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from jsonargparse import Namespace
+from lightning import Trainer
+from lightning.pytorch.trainer.states import TrainerFn
+
+from helpers import run_command, tiny_config
+from robust_lightning.scale.requeue import continue_slurm_restart, lightning_resumes_from_hpc
+
+STEPS = 8  # 2 epochs of 4 steps
+STOP = 3  # SIGTERM inside step 3: last.ckpt of step 3
+
+
+def srun_task(job_id: str = "4243") -> dict[str, str]:
+    """The environment of the one task of a batch job's srun step (Lightning's SLURM environment detects it)."""
+    return {
+        "SLURM_JOB_ID": job_id,
+        "SLURM_JOB_NAME": "restart-test",
+        "SLURM_NTASKS": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_NODELIST": "localhost",
+    }
+
+
+def test_a_sigterm_stop_then_the_slurm_restart_of_the_same_command_continues_from_last_ckpt(tmp_path):
+    """slurm/train_multinode.sbatch's layout (everything in RUN_DIR: default_root_dir, CSV log without version,
+    checkpoints). Attempt 1 is stopped by SIGTERM in step 3, without a requeue signal before it: last.ckpt of step 3,
+    no hpc checkpoint, exit 143. Attempt 2 is the same command with SLURM_RESTART_COUNT=1: it resumes from last.ckpt
+    and trains steps 4 to 8 once; metrics.csv keeps attempt 1's rows and has each step once."""
+    run_dir = tmp_path / "run"
+    record = tmp_path / "steps.jsonl"
+    callbacks = [
+        {"class_path": "slurm_cluster.Pace", "init_args": {"record": str(record), "seconds": 0}},
+        {"class_path": "slurm_cluster.SignalMidStep", "init_args": {"step": STOP, "signal_name": "SIGTERM"}},
+    ]
+    config = tiny_config(
+        tmp_path,
+        **{
+            "trainer.max_epochs": 2,
+            "trainer.limit_train_batches": STEPS // 2,
+            "trainer.log_every_n_steps": 1,
+            "trainer.default_root_dir": str(run_dir),
+            "trainer.logger": {
+                "class_path": "robust_lightning.loggers.CSVLogger",
+                "init_args": {"save_dir": str(run_dir), "name": "", "version": ""},
+            },
+            "trainer.callbacks": callbacks,
+            "checkpoint.dirpath": str(run_dir / "checkpoints"),
+            "data.batch_size": 2,
+            "data.synthetic.train_per_class": 4,
+            "model.arch": "test_resnet",
+        },
+    )
+    command = ["fit", "--config", str(config)]
+    first = run_command(command, cwd=tmp_path, timeout=240, env=srun_task())
+    output = first.stdout + first.stderr
+    assert first.returncode == 143, output[-3000:]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == STOP
+    assert not list(run_dir.glob("*hpc_ckpt_*"))  # nothing Lightning would resume from by itself
+
+    # SLURM's restart: the same command (the callbacks of the config, but for the stop), attempt 2
+    restart = run_command(
+        [*command, "--trainer.callbacks", json.dumps(callbacks[:1])],
+        cwd=tmp_path,
+        timeout=240,
+        env={**srun_task(), "SLURM_RESTART_COUNT": "1"},
+    )
+    output = restart.stdout + restart.stderr
+    assert restart.returncode == 0, output[-3000:]
+    assert "SLURM restarted this job (1 restarts so far) and left no hpc checkpoint" in output
+    assert f"Restoring states from the checkpoint path at {last}" in output
+    steps = [(r["attempt"], r["step"]) for r in map(json.loads, record.read_text().splitlines())]
+    assert steps == [(0, s) for s in range(1, STOP + 1)] + [(1, s) for s in range(STOP + 1, STEPS + 1)]
+    fit = json.loads((run_dir / "results.json").read_text())["fit"]
+    assert fit["steps"] == STEPS and "interrupted" not in fit
+    with open(run_dir / "metrics.csv") as f:
+        logged = Counter(int(row["step"]) for row in csv.DictReader(f) if row.get("train/loss"))
+    assert logged == Counter(range(STEPS))  # metrics.csv numbers steps from 0: each once, attempt 1's kept
+
+
+def _config(tmp_path: Path, ckpt_path: str | None = None) -> Namespace:
+    return Namespace(ckpt_path=ckpt_path, trainer=Namespace(default_root_dir=str(tmp_path)))
+
+
+@pytest.mark.parametrize("srun", [True, False])
+@pytest.mark.parametrize("hpc", [None, "hpc_ckpt_1.ckpt", "hpc_ckpt_12.ckpt"])
+def test_the_decision_follows_lightnings_own_hpc_resume(tmp_path, monkeypatch, srun, hpc):
+    """A restart goes on as --ckpt_path last exactly when Lightning's fit, given no ckpt_path, would not resume from an
+    hpc checkpoint by itself (asked of Lightning's own checkpoint connector)."""
+    for name, value in srun_task().items():
+        monkeypatch.setenv(name, value)
+    if not srun:  # in the batch script itself, not started by srun
+        monkeypatch.delenv("SLURM_NTASKS")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"")
+    if hpc:
+        (tmp_path / hpc).write_bytes(b"")
+    trainer = Trainer(accelerator="cpu", devices=1, default_root_dir=str(tmp_path), logger=False)
+    lightning = trainer._checkpoint_connector._parse_ckpt_path(
+        TrainerFn.FITTING, None, model_provided=True, model_connected=True
+    )
+    assert lightning == (str(tmp_path / hpc) if hpc and srun else None)
+    assert lightning_resumes_from_hpc(str(tmp_path)) == (lightning is not None)
+    config = _config(tmp_path)
+    assert continue_slurm_restart("fit", config) == (lightning is None)
+    assert config.ckpt_path == (None if lightning else "last")
+
+
+def test_only_a_restarted_fit_without_a_checkpoint_path_changes(tmp_path, monkeypatch):
+    for name, value in srun_task().items():
+        monkeypatch.setenv(name, value)
+    config = _config(tmp_path)
+    assert not continue_slurm_restart("fit", config) and config.ckpt_path is None  # the job's first attempt
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    assert not continue_slurm_restart("fit", config) and config.ckpt_path is None
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    for subcommand in ("validate", "test", "predict"):
+        assert not continue_slurm_restart(subcommand, config) and config.ckpt_path is None
+    named = _config(tmp_path, ckpt_path="runs/x/epoch3.ckpt")
+    assert not continue_slurm_restart("fit", named) and named.ckpt_path == "runs/x/epoch3.ckpt"
+    assert continue_slurm_restart("fit", config) and config.ckpt_path == "last"
