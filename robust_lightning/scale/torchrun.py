@@ -9,8 +9,9 @@ the attempts. torch 2.14's rendezvous uses it without a per-attempt prefix (torc
 ``_create_c10d_store``: "We create a new TCPStore for every retry so no need to add prefix for each attempt"), but
 the agent keeps one store: a restarted worker can then read the address a worker of the failed attempt published,
 and gloo's connection to it is refused ("Gloo connectFullMesh failed ... Connection refused"), or the attempt waits
-for ever (3 restarts of 6 failed so here). ``tests/torchrun_restart.py`` reproduces it without this project. ``join_process_group`` sets the
-process group up before Lightning does, with the keys of each attempt under a prefix of their own.
+for ever (3 restarts of 6 failed so here). ``tests/torchrun_restart.py`` reproduces it without this project.
+``join_process_group`` sets the process group up before Lightning does, with the keys of each attempt under a
+prefix of their own.
 """
 
 import atexit
