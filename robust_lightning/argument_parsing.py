@@ -20,14 +20,26 @@ from typing import Any, NoReturn
 from jsonargparse import ActionConfigFile, DefaultHelpFormatter
 from lightning.pytorch.cli import LightningArgumentParser
 
+from robust_lightning.errors import PROG, job_rank
+
 
 class ArgumentParser(LightningArgumentParser):
     """Reports a bad option or value in one message (plus a close match for a misspelt key) instead of
-    jsonargparse's full usage dump, which buries the message under every option of the Trainer."""
+    jsonargparse's full usage dump, which buries the message under every option of the Trainer. Messages name the
+    command ``robust-lightning``, also where it runs as ``python -m robust_lightning`` (argparse would say
+    ``__main__.py``), and under srun or torchrun the job's rank 0 alone prints them (every rank parses the same
+    config: robust_lightning.errors.print_error)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        if not args and kwargs.get("prog") is None:  # subcommands' parsers get "robust-lightning [options] fit"
+            kwargs["prog"] = PROG
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error:
             super().error(message, ex)
+        if job_rank() != 0:
+            sys.exit(2)
         parser = getattr(ex, "subcommand_parser", None) or self
         prog = parser.prog.replace(" [options]", "")
         lines = [f"{prog}: error: {message}", *did_you_mean(message, parser), f"options: {prog} --help"]

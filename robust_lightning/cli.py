@@ -6,10 +6,12 @@ Trainer subcommands go to LightningCLI unchanged (configs compose left to right,
 the arguments; they parse their options with the same parser (robust_lightning.argument_parsing).
 """
 
+import inspect
 import netrc
 import os
 import re
 import sys
+import traceback
 from argparse import ArgumentError
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,21 +20,29 @@ from typing import Any, ClassVar
 from robust_lightning.startup import collector_paused, leave_imported_objects_out_of_collections
 
 with collector_paused():  # Lightning imports sooner (robust_lightning/startup.py)
+    import lightning
     import yaml
+    from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ProgressBar
     from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
     from lightning.pytorch.strategies import DDPStrategy
     from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
     import robust_lightning
     from robust_lightning.argument_parsing import ArgumentParser, did_you_mean
     from robust_lightning.data.corrupt_report import CorruptImageReport
     from robust_lightning.data.datamodule import ImageNetDataModule
-    from robust_lightning.errors import UserError
+    from robust_lightning.errors import UserError, print_error
     from robust_lightning.evaluation.results import PredictionWriter, RunResults
-    from robust_lightning.loggers import SaveConfigToWandb, WandbLogger, use_project_loggers
+    from robust_lightning.loggers import (
+        SaveConfigToWandb,
+        WandbLogger,
+        finish_wandb_run,
+        open_wandb_run,
+        use_project_loggers,
+    )
     from robust_lightning.models.checkpoints import require_weights
     from robust_lightning.scale.requeue import continue_slurm_restart
     from robust_lightning.scale.srun import shield_forked_children
@@ -165,7 +175,13 @@ class RobustLightningCLI(LightningCLI):
         configured = [*(config.get("callbacks") or []), *callbacks]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in configured):
             callbacks = [*callbacks, default_progress_bar()]
-        trainer = super()._instantiate_trainer(config, callbacks)
+        try:
+            trainer = super()._instantiate_trainer(config, callbacks)
+        except (MisconfigurationException, ValueError, RuntimeError) as e:  # Lightning's refusals of its options
+            if not _raised_by_lightning(e):
+                raise
+            raise UserError(_trainer_options_error(config, e)) from None
+        _command_state["trainer_built"] = True  # errors from here on may be a rank's own (main)
         strategy = trainer.strategy
         if isinstance(strategy, DDPStrategy) and trainer.world_size > 1:  # under torchrun: see scale/torchrun.py
             default = "nccl" if strategy.root_device.type == "cuda" else "gloo"  # Lightning's choice
@@ -193,6 +209,36 @@ class RobustLightningCLI(LightningCLI):
                 "checkpoint.auto_insert_metric_name": False,
             }
         )
+
+
+def _raised_by_lightning(error: BaseException) -> bool:
+    """Whether Lightning raised ``error`` (its MisconfigurationException, or another error from its own code, such as
+    the ValueError of an invalid combination of the Trainer's options or the RuntimeError of SLURM settings it cannot
+    use), not the project's code or torch."""
+    if isinstance(error, MisconfigurationException):
+        return True
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and Path(frames[-1].filename).is_relative_to(Path(lightning.__file__).parent)
+
+
+def _trainer_options_error(config: dict[str, Any], error: BaseException) -> str:
+    """Lightning's refusal of the Trainer's options as one line, preceded by the options it names, with their values
+    (``--trainer.strategy fsdp, --trainer.accelerator cpu: The strategy `fsdp` requires a GPU accelerator...``)."""
+    message = " ".join(str(error).split()) or type(error).__name__
+    found = {}
+    for name in inspect.signature(Trainer.__init__).parameters:
+        if name != "self" and (match := re.search(rf"(?<![\w.]){name}(?!\w)", message)):
+            found[name] = match.start()
+
+    def shown(value: Any) -> str:
+        if value is None or isinstance(value, (str, int, float, bool)):
+            return str(value).lower() if isinstance(value, bool) or value is None else str(value)
+        if isinstance(value, (list, tuple)):
+            return f"[{', '.join(map(shown, value))}]"
+        return type(value).__name__
+
+    named = [f"--trainer.{name} {shown(config.get(name))}" for name in sorted(found, key=found.get)]
+    return f"{', '.join(named)}: {message}" if named else message
 
 
 def _usage() -> str:
@@ -338,6 +384,23 @@ def main(args: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights and data come from local paths only
     shield_forked_children()  # SLURM's requeue signal is for this process, not its DataLoader workers
     _wandb_offline_without_credentials()
+    already_open = open_wandb_run()  # a run of the caller's (main called from Python), not this command's
+    code = _run_command(args, from_command_line)
+    # The W&B run this command started, finished from Python after the command's last message: W&B prints its
+    # closing lines as plain text where the output is no terminal (left to W&B's exit, they carry colour codes). An
+    # error that ends with a traceback is left to W&B's exit, which records it (and the traceback) as it did.
+    finish_wandb_run(code, already_open)
+    return code
+
+
+# main's state: whether the command's Trainer was built. Until then every process of a job meets the same errors
+# (the same command line, config and environment), which its rank 0 alone reports; from then on an error may be a
+# rank's own (a file it reads), which that rank reports.
+_command_state = {"trainer_built": False}
+
+
+def _run_command(args: list[str], from_command_line: bool) -> int:
+    _command_state["trainer_built"] = False
     try:
         check_config_files(args)
         if args[0] in TOOL_COMMANDS:
@@ -362,13 +425,13 @@ def main(args: Sequence[str] | None = None) -> int:
             )
         return EXIT_SIGTERM
     except OSError as e:  # a file or folder that cannot be written or read (read-only, full, not a folder)
-        print(f"robust-lightning: error: {describe_os_error(e)}", file=sys.stderr)
+        print_error(describe_os_error(e), every_rank=_command_state["trainer_built"])
         return 2
     except UserError as e:
         message = str(e)
         if "Original Traceback" in message:  # raised in a DataLoader worker: torch adds the worker's traceback
             message = message.rpartition(f"{UserError.__module__}.UserError: ")[2].strip() or message
-        print(f"robust-lightning: error: {message}", file=sys.stderr)
+        print_error(message, every_rank=_command_state["trainer_built"])
         return 2
     return 0
 

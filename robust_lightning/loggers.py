@@ -21,6 +21,7 @@ import csv
 import importlib
 import json
 import os
+import sys
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,22 @@ class SaveConfigToWandb(SaveConfigCallback):
                 path = Path(run.dir) / WANDB_CONFIG_FILE
                 path.write_text(text)
                 run.save(str(path), base_path=run.dir, policy="now")
+
+
+def open_wandb_run() -> Any:
+    """The W&B run open in this process (``wandb.run``); None where there is none (wandb not even imported)."""
+    wandb = sys.modules.get("wandb")
+    return getattr(wandb, "run", None) if wandb is not None else None
+
+
+def finish_wandb_run(exit_code: int, already_open: Any = None) -> None:
+    """Finish the W&B run that a command started (none open, or only ``already_open``: nothing to do), with the
+    command's exit status, as W&B's own exit would. Finished from Python, W&B prints its closing lines (where the run
+    is, ``wandb sync``) as plain text where the output is no terminal; left to the process's exit, the wandb-core
+    process prints them, with colour codes even into a log file."""
+    run = open_wandb_run()
+    if run is not None and run is not already_open:
+        run.finish(exit_code=exit_code)
 
 
 # ------------------------------------------------------------------------------- one log across attempts

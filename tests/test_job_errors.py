@@ -1,0 +1,185 @@
+"""Errors in a cluster log (issue 37), as users meet them: ``python -m robust_lightning`` in subprocesses.
+
+- Under srun or torchrun every process of the job parses the config: an error in it is printed once for the job, by
+  its rank 0, and names ``robust-lightning`` (not ``__main__.py``); every process exits with status 2.
+- A combination of Trainer options that Lightning refuses while the Trainer is built is one message and exit 2; an
+  error raised while training keeps its traceback.
+- A W&B fit whose output is not a terminal writes W&B's closing lines without colour codes.
+"""
+
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+from lightning import Callback
+
+from helpers import REPO, run_command, tiny_config
+from robust_lightning.errors import job_rank, print_error
+
+TASKS = 3
+TIMEOUT = 120  # seconds for a command that stops at its config (a few at once on shared cores)
+
+
+class FailsWhileTraining(Callback):
+    """A ValueError raised in the middle of a fit: not a Trainer-construction error, so its traceback stays."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        raise ValueError("a fault while training")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def srun_task(rank: int) -> dict[str, str]:
+    """What srun gives task ``rank`` of a one-node, TASKS-task step."""
+    return {
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank),
+        "SLURM_NODEID": "0",
+        "SLURM_NTASKS": str(TASKS),
+        "SLURM_NTASKS_PER_NODE": str(TASKS),
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "robust-lightning-test",
+    }
+
+
+def torchrun_worker(rank: int, port: int) -> dict[str, str]:
+    """What torchrun gives worker ``rank`` of a one-node, TASKS-worker job."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(TASKS),
+        "LOCAL_WORLD_SIZE": str(TASKS),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
+def run_job(args: list[str], environments: list[dict[str, str]], cwd: Path) -> list:
+    """The command started at once in every process of the job (one environment each), as the launcher does."""
+    with ThreadPoolExecutor(len(environments)) as pool:
+        runs = [pool.submit(run_command, args, cwd=cwd, timeout=TIMEOUT, env=env) for env in environments]
+        return [run.result() for run in runs]
+
+
+def job_environments(launcher: str) -> list[dict[str, str]]:
+    port = free_port()
+    return [srun_task(rank) if launcher == "srun" else torchrun_worker(rank, port) for rank in range(TASKS)]
+
+
+def bad_configs(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    """Configs with an error (tiny_config's, so that only the error stops them), and a word of its message."""
+    config = yaml.safe_load(tiny_config(tmp_path, **{"model.arch": "test_resnet"}).read_text())
+    key = yaml.safe_load(yaml.safe_dump(config))
+    key["model"]["not_an_option"] = 1
+    value = yaml.safe_load(yaml.safe_dump(config))
+    value["trainer"]["max_epochs"] = "three"
+    files = {}
+    for name, content, word in (("key", key, "not_an_option"), ("value", value, "max_epochs")):
+        path = tmp_path / f"bad-{name}.yaml"
+        path.write_text(yaml.safe_dump(content))
+        files[name] = (path, word)
+    empty = tmp_path / "empty.yaml"  # a UserError of the command (robust_lightning.cli.check_config_files)
+    empty.write_text("")
+    files["empty"] = (empty, "is empty")
+    return files
+
+
+@pytest.mark.parametrize(
+    "launcher, error",
+    [("srun", "key"), ("srun", "value"), ("srun", "empty"), ("torchrun", "key"), ("torchrun", "value")],
+)
+def test_an_error_in_the_config_is_printed_once_per_job_naming_robust_lightning(tmp_path, launcher, error):
+    config, word = bad_configs(tmp_path)[error]
+    runs = run_job(["fit", "--config", str(config)], job_environments(launcher), tmp_path)
+    assert [run.returncode for run in runs] == [2] * TASKS, [run.stderr[-2000:] for run in runs]
+    assert [rank for rank, run in enumerate(runs) if word in run.stderr] == [0], [run.stderr[-2000:] for run in runs]
+    error_lines = [line for line in runs[0].stderr.splitlines() if "error:" in line]
+    assert len(error_lines) == 1 and error_lines[0].startswith("robust-lightning"), runs[0].stderr
+    for run in runs:
+        assert "__main__.py" not in run.stderr + run.stdout, run.stderr
+        assert "Traceback" not in run.stderr, run.stderr
+    for run in runs[1:]:  # the other ranks exit silently
+        assert "error" not in run.stderr.lower(), run.stderr
+
+
+def test_a_process_started_alone_still_prints_its_error(tmp_path):
+    config, word = bad_configs(tmp_path)["key"]
+    run = run_command(["fit", "--config", str(config)], cwd=tmp_path, timeout=TIMEOUT)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.startswith(f"robust-lightning fit: error: Subcommand 'fit' does not accept option 'model.{word}'")
+    assert "options: robust-lightning fit --help" in run.stderr
+
+
+TRAINER_REFUSES = ["--trainer.strategy", "fsdp", "--trainer.accelerator", "cpu"]  # FSDP needs GPUs
+
+
+def test_an_option_combination_the_trainer_refuses_is_one_message_and_exit_2(tmp_path):
+    config = tiny_config(tmp_path, **{"model.arch": "test_resnet"})
+    run = run_command(["fit", "--config", str(config), *TRAINER_REFUSES], cwd=tmp_path, timeout=TIMEOUT)
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    [line] = [line for line in run.stderr.splitlines() if "error:" in line]
+    assert line.startswith("robust-lightning: error: --trainer.strategy fsdp, --trainer.accelerator cpu: "), line
+    assert "requires a GPU accelerator" in line
+    assert not (tmp_path / "runs" / "tiny").exists()  # refused before any run directory
+
+
+def test_under_srun_the_trainer_s_refusal_is_printed_once_per_job(tmp_path):
+    """Each task builds its Trainer and meets the same refusal."""
+    config = tiny_config(tmp_path, **{"model.arch": "test_resnet"})
+    runs = run_job(["fit", "--config", str(config), *TRAINER_REFUSES], job_environments("srun"), tmp_path)
+    assert [run.returncode for run in runs] == [2] * TASKS, [run.stderr[-2000:] for run in runs]
+    assert [rank for rank, run in enumerate(runs) if "robust-lightning: error: " in run.stderr] == [0]
+    assert not any("Traceback" in run.stderr for run in runs), [run.stderr[-2000:] for run in runs]
+
+
+def test_an_error_raised_while_training_keeps_its_traceback(tmp_path):
+    callback = {"class_path": f"{__name__}.FailsWhileTraining"}  # tests/ is on the commands' PYTHONPATH
+    config = tiny_config(tmp_path, **{"model.arch": "test_resnet", "trainer.callbacks": [callback]})
+    run = run_command(["fit", "--config", str(config)], cwd=tmp_path, timeout=TIMEOUT)
+    assert run.returncode == 1, run.stderr
+    assert "Traceback" in run.stderr and "ValueError: a fault while training" in run.stderr, run.stderr[-3000:]
+
+
+def test_a_w_and_b_fit_writes_no_colour_codes_into_a_log(tmp_path):
+    config = tiny_config(tmp_path, **{"model.arch": "test_resnet"})
+    wandb_config = str(REPO / "configs" / "loggers" / "wandb.yaml")  # writes to ./runs: tmp_path here
+    env = {
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(tmp_path),
+        "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
+        "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache"),
+        "WANDB_DATA_DIR": str(tmp_path / "wandb-data"),
+        "WANDB_DISABLE_GIT": "true",
+    }
+    run = run_command(["fit", "--config", str(config), "--config", wandb_config], cwd=tmp_path, timeout=240, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    output = run.stdout + run.stderr
+    assert "wandb sync" in output, output[-3000:]  # W&B's closing lines are there
+    assert "\x1b[" not in output, [line for line in output.splitlines() if "\x1b[" in line]
+    [run_file] = (tmp_path / "runs" / "wandb").glob("offline-run-*/run-*.wandb")
+    assert run_file.stat().st_size > 0
+
+
+def test_the_job_rank_comes_from_the_launcher(monkeypatch, capsys):
+    for name in ("RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    assert job_rank() == 0
+    monkeypatch.setenv("SLURM_PROCID", "2")
+    monkeypatch.setenv("SLURM_NTASKS", "1")  # a one-task step (the batch script): every process is on its own
+    assert job_rank() == 0
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert job_rank() == 2
+    monkeypatch.setenv("RANK", "0")  # torchrun's global rank wins over the srun task it runs in
+    assert job_rank() == 0
+    monkeypatch.setenv("RANK", "5")
+    print_error("not this rank")
+    print_error("a rank's own error", every_rank=True)
+    assert capsys.readouterr().err == "robust-lightning: error: a rank's own error\n"
