@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: env quickstart test clean
+.PHONY: env quickstart quickstart-fresh test clean
 
 env: $(VENV)/.installed
 
@@ -22,11 +22,25 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # Stage 1 trains a clean model, stage 2 adversarially fine-tunes it (APGD-AT), as the paper's recipe does.
-# It starts over: the fixed checkpoint folders of an earlier quickstart would be refused (never overwritten).
+# The natural retry of an interrupted quickstart is `make quickstart` again, so it continues instead of starting
+# over: each stage resumes its own run (--ckpt_path last: its newest intact checkpoint, or afresh in the same
+# folder where it has none, or a new run where there is none). A stage whose fit ended with status 0 is marked
+# (.quickstart_finished, on a line of its own: make stops at the first failing line) and not run again: resuming a
+# finished fit would evaluate it again. exec: the fit replaces the shell, so an interrupted make (Ctrl-C) waits for
+# it to save its checkpoint and exit instead of leaving it running behind the prompt.
 quickstart: env
+	test -f runs/quickstart_clean/.quickstart_finished || exec \
+	$(BIN)/robust-lightning fit --config configs/quickstart_clean.yaml --ckpt_path last
+	touch runs/quickstart_clean/.quickstart_finished
+	test -f runs/quickstart/.quickstart_finished || exec \
+	$(BIN)/robust-lightning fit --config configs/quickstart.yaml --ckpt_path last
+	touch runs/quickstart/.quickstart_finished
+
+# Starts over: the two runs go first (a resume would continue them, and a new fit into their fixed checkpoint
+# folders is refused, never overwritten).
+quickstart-fresh:
 	rm -rf runs/quickstart_clean runs/quickstart
-	$(BIN)/robust-lightning fit --config configs/quickstart_clean.yaml
-	$(BIN)/robust-lightning fit --config configs/quickstart.yaml
+	$(MAKE) quickstart
 
 # The linter and the formatter's check, then the suite: one worker per core, each test file whole on one worker
 # (its module fixtures built once); --durations keeps the slowest tests in view (the suite should stay under 7 min).

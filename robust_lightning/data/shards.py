@@ -20,7 +20,6 @@ import io
 import json
 import os
 import re
-import shlex
 import sys
 import textwrap
 from collections import Counter
@@ -38,6 +37,7 @@ from robust_lightning.data.classes import VAL_LABELS_FORMATS, label_flat_folder
 from robust_lightning.data.classes import class_map as resolve_class_map
 from robust_lightning.errors import UserError
 from robust_lightning.locking import LOCK_NAME, exclusive
+from robust_lightning.training.interruption import user_command
 
 MANIFEST_FORMAT = "robust-lightning-shards/1"
 MANIFEST_NAME = "manifest.json"
@@ -218,14 +218,14 @@ def repair_hint(directory: str | Path) -> str:
         )
     defaults = {name: p.default for name, p in inspect.signature(shards).parameters.items()}
     defaults["prefix"] = Path(source).name
-    words = ["robust-lightning", "shards", source, str(directory)]
+    words = ["shards", source, str(directory)]
     for name in CONVERSION_OPTIONS:
         value = options.get(name, defaults[name])
         if value != defaults[name]:
             words += [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
     if not (directory / PLAN_NAME).is_file():  # without its plan the converter cannot tell what to keep
         words += ["--overwrite", "true"]
-    return f"to rewrite the damaged shards, run: {shlex.join(words)}"
+    return f"to rewrite the damaged shards, run: {user_command(*words)}"
 
 
 # --------------------------------------------------------------------------------------------------------------

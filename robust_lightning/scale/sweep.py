@@ -46,6 +46,7 @@ from robust_lightning.argument_parsing import parse_tool_arguments
 from robust_lightning.atomic import atomic_write_json
 from robust_lightning.errors import UserError
 from robust_lightning.scale.sweep_spec import Cell, Sweep, expand, sweep_from_spec
+from robust_lightning.training.interruption import user_command
 
 # every cell of an array gets the same resources; requeue + SIGUSR1@90 let Lightning save hpc_ckpt_N.ckpt in the
 # cell's directory and requeue before the time limit (a resumed fit continues from it, AutoAttack from its outcomes)
@@ -236,7 +237,7 @@ def submit(sweep: Sweep, dry_run: bool, local: bool, check_command: Callable[[li
         return 0
     write_json(sweep.output_dir / "sweep.json", sweep_description(sweep, cells))
     if not todo:
-        print(f"{summary}: nothing to submit.\nreport: robust-lightning report {sweep.output_dir}")
+        print(f"{summary}: nothing to submit.\nreport: {user_command('report', str(sweep.output_dir))}")
         return 0
     write_json(manifest, manifest_content(sweep, todo))
     manifest.with_suffix(".sbatch").write_text(script)
@@ -261,7 +262,7 @@ def submit(sweep: Sweep, dry_run: bool, local: bool, check_command: Callable[[li
     write_json(sweep.output_dir / "submissions.json", submissions)
     print(
         f"{summary}: submitted array job {job_id} ({manifest.with_suffix('.sbatch')})\n"
-        f"logs: {sweep.output_dir / 'logs'}\nreport: robust-lightning report {sweep.output_dir}"
+        f"logs: {sweep.output_dir / 'logs'}\nreport: {user_command('report', str(sweep.output_dir))}"
     )
     return 0
 
@@ -342,5 +343,6 @@ def _run_local(sweep: Sweep, cells: list[Cell], manifest: Path, summary: str) ->
                 env={**os.environ, "RL_SWEEP_LOG": str(log)},
             ).returncode
         failed += code != 0
-    print(f"{len(cells) - failed} of {len(cells)} cells succeeded\nreport: robust-lightning report {sweep.output_dir}")
+    report = user_command("report", str(sweep.output_dir))
+    print(f"{len(cells) - failed} of {len(cells)} cells succeeded\nreport: {report}")
     return 1 if failed else 0

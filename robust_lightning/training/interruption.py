@@ -17,10 +17,13 @@ each rank was.
 """
 
 import logging
+import os
 import shlex
+import shutil
 import signal
 import sys
 import threading
+from pathlib import Path
 
 import torch
 from lightning import Callback
@@ -33,8 +36,42 @@ EXIT_SIGTERM = 128 + 15  # the shell's status for a process ended by SIGTERM
 log = logging.getLogger(__name__)
 
 
+PROGRAM = "robust-lightning"  # the console script (pyproject.toml)
+
+
+def user_command(*args: str) -> str:
+    """``robust-lightning ARGS`` as it runs in the shell this process was started from: every command the project
+    prints for the user to run (the resume advice of an interrupted fit, a repair, a report) is made here.
+
+    ``robust-lightning`` where that name on PATH is this program. Otherwise the program as it was started, since
+    the bare name would not run (the environment not activated: ``.venv/bin/`` is not on PATH): the console script
+    by the path it was started with (``.venv/bin/robust-lightning``), or this interpreter with ``-m
+    robust_lightning``. A process not started as the program (the Python API, a sweep cell, a test calling
+    ``main``) gets the bare name: no shell of the user's started it."""
+    return shlex.join([*_program(), *args])
+
+
+def _program() -> list[str]:
+    started = sys.argv[0] if sys.argv else ""
+    on_path = shutil.which(PROGRAM)
+    if os.path.basename(started) == PROGRAM and os.path.isfile(started):  # the console script
+        try:
+            if on_path and os.path.samefile(on_path, started):
+                return [PROGRAM]
+        except OSError:
+            pass
+        return [started if os.sep in started else os.path.abspath(started)]
+    package = Path(__file__).resolve().parents[1]
+    if started.endswith(".py") and Path(started).resolve().parent == package:  # python -m robust_lightning(.cli)
+        # the name on PATH runs this program where it is the console script of this interpreter's environment
+        if on_path and os.path.realpath(os.path.dirname(on_path)) == os.path.realpath(os.path.dirname(sys.executable)):
+            return [PROGRAM]
+        return [sys.executable, "-m", "robust_lightning"]
+    return [PROGRAM]
+
+
 def resume_command(argv: list[str]) -> str:
-    """The command line that resumes a fit: the same arguments with ``--ckpt_path last``."""
+    """The command line that resumes a fit: the same arguments with ``--ckpt_path last`` (:func:`user_command`)."""
     kept, skip = [], False
     for token in argv:
         if skip:
@@ -45,7 +82,7 @@ def resume_command(argv: list[str]) -> str:
             continue
         if not token.startswith("--ckpt_path="):
             kept.append(token)
-    return shlex.join(["robust-lightning", *kept, "--ckpt_path", "last"])
+    return user_command(*kept, "--ckpt_path", "last")
 
 
 def _take_over_signals(trainer) -> None:
