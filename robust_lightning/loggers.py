@@ -79,8 +79,8 @@ class SaveConfigToWandb(SaveConfigCallback):
         for logger in wandb_loggers:
             logger.log_hyperparams(config)
             run = logger.experiment
-            for name in BEST_IS_MAX:  # the run's summary keeps the best value, not the last
-                run.define_metric(name, step_metric="trainer/global_step", step_sync=True, summary="max")
+            for name in BEST_IS_MAX:  # the run's summary keeps the best value and the last (W&B's default)
+                run.define_metric(name, step_metric="trainer/global_step", step_sync=True, summary="max,last")
             if Path(run.dir).is_dir():  # not with WANDB_MODE=disabled: no files then
                 path = Path(run.dir) / WANDB_CONFIG_FILE
                 path.write_text(text)
