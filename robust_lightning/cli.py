@@ -52,7 +52,11 @@ with collector_paused():  # Lightning imports sooner (robust_lightning/startup.p
     from robust_lightning.training.interruption import EXIT_SIGTERM, Interruption
     from robust_lightning.training.lightning_module import ImageClassifier
     from robust_lightning.training.progress import default_progress_bar
-    from robust_lightning.training.run_directory import FitRunDirectory, continue_in_latest_run_directory
+    from robust_lightning.training.run_directory import (
+        FitRunDirectory,
+        continue_in_latest_run_directory,
+        discard_refused_run,
+    )
     from robust_lightning.training.throughput import Throughput
 leave_imported_objects_out_of_collections()  # later collections and the exit skip them
 
@@ -425,9 +429,11 @@ def _run_command(args: list[str], from_command_line: bool) -> int:
             )
         return EXIT_SIGTERM
     except OSError as e:  # a file or folder that cannot be written or read (read-only, full, not a folder)
+        discard_refused_run(e)  # the run folders a refused command made
         print_error(describe_os_error(e), every_rank=_command_state["trainer_built"])
         return 2
     except UserError as e:
+        discard_refused_run(e)  # the run folders a refused command made
         message = str(e)
         if "Original Traceback" in message:  # raised in a DataLoader worker: torch adds the worker's traceback
             message = message.rpartition(f"{UserError.__module__}.UserError: ")[2].strip() or message

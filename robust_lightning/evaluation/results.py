@@ -3,15 +3,27 @@
 Each command (fit, validate, test, and later each evaluation callback) writes its own section; sections are
 merged into the file atomically, so a crash never leaves a half-written results.json and later sections
 never erase earlier ones.
+
+An evaluation (validate, test, predict) on SLURM requeues its job on the requeue signal without writing the
+``hpc_ckpt_N.ckpt`` that Lightning's handler would (``RunResults``): the requeued job runs the same command, on
+the same checkpoint, and resumes its AutoAttack outcomes from their folder (robust_lightning.evaluation.outcomes),
+not from a checkpoint. Lightning's save would leave a copy of the weights behind in ``trainer.default_root_dir``
+(45 MB for a small model, gigabytes for a large one), made inside the signal handler: under DDP a collective
+wherever each rank was.
 """
 
 import contextlib
 import csv
 import hashlib
 import json
+import logging
 import os
 import platform
+import re
+import signal
+import subprocess
 import sys
+import threading
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -19,7 +31,9 @@ from typing import Any
 
 import torch
 from lightning import Callback
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import robust_lightning
@@ -27,6 +41,8 @@ from robust_lightning.atomic import atomic_write_json
 from robust_lightning.data.corrupt_report import CorruptImageReport
 from robust_lightning.paths import run_directory
 from robust_lightning.training.throughput import Throughput
+
+log = logging.getLogger(__name__)
 
 
 def update_results(path: str | Path, sections: dict[str, Any]) -> dict:
@@ -94,14 +110,67 @@ def software_versions() -> dict[str, str]:
     return versions
 
 
+def requeue_slurm_job(signum, frame) -> None:
+    """SLURM's requeue signal in an evaluation: ``scontrol requeue`` (rank zero), no checkpoint (module docstring)."""
+    if rank_zero_only.rank != 0:
+        return
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array_job}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if array_job else os.environ.get("SLURM_JOB_ID", "")
+    if not re.fullmatch(r"[0-9_]+", job):
+        log.warning(f"the requeue signal ({signum}) came, but this is no SLURM job to requeue (job id {job!r})")
+        return
+    rank_zero_info(
+        f"Handling auto-requeue signal: {signum}: requeueing SLURM job {job}; the requeued evaluation resumes its "
+        "outcomes (an evaluation writes no hpc checkpoint)"
+    )
+    try:
+        status = subprocess.call(["scontrol", "requeue", job])
+    except OSError as e:
+        status = f"{type(e).__name__}: {e}"
+    if status != 0:
+        log.warning(f"Requeuing SLURM job {job} failed: {status}")
+
+
 class RunResults(Callback):
-    """Writes the run's metrics and conditions to ``<run dir>/results.json`` and prints a summary."""
+    """Writes the run's metrics and conditions to ``<run dir>/results.json`` and prints a summary. In an
+    evaluation on SLURM, it also takes SLURM's requeue signal (module docstring)."""
+
+    _requeue_signal: int | None = None  # the requeue signal taken in an evaluation (its handler was the default)
 
     def __init__(self):
         self.started = time.time()
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self.started = time.time()
+        if stage != "fit":
+            self._take_requeue_signal(trainer)
+
+    def _take_requeue_signal(self, trainer) -> None:
+        """Before Lightning sets its requeue handler (after the setup hooks), which it sets only where the signal
+        has none: where it would, the evaluation's own (requeue_slurm_job) takes its place."""
+        environment = trainer._accelerator_connector.cluster_environment
+        if not (isinstance(environment, SLURMEnvironment) and environment.auto_requeue):
+            return
+        signum = environment.requeue_signal
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signum) not in (None, signal.SIG_DFL):  # another handler, which Lightning keeps too
+            return
+        signal.signal(signum, requeue_slurm_job)
+        self._requeue_signal = signum
+
+    def _give_back_requeue_signal(self, trainer) -> None:
+        signum, self._requeue_signal = self._requeue_signal, None
+        if signum is None:
+            return
+        signal.signal(signum, signal.SIG_DFL)
+        # after an exception Lightning's teardown comes later, and restores the handlers it found: this one
+        found = trainer._signal_connector._original_handlers
+        if signum in found:
+            found[signum] = signal.SIG_DFL
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._give_back_requeue_signal(trainer)
 
     def _conditions(self, trainer, pl_module) -> dict[str, Any]:
         datamodule = trainer.datamodule
@@ -169,6 +238,7 @@ class RunResults(Callback):
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         """An interrupted fit (SIGTERM, Ctrl-C) still leaves its results.json: what it reached, marked interrupted."""
+        self._give_back_requeue_signal(trainer)
         interrupted = isinstance(exception, SIGTERMException) or (
             isinstance(exception, KeyboardInterrupt) and trainer.world_size == 1
         )  # Ctrl-C: one rank only

@@ -12,13 +12,20 @@
   (``continue_in_latest_run_directory``), and starts from the newest intact checkpoint there.
 - Its log goes to disk with each checkpoint (robust_lightning.loggers.CSVLogger.checkpoint_saved), and a fit
   stopped by SIGTERM logs the row of the step it stopped at, whose checkpoint it wrote.
+- A command refused before its loops ran a batch (exit status 2: a refusal here, a config value the data module or
+  the model rejects, an incompatible checkpoint) takes back the run folders it made and the files it added to
+  folders that were there before (``discard_refused_run``): no empty or half-filled version_N stays behind to push
+  the next run to a later number, and an earlier run's folder (the one a refused ``--ckpt_path last`` was to
+  continue) is left as it was.
 """
 
 import itertools
 import json
+import os
 import shutil
+import sys
 import zipfile
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from pathlib import Path
 
 from lightning import Callback
@@ -59,11 +66,113 @@ def _inside(path: Path, directory: Path) -> bool:
     return path == directory or directory in path.parents
 
 
+class _CommandRecord:
+    """What the command in progress made, which it takes back when it is refused (``discard_refused_run``)."""
+
+    def __init__(self):
+        self.directories: set[str] = set()  # the folders this process made since the command began (real paths)
+        self.files: list[Path] = []  # the files it added to folders that were there before it
+        self.folders: list[Path] = []  # its run folders, noted where it stopped (rank zero)
+        self.exception: BaseException | None = None  # what stopped it inside the Trainer
+        self.begun = False  # a loop ran a batch: a failure after that leaves the run's folder as it is
+
+
+_command: _CommandRecord | None = None
+_audit_hook_added = False
+
+
+def _real_path(path: str | os.PathLike) -> str:
+    """``path`` with the folders above it resolved (the last part as named: it may not exist yet)."""
+    path = os.path.abspath(path)
+    return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+
+
+def _note_made_folder(event: str, args: tuple) -> None:
+    """Audit hook (``sys.addaudithook``): the folders this process makes while a command runs, by whichever code
+    (the loggers, Lightning's config saving, the locks). It runs before the folder is made: one that is there
+    already (``os.makedirs(exist_ok=True)`` calls mkdir all the same) is not noted."""
+    command = _command
+    if event != "os.mkdir" or command is None:
+        return
+    try:
+        path, _mode, dir_fd = args
+        if dir_fd in (None, -1) and not os.path.lexists(path):
+            command.directories.add(_real_path(os.fsdecode(path)))
+    except Exception:  # noqa: BLE001 (an audit hook must never fail the call it watches)
+        pass
+
+
+def _begin_command() -> None:
+    """A Trainer command begins (robust_lightning.cli makes its callbacks, FitRunDirectory among them, first)."""
+    global _command, _audit_hook_added
+    if not _audit_hook_added:
+        sys.addaudithook(_note_made_folder)  # once per process: an audit hook cannot be removed
+        _audit_hook_added = True
+    _command = _CommandRecord()
+
+
+def _note_added_file(path: Path) -> None:
+    """``path``, about to be written, is new: a refusal removes it (its folder may be an earlier run's)."""
+    if _command is not None and not path.exists():
+        _command.files.append(path)
+
+
+def _run_folders(trainer) -> list[Path]:
+    """The folders a command writes its run into: its run directory, every CSV or TensorBoard logger's version
+    folder, the checkpoint directory."""
+    folders = [run_directory(trainer)]
+    folders += [Path(lg.log_dir) for lg in trainer.loggers if isinstance(lg, (CSVLogger, TensorBoardLogger))]
+    checkpoint = trainer.checkpoint_callback
+    if isinstance(checkpoint, ModelCheckpoint) and checkpoint.dirpath and "://" not in str(checkpoint.dirpath):
+        folders.append(Path(checkpoint.dirpath))
+    return folders
+
+
+def _written_by_another(folder: Path) -> bool:
+    """Whether another process holds the lock of ``folder`` (a fit that took the same version number)."""
+    if not (folder / LOCK_NAME).is_file():
+        return False
+    try:
+        with exclusive(folder / LOCK_NAME, str(folder)):
+            return False
+    except UserError:
+        return True
+
+
+def discard_refused_run(exception: BaseException) -> None:
+    """The command ends refused by ``exception`` (exit status 2; robust_lightning.cli): the run folders it made go
+    (version_N with its hparams.yaml, config.yaml and lock; a checkpoint directory; the folders above them it made
+    and left empty), and so do the files it added to folders that were there before (an owner marker, the copy of
+    a continued log). Nothing is taken back when its loops ran a batch (a run that failed keeps what it wrote),
+    when another exception stopped it, or from a folder another process is writing."""
+    global _command
+    command, _command = _command, None
+    if command is None or command.begun or (command.exception is not None and command.exception is not exception):
+        return
+    for path in command.files:
+        with suppress(OSError):
+            path.unlink()
+    for folder in command.folders:
+        folder = Path(_real_path(folder))
+        if str(folder) in command.directories and folder.is_dir() and not _written_by_another(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+        for parent in folder.parents:  # runs/<name>/ of a first run, made for the refused one alone
+            if str(parent) not in command.directories:
+                break
+            try:
+                parent.rmdir()
+            except OSError:  # not empty (another folder of the command in it): it stays
+                break
+
+
 class FitRunDirectory(Callback):
-    """Claims the run and checkpoint directories of a fit (see the module docstring); global rank zero only."""
+    """Claims the run and checkpoint directories of a fit (see the module docstring); global rank zero only.
+    Every Trainer command of the command line has one: it keeps the record of what a refused command takes back
+    (``discard_refused_run``)."""
 
     def __init__(self):
         self._locks = ExitStack()
+        _begin_command()
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit":
@@ -83,7 +192,9 @@ class FitRunDirectory(Callback):
                 self._check_owner(checkpoints, run_dir, resumed is not None and _inside(resumed, checkpoints))
             self._locks.enter_context(exclusive(run_dir / LOCK_NAME, f"run directory {run_dir}"))
             if elsewhere:
+                _note_added_file(checkpoints / OWNER_MARKER)
                 atomic_write_json(checkpoints / OWNER_MARKER, {"run_directory": str(run_dir)})
+            _note_added_file(run_dir / FIT_MARKER)
             atomic_write_json(run_dir / FIT_MARKER, {"checkpoint_dirpath": str(checkpoints)})
         except BaseException:
             self._locks.close()
@@ -113,7 +224,25 @@ class FitRunDirectory(Callback):
             )
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
+        global _command
         self._locks.close()
+        _command = None  # the command ended: nothing to take back
+
+    def _begin_work(self) -> None:
+        if _command is not None:
+            _command.begun = True
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._begin_work()
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        self._begin_work()
+
+    def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        self._begin_work()
+
+    def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        self._begin_work()
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         for logger in trainer.loggers:
@@ -122,6 +251,12 @@ class FitRunDirectory(Callback):
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._locks.close()
+        if _command is not None:  # for discard_refused_run, should the command end refused
+            _command.exception = exception
+            try:
+                _command.folders = _run_folders(trainer) if trainer.is_global_zero else []
+            except Exception:  # noqa: BLE001 (the error that stopped the command is the one to report)
+                _command.folders = []
         # Stopped by SIGTERM at the end of a training step (training/interruption.py), which is checkpointed and
         # will not be trained again: its row, which Lightning logs after the step's end hooks, is logged here.
         progress = trainer.fit_loop.epoch_loop.batch_progress.current
@@ -189,6 +324,7 @@ def continue_in_latest_run_directory(config) -> None:
             metrics = runs / f"version_{init.version}" / "metrics.csv"
             if metrics.is_file() and rank_zero_only.rank == 0:
                 part = next(k for k in itertools.count(1) if not metrics.with_name(f"metrics.part{k}.csv").exists())
+                _note_added_file(metrics.with_name(f"metrics.part{part}.csv"))
                 shutil.copyfile(metrics, metrics.with_name(f"metrics.part{part}.csv"))
     dirpath = config.get("checkpoint.dirpath")
     if dirpath:
