@@ -52,7 +52,7 @@ def test_two_ranks_log_the_losses_and_throughput_of_the_whole_job(tmp_path):
         # weights drift apart (rank zero's share alone differs by several per cent)
         assert got == pytest.approx(expected, rel=1e-3), key
     throughput = json.loads((two / "results.json").read_text())["fit"]["throughput"]
-    assert throughput["job_images_per_s"] == pytest.approx(2 * throughput["images_per_s"], rel=1e-9)
+    assert throughput["job_images_per_s"] == pytest.approx(2 * throughput["images_per_s"], abs=2e-4)  # 4 decimals
     assert "perf/job_images_per_s" in (two / "metrics.csv").read_text().splitlines()[0]
     assert "BatchNorm" not in output  # ConvNeXt has none
 

@@ -163,6 +163,13 @@ def _shielded_worker(ready) -> None:
         time.sleep(60)
 
 
+def sigterm_pending(pid: int) -> bool:
+    """Whether a SIGTERM waits to be taken by the process ``pid`` (its shared pending set, /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    pending = int(next(line.split()[1] for line in status.splitlines() if line.startswith("ShdPnd:")), 16)
+    return bool(pending & (1 << (signal.SIGTERM - 1)))
+
+
 def _signal_from_another_process(pid: int, signum: int) -> None:
     code = f"import os; os.kill({pid}, {int(signum)})"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -180,6 +187,10 @@ def test_a_loader_worker_ignores_a_schedulers_signals_but_ends_on_its_parents_si
         assert receiver.poll(60) and receiver.recv()
         _signal_from_another_process(worker.pid, signal.SIGTERM)
         _signal_from_another_process(worker.pid, signal.SIGUSR1)
+        # a pending SIGTERM would absorb the parent's (two pending SIGTERMs are one): wait until it was taken
+        deadline = time.monotonic() + 30
+        while sigterm_pending(worker.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
         worker.join(1)
         assert worker.is_alive()
         worker.terminate()  # SIGTERM from the parent

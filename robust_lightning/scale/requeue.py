@@ -10,8 +10,8 @@ restart does (scale/torchrun.py): in its own run directory, from its newest chec
 """
 
 import os
+from pathlib import Path
 
-from fsspec.core import url_to_fs
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -27,14 +27,12 @@ def restart_count() -> int | None:
 def lightning_resumes_from_hpc(default_root_dir: str | None) -> bool:
     """Whether Lightning, given no ckpt_path, resumes the fit from an hpc checkpoint by itself: under srun (its SLURM
     environment detected) with a file named ``*hpc_ckpt_*`` in ``trainer.default_root_dir`` (the working directory
-    when unset). The same condition as Lightning 2.6's ``_CheckpointConnector._parse_ckpt_path``."""
-    if not SLURMEnvironment.detect():
-        return False
+    when unset). The same condition as Lightning 2.6's ``_CheckpointConnector._parse_ckpt_path``, for a local
+    folder (a remote one, ``s3://...``, is taken to hold none: the fit then resumes from its newest checkpoint)."""
     root = str(default_root_dir or os.getcwd())
-    fs, path = url_to_fs(root)
-    if not fs.isdir(path):
+    if not SLURMEnvironment.detect() or "://" in root or not Path(root).is_dir():
         return False
-    return any(HPC_CHECKPOINT in os.path.basename(entry["name"]) for entry in fs.listdir(path))
+    return any(HPC_CHECKPOINT in entry.name for entry in Path(root).iterdir())
 
 
 def continue_slurm_restart(subcommand: str, config) -> bool:

@@ -20,6 +20,8 @@ its own takes each one: from its parent it ends the worker (status 0, as torch's
 else (the scheduler) it is dropped.
 """
 
+import atexit
+import multiprocessing
 import os
 import signal
 import threading
@@ -58,3 +60,13 @@ def end_on_parent_sigterm() -> None:
 
 def shield_forked_children() -> None:
     os.register_at_fork(after_in_child=ignore_job_signals)
+    atexit.register(_end_daemonic_children)
+
+
+def _end_daemonic_children() -> None:
+    """At exit, the loader workers still running (an error left them mid-epoch) are killed before multiprocessing's
+    own exit handler sends them SIGTERM and waits for them: a scheduler's SIGTERM still pending in a worker absorbs
+    its parent's (two pending SIGTERMs are one), and the exit would wait for the job's SIGKILL."""
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
