@@ -418,15 +418,14 @@ def _run_command(args: list[str], from_command_line: bool) -> int:
     except SIGTERMException as e:  # a SystemExit without a code: the process would exit 0 as if the run had finished
         if rank_zero_only.rank == 0:
             requeued = getattr(e, "requeued_checkpoint", None)  # set by Interruption after a SLURM requeue
-            then = (
-                f"SLURM resumes the requeued job from {requeued}"
+            stopped = (
+                f"stopped for SLURM's requeue (exit status {EXIT_SIGTERM}); SLURM resumes the requeued job from "
+                f"{requeued}"
                 if requeued
-                else "the same command resumes it (fit: with --ckpt_path last)"
+                else f"interrupted by SIGTERM (exit status {EXIT_SIGTERM}); the same command resumes it (fit: with "
+                "--ckpt_path last)"
             )
-            print(
-                f"robust-lightning: {args[0]} interrupted by SIGTERM (exit status {EXIT_SIGTERM}); {then}",
-                file=sys.stderr,
-            )
+            print(f"robust-lightning: {args[0]} {stopped}", file=sys.stderr)
         return EXIT_SIGTERM
     except OSError as e:  # a file or folder that cannot be written or read (read-only, full, not a folder)
         discard_refused_run(e)  # the run folders a refused command made

@@ -103,6 +103,16 @@ def finish_wandb_run(exit_code: int, already_open: Any = None) -> None:
         run.finish(exit_code=exit_code)
 
 
+def end_wandb_before_job_signal(exit_code: int) -> None:
+    """Finish the W&B run open in this process and shut W&B's wandb-core process down, before a signal to every
+    process of the job (SLURM's SIGTERM after a requeue) kills wandb-core, which dies without writing what it
+    holds (wandb/wandb issue 9963); W&B's exit handler would then fail on the lost connection."""
+    finish_wandb_run(exit_code)
+    wandb = sys.modules.get("wandb")
+    if wandb is not None:
+        wandb.teardown()
+
+
 # ------------------------------------------------------------------------------- one log across attempts
 WANDB_RUN_FILE = "wandb_run.json"  # in the run directory: {"id": the W&B run, "best": {score: best value}}
 # Lightning's loggers (as configs name them) -> the project's, which continue a run's log (use_project_loggers)

@@ -160,8 +160,9 @@ def test_sigterm_stops_a_fit_with_a_checkpoint_a_message_and_a_failing_status(tm
 def test_the_slurm_requeue_signal_mid_step_checkpoints_at_the_end_of_that_step(tmp_path):
     """SLURM's requeue signal (SIGUSR1) lands in the middle of a training step. The hpc checkpoint is written at the
     end of that step (Lightning writes it inside the signal handler: half a step, whose batch the resumed run would
-    train again), scontrol is asked to requeue the job once, and the fit resumed from the checkpoint trains each
-    remaining step exactly once."""
+    train again), scontrol is asked to requeue the job once, the fit stops there (SLURM ends a requeued job at
+    once; this test's scontrol does not) and the fit resumed from the checkpoint trains each remaining step exactly
+    once."""
     record = tmp_path / "batches.jsonl"
     callbacks = [
         {"class_path": "slurm_cluster.Pace", "init_args": {"record": str(record), "seconds": 0}},
@@ -193,9 +194,10 @@ def test_the_slurm_requeue_signal_mid_step_checkpoints_at_the_end_of_that_step(t
         timeout=300,
         env=env,
     )
-    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.returncode == 143, first.stderr[-3000:]
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
     hpc = tmp_path / "runs" / "hpc_ckpt_1.ckpt"  # in trainer.default_root_dir (the templates': RUN_DIR)
+    assert "fit stopped at epoch 0, step 3 for SLURM's requeue of the job" in first.stdout + first.stderr
     saved = torch.load(hpc, map_location="cpu", weights_only=True)
     assert saved["global_step"] == 3  # the step the signal came in, finished
     progress = saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]

@@ -224,18 +224,18 @@ def test_sigterm_under_ddp_saves_the_stop_step_and_the_resumed_fit_ends_as_the_w
         assert torch.equal(got[name], value), name
 
 
-def test_the_sigterm_after_a_slurm_requeue_brings_its_checkpoint_to_the_stop_step_and_says_slurm_resumes(tmp_path):
-    """SLURM's requeue signal at step 3 (Lightning's requeue: hpc_ckpt_1.ckpt, ``scontrol requeue``), then the
-    SIGTERM with which SLURM ends the requeued job, at step 5. The fit saves step 5 into hpc_ckpt_1.ckpt, the
-    checkpoint SLURM's restart resumes from, and says that SLURM resumes the job from it, not to run a resume of
-    one's own (that would be a second copy of the run). The job's restart (the same command in the same
-    environment) resumes from it and trains each later step once. One process: the message and the checkpoint
-    are the same under DDP, where the save is the collective of the test above."""
+def test_a_slurm_requeue_stops_the_fit_at_its_step_and_says_slurm_resumes(tmp_path):
+    """SLURM's requeue signal in step 3: the fit writes hpc_ckpt_1.ckpt of step 3 (the checkpoint SLURM's restart
+    resumes from), asks scontrol to requeue the job and stops there, with exit status 143 (SLURM ends a requeued job
+    at once; this test's scontrol does not). The message says that SLURM
+    resumes the job from it, not to run a resume of one's own (that would be a second copy of the run). The job's
+    restart (the same command in the same environment) resumes from it and trains each later step once. One
+    process: the message and the checkpoint are the same under DDP, where the save is the collective of the test
+    above."""
     record = tmp_path / "batches.jsonl"
     callbacks = [
         {"class_path": "slurm_cluster.Pace", "init_args": {"record": str(record), "seconds": 0}},
         {"class_path": "slurm_cluster.SignalMidStep", "init_args": {"step": 3}},
-        {"class_path": "slurm_cluster.SignalMidStep", "init_args": {"step": 5, "signal_name": "SIGTERM"}},
     ]
     config = tiny_config(
         tmp_path,
@@ -255,10 +255,11 @@ def test_the_sigterm_after_a_slurm_requeue_brings_its_checkpoint_to_the_stop_ste
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
     hpc = tmp_path / "runs" / "hpc_ckpt_1.ckpt"
     assert sorted(p.name for p in hpc.parent.glob("hpc_ckpt_*")) == [hpc.name]
-    assert torch.load(hpc, map_location="cpu", weights_only=True)["global_step"] == 5  # the stop step, not 3
-    assert [json.loads(line)["step"] for line in record.read_text().splitlines()] == [1, 2, 3, 4, 5]
-    assert f"SLURM restarts the job, which resumes from {hpc} (step 5): nothing to run" in output
-    assert f"interrupted by SIGTERM (exit status 143); SLURM resumes the requeued job from {hpc}" in output
+    assert torch.load(hpc, map_location="cpu", weights_only=True)["global_step"] == 3
+    assert [json.loads(line)["step"] for line in record.read_text().splitlines()] == [1, 2, 3]
+    assert "fit stopped at epoch 0, step 3 for SLURM's requeue of the job" in output
+    assert f"SLURM restarts the job, which resumes from {hpc}: nothing to run" in output
+    assert f"stopped for SLURM's requeue (exit status 143); SLURM resumes the requeued job from {hpc}" in output
     assert "--ckpt_path" not in output
 
     record.unlink()
@@ -270,4 +271,45 @@ def test_the_sigterm_after_a_slurm_requeue_brings_its_checkpoint_to_the_stop_ste
     )
     assert restart.returncode == 0, restart.stderr[-3000:]
     assert f"Restored all states from the checkpoint at {hpc}" in restart.stdout + restart.stderr
-    assert [json.loads(line)["step"] for line in record.read_text().splitlines()] == [6, 7]
+    assert [json.loads(line)["step"] for line in record.read_text().splitlines()] == [4, 5, 6, 7]
+
+
+def test_a_refused_slurm_requeue_stops_the_fit_with_last_ckpt_and_the_command_that_resumes_it(tmp_path):
+    """SLURM's requeue signal in step 3, and ``scontrol requeue`` fails. The fit stops there all the same (its time
+    limit is near, and its W&B run is finished), warns that the requeue failed, writes last.ckpt of step 3 beside
+    hpc_ckpt_1.ckpt and prints the command that continues it, which trains each later step once."""
+    record = tmp_path / "batches.jsonl"
+    callbacks = [
+        {"class_path": "slurm_cluster.Pace", "init_args": {"record": str(record), "seconds": 0}},
+        {"class_path": "slurm_cluster.SignalMidStep", "init_args": {"step": 3}},
+    ]
+    overrides = {
+        "trainer.max_epochs": 1,
+        "trainer.limit_train_batches": 7,
+        "data.batch_size": 2,
+        "data.synthetic.train_per_class": 4,
+        "model.arch": "test_resnet",
+    }
+    config = tiny_config(tmp_path, **overrides, **{"trainer.callbacks": callbacks})
+    slurm = fake_slurm_job(tmp_path)
+    scontrol = tmp_path / "bin" / "scontrol"
+    scontrol.write_text(scontrol.read_text() + "exit 1\n")
+    first = run_command(["fit", "--config", str(config)], cwd=tmp_path, timeout=300, env=slurm)
+    output = first.stdout + first.stderr
+    assert first.returncode == 143, output[-3000:]
+    assert "Requeuing SLURM job 4242 failed: 1" in output
+    assert torch.load(tmp_path / "runs" / "hpc_ckpt_1.ckpt", map_location="cpu", weights_only=True)["global_step"] == 3
+    saved = re.search(r"checkpoint of this step: (\S+)", output)
+    assert saved and torch.load(saved[1], map_location="cpu", weights_only=True)["global_step"] == 3, output[-3000:]
+    assert "SLURM resumes" not in output and "--ckpt_path last" in output
+
+    record.unlink()
+    del slurm["SLURM_JOB_ID"]  # the resume the message advises, outside the job
+    resumed = run_command(
+        ["fit", "--config", str(config), "--trainer.callbacks", json.dumps(callbacks[:1]), "--ckpt_path", "last"],
+        cwd=tmp_path,
+        timeout=300,
+        env=slurm,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [json.loads(line)["step"] for line in record.read_text().splitlines()] == [4, 5, 6, 7]

@@ -19,9 +19,7 @@ import json
 import logging
 import os
 import platform
-import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -33,13 +31,14 @@ import torch
 from lightning import Callback
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import robust_lightning
 from robust_lightning.atomic import atomic_write_json
 from robust_lightning.data.corrupt_report import CorruptImageReport
 from robust_lightning.paths import run_directory
+from robust_lightning.scale.requeue import requeue_this_job
 from robust_lightning.training.throughput import Throughput
 
 log = logging.getLogger(__name__)
@@ -112,23 +111,8 @@ def software_versions() -> dict[str, str]:
 
 def requeue_slurm_job(signum, frame) -> None:
     """SLURM's requeue signal in an evaluation: ``scontrol requeue`` (rank zero), no checkpoint (module docstring)."""
-    if rank_zero_only.rank != 0:
-        return
-    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
-    job = f"{array_job}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if array_job else os.environ.get("SLURM_JOB_ID", "")
-    if not re.fullmatch(r"[0-9_]+", job):
-        log.warning(f"the requeue signal ({signum}) came, but this is no SLURM job to requeue (job id {job!r})")
-        return
-    rank_zero_info(
-        f"Handling auto-requeue signal: {signum}: requeueing SLURM job {job}; the requeued evaluation resumes its "
-        "outcomes (an evaluation writes no hpc checkpoint)"
-    )
-    try:
-        status = subprocess.call(["scontrol", "requeue", job])
-    except OSError as e:
-        status = f"{type(e).__name__}: {e}"
-    if status != 0:
-        log.warning(f"Requeuing SLURM job {job} failed: {status}")
+    if rank_zero_only.rank == 0:
+        requeue_this_job(signum, "the requeued evaluation resumes its outcomes (it writes no hpc checkpoint)")
 
 
 class RunResults(Callback):

@@ -1,4 +1,4 @@
-"""A fit stopped by a signal ends honestly: promptly, with a checkpoint, a message saying how to resume, and a
+"""A fit stopped by a signal ends honestly: promptly, with a checkpoint, a message saying what happens next, and a
 non-zero exit status (the command line's; ``robust_lightning.cli``).
 
 Lightning notes SIGTERM but, in one process, stops only at the end of the epoch (hours on ImageNet), and its
@@ -6,14 +6,15 @@ Lightning notes SIGTERM but, in one process, stops only at the end of the epoch 
 bookkeeping take for a finished run. Here a fit stops at the next step boundary (under DDP every rank at the same
 one: the ranks agree at the end of each step) and writes a checkpoint of that step there, where training went
 further than the last checkpoint: a collective save (every rank at that boundary), in one process and under DDP
-alike. The message then says what happens next: the one command that continues the fit, or, when the SIGTERM
-follows a SLURM requeue of this process, that SLURM resumes the job from the requeue's ``hpc_ckpt_N.ckpt``
-(brought to the stop step). SIGINT (Ctrl-C) ends the same way; Lightning exits 1 after it; under DDP it saves
-nothing (each rank stops wherever it was: no collective).
-SLURM's requeue signal (SIGUSR1 with ``#SBATCH --signal``) runs Lightning's requeue (``hpc_ckpt_N.ckpt``, then
-``scontrol requeue``) at the end of the training step in progress. Lightning runs it inside the signal handler:
-a checkpoint of half a step (the resumed run then trained that batch twice) and, under DDP, a collective wherever
-each rank was.
+alike. The message then says the one command that continues the fit. SIGINT (Ctrl-C) ends the same way; Lightning
+exits 1 after it; under DDP it saves nothing (each rank stops wherever it was: no collective).
+
+SLURM's requeue signal (SIGUSR1 with ``#SBATCH --signal``) is acted on at the end of the training step in progress
+too. Lightning's own handler runs inside the signal handler: a checkpoint of half a step (the resumed run then
+trained that batch twice) and, under DDP, a collective wherever each rank was. Here the step is finished, its
+``hpc_ckpt_N.ckpt`` written (Lightning resumes a requeued job from it), the W&B run finished, the job requeued, and
+the fit stops: SLURM ends the requeued job at once (SIGTERM), so training on would only add steps that a SIGTERM
+loses in W&B. The message says that SLURM resumes the job, with nothing for the user to run.
 """
 
 import logging
@@ -31,6 +32,9 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from robust_lightning.loggers import end_wandb_before_job_signal
+from robust_lightning.scale.requeue import requeue_this_job
 
 EXIT_SIGTERM = 128 + 15  # the shell's status for a process ended by SIGTERM
 log = logging.getLogger(__name__)
@@ -137,46 +141,32 @@ def _requeue_signal(trainer):
     return None
 
 
-class _RequeueFailure(logging.Filter):
-    """Notes the warning Lightning's requeue handler logs (on rank zero) when ``scontrol requeue`` fails: the
-    handler returns nothing."""
-
-    def __init__(self):
-        super().__init__()
-        self.failed = False
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.WARNING and "Requeuing SLURM job" in record.getMessage():
-            self.failed = True
-        return True
-
-
 def _requeue(trainer) -> None:
-    """Lightning's own requeue: loggers flushed, hpc_ckpt_N.ckpt (a collective: every rank is here), scontrol on
-    rank zero. Where it requeued the job, ``trainer._rl_requeued`` names the checkpoint SLURM resumes it from."""
-    connector = trainer._signal_connector
-    path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)  # the handler's (nothing written yet)
-    lightning_log, failure = logging.getLogger(type(connector).__module__), _RequeueFailure()
-    lightning_log.addFilter(failure)
-    try:
-        connector._slurm_sigusr_handler_fn(_requeue_signal(trainer), None)
-    finally:
-        lightning_log.removeFilter(failure)
-    requeued, path = trainer.strategy.broadcast((not failure.failed, path), src=0)  # rank zero ran scontrol
-    if requeued:
+    """SLURM's requeue at the end of a training step, where every rank is: the loggers flushed, hpc_ckpt_N.ckpt of
+    this step (a collective), then, on rank zero, the W&B run finished and ``scontrol requeue``. The W&B run is
+    finished first because the SIGTERM with which SLURM ends the requeued job also reaches W&B's wandb-core
+    process, which dies without writing what it holds (wandb/wandb issue 9963); the fit stops here, so nothing
+    logs after it. Where SLURM took the requeue, ``trainer._rl_requeued`` names the checkpoint it resumes from;
+    where it did not, last.ckpt is written too, for the resume the message then advises."""
+    for logger in trainer.loggers:  # as Lightning's requeue handler: every row logged so far on disk
+        logger.finalize("finished")
+    path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+    trainer.save_checkpoint(path)
+    requeued = False
+    if trainer.is_global_zero:
+        end_wandb_before_job_signal(EXIT_SIGTERM)  # the exit status this attempt ends with
+        requeued = requeue_this_job(_requeue_signal(trainer), f"the requeued job resumes from {path}")
+    if trainer.strategy.broadcast(requeued, src=0):
         trainer._rl_requeued = [path, trainer.global_step]
+    else:
+        _save_at_stop(trainer)
 
 
 def _save_at_stop(trainer) -> None:
-    """A checkpoint of the step the fit stops at, where training went further than the last checkpoint. Every rank
-    calls it at the same point: under DDP a save is a collective (every rank dumps its state, rank zero writes, a
-    barrier; ModelCheckpoint's also broadcasts whether the file exists). After a requeue of this process the
-    requeue's hpc_ckpt_N.ckpt is brought to this step, since SLURM resumes the job from it; otherwise last.ckpt."""
-    requeued = getattr(trainer, "_rl_requeued", None)
-    if requeued is not None:
-        if requeued[1] != trainer.global_step:  # steps trained between the requeue and SLURM's SIGTERM
-            trainer.save_checkpoint(requeued[0])
-            requeued[1] = trainer.global_step
+    """A checkpoint of the step the fit stops at (last.ckpt), where training went further than the last checkpoint.
+    Every rank calls it at the same point: under DDP a save is a collective (every rank dumps its state, rank zero
+    writes, a barrier; ModelCheckpoint's also broadcasts whether the file exists)."""
+    if getattr(trainer, "_rl_requeued", None) is not None:  # SLURM resumes the job from its hpc checkpoint
         return
     checkpoint = trainer.checkpoint_callback
     if not (isinstance(checkpoint, ModelCheckpoint) and checkpoint.save_last and checkpoint.dirpath):
@@ -191,21 +181,26 @@ def _save_at_stop(trainer) -> None:
 
 
 def _act_on_signals(trainer) -> None:
-    """At the end of a training step: write the requeue checkpoint and requeue if the requeue signal came; if
-    SIGTERM came, save this step and stop. Under DDP every rank does so at the same step: one small collective per
-    step, as Lightning's broadcast it replaces."""
+    """At the end of a training step: if the requeue signal came, requeue the job; if SIGTERM came, save this step.
+    Either way the fit stops here. Under DDP every rank does so at the same step: one small collective per step, as
+    Lightning's broadcast it replaces."""
     requeue, stop = trainer._rl_requeue_pending, trainer.received_sigterm
     if trainer.world_size > 1:
         flags = torch.tensor([int(requeue), int(trainer._rl_sigterm_pending)], device=trainer.strategy.root_device)
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         requeue, stop = flags.tolist()
+    if not (requeue or stop):
+        return
+    # this step is checkpointed and will not be trained again: its row, which Lightning logs after the step's end
+    # hooks, is logged now
+    trainer._logger_connector.update_train_step_metrics()
     if requeue:
         trainer._rl_requeue_pending = False
         _requeue(trainer)
-    if stop:
-        trainer._signal_connector.received_sigterm = True
+    else:
         _save_at_stop(trainer)
-        raise SIGTERMException()
+    trainer._signal_connector.received_sigterm = True
+    raise SIGTERMException()
 
 
 class Interruption(Callback):
@@ -238,17 +233,18 @@ class Interruption(Callback):
         # collective, the run resumes from its last checkpoint.
         if trainer.world_size == 1:
             _save_at_stop(trainer)
-        signal_name = "SIGTERM" if isinstance(exception, SIGTERMException) else "SIGINT (Ctrl-C)"
-        stopped = f"\nfit interrupted by {signal_name} at epoch {trainer.current_epoch}, step {trainer.global_step}"
         requeued = getattr(trainer, "_rl_requeued", None)
         if requeued is not None:  # the job is requeued whatever this process does now
             path, step = requeued
             exception.requeued_checkpoint = path  # for the command line's last word
             rank_zero_info(
-                f"{stopped}, after SLURM's requeue of the job\nSLURM restarts the job, which resumes from {path} "
-                f"(step {step}): nothing to run (a resume of your own would start a second copy of the run)"
+                f"\nfit stopped at epoch {trainer.current_epoch}, step {step} for SLURM's requeue of the job\n"
+                f"SLURM restarts the job, which resumes from {path}: nothing to run (a resume of your own would start "
+                "a second copy of the run)"
             )
             return
+        signal_name = "SIGTERM" if isinstance(exception, SIGTERMException) else "SIGINT (Ctrl-C)"
+        stopped = f"\nfit interrupted by {signal_name} at epoch {trainer.current_epoch}, step {trainer.global_step}"
         checkpoint = trainer.checkpoint_callback
         saved = checkpoint.last_model_path if isinstance(checkpoint, ModelCheckpoint) and checkpoint.save_last else None
         if saved and checkpoint._last_global_step_saved == trainer.global_step:

@@ -32,7 +32,6 @@ from lightning import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from robust_lightning.atomic import atomic_write_json
 from robust_lightning.errors import UserError
@@ -257,11 +256,6 @@ class FitRunDirectory(Callback):
                 _command.folders = _run_folders(trainer) if trainer.is_global_zero else []
             except Exception:  # noqa: BLE001 (the error that stopped the command is the one to report)
                 _command.folders = []
-        # Stopped by SIGTERM at the end of a training step (training/interruption.py), which is checkpointed and
-        # will not be trained again: its row, which Lightning logs after the step's end hooks, is logged here.
-        progress = trainer.fit_loop.epoch_loop.batch_progress.current
-        if isinstance(exception, SIGTERMException) and trainer.training and progress.processed > progress.completed:
-            trainer._logger_connector.update_train_step_metrics()
 
 
 def newest_intact_checkpoint(directory: Path) -> tuple[Path | None, list[str]]:
