@@ -44,7 +44,7 @@ with collector_paused():  # Lightning imports sooner (robust_lightning/startup.p
         use_project_loggers,
     )
     from robust_lightning.models.checkpoints import require_weights
-    from robust_lightning.scale.requeue import continue_slurm_restart
+    from robust_lightning.scale.requeue import continue_slurm_restart, slurm_restart_note
     from robust_lightning.scale.srun import shield_forked_children
     from robust_lightning.scale.torchrun import join_process_group, restart_count
     from robust_lightning.training.checkpoint_io import AtomicCheckpointIO, LatestCheckpoint
@@ -418,14 +418,14 @@ def _run_command(args: list[str], from_command_line: bool) -> int:
     except SIGTERMException as e:  # a SystemExit without a code: the process would exit 0 as if the run had finished
         if rank_zero_only.rank == 0:
             requeued = getattr(e, "requeued_checkpoint", None)  # set by Interruption after a SLURM requeue
-            stopped = (
-                f"stopped for SLURM's requeue (exit status {EXIT_SIGTERM}); SLURM resumes the requeued job from "
-                f"{requeued}"
-                if requeued
-                else f"interrupted by SIGTERM (exit status {EXIT_SIGTERM}); the same command resumes it (fit: with "
-                "--ckpt_path last)"
-            )
-            print(f"robust-lightning: {args[0]} {stopped}", file=sys.stderr)
+            if requeued:
+                stopped, then = "stopped for SLURM's requeue", f"SLURM resumes the requeued job from {requeued}"
+            elif getattr(e, "job_requeued", False):  # an evaluation, requeued on SLURM's signal, then ended by it
+                stopped, then = "interrupted by SIGTERM after SLURM's requeue", "the requeued job runs it again"
+            else:
+                stopped = "interrupted by SIGTERM"
+                then = "the same command resumes it (fit: with --ckpt_path last)" + slurm_restart_note()
+            print(f"robust-lightning: {args[0]} {stopped} (exit status {EXIT_SIGTERM}); {then}", file=sys.stderr)
         return EXIT_SIGTERM
     except OSError as e:  # a file or folder that cannot be written or read (read-only, full, not a folder)
         discard_refused_run(e)  # the run folders a refused command made

@@ -144,7 +144,7 @@ class SignalAtTestBatch(Callback):
 
 
 def test_an_evaluation_requeued_by_slurm_resumes_its_outcomes_and_leaves_no_hpc_checkpoint(
-    tmp_path, autoattack_checkpoint, monkeypatch, caplog
+    tmp_path, autoattack_checkpoint, monkeypatch, caplog, capsys
 ):
     """SLURM's requeue signal in an AutoAttack evaluation, then the SIGTERM that ends the requeued job: the job is
     requeued (scontrol) without an hpc checkpoint; the requeued job runs the command again, resumes the outcomes and
@@ -160,6 +160,10 @@ def test_an_evaluation_requeued_by_slurm_resumes_its_outcomes_and_leaves_no_hpc_
     ]
     (tmp_path / "signalled.yaml").write_text(yaml.safe_dump(signalled))
     assert main(["test", "--config", str(tmp_path / "signalled.yaml"), "--ckpt_path", str(ckpt)]) == 143
+    # the last word: SLURM runs the requeued job again, nothing for the user to run
+    assert "test interrupted by SIGTERM after SLURM's requeue (exit status 143); the requeued job runs it again" in (
+        capsys.readouterr().err
+    )
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
     assert not list(tmp_path.rglob("hpc_ckpt_*"))
@@ -172,3 +176,23 @@ def test_an_evaluation_requeued_by_slurm_resumes_its_outcomes_and_leaves_no_hpc_
     assert not list(tmp_path.rglob("hpc_ckpt_*"))
     (results,) = (tmp_path / "runs" / "aa").glob("version_*/results.json")
     assert json.loads(results.read_text())["autoattack"]["threat_models"]["Linf-4_255"]["num_points"] == 20
+
+
+def test_a_command_stopped_by_sigterm_in_a_slurm_job_says_that_a_requeue_resumes_it_by_itself(
+    tmp_path, autoattack_checkpoint, monkeypatch, capsys
+):
+    """SIGTERM without the requeue signal before it (SLURM pre-empting a job): SLURM may requeue the job, whose
+    restart resumes by itself, so the advice to run the command again says so."""
+    ckpt, synthetic_root = autoattack_checkpoint
+    for name, value in fake_slurm_job(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    config = yaml.safe_load(eval_config(tmp_path, synthetic_root).read_text())
+    config["trainer"]["callbacks"] += [
+        {"class_path": "test_run_folders.SignalAtTestBatch", "init_args": {"batch": 0, "signal_name": "SIGTERM"}}
+    ]
+    (tmp_path / "signalled.yaml").write_text(yaml.safe_dump(config))
+    assert main(["test", "--config", str(tmp_path / "signalled.yaml"), "--ckpt_path", str(ckpt)]) == 143
+    err = capsys.readouterr().err
+    assert "test interrupted by SIGTERM (exit status 143); the same command resumes it" in err
+    assert "if SLURM requeues this job, as it does a pre-empted job submitted with --requeue" in err
+    assert not (tmp_path / "scontrol.log").exists()

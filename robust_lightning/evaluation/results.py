@@ -109,17 +109,12 @@ def software_versions() -> dict[str, str]:
     return versions
 
 
-def requeue_slurm_job(signum, frame) -> None:
-    """SLURM's requeue signal in an evaluation: ``scontrol requeue`` (rank zero), no checkpoint (module docstring)."""
-    if rank_zero_only.rank == 0:
-        requeue_this_job(signum, "the requeued evaluation resumes its outcomes (it writes no hpc checkpoint)")
-
-
 class RunResults(Callback):
     """Writes the run's metrics and conditions to ``<run dir>/results.json`` and prints a summary. In an
     evaluation on SLURM, it also takes SLURM's requeue signal (module docstring)."""
 
     _requeue_signal: int | None = None  # the requeue signal taken in an evaluation (its handler was the default)
+    _requeued = False  # whether this evaluation requeued its job
 
     def __init__(self):
         self.started = time.time()
@@ -131,7 +126,7 @@ class RunResults(Callback):
 
     def _take_requeue_signal(self, trainer) -> None:
         """Before Lightning sets its requeue handler (after the setup hooks), which it sets only where the signal
-        has none: where it would, the evaluation's own (requeue_slurm_job) takes its place."""
+        has none: where it would, the evaluation's own (_requeue_job) takes its place."""
         environment = trainer._accelerator_connector.cluster_environment
         if not (isinstance(environment, SLURMEnvironment) and environment.auto_requeue):
             return
@@ -140,8 +135,14 @@ class RunResults(Callback):
             return
         if signal.getsignal(signum) not in (None, signal.SIG_DFL):  # another handler, which Lightning keeps too
             return
-        signal.signal(signum, requeue_slurm_job)
-        self._requeue_signal = signum
+        signal.signal(signum, self._requeue_job)
+        self._requeue_signal, self._requeued = signum, False
+
+    def _requeue_job(self, signum, frame) -> None:
+        """SLURM's requeue signal in an evaluation: ``scontrol requeue`` (rank zero), no checkpoint (module
+        docstring)."""
+        if rank_zero_only.rank == 0:
+            self._requeued = requeue_this_job(signum, "the requeued evaluation resumes its outcomes")
 
     def _give_back_requeue_signal(self, trainer) -> None:
         signum, self._requeue_signal = self._requeue_signal, None
@@ -221,8 +222,10 @@ class RunResults(Callback):
         self._write(trainer, pl_module, "fit", extra)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        """An interrupted fit (SIGTERM, Ctrl-C) still leaves its results.json: what it reached, marked interrupted."""
+        """An interrupted fit (SIGTERM, Ctrl-C) still leaves its results.json: what it reached, marked interrupted.
+        An evaluation that requeued its job says so to the command line's last word (``job_requeued``)."""
         self._give_back_requeue_signal(trainer)
+        exception.job_requeued = self._requeued
         interrupted = isinstance(exception, SIGTERMException) or (
             isinstance(exception, KeyboardInterrupt) and trainer.world_size == 1
         )  # Ctrl-C: one rank only

@@ -75,3 +75,15 @@ def requeue_this_job(signum: int, then: str) -> bool:
         return False
     rank_zero_info(f"Requeued SLURM job: {job}")
     return True
+
+
+def slurm_restart_note() -> str:
+    """What a user told how to resume a stopped command must also know inside a SLURM job: SLURM may restart the
+    job itself (a pre-empted job submitted with ``--requeue``), and the restart resumes by itself
+    (``continue_slurm_restart``, an evaluation's outcomes). Empty outside SLURM."""
+    if not SLURMEnvironment.detect():
+        return ""
+    return (
+        "\n(if SLURM requeues this job, as it does a pre-empted job submitted with --requeue, the restart resumes by "
+        "itself: a resume of your own would start a second copy)"
+    )
