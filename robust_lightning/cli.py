@@ -56,6 +56,7 @@ with collector_paused():  # Lightning imports sooner (robust_lightning/startup.p
         FitRunDirectory,
         continue_in_latest_run_directory,
         discard_refused_run,
+        note_resumed_checkpoint,
     )
     from robust_lightning.training.throughput import Throughput
 leave_imported_objects_out_of_collections()  # later collections and the exit skip them
@@ -171,6 +172,8 @@ class RobustLightningCLI(LightningCLI):
         continue_slurm_restart(self.subcommand, config)  # a SLURM restart: the same (scale/requeue.py)
         if self.subcommand == "fit" and config.get("ckpt_path") == "last":
             continue_in_latest_run_directory(config)
+        ckpt_path = config.get("ckpt_path")
+        note_resumed_checkpoint(None if str(ckpt_path) in LIGHTNING_CKPT_NAMES else ckpt_path)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Any:
         """The project's progress display unless the config names one or turns it off: Lightning's own bar reads

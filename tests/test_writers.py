@@ -14,6 +14,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import REPO, eval_config, make_image_tree, tiny_config
 from robust_lightning.cli import main
@@ -204,6 +205,14 @@ def test_a_second_fit_into_a_fixed_checkpoint_dirpath_is_refused(tmp_path, fixed
     assert json.loads((first / "results.json").read_text())["fit"]["last_checkpoint"]["sha256"] == file_sha256(
         checkpoints / "last.ckpt"
     )
+    # checkpoints that name no run (copied in, or saved before runs were recorded): a new fit is refused, a fit
+    # resuming from one of them by path continues them
+    (checkpoints / ".run_directory").unlink()
+    assert main(["fit", "--config", str(fixed_dirpath_config)]) == 2
+    assert f"checkpoint.dirpath {checkpoints} holds checkpoints of an earlier run" in capsys.readouterr().err
+    resume = ["--trainer.max_epochs", "3", "--ckpt_path", str(checkpoints / "last.ckpt")]
+    assert main(["fit", "--config", str(fixed_dirpath_config), *resume]) == 0
+    assert torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=True)["epoch"] == 2
 
 
 def test_a_fit_into_a_run_directory_in_use_is_refused(tmp_path, fixed_dirpath_config, capsys):

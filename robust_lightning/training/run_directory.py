@@ -74,6 +74,7 @@ class _CommandRecord:
         self.folders: list[Path] = []  # its run folders, noted where it stopped (rank zero)
         self.exception: BaseException | None = None  # what stopped it inside the Trainer
         self.begun = False  # a loop ran a batch: a failure after that leaves the run's folder as it is
+        self.ckpt_path: str | None = None  # the checkpoint a fit resumes from (note_resumed_checkpoint)
 
 
 _command: _CommandRecord | None = None
@@ -108,6 +109,13 @@ def _begin_command() -> None:
         sys.addaudithook(_note_made_folder)  # once per process: an audit hook cannot be removed
         _audit_hook_added = True
     _command = _CommandRecord()
+
+
+def note_resumed_checkpoint(ckpt_path: str | None) -> None:
+    """The checkpoint the command's fit resumes from, as the command line resolved it: Lightning sets
+    ``trainer.ckpt_path`` only after the setup hooks, where FitRunDirectory needs it."""
+    if _command is not None:
+        _command.ckpt_path = ckpt_path
 
 
 def _note_added_file(path: Path) -> None:
@@ -187,8 +195,9 @@ class FitRunDirectory(Callback):
             elsewhere = not _inside(checkpoints, run_dir)
             if elsewhere:  # first: a refused fit leaves no run directory behind
                 self._locks.enter_context(exclusive(checkpoints / LOCK_NAME, f"checkpoint directory {checkpoints}"))
-                resumed = Path(trainer.ckpt_path).resolve() if trainer.ckpt_path else None
-                self._check_owner(checkpoints, run_dir, resumed is not None and _inside(resumed, checkpoints))
+                resumed = _command.ckpt_path if _command is not None else None
+                continues_them = resumed is not None and _inside(Path(resumed).resolve(), checkpoints)
+                self._check_owner(checkpoints, run_dir, continues_them)
             self._locks.enter_context(exclusive(run_dir / LOCK_NAME, f"run directory {run_dir}"))
             if elsewhere:
                 _note_added_file(checkpoints / OWNER_MARKER)
