@@ -14,7 +14,7 @@ from jsonargparse import Namespace
 from lightning import Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 
-from helpers import run_command, tiny_config
+from helpers import fake_slurm_job, run_command, tiny_config
 from robust_lightning.scale.requeue import continue_slurm_restart, lightning_resumes_from_hpc
 
 STEPS = 8  # 2 epochs of 4 steps
@@ -89,6 +89,58 @@ def test_a_sigterm_stop_then_the_slurm_restart_of_the_same_command_continues_fro
     with open(run_dir / "metrics.csv") as f:
         logged = Counter(int(row["step"]) for row in csv.DictReader(f) if row.get("train/loss"))
     assert logged == Counter(range(STEPS))  # metrics.csv numbers steps from 0: each once, attempt 1's kept
+
+
+def test_a_restart_after_a_requeue_and_a_later_sigterm_goes_on_from_the_newer_checkpoint(tmp_path):
+    """Attempt 1 is requeued in step 2 (SLURM's requeue signal: hpc_ckpt_1.ckpt of step 2). Attempt 2 resumes from
+    it and is stopped by SIGTERM in step 5, without a requeue signal (pre-emption: last.ckpt of step 5). Attempt 3
+    goes on from last.ckpt, not from the older hpc checkpoint Lightning would take by itself: each step is trained
+    once."""
+    run_dir, record = tmp_path / "run", tmp_path / "steps.jsonl"
+    pace = {"class_path": "slurm_cluster.Pace", "init_args": {"record": str(record), "seconds": 0}}
+
+    def stop(step: int, name: str) -> dict:
+        return {"class_path": "slurm_cluster.SignalMidStep", "init_args": {"step": step, "signal_name": name}}
+
+    config = tiny_config(
+        tmp_path,
+        **{
+            "trainer.max_epochs": 2,
+            "trainer.limit_train_batches": STEPS // 2,
+            "trainer.default_root_dir": str(run_dir),
+            "trainer.logger": {
+                "class_path": "robust_lightning.loggers.CSVLogger",
+                "init_args": {"save_dir": str(run_dir), "name": "", "version": ""},
+            },
+            "checkpoint.dirpath": str(run_dir / "checkpoints"),
+            "data.batch_size": 2,
+            "data.synthetic.train_per_class": 4,
+            "model.arch": "test_resnet",
+        },
+    )
+    job = fake_slurm_job(tmp_path)
+    for restarts, callbacks, status in ((0, [pace, stop(2, "SIGUSR1")], 143), (1, [pace, stop(5, "SIGTERM")], 143)):
+        attempt = run_command(
+            ["fit", "--config", str(config), "--trainer.callbacks", json.dumps(callbacks)],
+            cwd=tmp_path,
+            timeout=240,
+            env={**job, "SLURM_RESTART_COUNT": str(restarts)},
+        )
+        assert attempt.returncode == status, (attempt.stdout + attempt.stderr)[-3000:]
+    hpc, last = run_dir / "hpc_ckpt_1.ckpt", run_dir / "checkpoints" / "last.ckpt"
+    assert [torch.load(p, map_location="cpu", weights_only=True)["global_step"] for p in (hpc, last)] == [2, 5]
+
+    third = run_command(
+        ["fit", "--config", str(config), "--trainer.callbacks", json.dumps([pace])],
+        cwd=tmp_path,
+        timeout=240,
+        env={**job, "SLURM_RESTART_COUNT": "2"},
+    )
+    output = third.stdout + third.stderr
+    assert third.returncode == 0, output[-3000:]
+    assert f"{last} was saved after the hpc checkpoint of its last requeue" in output
+    steps = [(r["attempt"], r["step"]) for r in map(json.loads, record.read_text().splitlines())]
+    assert steps == [(0, 1), (0, 2), (1, 3), (1, 4), (1, 5), (2, 6), (2, 7), (2, 8)]
 
 
 def _config(tmp_path: Path, ckpt_path: str | None = None) -> Namespace:
