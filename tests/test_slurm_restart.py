@@ -15,7 +15,7 @@ from lightning import Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 
 from helpers import fake_slurm_job, run_command, tiny_config
-from robust_lightning.scale.requeue import continue_slurm_restart, lightning_resumes_from_hpc
+from robust_lightning.scale.requeue import continue_slurm_restart, hpc_checkpoints
 
 STEPS = 8  # 2 epochs of 4 steps
 STOP = 3  # SIGTERM inside step 3: last.ckpt of step 3
@@ -166,7 +166,7 @@ def test_the_decision_follows_lightnings_own_hpc_resume(tmp_path, monkeypatch, s
         TrainerFn.FITTING, None, model_provided=True, model_connected=True
     )
     assert lightning == (str(tmp_path / hpc) if hpc and srun else None)
-    assert lightning_resumes_from_hpc(str(tmp_path)) == (lightning is not None)
+    assert bool(hpc_checkpoints(str(tmp_path))) == (lightning is not None)
     config = _config(tmp_path)
     assert continue_slurm_restart("fit", config) == (lightning is None)
     assert config.ckpt_path == (None if lightning else "last")

@@ -43,10 +43,6 @@ def hpc_checkpoints(default_root_dir: str | None) -> list[Path]:
     return [entry for entry in Path(root).iterdir() if HPC_CHECKPOINT in entry.name]
 
 
-def lightning_resumes_from_hpc(default_root_dir: str | None) -> bool:
-    return bool(hpc_checkpoints(default_root_dir))
-
-
 def checkpoint_saved_after(hpc: list[Path], run_dir: Path) -> Path | None:
     """The checkpoint a restart should resume from instead of the hpc ones, where the run went further after the
     last requeue: a later attempt stopped without the requeue signal (pre-emption: last.ckpt of its stop step) or
