@@ -92,6 +92,18 @@ def test_render_card_lays_out_our_numbers_beside_the_papers():
     assert "- (not ImageNet)" in other and "61.00" not in other
     assert "- imagenet_p: no dataset root given" in lines and "- imagenet_a: no root" in lines
     assert render_card(header | {"arch": "resnet18"}, {}, results, [], paper_rows("resnet18")).count("Singh") == 0
+    assert "checks raised" not in card  # none recorded, none shown
+
+    # a check of the reference AutoAttack raised: its section comes before the numbers it qualifies
+    linf = results["autoattack"]["threat_models"]["Linf-4_255"]
+    linf["checks"] = {
+        "randomized": {"raised": True, "figures": {}, "advice": "use version='rand'"},
+        "dynamic": {"raised": False, "figures": {}, "advice": ""},
+    }
+    lines = render_card(header, {}, results, [], []).splitlines()
+    heading = lines.index("## AutoAttack's checks raised: the robust accuracy below may not hold")
+    assert lines[heading + 2] == "- Linf-4_255: `randomized`: use version='rand'" and "dynamic" not in "".join(lines)
+    assert heading < next(i for i, line in enumerate(lines) if line.startswith("## Adversarial robustness"))
 
 
 def test_bad_settings_fail_at_start_naming_the_part():

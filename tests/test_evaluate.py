@@ -224,8 +224,11 @@ def test_a_leaderboard_claim_only_for_the_leaderboards_evaluation(trained, point
         "reported",
     }
     assert "standard AutoAttack (fast engine, fp32 (TF32 off), seed 0)" in info["footnote"]
-    # RobustBench's ModelInfo (robustbench/utils.py) takes exactly these fields
+    assert info["unreliable"] is False  # no check of the reference AutoAttack was raised
+    # RobustBench's ModelInfo (robustbench/utils.py) takes exactly these fields, and its model_info JSON files
+    # also carry "unreliable"
     assert set(info) <= {
+        "unreliable",
         "link",
         "name",
         "authors",
@@ -244,6 +247,15 @@ def test_a_leaderboard_claim_only_for_the_leaderboards_evaluation(trained, point
         "autoattack_acc",
         "footnote",
     }
+
+    # a raised check: the claim is written, marked unreliable, and says so
+    capsys.readouterr()
+    linf["checks"]["randomized"] = {"raised": True, "figures": {}, "advice": "use version='rand'"}
+    results.write_text(json.dumps(content))
+    assert main(["claim", str(results), "--model_name", "Me2026Robust", "--out", str(out)]) == 0
+    flagged = json.loads(out.read_text())
+    assert flagged["unreliable"] is True and "AutoAttack's checks raised: randomized." in flagged["footnote"]
+    assert "checks randomized were raised" in capsys.readouterr().out
 
     content["autoattack"]["conditions"]["version"] = "apgd-ce"
     linf["claims_refuted_in_fp32_this_session"] = {"apgd-ce": 2}

@@ -18,6 +18,8 @@ FAMILIES = {
     "robust_accuracy_after": "<attack>",
     "seconds_this_session": "<attack>",
     "claims_refuted_in_fp32_this_session": "<attack>",
+    "checks": "<check>",
+    "figures": "<figure>",
     "versions": "<package>",
     "corrupt_images": "<split>",
     "eval_image_counts": "<split>",

@@ -54,7 +54,9 @@ from torch import Tensor, nn
 
 from robust_lightning.console import tqdm
 
-from .apgd import apgd
+from . import checks as reference_checks
+from .apgd import apgd, input_gradient, random_start_point
+from .checks import Check
 from .fab import fab_targeted
 from .projections import NORMS, l1_projection
 from .square import square_attack
@@ -106,6 +108,8 @@ class AutoAttackReport:
     refuted: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     x_adv: Tensor | None = None
+    # the reference's checks (robust_lightning.attacks.checks): a raised one says the robust accuracy may not hold
+    checks: list[Check] = field(default_factory=list)
 
     @property
     def clean_accuracy(self) -> float:
@@ -134,6 +138,7 @@ class AutoAttackReport:
             "claims_refuted_in_fp32": dict(self.refuted),
             "seconds": dict(self.seconds),
             "total_seconds": sum(self.seconds.values()),
+            "checks": {check.name: {k: v for k, v in check.as_dict().items() if k != "name"} for check in self.checks},
         }
 
 
@@ -275,6 +280,10 @@ class AutoAttack:
             the layers before it (:func:`folded_batchnorm`, made afresh by every ``evaluate``); successes are
             verified on the model as given.
         attacks: pyautoattack's name for ``attacks_to_run``.
+        checks: run the reference's checks (:mod:`robust_lightning.attacks.checks`), as the reference does: on
+            the first batch before the attacks, and Square's after them. :meth:`evaluate` reports them
+            (``AutoAttackReport.checks``); :meth:`run_standard_evaluation` also warns of a raised one, as the
+            reference does.
 
     The reference codes' calls work unchanged. fra31/auto-attack: ``AutoAttack(model, norm='Linf', eps=.3,
     seed=None, verbose=True, attacks_to_run=[], version='standard', is_tf_model=False, device='cuda',
@@ -312,6 +321,7 @@ class AutoAttack:
         channels_last: bool | None = None,
         fold_batchnorm: bool | None = None,
         attacks: list[str] | None = None,
+        checks: bool = True,
     ):
         if norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
@@ -349,7 +359,7 @@ class AutoAttack:
         self.model, self.norm, self.eps, self.version = model, norm, float(eps), version
         self.seed = int(time.time()) if seed is None else int(seed)
         self.verbose, self.log_path, self.is_tf_model = verbose, log_path, is_tf_model
-        self.engine, self.precision = engine, precision
+        self.engine, self.precision, self.checks = engine, precision, checks
         if device is None:
             parameter = next(iter(getattr(model, "parameters", lambda: iter(()))()), None)
             device = parameter.device if parameter is not None else "cpu"
@@ -431,6 +441,9 @@ class AutoAttack:
         if log:
             log(f"using {self.version} version including {', '.join(self.attacks_to_run)}.")
         report = self.evaluate(x, y, bs=bs, progress=log)
+        for check in report.checks:  # the reference warns of a raised check whatever its verbosity
+            if check.raised:
+                warnings.warn(f"AutoAttack check {check.name}: {check.advice}", stacklevel=2)
         x_adv = report.x_adv
         if log:
             delta = (x_adv - x.to(x_adv.device)).flatten(1)
@@ -532,6 +545,11 @@ class AutoAttack:
         seconds = {"clean": time.perf_counter() - started}
         if progress is not None:
             progress(f"initial accuracy: {clean.float().mean().item():.2%}")
+        checks = []
+        if self.checks:
+            started = time.perf_counter()
+            checks = self._checks_before_attacks(x[:bs], y[:bs], clean[:bs])
+            seconds["checks"] = time.perf_counter() - started
         attacks_started = time.perf_counter()
         robust_after: dict[str, float] = {}
         refuted: dict[str, int] = {}
@@ -567,6 +585,8 @@ class AutoAttack:
                     f"robust accuracy after {attack.upper()}: {robust_after[attack]:.2%} "
                     f"(total time {time.perf_counter() - attacks_started:.1f} s)"
                 )
+        if self.checks:
+            checks.append(reference_checks.square_sr({"clean": clean.float().mean().item(), **robust_after}))
         return AutoAttackReport(
             norm=self.norm,
             eps=self.eps,
@@ -584,7 +604,40 @@ class AutoAttack:
             refuted=refuted,
             seconds=seconds,
             x_adv=x_adv,
+            checks=checks,
         )
+
+    def _checks_before_attacks(self, x: Tensor, y: Tensor, clean: Tensor) -> list[Check]:
+        """The reference's checks on the first batch, before the attacks (fra31/auto-attack's
+        ``run_standard_evaluation``), on the model as given in fp32. zero_gradients is computed as the reference
+        does inside APGD for the DLR losses: on the points the attack gets (those ``clean``ly classified), at
+        APGD's random start, with the DLR loss of the first DLR attack (APGD-T: towards the highest other class);
+        it is not run where no DLR attack is."""
+        x, y = x.to(self.device), y.to(self.device)
+        with numerics("fp32", self.device):
+            output_range = reference_checks.range_output(self.model, x)
+            num_classes = output_range.figures["num_classes"]
+            found = [
+                reference_checks.randomized(self.model, x, y),
+                output_range,
+                reference_checks.dynamic(self.model, x),
+                reference_checks.n_classes(
+                    num_classes, self.attacks, self.apgd_targeted.n_target_classes, self.fab.n_target_classes
+                ),
+            ]
+            dlr = [attack for attack in self.attacks if attack in ("apgd-t", "apgd-dlr")]
+            x, y = x[clean.to(x.device)], y[clean.to(x.device)]
+            if dlr and num_classes > 3 and len(x):
+                generator = torch.Generator(x.device).manual_seed(self.seed or 0)
+                start = random_start_point(x, self.norm, self.eps, generator).clamp(0, 1)
+                if dlr[0] == "apgd-t":
+                    with torch.no_grad():
+                        target = self.model(x).sort(dim=1)[1][:, -2]
+                    grad = input_gradient(self.model, start, y, "dlr-targeted", target)[2]
+                else:
+                    grad = input_gradient(self.model, start, y, "dlr")[2]
+                found.append(reference_checks.zero_gradients(grad))
+        return found
 
     def _correct(self, x: Tensor, y: Tensor, bs: int) -> Tensor:
         """fp32 (TF32 off) predictions == labels, batch by batch, as a bool tensor on x's device."""

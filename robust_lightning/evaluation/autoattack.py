@@ -16,6 +16,7 @@ ends with other weights (trained for more epochs) evaluates them afresh beside t
 which are kept, never mixed in, and do not stop the run at its end.
 """
 
+import json
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from robust_lightning.atomic import atomic_write_json
+from robust_lightning.attacks import checks as reference_checks
 from robust_lightning.attacks.ensemble import (
     ENGINES,
     L1_MIN_ITER,
@@ -70,6 +73,7 @@ DEFAULT_THREAT_MODELS = ({"norm": "Linf", "eps": 4 / 255}, {"norm": "L2", "eps":
 
 
 MISSING_KEYS_LISTED = 20  # results.json names at most this many images that were not evaluated
+CHECKS_FILE = "checks.json"  # in a threat model's outcome folder: the reference's checks of the model
 WEIGHTS_HASH_PREFIX = 16  # hex digits of the weights' sha256 naming a fit's outcome folder (the manifest has all)
 
 
@@ -114,6 +118,9 @@ class AutoAttackEvaluation(Evaluation):
             with the same directory resumes; outcomes of another checkpoint or setting there are refused. It
             must be on a filesystem all ranks share (as checkpoints are). After ``fit``, the outcomes go to its
             subfolder ``weights-<sha256 prefix>`` (default ``<run dir>/autoattack``), one per final weights.
+        checks: run the reference AutoAttack's checks (:mod:`robust_lightning.attacks.checks`): those of the model
+            on the first batch attacked, Square's on all outcomes; results.json records them under each threat
+            model's ``checks``, and a raised one is warned of.
     """
 
     name = "autoattack"
@@ -132,6 +139,7 @@ class AutoAttackEvaluation(Evaluation):
         fold_batchnorm: bool | None = None,
         fit_images: int | None = None,
         results_dir: str | None = None,
+        checks: bool = True,
     ):
         for name, value, allowed in (
             ("version", version, tuple(VERSIONS)),
@@ -149,6 +157,10 @@ class AutoAttackEvaluation(Evaluation):
         self.n_iter, self.batch_size, self.weights, self.fit_images = n_iter, batch_size, weights, fit_images
         self.channels_last, self.fold_batchnorm = channels_last, fold_batchnorm
         self.outcomes_root = Path(results_dir) if results_dir else None  # as configured
+        self.checks = checks
+        # per threat model, the reference's checks of the model (all but square_sr), from the first batch that any
+        # session of this evaluation attacked on rank zero (kept in CHECKS_FILE beside the outcomes)
+        self.model_checks: dict[str, dict[str, Any]] = {}
         self.results_dir: Path | None = None  # the outcome folders' parent, once an evaluation starts
         self.weights_hash: str | None = None  # of the weights evaluated, once an evaluation starts
         self.done: dict[str, set[str]] = {}
@@ -219,6 +231,8 @@ class AutoAttackEvaluation(Evaluation):
         for threat in self.threat_models:
             self.done[threat.name] = set(read_outcomes(self._directory(threat)))
             self.seconds[threat.name], self.refuted[threat.name] = {}, {}
+            saved = self._directory(threat) / CHECKS_FILE
+            self.model_checks[threat.name] = json.loads(saved.read_text()) if saved.is_file() else {}
             if self.done[threat.name] and trainer.is_global_zero:
                 rank_zero_info(f"AutoAttack {threat.name}: resuming, {len(self.done[threat.name])} images already done")
 
@@ -267,6 +281,7 @@ class AutoAttackEvaluation(Evaluation):
                 n_iter=self.n_iter,
                 channels_last=self.channels_last,
                 fold_batchnorm=self.fold_batchnorm,
+                checks=self.checks and not self.model_checks[threat.name],
             )
             index = torch.tensor(todo, device=images.device)
             with torch.enable_grad():
@@ -283,6 +298,11 @@ class AutoAttackEvaluation(Evaluation):
             }
             append_record(self._directory(threat) / f"rank{trainer.global_rank}.jsonl", record)
             self.done[threat.name].update(record["key"])
+            if report.checks:  # each rank checks its first batch once; rank zero's are the evaluation's
+                found = report.summary()["checks"]
+                self.model_checks[threat.name] = {name: found[name] for name in found if name != "square_sr"}
+                if trainer.is_global_zero:
+                    atomic_write_json(self._directory(threat) / CHECKS_FILE, self.model_checks[threat.name])
             for totals, counts in ((self.seconds, report.seconds), (self.refuted, report.refuted)):
                 for attack, value in counts.items():
                     totals[threat.name][attack] = totals[threat.name].get(attack, 0) + value
@@ -310,6 +330,11 @@ class AutoAttackEvaluation(Evaluation):
                 summary["images_not_evaluated"] = expected - summary["num_points"]
                 if expected_keys is not None:
                     summary["keys_not_evaluated"] = sorted(expected_keys - outcomes.keys())[:MISSING_KEYS_LISTED]
+            if self.checks and summary["num_points"]:
+                robust_after = {"clean": summary["clean_accuracy"], **summary["robust_accuracy_after"]}
+                square = reference_checks.square_sr(robust_after).as_dict()
+                summary["checks"] = {**self.model_checks.get(threat.name, {}), "square_sr": square}
+                summary["checks"]["square_sr"].pop("name")
             sections[threat.name] = {"norm": threat.norm, "eps": threat.eps, **summary}
             if summary["num_points"]:
                 metrics[f"autoattack/{threat.name}/clean_acc"] = summary["clean_accuracy"]
@@ -353,6 +378,9 @@ class AutoAttackEvaluation(Evaluation):
         if published is None:  # not global rank zero
             return
         for name, section in sections.items():
+            for check, found in section.get("checks", {}).items():
+                if found["raised"]:
+                    rank_zero_warn(f"AutoAttack {name}: the reference's check {check} was raised: {found['advice']}")
             if section.get("images_not_evaluated"):
                 rank_zero_warn(
                     f"AutoAttack {name}: {section['images_not_evaluated']} of the {expected} evaluation "

@@ -323,6 +323,25 @@ def _sweep_lines(sweep: dict[str, Any]) -> list[str]:
     return [f"## Test resolution (best: {chosen} px)", "", table(columns, rows), ""]
 
 
+def raised_check_lines(threats: dict[str, dict[str, Any]]) -> list[str]:
+    """A section naming the reference AutoAttack's checks that were raised (results.json's ``checks``), placed
+    before the robust accuracies they qualify; none where none was."""
+    raised = [
+        f"- {name}: `{check}`: {found['advice']}"
+        for name, section in threats.items()
+        for check, found in section.get("checks", {}).items()
+        if found.get("raised")
+    ]
+    if not raised:
+        return []
+    return [
+        "## AutoAttack's checks raised: the robust accuracy below may not hold",
+        "",
+        *raised,
+        "",
+    ]
+
+
 def render_card(
     header: dict[str, Any],
     test_metrics: dict[str, float],
@@ -349,6 +368,7 @@ def render_card(
     if threats:
         conditions = autoattack.get("conditions", {})
         points = {s["num_points"] for s in threats.values()}
+        lines += raised_check_lines(threats)
         lines += [
             f"## Adversarial robustness (AutoAttack {conditions.get('version')}, {conditions.get('precision')}, "
             f"{'/'.join(map(str, sorted(points)))} images)",

@@ -5,7 +5,8 @@ RobustBench's ImageNet Linf leaderboard evaluates standard AutoAttack at eps 4/2
 only for an evaluation that was exactly that; anything else is refused with every difference named. The JSON
 has the fields of RobustBench's ``ModelInfo`` (robustbench/utils.py), accuracies as percent strings rounded to
 two decimals as its ``update_json`` writes them; the fields only the authors know (link, name, authors, venue,
-additional_data, reported) are left null to be filled in by hand.
+additional_data, reported) are left null to be filled in by hand. ``unreliable`` is true where a check of the
+reference AutoAttack was raised (results.json's ``checks``).
 """
 
 import json
@@ -94,6 +95,7 @@ def claim(results: str, *, model_name: str, architecture: str | None = None, out
         raise UserError(f"{path} is not an evaluation the leaderboard accepts:\n  " + "\n  ".join(differences))
     conditions = content["autoattack"]["conditions"]
     model = (content.get("test") or content.get("fit") or {}).get("conditions", {}).get("model") or {}
+    raised = [check for check, found in linf.get("checks", {}).items() if found.get("raised")]
     info = {field: None for field in MANUAL_FIELDS} | {
         "number_forward_passes": 1,
         "dataset": "imagenet",
@@ -104,13 +106,22 @@ def claim(results: str, *, model_name: str, architecture: str | None = None, out
         "footnote": f"Evaluated with robust-lightning: standard AutoAttack ({conditions.get('engine')} engine, "
         f"{conditions.get('precision')}, seed {conditions.get('seed')}) on RobustBench's {IMAGES} ImageNet "
         f"val images, {PREPROCESSING}; weights sha256 {conditions.get('weights_sha256')}.",
+        # RobustBench's flag for an evaluation known not to hold: a check of the reference AutoAttack was raised
+        "unreliable": bool(raised),
     }
+    if raised:
+        info["footnote"] += f" AutoAttack's checks raised: {', '.join(raised)}."
     target = Path(out) if out else Path("model_info") / "imagenet" / "Linf" / f"{model_name}.json"
     atomic_write_json(target, info)
     print(
         f"wrote {target}: clean {info['clean_acc']} %, AutoAttack {info['autoattack_acc']} % (Linf 4/255, "
         f"{IMAGES} images); fill in by hand: {', '.join(MANUAL_FIELDS)}"
     )
+    if raised:
+        print(
+            f"the reference AutoAttack's checks {', '.join(raised)} were raised: standard AutoAttack may not evaluate "
+            "this model, so the claim is marked unreliable (results.json names what to run instead)"
+        )
     return 0
 
 
