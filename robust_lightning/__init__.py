@@ -14,13 +14,13 @@ with collector_paused():  # torch and timm import sooner (robust_lightning/start
     from robust_lightning import models  # noqa: F401
     from robust_lightning.models.weights import load_model
 
-__all__ = ["evaluate", "load_model"]
+__all__ = ["benchmark", "evaluate", "load_model"]
 
 
 def __getattr__(name: str):
-    # evaluate brings in Lightning and every evaluation: imported on first use, not with the package
-    if name == "evaluate":
-        from robust_lightning.any_model import evaluate
+    # evaluate and benchmark bring in Lightning and every evaluation: imported on first use, not with the package
+    if name in ("evaluate", "benchmark"):
+        from robust_lightning import any_model
 
-        return evaluate
+        return getattr(any_model, name)
     raise AttributeError(f"module 'robust_lightning' has no attribute {name!r}")

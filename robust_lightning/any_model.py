@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from lightning import LightningDataModule, Trainer
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
+from robust_lightning.atomic import atomic_write_json
 from robust_lightning.data.batch import IMAGE, KEY, LABEL
 from robust_lightning.data.contract import EvaluationSource, TrainingSample
 from robust_lightning.data.datamodule import ImageNetDataModule
@@ -302,3 +304,91 @@ def evaluate(
         trainer.strategy.barrier()  # under DDP: rank zero has written results.json before any rank reads it
         results = run_dir / "results.json"
         return json.loads(results.read_text()) if results.is_file() else {}
+
+
+ROBUSTBENCH_IMAGES = 5000  # RobustBench's ImageNet evaluation subset (data/robustbench_imagenet_test_image_ids.txt)
+# RobustBench's names of the ImageNet preprocessing (robustbench/data.py) that this project's evaluation runs
+ROBUSTBENCH_PREPROCESSING = {"BicubicRes256Crop224": {"image_size": 224, "crop_pct": 224 / 256}}
+
+
+def benchmark(
+    model: nn.Module,
+    n_examples: int = 10_000,
+    dataset: str = "cifar10",
+    threat_model: str = "Linf",
+    to_disk: bool = False,
+    model_name: str | None = None,
+    data_dir: str | Path = "./data",
+    corruptions_data_dir: str | None = None,
+    device: torch.device | str | None = None,
+    batch_size: int = 32,
+    eps: float | None = None,
+    log_path: str | None = None,
+    preprocessing: str | None = None,
+    aa_state_path: str | Path | None = None,
+) -> tuple[float, float]:
+    """RobustBench's ``benchmark`` (robustbench/eval.py), the same arguments in the same order, run as the project's
+    standard AutoAttack evaluation (:func:`evaluate`) on RobustBench's ImageNet subset. Returns (clean accuracy,
+    robust accuracy) as fractions, and prints them as RobustBench does.
+
+    ``dataset`` must be "imagenet" and ``threat_model`` "Linf" or "L2", with ``eps`` given. ``data_dir`` is an
+    ImageNet root holding ``val/<wnid>/<file>``; the first ``n_examples`` (at most 5000) images of RobustBench's
+    list are evaluated. ``preprocessing``: None or "BicubicRes256Crop224" (resize 256 bicubic, centre crop 224),
+    the one this project runs; RobustBench's default for a model without a zoo entry is its bilinear
+    "Res256Crop224", which is refused rather than replaced. ``device``: None is the CPU, as in RobustBench.
+    ``aa_state_path``: a folder for the evaluation's outcomes, from which the same call resumes (RobustBench's is a
+    file of AutoAttack's state); None evaluates in a temporary folder. ``to_disk`` writes
+    ``model_info/imagenet/<threat_model>/<model_name>.json`` as RobustBench's ``update_json`` does (the existing
+    file's other fields kept). ``log_path`` and ``corruptions_data_dir`` are not supported."""
+    if str(dataset) != "imagenet":
+        raise UserError(
+            f"robust_lightning.benchmark evaluates RobustBench's ImageNet subset: dataset='imagenet', got {dataset!r}"
+        )
+    if str(threat_model) not in ("Linf", "L2"):
+        raise UserError(
+            f"threat_model must be 'Linf' or 'L2', got {threat_model!r} (ImageNet-C: robust_lightning.evaluate(..., "
+            "['imagenet_c']))"
+        )
+    if eps is None:
+        raise UserError("If the threat model is L2 or Linf, `eps` must be specified.")  # RobustBench's words
+    if not 0 < n_examples <= ROBUSTBENCH_IMAGES:
+        raise UserError(
+            f"n_examples must be in 1..{ROBUSTBENCH_IMAGES} (RobustBench's ImageNet subset), got {n_examples}"
+        )
+    if preprocessing not in (None, *ROBUSTBENCH_PREPROCESSING):
+        raise UserError(
+            f"preprocessing {preprocessing!r} is not available: this project resizes bicubic, as RobustBench's "
+            f"'BicubicRes256Crop224' (None means that one here)"
+        )
+    if log_path is not None or corruptions_data_dir is not None:
+        raise UserError("log_path and corruptions_data_dir are not supported by robust_lightning.benchmark")
+    if to_disk and model_name is None:
+        raise UserError("If `to_disk` is True, `model_name` should be specified.")  # RobustBench's words
+    if getattr(model, "training", False):
+        warnings.warn("The given model is *not* in eval mode.", stacklevel=2)  # as RobustBench; evaluated in eval mode
+    device = torch.device(device or "cpu")
+    results = evaluate(
+        model,
+        data_dir,
+        ["autoattack"],
+        threat_models=[{"norm": str(threat_model), "eps": float(eps)}],
+        version="standard",
+        eval_subset="robustbench",
+        eval_limit=n_examples if n_examples < ROBUSTBENCH_IMAGES else None,
+        batch_size=batch_size,
+        out_dir=aa_state_path,
+        accelerator="cpu" if device.type == "cpu" else "gpu",
+        devices=1 if device.type == "cpu" else [device.index or 0],
+        **ROBUSTBENCH_PREPROCESSING["BicubicRes256Crop224"],
+    )
+    (section,) = results["autoattack"]["threat_models"].values()
+    clean, robust = section["clean_accuracy"], section["robust_accuracy"]
+    print(f"Clean accuracy: {clean:.2%}")
+    print(f"Adversarial accuracy: {robust:.2%}")
+    if to_disk:
+        path = Path("model_info") / "imagenet" / str(threat_model) / f"{model_name}.json"
+        info = json.loads(path.read_text()) if path.is_file() else {}
+        info |= {"dataset": "imagenet", "eps": eps, "clean_acc": str(round(clean * 100, 2))}
+        info["autoattack_acc"] = str(round(robust * 100, 2))
+        atomic_write_json(path, info)
+    return clean, robust

@@ -370,6 +370,11 @@ def test_robustbench_load_model_call_reads_its_layout(tmp_path):
         name, model_dir=str(models), threat_model=ThreatModel(), arch_kwargs=TINY_CONVNEXT
     )  # the name first, as RobustBench's signature
     assert_same_logits(model, net, images())
+    with pytest.warns(DeprecationWarning, match="`norm` has been deprecated"):  # RobustBench's older keyword
+        model = robust_lightning.load_model(name, model_dir=models, norm="Linf", arch_kwargs=TINY_CONVNEXT)
+    assert_same_logits(model, net, images())
+    with pytest.raises(UserError, match="not 'imagenet', 'L2'"), pytest.warns(DeprecationWarning):
+        robust_lightning.load_model(name, model_dir=models, threat_model="Linf", norm="L2")  # norm overrides
 
     missing = tmp_path / "elsewhere" / "imagenet" / "Linf" / f"{name}.pt"
     with pytest.raises(

@@ -5,9 +5,9 @@
     report = adversary.evaluate(x, y, bs=250)                    # per-point flags, per-attack accuracy, times
 
 The class takes the calls of both reference codes unchanged (``AutoAttack`` docstring): the original
-(github.com/fra31/auto-attack: its constructor's arguments in its order, ``verbose`` lines and ``log_path``,
+(github.com/fra31/auto-attack, which RobustBench pins: its constructor's arguments in its order, ``verbose`` lines and ``log_path``,
 ``attacks_to_run`` with ``version="custom"``, ``run_standard_evaluation(x, y, bs=250, return_labels=False)``,
-x_adv) and the pinned package pyautoattack 0.2.0 (keyword-only ``attacks=``, ``version="custom"``,
+x_adv) and the package pyautoattack 0.2.0 (keyword-only ``attacks=``, ``version="custom"``,
 ``seed=None``; ``run_standard_evaluation(x, y, batch_size=250)``, which returns (x_adv, y_adv)); the attack
 budgets are set through the reference's attribute names (``adversary.apgd.n_restarts``,
 ``adversary.square.n_queries``, ...).
@@ -21,7 +21,7 @@ the model; and since such a false success also ended the point's attack early (n
 restarts or queries), a point whose claim the check refutes goes through that attack again, on the model as
 given, in fp32.
 
-* ``engine="reference"`` runs the attacks of the ``pyautoattack`` package (the code RobustBench pins)
+* ``engine="reference"`` runs the attacks of the ``pyautoattack`` package (a packaging of the reference code)
   unchanged, one attack at a time on the survivors: its own batching of survivors in index order and its
   seed reset before every attack on every batch, so the result is the package's own.
 * ``engine="fast"`` runs our implementations (robust_lightning.attacks: APGD, FAB-T, Square) with the same

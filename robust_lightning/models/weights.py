@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -295,6 +296,7 @@ def load_model(
     mean: tuple[float, float, float] | None = None,
     std: tuple[float, float, float] | None = None,
     arch_kwargs: dict | None = None,
+    norm: str | None = None,
 ) -> RobustClassifier:
     """The model of ``checkpoint`` in eval mode, taking images in [0, 1] (its normaliser inside).
 
@@ -308,13 +310,17 @@ def load_model(
     RobustBench's own call works too: ``load_model(model_name=..., model_dir="./models", dataset="imagenet",
     threat_model="Linf")``, or the entry's name first with no ``checkpoint``. It reads
     ``<model_dir>/imagenet/Linf/<model_name>.pt``, where RobustBench's load_model keeps the entry's weights
-    (``custom_checkpoint``: another file). Nothing is downloaded.
+    (``custom_checkpoint``: another file). Nothing is downloaded. ``norm`` is RobustBench's deprecated name of
+    ``threat_model``, which it overrides, with RobustBench's DeprecationWarning.
 
     The normaliser is, in order: ``mean``/``std`` given here, the one stored in the file, the RobustBench
     entry's, none. ``num_classes`` defaults to the checkpoint's head. Every tensor must match (a mismatch is a
     UserError naming the file and the expected architecture); a ViT position embedding of another grid is
     resampled to ``image_size``.
     """
+    if norm is not None:
+        warnings.warn("`norm` has been deprecated and will be removed in a future version.", DeprecationWarning, 2)
+        threat_model = norm
     if model_name is not None or (checkpoint is None and arch is not None):
         if model_name is not None and arch is not None:
             raise UserError("give the RobustBench entry as model_name or as the first argument, not both")
