@@ -196,3 +196,17 @@ def test_a_command_stopped_by_sigterm_in_a_slurm_job_says_that_a_requeue_resumes
     assert "test interrupted by SIGTERM (exit status 143); the same command resumes it" in err
     assert "if SLURM requeues this job, as it does a pre-empted job submitted with --requeue" in err
     assert not (tmp_path / "scontrol.log").exists()
+
+
+def test_autoattack_outcomes_never_land_in_the_working_directorys_root(tmp_path, autoattack_checkpoint, monkeypatch):
+    """A config without trainer.default_root_dir or results_dir (Lightning's default: the working directory, often
+    a repository checkout): the outcomes go to runs/autoattack there, not ./autoattack."""
+    ckpt, synthetic_root = autoattack_checkpoint
+    config = yaml.safe_load(eval_config(tmp_path, synthetic_root).read_text())
+    del config["trainer"]["default_root_dir"]
+    del config["trainer"]["callbacks"][0]["init_args"]["results_dir"]
+    (tmp_path / "bare.yaml").write_text(yaml.safe_dump(config))
+    monkeypatch.chdir(tmp_path)
+    assert main(["test", "--config", str(tmp_path / "bare.yaml"), "--ckpt_path", str(ckpt)]) == 0
+    assert not (tmp_path / "autoattack").exists()
+    assert list((tmp_path / "runs" / "autoattack").glob("*/rank0.jsonl"))

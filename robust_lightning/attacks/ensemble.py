@@ -5,11 +5,11 @@
     report = adversary.evaluate(x, y, bs=250)                    # per-point flags, per-attack accuracy, times
 
 The class takes the calls of both reference codes unchanged (``AutoAttack`` docstring): the original
-(github.com/fra31/auto-attack, which RobustBench pins: its constructor's arguments in its order, ``verbose`` lines and ``log_path``,
-``attacks_to_run`` with ``version="custom"``, ``run_standard_evaluation(x, y, bs=250, return_labels=False)``,
-x_adv) and the package pyautoattack 0.2.0 (keyword-only ``attacks=``, ``version="custom"``,
-``seed=None``; ``run_standard_evaluation(x, y, batch_size=250)``, which returns (x_adv, y_adv)); the attack
-budgets are set through the reference's attribute names (``adversary.apgd.n_restarts``,
+(github.com/fra31/auto-attack, which RobustBench pins: its constructor's arguments in its order, ``verbose``
+lines and ``log_path``, ``attacks_to_run`` with ``version="custom"``, ``run_standard_evaluation(x, y, bs=250,
+return_labels=False)``, x_adv) and the package pyautoattack 0.2.0 (keyword-only ``attacks=``,
+``version="custom"``, ``seed=None``; ``run_standard_evaluation(x, y, batch_size=250)``, which returns (x_adv,
+y_adv)); the attack budgets are set through the reference's attribute names (``adversary.apgd.n_restarts``,
 ``adversary.square.n_queries``, ...).
 
 Both engines share the ensemble logic here: clean points only, attacks in order (standard: APGD-CE ->

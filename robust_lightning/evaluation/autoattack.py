@@ -46,6 +46,7 @@ from robust_lightning.evaluation.base import (
     data_image_size,
     evaluating,
     evaluation_source,
+    outcomes_parent,
     sum_over_ranks,
 )
 from robust_lightning.evaluation.outcomes import (
@@ -114,7 +115,8 @@ class AutoAttackEvaluation(Evaluation):
             it (default on; successes are verified on the model as given).
         fit_images: after ``fit``, evaluate the final model on this many validation images (split over ranks);
             None: only under ``test``.
-        results_dir: where per-point outcomes go (default ``<trainer.default_root_dir>/autoattack``). A re-run
+        results_dir: where per-point outcomes go (default ``<trainer.default_root_dir>/autoattack``, or
+            ``runs/autoattack`` where that is the working directory: :func:`outcomes_parent`). A re-run
             with the same directory resumes; outcomes of another checkpoint or setting there are refused. It
             must be on a filesystem all ranks share (as checkpoints are). After ``fit``, the outcomes go to its
             subfolder ``weights-<sha256 prefix>`` (default ``<run dir>/autoattack``), one per final weights.
@@ -210,7 +212,7 @@ class AutoAttackEvaluation(Evaluation):
         self._start(
             trainer,
             pl_module,
-            self.outcomes_root or Path(trainer.default_root_dir) / "autoattack",
+            self.outcomes_root or outcomes_parent(trainer) / "autoattack",
             weights_sha256(self.network(pl_module)),
         )  # once: it reads every weight
 

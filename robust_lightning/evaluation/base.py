@@ -65,6 +65,14 @@ def sum_over_ranks(per_key: dict[str, float]) -> dict[str, float]:
     return total
 
 
+def outcomes_parent(trainer) -> Path:
+    """Where an evaluation keeps its per-image outcomes unless told: ``trainer.default_root_dir``, or its ``runs/``
+    where that is the working directory (Lightning's default when it is unset), so that outcomes never land in the
+    root of the working directory (a repository checkout) unless asked."""
+    root = Path(trainer.default_root_dir)
+    return root / "runs" if root.resolve() == Path.cwd().resolve() else root
+
+
 def barrier(trainer) -> None:
     """Wait for every rank (e.g. until all their outcomes are on disk); nothing in one process."""
     trainer.strategy.barrier()

@@ -66,6 +66,7 @@ from robust_lightning.evaluation.base import (
     evaluation_source,
     gather_objects,
     new_figure,
+    outcomes_parent,
 )
 from robust_lightning.evaluation.outcomes import append_record, cell_seconds, claim_directory, read_outcomes, summarise
 from robust_lightning.evaluation.results import update_results, weights_sha256
@@ -271,7 +272,8 @@ class ResolutionSweep(Evaluation):
         pos_embed_interpolation: ViTs at another resolution: "singh" (Singh et al.'s evaluation code, DINO-style
             bicubic; the default) or "timm" (timm's resample_abs_pos_embed).
         plot: draw resolution_sweep.png beside results.json.
-        results_dir: where per-image outcomes go (default ``<trainer.default_root_dir>/resolution_sweep``); a
+        results_dir: where per-image outcomes go (default ``<trainer.default_root_dir>/resolution_sweep``, or
+            ``runs/resolution_sweep`` where that is the working directory); a
             re-run with the same directory resumes. It must be on a filesystem all ranks share.
     """
 
@@ -383,7 +385,7 @@ class ResolutionSweep(Evaluation):
         self.check_data(trainer)
         self.reference = evaluation_resolution(trainer, pl_module, self.reference_resolution)
         # not the versioned log dir: a re-run of the same command must find the saved outcomes
-        self.results_dir = self.results_dir or Path(trainer.default_root_dir) / "resolution_sweep"
+        self.results_dir = self.results_dir or outcomes_parent(trainer) / "resolution_sweep"
         self.weights_sha256 = weights_sha256(network)  # the weights evaluated, however they were loaded
         arch = getattr(pl_module, "hparams", {}).get("arch", type(network).__name__)
         # eval mode: the trial forwards must not touch BatchNorm statistics
