@@ -8,8 +8,8 @@ default, ``--data-root`` for an ImageFolder tree with val/). Both engines run th
 (APGD-CE, APGD-T, FAB-T, Square; or a quick mode, ``--version``) with the same seed and batch size, one after
 the other. The last line printed
 is a JSON object with both clean and robust accuracies, both times (in all and per attack), ``speedup`` =
-reference time / fast time and ``agreement`` = the fraction of points both engines call robust or both call
-broken.
+reference time / fast time, ``agreement`` = the fraction of points both engines call robust or both call
+broken, and ``checks_share_*`` = the time of the reference's checks over each engine's whole run.
 """
 
 import argparse
@@ -107,6 +107,9 @@ def main() -> None:
                 "seconds_fast": {k: round(v, 2) for k, v in fast.seconds.items()},
                 "seconds_reference": {k: round(v, 2) for k, v in reference.seconds.items()},
                 "agreement": (fast.robust == reference.robust).float().mean().item(),
+                # the reference's checks (robust_lightning.attacks.checks) as a share of each engine's whole run
+                "checks_share_fast": round(fast.seconds.get("checks", 0.0) / fast_s, 4),
+                "checks_share_reference": round(reference.seconds.get("checks", 0.0) / reference_s, 4),
                 "claims_refuted_in_fp32_fast": fast.refuted,
             }
         )

@@ -176,9 +176,9 @@ def test_an_autoattack_report_carries_the_checks_and_the_reference_call_warns_of
 
 @pytest.mark.parametrize("kind", MODELS)
 def test_robust_lightning_evaluate_records_the_checks_a_model_raises(kind, tmp_path):
-    """Through the AutoAttack callback (robust_lightning.evaluate): results.json's checks of each threat model. A
-    randomized model may also make the DLR loss constant at a point (its label third in one draw): only its own
-    check is required of it."""
+    """Through the AutoAttack callback (robust_lightning.evaluate): results.json's checks of each threat model (the
+    sanity checks off: tests/test_sanity_checks.py has them). A randomized model may also make the DLR loss
+    constant at a point (its label third in one draw): only its own check is required of it."""
     import robust_lightning
 
     model = MODELS[kind]()
@@ -191,7 +191,7 @@ def test_robust_lightning_evaluate_records_the_checks_a_model_raises(kind, tmp_p
         (x, y),
         threat_models=[{"norm": "Linf", "eps": 8 / 255}],
         version="apgd-t",
-        options={"autoattack": {"n_iter": 2}},
+        options={"autoattack": {"n_iter": 2, "sanity_points": 0}},
         out_dir=tmp_path,
         accelerator="cpu",
     )
@@ -209,7 +209,7 @@ def test_robust_lightning_evaluate_records_the_checks_a_model_raises(kind, tmp_p
         (x, y),
         threat_models=[{"norm": "Linf", "eps": 8 / 255}],
         version="apgd-t",
-        options={"autoattack": {"n_iter": 2}},
+        options={"autoattack": {"n_iter": 2, "sanity_points": 0}},
         out_dir=tmp_path,
         accelerator="cpu",
     )

@@ -17,6 +17,7 @@ which are kept, never mixed in, and do not stop the run at its end.
 """
 
 import json
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ from robust_lightning.attacks.ensemble import (
     uses_channels_last,
 )
 from robust_lightning.attacks.projections import NORMS
+from robust_lightning.attacks.sanity import sanity_checks
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.base import (
     Evaluation,
@@ -123,6 +125,8 @@ class AutoAttackEvaluation(Evaluation):
         checks: run the reference AutoAttack's checks (:mod:`robust_lightning.attacks.checks`): those of the model
             on the first batch attacked, Square's on all outcomes; results.json records them under each threat
             model's ``checks``, and a raised one is warned of.
+        sanity_points: run the sanity checks of Carlini et al. (:mod:`robust_lightning.attacks.sanity`) on this
+            many points of the first batch attacked, recorded beside the reference's checks; 0: not run.
     """
 
     name = "autoattack"
@@ -142,6 +146,7 @@ class AutoAttackEvaluation(Evaluation):
         fit_images: int | None = None,
         results_dir: str | None = None,
         checks: bool = True,
+        sanity_points: int = 200,
     ):
         for name, value, allowed in (
             ("version", version, tuple(VERSIONS)),
@@ -159,9 +164,12 @@ class AutoAttackEvaluation(Evaluation):
         self.n_iter, self.batch_size, self.weights, self.fit_images = n_iter, batch_size, weights, fit_images
         self.channels_last, self.fold_batchnorm = channels_last, fold_batchnorm
         self.outcomes_root = Path(results_dir) if results_dir else None  # as configured
-        self.checks = checks
-        # per threat model, the reference's checks of the model (all but square_sr), from the first batch that any
-        # session of this evaluation attacked on rank zero (kept in CHECKS_FILE beside the outcomes)
+        if sanity_points < 0:
+            raise UserError(f"AutoAttackEvaluation.sanity_points must be 0 (off) or more, got {sanity_points}")
+        self.checks, self.sanity_points = checks, sanity_points
+        # per threat model, the checks of the model (the reference's but square_sr, and the sanity checks), from the
+        # first batch that any session of this evaluation attacked on rank zero (kept in CHECKS_FILE beside the
+        # outcomes)
         self.model_checks: dict[str, dict[str, Any]] = {}
         self.results_dir: Path | None = None  # the outcome folders' parent, once an evaluation starts
         self.weights_hash: str | None = None  # of the weights evaluated, once an evaluation starts
@@ -271,6 +279,7 @@ class AutoAttackEvaluation(Evaluation):
             todo = [i for i, key in enumerate(keys) if key not in self.done[threat.name]]
             if not todo:
                 continue
+            first = not self.model_checks[threat.name]  # no checks of the model yet: this batch gets them
             adversary = AutoAttack(
                 self.network(pl_module),
                 norm=threat.norm,
@@ -283,7 +292,7 @@ class AutoAttackEvaluation(Evaluation):
                 n_iter=self.n_iter,
                 channels_last=self.channels_last,
                 fold_batchnorm=self.fold_batchnorm,
-                checks=self.checks and not self.model_checks[threat.name],
+                checks=self.checks and first,
             )
             index = torch.tensor(todo, device=images.device)
             with torch.enable_grad():
@@ -300,14 +309,33 @@ class AutoAttackEvaluation(Evaluation):
             }
             append_record(self._directory(threat) / f"rank{trainer.global_rank}.jsonl", record)
             self.done[threat.name].update(record["key"])
-            if report.checks:  # each rank checks its first batch once; rank zero's are the evaluation's
-                found = report.summary()["checks"]
-                self.model_checks[threat.name] = {name: found[name] for name in found if name != "square_sr"}
-                if trainer.is_global_zero:
-                    atomic_write_json(self._directory(threat) / CHECKS_FILE, self.model_checks[threat.name])
+            if first and (self.checks or self.sanity_points):
+                self._check_model(trainer, pl_module, threat, report, images[index], labels[index])
             for totals, counts in ((self.seconds, report.seconds), (self.refuted, report.refuted)):
                 for attack, value in counts.items():
                     totals[threat.name][attack] = totals[threat.name].get(attack, 0) + value
+
+    def _check_model(self, trainer, pl_module, threat: ThreatModel, report, images, labels) -> None:
+        """The checks of the model on the first batch attacked: the reference's, which the AutoAttack run made,
+        and the sanity checks. Each rank checks its first batch once; rank zero's are the evaluation's."""
+        found = {name: check for name, check in report.summary()["checks"].items() if name != "square_sr"}
+        if self.sanity_points:
+            started = time.perf_counter()
+            with torch.enable_grad():
+                sane = sanity_checks(
+                    self.network(pl_module),
+                    images[: self.sanity_points].float(),
+                    labels[: self.sanity_points],
+                    threat.norm,
+                    threat.eps,
+                    seed=self.seed,
+                )
+            found |= {check.name: {k: v for k, v in check.as_dict().items() if k != "name"} for check in sane}
+            spent = self.seconds[threat.name]
+            spent["sanity_checks"] = spent.get("sanity_checks", 0.0) + time.perf_counter() - started
+        self.model_checks[threat.name] = found
+        if trainer.is_global_zero:
+            atomic_write_json(self._directory(threat) / CHECKS_FILE, found)
 
     # -------------------------------------------------------------------------------------------- end
     def on_test_epoch_end(self, trainer, pl_module) -> None:
@@ -332,11 +360,12 @@ class AutoAttackEvaluation(Evaluation):
                 summary["images_not_evaluated"] = expected - summary["num_points"]
                 if expected_keys is not None:
                     summary["keys_not_evaluated"] = sorted(expected_keys - outcomes.keys())[:MISSING_KEYS_LISTED]
-            if self.checks and summary["num_points"]:
-                robust_after = {"clean": summary["clean_accuracy"], **summary["robust_accuracy_after"]}
-                square = reference_checks.square_sr(robust_after).as_dict()
-                summary["checks"] = {**self.model_checks.get(threat.name, {}), "square_sr": square}
-                summary["checks"]["square_sr"].pop("name")
+            if summary["num_points"] and (self.checks or self.sanity_points):
+                summary["checks"] = dict(self.model_checks.get(threat.name, {}))
+                if self.checks:
+                    robust_after = {"clean": summary["clean_accuracy"], **summary["robust_accuracy_after"]}
+                    square = reference_checks.square_sr(robust_after).as_dict()
+                    summary["checks"]["square_sr"] = {k: v for k, v in square.items() if k != "name"}
             sections[threat.name] = {"norm": threat.norm, "eps": threat.eps, **summary}
             if summary["num_points"]:
                 metrics[f"autoattack/{threat.name}/clean_acc"] = summary["clean_accuracy"]
@@ -382,7 +411,7 @@ class AutoAttackEvaluation(Evaluation):
         for name, section in sections.items():
             for check, found in section.get("checks", {}).items():
                 if found["raised"]:
-                    rank_zero_warn(f"AutoAttack {name}: the reference's check {check} was raised: {found['advice']}")
+                    rank_zero_warn(f"AutoAttack {name}: the check {check} was raised: {found['advice']}")
             if section.get("images_not_evaluated"):
                 rank_zero_warn(
                     f"AutoAttack {name}: {section['images_not_evaluated']} of the {expected} evaluation "

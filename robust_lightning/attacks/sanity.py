@@ -1,0 +1,139 @@
+"""The sanity checks of Carlini et al. (2019, "On Evaluating Adversarial Robustness", Sec. 5) that can be automated,
+beside the reference AutoAttack's own (:mod:`robust_lightning.attacks.checks`), each a :class:`Check` of the same
+form. They run APGD-CE with few iterations on a few hundred points, so they cost little next to AutoAttack:
+
+- ``eps_monotonic``: the robust accuracy falls (or stays) as the radius grows, over 0.5, 1, 2 and 4 times eps;
+- ``unbounded``: an attack whose ball holds every image (Linf 0.5 around any point reaches mid-grey; L2 and L1
+  radii scaled to the same reach) leaves no point robust;
+- ``iterative_vs_one_step``: the iterative attack is at least as strong as one gradient step (FGSM in Linf, the
+  fast gradient method in L2 and L1);
+- ``engines_agree``: the fast engine and the reference engine (pyautoattack) call the same points robust.
+
+Where one is raised, the attack's gradients probably mislead it (gradient masking), and the robust accuracy of any
+gradient-based evaluation, AutoAttack's included, may not hold.
+"""
+
+import itertools
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from .apgd import apgd, input_gradient, predicted_correct
+from .checks import Check
+from .projections import normalize, project
+from .simple import fgsm
+
+EPS_MULTIPLIERS = (0.5, 1.0, 2.0, 4.0)
+AGREEMENT_MIN = 0.9  # engines_agree is raised below this share of points with the same verdict
+
+
+def unbounded_eps(norm: str, x: Tensor) -> float:
+    """A radius whose ball around any image in [0, 1] holds mid-grey: 0.5 per coordinate, in the norm's measure."""
+    dims = x[0].numel()
+    return {"Linf": 0.5, "L2": 0.5 * dims**0.5, "L1": 0.5 * dims}[norm]
+
+
+@torch.no_grad()
+def _correct(model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor) -> Tensor:
+    return predicted_correct(model(x), y)
+
+
+def _apgd_ce_robust(model, x: Tensor, y: Tensor, norm: str, eps: float, n_iter: int, seed: int) -> Tensor:
+    """Per point: correctly classified on the clean image and on every iterate of APGD-CE (random start)."""
+    run = apgd(model, x, y, norm=norm, eps=eps, n_iter=n_iter, loss="ce", random_start=True, generator=seed)
+    return run.robust & _correct(model, x, y)
+
+
+def _one_step_robust(model, x: Tensor, y: Tensor, norm: str, eps: float) -> Tensor:
+    """Per point: correctly classified on the clean image and after one gradient step of the cross-entropy."""
+    if norm == "Linf":
+        stepped = fgsm(model, x, y, eps=eps)
+    else:
+        _, _, grad = input_gradient(model, x, y, "ce")
+        stepped = project(x, x + eps * normalize(grad, norm), norm, eps)
+    return _correct(model, x, y) & _correct(model, stepped, y)
+
+
+def _share(flags: Tensor) -> float:
+    return flags.float().mean().item()
+
+
+def eps_monotonic(model, x, y, norm: str, eps: float, n_iter: int = 20, seed: int = 0) -> Check:
+    accuracies = {m: _share(_apgd_ce_robust(model, x, y, norm, m * eps, n_iter, seed)) for m in EPS_MULTIPLIERS}
+    values = list(accuracies.values())
+    raised = any(later > earlier for earlier, later in itertools.pairwise(values))
+    return Check(
+        "eps_monotonic",
+        raised,
+        {f"robust_accuracy_at_{m:g}x_eps": value for m, value in accuracies.items()},
+        "the robust accuracy rises with the radius somewhere: the attack's gradients mislead it (gradient masking); "
+        "do not trust the robust accuracy before an adaptive attack confirms it"
+        if raised
+        else "",
+    )
+
+
+def unbounded(model, x, y, norm: str, n_iter: int = 20, seed: int = 0) -> Check:
+    radius = unbounded_eps(norm, x)
+    left = _share(_apgd_ce_robust(model, x, y, norm, radius, n_iter, seed))
+    return Check(
+        "unbounded",
+        left > 0,
+        {"eps": radius, "robust_accuracy": left},
+        f"{left:.1%} of the points stay robust to an attack whose ball holds every image: the attack fails for "
+        "another reason than the threat model (masked or obfuscated gradients)"
+        if left > 0
+        else "",
+    )
+
+
+def iterative_vs_one_step(model, x, y, norm: str, eps: float, n_iter: int = 20, seed: int = 0) -> Check:
+    iterative = _share(_apgd_ce_robust(model, x, y, norm, eps, n_iter, seed))
+    one_step = _share(_one_step_robust(model, x, y, norm, eps))
+    raised = iterative > one_step
+    return Check(
+        "iterative_vs_one_step",
+        raised,
+        {"robust_accuracy_iterative": iterative, "robust_accuracy_one_step": one_step},
+        "one gradient step breaks more points than the iterative attack: its gradients mislead it further from the "
+        "point (gradient masking)"
+        if raised
+        else "",
+    )
+
+
+def engines_agree(model, x, y, norm: str, eps: float, n_iter: int = 20, seed: int = 0) -> Check:
+    from .ensemble import AutoAttack  # noqa: PLC0415 (ensemble imports the checks)
+
+    settings = {"norm": norm, "eps": eps, "seed": seed, "verbose": False, "version": "apgd-ce", "n_iter": n_iter}
+    verdicts = {
+        engine: AutoAttack(model, engine=engine, checks=False, **settings).evaluate(x, y, bs=len(x))
+        for engine in ("fast", "reference")
+    }
+    agreement = _share(verdicts["fast"].robust == verdicts["reference"].robust)
+    raised = agreement < AGREEMENT_MIN
+    return Check(
+        "engines_agree",
+        raised,
+        {
+            "points": len(x),
+            "agreement": agreement,
+            "robust_accuracy_fast": verdicts["fast"].robust_accuracy,
+            "robust_accuracy_reference": verdicts["reference"].robust_accuracy,
+        },
+        f"the fast and the reference engine disagree on {1 - agreement:.1%} of the points: run the evaluation with "
+        "engine='reference'"
+        if raised
+        else "",
+    )
+
+
+def sanity_checks(model, x: Tensor, y: Tensor, norm: str, eps: float, n_iter: int = 20, seed: int = 0) -> list[Check]:
+    """Every check above on the points ``x`` (in [0, 1]) with labels ``y``."""
+    return [
+        eps_monotonic(model, x, y, norm, eps, n_iter, seed),
+        unbounded(model, x, y, norm, n_iter, seed),
+        iterative_vs_one_step(model, x, y, norm, eps, n_iter, seed),
+        engines_agree(model, x, y, norm, eps, n_iter, seed),
+    ]
