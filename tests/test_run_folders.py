@@ -210,3 +210,10 @@ def test_autoattack_outcomes_never_land_in_the_working_directorys_root(tmp_path,
     assert main(["test", "--config", str(tmp_path / "bare.yaml"), "--ckpt_path", str(ckpt)]) == 0
     assert not (tmp_path / "autoattack").exists()
     assert list((tmp_path / "runs" / "autoattack").glob("*/rank0.jsonl"))
+    # the command's results.json holds the checks; the reference's raise none on this plain classifier
+    (results,) = (tmp_path / "runs" / "aa").glob("version_*/results.json")
+    (section,) = json.loads(results.read_text())["autoattack"]["threat_models"].values()
+    reference = {"randomized", "range_output", "dynamic", "n_classes", "square_sr"}  # no DLR attack: no zero_gradients
+    sanity = {"eps_monotonic", "unbounded", "iterative_vs_one_step", "engines_agree"}
+    assert set(section["checks"]) == reference | sanity
+    assert not any(section["checks"][name]["raised"] for name in reference)
