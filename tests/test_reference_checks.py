@@ -186,16 +186,20 @@ def test_robust_lightning_evaluate_records_the_checks_a_model_raises(kind, tmp_p
     torch.manual_seed(4)
     with torch.no_grad():
         y = model(x).argmax(1)
-    results = robust_lightning.evaluate(
-        model,
-        (x, y),
-        threat_models=[{"norm": "Linf", "eps": 8 / 255}],
-        version="apgd-t",
-        options={"autoattack": {"n_iter": 2, "sanity_points": 0}},
-        out_dir=tmp_path,
-        accelerator="cpu",
-    )
-    found = results["autoattack"]["threat_models"]["Linf-8_255"]["checks"]
+
+    def checks() -> dict:
+        results = robust_lightning.evaluate(
+            model,
+            (x, y),
+            threat_models=[{"norm": "Linf", "eps": 8 / 255}],
+            version="apgd-t",
+            options={"autoattack": {"n_iter": 2, "sanity_points": 0}},
+            out_dir=tmp_path,
+            accelerator="cpu",
+        )
+        return results["autoattack"]["threat_models"]["Linf-8_255"]["checks"]
+
+    found = checks()
     assert set(found) == {"randomized", "range_output", "dynamic", "n_classes", "zero_gradients", "square_sr"}
     raised = {name for name, check in found.items() if check["raised"]}
     if kind == "randomized":
@@ -204,15 +208,6 @@ def test_robust_lightning_evaluate_records_the_checks_a_model_raises(kind, tmp_p
         assert raised == (set() if kind == "plain" else {kind})
     assert all(bool(check["advice"]) == check["raised"] for check in found.values())
     # kept beside the outcomes: a resumed evaluation, with nothing left to attack, reports the same
-    again = robust_lightning.evaluate(
-        model,
-        (x, y),
-        threat_models=[{"norm": "Linf", "eps": 8 / 255}],
-        version="apgd-t",
-        options={"autoattack": {"n_iter": 2, "sanity_points": 0}},
-        out_dir=tmp_path,
-        accelerator="cpu",
-    )
-    resumed = again["autoattack"]["threat_models"]["Linf-8_255"]["checks"]
+    resumed = checks()
     model_checks = {name: check for name, check in found.items() if name != "square_sr"}
     assert {name: check for name, check in resumed.items() if name != "square_sr"} == model_checks
