@@ -284,3 +284,17 @@ def test_a_row_cut_short_by_a_kill_is_dropped_before_the_log_continues(tmp_path,
         ]
     else:  # not even a whole header: a new file
         assert header == ["acc", "loss", "step"] and rows == [{"acc": "0.25", "loss": "0.5", "step": "1"}]
+
+
+def test_a_refused_fit_leaves_no_wandb_run_behind(tmp_path):
+    """A fit with the CSV + W&B pair refused after its W&B run started (a value the data module rejects): no
+    offline run, no wandb/ folder, no runs/ tree is left; the message is the refusal's."""
+    run_dir = tmp_path / "runs"
+    loggers = [
+        {"class_path": f"robust_lightning.loggers.{name}", "init_args": {"save_dir": str(run_dir), **extra}}
+        for name, extra in (("CSVLogger", {"name": "tiny"}), ("WandbLogger", {"project": "rl"}))
+    ]
+    path = config(tmp_path, **{"trainer.logger": loggers})
+    output = fit(tmp_path, "--config", str(path), "--data.holdout", "1000", status=2)
+    assert "data.holdout" in output and "Traceback" not in output
+    assert not run_dir.exists(), sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))

@@ -30,14 +30,14 @@ from pathlib import Path
 
 from lightning import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
 from robust_lightning.atomic import atomic_write_json
 from robust_lightning.errors import UserError
 from robust_lightning.locking import LOCK_NAME, exclusive
 from robust_lightning.loggers import CSVLogger as ContinuedCSVLogger
-from robust_lightning.loggers import logger_class
+from robust_lightning.loggers import finish_wandb_run, logger_class
 from robust_lightning.paths import run_directory
 
 FIT_MARKER = ".fit"  # in a fit's run directory: {"checkpoint_dirpath": ...}
@@ -72,6 +72,7 @@ class _CommandRecord:
         self.directories: set[str] = set()  # the folders this process made since the command began (real paths)
         self.files: list[Path] = []  # the files it added to folders that were there before it
         self.folders: list[Path] = []  # its run folders, noted where it stopped (rank zero)
+        self.wandb_folders: list[Path] = []  # the folders of the W&B runs its loggers started, noted with them
         self.exception: BaseException | None = None  # what stopped it inside the Trainer
         self.begun = False  # a loop ran a batch: a failure after that leaves the run's folder as it is
         self.ckpt_path: str | None = None  # the checkpoint a fit resumes from (note_resumed_checkpoint)
@@ -135,6 +136,17 @@ def _run_folders(trainer) -> list[Path]:
     return folders
 
 
+def _wandb_folders(trainer) -> list[Path]:
+    """The folders of the W&B runs the trainer's loggers started (``<save_dir>/wandb/offline-run-...``)."""
+    folders = []
+    for logger in trainer.loggers:
+        run = getattr(logger, "_experiment", None) if isinstance(logger, WandbLogger) else None
+        run_files = getattr(run, "dir", None)  # <run folder>/files
+        if run_files and "://" not in str(run_files):
+            folders.append(Path(run_files).parent)
+    return folders
+
+
 def _written_by_another(folder: Path) -> bool:
     """Whether another process holds the lock of ``folder`` (a fit that took the same version number)."""
     if not (folder / LOCK_NAME).is_file():
@@ -159,10 +171,16 @@ def discard_refused_run(exception: BaseException) -> None:
     for path in command.files:
         with suppress(OSError):
             path.unlink()
-    for folder in command.folders:
+    wandb_folders = [Path(_real_path(folder)) for folder in command.wandb_folders]
+    if any(str(folder) in command.directories for folder in wandb_folders):
+        finish_wandb_run(2)  # W&B's service writes what it holds into the run's folder, then lets it go
+    for folder in [*command.folders, *wandb_folders]:
         folder = Path(_real_path(folder))
         if str(folder) in command.directories and folder.is_dir() and not _written_by_another(folder):
             shutil.rmtree(folder, ignore_errors=True)
+            for link in folder.parent.iterdir():  # W&B's latest-run and debug logs pointing into it
+                if link.is_symlink() and not link.exists():
+                    link.unlink()
         for parent in folder.parents:  # runs/<name>/ of a first run, made for the refused one alone
             if str(parent) not in command.directories:
                 break
@@ -265,6 +283,7 @@ class FitRunDirectory(Callback):
                 _command.folders = _run_folders(trainer) if trainer.is_global_zero else []
             except Exception:  # noqa: BLE001 (the error that stopped the command is the one to report)
                 _command.folders = []
+            _command.wandb_folders = _wandb_folders(trainer)
 
 
 def newest_intact_checkpoint(directory: Path) -> tuple[Path | None, list[str]]:
