@@ -29,8 +29,9 @@ class Check:
     figures: dict[str, Any] = field(default_factory=dict)
     advice: str = ""  # what to run instead, where raised
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def record(self) -> dict[str, Any]:
+        """What results.json keeps of it, under its name: raised, figures, advice."""
+        return {key: value for key, value in asdict(self).items() if key != "name"}
 
 
 def _unit_rows(logits: Tensor) -> Tensor:

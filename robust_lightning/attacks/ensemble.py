@@ -138,7 +138,7 @@ class AutoAttackReport:
             "claims_refuted_in_fp32": dict(self.refuted),
             "seconds": dict(self.seconds),
             "total_seconds": sum(self.seconds.values()),
-            "checks": {check.name: {k: v for k, v in check.as_dict().items() if k != "name"} for check in self.checks},
+            "checks": {check.name: check.record() for check in self.checks},
         }
 
 

@@ -76,7 +76,7 @@ DEFAULT_THREAT_MODELS = ({"norm": "Linf", "eps": 4 / 255}, {"norm": "L2", "eps":
 
 
 MISSING_KEYS_LISTED = 20  # results.json names at most this many images that were not evaluated
-CHECKS_FILE = "checks.json"  # in a threat model's outcome folder: the reference's checks of the model
+CHECKS_FILE = "checks.json"  # in a threat model's outcome folder: the checks of the model (its first batch)
 WEIGHTS_HASH_PREFIX = 16  # hex digits of the weights' sha256 naming a fit's outcome folder (the manifest has all)
 
 
@@ -330,7 +330,7 @@ class AutoAttackEvaluation(Evaluation):
                     threat.eps,
                     seed=self.seed,
                 )
-            found |= {check.name: {k: v for k, v in check.as_dict().items() if k != "name"} for check in sane}
+            found |= {check.name: check.record() for check in sane}
             spent = self.seconds[threat.name]
             spent["sanity_checks"] = spent.get("sanity_checks", 0.0) + time.perf_counter() - started
         self.model_checks[threat.name] = found
@@ -364,8 +364,7 @@ class AutoAttackEvaluation(Evaluation):
                 summary["checks"] = dict(self.model_checks.get(threat.name, {}))
                 if self.checks:
                     robust_after = {"clean": summary["clean_accuracy"], **summary["robust_accuracy_after"]}
-                    square = reference_checks.square_sr(robust_after).as_dict()
-                    summary["checks"]["square_sr"] = {k: v for k, v in square.items() if k != "name"}
+                    summary["checks"]["square_sr"] = reference_checks.square_sr(robust_after).record()
             sections[threat.name] = {"norm": threat.norm, "eps": threat.eps, **summary}
             if summary["num_points"]:
                 metrics[f"autoattack/{threat.name}/clean_acc"] = summary["clean_accuracy"]
