@@ -288,7 +288,8 @@ def test_a_row_cut_short_by_a_kill_is_dropped_before_the_log_continues(tmp_path,
 
 def test_a_refused_fit_leaves_no_wandb_run_behind(tmp_path):
     """A fit with the CSV + W&B pair refused after its W&B run started (a value the data module rejects): no
-    offline run, no wandb/ folder, no runs/ tree is left; the message is the refusal's."""
+    offline run, no wandb/ folder, no runs/ tree is left; the message is the refusal's. (tiny_config's bar off and
+    no loader workers: the data module refuses the value in its set-up, before either would start.)"""
     run_dir = tmp_path / "runs"
     loggers = [
         {"class_path": f"robust_lightning.loggers.{name}", "init_args": {"save_dir": str(run_dir), **extra}}

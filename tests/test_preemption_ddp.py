@@ -231,7 +231,9 @@ def test_a_slurm_requeue_stops_the_fit_at_its_step_and_says_slurm_resumes(tmp_pa
     resumes the job from it, not to run a resume of one's own (that would be a second copy of the run). The job's
     restart (the same command in the same environment) resumes from it and trains each later step once. One
     process: the message and the checkpoint are the same under DDP, where the save is the collective of the test
-    above."""
+    above. tiny_config's bar off and no loader workers: the message and the stop step do not depend on them; the
+    weights after such a requeue are compared with the fit left alone, with the bar and loader workers on, in
+    tests/test_slurm_restart.py (one process) and tests/test_slurm_requeue_ddp.py (2 tasks on real SLURM)."""
     record = tmp_path / "batches.jsonl"
     callbacks = [
         {"class_path": "slurm_cluster.Pace", "init_args": {"record": str(record), "seconds": 0}},
@@ -277,7 +279,9 @@ def test_a_slurm_requeue_stops_the_fit_at_its_step_and_says_slurm_resumes(tmp_pa
 def test_a_refused_slurm_requeue_stops_the_fit_with_last_ckpt_and_the_command_that_resumes_it(tmp_path):
     """SLURM's requeue signal in step 3, and ``scontrol requeue`` fails. The fit stops there all the same (its time
     limit is near, and its W&B run is finished), warns that the requeue failed, writes last.ckpt of step 3 beside
-    hpc_ckpt_1.ckpt and prints the command that continues it, which trains each later step once."""
+    hpc_ckpt_1.ckpt and prints the command that continues it, which trains each later step once. tiny_config's
+    bar off and no loader workers: the refusal's path does not depend on them (last.ckpt's resume with them on is
+    compared with the fit left alone in tests/test_preemption_ddp.py's SIGTERM test above)."""
     record = tmp_path / "batches.jsonl"
     callbacks = [
         {"class_path": "slurm_cluster.Pace", "init_args": {"record": str(record), "seconds": 0}},

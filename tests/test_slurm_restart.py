@@ -95,29 +95,36 @@ def test_a_restart_after_a_requeue_and_a_later_sigterm_goes_on_from_the_newer_ch
     """Attempt 1 is requeued in step 2 (SLURM's requeue signal: hpc_ckpt_1.ckpt of step 2). Attempt 2 resumes from
     it and is stopped by SIGTERM in step 5, without a requeue signal (pre-emption: last.ckpt of step 5). Attempt 3
     goes on from last.ckpt, not from the older hpc checkpoint Lightning would take by itself: each step is trained
-    once."""
-    run_dir, record = tmp_path / "run", tmp_path / "steps.jsonl"
+    once, and the final weights are those of the same fit left alone. With a user's defaults: the progress
+    display and a loader worker."""
+    record = tmp_path / "steps.jsonl"
     pace = {"class_path": "slurm_cluster.Pace", "init_args": {"record": str(record), "seconds": 0}}
 
     def stop(step: int, name: str) -> dict:
         return {"class_path": "slurm_cluster.SignalMidStep", "init_args": {"step": step, "signal_name": name}}
 
-    config = tiny_config(
-        tmp_path,
-        **{
-            "trainer.max_epochs": 2,
-            "trainer.limit_train_batches": STEPS // 2,
-            "trainer.default_root_dir": str(run_dir),
-            "trainer.logger": {
-                "class_path": "robust_lightning.loggers.CSVLogger",
-                "init_args": {"save_dir": str(run_dir), "name": "", "version": ""},
+    def fit_config(folder: Path) -> Path:
+        run_dir = folder / "run"
+        return tiny_config(
+            folder,
+            **{
+                "trainer.max_epochs": 2,
+                "trainer.limit_train_batches": STEPS // 2,
+                "trainer.enable_progress_bar": True,
+                "trainer.default_root_dir": str(run_dir),
+                "trainer.logger": {
+                    "class_path": "robust_lightning.loggers.CSVLogger",
+                    "init_args": {"save_dir": str(run_dir), "name": "", "version": ""},
+                },
+                "checkpoint.dirpath": str(run_dir / "checkpoints"),
+                "data.batch_size": 2,
+                "data.num_workers": 1,
+                "data.synthetic.train_per_class": 4,
+                "model.arch": "test_resnet",
             },
-            "checkpoint.dirpath": str(run_dir / "checkpoints"),
-            "data.batch_size": 2,
-            "data.synthetic.train_per_class": 4,
-            "model.arch": "test_resnet",
-        },
-    )
+        )
+
+    config, run_dir = fit_config(tmp_path), tmp_path / "run"
     job = fake_slurm_job(tmp_path)
     for restarts, callbacks, status in ((0, [pace, stop(2, "SIGUSR1")], 143), (1, [pace, stop(5, "SIGTERM")], 143)):
         attempt = run_command(
@@ -141,6 +148,19 @@ def test_a_restart_after_a_requeue_and_a_later_sigterm_goes_on_from_the_newer_ch
     assert f"{last} was saved after the hpc checkpoint of its last requeue" in output
     steps = [(r["attempt"], r["step"]) for r in map(json.loads, record.read_text().splitlines())]
     assert steps == [(0, 1), (0, 2), (1, 3), (1, 4), (1, 5), (2, 6), (2, 7), (2, 8)]
+
+    alone_dir = tmp_path / "alone"
+    alone_dir.mkdir()
+    alone = run_command(["fit", "--config", str(fit_config(alone_dir))], cwd=alone_dir, timeout=240)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    expected, got = (
+        torch.load(folder / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+        for folder in (alone_dir, tmp_path)
+    )
+    assert got["global_step"] == expected["global_step"] == STEPS
+    assert expected["state_dict"].keys() == got["state_dict"].keys()
+    for key, value in expected["state_dict"].items():
+        assert torch.equal(got["state_dict"][key], value), key
 
 
 def _config(tmp_path: Path, ckpt_path: str | None = None) -> Namespace:
