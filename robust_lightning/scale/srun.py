@@ -58,15 +58,9 @@ def end_on_parent_sigterm() -> None:
     threading.Thread(target=wait_for_sigterm, name="end-on-parent-sigterm", daemon=True).start()
 
 
-_shielded = []  # once per process: fork hooks cannot be removed, and every command of a process calls this
-
-
 def shield_forked_children() -> None:
-    if _shielded:
-        return
     os.register_at_fork(after_in_child=ignore_job_signals)
     atexit.register(_end_daemonic_children)
-    _shielded.append(True)
 
 
 def _end_daemonic_children() -> None:
