@@ -170,6 +170,15 @@ def sigterm_pending(pid: int) -> bool:
     return bool(pending & (1 << (signal.SIGTERM - 1)))
 
 
+def _process_state(pid: int) -> str:
+    """What /proc says of ``pid`` (its state and pending and blocked signals), for a failure's message."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except FileNotFoundError:
+        return f"pid {pid} is gone: reaped by another wait than the test's"
+    return "; ".join(line for line in lines if line.startswith(("State", "ShdPnd", "SigPnd", "SigBlk", "SigIgn")))
+
+
 def _signal_from_another_process(pid: int, signum: int) -> None:
     code = f"import os; os.kill({pid}, {int(signum)})"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -199,7 +208,7 @@ def test_a_loader_worker_ignores_a_schedulers_signals_but_ends_on_its_parents_si
             worker.join(10)
             if not worker.is_alive():
                 break
-        assert worker.exitcode == 0
+        assert worker.exitcode == 0, _process_state(worker.pid)
     finally:
         if worker.is_alive():
             worker.kill()
