@@ -435,13 +435,11 @@ class ImageClassifier(LightningModule):
         else:
             logits, loss, clean_logits = self.adversarial_loss(images, targets)
             self.train_metrics["adv_acc1"].update(logits.detach(), hard)
-            self.log("train/eps", self.current_eps())
         self.train_metrics["clean_acc1"].update(clean_logits.detach(), hard)
         clean_loss = F.cross_entropy(clean_logits.detach().float(), targets)
         # the losses are logged by on_before_optimizer_step, as means over the step's images on every rank
         self._step_totals[0].add_(labels.numel())
         self._step_totals[1:].add_(torch.stack([loss.detach().float(), clean_loss]) * labels.numel())
-        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         return loss * self.global_batch_weight(labels.numel()) if shares_a_step else loss
 
     # An optimiser step's global batch may be split over ranks (DDP) and, on each rank, over micro-batches whose
@@ -492,6 +490,11 @@ class ImageClassifier(LightningModule):
         self.log("train/clean_loss", clean_loss)
         if self.hparams.attack != "none":
             self.log("train/adv_loss", loss)  # the update's loss on the attacked images
+        # Host values are logged as host tensors: Lightning copies a logged Python number to the device, and on
+        # a GPU that copy from pageable memory waits for the device's queue.
+        self.log("train/lr", torch.tensor(optimizer.param_groups[0]["lr"]))
+        if self.hparams.attack != "none":
+            self.log("train/eps", torch.tensor(self.current_eps()))
         self._step_images = self._step_totals = None
 
     def adversarial_loss(self, images, targets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -3,8 +3,8 @@
 Showing a logged value reads it back from the device, which waits for every queued kernel. Lightning turns the
 values logged with ``prog_bar=True`` into numbers after every batch, and its tqdm bar shows them; so nothing is
 logged with ``prog_bar`` here, and these displays read the values they show (``SHOWN``, from the trainer's
-callback metrics) every ``trainer.log_every_n_steps`` training steps only, when Lightning's loggers read them
-anyway. They also read them at the end of a training epoch, on rank zero only, so every value logged at epoch end
+callback metrics) only after the optimiser steps that Lightning's loggers read them at anyway (every
+``trainer.log_every_n_steps`` steps; with gradient accumulation a micro-batch that only accumulates is no step). They also read them at the end of a training epoch, on rank zero only, so every value logged at epoch end
 is reduced over the ranks before it is logged (``ImageClassifier.on_train_epoch_end``): a value logged with
 ``sync_dist=True`` would be all-reduced when first read, on rank zero in the display while the other ranks are
 elsewhere.
@@ -35,20 +35,33 @@ def shown_values(trainer) -> dict[str, float]:
 
 
 def _reading_due(trainer, batch_idx: int, total: int | float) -> bool:
-    """Whether the logged values may be read after this training batch: every log_every_n_steps batches and the
-    epoch's last one."""
+    """Whether an evaluation's progress may be shown after this batch: every log_every_n_steps batches and the
+    last one."""
     n = batch_idx + 1
     return n % max(1, trainer.log_every_n_steps) == 0 or n == total
 
 
+def _training_reading_due(trainer, batch_idx: int, total: int | float, steps_before: int) -> bool:
+    """Whether the logged values may be read after this training batch (``steps_before``: the trainer's global
+    step when it started): after an optimiser step that Lightning logs at, and after the epoch's last batch.
+
+    Counting batches instead would read after micro-batches that only accumulate, where nothing else waits for
+    the device."""
+    stepped = trainer.global_step != steps_before
+    logged = stepped and trainer.global_step % max(1, trainer.log_every_n_steps) == 0
+    return logged or batch_idx + 1 == total
+
+
 class StepProgressBar(TQDMProgressBar):
-    """Lightning's tqdm bar, with the logged values it shows read every ``trainer.log_every_n_steps`` steps."""
+    """Lightning's tqdm bar, with the logged values it shows read every ``trainer.log_every_n_steps`` optimiser
+    steps."""
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
         self._read_now = True
         self._shown: dict[str, Any] = {}
         self._resumed = False  # between on_train_start and a first batch with no on_train_epoch_start between
+        self._steps_before = 0  # the trainer's global step when the current training batch started
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)  # a new bar: its clock starts here
@@ -59,6 +72,7 @@ class StepProgressBar(TQDMProgressBar):
         super().on_train_epoch_start(trainer, pl_module)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self._steps_before = trainer.global_step
         if self._resumed:  # a fit resumed mid-epoch: the bar of on_train_start, with the epoch's total and the
             # batches trained before the resume as its start, so that tqdm's rate counts those since the resume
             self._resumed = False
@@ -73,7 +87,7 @@ class StepProgressBar(TQDMProgressBar):
         return self._shown
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        self._read_now = _reading_due(trainer, batch_idx, self.total_train_batches)
+        self._read_now = _training_reading_due(trainer, batch_idx, self.total_train_batches, self._steps_before)
         try:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         finally:
@@ -91,9 +105,9 @@ def _duration(seconds: float) -> str:
 
 
 class ProgressLines(ProgressBar):
-    """One printed line every ``trainer.log_every_n_steps`` batches (rank zero), for logs read without a terminal:
-    the epoch, the batch, elapsed time and an estimate of the rest, and the logged values; one line per
-    finished training epoch, validation, test and prediction."""
+    """Printed lines for logs read without a terminal (rank zero). A line every ``trainer.log_every_n_steps``
+    optimiser steps (in an evaluation, as many batches) gives the epoch, the batch, elapsed time, an estimate of
+    the rest and the logged values; one line ends each training epoch, validation, test and prediction."""
 
     def __init__(self):
         super().__init__()
@@ -102,6 +116,7 @@ class ProgressLines(ProgressBar):
         # batches of this epoch trained before self._started: 0, or where a fit resumed mid-epoch (None until its
         # first batch)
         self._first: int | None = 0
+        self._steps_before = 0  # the trainer's global step when the current training batch started
 
     def disable(self) -> None:  # Lightning disables every rank but zero
         self._enabled = False
@@ -143,6 +158,7 @@ class ProgressLines(ProgressBar):
         self._started, self._first = time.monotonic(), 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self._steps_before = trainer.global_step
         if self._first is None:  # the first batch since a resume mid-epoch
             self._first = batch_idx
             of = f"/{int(self.total_train_batches)}" if self.total_train_batches != float("inf") else ""
@@ -150,7 +166,7 @@ class ProgressLines(ProgressBar):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         total = self.total_train_batches
-        if _reading_due(trainer, batch_idx, total):
+        if _training_reading_due(trainer, batch_idx, total, self._steps_before):
             epoch = f"epoch {trainer.current_epoch}"
             self._print(self._line(epoch, batch_idx, total, self._started, self._first or 0, shown_values(trainer)))
 
