@@ -4,8 +4,9 @@ Showing a logged value reads it back from the device, which waits for every queu
 values logged with ``prog_bar=True`` into numbers after every batch, and its tqdm bar shows them; so nothing is
 logged with ``prog_bar`` here, and these displays read the values they show (``SHOWN``, from the trainer's
 callback metrics) only after the optimiser steps that Lightning's loggers read them at anyway (every
-``trainer.log_every_n_steps`` steps; with gradient accumulation a micro-batch that only accumulates is no step). They also read them at the end of a training epoch, on rank zero only, so every value logged at epoch end
-is reduced over the ranks before it is logged (``ImageClassifier.on_train_epoch_end``): a value logged with
+``trainer.log_every_n_steps`` steps; with gradient accumulation, a micro-batch that only accumulates is no step).
+They also read them at the end of a training epoch, on rank zero only, so every value logged at epoch end is
+reduced over the ranks before it is logged (``ImageClassifier.on_train_epoch_end``): a value logged with
 ``sync_dist=True`` would be all-reduced when first read, on rank zero in the display while the other ranks are
 elsewhere.
 
