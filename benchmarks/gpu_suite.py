@@ -20,7 +20,7 @@ the order they run:
   with ``torch.backends.cudnn.benchmark`` on.
 - ``fit``: a real ``robust-lightning fit`` of configs/recipes/convnext_tiny_convstem.yaml (heavy augmentation on
   the device, EMA, gradient accumulation to 1392 images, loader workers, progress bar, CSV logging, checkpoints)
-  from WebDataset shards of ImageNet-sized JPEGs written here, for about a minute; images/s and the share of step
+  from WebDataset shards of ImageNet-sized JPEGs written here, for 45 s; images/s and the share of step
   time spent waiting for data (results.json's fit section). One optimiser step is run with host-device
   synchronisations recorded (benchmarks/sync_probe.py).
 - ``autoattack``: the cost of one forward and one forward + input gradient of ConvNeXt-B at 224 px per precision,
@@ -28,10 +28,10 @@ the order they run:
   trained here on the synthetic data at 224 px; each attack (APGD-CE, APGD-T, FAB-T, Square) on one batch with
   synchronisations recorded; then standard AutoAttack on the same points, the reference (pyautoattack) against
   the fast engine at fp32, tf32 and bf16 with fp32 re-checks: time, robust accuracy, per-point agreement.
+- ``max_batch``: the largest ``data.max_device_batch_size`` of each model's bf16 APGD-AT step that fits in the
+  GPU's memory, and its peak memory. The search starts from the batch that two measured peaks predict.
 - ``compile``: the same steps with ``model.compile``, timed against eager in alternation, with the compile
   warm-up timed apart.
-- ``max_batch``: the largest ``data.max_device_batch_size`` of each model's bf16 APGD-AT step that fits in the
-  GPU's memory, and its peak memory.
 
 Host-device synchronisations are recorded with ``torch.cuda.set_sync_debug_mode("warn")``, every warning with
 the line of code that caused it, rather than with ``"error"``, which would stop at the first: a check passes when
@@ -60,13 +60,16 @@ RECIPE = ROOT / "configs" / "recipes" / "convnext_tiny_convstem.yaml"
 REQUIRED = ("torch", "timm", "lightning", "jsonargparse", "kornia", "webdataset", "braceexpand", "pyautoattack")
 
 # name -> (seconds on a GPU, seconds in --smoke), in the order the sections run: each section's share of the budget
-# (480 s on a GPU, 170 s with --smoke), scaled to --budget
+# (480 s on a GPU, 170 s with --smoke), scaled to --budget. On an H200 (2026-11-27, benchmarks/RESULTS.md) steps
+# took 50 s, fit 130 s (with a minute of training) and compile 156 s (ConvNeXt-T's warm-up 44 s, ViT-S's 81 s);
+# autoattack and max_batch did not finish in 143 and 51 s. 480 s cannot hold them all on that GPU: compile comes
+# last, ConvNeXt-T (whose compiled step has a target) first, so that a cut costs ViT-S's compiled figures.
 SECTIONS = {
-    "steps": (60, 20),
-    "fit": (100, 35),
-    "autoattack": (140, 35),
-    "compile": (120, 50),
-    "max_batch": (50, 15),
+    "steps": (50, 20),
+    "fit": (110, 35),
+    "autoattack": (185, 35),
+    "max_batch": (55, 15),
+    "compile": (80, 50),
 }
 
 # Targets per H100, bf16 (issue "Measured where users run it"): what the table compares the figures with.
@@ -267,16 +270,27 @@ def compile_section(sizes: Sizes, device, workdir: Path, record) -> None:
         record(arch, figures)
 
 
-def largest_batch(fits: Callable[[int], bool], start: int, limit: int, granularity: int) -> tuple[int, int | None]:
-    """(the largest batch that fits, the smallest tried that did not, or None): doubling from ``start`` up to
-    ``limit``, then halving the interval down to ``granularity``. ``fits`` is taken to be monotone."""
+def largest_batch(
+    fits: Callable[[int], bool], start: int, limit: int, granularity: int, growth: float = 2.0
+) -> tuple[int, int | None]:
+    """(the largest batch that fits, the smallest tried that did not, or None). From ``start``, the batch grows by
+    ``growth`` while it fits, up to ``limit``, or shrinks by it until one fits; then the interval is halved down
+    to ``granularity``. ``fits`` is taken to be monotone."""
     fitting, failing = 0, None
-    batch = start
-    while batch <= limit:
-        if not fits(batch):
+    if fits(start):
+        fitting = start
+        while (batch := max(int(fitting * growth), fitting + granularity)) <= limit:
+            if not fits(batch):
+                failing = batch
+                break
+            fitting = batch
+    else:
+        failing = start
+        while (batch := min(int(failing / growth), failing - granularity)) > 0:
+            if fits(batch):
+                fitting = batch
+                break
             failing = batch
-            break
-        fitting, batch = batch, batch * 2
     if failing is None:
         return fitting, None
     while failing - fitting > granularity:
@@ -288,6 +302,21 @@ def largest_batch(fits: Callable[[int], bool], start: int, limit: int, granulari
     return fitting, failing
 
 
+def predicted_largest_batch(peaks: dict[int, float], total_gib: float, share: float = 0.97) -> int | None:
+    """The batch whose peak memory reaches ``share`` of the GPU's, on the line through the two largest measured
+    (batch, peak GiB) points; None without two. A step's peak memory grows linearly with its batch (11.9, 23.8,
+    47.2 and 93.8 GiB at 174, 348, 696 and 1392 images on an H200, benchmarks/RESULTS.md), so the search starts
+    near its end instead of doubling up to it."""
+    measured = sorted((batch, peak) for batch, peak in peaks.items() if isinstance(peak, float))
+    if len(measured) < 2:
+        return None
+    (b0, p0), (b1, p1) = measured[-2:]
+    per_image = (p1 - p0) / (b1 - b0)
+    if per_image <= 0:
+        return None
+    return int(b1 + (share * total_gib - p1) / per_image)
+
+
 def max_batch_section(sizes: Sizes, device, workdir: Path, record) -> None:
     import gc
 
@@ -296,8 +325,10 @@ def max_batch_section(sizes: Sizes, device, workdir: Path, record) -> None:
 
     from robust_lightning.training.lightning_module import ImageClassifier, soft_targets
 
+    total_gib = None  # the CPU measures no peak memory (and nothing there runs out of it)
     if device.type == "cuda":
-        record("memory_total_gib", round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1))
+        total_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+        record("memory_total_gib", round(total_gib, 1))
     for arch in sizes.models:
         module = ImageClassifier(arch=arch, image_size=sizes.resolution, channels_last=device.type == "cuda", **AT)
         module = module.to(device).train()
@@ -325,7 +356,13 @@ def max_batch_section(sizes: Sizes, device, workdir: Path, record) -> None:
                 gc.collect()
                 record(arch, figures)
 
-        fitting, failing = largest_batch(fits, sizes.batch, sizes.batch_limit, sizes.batch_granularity)
+        start, growth = sizes.batch, 2.0
+        if total_gib is not None and fits(sizes.batch) and fits(2 * sizes.batch):
+            # the search starts where the line through these two peaks meets the GPU's memory, in steps of 5 %
+            guess = predicted_largest_batch(figures["tried"], total_gib)
+            if guess:
+                start, growth = min(guess, sizes.batch_limit), 1.05
+        fitting, failing = largest_batch(fits, start, sizes.batch_limit, sizes.batch_granularity, growth)
         peak = figures["tried"].get(fitting)
         figures.update(largest=fitting, smallest_failing=failing, peak_gib_at_largest=peak if peak != "fits" else None)
         record(arch, figures)
@@ -365,9 +402,10 @@ def write_fit_shards(workdir: Path, sizes: Sizes) -> tuple[Path, Path]:
 
 
 def fit_overrides(workdir: Path, sizes: Sizes, train: Path, val: Path) -> dict:
-    """What the suite changes in the recipe: where its data and outputs go, one GPU, a minute of training with a
-    log interval short enough to give several throughput windows, a holdout and a validation set sized for that
-    minute, no warm start (the clean checkpoint is not there), and the synchronisation probe."""
+    """What the suite changes in the recipe: where its data and outputs go, one GPU, 45 s of training with a log
+    interval short enough to give several throughput windows (a step took 2.1 s on an H200), a holdout and a
+    validation set sized for that time, no warm start (the clean checkpoint is not there), and the
+    synchronisation probe."""
     run = workdir / "fit"
     trainer = {
         "devices": 1,
@@ -393,7 +431,7 @@ def fit_overrides(workdir: Path, sizes: Sizes, train: Path, val: Path) -> dict:
         )
         model = {"init_from": None, "arch": "convnext_atto_convstem"}
     else:
-        trainer["max_time"] = "00:00:01:00"
+        trainer["max_time"] = "00:00:00:45"
         model = {"init_from": None}
     return {"trainer": trainer, "checkpoint": {"dirpath": str(run / "checkpoints")}, "model": model, "data": data}
 
