@@ -162,17 +162,28 @@ def random_start_point(x: Tensor, norm: str, eps: float, generator: torch.Genera
     return x + l1_projection(x, _sample("randn", x, generator), eps)
 
 
-def input_gradient(model: Model, x_adv: Tensor, y: Tensor, loss: str = "ce", y_target: Tensor | None = None):
+def input_gradient(
+    model: Model, x_adv: Tensor, y: Tensor, loss: str = "ce", y_target: Tensor | None = None, eot_iter: int = 1
+):
     """One forward/backward: (detached float32 logits, per-sample loss, gradient of the summed loss w.r.t. x_adv).
 
     The loss is summed over the batch so each point's gradient does not depend on the batch size. Only
     the input's gradient is requested, so no parameter ``.grad`` is created or accumulated.
+
+    With ``eot_iter`` > 1, the gradient is the mean over that many forward/backward passes: Expectation over
+    Transformation (Athalye et al., ICML 2018) for a model that draws randomness in its forward pass, as the
+    reference APGD's ``eot_iter`` does. The logits and losses are then the last pass's, as there.
     """
-    with torch.enable_grad():  # the caller may be in no_grad (validation, evaluation)
-        x_req = x_adv.detach().requires_grad_(True)
-        logits = model(x_req)
-        loss_indiv = per_sample_loss(logits, y, loss, y_target)
-        (grad,) = torch.autograd.grad(loss_indiv.sum(), x_req)
+    grad = None
+    for _ in range(eot_iter):
+        with torch.enable_grad():  # the caller may be in no_grad (validation, evaluation)
+            x_req = x_adv.detach().requires_grad_(True)
+            logits = model(x_req)
+            loss_indiv = per_sample_loss(logits, y, loss, y_target)
+            (draw,) = torch.autograd.grad(loss_indiv.sum(), x_req)
+        grad = draw if grad is None else grad + draw
+    if eot_iter > 1:
+        grad = grad / eot_iter
     return logits.detach().float(), loss_indiv.detach(), grad.detach()
 
 
@@ -226,6 +237,7 @@ def apgd(
     step_size: float | None = None,
     last_forward: Model | None = None,
     exit_broken: Tensor | None = None,
+    eot_iter: int = 1,
 ) -> APGDResult:
     """Run one APGD attack of ``n_iter`` steps on the batch ``x`` (values in [0, 1]) with labels ``y``.
 
@@ -257,6 +269,9 @@ def apgd(
             row that left has its results as of then: ``robust`` and ``x_adv`` as final as the others',
             ``x_best``, ``loss_best``, ``logits_last`` and ``best_is_last`` of its last iterate; a row that left
             because another row broke its point may still be ``robust``.
+        eot_iter: forward/backward passes whose input gradients are averaged at each iterate (Expectation over
+            Transformation, for randomized models: AutoAttack's "rand" version takes 20); see
+            :func:`input_gradient`.
 
     The last iterate only needs its loss (no further step follows), so it gets a forward without the input
     gradient: n_iter + 1 forwards and n_iter input-gradient backwards in all.
@@ -265,6 +280,7 @@ def apgd(
         :class:`APGDResult`; all tensors float32 (bool for ``robust``) on ``x``'s device.
     """
     _validate(x, y, norm, eps, n_iter, loss, y_target)
+    check_count("eot_iter", eot_iter, 1)
     if random_start and x_init is not None:
         raise ValueError("pass either random_start=True or x_init, not both")
     if x_init is not None and x_init.shape != x.shape:
@@ -294,7 +310,7 @@ def apgd(
         x_adv = x.clone()
     x_adv = x_adv.clamp(0.0, 1.0)
 
-    logits, loss_cur, grad = input_gradient(model, x_adv, y, loss, y_target)
+    logits, loss_cur, grad = input_gradient(model, x_adv, y, loss, y_target, eot_iter)
     logits_start = logits
     robust = predicted_correct(logits, y)
     x_best, x_best_adv, grad_best, loss_best = x_adv.clone(), x_adv.clone(), grad.clone(), loss_cur.clone()
@@ -333,7 +349,7 @@ def apgd(
 
         # --- evaluate the new iterate
         if i < n_iter - 1:
-            logits, loss_cur, grad = input_gradient(model, x_adv, y, loss, y_target)
+            logits, loss_cur, grad = input_gradient(model, x_adv, y, loss, y_target, eot_iter)
         else:  # no step follows the last iterate: its loss is all that is needed
             logits, loss_cur = _last_logits(
                 model if last_forward is None else last_forward,

@@ -36,6 +36,10 @@ given, in fp32.
   (:func:`folded_batchnorm`: one op instead of two, forward and backward), and on the CPU give it inputs in
   the channels_last layout, where oneDNN's convolutions and pooling run faster (:func:`channels_last_inputs`).
 
+The reference's version "rand", for randomized defences: APGD-CE then APGD-DLR, one restart each, every iterate's
+gradient averaged over 20 forward/backward passes (Expectation over Transformation, ``adversary.apgd.eot_iter``).
+Its randomness check is not run, as in the reference, since the model is randomized by design.
+
 Quick modes (``version``): "apgd-t" (targeted APGD-DLR only, 40 iterations, 3 target classes: the paper's
 sweeps) and "apgd-ce" (``n_iter``-step APGD-CE, e.g. 10 for checkpoint selection).
 """
@@ -65,6 +69,7 @@ ENGINES = ("fast", "reference")
 PRECISIONS = ("fp32", "tf32", "bf16")
 VERSIONS = {
     "standard": ("apgd-ce", "apgd-t", "fab-t", "square"),
+    "rand": ("apgd-ce", "apgd-dlr"),  # for randomized defences: 20 EoT passes per iterate, one restart
     "apgd-t": ("apgd-t",),
     "apgd-ce": ("apgd-ce",),
 }
@@ -84,6 +89,7 @@ class AttackSettings:
     n_restarts: int = 1
     n_target_classes: int = 9
     n_queries: int = 5000
+    eot_iter: int = 1  # APGD's forward/backward passes averaged per iterate (Expectation over Transformation)
 
 
 @dataclass
@@ -262,8 +268,8 @@ class AutoAttack:
             the largest perturbation). :meth:`evaluate` prints only through its ``progress``.
         attacks_to_run: with ``version="custom"`` only: the attacks to run, in order (of :data:`ATTACKS`); also
             settable as an attribute after construction, as fra31's README does.
-        version: "standard", a quick mode "apgd-t" / "apgd-ce" (see the module docstring), or "custom" with
-            ``attacks_to_run`` (or ``attacks``).
+        version: "standard", "rand" (randomized defences), a quick mode "apgd-t" / "apgd-ce" (see the module
+            docstring), or "custom" with ``attacks_to_run`` (or ``attacks``).
         is_tf_model: fra31's TensorFlow adapter; only False (PyTorch models) is implemented.
         device: where the attacks run (default: the model's parameters' device).
         log_path: the verbose lines are also appended to this file, as fra31's ``Logger`` does.
@@ -295,8 +301,8 @@ class AutoAttack:
     package does. y_adv is the model's prediction on x_adv. Budgets are set through ``self.apgd``,
     ``self.apgd_targeted``, ``self.fab`` and ``self.square`` (:class:`AttackSettings`); "custom" starts from the
     reference constructor's budgets (5 APGD restarts, 9 target classes). Not implemented, each a clear error:
-    ``state_path``, versions "plus" / "rand", untargeted FAB ("fab"), ``is_tf_model=True``. One difference:
-    L1 APGD always runs the 3/2/1 x eps schedule of the standard version, also under "custom", where the
+    ``state_path``, version "plus", untargeted FAB ("fab"), ``is_tf_model=True``. One difference: L1 APGD
+    always runs the 3/2/1 x eps schedule of the standard version, also under "custom" and "rand", where the
     reference turns it on only in the standard version.
     """
 
@@ -325,7 +331,7 @@ class AutoAttack:
     ):
         if norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-        if version in ("plus", "rand"):
+        if version == "plus":
             raise ValueError(
                 f"pyautoattack's version {version!r} is not implemented here; versions: {(*VERSIONS, 'custom')}"
             )
@@ -370,7 +376,10 @@ class AutoAttack:
         apgd_iter = n_iter or (40 if version == "apgd-t" else 100)
         # the reference's constructor restarts APGD 5 times and targets 9 classes ("custom" keeps that); its
         # standard version (set_version) restarts once for Linf / L2 and targets 5 classes for L1
-        self.apgd = AttackSettings(n_iter=apgd_iter, n_restarts=1 if quick or (standard and norm != "L1") else 5)
+        one_restart = quick or version == "rand" or (standard and norm != "L1")
+        self.apgd = AttackSettings(n_iter=apgd_iter, n_restarts=1 if one_restart else 5)
+        if version == "rand":
+            self.apgd.eot_iter = 20
         targets = 3 if quick else (5 if standard and norm == "L1" else 9)
         self.apgd_targeted = AttackSettings(n_iter=apgd_iter, n_target_classes=n_target_classes or targets)
         self.fab = AttackSettings(n_target_classes=9)
@@ -618,7 +627,8 @@ class AutoAttack:
             output_range = reference_checks.range_output(self.model, x)
             num_classes = output_range.figures["num_classes"]
             found = [
-                reference_checks.randomized(self.model, x, y),
+                # as in the reference, the rand version, made for randomized models, does not check for them
+                *([] if self.version == "rand" else [reference_checks.randomized(self.model, x, y)]),
                 output_range,
                 reference_checks.dynamic(self.model, x),
                 reference_checks.n_classes(
@@ -633,9 +643,10 @@ class AutoAttack:
                 if dlr[0] == "apgd-t":
                     with torch.no_grad():
                         target = self.model(x).sort(dim=1)[1][:, -2]
-                    grad = input_gradient(self.model, start, y, "dlr-targeted", target)[2]
+                    eot = self.apgd_targeted.eot_iter
+                    grad = input_gradient(self.model, start, y, "dlr-targeted", target, eot)[2]
                 else:
-                    grad = input_gradient(self.model, start, y, "dlr")[2]
+                    grad = input_gradient(self.model, start, y, "dlr", eot_iter=self.apgd.eot_iter)[2]
                 found.append(reference_checks.zero_gradients(grad))
         return found
 
@@ -756,7 +767,9 @@ class AutoAttack:
         generator = self._generator()
 
         def attack(rows: Tensor, restarts: Tensor) -> tuple[Tensor, Tensor]:  # each row its own random start
-            return self._apgd(model, x[rows], y[rows], rows, generator, self.apgd.n_iter, loss=loss)
+            return self._apgd(
+                model, x[rows], y[rows], rows, generator, self.apgd.n_iter, loss=loss, eot_iter=self.apgd.eot_iter
+            )
 
         return batched_runs(attack, x, range(self.apgd.n_restarts), bs)
 
@@ -775,6 +788,7 @@ class AutoAttack:
                 self.apgd_targeted.n_iter,
                 loss="dlr-targeted",
                 y_target=target,
+                eot_iter=self.apgd_targeted.eot_iter,
             )
 
         return batched_runs(attack, x, range(2, self.apgd_targeted.n_target_classes + 2), bs)
@@ -843,6 +857,7 @@ class AutoAttack:
                     ),
                 )
             getattr(reference, name).n_restarts = settings.n_restarts
+            getattr(reference, name).eot_iter = settings.eot_iter
         reference.apgd_targeted.n_target_classes = self.apgd_targeted.n_target_classes
         reference.fab.n_iter, reference.fab.n_target_classes = self.fab.n_iter, self.fab.n_target_classes
         reference.square.n_queries, reference.square.n_restarts = self.square.n_queries, self.square.n_restarts
