@@ -689,8 +689,6 @@ def test_budgets_set_on_the_attack_objects_reach_the_attacks(trained, points, mo
         adversary.evaluate(x, y)
     with pytest.raises(ValueError, match="not implemented here"):
         AutoAttack(trained, version="plus")
-    with pytest.raises(ValueError, match="state_path"):
-        AutoAttack(trained).run_standard_evaluation(x, y, batch_size=8, state_path=Path("state.json"))
     seeded_by_the_clock = AutoAttack(trained, seed=None)
     assert isinstance(seeded_by_the_clock.seed, int)
     with pytest.raises(UserError, match="version must be one of"):  # the callbacks run the named ensembles only

@@ -61,6 +61,7 @@ from robust_lightning.console import tqdm
 from . import checks as reference_checks
 from .apgd import apgd, input_gradient, random_start_point
 from .checks import Check
+from .evaluation_state import EvaluationState
 from .fab import fab_targeted
 from .projections import NORMS, l1_projection
 from .square import square_attack
@@ -300,8 +301,9 @@ class AutoAttack:
     version="standard")``): ``run_standard_evaluation(x, y, batch_size=250)`` returns (x_adv, y_adv), as that
     package does. y_adv is the model's prediction on x_adv. Budgets are set through ``self.apgd``,
     ``self.apgd_targeted``, ``self.fab`` and ``self.square`` (:class:`AttackSettings`); "custom" starts from the
-    reference constructor's budgets (5 APGD restarts, 9 target classes). Not implemented, each a clear error:
-    ``state_path``, version "plus", untargeted FAB ("fab"), ``is_tf_model=True``. One difference: L1 APGD
+    reference constructor's budgets (5 APGD restarts, 9 target classes). ``state_path`` resumes a stopped
+    evaluation (:mod:`robust_lightning.attacks.evaluation_state`). Not implemented, each a clear error: version
+    "plus", untargeted FAB ("fab"), ``is_tf_model=True``. One difference: L1 APGD
     always runs the 3/2/1 x eps schedule of the standard version, also under "custom" and "rand", where the
     reference turns it on only in the standard version.
     """
@@ -438,18 +440,19 @@ class AutoAttack:
         return_labels: bool = False,
         *,
         batch_size: int | None = None,
-        state_path=None,
+        state_path: Path | str | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """The adversarial images (the clean image where no attack succeeded), as the reference codes return
         them: x_adv (fra31/auto-attack, ``bs=``), (x_adv, y_adv) with ``return_labels=True`` or when called as
         pyautoattack 0.2.0 is, with ``batch_size=``; y_adv is the model's prediction on x_adv. With ``verbose``,
         fra31's lines: the attacks, the initial accuracy, per attack the points it broke and the robust accuracy
-        after it, the largest perturbation and the robust accuracy."""
-        bs = self._batch_size(bs, batch_size, state_path)
+        after it, the largest perturbation and the robust accuracy. ``state_path``: the reference's resume file
+        (see :meth:`evaluate`)."""
+        bs = self._batch_size(bs, batch_size)
         log = self.log if self.verbose else None
         if log:
             log(f"using {self.version} version including {', '.join(self.attacks_to_run)}.")
-        report = self.evaluate(x, y, bs=bs, progress=log)
+        report = self.evaluate(x, y, bs=bs, progress=log, state_path=state_path)
         for check in report.checks:  # the reference warns of a raised check whatever its verbosity
             if check.raised:
                 warnings.warn(f"AutoAttack check {check.name}: {check.advice}", stacklevel=2)
@@ -512,10 +515,14 @@ class AutoAttack:
         bs: int = 250,
         progress: Callable[[str], None] | None = None,
         progress_bar: bool = False,
+        state_path: Path | str | None = None,
     ) -> AutoAttackReport:
         """Run the ensemble on ``x`` (N, C, H, W) in [0, 1] with labels ``y`` (N,), ``bs`` points at a time.
         ``progress`` receives fra31's verbose lines (the initial accuracy, per attack the points it broke and the
-        robust accuracy after it); ``progress_bar`` shows a bar over the attacks (rank zero)."""
+        robust accuracy after it); ``progress_bar`` shows a bar over the attacks (rank zero). ``state_path``: the
+        reference's resume file (:mod:`robust_lightning.attacks.evaluation_state`): the attacks already run are
+        skipped, and the points they broke stay broken (their ``x_adv`` is the clean image, as in the
+        reference; ``broken_by`` says "before the resume")."""
         if x.min() < 0 or x.max() > 1:
             raise ValueError("AutoAttack takes images in [0, 1]; normalisation belongs inside the model")
         self._check_settings()
@@ -523,20 +530,18 @@ class AutoAttack:
         if was_training:
             self.model.eval()
         try:
-            return self._evaluate(x.float(), y.long(), bs, progress, progress_bar)
+            state = None
+            if state_path is not None:
+                state = EvaluationState.open(state_path, self.attacks, len(x), self.norm, self.eps)
+            return self._evaluate(x.float(), y.long(), bs, progress, progress_bar, state)
         finally:
             if was_training:
                 self.model.train()
 
     @staticmethod
-    def _batch_size(bs: int | None, batch_size: int | None, state_path) -> int:
+    def _batch_size(bs: int | None, batch_size: int | None) -> int:
         if bs is not None and batch_size is not None:
             raise ValueError("give bs (fra31/auto-attack) or batch_size (pyautoattack), not both")
-        if state_path is not None:
-            raise ValueError(
-                "pyautoattack's state_path is not implemented here; the AutoAttackEvaluation "
-                "callback keeps per-image outcomes and resumes from them"
-            )
         return bs or batch_size or 250
 
     def _stand_in(self) -> tuple[Callable[[Tensor], Tensor], bool]:
@@ -544,7 +549,9 @@ class AutoAttack:
         return attack_stand_in(self.model, self.fold_batchnorm, self.channels_last)
 
     # ------------------------------------------------------------------------------------------ ensemble
-    def _evaluate(self, x: Tensor, y: Tensor, bs: int, progress, progress_bar: bool) -> AutoAttackReport:
+    def _evaluate(
+        self, x: Tensor, y: Tensor, bs: int, progress, progress_bar: bool, state: EvaluationState | None
+    ) -> AutoAttackReport:
         started = time.perf_counter()
         stand_in, folded = self._stand_in() if self.engine == "fast" else (self.model, False)
         clean = self._correct(x, y, bs)
@@ -554,6 +561,19 @@ class AutoAttack:
         seconds = {"clean": time.perf_counter() - started}
         if progress is not None:
             progress(f"initial accuracy: {clean.float().mean().item():.2%}")
+        if state is not None and state.resumed:
+            robust = self._restored_flags(state, clean)
+            for i in (clean & ~robust).nonzero().flatten().tolist():
+                broken_by[i] = "before the resume"
+            if progress is not None:
+                progress(
+                    f"robust accuracy at the time of restoring the state: {robust.float().mean().item():.2%}; "
+                    f"already run: {', '.join(a for a in self.attacks if a in state.run_attacks)}. Only the "
+                    "adversarial examples of this run are returned."
+                )
+        elif state is not None:
+            state.robust_flags, state.clean_accuracy = clean.tolist(), clean.float().mean().item()
+            state.save()
         checks = []
         if self.checks:
             started = time.perf_counter()
@@ -565,6 +585,9 @@ class AutoAttack:
         bar = tqdm(self.attacks, desc="autoattack", unit="attack", leave=False, disable=not progress_bar)
         for attack in bar:
             bar.set_postfix_str(attack)
+            if state is not None and attack in state.run_attacks:
+                robust_after[attack] = state.robust_accuracy_after.get(attack, robust.float().mean().item())
+                continue
             started = time.perf_counter()
             survivors = robust.nonzero().flatten()
             if len(survivors):
@@ -589,6 +612,11 @@ class AutoAttack:
                     progress(f"{attack} - {len(newly_broken)} out of {len(survivors)} successfully perturbed")
             robust_after[attack] = robust.float().mean().item()
             seconds[attack] = time.perf_counter() - started
+            if state is not None:
+                state.robust_flags = robust.tolist()
+                state.run_attacks.append(attack)
+                state.robust_accuracy_after[attack] = robust_after[attack]
+                state.save()
             if progress is not None:
                 progress(
                     f"robust accuracy after {attack.upper()}: {robust_after[attack]:.2%} "
@@ -615,6 +643,20 @@ class AutoAttack:
             x_adv=x_adv,
             checks=checks,
         )
+
+    @staticmethod
+    def _restored_flags(state: EvaluationState, clean: Tensor) -> Tensor:
+        """The robust flags of a state, checked against this run's clean pass: a point robust there but
+        misclassified here means another model or other points."""
+        restored = torch.tensor(state.robust_flags, dtype=torch.bool, device=clean.device)
+        wrong = (restored & ~clean).nonzero().flatten()
+        if len(wrong):
+            raise ValueError(
+                f"the state in {state.path} counts {len(wrong)} point(s) as robust that the model misclassifies "
+                f"without attack (the first: {wrong[0].item()}): it was made with another model or other points; "
+                "give another state_path"
+            )
+        return restored
 
     def _checks_before_attacks(self, x: Tensor, y: Tensor, clean: Tensor) -> list[Check]:
         """The reference's checks on the first batch, before the attacks (fra31/auto-attack's
