@@ -622,24 +622,17 @@ def test_fra31_readme_calls_run_unchanged(trained, points, capsys):
     assert positional.attacks == ("apgd-ce", "apgd-t", "fab-t", "square") and isinstance(positional.seed, int)
 
     adversary = AutoAttack(trained, norm="Linf", eps=EPS["Linf"], version="custom")
-    adversary.attacks_to_run = ["apgd-ce", "fab"]  # the README's example: untargeted FAB is not implemented
+    adversary.attacks_to_run = ["apgd-ce", "fab"]  # the README's example, untargeted FAB included
     adversary.apgd.n_restarts = 2
     adversary.fab.n_restarts = 2
-    with pytest.raises(
-        ValueError,
-        match=r"untargeted FAB \('fab'\) is not implemented here; the standard "
-        r"version's targeted FAB \('fab-t'\) is",
-    ):
-        adversary.run_standard_evaluation(x, y, bs=8)
-    adversary.attacks_to_run = ["apgd-ce", "apgd-dlr"]
     adversary.seed = 0
     shortened(adversary)
     capsys.readouterr()
     dict_adv = adversary.run_standard_evaluation_individual(x, y, bs=8)
-    assert list(dict_adv) == ["apgd-ce", "apgd-dlr"] and all(torch.is_tensor(v) for v in dict_adv.values())
+    assert list(dict_adv) == ["apgd-ce", "fab"] and all(torch.is_tensor(v) for v in dict_adv.values())
     printed = capsys.readouterr().out.splitlines()
-    assert printed[0] == "using custom version including apgd-ce, apgd-dlr"
-    for attack, line in zip(("apgd-ce", "apgd-dlr"), printed[1:], strict=True):
+    assert printed[0] == "using custom version including apgd-ce, fab"
+    for attack, line in zip(("apgd-ce", "fab"), printed[1:], strict=True):
         accuracy = (predicted(trained, dict_adv[attack], 8) == y).float().mean().item()
         assert line.startswith(f"robust accuracy by {attack.upper()}\t{accuracy:.2%}\t(time attack: ")
 
@@ -681,14 +674,9 @@ def test_budgets_set_on_the_attack_objects_reach_the_attacks(trained, points, mo
     adversary.apgd.n_iter, adversary.apgd_targeted.n_iter, adversary.apgd_targeted.n_target_classes = 7, 5, 2
     adversary.evaluate(x, y, bs=48)
     assert {call for call in calls} == {(7, "dlr"), (5, "dlr-targeted")}
-    with pytest.raises(ValueError, match="untargeted FAB"):
-        adversary.attacks_to_run = ["fab"]  # pyautoattack's untargeted FAB is not implemented here
-        adversary.evaluate(x, y)
     with pytest.raises(ValueError, match="attacks must be a non-empty list"):
         adversary.attacks_to_run = ["apgd-ce", "pgd"]
         adversary.evaluate(x, y)
-    with pytest.raises(ValueError, match="not implemented here"):
-        AutoAttack(trained, version="plus")
     seeded_by_the_clock = AutoAttack(trained, seed=None)
     assert isinstance(seeded_by_the_clock.seed, int)
     with pytest.raises(UserError, match="version must be one of"):  # the callbacks run the named ensembles only

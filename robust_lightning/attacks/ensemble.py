@@ -38,7 +38,9 @@ given, in fp32.
 
 The reference's version "rand", for randomized defences: APGD-CE then APGD-DLR, one restart each, every iterate's
 gradient averaged over 20 forward/backward passes (Expectation over Transformation, ``adversary.apgd.eot_iter``).
-Its randomness check is not run, as in the reference, since the model is randomized by design.
+Its randomness check is not run, as in the reference, since the model is randomized by design. The version "plus"
+(AA+) runs APGD-CE and APGD-DLR with 5 restarts, untargeted FAB with 5 restarts (:func:`fab_untargeted`, one
+backward per class at each step), Square, APGD-T and FAB-T.
 
 Quick modes (``version``): "apgd-t" (targeted APGD-DLR only, 40 iterations, 3 target classes: the paper's
 sweeps) and "apgd-ce" (``n_iter``-step APGD-CE, e.g. 10 for checkpoint selection).
@@ -62,7 +64,7 @@ from . import checks as reference_checks
 from .apgd import apgd, input_gradient, random_start_point
 from .checks import Check
 from .evaluation_state import EvaluationState
-from .fab import fab_targeted
+from .fab import fab_targeted, fab_untargeted
 from .projections import NORMS, l1_projection
 from .square import square_attack
 
@@ -71,13 +73,11 @@ PRECISIONS = ("fp32", "tf32", "bf16")
 VERSIONS = {
     "standard": ("apgd-ce", "apgd-t", "fab-t", "square"),
     "rand": ("apgd-ce", "apgd-dlr"),  # for randomized defences: 20 EoT passes per iterate, one restart
+    "plus": ("apgd-ce", "apgd-dlr", "fab", "square", "apgd-t", "fab-t"),  # AA+: more attacks and restarts
     "apgd-t": ("apgd-t",),
     "apgd-ce": ("apgd-ce",),
 }
-ATTACKS = ("apgd-ce", "apgd-dlr", "apgd-t", "fab-t", "square")  # the reference's names; its "fab" is not here
-NOT_IMPLEMENTED_ATTACKS = {
-    "fab": "untargeted FAB ('fab') is not implemented here; the standard version's targeted FAB ('fab-t') is"
-}
+ATTACKS = ("apgd-ce", "apgd-dlr", "apgd-t", "fab", "fab-t", "square")  # the reference's names
 
 
 @dataclass
@@ -269,8 +269,8 @@ class AutoAttack:
             the largest perturbation). :meth:`evaluate` prints only through its ``progress``.
         attacks_to_run: with ``version="custom"`` only: the attacks to run, in order (of :data:`ATTACKS`); also
             settable as an attribute after construction, as fra31's README does.
-        version: "standard", "rand" (randomized defences), a quick mode "apgd-t" / "apgd-ce" (see the module
-            docstring), or "custom" with ``attacks_to_run`` (or ``attacks``).
+        version: "standard", "rand" (randomized defences), "plus", a quick mode "apgd-t" / "apgd-ce" (see the
+            module docstring), or "custom" with ``attacks_to_run`` (or ``attacks``).
         is_tf_model: fra31's TensorFlow adapter; only False (PyTorch models) is implemented.
         device: where the attacks run (default: the model's parameters' device).
         log_path: the verbose lines are also appended to this file, as fra31's ``Logger`` does.
@@ -302,10 +302,9 @@ class AutoAttack:
     package does. y_adv is the model's prediction on x_adv. Budgets are set through ``self.apgd``,
     ``self.apgd_targeted``, ``self.fab`` and ``self.square`` (:class:`AttackSettings`); "custom" starts from the
     reference constructor's budgets (5 APGD restarts, 9 target classes). ``state_path`` resumes a stopped
-    evaluation (:mod:`robust_lightning.attacks.evaluation_state`). Not implemented, each a clear error: version
-    "plus", untargeted FAB ("fab"), ``is_tf_model=True``. One difference: L1 APGD
-    always runs the 3/2/1 x eps schedule of the standard version, also under "custom" and "rand", where the
-    reference turns it on only in the standard version.
+    evaluation (:mod:`robust_lightning.attacks.evaluation_state`). Not implemented: ``is_tf_model=True`` (a
+    clear error). One difference: L1 APGD always runs the 3/2/1 x eps schedule of the standard version, also
+    under "custom", "rand" and "plus", where the reference turns it on only in the standard version.
     """
 
     def __init__(  # the arguments before engine in fra31/auto-attack's order, so positional calls work too
@@ -333,10 +332,6 @@ class AutoAttack:
     ):
         if norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-        if version == "plus":
-            raise ValueError(
-                f"pyautoattack's version {version!r} is not implemented here; versions: {(*VERSIONS, 'custom')}"
-            )
         if version not in VERSIONS and version != "custom":  # custom: the attacks given, in that order
             raise ValueError(f"version must be one of {(*VERSIONS, 'custom')}, got {version!r}")
         if attacks is not None and attacks_to_run:
@@ -384,7 +379,9 @@ class AutoAttack:
             self.apgd.eot_iter = 20
         targets = 3 if quick else (5 if standard and norm == "L1" else 9)
         self.apgd_targeted = AttackSettings(n_iter=apgd_iter, n_target_classes=n_target_classes or targets)
-        self.fab = AttackSettings(n_target_classes=9)
+        # untargeted FAB ("fab", in "plus" and "custom") restarts 5 times as the reference's constructor has it;
+        # FAB-T runs once per target class, as the reference forces
+        self.fab = AttackSettings(n_target_classes=9, n_restarts=1 if standard else 5)
         self.square = AttackSettings(n_queries=n_queries)
         self.attacks_to_run = custom_attacks if version == "custom" else list(VERSIONS[version])
         if self.attacks_to_run:  # "custom" may name them later, as an attribute
@@ -413,9 +410,6 @@ class AutoAttack:
                 "version='custom' needs the attacks to run: AutoAttack(..., attacks_to_run=[...]) or "
                 f"adversary.attacks_to_run = [...], of {ATTACKS}"
             )
-        for attack in self.attacks_to_run:
-            if attack in NOT_IMPLEMENTED_ATTACKS:
-                raise ValueError(NOT_IMPLEMENTED_ATTACKS[attack])
         unknown = [attack for attack in self.attacks_to_run if attack not in ATTACKS]
         if unknown:
             raise ValueError(f"attacks must be a non-empty list of {ATTACKS}, got {self.attacks_to_run}")
@@ -722,6 +716,7 @@ class AutoAttack:
             "apgd-ce": self._apgd_ce,
             "apgd-dlr": self._apgd_dlr,
             "apgd-t": self._apgd_t,
+            "fab": self._fab,
             "fab-t": self._fab_t,
             "square": self._square,
         }
@@ -835,6 +830,25 @@ class AutoAttack:
 
         return batched_runs(attack, x, range(2, self.apgd_targeted.n_target_classes + 2), bs)
 
+    def _fab(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
+        generator, logits = self._generator(), self._logits(model, x)
+
+        def attack(rows: Tensor, restarts: Tensor) -> tuple[Tensor, Tensor]:  # restarts after the first: random
+            result = fab_untargeted(
+                model,
+                x[rows],
+                y[rows],
+                norm=self.norm,
+                eps=self.eps,
+                n_iter=self.fab.n_iter,
+                random_start=restarts > 0,
+                generator=generator,
+                logits_clean=logits[rows],
+            )
+            return result.x_adv, result.robust
+
+        return batched_runs(attack, x, range(self.fab.n_restarts), bs)
+
     def _fab_t(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
         logits = self._logits(model, x)
 
@@ -902,6 +916,7 @@ class AutoAttack:
             getattr(reference, name).eot_iter = settings.eot_iter
         reference.apgd_targeted.n_target_classes = self.apgd_targeted.n_target_classes
         reference.fab.n_iter, reference.fab.n_target_classes = self.fab.n_iter, self.fab.n_target_classes
+        reference.fab.n_restarts = self.fab.n_restarts  # untargeted FAB's; the reference runs FAB-T once
         reference.square.n_queries, reference.square.n_restarts = self.square.n_queries, self.square.n_restarts
         reference.attacks_to_run = [attack]
         x_adv, _ = reference.run_standard_evaluation(x.to(self.device), y.to(self.device), batch_size=bs)

@@ -1,4 +1,5 @@
-"""Targeted FAB attack (FAB-T; Croce & Hein, ICML 2020) for Linf, L2 and L1, as run by standard AutoAttack.
+"""FAB (Croce & Hein, ICML 2020) for Linf, L2 and L1: targeted (FAB-T), as run by standard AutoAttack, and
+untargeted (:func:`fab_untargeted`), as run by its version "plus".
 
 FAB looks for the adversarial example of smallest norm. At each step it linearises the margin
 ``z_t - z_y`` (target minus true logit) around the current iterate, projects both the iterate and the
@@ -30,7 +31,9 @@ Batch composition can change float rounding in the model (e.g. matmul blocking),
 sensitive to it, so a borderline point can flip when compared with a reference run on another batch.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -156,7 +159,7 @@ _PROJECTIONS = {"Linf": project_hyperplane_linf, "L2": project_hyperplane_l2, "L
 # ------------------------------------------------------------------------------------------- attack
 
 
-def _margin_and_grad(model: Model, x: Tensor, y: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+def _margin_and_grad(model: Model, x: Tensor, y: Tensor, *, target: Tensor) -> tuple[Tensor, Tensor]:
     """``z_t - z_y`` per point and its gradient w.r.t. the input: one forward, one backward, input only."""
     with torch.enable_grad():  # the caller may be in no_grad (validation, evaluation)
         x_req = x.detach().requires_grad_(True)
@@ -224,14 +227,112 @@ def fab_targeted(
     target = logits_clean.sort(dim=1).indices.gather(1, (n_classes - ranks)[:, None]).squeeze(1)
     attacked = logits_clean.argmax(1) == y  # only correctly classified points are attacked
 
+    x_best, best_norm = _fab_iterations(
+        model, x, y, x.clone(), attacked, partial(_margin_and_grad, target=target), norm, n_iter, alpha_max, eta, beta
+    )
+    return _accepted(model, x, y, attacked, x_best, best_norm, norm, eps)
+
+
+def _closest_boundary(model: Model, x: Tensor, y: Tensor, *, norm: str) -> tuple[Tensor, Tensor]:
+    """Untargeted FAB's boundary: of the linearised boundaries between the true class and each other class, the
+    closest in the norm (the margin's size over its gradient's dual norm); its margin and input gradient.
+
+    It takes the gradient of every logit: one backward per class (the reference's
+    ``get_diff_logits_grads_batch``), which is what makes untargeted FAB costly with many classes."""
+    with torch.enable_grad():
+        x_req = x.detach().requires_grad_(True)
+        z = model(x_req).float()
+        grads = torch.stack(
+            [torch.autograd.grad(z[:, k].sum(), x_req, retain_graph=k < z.shape[1] - 1)[0] for k in range(z.shape[1])],
+            dim=1,
+        ).flatten(2)  # (B, C, n)
+    z = z.detach()
+    rows = torch.arange(len(y), device=y.device)
+    margins = z - z[rows, y][:, None]
+    slopes = grads - grads[rows, y][:, None]
+    dual = {"Linf": lambda g: g.abs().sum(2), "L2": lambda g: g.norm(dim=2), "L1": lambda g: g.abs().amax(2)}[norm]
+    distance = margins.abs() / (1e-12 + dual(slopes))
+    distance[rows, y] = float("inf")  # the true class has no boundary with itself
+    closest = distance.argmin(1)
+    return margins[rows, closest], slopes[rows, closest].view_as(x)
+
+
+def fab_untargeted(
+    model: Model,
+    x: Tensor,
+    y: Tensor,
+    *,
+    norm: str = "Linf",
+    eps: float,
+    n_iter: int = 100,
+    random_start: bool | Tensor = False,
+    generator: torch.Generator | None = None,
+    alpha_max: float = 0.1,
+    eta: float = 1.05,
+    beta: float = 0.9,
+    logits_clean: Tensor | None = None,
+) -> FABResult:
+    """Untargeted FAB ("fab" in AutoAttack's version "plus") on the batch ``x`` with int64 labels ``y``: each step
+    goes to the closest linearised decision boundary of any class (:func:`_closest_boundary`), and otherwise as
+    :func:`fab_targeted` (the reference's ``attack_single_run`` with ``is_targeted=False``).
+
+    ``random_start`` (a bool, or one per point): start at a random point at half of ``eps`` from ``x``, as the
+    reference's restarts after the first do, drawn with ``generator``.
+    """
+    check_threat_model(norm, eps)
+    check_count("n_iter", n_iter, 1)
+    if x.dim() < 2 or y.shape != x.shape[:1] or y.dtype != torch.int64:
+        raise ValueError(f"expected x (B, ...) and int64 y (B,), got {tuple(x.shape)} and {y.dtype} {tuple(y.shape)}")
+    x = x.detach().float()
+    if logits_clean is None:
+        with torch.no_grad():
+            logits_clean = model(x)
+    attacked = logits_clean.detach().argmax(1) == y
+    x1 = x.clone()
+    if isinstance(random_start, Tensor):
+        x1 = torch.where(_per_sample(random_start.to(x.device), x), _random_start(x, norm, eps, generator), x1)
+    elif random_start:
+        x1 = _random_start(x, norm, eps, generator)
+    x_best, best_norm = _fab_iterations(
+        model, x, y, x1, attacked, partial(_closest_boundary, norm=norm), norm, n_iter, alpha_max, eta, beta
+    )
+    return _accepted(model, x, y, attacked, x_best, best_norm, norm, eps)
+
+
+def _random_start(x: Tensor, norm: str, eps: float, generator: torch.Generator | None) -> Tensor:
+    """The reference's random start of FAB's restarts: a random direction scaled to half of ``eps``."""
+    device = generator.device if generator is not None else x.device
+    if norm == "Linf":
+        t = (2 * torch.rand(x.shape, generator=generator, device=device) - 1).to(x.device)
+    else:
+        t = torch.randn(x.shape, generator=generator, device=device).to(x.device)
+    return (x + 0.5 * eps * t / _per_sample(lp_norm(t, norm), x)).clamp(0.0, 1.0)
+
+
+def _fab_iterations(
+    model: Model,
+    x: Tensor,
+    y: Tensor,
+    x1: Tensor,
+    attacked: Tensor,
+    boundary: Callable[[Model, Tensor, Tensor], tuple[Tensor, Tensor]],
+    norm: str,
+    n_iter: int,
+    alpha_max: float,
+    eta: float,
+    beta: float,
+) -> tuple[Tensor, Tensor]:
+    """FAB's steps from the iterate ``x1``: (the closest adversarial found, its norm; inf where none).
+    ``boundary(model, x1, y)`` gives the margin whose linearisation is the decision boundary stepped to, and its
+    input gradient."""
+    batch = x.shape[0]
     project = _PROJECTIONS[norm]
     x0 = x.flatten(1)
-    x1 = x.clone()
     x_best = x.clone()
     best_norm = torch.full((batch,), float("inf"), device=x.device)
 
     for _ in range(n_iter):
-        margin, grad = _margin_and_grad(model, x1, y, target)
+        margin, grad = boundary(model, x1, y)
         # Linearised decision boundary {z : w.z = b}, i.e. margin + w.(z - x1) = 0.
         w = grad.flatten(1)
         b = (w * x1.flatten(1)).sum(1) - margin
@@ -250,8 +351,13 @@ def fab_targeted(
         x_best = torch.where(_per_sample(closer, x), x1, x_best)
         best_norm = torch.where(closer, dist, best_norm)
         x1 = torch.where(_per_sample(is_adv, x), x + (x1 - x) * beta, x1)
+    return x_best, best_norm
 
-    # Accept within eps only, after re-checking the prediction at the stored point (as the reference does).
+
+def _accepted(
+    model: Model, x: Tensor, y: Tensor, attacked: Tensor, x_best: Tensor, best_norm: Tensor, norm: str, eps: float
+) -> FABResult:
+    """Accept within eps only, after re-checking the prediction at the stored point (as the reference does)."""
     broken = attacked & (best_norm <= eps) & (_predict(model, x_best) != y)
     return FABResult(
         x_adv=torch.where(_per_sample(broken, x), x_best, x),

@@ -104,7 +104,9 @@ class AutoAttackEvaluation(Evaluation):
     Args:
         threat_models: list of {norm, eps}; default Linf 4/255, L2 2.0, L1 75 (the papers' ImageNet radii).
         version: "standard" (APGD-CE, APGD-T, FAB-T, Square), "rand" (APGD-CE and APGD-DLR with 20 EoT passes,
-            for randomized models), or quick "apgd-t" (40 iterations, 3 targets) or "apgd-ce" (``n_iter`` steps).
+            for randomized models), "plus" (AA+: more attacks and restarts; its untargeted FAB takes a backward
+            pass per class at each step), or quick "apgd-t" (40 iterations, 3 targets) or "apgd-ce" (``n_iter``
+            steps).
         engine: "fast" (ours) or "reference" (pyautoattack, unchanged).
         precision: "fp32" (default), "tf32" or "bf16"; successes are verified in fp32 either way.
         seed: AutoAttack's seed (reset before every attack on every batch).
