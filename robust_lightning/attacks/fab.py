@@ -174,6 +174,21 @@ def _predict(model: Model, x: Tensor) -> Tensor:
         return model(x).argmax(1)
 
 
+def _checked_inputs(
+    model: Model, x: Tensor, y: Tensor, norm: str, eps: float, n_iter: int, logits_clean: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """The arguments checked; ``x`` as float32 and the clean logits (one forward unless given), detached."""
+    check_threat_model(norm, eps)
+    check_count("n_iter", n_iter, 1)
+    if x.dim() < 2 or y.shape != x.shape[:1] or y.dtype != torch.int64:
+        raise ValueError(f"expected x (B, ...) and int64 y (B,), got {tuple(x.shape)} and {y.dtype} {tuple(y.shape)}")
+    x = x.detach().float()
+    if logits_clean is None:
+        with torch.no_grad():
+            logits_clean = model(x)
+    return x, logits_clean.detach().float()
+
+
 def fab_targeted(
     model: Model,
     x: Tensor,
@@ -205,17 +220,8 @@ def fab_targeted(
         :class:`FABResult`. ``x_adv`` is the closest adversarial found where it is within ``eps`` and passes
         a final check by the model (as in the reference), else ``x``.
     """
-    check_threat_model(norm, eps)
-    check_count("n_iter", n_iter, 1)
-    if x.dim() < 2 or y.shape != x.shape[:1] or y.dtype != torch.int64:
-        raise ValueError(f"expected x (B, ...) and int64 y (B,), got {tuple(x.shape)} and {y.dtype} {tuple(y.shape)}")
-
-    x = x.detach().float()
+    x, logits_clean = _checked_inputs(model, x, y, norm, eps, n_iter, logits_clean)
     batch = x.shape[0]
-    if logits_clean is None:
-        with torch.no_grad():
-            logits_clean = model(x)
-    logits_clean = logits_clean.detach().float()
     n_classes = logits_clean.shape[1]
     if isinstance(target_rank, torch.Tensor):
         ranks = target_rank.to(x.device).expand(batch)
@@ -279,15 +285,8 @@ def fab_untargeted(
     ``random_start`` (a bool, or one per point): start at a random point at half of ``eps`` from ``x``, as the
     reference's restarts after the first do, drawn with ``generator``.
     """
-    check_threat_model(norm, eps)
-    check_count("n_iter", n_iter, 1)
-    if x.dim() < 2 or y.shape != x.shape[:1] or y.dtype != torch.int64:
-        raise ValueError(f"expected x (B, ...) and int64 y (B,), got {tuple(x.shape)} and {y.dtype} {tuple(y.shape)}")
-    x = x.detach().float()
-    if logits_clean is None:
-        with torch.no_grad():
-            logits_clean = model(x)
-    attacked = logits_clean.detach().argmax(1) == y
+    x, logits_clean = _checked_inputs(model, x, y, norm, eps, n_iter, logits_clean)
+    attacked = logits_clean.argmax(1) == y
     x1 = x.clone()
     if isinstance(random_start, Tensor):
         x1 = torch.where(_per_sample(random_start.to(x.device), x), _random_start(x, norm, eps, generator), x1)
