@@ -34,7 +34,7 @@ with collector_paused():  # Lightning imports sooner (robust_lightning/startup.p
     from robust_lightning.argument_parsing import ArgumentParser, did_you_mean
     from robust_lightning.data.corrupt_report import CorruptImageReport
     from robust_lightning.data.datamodule import ImageNetDataModule
-    from robust_lightning.errors import UserError, print_error
+    from robust_lightning.errors import UserError, print_error, print_rank_error
     from robust_lightning.evaluation.results import PredictionWriter, RunResults
     from robust_lightning.loggers import (
         SaveConfigToWandb,
@@ -188,7 +188,7 @@ class RobustLightningCLI(LightningCLI):
             if not _raised_by_lightning(e):
                 raise
             raise UserError(_trainer_options_error(config, e)) from None
-        _command_state["trainer_built"] = True  # errors from here on may be a rank's own (main)
+        _command_state["trainer"] = trainer  # errors from here on may be a rank's own (main)
         strategy = trainer.strategy
         if isinstance(strategy, DDPStrategy) and trainer.world_size > 1:  # under torchrun: see scale/torchrun.py
             default = "nccl" if strategy.root_device.type == "cuda" else "gloo"  # Lightning's choice
@@ -400,14 +400,22 @@ def main(args: Sequence[str] | None = None) -> int:
     return code
 
 
-# main's state: whether the command's Trainer was built. Until then every process of a job meets the same errors
-# (the same command line, config and environment), which its rank 0 alone reports; from then on an error may be a
-# rank's own (a file it reads), which that rank reports.
-_command_state = {"trainer_built": False}
+# main's state: the command's Trainer, once built. Until then every process of a job meets the same errors (the
+# same command line, config and environment), which its rank 0 alone reports; from then on an error may be a rank's
+# own (a file it reads), which print_rank_error reports once per job without losing a rank's own.
+_command_state: dict[str, Any] = {"trainer": None}
+
+
+def _report_error(message: str) -> None:
+    trainer = _command_state["trainer"]
+    if trainer is None:
+        print_error(message)
+    else:
+        print_rank_error(message, trainer.global_rank, trainer.world_size, Path(trainer.default_root_dir))
 
 
 def _run_command(args: list[str], from_command_line: bool) -> int:
-    _command_state["trainer_built"] = False
+    _command_state["trainer"] = None
     try:
         check_config_files(args)
         if args[0] in TOOL_COMMANDS:
@@ -432,14 +440,14 @@ def _run_command(args: list[str], from_command_line: bool) -> int:
         return EXIT_SIGTERM
     except OSError as e:  # a file or folder that cannot be written or read (read-only, full, not a folder)
         discard_refused_run(e)  # the run folders a refused command made
-        print_error(describe_os_error(e), every_rank=_command_state["trainer_built"])
+        _report_error(describe_os_error(e))
         return 2
     except UserError as e:
         discard_refused_run(e)  # the run folders a refused command made
         message = str(e)
         if "Original Traceback" in message:  # raised in a DataLoader worker: torch adds the worker's traceback
             message = message.rpartition(f"{UserError.__module__}.UserError: ")[2].strip() or message
-        print_error(message, every_rank=_command_state["trainer_built"])
+        _report_error(message)
         return 2
     return 0
 

@@ -2,11 +2,15 @@
 
 A ``UserError`` means the input (a path, a config value, a checkpoint) is wrong, not the code: the CLI prints
 its message alone, without a traceback, and exits with status 2. Under srun or torchrun, where every process of the
-job meets the same error in the same config, the job's rank 0 alone prints it (:func:`print_error`).
+job meets the same error in the same config, the job's rank 0 alone prints it (:func:`print_error`). An error met
+after the Trainer is built may be one rank's own; :func:`print_rank_error` still prints it once per job.
 """
 
 import os
+import shutil
 import sys
+import time
+from pathlib import Path
 
 
 class UserError(Exception):
@@ -39,3 +43,79 @@ def print_error(message: str, *, every_rank: bool = False) -> None:
     others exit with the same status, silently). ``every_rank``: an error a rank may meet alone, printed by it."""
     if every_rank or job_rank() == 0:
         print(f"{PROG}: error: {message}", file=sys.stderr)
+
+
+RANK_ZERO_WAIT = 5.0  # seconds another rank waits for rank 0's copy of an error before printing its own
+
+
+def print_rank_error(message: str, rank: int, world_size: int, shared: Path | None) -> None:
+    """An error met after the Trainer was built, when it may be one rank's own (a file that rank reads), printed
+    once per job all the same. Each rank files its message in ``shared``, a folder every rank of the job sees (the
+    run root). Rank 0 prints its own. Another rank prints its own, naming its rank, unless rank 0 filed the same
+    message within ``RANK_ZERO_WAIT`` seconds. So an error every rank meets is printed once, and one rank's error
+    is not lost. There is no collective: a rank that died or hangs makes the others wait that long at most.
+    Without a shared folder (a single process, or one that cannot be written) each rank prints its own."""
+    folder = _job_error_folder(shared) if world_size > 1 else None
+    if folder is None:
+        print_error(message, every_rank=True)
+        return
+    own = folder / f"rank{rank}.txt"
+    partial = folder / f".rank{rank}.partial"
+    try:
+        partial.write_text(message)
+        partial.replace(own)
+    except OSError:
+        print_error(message, every_rank=True)
+        return
+    if rank == 0:
+        print_error(message, every_rank=True)
+        return
+    first = folder / "rank0.txt"
+    deadline = time.monotonic() + RANK_ZERO_WAIT
+    while not first.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        same = first.read_text() == message
+    except OSError:
+        same = False
+    if not same:
+        print_error(f"(rank {rank}) {message}", every_rank=True)
+    _done(folder, own, rank, world_size)
+
+
+def _done(folder: Path, own: Path, rank: int, world_size: int) -> None:
+    """Rank ``rank`` (not 0) has decided; the last of the ranks to decide removes the job's folder."""
+    try:
+        own.replace(folder / f"done{rank}")
+        if len(list(folder.glob("done*"))) == world_size - 1:
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.parent.rmdir()  # .errors, where no other job's folder is left
+    except OSError:
+        pass
+
+
+def _job_error_folder(shared: Path | None) -> Path | None:
+    """``shared/.errors/<job>``: one folder per job and attempt, named from what the launcher gives every rank
+    alike (torchrun's run id and restart count, SLURM's job, step and restart count, else the rendezvous address);
+    the folders of earlier jobs are removed. None where no such name or folder is to be had."""
+    env = os.environ
+    if env.get("TORCHELASTIC_RUN_ID"):
+        job = f"torchrun-{env['TORCHELASTIC_RUN_ID']}-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    elif env.get("SLURM_JOB_ID"):
+        job = f"slurm-{env['SLURM_JOB_ID']}-{env.get('SLURM_STEP_ID', '')}-{env.get('SLURM_RESTART_COUNT', '0')}"
+    elif env.get("MASTER_PORT"):
+        job = f"ddp-{env.get('MASTER_ADDR', '')}-{env['MASTER_PORT']}"
+    else:
+        return None
+    if shared is None:
+        return None
+    root = Path(shared) / ".errors"
+    folder = root / "".join(c if c.isalnum() or c in "-._" else "_" for c in job)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for earlier in root.iterdir():
+            if earlier != folder and time.time() - earlier.stat().st_mtime > 3600:  # not a job running beside
+                shutil.rmtree(earlier, ignore_errors=True)
+    except OSError:
+        return None
+    return folder

@@ -16,7 +16,8 @@ import yaml
 from lightning import Callback
 
 from helpers import REPO, run_command, tiny_config
-from robust_lightning.errors import job_rank, print_error
+from robust_lightning import errors
+from robust_lightning.errors import UserError, job_rank, print_error, print_rank_error
 
 TASKS = 3
 TIMEOUT = 120  # seconds for a command that stops at its config (a few at once on shared cores)
@@ -183,3 +184,67 @@ def test_the_job_rank_comes_from_the_launcher(monkeypatch, capsys):
     print_error("not this rank")
     print_error("a rank's own error", every_rank=True)
     assert capsys.readouterr().err == "robust-lightning: error: a rank's own error\n"
+
+
+class RefusesInSetup(Callback):
+    """A UserError met after the Trainer is built, in the set-up of every rank or of one (``rank``), as a data
+    module meets a value it refuses or one rank a file it cannot read."""
+
+    def __init__(self, rank: int | None = None):
+        self.rank = rank
+
+    def setup(self, trainer, pl_module, stage):
+        if self.rank is None or trainer.global_rank == self.rank:
+            raise UserError(f"a value refused in set-up (on {'every rank' if self.rank is None else 'one rank'})")
+
+
+def ddp_fit_refused_in_setup(tmp_path: Path, rank: int | None):
+    callback = {"class_path": f"{__name__}.RefusesInSetup", "init_args": {"rank": rank}}
+    ddp = {"trainer.devices": 2, "trainer.strategy": "ddp", "trainer.callbacks": [callback]}
+    config = tiny_config(tmp_path, **{"model.arch": "test_resnet", **ddp})
+    return run_command(["fit", "--config", str(config)], cwd=tmp_path, timeout=TIMEOUT)
+
+
+def test_an_error_every_ddp_rank_meets_after_the_trainer_is_built_is_printed_once(tmp_path):
+    """Both ranks of a 2-process DDP fit (Lightning's launcher: they share the terminal) meet the same refusal."""
+    run = ddp_fit_refused_in_setup(tmp_path, rank=None)
+    assert run.returncode == 2, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if "error:" in line]
+    assert errors == ["robust-lightning: error: a value refused in set-up (on every rank)"], run.stderr[-3000:]
+    assert not (tmp_path / "runs" / ".errors").exists()  # the ranks' shared notes are gone
+
+
+def test_an_error_one_ddp_rank_meets_alone_is_printed_by_that_rank(tmp_path):
+    run = ddp_fit_refused_in_setup(tmp_path, rank=1)
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if "error:" in line]
+    assert errors == ["robust-lightning: error: (rank 1) a value refused in set-up (on one rank)"], run.stderr[-3000:]
+
+
+def test_rank_errors_are_filed_and_compared_without_a_collective(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(errors, "RANK_ZERO_WAIT", 0.2)
+    # three ranks meeting one error: rank 0 prints it, the others find the same and stay silent
+    for rank in range(3):
+        print_rank_error("the same error", rank, 3, tmp_path)
+    assert capsys.readouterr().err == "robust-lightning: error: the same error\n"
+    assert not (tmp_path / ".errors").exists()  # the last rank to decide removed the job's notes
+    # a rank whose error differs from rank 0's, and one whose rank 0 filed nothing: each prints its own
+    print_rank_error("rank 0's error", 0, 3, tmp_path)
+    print_rank_error("rank 1's own error", 1, 3, tmp_path)
+    assert capsys.readouterr().err.splitlines() == [
+        "robust-lightning: error: rank 0's error",
+        "robust-lightning: error: (rank 1) rank 1's own error",
+    ]
+    monkeypatch.setenv("MASTER_PORT", "29998")  # another job
+    print_rank_error("rank 2's own error", 2, 3, tmp_path)
+    assert capsys.readouterr().err == "robust-lightning: error: (rank 2) rank 2's own error\n"
+    # a single process, or no folder every rank sees: printed as is
+    print_rank_error("alone", 0, 1, tmp_path)
+    print_rank_error("no shared folder", 1, 2, None)
+    assert capsys.readouterr().err.splitlines() == [
+        "robust-lightning: error: alone",
+        "robust-lightning: error: no shared folder",
+    ]
