@@ -45,6 +45,14 @@ def shared_synthetic_data(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def trained():
+    """helpers.train_small_cnn's model, trained once per test process for the attack tests that only run it."""
+    from helpers import train_small_cnn
+
+    return train_small_cnn()
+
+
+@pytest.fixture(scope="session")
 def autoattack_checkpoint(tmp_path_factory):
     """A Lightning checkpoint of a tiny classifier fitted to the synthetic val images (a test of the callback,
     not of generalisation: it needs a model that gets most images right and is robust on some)."""

@@ -18,7 +18,6 @@ from helpers import (
     run_test,
     synthetic_points,
     tiny_synthetic,
-    train_small_cnn,
 )
 from robust_lightning.attacks import ensemble, lp_norm
 from robust_lightning.attacks.ensemble import AutoAttack, batched_runs, channels_last_inputs, folded_batchnorm
@@ -29,11 +28,6 @@ from robust_lightning.evaluation.results import weights_sha256
 
 REPO = Path(__file__).resolve().parents[1]
 EPS = {"Linf": 10 / 255, "L2": 0.75, "L1": 9.0}
-
-
-@pytest.fixture(scope="module")
-def trained():
-    return train_small_cnn()
 
 
 @pytest.fixture(scope="module")

@@ -9,17 +9,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from helpers import run_test, synthetic_points, train_small_cnn
+from helpers import run_test, synthetic_points
 from robust_lightning.attacks import apgd, input_gradient, lp_norm
 from robust_lightning.attacks.ensemble import AutoAttack
 
 EPS = 10 / 255
 ITERATIONS = 20  # the versions' 100 cut to 20 for the suite's time; the same for every engine and version
-
-
-@pytest.fixture(scope="module")
-def trained():
-    return train_small_cnn()
 
 
 @pytest.fixture(scope="module")

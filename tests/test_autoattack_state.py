@@ -7,16 +7,11 @@ import json
 import pytest
 import torch
 
-from helpers import synthetic_points, train_small_cnn
+from helpers import synthetic_points
 from robust_lightning.attacks.ensemble import AutoAttack
 
 EPS = 10 / 255
 ATTACKS = ["apgd-ce", "apgd-t", "square"]
-
-
-@pytest.fixture(scope="module")
-def trained():
-    return train_small_cnn()
 
 
 @pytest.fixture(scope="module")

@@ -22,11 +22,6 @@ QUICK = {"version": "apgd-ce", "options": {"autoattack": {"n_iter": 5}}}
 
 
 @pytest.fixture(scope="module")
-def trained():
-    return train_small_cnn()
-
-
-@pytest.fixture(scope="module")
 def points():
     return synthetic_points(24, seed=3)
 

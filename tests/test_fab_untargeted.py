@@ -4,7 +4,7 @@ and their invariants."""
 import pytest
 import torch
 
-from helpers import device_path_reads_nothing, synthetic_points, train_small_cnn
+from helpers import device_path_reads_nothing, synthetic_points
 from robust_lightning.attacks import lp_norm
 from robust_lightning.attacks.ensemble import AutoAttack
 from robust_lightning.attacks.fab import fab_untargeted
@@ -13,11 +13,6 @@ NORMS = ("Linf", "L2", "L1")
 EPS = {"Linf": 10 / 255, "L2": 0.75, "L1": 9.0}
 N_ITER = 30
 MISLABELLED = 3
-
-
-@pytest.fixture(scope="module")
-def trained():
-    return train_small_cnn()
 
 
 @pytest.fixture(scope="module")
