@@ -44,7 +44,7 @@ quickstart-fresh:
 
 # The linter and the formatter's check, then the suite: one worker per core, each test file whole on one worker
 # (its module fixtures built once); --durations keeps the slowest tests in view (the suite should stay near 10 min
-# on the 2-core CI machine; it took 10 min 49 s to 11 min 15 s there on 2026-11-27).
+# on the 2-core CI machine; it took 10 min 49 s to 11 min 39 s there on 2026-11-27).
 test: env
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
