@@ -96,8 +96,9 @@ def _done(folder: Path, own: Path, rank: int, world_size: int) -> None:
 
 def _job_error_folder(shared: Path | None) -> Path | None:
     """``shared/.errors/<job>``: one folder per job and attempt, named from what the launcher gives every rank
-    alike (torchrun's run id and restart count, SLURM's job, step and restart count, else the rendezvous address);
-    the folders of earlier jobs are removed. None where no such name or folder is to be had."""
+    alike (torchrun's run id and restart count, SLURM's job, step and restart count, else the rendezvous address).
+    The folders that earlier jobs left (untouched for an hour) are removed. None where no such name or folder is to
+    be had."""
     env = os.environ
     if env.get("TORCHELASTIC_RUN_ID"):
         job = f"torchrun-{env['TORCHELASTIC_RUN_ID']}-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
