@@ -831,41 +831,44 @@ class AutoAttack:
         return batched_runs(attack, x, range(2, self.apgd_targeted.n_target_classes + 2), bs)
 
     def _fab(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
-        generator, logits = self._generator(), self._logits(model, x)
-
-        def attack(rows: Tensor, restarts: Tensor) -> tuple[Tensor, Tensor]:  # restarts after the first: random
-            result = fab_untargeted(
-                model,
-                x[rows],
-                y[rows],
-                norm=self.norm,
-                eps=self.eps,
-                n_iter=self.fab.n_iter,
-                random_start=restarts > 0,
-                generator=generator,
-                logits_clean=logits[rows],
-            )
-            return result.x_adv, result.robust
-
-        return batched_runs(attack, x, range(self.fab.n_restarts), bs)
+        generator = self._generator()
+        restarts = range(self.fab.n_restarts)  # restarts after the first start at random points
+        return self._fab_runs(
+            model, x, y, bs, fab_untargeted, restarts, lambda ids: {"random_start": ids > 0, "generator": generator}
+        )
 
     def _fab_t(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
+        ranks = range(2, self.fab.n_target_classes + 2)
+        return self._fab_runs(model, x, y, bs, fab_targeted, ranks, lambda ids: {"target_rank": ids})
+
+    def _fab_runs(
+        self,
+        model: Callable[[Tensor], Tensor],
+        x: Tensor,
+        y: Tensor,
+        bs: int,
+        fab: Callable[..., Any],
+        runs: range,
+        run_arguments: Callable[[Tensor], dict[str, Any]],
+    ) -> tuple[Tensor, Tensor]:
+        """FAB's runs (restarts, or target ranks) through :func:`batched_runs`; ``run_arguments`` gives a batch's
+        rows the arguments of their runs."""
         logits = self._logits(model, x)
 
-        def attack(rows: Tensor, ranks: Tensor) -> tuple[Tensor, Tensor]:
-            result = fab_targeted(
+        def attack(rows: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+            result = fab(
                 model,
                 x[rows],
                 y[rows],
                 norm=self.norm,
                 eps=self.eps,
                 n_iter=self.fab.n_iter,
-                target_rank=ranks,
                 logits_clean=logits[rows],
+                **run_arguments(ids),
             )
             return result.x_adv, result.robust
 
-        return batched_runs(attack, x, range(2, self.fab.n_target_classes + 2), bs)
+        return batched_runs(attack, x, runs, bs)
 
     def _square(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
         result = square_attack(
