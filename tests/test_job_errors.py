@@ -201,7 +201,9 @@ class RefusesInSetup(Callback):
 def ddp_fit_refused_in_setup(tmp_path: Path, rank: int | None):
     callback = {"class_path": f"{__name__}.RefusesInSetup", "init_args": {"rank": rank}}
     ddp = {"trainer.devices": 2, "trainer.strategy": "ddp", "trainer.callbacks": [callback]}
-    config = tiny_config(tmp_path, **{"model.arch": "test_resnet", **ddp})
+    # a user's defaults, which tiny_config switches off: the progress display and loader workers
+    defaults = {"trainer.enable_progress_bar": True, "data.num_workers": 2}
+    config = tiny_config(tmp_path, **{"model.arch": "test_resnet", **ddp, **defaults})
     return run_command(["fit", "--config", str(config)], cwd=tmp_path, timeout=TIMEOUT)
 
 
