@@ -3,9 +3,10 @@ x-shifts, y-shifts and rotations on a grid, zero fill outside the image; a point
 transformed copy is classified correctly.
 
 The default grid is the papers': 9 x-shifts and 9 y-shifts in [-16, 16] px and 31 rotations in [-30, 30] deg,
-2511 transforms. All of them are applied with kornia's batched ``warp_affine`` (bilinear, zero padding,
-``align_corners=False``: the half-pixel convention of ``grid_sample``); each forward pass holds at most
-``batch_size`` transformed images, whatever the number of images and transforms, so memory stays bounded.
+2511 transforms. All of them are applied with a batched ``grid_sample`` (bilinear, zero padding,
+``align_corners=False``: pixel centres at half-pixel offsets), as kornia's ``warp_affine`` applies them; each
+forward pass holds at most ``batch_size`` transformed images, whatever the number of images and transforms, so
+memory stays bounded.
 Conventions: a positive shift moves the content right (x) or down (y), a positive angle rotates it
 counter-clockwise on screen, about the image centre; the rotation is applied first, then the shift.
 """
@@ -14,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from kornia.geometry.transform import get_rotation_matrix2d, warp_affine
+import torch.nn.functional as F
 from torch import Tensor
 
 from .apgd import Model
@@ -70,20 +71,36 @@ def spatial_grid(
 
 def affine_matrices(transforms: Tensor, height: int, width: int) -> Tensor:
     """(T, 2, 3) float64 pixel matrices, source -> destination, for rows (dx px, dy px, angle deg): rotate by
-    angle about the image centre ((W - 1) / 2, (H - 1) / 2), counter-clockwise on screen (OpenCV's convention,
-    which kornia's ``get_rotation_matrix2d`` follows), then shift by (dx, dy)."""
+    angle about the image centre (cx, cy) = ((W - 1) / 2, (H - 1) / 2), counter-clockwise on screen, then shift
+    by (dx, dy). The rotation is OpenCV's ``getRotationMatrix2D`` (kornia's ``get_rotation_matrix2d`` too):
+    [[cos, sin, (1 - cos) cx - sin cy], [-sin, cos, sin cx + (1 - cos) cy]]."""
     t = transforms.to(torch.float64)
-    centre = torch.tensor([(width - 1) / 2, (height - 1) / 2], dtype=torch.float64).expand(len(t), 2)
-    rotation = get_rotation_matrix2d(centre, t[:, 2], torch.ones_like(centre))
-    return torch.cat([rotation[..., :2], rotation[..., 2:] + t[:, :2, None]], -1)
+    angle = torch.deg2rad(t[:, 2])
+    cos, sin = angle.cos(), angle.sin()
+    cx, cy = (width - 1) / 2, (height - 1) / 2
+    rows = [cos, sin, (1 - cos) * cx - sin * cy + t[:, 0], -sin, cos, sin * cx + (1 - cos) * cy + t[:, 1]]
+    return torch.stack(rows, 1).view(-1, 2, 3)
+
+
+def sampling_matrices(matrices: Tensor, height: int, width: int) -> Tensor:
+    """(T, 2, 3) float64 matrices for ``affine_grid``: each maps an output pixel to the source point it reads, in
+    the normalised coordinates of ``grid_sample`` with ``align_corners=False`` (x_n = (2 x + 1) / W - 1), as
+    kornia's ``warp_affine`` builds them: the inverse of the pixel matrix, conjugated by that normalisation."""
+    bottom = matrices.new_tensor([0.0, 0.0, 1.0]).expand(len(matrices), 1, 3)
+    inverse = torch.linalg.inv(torch.cat([matrices, bottom], 1))
+    to_normal = matrices.new_tensor([[2 / width, 0, 1 / width - 1], [0, 2 / height, 1 / height - 1], [0, 0, 1]])
+    return (to_normal @ inverse @ torch.linalg.inv(to_normal))[:, :2]
 
 
 def transform_images(x: Tensor, transforms: Tensor) -> Tensor:
-    """Image i under transform i: x (N, C, H, W), transforms (N, 3) -> (N, C, H, W), zero fill. Identity rows
-    return their image unchanged (bit for bit), so a grid holding the identity reproduces clean predictions."""
+    """Image i under transform i: x (N, C, H, W), transforms (N, 3) -> (N, C, H, W), bilinear, zero fill. Identity
+    rows return their image unchanged (bit for bit), so a grid holding the identity reproduces clean predictions.
+    Half-precision images are warped in float32 and returned in their own dtype."""
     height, width = x.shape[-2:]
-    matrices = affine_matrices(transforms.cpu(), height, width).to(x.device, x.dtype)
-    warped = warp_affine(x, matrices, (height, width), mode="bilinear", padding_mode="zeros", align_corners=False)
+    source = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    theta = sampling_matrices(affine_matrices(transforms.cpu(), height, width), height, width)
+    grid = F.affine_grid(theta.to(x.device, source.dtype), [len(x), 1, height, width], align_corners=False)
+    warped = F.grid_sample(source, grid, mode="bilinear", padding_mode="zeros", align_corners=False).to(x.dtype)
     identity = (transforms == 0).all(1).to(x.device)
     return torch.where(identity[:, None, None, None], x, warped)
 

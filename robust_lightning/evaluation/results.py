@@ -84,7 +84,6 @@ def software_versions() -> dict[str, str]:
         "timm",
         "torchmetrics",
         "webdataset",
-        "kornia",
         "pillow",
         "numpy",
         "scipy",
