@@ -1,7 +1,8 @@
 """The declared dependencies (pyproject.toml) against what the code imports: every third-party package the
-package or the benchmarks import is a runtime dependency, every one the tests import is a runtime or test
-dependency (or a reference the Makefile installs), and every declared dependency is imported somewhere (the
-few that are not say why below). OpenCV is the headless build, and nothing installed pulls in the GUI one."""
+package or the benchmarks import is a runtime dependency or, imported inside the function of the one feature that
+needs it, in that feature's extra; every one the tests import is a runtime or test dependency (or a reference the
+Makefile installs), and every declared dependency is imported somewhere (the few that are not say why below).
+OpenCV is the headless build, and nothing installed pulls in the GUI one."""
 
 import ast
 import importlib.metadata
@@ -15,6 +16,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
+PROJECT = "robust-lightning"  # as the test extra names the project's own extras: robust-lightning[workspace]
 
 # Declared although they need not be imported by name, each for a reason:
 NOT_IMPORTED = {
@@ -31,10 +33,17 @@ def normalise(name: str) -> str:
 
 
 def declared() -> tuple[set[str], set[str]]:
+    """The runtime dependencies and the test extra's own packages (less the extras of this project it names)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     runtime = {normalise(Requirement(r).name) for r in project["dependencies"]}
-    test = {normalise(Requirement(r).name) for r in project["optional-dependencies"]["test"]}
+    test = {normalise(Requirement(r).name) for r in project["optional-dependencies"]["test"]} - {PROJECT}
     return runtime, test
+
+
+def feature_extras() -> dict[str, set[str]]:
+    """The extras other than test, each with the packages of the one feature it serves."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    return {name: {normalise(Requirement(r).name) for r in rs} for name, rs in extras.items() if name != "test"}
 
 
 def makefile_references() -> set[str]:
@@ -46,18 +55,31 @@ def makefile_references() -> set[str]:
     return {normalise(Requirement(pin).name) for pin in pins}
 
 
-def imported_modules(folder: str) -> set[str]:
+def imported_modules(folder: str, module_level: bool = False) -> set[str]:
     """Top-level names of the absolute imports in the folder's .py files, less the standard library and the
-    folder's own modules (the tests import their helpers by file name)."""
+    folder's own modules (the tests import their helpers by file name). ``module_level``: only the imports a
+    module runs when it is imported, outside its functions and classes."""
     names = set()
     for path in (ROOT / folder).rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in module_statements(tree) if module_level else ast.walk(tree):
             if isinstance(node, ast.Import):
                 names |= {alias.name.split(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names.add(node.module.split(".")[0])
     local = {p.stem for p in (ROOT / folder).glob("*.py")} | {"robust_lightning"}
     return {n for n in names if n not in sys.stdlib_module_names and n not in local}
+
+
+def module_statements(tree: ast.Module):
+    """The nodes a module runs when imported: its statements, and those inside its if / try / with blocks, but
+    nothing inside a function or class body."""
+    stack = list(tree.body)
+    while stack:
+        node = stack.pop()
+        yield node
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Lambda):
+            stack.extend(ast.iter_child_nodes(node))
 
 
 def distributions(modules: set[str]) -> set[str]:
@@ -70,8 +92,14 @@ def distributions(modules: set[str]) -> set[str]:
 
 def test_every_import_is_declared():
     runtime, test = declared()
+    optional = set().union(*feature_extras().values())
     package = distributions(imported_modules("robust_lightning") | imported_modules("benchmarks"))
-    assert package - runtime == set(), "imported by the package or benchmarks, not a runtime dependency"
+    assert package - runtime - optional == set(), "imported by the package or benchmarks, not declared"
+    # an extra's package is imported inside the function that needs it: the package imports without it
+    on_import = distributions(
+        imported_modules("robust_lightning", module_level=True) | imported_modules("benchmarks", module_level=True)
+    )
+    assert on_import - runtime == set(), "imported when the package is, not a runtime dependency"
     tests = distributions(imported_modules("tests"))
     assert tests - runtime - test - makefile_references() == set(), "imported by the tests, not declared"
     assert {"braceexpand", "pyautoattack"} <= package  # the two that were once missing
@@ -84,6 +112,18 @@ def test_every_declared_dependency_is_imported():
     assert runtime - package <= set(NOT_IMPORTED)
     assert test - tests <= set(NOT_IMPORTED)
     assert not (runtime & test), "listed twice"
+    for name, packages in feature_extras().items():
+        assert packages and packages <= package, f"the extra {name} holds a package the package does not import"
+        assert not (packages & (runtime | test)), f"the extra {name} repeats a dependency"
+
+
+def test_the_tests_install_every_extra():
+    """The test extra names every other extra of the project (robust-lightning[...]): the tests run every feature."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    named = {
+        extra for r in extras["test"] if normalise(Requirement(r).name) == PROJECT for extra in Requirement(r).extras
+    }
+    assert named == set(feature_extras())
 
 
 def test_jsonargparse_bound_is_lightnings():

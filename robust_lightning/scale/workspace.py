@@ -54,9 +54,15 @@ TABLES = (
 
 
 def build_workspace(entity: str, project: str, name: str):
-    """The workspace as a wandb_workspaces object (nothing is sent)."""
-    import wandb_workspaces.reports.v2 as wr
-    import wandb_workspaces.workspaces as ws
+    """The workspace as a wandb_workspaces object (nothing is sent). wandb-workspaces is the optional extra
+    ``workspace``: imported here, so that the rest of the package runs without it."""
+    try:
+        import wandb_workspaces.reports.v2 as wr
+        import wandb_workspaces.workspaces as ws
+    except ImportError:
+        raise UserError(
+            "robust-lightning workspace needs wandb-workspaces: pip install 'robust-lightning[workspace]'"
+        ) from None
 
     sections = [
         ws.Section(
@@ -106,6 +112,8 @@ def workspace(
     try:
         entity = entity or wandb.Api().default_entity
         saved = build_workspace(entity, project, name).save()
+    except UserError:  # wandb-workspaces missing: its own message
+        raise
     except Exception as e:  # no credentials, no network, an unknown project: the library's own message
         raise UserError(
             f"could not save the workspace to W&B ({type(e).__name__}: {e}); check `wandb login` "
