@@ -282,17 +282,29 @@ class FeatureTap:
     """Records the hidden states of a forward pass: the input of the first unit ("stem"), then the output of each
     unit, or with ``sublayers`` of each residual branch (the attention and the MLP half of a transformer block as
     Park & Kim plot them; each block of a RepLKNet pair). Use as a context manager around forward passes;
-    ``features`` holds the last pass's tensors in the order of ``points``."""
+    ``features`` holds the last pass's tensors in the order of ``points``.
 
-    def __init__(self, net: nn.Module, bmap: BlockMap, sublayers: bool = False, stem: bool = False):
+    ``layers`` also taps the layers between the residual units one by one, as Chen et al.'s feature-variance script
+    lists RepLKNet's (github.com/Lauch1ng/LKRobust, feature_map_variance/main.py: ``*model.stem`` and
+    ``*model.transitions[i]`` between the stages' blocks): each layer of a sequential ``stem`` in place of the one
+    "stem" point, and after the last unit of stage i each layer of ``transitions[i]``."""
+
+    def __init__(
+        self, net: nn.Module, bmap: BlockMap, sublayers: bool = False, stem: bool = False, layers: bool = False
+    ):
         self.net, self.bmap = net, bmap
         self.points: list[tuple[str, str]] = []  # (label, kind): kind "attention", "mlp", "block", "stem", ...
         self.features: dict[str, torch.Tensor] = {}
         self._plan: list[tuple[str, str, nn.Module, str]] = []  # (label, kind, module, how)
         first = net.get_submodule(bmap.units[0].paths[0])
-        if stem:
+        stem_layers = _layer_list(getattr(net, "stem", None)) if layers else []
+        transitions = list(getattr(net, "transitions", None) or []) if layers else []
+        if stem_layers:
+            for i, layer in enumerate(stem_layers):
+                self._add(f"stem.{i}", "stem", layer, "output")
+        elif stem:
             self._add("stem", "stem", first, "input")
-        for unit in bmap.units:
+        for index, unit in enumerate(bmap.units):
             block = net.get_submodule(unit.paths[0])
             if sublayers and isinstance(block, VitBlock) and len(unit.paths) == 1:
                 self._add(f"{unit.name}.attention", "attention", block, "attention_residual")
@@ -303,6 +315,10 @@ class FeatureTap:
             else:
                 kind = "attention" if unit.parts.get("attention") else "block"
                 self._add(unit.name, kind, net.get_submodule(unit.paths[-1]), "output")
+            last_of_stage = index + 1 == len(bmap.units) or bmap.units[index + 1].stage != unit.stage
+            if last_of_stage and unit.stage < len(transitions):
+                for i, layer in enumerate(_layer_list(transitions[unit.stage])):
+                    self._add(f"transitions.{unit.stage}.{i}", "transition", layer, "output")
         self._handles: list = []
 
     def _add(self, label: str, kind: str, module: nn.Module, how: str) -> None:
@@ -340,6 +356,11 @@ class FeatureTap:
 
     def ordered(self) -> list[torch.Tensor]:
         return [self.features[label] for label, _ in self.points]
+
+
+def _layer_list(module: nn.Module | None) -> list[nn.Module]:
+    """The layers of a sequential container (nn.Sequential, nn.ModuleList), or [] for anything else."""
+    return list(module) if isinstance(module, (nn.Sequential, nn.ModuleList)) else []
 
 
 # ------------------------------------------------------------------------------------------- attention

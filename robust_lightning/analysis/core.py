@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torchvision.transforms import v2 as T
 
+from robust_lightning.data.transforms import decode_rgb, eval_resize_size
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.base import Evaluation, check_weights, evaluating, new_figure  # noqa: F401
 
@@ -52,6 +54,53 @@ def family_style(arch: str | None) -> tuple[str, str]:
     return FAMILY_STYLES.get(model_family(arch), ("s", "tab:green"))
 
 
+# PIL filters an analysis may resize its images with instead of the data module's bicubic (Analysis.interpolation):
+# Chen et al.'s feature-variance and occlusion scripts resize with torchvision's default, bilinear
+# (github.com/Lauch1ng/LKRobust, feature_map_variance/main.py and occlusion_invariance/evaluate.py: Resize(256)).
+INTERPOLATIONS = {"bicubic": T.InterpolationMode.BICUBIC, "bilinear": T.InterpolationMode.BILINEAR}
+
+
+def eval_preprocessing(image_size: int, crop_pct: float, resize: str, interpolation: str) -> T.Compose:
+    """The data module's evaluation preprocessing (robust_lightning.data.transforms.eval_transform, same geometry:
+    "shorter_side" resizes the shorter side to floor(r / crop_pct) and centre-crops r, "whole" resizes the whole
+    image to r x r) with PIL's ``interpolation`` filter; uint8 tensors, as the data module's."""
+    if interpolation not in INTERPOLATIONS:
+        raise UserError(f"interpolation must be one of {', '.join(INTERPOLATIONS)}, got {interpolation!r}")
+    mode = INTERPOLATIONS[interpolation]
+    if resize == "whole":
+        return T.Compose([decode_rgb, T.Resize((image_size, image_size), interpolation=mode), T.PILToTensor()])
+    return T.Compose(
+        [
+            decode_rgb,
+            T.Resize(eval_resize_size(image_size, crop_pct), interpolation=mode),
+            T.CenterCrop(image_size),
+            T.PILToTensor(),
+        ]
+    )
+
+
+def describe_preprocessing(image_size: int, crop_pct: float, resize: str, interpolation: str) -> str:
+    """What results.json says of ``eval_preprocessing`` with these arguments."""
+    if resize == "whole":
+        return f"resize {image_size}x{image_size} {interpolation} (whole image, aspect ratio ignored), no crop"
+    return f"resize {eval_resize_size(image_size, crop_pct)} {interpolation}, center crop {image_size}"
+
+
+def resize_difference(resize: str, interpolation: str) -> str | None:
+    """How an analysis's resizing departs from its paper where the paper leaves it open, or None.
+
+    eval_resize "whole" is Bhojanapalli et al.'s preprocessing (App. A, "Image Preprocessing"), the only protocol
+    here that asks for it; they do not name the filter."""
+    if resize != "whole":
+        return None
+    return (
+        f"images resized whole with PIL's {interpolation} filter, a choice of this code: Bhojanapalli et al. "
+        "(App. A) do not name the filter; the ViT code whose checkpoints they evaluate "
+        "(github.com/google-research/vision_transformer, vit_jax/input_pipeline.py) resizes with "
+        "tf.image.resize, bilinear without antialiasing"
+    )
+
+
 def pi_axis(axis) -> None:
     """Tick labels in units of pi ("0.5π"), as Park & Kim's frequency axes."""
     from matplotlib.ticker import FormatStrFormatter  # noqa: PLC0415
@@ -67,16 +116,34 @@ class Analysis(Evaluation):
         batch_size: images per forward pass.
         weights: "raw" or "ema" (the EMA weights of a model trained with model.ema_decay).
         plot: draw ``<name>.png`` beside results.json.
+        interpolation: for analyses that offer it, the PIL filter their images are resized with ("bicubic" or
+            "bilinear", the same geometry as the data's evaluation preprocessing); None: the data module's own
+            preprocessing (bicubic), the images of the test loop.
     """
 
     name = "analysis"
 
-    def __init__(self, max_images: int = 256, batch_size: int = 64, weights: str = "raw", plot: bool = True):
+    def __init__(
+        self,
+        max_images: int = 256,
+        batch_size: int = 64,
+        weights: str = "raw",
+        plot: bool = True,
+        interpolation: str | None = None,
+    ):
         if max_images < 1 or batch_size < 1:
             raise UserError(f"{type(self).__name__}: max_images and batch_size must be positive")
         check_weights(type(self).__name__, weights)
+        if interpolation is not None and interpolation not in INTERPOLATIONS:
+            raise UserError(
+                f"{type(self).__name__}.interpolation must be null or one of {', '.join(INTERPOLATIONS)}, "
+                f"got {interpolation!r}"
+            )
         self.max_images, self.batch_size, self.weights, self.plot = max_images, batch_size, weights, plot
+        self.interpolation = interpolation
         self.images_used = 0  # evaluation images read by the last run: max_images, or fewer where the data ran out
+        self.preprocessed: str | None = None  # how the last run's evaluation images were resized, if it read any
+        self.resized: tuple[str, str] | None = None  # (eval_resize, filter) of those images
 
     # ------------------------------------------------------------------------------------------ inputs
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -96,10 +163,24 @@ class Analysis(Evaluation):
         where the data has fewer). ``images_used`` counts them (the most of any pass, for analyses that pass over
         the images several times)."""
         seen = 0
-        for batch in self.eval_batches(trainer, pl_module, limit=self.max_images, batch_size=self.batch_size):
+        transform = self.preprocessing(trainer)
+        data = self.check_data(trainer)
+        self.resized = (data.eval_resize, self.interpolation or "bicubic")
+        self.preprocessed = describe_preprocessing(data.image_size, data.crop_pct, *self.resized)
+        for batch in self.eval_batches(
+            trainer, pl_module, transform, limit=self.max_images, batch_size=self.batch_size
+        ):
             seen += len(batch["label"])
             self.images_used = max(self.images_used, seen)
             yield batch["image"], batch["label"]
+
+    def preprocessing(self, trainer):
+        """The per-image transform of the analysis's images: None (the data module's own evaluation
+        preprocessing) unless ``interpolation`` names a filter."""
+        if self.interpolation is None:
+            return None
+        data = self.check_data(trainer)
+        return eval_preprocessing(data.image_size, data.crop_pct, data.eval_resize, self.interpolation)
 
     def images(self, trainer, pl_module) -> tuple[torch.Tensor, torch.Tensor]:
         """All of them at once (for analyses that need the whole set, e.g. random masks shared by images)."""
@@ -123,7 +204,7 @@ class Analysis(Evaluation):
         raise NotImplementedError
 
     def on_test_end(self, trainer, pl_module) -> None:
-        self.images_used = 0
+        self.images_used, self.preprocessed, self.resized = 0, None, None
         with evaluating(pl_module), torch.inference_mode(False), torch.enable_grad():
             section, metrics, figure = self.analyse(trainer, pl_module)
         self.publish(trainer, section, metrics, figure)
@@ -144,6 +225,12 @@ class Analysis(Evaluation):
                 "checkpoint": trainer.ckpt_path,
             },
         }
+        if self.preprocessed is not None:
+            section["conditions"]["eval_preprocessing"] = self.preprocessed
+            difference = resize_difference(*self.resized)
+            if difference is not None:
+                protocol = section.get("protocol", {})
+                section["protocol"] = {**protocol, "differences": [*protocol.get("differences", []), difference]}
         if figure is not None and not self.plot:
             import matplotlib.pyplot as plt  # noqa: PLC0415 (slow to import; only when plotting)
 

@@ -147,6 +147,8 @@ class Occlusion(Analysis):
         saliency_head: attention head of the CLS map (Chen et al.: 1); null: mean over heads.
         saliency_normalize: normalise the saliency ViT's input with ImageNet mean/std (DINO was trained so).
         seed: seed of the random drops.
+        interpolation: the resize filter (see Analysis): Chen et al.'s occlusion script resizes bilinearly
+            (github.com/Lauch1ng/LKRobust, occlusion_invariance/evaluate.py: Resize(256), CenterCrop(224)).
         max_images, batch_size, weights, plot: see Analysis.
     """
 
@@ -168,8 +170,11 @@ class Occlusion(Analysis):
         batch_size: int = 64,
         weights: str = "raw",
         plot: bool = True,
+        interpolation: str | None = None,
     ):
-        super().__init__(max_images=max_images, batch_size=batch_size, weights=weights, plot=plot)
+        super().__init__(
+            max_images=max_images, batch_size=batch_size, weights=weights, plot=plot, interpolation=interpolation
+        )
         if grid < 1 or samples < 1:
             raise UserError("Occlusion: grid and samples must be positive")
         if not all(0 <= f <= 1 for f in [*drop_fractions, *lambdas]):

@@ -199,24 +199,32 @@ class _FeatureAnalysis(Analysis):
         batch_size: int = 64,
         weights: str = "raw",
         plot: bool = True,
+        interpolation: str | None = None,
     ):
-        super().__init__(max_images=max_images, batch_size=batch_size, weights=weights, plot=plot)
+        super().__init__(
+            max_images=max_images, batch_size=batch_size, weights=weights, plot=plot, interpolation=interpolation
+        )
         self.sublayers, self.stem = sublayers, stem
 
     def check(self, trainer, pl_module) -> None:
         find_blocks(pl_module.model.net)
 
-    def run(self, trainer, pl_module, consume) -> tuple[BlockMap, FeatureTap]:
+    def tap(self, net, bmap: BlockMap) -> FeatureTap:
+        return FeatureTap(net, bmap, sublayers=self.sublayers, stem=self.stem)
+
+    def run(self, trainer, pl_module, consume, batches=None) -> tuple[BlockMap, FeatureTap]:
+        """Hands ``consume`` the tap's features of each batch: ``batches`` (images, labels) when given, else the
+        analysis's images batch by batch."""
         model = self.model(pl_module)
         bmap = find_blocks(model.net)
-        tap = FeatureTap(model.net, bmap, sublayers=self.sublayers, stem=self.stem)
+        tap = self.tap(model.net, bmap)
         with tap, torch.no_grad():
             for images, _ in tqdm(
-                self.batches(trainer, pl_module),
+                self.batches(trainer, pl_module) if batches is None else batches,
                 desc=self.name,
                 leave=False,
                 disable=not trainer.is_global_zero,
-                total=math.ceil(self.max_images / self.batch_size),
+                total=math.ceil(self.max_images / self.batch_size) if batches is None else len(batches),
             ):
                 model(images)
                 consume(bmap, tap.ordered(), tuple(images.shape[-2:]))
@@ -365,6 +373,13 @@ VARIANCE_PROTOCOLS = {
 }
 
 
+# Which hidden states FeatureVariance reads ("points")
+FEATURE_POINTS = ("blocks", "chen")
+# The families Chen et al.'s script lists the hidden states of (feature_map_variance/main.py: resnet50, replknet,
+# vit_base_patch16_224)
+CHEN_FAMILIES = ("replknet", "vit", "resnet")
+
+
 class FeatureVariance(_FeatureAnalysis):
     """Feature-map variance per block (Park & Kim, Fig. 9; Chen et al., Fig. 10).
 
@@ -374,6 +389,16 @@ class FeatureVariance(_FeatureAnalysis):
         protocol: "parkkim": the spatial variance of each image's maps, averaged over channels and images (Park
             & Kim's notebook); "chen": the spatial variance of the batch's mean map, averaged over channels and
             batches (Chen et al.'s script averages each batch's maps over the images first).
+        points: "blocks": the stem and each unit (each branch with ``sublayers``); "chen": the list of Chen et
+            al.'s script (github.com/Lauch1ng/LKRobust, feature_map_variance/main.py) for the three families it
+            knows, ``sublayers`` and ``stem`` unused: RepLKNet each stem layer, each RepLK block and ConvFFN and
+            each transition layer, its last entry dropped as the script drops it (57 points on RepLKNet-31B); ViT
+            the patch embedding and the residual stream after each attention and MLP branch; ResNet the stem and
+            each block.
+        sweeps: with protocol "chen", None: every batch of the images, in their order, counts once; N: the
+            script's batches, N random permutations of the images (torch seed 0, as the script draws them) of
+            which the last batch of ``batch_size`` each counts (the script: 10 sweeps, 1280 images, 128 a batch).
+        interpolation: the resize filter (see Analysis): Chen et al.'s script resizes bilinearly.
         max_images, batch_size, weights, plot: see Analysis.
     """
 
@@ -384,17 +409,59 @@ class FeatureVariance(_FeatureAnalysis):
         sublayers: bool = True,
         stem: bool = True,
         protocol: str = "parkkim",
+        points: str = "blocks",
+        sweeps: int | None = None,
         max_images: int = 256,
         batch_size: int = 64,
         weights: str = "raw",
         plot: bool = True,
+        interpolation: str | None = None,
     ):
-        super().__init__(sublayers, stem, max_images, batch_size, weights, plot)
+        super().__init__(sublayers, stem, max_images, batch_size, weights, plot, interpolation)
         if protocol not in VARIANCE_PROTOCOLS:
             raise UserError(
                 f"FeatureVariance.protocol must be one of {', '.join(VARIANCE_PROTOCOLS)}, got {protocol!r}"
             )
-        self.protocol = protocol
+        if points not in FEATURE_POINTS:
+            raise UserError(f"FeatureVariance.points must be one of {', '.join(FEATURE_POINTS)}, got {points!r}")
+        if sweeps is not None and (sweeps < 1 or protocol != "chen"):
+            raise UserError(
+                f"FeatureVariance.sweeps draws the batches of Chen et al.'s script: a positive number with "
+                f"protocol chen, got {sweeps!r} with protocol {protocol!r}"
+            )
+        self.protocol, self.points, self.sweeps = protocol, points, sweeps
+
+    def check(self, trainer, pl_module) -> None:
+        bmap = find_blocks(pl_module.model.net)
+        if self.points == "chen" and bmap.family not in CHEN_FAMILIES:
+            raise UserError(
+                f"FeatureVariance.points 'chen' lists the hidden states as Chen et al.'s script does for "
+                f"{', '.join(CHEN_FAMILIES)} models; this is a {bmap.family} model, so it does not apply: "
+                "set points: blocks"
+            )
+
+    def tap(self, net, bmap: BlockMap) -> FeatureTap:
+        if self.points == "blocks":
+            return super().tap(net, bmap)
+        return FeatureTap(net, bmap, sublayers=True, stem=True, layers=bmap.family == "replknet")
+
+    def drops_last(self, bmap: BlockMap) -> bool:
+        """Chen et al.'s script drops the last entry of its list, meant for the logits; RepLKNet's list has no head,
+        so there it drops the last ConvFFN (ViT's and ResNet's lists end in the head, which no tap reads)."""
+        return self.points == "chen" and bmap.family == "replknet"
+
+    def script_batches(self, trainer, pl_module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The batches Chen et al.'s script keeps: of each of ``sweeps`` random permutations of the images, the
+        last batch. The script seeds torch's global generator with 0 just before drawing its permutations, the
+        same draws as a generator seeded with 0."""
+        images, labels = self.images(trainer, pl_module)
+        generator = torch.Generator().manual_seed(0)
+        last = (len(images) - 1) // self.batch_size * self.batch_size  # where a sweep's last batch starts
+        batches = []
+        for _ in range(self.sweeps):
+            index = torch.randperm(len(images), generator=generator)[last:].to(images.device)
+            batches.append((images[index], labels[index]))
+        return batches
 
     def analyse(self, trainer, pl_module):
         totals: list[float] = []
@@ -402,7 +469,7 @@ class FeatureVariance(_FeatureAnalysis):
         count = [0]
 
         def consume(bmap, features, image_hw):
-            maps = [as_map(f, bmap, image_hw) for f in features]
+            maps = [as_map(f, bmap, image_hw) for f in (features[:-1] if self.drops_last(bmap) else features)]
             if self.protocol == "chen":  # one mean map per batch
                 maps = [m.float().mean(dim=0, keepdim=True) for m in maps]
             values = [feature_variance(m) for m in maps]
@@ -413,30 +480,40 @@ class FeatureVariance(_FeatureAnalysis):
                 totals[i] += float(v.sum())
             count[0] += len(values[0])
 
-        bmap, tap = self.run(trainer, pl_module, consume)
+        batches = self.script_batches(trainer, pl_module) if self.sweeps else None
+        bmap, tap = self.run(trainer, pl_module, consume, batches)
         variances = [t / count[0] for t in totals]
         variances = [None if math.isnan(v) else v for v in variances]  # a 1x1 map has no spatial variance
         points = [
             {"name": label, "kind": kind, "map_size": list(size), "subsampling": sub, "variance": v}
             for (label, kind), size, sub, v in zip(tap.points, sizes, _subsampling(sizes), variances)
         ]
+        differences = []
+        if self.protocol == "chen" and not self.sweeps:
+            differences.append(
+                "the script keeps the mean map of the last batch of each of its 10 sweeps over random "
+                "permutations of its 1280 images (sweeps: 10); here every batch's mean map counts, the "
+                "images in their order"
+            )
+        if self.protocol == "chen" and self.points != "chen":
+            differences.append(
+                "the points are the stem and each unit (or branch), not the script's list (points: chen), "
+                "which on RepLKNet taps each stem layer, RepLK block, ConvFFN and transition layer"
+            )
         section = {
             "family": bmap.family,
             "points": points,
             "protocol": {
                 "follows": "code",
                 "reference": VARIANCE_PROTOCOLS[self.protocol],
-                "differences": []
-                if self.protocol == "parkkim"
-                else [
-                    "the script keeps the mean map of the last batch of each of its 10 sweeps over "
-                    "1280 images; here every batch's mean map counts"
-                ],
+                "differences": differences,
             },
             "conditions": {
                 "arch": pl_module.hparams.get("arch"),
                 "sublayers": self.sublayers,
+                "points": self.points,
                 "protocol": self.protocol,
+                "sweeps": self.sweeps,
                 "measure": "unbiased spatial variance per channel, mean over channels and "
                 + ("images" if self.protocol == "parkkim" else "batches, of each batch's mean map"),
             },
