@@ -6,7 +6,9 @@
   linear CKA instead, as the paper's App. F does for ResNets (Fig. 33: "Linear Centered Kernel Analysis. This
   allows for the comparison of representations across stages which are of different shape").
 - ``FeatureVariance`` (Park & Kim 2022, Fig. 9): spatial variance of each feature map, averaged over channels
-  and images. MSAs lower it (they aggregate), convolutions and MLPs raise it.
+  and images. MSAs lower it (they aggregate), convolutions and MLPs raise it. Chen et al. 2024 (Fig. 10) take
+  the variance of each batch's mean map, at the points and on the batches of their script (protocol and points
+  "chen", sweeps 10).
 - ``FourierFeatures`` (Park & Kim 2022, Figs. 2a and 8): log amplitude of the 2-D Fourier transform of each
   feature map, averaged over channels and images, along the diagonal from frequency 0 towards the corner,
   relative to frequency 0; the value at the last point ("1.0 pi") per block. MSAs act as low-pass filters (it
@@ -510,7 +512,7 @@ class FeatureVariance(_FeatureAnalysis):
             },
             "conditions": {
                 "arch": pl_module.hparams.get("arch"),
-                "sublayers": self.sublayers,
+                "sublayers": self.sublayers if self.points == "blocks" else None,  # the script's list: unused
                 "points": self.points,
                 "protocol": self.protocol,
                 "sweeps": self.sweeps,
