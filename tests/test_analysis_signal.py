@@ -172,6 +172,7 @@ def test_the_shipped_configs_run_on_tiny_checkpoints(tmp_path):
         "occlusion_chen_fig4",
         vit,
         saliency="attention",
+        interpolation=None,  # the data module's resize: the images of the test loop, whose accuracy is compared
         grid=4,
         samples=2,
         drop_fractions=[0.0, 0.5, 0.9],
