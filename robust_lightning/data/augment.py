@@ -5,7 +5,9 @@ else the training recipes ask for happens here, on whole batches, with its own r
 
 * ``RandAugment``   - timm's ``rand-m9-mstd0.5-inc1`` (Singh, Croce & Hein), op choice and magnitude per image.
 * ``RandomErasing`` - timm's random erasing, one box per erased image.
-* ``ThreeAugment`` + ``ColorJitter`` - DeiT III's 3-Augment (Debenedetti et al.'s '3-aug').
+* ``ColorJitter``   - torchvision's ColorJitter(b, c, s) per image; after a flip it is scheme '3aug', Singh et al.'s
+  3-Aug (App. D.2: basic + random horizontal flip + colour jitter), not DeiT III's 3-Augment.
+* ``ThreeAugment``  - DeiT III's 3-Augment (grayscale | solarize | blur, then ColorJitter): scheme 'deit3'.
 * ``MixUpCutMix``   - timm's MixUp/CutMix of a whole batch, drawing from an explicit random stream.
 * ``BatchAugment``  - the named schemes 'basic', '3aug', 'deit3' and 'heavy', with MixUp/CutMix for 'heavy'.
 
@@ -57,9 +59,14 @@ RAND_AUGMENT_OPS = (
 )
 GEOMETRIC_OPS = ("Rotate", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel")
 SCHEMES = ("basic", "3aug", "deit3", "heavy")
-# colour jitter strength per scheme: '3aug' as Debenedetti et al.'s light recipe, which Singh et al. App. D.2 call
-# 3-Aug (github.com/dedeswim/vits-robustness-torch, configs/xcit-adv-training.yaml: hflip 0.5, color_jitter 0.4,
-# timm's ColorJitter(0.4, 0.4, 0.4)); 'deit3' as DeiT III's 3-Augment (ColorJitter 0.3)
+# Colour jitter strength per scheme. '3aug': an assumption. Singh et al. (App. D.2) describe 3-Aug as basic + random
+# horizontal flip + colour jitter after Debenedetti et al.'s light recipe and name no strength; their code
+# (github.com/nmndeep/revisiting-at, parserr.py) has no 3-Aug setting (its heavy recipe's color_jitter 0.4 does
+# nothing, as timm skips the jitter when RandAugment is on). 0.4 is the light recipe's, in
+# github.com/dedeswim/vits-robustness-torch, configs/xcit-adv-training.yaml from commit 57a3109 (January 2022) on:
+# aa None, hflip 0.5, color_jitter 0.4, timm's ColorJitter(0.4, 0.4, 0.4); the file's earlier versions hold a heavy
+# recipe in which the same 0.4 is inert. 'deit3': DeiT III's 3-Augment with its --color-jitter default 0.3
+# (github.com/facebookresearch/deit, augment.py new_data_aug_generator and main.py).
 COLOR_JITTER = {"3aug": 0.4, "deit3": 0.3}
 
 # RandAugment's fill colour and RandomErasing's noise (data.augmentation_fill), as timm derives them from the
@@ -726,6 +733,12 @@ class MixUpCutMix:
     i with image B - 1 - i; CutMix pastes a box of image B - 1 - i into image i (rand_bbox: sides
     sqrt(1 - lam) of the image's, centre uniform, clipped to the image) and lam becomes the share of the
     image left uncovered (cutmix_bbox_and_lam).  Targets are timm's mixup_target (label smoothing included).
+
+    The box is that of the timm pinned here (1.0.31: cut_h // 2 rows above the centre, (cut_h + 1) // 2 below, so
+    cut_h rows in all; likewise for columns).  The timm of Singh et al.'s code (0.8.0.dev0,
+    github.com/nmndeep/revisiting-at README), as timm up to 1.0.28, cut cut_h // 2 on both sides: its box is 1 px
+    shorter along each side of odd length (before clipping), and lam follows the box.  A difference from the
+    official code; the random draws are the same.
     """
 
     def __init__(
@@ -789,7 +802,8 @@ class BatchAugment(torch.nn.Module):
     Schemes:
       'basic' - horizontal flip only.
       '3aug'  - flip and ColorJitter(0.4, 0.4, 0.4): Singh et al.'s 3-Aug (App. D.2: basic + random horizontal
-                flip + colour jitter), as Debenedetti et al.'s light recipe runs it.
+                flip + colour jitter), not DeiT III's 3-Augment; the strength 0.4 is Debenedetti et al.'s, which
+                Singh et al. do not state (see COLOR_JITTER).
       'deit3' - flip, DeiT III 3-Augment (grayscale | solarize | blur) and ColorJitter(0.3, 0.3, 0.3).
       'heavy' - flip, RandAugment `rand_augment`, RandomErasing(`erase_prob`, 'pixel'), then MixUp
                 (`mixup_alpha`) / CutMix (`cutmix_alpha`), switching with `switch_prob`, per batch as timm.
