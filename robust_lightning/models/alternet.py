@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,9 +57,17 @@ def msa_layout(num_blocks: int, num_msa: int) -> list[bool]:
 class PreActBottleneck(nn.Module):
     """Pre-activation ResNet bottleneck (He et al. 2016, "Identity Mappings in Deep Residual Networks")."""
 
-    def __init__(self, in_chs: int, width: int, stride: int = 1, drop_path: float = 0.0, device=None, dtype=None):
+    def __init__(
+        self,
+        in_chs: int,
+        width: int,
+        stride: int = 1,
+        drop_path: float = 0.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
-        dd = {"device": device, "dtype": dtype}
+        dd: dict[str, Any] = {"device": device, "dtype": dtype}
         out_chs = width * EXPANSION
         self.shortcut = None
         if stride != 1 or in_chs != out_chs:
@@ -95,11 +104,11 @@ class WindowAttention2d(nn.Module):
         num_heads: int,
         head_dim: int = 64,
         window_size: int = 7,
-        device=None,
-        dtype=None,
-    ):
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
-        dd = {"device": device, "dtype": dtype}
+        dd: dict[str, Any] = {"device": device, "dtype": dtype}
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.window_size = window_size
@@ -162,11 +171,11 @@ class MSABlock(nn.Module):
         head_dim: int = 64,
         window_size: int = 7,
         drop_path: float = 0.0,
-        device=None,
-        dtype=None,
-    ):
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
-        dd = {"device": device, "dtype": dtype}
+        dd: dict[str, Any] = {"device": device, "dtype": dtype}
         width = chs // EXPANSION
         self.norm1 = nn.BatchNorm2d(chs, **dd)
         self.act = nn.GELU()
@@ -191,10 +200,10 @@ class AlterNetStage(BlockStage):
         head_dim: int,
         window_size: int,
         drop_path: Sequence[float],
-        device=None,
-        dtype=None,
-    ):
-        dd = {"device": device, "dtype": dtype}
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        dd: dict[str, Any] = {"device": device, "dtype": dtype}
         blocks: list[nn.Module] = []
         for i, msa in enumerate(is_msa):
             if msa:  # never first in a stage (msa_layout), so input and output shapes agree
@@ -222,11 +231,11 @@ class AlterNet(LinearHeadMixin, nn.Module):
         global_pool: str = "avg",
         drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
-        device=None,
-        dtype=None,
-    ):
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
-        dd = {"device": device, "dtype": dtype}
+        dd: dict[str, Any] = {"device": device, "dtype": dtype}
         if not len(num_blocks) == len(num_msa) == len(widths) == len(num_heads):
             raise ValueError("num_blocks, num_msa, widths and num_heads need one entry per stage")
         if global_pool not in ("avg", ""):
@@ -269,13 +278,14 @@ class AlterNet(LinearHeadMixin, nn.Module):
         self.head = nn.Linear(in_chs, num_classes, **dd) if num_classes > 0 else nn.Identity()
 
     @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False):
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
         return dict(stem=r"^stem", blocks=[(r"^stages\.(\d+)\.blocks\.(\d+)", None), (r"^norm", (99999,))])
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         for stage in self.stages:
-            stage.grad_checkpointing = enable
+            # a plain attribute of the stage: nn.Module.__setattr__ is typed for tensors and modules only
+            stage.grad_checkpointing = enable  # type: ignore[assignment]
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Unpooled features (N, C, H/32, W/32) after the final BN-ReLU."""
@@ -302,14 +312,14 @@ default_cfgs = generate_default_cfgs(
 )
 
 
-def _create(variant: str, pretrained: bool, **kwargs) -> AlterNet:
+def _create(variant: str, pretrained: bool, **kwargs: Any) -> AlterNet:
     return build_model_with_cfg(
         AlterNet, variant, pretrained, feature_cfg=dict(out_indices=(0, 1, 2, 3), flatten_sequential=True), **kwargs
     )
 
 
 @register_model
-def alternet_50(pretrained: bool = False, **kwargs) -> AlterNet:
+def alternet_50(pretrained: bool = False, **kwargs: Any) -> AlterNet:
     """AlterNet-50: blocks 3/4/6/4, MSA blocks 0/1/3/2 (alternating at the stage ends), heads 3/6/12/24."""
     model_args = dict(
         num_blocks=(3, 4, 6, 4), num_msa=(0, 1, 3, 2), widths=(64, 128, 256, 512), num_heads=(3, 6, 12, 24)
@@ -318,7 +328,7 @@ def alternet_50(pretrained: bool = False, **kwargs) -> AlterNet:
 
 
 @register_model
-def alternet_test(pretrained: bool = False, **kwargs) -> AlterNet:
+def alternet_test(pretrained: bool = False, **kwargs: Any) -> AlterNet:
     """Small AlterNet for tests (not from the paper): blocks 1/2/2/2, one MSA block at the end of stages 1-3,
     widths 8/16/24/32, 2x2 windows (divide the 16/8/4/2 maps of a 64 px input)."""
     model_args = dict(

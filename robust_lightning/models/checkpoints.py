@@ -93,7 +93,7 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _numpy_scalar_safe_globals() -> list:
-    scalar = np._core.multiarray.scalar
+    scalar = np._core.multiarray.scalar  # type: ignore[attr-defined]  # numpy 2's private module: not in its stubs
     dtype_classes = sorted({type(np.dtype(code)) for code in "?bBhHiIlLqQefdgFDG"}, key=str)
     return [
         (scalar, "numpy.core.multiarray.scalar"),

@@ -23,6 +23,9 @@ __all__ = ["InputNormalization", "RobustClassifier", "build_classifier", "use_sm
 class InputNormalization(nn.Module):
     """``(x - mean) / std`` per channel; mean and std are persistent buffers of shape (1, C, 1, 1)."""
 
+    mean: torch.Tensor
+    std: torch.Tensor
+
     def __init__(self, mean: Sequence[float], std: Sequence[float]):
         super().__init__()
         mean_t = torch.as_tensor(mean, dtype=torch.float32).flatten()
@@ -54,7 +57,8 @@ class RobustClassifier(nn.Module):
         super().__init__()
         if (mean is None) != (std is None):
             raise UserError(f"mean and std must both be set or both be None (got mean={mean!r}, std={std!r})")
-        self.normalize = nn.Identity() if mean is None else InputNormalization(mean, std)
+        # (std is None only with mean: checked above)
+        self.normalize: nn.Module = nn.Identity() if mean is None or std is None else InputNormalization(mean, std)
         self.net = net
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -23,9 +23,11 @@ still works through timm's own mechanism: ``pretrained=True, pretrained_cfg_over
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
+from typing import Any
 
+import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
 from timm.layers import LayerNorm2d, PatchEmbed, to_2tuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
@@ -92,16 +94,16 @@ class ConvStem(nn.Sequential):
         out_dim: int | None = None,
         norm_eps: float = 1e-6,
         kernel_sizes: Sequence[int] | None = None,
-        device=None,
-        dtype=None,
-    ):
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         kernel_sizes = (3,) * len(channels) if kernel_sizes is None else tuple(kernel_sizes)
         if not len(channels) == len(strides) == len(kernel_sizes):
             raise ValueError(
                 f"ConvStem needs one stride and kernel size per conv, got channels={channels} "
                 f"strides={strides} kernel_sizes={kernel_sizes}"
             )
-        dd = {"device": device, "dtype": dtype}
+        dd: dict[str, Any] = {"device": device, "dtype": dtype}
         layers: list[nn.Module] = []
         prev = in_chans
         for ch, stride, kernel in zip(channels, strides, kernel_sizes):
@@ -147,8 +149,8 @@ class ConvNeXtConvStem(ConvNeXt):
         stem_channels: Sequence[int],
         stem_strides: Sequence[int],
         stem_kernels: Sequence[int] | None = None,
-        **kwargs,
-    ):
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         stem = ConvStem(
             kwargs.get("in_chans", 3),
@@ -204,7 +206,14 @@ default_cfgs = generate_default_cfgs(
 )
 
 
-def _create_convnext_convstem(variant: str, pretrained: bool, stem_channels, stem_strides, stem_kernels=None, **kwargs):
+def _create_convnext_convstem(
+    variant: str,
+    pretrained: bool,
+    stem_channels: Sequence[int],
+    stem_strides: Sequence[int],
+    stem_kernels: Sequence[int] | None = None,
+    **kwargs: Any,
+) -> ConvNeXt:
     return build_model_with_cfg(
         ConvNeXtConvStem,
         variant,
@@ -219,7 +228,7 @@ def _create_convnext_convstem(variant: str, pretrained: bool, stem_channels, ste
 
 
 @register_model
-def convnext_atto_convstem(pretrained: bool = False, **kwargs) -> ConvNeXt:
+def convnext_atto_convstem(pretrained: bool = False, **kwargs: Any) -> ConvNeXt:
     """Project variant (not in the paper): timm convnext_atto, stem 3->20 /2, 20->40 /2 (T/S pattern)."""
     model_args = dict(depths=(2, 2, 6, 2), dims=(40, 80, 160, 320), conv_mlp=True)
     return _create_convnext_convstem(
@@ -228,7 +237,7 @@ def convnext_atto_convstem(pretrained: bool = False, **kwargs) -> ConvNeXt:
 
 
 @register_model
-def convnext_tiny_convstem(pretrained: bool = False, **kwargs) -> ConvNeXt:
+def convnext_tiny_convstem(pretrained: bool = False, **kwargs: Any) -> ConvNeXt:
     """ConvNeXt-T + ConvStem: 3->48 /2, 48->96 /2."""
     model_args = dict(depths=(3, 3, 9, 3), dims=(96, 192, 384, 768))
     return _create_convnext_convstem(
@@ -237,7 +246,7 @@ def convnext_tiny_convstem(pretrained: bool = False, **kwargs) -> ConvNeXt:
 
 
 @register_model
-def convnext_small_convstem(pretrained: bool = False, **kwargs) -> ConvNeXt:
+def convnext_small_convstem(pretrained: bool = False, **kwargs: Any) -> ConvNeXt:
     """ConvNeXt-S + ConvStem: 3->48 /2, 48->96 /2."""
     model_args = dict(depths=(3, 3, 27, 3), dims=(96, 192, 384, 768))
     return _create_convnext_convstem(
@@ -246,7 +255,7 @@ def convnext_small_convstem(pretrained: bool = False, **kwargs) -> ConvNeXt:
 
 
 @register_model
-def convnext_base_convstem(pretrained: bool = False, **kwargs) -> ConvNeXt:
+def convnext_base_convstem(pretrained: bool = False, **kwargs: Any) -> ConvNeXt:
     """ConvNeXt-B + ConvStem: 3->64 /2, 64->96 /2, 96->128 /1."""
     model_args = dict(depths=(3, 3, 27, 3), dims=(128, 256, 512, 1024))
     return _create_convnext_convstem(
@@ -255,7 +264,7 @@ def convnext_base_convstem(pretrained: bool = False, **kwargs) -> ConvNeXt:
 
 
 @register_model
-def convnext_large_convstem(pretrained: bool = False, **kwargs) -> ConvNeXt:
+def convnext_large_convstem(pretrained: bool = False, **kwargs: Any) -> ConvNeXt:
     """ConvNeXt-L + ConvStem: 3->96 /2, 96->144 /2, 144->192 /1."""
     model_args = dict(depths=(3, 3, 27, 3), dims=(192, 384, 768, 1536))
     return _create_convnext_convstem(
@@ -277,12 +286,12 @@ class ConvStemPatchEmbed(PatchEmbed):
 
     def __init__(
         self,
-        *args,
+        *args: Any,
         stem_channels: Sequence[int] = VIT_STEM_CHANNELS,
         stem_strides: Sequence[int] | None = None,
         stem_kernels: Sequence[int] | None = None,
-        **kwargs,
-    ):
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         strides = (2,) * len(stem_channels) if stem_strides is None else tuple(stem_strides)
         stride = math.prod(strides)
@@ -290,7 +299,8 @@ class ConvStemPatchEmbed(PatchEmbed):
             raise ValueError(f"the ConvStem reduces by {stride}; patch_size must be {stride}, got {self.patch_size}")
         if self.dynamic_img_pad:
             raise ValueError("ConvStemPatchEmbed does not support dynamic_img_pad")
-        self.proj = ConvStem(
+        # the stem in place of timm's patchifying conv (which PatchEmbed declares an nn.Conv2d)
+        self.proj = ConvStem(  # type: ignore[assignment]
             self.proj.in_channels,
             stem_channels,
             strides,
@@ -307,7 +317,7 @@ class ConvStemPatchEmbed(PatchEmbed):
         super().set_input_size(img_size=img_size)
 
 
-def _create_vit_convstem(variant: str, pretrained: bool, stem: dict | None = None, **kwargs) -> VisionTransformer:
+def _create_vit_convstem(variant: str, pretrained: bool, stem: dict | None = None, **kwargs: Any) -> VisionTransformer:
     """``stem``: ConvStemPatchEmbed's stem_channels / stem_strides / stem_kernels (default: the paper's ViT stem)."""
     # deit3 checkpoints store layer scale as gamma_1/gamma_2; the ViT filter maps them (timm's _create_deit does too)
     # and resamples pos_embed to the model's grid when loading via timm's pretrained mechanism.
@@ -324,21 +334,21 @@ def _create_vit_convstem(variant: str, pretrained: bool, stem: dict | None = Non
 
 
 @register_model
-def vit_small_patch16_224_convstem(pretrained: bool = False, **kwargs) -> VisionTransformer:
+def vit_small_patch16_224_convstem(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
     """ViT-S/16 (= DeiT-S arch) + ConvStem 3->48->96->192->384, 1x1 384->384."""
     model_args = dict(patch_size=16, embed_dim=384, depth=12, num_heads=6)
     return _create_vit_convstem("vit_small_patch16_224_convstem", pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
-def vit_medium_patch16_224_convstem(pretrained: bool = False, **kwargs) -> VisionTransformer:
+def vit_medium_patch16_224_convstem(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
     """ViT-M = DeiT-III medium (embed 512, 8 heads, layer scale, no_embed_class) + ConvStem, 1x1 384->512."""
     model_args = dict(patch_size=16, embed_dim=512, depth=12, num_heads=8, no_embed_class=True, init_values=1e-6)
     return _create_vit_convstem("vit_medium_patch16_224_convstem", pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
-def vit_base_patch16_224_convstem(pretrained: bool = False, **kwargs) -> VisionTransformer:
+def vit_base_patch16_224_convstem(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
     """ViT-B/16 + ConvStem 3->48->96->192->384, 1x1 384->768."""
     model_args = dict(patch_size=16, embed_dim=768, depth=12, num_heads=12)
     return _create_vit_convstem("vit_base_patch16_224_convstem", pretrained, **dict(model_args, **kwargs))
@@ -349,18 +359,20 @@ def vit_base_patch16_224_convstem(pretrained: bool = False, **kwargs) -> VisionT
 # conv followed by LayerNorm and GELU. The tables give no widths for ConvNeXt-T's rows: 48 then 96, the widths
 # of its final ConvStem, which the FLOPs of Table 7 bear out (tests/test_models.py).
 
+StemLayers = tuple[tuple[int, int, int], ...]  # (width, stride, kernel) per conv
+
 # Table 7 (ConvNeXt-T); its first row (Conv4,4, L) is timm's convnext_tiny, its last convnext_tiny_convstem.
-CONVNEXT_TINY_STEM_ABLATIONS = {
+CONVNEXT_TINY_STEM_ABLATIONS: dict[str, StemLayers] = {
     "convnext_tiny_stem_c7s4": ((96, 4, 7),),
     "convnext_tiny_stem_c7s4_c3s1": ((48, 4, 7), (96, 1, 3)),
     "convnext_tiny_stem_c7s2_c3s2": ((48, 2, 7), (96, 2, 3)),
     "convnext_tiny_stem_c5s2_c3s2": ((48, 2, 5), (96, 2, 3)),
 }
 # Table 8 (ConvNeXt-B, N = 64): C1 N*-2N*; P1 is timm's convnext_base, C2 (N*-1.5N*-2N) convnext_base_convstem.
-CONVNEXT_BASE_STEM_ABLATIONS = {"convnext_base_stem_c1": ((64, 2, 3), (128, 2, 3))}
+CONVNEXT_BASE_STEM_ABLATIONS: dict[str, StemLayers] = {"convnext_base_stem_c1": ((64, 2, 3), (128, 2, 3))}
 # Table 9 (ViT-S, N = 48; *: kernel 3 stride 2, **: kernel 7 stride 4, none: kernel 3 stride 1), then a 1x1 conv
 # to the embedding as every ViT ConvStem here; P1 is timm's vit_small_patch16_224, C1 vit_small_patch16_224_convstem.
-VIT_SMALL_STEM_ABLATIONS = {
+VIT_SMALL_STEM_ABLATIONS: dict[str, StemLayers] = {
     "vit_small_patch16_224_stem_c2": ((48, 2, 3), (48, 2, 3), (48, 2, 3), (384, 2, 3)),
     "vit_small_patch16_224_stem_c3": ((48, 4, 7), (384, 4, 7)),
     "vit_small_patch16_224_stem_c4": ((48, 4, 7), (96, 2, 3), (192, 2, 3), (384, 1, 3)),
@@ -368,7 +380,7 @@ VIT_SMALL_STEM_ABLATIONS = {
 }
 
 
-def _stem_args(layers) -> dict:
+def _stem_args(layers: StemLayers) -> dict[str, tuple[int, ...]]:
     widths, strides, kernels = zip(*layers)
     return {"stem_channels": widths, "stem_strides": strides, "stem_kernels": kernels}
 
@@ -381,20 +393,28 @@ def _register_stem_ablations() -> None:
     specs += [(name, layers, "convnext_base", base) for name, layers in CONVNEXT_BASE_STEM_ABLATIONS.items()]
     for name, layers, patchstem, model_args in specs:
 
-        def entrypoint(pretrained: bool = False, name=name, layers=layers, model_args=model_args, **kwargs):
+        def entrypoint(
+            pretrained: bool = False,
+            name: str = name,
+            layers: StemLayers = layers,
+            model_args: Mapping[str, tuple[int, ...]] = model_args,
+            **kwargs: Any,
+        ) -> ConvNeXt:
             return _create_convnext_convstem(name, pretrained, **_stem_args(layers), **dict(model_args, **kwargs))
 
         _register(name, entrypoint, _convnext_cfg(), patchstem, "stem.")
     vit = dict(patch_size=16, embed_dim=384, depth=12, num_heads=6)
     for name, layers in VIT_SMALL_STEM_ABLATIONS.items():
 
-        def entrypoint(pretrained: bool = False, name=name, layers=layers, **kwargs):
+        def vit_entrypoint(
+            pretrained: bool = False, name: str = name, layers: StemLayers = layers, **kwargs: Any
+        ) -> VisionTransformer:
             return _create_vit_convstem(name, pretrained, stem=_stem_args(layers), **dict(vit, **kwargs))
 
-        _register(name, entrypoint, _vit_cfg(), "vit_small_patch16_224", "patch_embed.proj.")
+        _register(name, vit_entrypoint, _vit_cfg(), "vit_small_patch16_224", "patch_embed.proj.")
 
 
-def _register(name: str, entrypoint, cfg: dict, patchstem: str, stem_prefix: str) -> None:
+def _register(name: str, entrypoint: Callable[..., nn.Module], cfg: dict, patchstem: str, stem_prefix: str) -> None:
     entrypoint.__name__ = entrypoint.__qualname__ = name
     entrypoint.__doc__ = f"Singh et al. App. B stem ablation {name} (robust_lightning.models.convstem)."
     default_cfgs.update(generate_default_cfgs({name: cfg}))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from functools import partial
+from typing import Any
 
 import torch
 from timm.layers import trunc_normal_
@@ -46,11 +47,11 @@ class IsotropicConvNeXt(LinearHeadMixin, nn.Module):
         drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
         head_init_scale: float = 1.0,
-        device=None,
-        dtype=None,
-    ):
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
-        dd = {"device": device, "dtype": dtype}
+        dd: dict[str, Any] = {"device": device, "dtype": dtype}
         if stem_type not in ("patch", "convstem"):
             raise ValueError(f"stem_type must be 'patch' or 'convstem', got {stem_type!r}")
         if global_pool not in ("avg", ""):
@@ -63,7 +64,7 @@ class IsotropicConvNeXt(LinearHeadMixin, nn.Module):
         self.grad_checkpointing = False
 
         if stem_type == "patch":
-            self.stem = nn.Conv2d(in_chans, dim, kernel_size=patch_size, stride=patch_size, **dd)
+            self.stem: nn.Module = nn.Conv2d(in_chans, dim, kernel_size=patch_size, stride=patch_size, **dd)
         else:
             if patch_size != 16:
                 raise ValueError("the ConvStem reduces by 16; patch_size must be 16")
@@ -95,7 +96,7 @@ class IsotropicConvNeXt(LinearHeadMixin, nn.Module):
             self.head.bias.data.mul_(head_init_scale)
 
     @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False):
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
         # parameter groups for timm's layer-wise lr decay: stem, one group per block, then the final norm
         return dict(stem=r"^stem", blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
 
@@ -144,7 +145,7 @@ default_cfgs = generate_default_cfgs(
 )
 
 
-def _create(variant: str, pretrained: bool, **kwargs) -> IsotropicConvNeXt:
+def _create(variant: str, pretrained: bool, **kwargs: Any) -> IsotropicConvNeXt:
     return build_model_with_cfg(
         IsotropicConvNeXt,
         variant,
@@ -155,13 +156,13 @@ def _create(variant: str, pretrained: bool, **kwargs) -> IsotropicConvNeXt:
 
 
 @register_model
-def convnext_iso_small(pretrained: bool = False, **kwargs) -> IsotropicConvNeXt:
+def convnext_iso_small(pretrained: bool = False, **kwargs: Any) -> IsotropicConvNeXt:
     """ConvNeXt-S (iso.) of Liu et al.: patchify 16x16/16 -> 18 blocks of width 384 (22.3M params)."""
     return _create("convnext_iso_small", pretrained, **dict(dict(dim=384, depth=18), **kwargs))
 
 
 @register_model
-def convnext_iso_small_convstem(pretrained: bool = False, **kwargs) -> IsotropicConvNeXt:
+def convnext_iso_small_convstem(pretrained: bool = False, **kwargs: Any) -> IsotropicConvNeXt:
     """ConvNeXt-S (iso.) with the ViT ConvStem (Singh et al.): 3->48->96->192->384, 1x1 384->384."""
     model_args = dict(dim=384, depth=18, stem_type="convstem")
     return _create("convnext_iso_small_convstem", pretrained, **dict(model_args, **kwargs))

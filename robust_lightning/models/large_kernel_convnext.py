@@ -15,6 +15,7 @@ No pretrained weights are registered, so nothing here downloads.
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.convnext import ConvNeXt, checkpoint_filter_fn
@@ -32,7 +33,7 @@ def check_kernel_sizes(kernel_size: int | tuple[int, ...]) -> tuple[int, int, in
     lo, hi = KERNEL_SIZE_RANGE
     if len(sizes) != 4 or any(not isinstance(k, int) or k % 2 == 0 or not lo <= k <= hi for k in sizes):
         raise ValueError(f"kernel_size must be an odd int in [{lo}, {hi}] or four of them, got {kernel_size!r}")
-    return sizes  # type: ignore[return-value]
+    return sizes
 
 
 _cfg = partial(pretrained_cfg, first_conv="stem.0", classifier="head.fc", paper_ids="arXiv:2407.08972")
@@ -48,7 +49,9 @@ default_cfgs = generate_default_cfgs(
 )
 
 
-def _create(variant: str, pretrained: bool, kernel_size, model_args: dict, kwargs: dict) -> ConvNeXt:
+def _create(
+    variant: str, pretrained: bool, kernel_size: int | tuple[int, ...], model_args: dict, kwargs: dict
+) -> ConvNeXt:
     if "kernel_sizes" in kwargs:
         raise ValueError(f"{variant} takes kernel_size, not kernel_sizes")
     return build_model_with_cfg(
@@ -62,28 +65,28 @@ def _create(variant: str, pretrained: bool, kernel_size, model_args: dict, kwarg
 
 
 @register_model
-def convnext_tiny_lk(pretrained: bool = False, kernel_size=31, **kwargs) -> ConvNeXt:
+def convnext_tiny_lk(pretrained: bool = False, kernel_size: int | tuple[int, ...] = 31, **kwargs: Any) -> ConvNeXt:
     """ConvNeXt-T (depths 3/3/9/3, dims 96..768) with a KxK depthwise kernel."""
     model_args = dict(depths=(3, 3, 9, 3), dims=(96, 192, 384, 768))
     return _create("convnext_tiny_lk", pretrained, kernel_size, model_args, kwargs)
 
 
 @register_model
-def convnext_small_lk(pretrained: bool = False, kernel_size=31, **kwargs) -> ConvNeXt:
+def convnext_small_lk(pretrained: bool = False, kernel_size: int | tuple[int, ...] = 31, **kwargs: Any) -> ConvNeXt:
     """ConvNeXt-S (depths 3/3/27/3, dims 96..768) with a KxK depthwise kernel."""
     model_args = dict(depths=(3, 3, 27, 3), dims=(96, 192, 384, 768))
     return _create("convnext_small_lk", pretrained, kernel_size, model_args, kwargs)
 
 
 @register_model
-def convnext_base_lk(pretrained: bool = False, kernel_size=31, **kwargs) -> ConvNeXt:
+def convnext_base_lk(pretrained: bool = False, kernel_size: int | tuple[int, ...] = 31, **kwargs: Any) -> ConvNeXt:
     """ConvNeXt-B (depths 3/3/27/3, dims 128..1024) with a KxK depthwise kernel."""
     model_args = dict(depths=(3, 3, 27, 3), dims=(128, 256, 512, 1024))
     return _create("convnext_base_lk", pretrained, kernel_size, model_args, kwargs)
 
 
 @register_model
-def convnext_lk_test(pretrained: bool = False, kernel_size=7, **kwargs) -> ConvNeXt:
+def convnext_lk_test(pretrained: bool = False, kernel_size: int | tuple[int, ...] = 7, **kwargs: Any) -> ConvNeXt:
     """Small ConvNeXt for tests (not from the paper): one block per stage, dims 16/24/32/48."""
     model_args = dict(depths=(1, 1, 1, 1), dims=(16, 24, 32, 48))
     return _create("convnext_lk_test", pretrained, kernel_size, model_args, kwargs)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +54,7 @@ class ConvBN(nn.Sequential):
 
     def __init__(self, in_chs, out_chs, kernel_size, stride=1, groups=1, relu=False, device=None, dtype=None):
         super().__init__()
-        dd = {"device": device, "dtype": dtype}
+        dd: dict[str, Any] = {"device": device, "dtype": dtype}
         self.conv = nn.Conv2d(in_chs, out_chs, kernel_size, stride, kernel_size // 2, groups=groups, bias=False, **dd)
         self.bn = nn.BatchNorm2d(out_chs, **dd)
         if relu:
@@ -62,6 +63,7 @@ class ConvBN(nn.Sequential):
 
 def fuse_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel and bias of one conv equivalent to ``bn(conv(x))`` with the BN's running statistics."""
+    assert bn.running_var is not None and bn.running_mean is not None  # nn.BatchNorm2d's default: tracked
     scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)
     return conv.weight * scale.reshape(-1, 1, 1, 1), bn.bias - bn.running_mean * scale
 
@@ -75,10 +77,16 @@ class ReparamLargeKernelConv(nn.Module):
     """
 
     def __init__(
-        self, channels: int, kernel_size: int, small_kernel: int | None, merged: bool = False, device=None, dtype=None
-    ):
+        self,
+        channels: int,
+        kernel_size: int,
+        small_kernel: int | None,
+        merged: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
-        dd = {"device": device, "dtype": dtype}
+        dd: dict[str, Any] = {"device": device, "dtype": dtype}
         if kernel_size % 2 == 0 or (small_kernel is not None and (small_kernel % 2 == 0 or small_kernel > kernel_size)):
             raise ValueError(f"kernels must be odd with small <= large, got {kernel_size} and {small_kernel}")
         self.channels = channels
@@ -99,6 +107,7 @@ class ReparamLargeKernelConv(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lkb_reparam is not None:
             return self.lkb_reparam(x)
+        assert self.lkb_origin is not None  # the training form
         out = self.lkb_origin(x)
         if self.small_conv is not None:
             out = out + self.small_conv(x)
@@ -108,9 +117,12 @@ class ReparamLargeKernelConv(nn.Module):
     def equivalent_kernel_bias(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(C, 1, K, K) kernel and (C,) bias of the single conv this module equals in eval mode."""
         if self.lkb_reparam is not None:
+            assert self.lkb_reparam.bias is not None  # made with a bias
             return self.lkb_reparam.weight.clone(), self.lkb_reparam.bias.clone()
+        assert self.lkb_origin is not None  # the training form
         kernel, bias = fuse_conv_bn(self.lkb_origin.conv, self.lkb_origin.bn)
         if self.small_conv is not None:
+            assert self.small_kernel is not None  # the small branch exists with its size
             small_kernel, small_bias = fuse_conv_bn(self.small_conv.conv, self.small_conv.bn)
             pad = (self.kernel_size - self.small_kernel) // 2
             kernel = kernel + F.pad(small_kernel, [pad] * 4)  # both centred: the small kernel sits in the middle
@@ -134,6 +146,7 @@ class ReparamLargeKernelConv(nn.Module):
             dtype=kernel.dtype,
         )
         conv.weight.copy_(kernel)
+        assert conv.bias is not None  # made with a bias
         conv.bias.copy_(bias)
         self.lkb_reparam = conv
         self.lkb_origin = self.small_conv = None
@@ -150,11 +163,11 @@ class RepLKBlock(nn.Module):
         small_kernel: int | None,
         drop_path: float = 0.0,
         small_kernel_merged: bool = False,
-        device=None,
-        dtype=None,
-    ):
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
-        dd = {"device": device, "dtype": dtype}
+        dd: dict[str, Any] = {"device": device, "dtype": dtype}
         self.prelkb_bn = nn.BatchNorm2d(channels, **dd)
         self.pw1 = ConvBN(channels, dw_channels, 1, relu=True, **dd)
         self.large_kernel = ReparamLargeKernelConv(dw_channels, kernel_size, small_kernel, small_kernel_merged, **dd)
@@ -171,9 +184,16 @@ class RepLKBlock(nn.Module):
 class ConvFFN(nn.Module):
     """Pre-BN residual 1x1-conv MLP (the Transformer FFN as convolutions)."""
 
-    def __init__(self, channels: int, hidden_channels: int, drop_path: float = 0.0, device=None, dtype=None):
+    def __init__(
+        self,
+        channels: int,
+        hidden_channels: int,
+        drop_path: float = 0.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
-        dd = {"device": device, "dtype": dtype}
+        dd: dict[str, Any] = {"device": device, "dtype": dtype}
         self.preffn_bn = nn.BatchNorm2d(channels, **dd)
         self.pw1 = ConvBN(channels, hidden_channels, 1, **dd)
         self.nonlinear = nn.GELU()
@@ -197,10 +217,10 @@ class RepLKNetStage(BlockStage):
         dw_ratio: float = 1.0,
         ffn_ratio: float = 4.0,
         small_kernel_merged: bool = False,
-        device=None,
-        dtype=None,
-    ):
-        dd = {"device": device, "dtype": dtype}
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        dd: dict[str, Any] = {"device": device, "dtype": dtype}
         blocks: list[nn.Module] = []
         for i in range(num_layers):
             blocks.append(
@@ -235,11 +255,11 @@ class RepLKNet(LinearHeadMixin, nn.Module):
         drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
         small_kernel_merged: bool = False,
-        device=None,
-        dtype=None,
-    ):
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
-        dd = {"device": device, "dtype": dtype}
+        dd: dict[str, Any] = {"device": device, "dtype": dtype}
         if not len(large_kernel_sizes) == len(layers) == len(channels):
             raise ValueError("large_kernel_sizes, layers and channels need one entry per stage")
         if global_pool not in ("avg", ""):
@@ -289,7 +309,7 @@ class RepLKNet(LinearHeadMixin, nn.Module):
         self.head = nn.Linear(channels[-1], num_classes, **dd) if num_classes > 0 else nn.Identity()
 
     @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False):
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
         # stage i and the transition after it form one group for layer-wise lr decay
         return dict(
             stem=r"^stem", blocks=[(r"^stages\.(\d+)", None), (r"^transitions\.(\d+)", None), (r"^norm", (99999,))]
@@ -298,7 +318,8 @@ class RepLKNet(LinearHeadMixin, nn.Module):
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         for stage in self.stages:
-            stage.grad_checkpointing = enable
+            # a plain attribute of the stage: nn.Module.__setattr__ is typed for tensors and modules only
+            stage.grad_checkpointing = enable  # type: ignore[assignment]
 
     def reparameterize(self) -> RepLKNet:
         """Merge every large/small kernel pair for inference (in place); see ``reparameterize``."""
@@ -323,7 +344,10 @@ class RepLKNet(LinearHeadMixin, nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
-def reparameterize(model: nn.Module) -> nn.Module:
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def reparameterize(model: ModuleT) -> ModuleT:
     """Merge every ``ReparamLargeKernelConv`` inside ``model`` (any wrapper) in place and return ``model``.
 
     The merged model equals the unmerged one in eval mode only (the BatchNorms are folded with their running
@@ -347,7 +371,7 @@ default_cfgs = generate_default_cfgs(
 )
 
 
-def _create(variant: str, pretrained: bool, **kwargs) -> RepLKNet:
+def _create(variant: str, pretrained: bool, **kwargs: Any) -> RepLKNet:
     if kwargs.get("features_only"):
         # timm's feature wrappers run the top-level modules in order; stages and transitions interleave
         raise ValueError("RepLKNet does not support features_only; hook model.stages[i] for stage outputs")
@@ -355,21 +379,21 @@ def _create(variant: str, pretrained: bool, **kwargs) -> RepLKNet:
 
 
 @register_model
-def replknet_31b(pretrained: bool = False, **kwargs) -> RepLKNet:
+def replknet_31b(pretrained: bool = False, **kwargs: Any) -> RepLKNet:
     """RepLKNet-31B: kernels 31/29/27/13, layers 2/2/18/2, channels 128/256/512/1024, small kernel 5 (79M)."""
     model_args = dict(large_kernel_sizes=(31, 29, 27, 13), layers=(2, 2, 18, 2), channels=(128, 256, 512, 1024))
     return _create("replknet_31b", pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
-def replknet_31l(pretrained: bool = False, **kwargs) -> RepLKNet:
+def replknet_31l(pretrained: bool = False, **kwargs: Any) -> RepLKNet:
     """RepLKNet-31L: as 31B with channels 192/384/768/1536 (172M)."""
     model_args = dict(large_kernel_sizes=(31, 29, 27, 13), layers=(2, 2, 18, 2), channels=(192, 384, 768, 1536))
     return _create("replknet_31l", pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
-def replknet_test(pretrained: bool = False, **kwargs) -> RepLKNet:
+def replknet_test(pretrained: bool = False, **kwargs: Any) -> RepLKNet:
     """Small RepLKNet for tests (not from the paper): kernels 7/7/5/5 with a parallel 3x3, one layer per stage."""
     model_args = dict(large_kernel_sizes=(7, 7, 5, 5), layers=(1, 1, 1, 1), channels=(16, 24, 32, 48), small_kernel=3)
     return _create("replknet_test", pretrained, **dict(model_args, **kwargs))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import difflib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -57,6 +58,7 @@ class Preprocessing:
         """The side of the images the model sees."""
         if self.crop is not None:
             return self.crop
+        assert self.resize is not None, f"{self.name} keeps the image's own size"  # every entry resizes or crops
         return self.resize if isinstance(self.resize, int) else self.resize[0]
 
     def transform(self):
@@ -149,7 +151,9 @@ def robustbench_entry(arch: str) -> RobustBenchEntry:
     return entries[name]
 
 
-def resolve_arch(arch: str, mean=None, std=None) -> tuple[str, tuple | None, tuple | None]:
+def resolve_arch(
+    arch: str, mean: Sequence[float] | None = None, std: Sequence[float] | None = None
+) -> tuple[str, Sequence[float] | None, Sequence[float] | None]:
     """(timm architecture, mean, std) for ``arch``: a ``robustbench:`` name gives its entry's architecture and
     normaliser (an explicit mean/std wins); any other name is returned unchanged."""
     if not is_robustbench_arch(arch):

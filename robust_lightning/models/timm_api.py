@@ -1,12 +1,14 @@
 """Pieces of timm's model API shared by the project's own architectures."""
 
+from typing import Any
+
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import checkpoint_seq
 from torch import nn
 
 
-def pretrained_cfg(*, first_conv: str, classifier: str, paper_ids: str, **overrides) -> dict:
+def pretrained_cfg(*, first_conv: str, classifier: str, paper_ids: str, **overrides: Any) -> dict:
     """timm's pretrained_cfg for an architecture registered here: ImageNet-1k at 224 px, crop 0.875, bicubic,
     ImageNet mean/std, a 7 x 7 final map; ``overrides`` change any of these. No URL: nothing may download,
     weights come from local files."""

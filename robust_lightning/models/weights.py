@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from timm.layers import resample_abs_pos_embed
@@ -112,7 +113,7 @@ def _adapt_foreign_layout(
 
 def _resample_pos_embed(net: nn.Module, src: torch.Tensor, notes: list[str]) -> torch.Tensor:
     """Resample a ViT pos_embed from another grid to the net's grid (timm's resample_abs_pos_embed)."""
-    target = net.pos_embed
+    target = cast(torch.Tensor, net.pos_embed)
     grid = getattr(getattr(net, "patch_embed", None), "grid_size", None)
     if src.ndim != 3 or target.ndim != 3 or src.shape[-1] != target.shape[-1] or grid is None:
         return src  # not resamplable; reported as a shape mismatch
@@ -128,7 +129,7 @@ def _resample_pos_embed(net: nn.Module, src: torch.Tensor, notes: list[str]) -> 
 def _classifier_prefix(net: nn.Module) -> str | None:
     if not hasattr(net, "get_classifier"):
         return None
-    head = net.get_classifier()
+    head = cast(Callable[[], nn.Module], net.get_classifier)()
     for name, module in net.named_modules():
         if module is head and name:
             return f"{name}."
@@ -324,7 +325,7 @@ def load_model(
     if model_name is not None or (checkpoint is None and arch is not None):
         if model_name is not None and arch is not None:
             raise UserError("give the RobustBench entry as model_name or as the first argument, not both")
-        model_name = (model_name or arch).removeprefix(PREFIX)
+        model_name = cast(str, model_name or arch).removeprefix(PREFIX)  # one of them is set (the condition)
         arch = PREFIX + model_name
         checkpoint = custom_checkpoint or robustbench_weights_path(model_name, model_dir, dataset, threat_model)
     if checkpoint is None:
