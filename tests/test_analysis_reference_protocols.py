@@ -14,9 +14,10 @@ import pytest
 import timm
 import torch
 import torchvision.transforms as V1
+import yaml
 from PIL import Image
 
-from helpers import tiny, tiny_vit
+from helpers import REPO, tiny, tiny_vit
 from robust_lightning.analysis.blocks import find_blocks
 from robust_lightning.analysis.core import Analysis, eval_preprocessing
 from robust_lightning.analysis.occlusion import Occlusion
@@ -216,3 +217,21 @@ def test_the_first_images_of_a_folder_are_the_scripts_subset(tmp_path):
     first = sorted(values)[:4]  # ImageFolder's order
     assert first == ["n01440764/a.png", "n01440764/b.png", "n01440764/c.png", "n01443537/a.png"]
     assert images[:, 0, 0, 0].mul(255).round().tolist() == [values[name] for name in first]
+
+
+# ------------------------------------------------------------------------------------------ the configs
+def shipped_callback(name: str) -> dict:
+    config = yaml.safe_load((REPO / "configs" / "analysis" / f"{name}.yaml").read_text())
+    return config["trainer"]["callbacks"][0]["init_args"]
+
+
+def test_chens_configs_default_to_the_scripts_protocol_and_bhojanapallis_to_384_px():
+    variance = shipped_callback("feature_variance_chen")
+    assert (variance["protocol"], variance["points"], variance["sweeps"]) == ("chen", "chen", 10)
+    assert variance["interpolation"] == "bilinear" and shipped_callback("occlusion_chen_fig4")["interpolation"]
+    for name in ("fgsm_sweep_chen", "pgd_sweep_chen", "lesion_chen_replknet"):  # their scripts resize bicubically
+        assert shipped_callback(name).get("interpolation") is None
+    for path in (REPO / "configs" / "analysis").glob("*.yaml"):
+        text = path.read_text()
+        if text.startswith("# Bhojanapalli"):  # their real models take 384 px (App. A)
+            assert "--data.image_size 224" not in text and "--data.image_size 384" in text, path.name
