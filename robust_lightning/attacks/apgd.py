@@ -92,6 +92,7 @@ def per_sample_loss(logits: Tensor, y: Tensor, loss: str = "ce", y_target: Tenso
     if loss == "dlr":
         return dlr_loss(z, y)
     if loss == "dlr-targeted":
+        assert y_target is not None, "the targeted DLR loss needs y_target"
         return dlr_targeted_loss(z, y, y_target)
     raise ValueError(f"unknown loss {loss!r}; expected one of {LOSSES}")
 
@@ -105,7 +106,7 @@ def predicted_correct(logits: Tensor, y: Tensor) -> Tensor:
 # ------------------------------------------------------------------------------------ shared helpers
 
 
-def _validate(x: Tensor, y: Tensor, norm: str, eps: float, n_iter: int, loss: str, y_target: Tensor | None):
+def _validate(x: Tensor, y: Tensor, norm: str, eps: float, n_iter: int, loss: str, y_target: Tensor | None) -> None:
     """Argument checks that only look at metadata (shapes, dtypes), so they cost no device sync."""
     check_threat_model(norm, eps)
     check_count("n_iter", n_iter, 1)
@@ -164,7 +165,7 @@ def random_start_point(x: Tensor, norm: str, eps: float, generator: torch.Genera
 
 def input_gradient(
     model: Model, x_adv: Tensor, y: Tensor, loss: str = "ce", y_target: Tensor | None = None, eot_iter: int = 1
-):
+) -> tuple[Tensor, Tensor, Tensor]:
     """One forward/backward: (detached float32 logits, per-sample loss, gradient of the summed loss w.r.t. x_adv).
 
     The loss is summed over the batch so each point's gradient does not depend on the batch size. Only
@@ -182,6 +183,7 @@ def input_gradient(
             loss_indiv = per_sample_loss(logits, y, loss, y_target)
             (draw,) = torch.autograd.grad(loss_indiv.sum(), x_req)
         grad = draw if grad is None else grad + draw
+    assert grad is not None  # eot_iter >= 1: one pass at least
     if eot_iter > 1:
         grad = grad / eot_iter
     return logits.detach().float(), loss_indiv.detach(), grad.detach()
@@ -463,7 +465,9 @@ def apgd(
     )
 
 
-def _last_logits(forward: Model, x_adv: Tensor, y: Tensor, loss: str, y_target: Tensor | None, keep_graph: bool):
+def _last_logits(
+    forward: Model, x_adv: Tensor, y: Tensor, loss: str, y_target: Tensor | None, keep_graph: bool
+) -> tuple[Tensor, Tensor]:
     """Logits and per-sample loss of the final iterate, which needs no input gradient."""
     if keep_graph:
         with torch.enable_grad():

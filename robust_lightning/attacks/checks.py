@@ -98,7 +98,7 @@ def square_sr(robust_after: dict[str, float], alpha: float = 0.002) -> Check:
     ``alpha`` below that of the other attacks: their gradients may be masked."""
     ran = "square" in robust_after and len(robust_after) > 2
     others = min((v for k, v in robust_after.items() if k != "square"), default=None)
-    drop = others - robust_after["square"] if ran else 0.0
+    drop = others - robust_after["square"] if ran and others is not None else 0.0  # ran: others exist
     raised = ran and drop > alpha
     return Check(
         "square_sr",

@@ -50,10 +50,10 @@ import contextlib
 import math
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -158,7 +158,7 @@ def precision_note(precision: str) -> str:
 
 
 @contextlib.contextmanager
-def numerics(precision: str, device: torch.device):
+def numerics(precision: str, device: torch.device) -> Iterator[None]:
     """Attack-time numerics; the fp32 verification runs outside this context, with TF32 off."""
     matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = precision == "tf32"
@@ -174,11 +174,11 @@ class _ToChannelsLast(torch.autograd.Function):
     tensors keep their usual strides."""
 
     @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
+    def forward(ctx: Any, x: Tensor) -> Tensor:
         return x.clone(memory_format=torch.channels_last)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
         return grad.contiguous()
 
 
@@ -451,6 +451,7 @@ class AutoAttack:
             if check.raised:
                 warnings.warn(f"AutoAttack check {check.name}: {check.advice}", stacklevel=2)
         x_adv = report.x_adv
+        assert x_adv is not None  # evaluate() reports the adversarial images
         if log:
             delta = (x_adv - x.to(x_adv.device)).flatten(1)
             size = {"Linf": delta.abs().amax(1), "L2": delta.norm(dim=1), "L1": delta.abs().sum(1)}[self.norm]
@@ -521,8 +522,8 @@ class AutoAttack:
             raise ValueError("AutoAttack takes images in [0, 1]; normalisation belongs inside the model")
         self._check_settings()
         was_training = getattr(self.model, "training", False)
-        if was_training:
-            self.model.eval()
+        if was_training:  # a module (a plain callable has no training mode)
+            cast(nn.Module, self.model).eval()
         try:
             state = None
             if state_path is not None:
@@ -530,7 +531,7 @@ class AutoAttack:
             return self._evaluate(x.float(), y.long(), bs, progress, progress_bar, state)
         finally:
             if was_training:
-                self.model.train()
+                cast(nn.Module, self.model).train()
 
     @staticmethod
     def _batch_size(bs: int | None, batch_size: int | None) -> int:
@@ -544,7 +545,13 @@ class AutoAttack:
 
     # ------------------------------------------------------------------------------------------ ensemble
     def _evaluate(
-        self, x: Tensor, y: Tensor, bs: int, progress, progress_bar: bool, state: EvaluationState | None
+        self,
+        x: Tensor,
+        y: Tensor,
+        bs: int,
+        progress: Callable[[str], None] | None,
+        progress_bar: bool,
+        state: EvaluationState | None,
     ) -> AutoAttackReport:
         started = time.perf_counter()
         stand_in, folded = self._stand_in() if self.engine == "fast" else (self.model, False)
@@ -591,6 +598,7 @@ class AutoAttack:
                 if self.engine == "fast":
                     # a success the check refutes also ended the point's attack early (its other targets,
                     # restarts, queries): those points get this attack again, on the model as given, in fp32
+                    assert claimed_robust is not None  # the fast engine's attacks report their flags
                     redo = (~claimed_robust & held).nonzero().flatten()
                     refuted[attack] = len(redo)
                     if len(redo):
@@ -746,7 +754,7 @@ class AutoAttack:
         points: Tensor,
         generator: torch.Generator,
         n_iter: int,
-        **kwargs,
+        **kwargs: Any,
     ) -> tuple[Tensor, Tensor]:
         """One APGD run (x_adv, robust) on rows of the points ``points`` (a point's rows leave the run once one
         breaks it); for L1 the reference's 3/2/1 x eps schedule (30/30/40 % of the iterations) from a random

@@ -17,6 +17,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Self
 
 FORMAT = "robust_lightning AutoAttack state 1"
 
@@ -36,7 +37,7 @@ class EvaluationState:
     robust_accuracy_after: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def open(cls, path: Path | str, attacks: tuple[str, ...], num_points: int, norm: str, eps: float):
+    def open(cls, path: Path | str, attacks: tuple[str, ...], num_points: int, norm: str, eps: float) -> Self:
         """The state saved in ``path`` (checked against this evaluation), or a new one there."""
         path = Path(path)
         if not path.exists():
@@ -62,7 +63,7 @@ class EvaluationState:
         return state
 
     @classmethod
-    def _from_saved(cls, path: Path, saved: dict):
+    def _from_saved(cls, path: Path, saved: dict) -> Self:
         if saved.get("format") == FORMAT:
             return cls(
                 path,

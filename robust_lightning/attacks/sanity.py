@@ -15,11 +15,12 @@ gradient-based evaluation, AutoAttack's included, may not hold.
 
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from .apgd import apgd, input_gradient, predicted_correct
+from .apgd import Model, apgd, input_gradient, predicted_correct
 from .checks import Check
 from .projections import normalize, project
 from .simple import fgsm
@@ -39,13 +40,13 @@ def _correct(model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor) -> Tensor:
     return predicted_correct(model(x), y)
 
 
-def _apgd_ce_robust(model, x: Tensor, y: Tensor, norm: str, eps: float, n_iter: int, seed: int) -> Tensor:
+def _apgd_ce_robust(model: Model, x: Tensor, y: Tensor, norm: str, eps: float, n_iter: int, seed: int) -> Tensor:
     """Per point: correctly classified on the clean image and on every iterate of APGD-CE (random start)."""
     run = apgd(model, x, y, norm=norm, eps=eps, n_iter=n_iter, loss="ce", random_start=True, generator=seed)
     return run.robust & _correct(model, x, y)
 
 
-def _one_step_robust(model, x: Tensor, y: Tensor, norm: str, eps: float) -> Tensor:
+def _one_step_robust(model: Model, x: Tensor, y: Tensor, norm: str, eps: float) -> Tensor:
     """Per point: correctly classified on the clean image and after one gradient step of the cross-entropy."""
     if norm == "Linf":
         stepped = fgsm(model, x, y, eps=eps)
@@ -74,7 +75,7 @@ def eps_monotonic(accuracies: dict[float, float]) -> Check:
     )
 
 
-def unbounded(model, x, y, norm: str, n_iter: int, seed: int) -> Check:
+def unbounded(model: Model, x: Tensor, y: Tensor, norm: str, n_iter: int, seed: int) -> Check:
     radius = unbounded_eps(norm, x)
     left = _share(_apgd_ce_robust(model, x, y, norm, radius, n_iter, seed))
     return Check(
@@ -88,7 +89,7 @@ def unbounded(model, x, y, norm: str, n_iter: int, seed: int) -> Check:
     )
 
 
-def iterative_vs_one_step(model, x, y, norm: str, eps: float, iterative: float) -> Check:
+def iterative_vs_one_step(model: Model, x: Tensor, y: Tensor, norm: str, eps: float, iterative: float) -> Check:
     """``iterative``: APGD-CE's robust accuracy at eps (the one eps_monotonic measured)."""
     one_step = _share(_one_step_robust(model, x, y, norm, eps))
     raised = iterative > one_step
@@ -103,10 +104,17 @@ def iterative_vs_one_step(model, x, y, norm: str, eps: float, iterative: float) 
     )
 
 
-def engines_agree(model, x, y, norm: str, eps: float, n_iter: int, seed: int) -> Check:
+def engines_agree(model: Model, x: Tensor, y: Tensor, norm: str, eps: float, n_iter: int, seed: int) -> Check:
     from .ensemble import AutoAttack  # noqa: PLC0415 (ensemble imports the checks)
 
-    settings = {"norm": norm, "eps": eps, "seed": seed, "verbose": False, "version": "apgd-ce", "n_iter": n_iter}
+    settings: dict[str, Any] = {
+        "norm": norm,
+        "eps": eps,
+        "seed": seed,
+        "verbose": False,
+        "version": "apgd-ce",
+        "n_iter": n_iter,
+    }
     verdicts = {
         engine: AutoAttack(model, engine=engine, checks=False, **settings).evaluate(x, y, bs=len(x))
         for engine in ("fast", "reference")
@@ -129,7 +137,9 @@ def engines_agree(model, x, y, norm: str, eps: float, n_iter: int, seed: int) ->
     )
 
 
-def sanity_checks(model, x: Tensor, y: Tensor, norm: str, eps: float, n_iter: int = 10, seed: int = 0) -> list[Check]:
+def sanity_checks(
+    model: Model, x: Tensor, y: Tensor, norm: str, eps: float, n_iter: int = 10, seed: int = 0
+) -> list[Check]:
     """Every check above on the points ``x`` (in [0, 1]) with labels ``y``, with ``n_iter``-step APGD-CE."""
     accuracies = {m: _share(_apgd_ce_robust(model, x, y, norm, m * eps, n_iter, seed)) for m in EPS_MULTIPLIERS}
     return [

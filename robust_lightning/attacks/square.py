@@ -49,6 +49,7 @@ iterates are computed as ``x + delta + correction`` (see :func:`_l1_to_ball`).
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -98,14 +99,14 @@ class _Draws:
         self.device = device
         self.source = generator.device if generator is not None else device
 
-    def _randint(self, high: int, shape) -> Tensor:
+    def _randint(self, high: int, shape: Sequence[int]) -> Tensor:
         return torch.randint(0, high, tuple(shape), generator=self.generator, device=self.source).to(self.device)
 
-    def signs(self, shape, dtype: torch.dtype) -> Tensor:
+    def signs(self, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
         """Independent +-1 entries."""
         return (2 * self._randint(2, shape) - 1).to(dtype)
 
-    def flips(self, shape) -> Tensor:
+    def flips(self, shape: Sequence[int]) -> Tensor:
         """Bool: transpose the eta pattern (probability 1/2)."""
         return self._randint(2, shape).bool()
 
@@ -231,7 +232,7 @@ def _window_mask(vh: Tensor, vw: Tensor, sides: Tensor, h: int) -> Tensor:
 # ------------------------------------------------------------------------------------ norm helpers
 
 
-def _norm_per(t: Tensor, norm: str, dims) -> Tensor:
+def _norm_per(t: Tensor, norm: str, dims: tuple[int, ...]) -> Tensor:
     """L2 or L1 norm over ``dims``, kept for broadcasting (same formulas as the reference)."""
     if norm == "L2":
         return t.pow(2).sum(dims, keepdim=True).sqrt()
