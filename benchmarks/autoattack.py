@@ -18,19 +18,20 @@ import json
 import torch
 
 from robust_lightning.attacks.ensemble import VERSIONS, AutoAttack
-from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
+from robust_lightning.data.datamodule import ImageNetDataModule
+from robust_lightning.data.sources import FolderSource, SyntheticSource
 from robust_lightning.training.lightning_module import ImageClassifier
 
 
 def first_images(
-    module: ImageClassifier, n: int, data_root: str | None, synthetic: SyntheticData | None = None
+    module: ImageClassifier, n: int, data_root: str | None, synthetic: SyntheticSource | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``n`` evaluation images at the model's size: of the ImageFolder tree ``data_root``, else of the
     synthetic dataset ``synthetic`` (the built-in one by default)."""
     if data_root:
-        source = dict(source="folder", root=data_root)
+        source = dict(source=FolderSource(data_root))
     else:
-        source = dict(source="synthetic", synthetic=synthetic or SyntheticData())
+        source = dict(source=synthetic or SyntheticSource())
     data = ImageNetDataModule(
         **source, image_size=module.hparams.image_size, eval_limit=n, eval_batch_size=n, num_workers=0
     )

@@ -540,12 +540,11 @@ def train_robust_model(sizes: Sizes, workdir: Path) -> Path:
         "checkpoint": {"dirpath": str(run / "checkpoints"), "enable_version_counter": False},
         "model": {"arch": sizes.aa_arch, "num_classes": 10, "lr": 2e-3, "warmup_epochs": 0.5, **AT},
         "data": {
-            "source": "synthetic",
+            "source": {"class_path": "SyntheticSource", "init_args": aa_synthetic(sizes, workdir)},
             "image_size": sizes.resolution,
             "crop_scale": [0.35, 1.0],
             "batch_size": 32 if sizes.smoke else 128,
             "num_workers": 2 if sizes.smoke else 12,
-            "synthetic": aa_synthetic(sizes, workdir),
         },
     }
     path = workdir / "aa_model.yaml"
@@ -597,7 +596,7 @@ def autoattack_section(sizes: Sizes, device, workdir: Path, record) -> None:
     from autoattack import first_images
 
     from robust_lightning.attacks.ensemble import AutoAttack
-    from robust_lightning.data.datamodule import SyntheticData
+    from robust_lightning.data.sources import SyntheticSource
     from robust_lightning.training.lightning_module import ImageClassifier
 
     costs = pass_costs(sizes, device)
@@ -612,7 +611,7 @@ def autoattack_section(sizes: Sizes, device, workdir: Path, record) -> None:
     record("training_s", round(time.perf_counter() - start, 1))
     module = ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=True, init_from=None)
     module = module.to(device).eval()
-    x, y = first_images(module, sizes.aa_points, None, SyntheticData(**aa_synthetic(sizes, workdir)))
+    x, y = first_images(module, sizes.aa_points, None, SyntheticSource(**aa_synthetic(sizes, workdir)))
     x, y = x.to(device), y.to(device)
     record("points", len(x))
     record("attack_synchronisations", attack_synchronisations(module, x, y, device))

@@ -25,6 +25,7 @@ from loader_cpu import encoded_images
 from robust_lightning.data.classes import class_map
 from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.data.shards import shard_name, write_manifest, write_shard
+from robust_lightning.data.sources import FolderSource, ShardSource
 
 
 def write_data(root: Path, images: list[bytes]) -> tuple[Path, Path]:
@@ -73,8 +74,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder, shards = write_data(Path(tmp), encoded_images(args.images))
         sources = {
-            "folder": dict(source="folder", root=str(folder)),
-            "shards": dict(source="shards", train_shards=str(shards), val_shards=str(shards)),
+            "folder": dict(source=FolderSource(str(folder))),
+            "shards": dict(source=ShardSource(train_shards=str(shards), val_shards=str(shards))),
         }
         modules = {}
         for name, source in sources.items():

@@ -28,6 +28,7 @@ from robust_lightning.data.batch import IMAGE, KEY, LABEL
 from robust_lightning.data.contract import EvaluationSource, TrainingSample
 from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.data.samplers import ExactDistributedSampler
+from robust_lightning.data.sources import FolderSource
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.autoattack import DEFAULT_THREAT_MODELS, AutoAttackEvaluation
 from robust_lightning.evaluation.base import Evaluation, evaluating
@@ -92,7 +93,12 @@ class GivenImages(LightningDataModule):
         return len(self.labels), None
 
     def training_sample(
-        self, device, fraction: float = 1.0, max_images: int | None = None, batch_size: int | None = None, seed: int = 0
+        self,
+        device: torch.device | str | None,
+        fraction: float = 1.0,
+        max_images: int | None = None,
+        batch_size: int | None = None,
+        seed: int = 0,
     ) -> TrainingSample:
         raise UserError("this evaluation reads training images; evaluate has evaluation images only")
 
@@ -260,15 +266,13 @@ def evaluate(
     evaluations = list(evaluations or ["autoattack"])
     if isinstance(data, (str, Path)):
         datamodule = ImageNetDataModule(
-            source="folder",
-            root=str(data),
+            source=FolderSource(str(data), val_labels=val_labels),
             image_size=image_size,
             crop_pct=crop_pct,
             eval_subset=eval_subset,
             eval_limit=eval_limit,
-            val_labels=val_labels,
             batch_size=batch_size,
-            **({} if num_workers is None else {"num_workers": num_workers}),
+            **{} if num_workers is None else {"num_workers": num_workers},
         )
         num_classes = datamodule.num_classes
         found = _num_classes(model, torch.zeros(2, 3, image_size, image_size))

@@ -42,9 +42,27 @@ class ArgumentParser(LightningArgumentParser):
             sys.exit(2)
         parser = getattr(ex, "subcommand_parser", None) or self
         prog = parser.prog.replace(" [options]", "")
-        lines = [f"{prog}: error: {message}", *did_you_mean(message, parser), f"options: {prog} --help"]
+        lines = [f"{prog}: error: {message}", *did_you_mean(message, parser), *moved_options(message)]
+        lines.append(f"options: {prog} --help")
         print("\n".join(lines), file=sys.stderr)
         sys.exit(2)
+
+
+# Options that moved into data.source when the data sources became classes (robust_lightning.data.sources).
+_SOURCE_OPTIONS = ("root", "class_map", "val_labels", "train_shards", "val_shards", "train_size", "synthetic")
+_OLD_SOURCE_OPTION = re.compile(rf"data\.(?:{'|'.join(_SOURCE_OPTIONS)})\b|Parser key \"data\.source\"")
+
+
+def moved_options(message: str) -> list[str]:
+    """A line saying how data.source is written now, for a message about its old form (a name such as "folder",
+    or one of its options directly under data)."""
+    if not _OLD_SOURCE_OPTION.search(message):
+        return []
+    return [
+        "data.source names a class with its own options: FolderSource (root, class_map, val_labels), ShardSource "
+        "(train_shards, val_shards, train_size) or SyntheticSource (the options data.synthetic held); e.g. "
+        "--data.source FolderSource --data.source.root DIR, or in a config data.source.class_path and init_args"
+    ]
 
 
 def did_you_mean(message: str, parser: argparse.ArgumentParser) -> list[str]:

@@ -92,7 +92,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         f.write(text)
 
 
-def atomic_write_json(path: str | os.PathLike, content: Any, indent: int | None = 2, **dump_options) -> None:
+def atomic_write_json(path: str | os.PathLike, content: Any, indent: int | None = 2, **dump_options: Any) -> None:
     """JSON with a final newline; ``dump_options`` go to ``json.dump`` (e.g. sort_keys, default)."""
     with atomic_write(path) as f:
         json.dump(content, f, indent=indent, **dump_options)

@@ -46,7 +46,8 @@ class LineBar(_tqdm):
         self.fp.flush()
         self._written_n, self._written_at = self.n, self.clock()
 
-    def display(self, msg: str | None = None, pos: int | None = None) -> bool:
+    # True as tqdm's own display returns (types-tqdm declares None)
+    def display(self, msg: str | None = None, pos: int | None = None) -> bool:  # type: ignore[override]
         # msg: tqdm clearing the bar ('') or its "more hidden" note for nested bars, neither of which a log needs
         if msg is None and self.n > self.initial and self.n != self._written_n:
             done = self.total is not None and self.n >= self.total

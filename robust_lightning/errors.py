@@ -1,4 +1,4 @@
-"""User-facing errors.
+"""User-facing errors, and the commands that messages tell the user to run (:func:`user_command`).
 
 A ``UserError`` means the input (a path, a config value, a checkpoint) is wrong, not the code: the CLI prints
 its message alone, without a traceback, and exits with status 2. Under srun or torchrun, where every process of the
@@ -7,6 +7,7 @@ after the Trainer is built may be one rank's own; :func:`print_rank_error` still
 """
 
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -120,3 +121,34 @@ def _job_error_folder(shared: Path | None) -> Path | None:
     except OSError:
         return None
     return folder
+
+
+def user_command(*args: str) -> str:
+    """``robust-lightning ARGS`` as it runs in the shell this process was started from: every command the project
+    prints for the user to run (the resume advice of an interrupted fit, a repair, a report) is made here.
+
+    ``robust-lightning`` where that name on PATH is this program. Otherwise the program as it was started, since
+    the bare name would not run (the environment not activated: ``.venv/bin/`` is not on PATH): the console script
+    by the path it was started with (``.venv/bin/robust-lightning``), or this interpreter with ``-m
+    robust_lightning``. A process not started as the program (the Python API, a sweep cell, a test calling
+    ``main``) gets the bare name: no shell of the user's started it."""
+    return shlex.join([*_program(), *args])
+
+
+def _program() -> list[str]:
+    started = sys.argv[0] if sys.argv else ""
+    on_path = shutil.which(PROG)
+    if os.path.basename(started) == PROG and os.path.isfile(started):  # the console script
+        try:
+            if on_path and os.path.samefile(on_path, started):
+                return [PROG]
+        except OSError:
+            pass
+        return [started if os.sep in started else os.path.abspath(started)]
+    package = Path(__file__).resolve().parent
+    if started.endswith(".py") and Path(started).resolve().parent == package:  # python -m robust_lightning(.cli)
+        # the name on PATH runs this program where it is the console script of this interpreter's environment
+        if on_path and os.path.realpath(os.path.dirname(on_path)) == os.path.realpath(os.path.dirname(sys.executable)):
+            return [PROG]
+        return [sys.executable, "-m", "robust_lightning"]
+    return [PROG]

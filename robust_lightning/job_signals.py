@@ -1,4 +1,7 @@
-"""Processes started by srun: SLURM delivers the requeue signal (``--signal=SIGUSR1@90``,
+"""How the processes of a SLURM job take its signals: who ignores them, and who requeues the job
+(:func:`requeue_this_job`, which a fit and an evaluation share).
+
+Processes started by srun: SLURM delivers the requeue signal (``--signal=SIGUSR1@90``,
 ``scancel --signal=USR1``) and the stop signal (SIGTERM: pre-emption, time limit, scancel) to every process of the
 job step, forked DataLoader workers included. A forked worker inherits Lightning's handlers and runs them itself:
 on SIGUSR1 it saves an hpc_ckpt_N.ckpt from its stale copy of the trainer (which can overwrite the real one, so the
@@ -21,10 +24,17 @@ else (the scheduler) it is dropped.
 """
 
 import atexit
+import logging
 import multiprocessing
 import os
+import re
 import signal
+import subprocess
 import threading
+
+from lightning.pytorch.utilities import rank_zero_info
+
+log = logging.getLogger(__name__)
 
 
 def ignore_job_signals(worker_id: int | None = None) -> None:
@@ -70,3 +80,25 @@ def _end_daemonic_children() -> None:
     for child in multiprocessing.active_children():
         if child.daemon:
             child.kill()
+
+
+def requeue_this_job(signum: int, then: str) -> bool:
+    """``scontrol requeue`` of this SLURM job (an array job's own task), as Lightning's requeue handler runs it, on
+    the requeue signal ``signum``; ``then`` says what the requeued job does. Called by rank zero alone. Returns
+    whether SLURM took the requeue; a failure is logged as a warning."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array_job}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if array_job else os.environ.get("SLURM_JOB_ID", "")
+    if not re.fullmatch(r"[0-9_]+", job):
+        log.warning(f"the requeue signal ({signum}) came, but this is no SLURM job to requeue (job id {job!r})")
+        return False
+    rank_zero_info(f"Handling auto-requeue signal: {signum}: requeueing SLURM job {job}; {then}")
+    status: int | str  # the exit status, or why scontrol could not run
+    try:
+        status = subprocess.call(["scontrol", "requeue", job])
+    except OSError as e:
+        status = f"{type(e).__name__}: {e}"
+    if status != 0:
+        log.warning(f"Requeuing SLURM job {job} failed: {status}")
+        return False
+    rank_zero_info(f"Requeued SLURM job: {job}")
+    return True

@@ -34,7 +34,7 @@ def data_differences(data) -> list[str]:
     (github.com/nmndeep/revisiting-at: ImageFolder, timm's create_transform with mean 0 / std 1 run per image on
     PIL, 8 GPUs)."""
     differences = []
-    if data.source == "shards":
+    if data.source.kind == "shards":
         differences.append(
             "training images read from WebDataset shards, shuffled through a buffer "
             "(official: ImageFolder with a full random permutation)"
@@ -56,15 +56,22 @@ def data_differences(data) -> list[str]:
             "clamped to [0, 1] (official: black fill and unclamped N(0, 1) noise; "
             "data.augmentation_fill official)"
         )
-    if data.global_batch_size:
+    if data.augmentation == "heavy":  # MixUp/CutMix on
+        differences.append(
+            "CutMix box of timm 1.0.31, cut_h // 2 rows above the centre and (cut_h + 1) // 2 below (columns "
+            "likewise): a side of odd length is 1 px longer than the official code's timm 0.8.0.dev0 box, "
+            "cut_h // 2 on both sides (before clipping); the random draws are the same"
+        )
+    batch = data.global_batch
+    if batch.configured:
         differences.append(
             "data.global_batch_size split over any device count, each rank's loss weighted so "
             "the update is that of the whole batch (official: per-GPU batch x 8 GPUs)"
         )
-    if data.micro_batches > 1:
+    if batch.micro_batches > 1:
         differences.append(
-            f"each device's share of the global batch in {data.micro_batches} micro-batches of at "
-            f"most data.max_device_batch_size {data.max_device_batch_size} images, gradients "
+            f"each device's share of the global batch in {batch.micro_batches} micro-batches of at "
+            f"most data.max_device_batch_size {batch.max_device_batch} images, gradients "
             "accumulated exactly (BatchNorm statistics and MixUp/CutMix pairs per micro-batch; "
             "official: one forward per GPU and step, no accumulation)"
         )

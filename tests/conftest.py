@@ -63,9 +63,7 @@ def autoattack_checkpoint(tmp_path_factory):
 
     tmp_path = tmp_path_factory.mktemp("aa-fit")
     synthetic_root = tmp_path_factory.mktemp("aa-synthetic")
-    data = ImageNetDataModule(
-        source="synthetic", image_size=32, eval_batch_size=100, num_workers=0, synthetic=tiny_synthetic(synthetic_root)
-    )
+    data = ImageNetDataModule(source=tiny_synthetic(synthetic_root), image_size=32, eval_batch_size=100, num_workers=0)
     data.prepare_data()
     data.setup("test")
     batch = next(iter(data.test_dataloader()))

@@ -290,6 +290,24 @@ def train_small_cnn() -> nn.Module:
 SHARED_SYNTHETIC: Path | None = None
 
 
+def synthetic_source(**options) -> dict:
+    """data.source for the built-in synthetic dataset with these options, as a config writes it."""
+    return {"class_path": "SyntheticSource", "init_args": options}
+
+
+def folder_source(root: Path | str, **options) -> dict:
+    """data.source for ImageFolder roots, as a config writes it."""
+    return {"class_path": "FolderSource", "init_args": {"root": str(root), **options}}
+
+
+def shard_source(**options) -> dict:
+    """data.source for WebDataset shards (train_shards, val_shards, train_size), as a config writes it."""
+    return {
+        "class_path": "ShardSource",
+        "init_args": {k: str(v) if isinstance(v, Path) else v for k, v in options.items()},
+    }
+
+
 def tiny_config(tmp_path: Path, synthetic_root: Path | None = None, **overrides) -> Path:
     """A tiny fit/validate/test config in ``tmp_path/tiny.yaml``: dotted ``overrides`` replace its values.
 
@@ -313,16 +331,10 @@ def tiny_config(tmp_path: Path, synthetic_root: Path | None = None, **overrides)
         },
         "model": {"arch": "convnext_atto_convstem", "warmup_epochs": 0.5, "lr": 1e-3},
         "data": {
-            "source": "synthetic",
+            "source": synthetic_source(num_classes=4, train_per_class=8, val_per_class=4, image_size=32),
             "image_size": 32,
             "batch_size": 8,
             "num_workers": 0,
-            "synthetic": {
-                "num_classes": 4,
-                "train_per_class": 8,
-                "val_per_class": 4,
-                "image_size": 32,
-            },
         },
     }
     for dotted, value in overrides.items():
@@ -331,11 +343,13 @@ def tiny_config(tmp_path: Path, synthetic_root: Path | None = None, **overrides)
         for key in parents:
             node = node.setdefault(key, {})
         node[leaf] = value
-    synthetic = config["data"]["synthetic"]
-    if synthetic_root is None:  # a folder per set of options: tests with other options never replace it
-        options = json.dumps(synthetic, sort_keys=True).encode()
-        synthetic_root = SHARED_SYNTHETIC / hashlib.sha256(options).hexdigest()[:12]
-    synthetic["root"] = str(synthetic_root)
+    source = config["data"]["source"]
+    if source["class_path"] == "SyntheticSource":
+        synthetic = source["init_args"]
+        if synthetic_root is None:  # a folder per set of options: tests with other options never replace it
+            options = json.dumps(synthetic, sort_keys=True).encode()
+            synthetic_root = SHARED_SYNTHETIC / hashlib.sha256(options).hexdigest()[:12]
+        synthetic["root"] = str(synthetic_root)
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -406,19 +420,11 @@ def eval_config(tmp_path: Path, synthetic_root: Path, devices: int = 1, **callba
         },
         "model": {"arch": "test_resnet"},
         "data": {
-            "source": "synthetic",
+            "source": synthetic_source(**TINY_SYNTHETIC, root=str(synthetic_root)),
             "image_size": 32,
             "batch_size": 8,
             "eval_batch_size": 6,
             "num_workers": 0,
-            "synthetic": {
-                "num_classes": 4,
-                "train_per_class": 16,
-                "val_per_class": 5,
-                "image_size": 32,
-                "samples_per_shard": 5,
-                "root": str(synthetic_root),
-            },
         },
     }
     if devices > 1:
@@ -428,12 +434,13 @@ def eval_config(tmp_path: Path, synthetic_root: Path, devices: int = 1, **callba
     return path
 
 
-def tiny_synthetic(root: Path):
-    from robust_lightning.data.datamodule import SyntheticData
+TINY_SYNTHETIC = {"num_classes": 4, "train_per_class": 16, "val_per_class": 5, "samples_per_shard": 5, "image_size": 32}
 
-    return SyntheticData(
-        num_classes=4, train_per_class=16, val_per_class=5, samples_per_shard=5, image_size=32, root=str(root)
-    )
+
+def tiny_synthetic(root: Path):
+    from robust_lightning.data.sources import SyntheticSource
+
+    return SyntheticSource(**TINY_SYNTHETIC, root=str(root))
 
 
 def run_test(tmp_path, checkpoint, *extra, **callback) -> dict:
@@ -476,7 +483,11 @@ def shipped_analysis_config(tmp_path: Path, name: str, ckpt: Path, images: int =
     config["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path / "runs")
     config["trainer"]["callbacks"][0]["init_args"] |= {"max_images": images, "batch_size": images, **init_args}
     config["data"] |= {"eval_limit": images, "eval_batch_size": images, "num_workers": 0}
-    config["data"]["synthetic"] |= {"train_per_class": 1, "val_per_class": 1, "root": str(tmp_path / "synthetic")}
+    config["data"]["source"]["init_args"] |= {
+        "train_per_class": 1,
+        "val_per_class": 1,
+        "root": str(tmp_path / "synthetic"),
+    }
     return config
 
 

@@ -117,9 +117,10 @@ def imagenet_c_config(tmp_path: Path, *callback_args: dict) -> Path:
         },
         "model": {"arch": "test_resnet"},
         "data": {
-            "source": "folder",
-            "root": str(tmp_path / "imagenet"),
-            "class_map": "imagenet",
+            "source": {
+                "class_path": "FolderSource",
+                "init_args": {"root": str(tmp_path / "imagenet"), "class_map": "imagenet"},
+            },
             "image_size": 32,
             "eval_batch_size": 8,
             "num_workers": 0,

@@ -10,11 +10,13 @@ import torch.nn.functional as F
 from lightning import Trainer
 
 from robust_lightning.attacks import apgd
-from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
+from robust_lightning.data.batch import soft_targets
+from robust_lightning.data.datamodule import ImageNetDataModule
+from robust_lightning.data.sources import FolderSource, SyntheticSource
 from robust_lightning.models.checkpoints import read_checkpoint
 from robust_lightning.training import lightning_module as classifier_module
 from robust_lightning.training.export import export_weights
-from robust_lightning.training.lightning_module import ImageClassifier, has_mode_dependent_layers, soft_targets
+from robust_lightning.training.lightning_module import ImageClassifier, has_mode_dependent_layers
 
 REPO = Path(__file__).resolve().parents[1]
 EPS = 4 / 255
@@ -165,10 +167,10 @@ def test_eps_warm_up_is_linear_in_steps():
 # ------------------------------------------------------------------------------------------------- EMA
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
-    synthetic = SyntheticData(
+    synthetic = SyntheticSource(
         num_classes=4, train_per_class=8, val_per_class=4, image_size=32, root=str(tmp_path_factory.mktemp("synthetic"))
     )
-    return dict(source="synthetic", image_size=32, batch_size=8, num_workers=0, synthetic=synthetic)
+    return dict(source=synthetic, image_size=32, batch_size=8, num_workers=0)
 
 
 def _trainer(tmp_path, **kwargs):
@@ -295,7 +297,7 @@ def test_folder_holdout_is_fixed_exact_and_disjoint_from_training(tmp_path):
     keys = []
     for seed in (0, 1):  # the data-order seed does not move the held-out split
         dm = ImageNetDataModule(
-            source="folder", root=str(tmp_path / "in"), image_size=32, holdout=5, num_workers=0, seed=seed
+            source=FolderSource(str(tmp_path / "in")), image_size=32, holdout=5, num_workers=0, seed=seed
         )
         dm.setup("fit")
         held = {Path(dm.eval_set.dataset.samples[i][0]).stem for i in dm.eval_set.indices}

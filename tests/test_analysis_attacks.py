@@ -318,7 +318,7 @@ def shipped(name: str, tmp_path: Path, checkpoint: Path, synthetic: Path, **call
     config["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path / "runs")
     config["trainer"]["callbacks"][0]["init_args"] |= callback_args
     config["data"] |= {"eval_limit": 8, "eval_batch_size": 8, "num_workers": 0}
-    config["data"]["synthetic"] |= {"train_per_class": 2, "val_per_class": 1, "root": str(synthetic)}
+    config["data"]["source"]["init_args"] |= {"train_per_class": 2, "val_per_class": 1, "root": str(synthetic)}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path, tmp_path / "runs" / config["trainer"]["logger"]["init_args"]["name"] / "version_0"

@@ -78,7 +78,11 @@ def fit(tmp_path: Path, family: str) -> Path:
     config["trainer"]["logger"]["init_args"]["save_dir"] = str(runs)
     config["checkpoint"]["dirpath"] = str(runs / family / "checkpoints")
     config["data"] |= {"batch_size": 8, "num_workers": 0}
-    config["data"]["synthetic"] |= {"train_per_class": 2, "val_per_class": 1, "root": str(tmp_path / "synthetic")}
+    config["data"]["source"]["init_args"] |= {
+        "train_per_class": 2,
+        "val_per_class": 1,
+        "root": str(tmp_path / "synthetic"),
+    }
     path = tmp_path / f"{family}.yaml"
     path.write_text(yaml.safe_dump(config))
     assert main(["fit", "--config", str(path)]) == 0
@@ -94,7 +98,11 @@ def analyse(tmp_path: Path, name: str, ckpt: Path, **init_args) -> dict:
     config["trainer"]["logger"]["init_args"] |= {"save_dir": str(runs), "name": f"{name}-{ckpt.parents[1].name}"}
     config["trainer"]["callbacks"][0]["init_args"] |= {"max_images": 8, "batch_size": 8, **init_args}
     config["data"] |= {"eval_limit": 8, "eval_batch_size": 8, "num_workers": 0}
-    config["data"]["synthetic"] |= {"train_per_class": 2, "val_per_class": 1, "root": str(tmp_path / "synthetic")}
+    config["data"]["source"]["init_args"] |= {
+        "train_per_class": 2,
+        "val_per_class": 1,
+        "root": str(tmp_path / "synthetic"),
+    }
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     assert main(["test", "--config", str(path)]) == 0

@@ -27,7 +27,8 @@ from robust_lightning.analysis.hessian import (
     spectrum_summary,
     top_eigenvalues,
 )
-from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
+from robust_lightning.data.datamodule import ImageNetDataModule
+from robust_lightning.data.sources import SyntheticSource
 from robust_lightning.data.transforms import eval_transform
 from robust_lightning.errors import UserError
 from robust_lightning.training.lightning_module import ImageClassifier
@@ -135,14 +136,13 @@ def test_bad_settings_are_refused():
 
 def test_the_callback_writes_a_spectrum_per_epoch_during_fit(tmp_path):
     data = ImageNetDataModule(
-        source="synthetic",
+        source=SyntheticSource(
+            num_classes=4, train_per_class=8, val_per_class=2, image_size=32, root=str(tmp_path / "synthetic")
+        ),
         image_size=32,
         batch_size=8,
         num_workers=0,
         augmentation="heavy",
-        synthetic=SyntheticData(
-            num_classes=4, train_per_class=8, val_per_class=2, image_size=32, root=str(tmp_path / "synthetic")
-        ),
     )
     torch.manual_seed(0)
     module = ImageClassifier(arch="test_resnet", num_classes=4, image_size=32, warmup_epochs=0)
@@ -180,15 +180,8 @@ def synthetic_root(tmp_path_factory) -> Path:
 
 def datamodule(root: Path, **kwargs) -> ImageNetDataModule:
     """4 classes, 40 training and 8 evaluation images of 64 px, trained and evaluated at 32 px."""
-    synthetic = SyntheticData(num_classes=4, train_per_class=10, val_per_class=2, image_size=64, root=str(root))
-    options = {
-        "source": "synthetic",
-        "image_size": 32,
-        "batch_size": 8,
-        "num_workers": 0,
-        "augmentation": "basic",
-        "synthetic": synthetic,
-    }
+    synthetic = SyntheticSource(num_classes=4, train_per_class=10, val_per_class=2, image_size=64, root=str(root))
+    options = {"source": synthetic, "image_size": 32, "batch_size": 8, "num_workers": 0, "augmentation": "basic"}
     return ImageNetDataModule(**{**options, **kwargs})
 
 
@@ -372,5 +365,5 @@ def test_the_shipped_config_runs_the_papers_protocol():
     assert config["ckpt_path"] == "runs/quickstart_vit/checkpoints/last.ckpt"  # Fig. 4's ViT family
     quickstart = yaml.safe_load((configs / "quickstart_vit.yaml").read_text())
     # the quickstart ViT's training data and transform, which the checkpoint was trained with
-    keys = ("source", "image_size", "crop_scale", "augmentation", "synthetic")
+    keys = ("source", "image_size", "crop_scale", "augmentation")
     assert {k: config["data"][k] for k in keys} == {k: quickstart["data"][k] for k in keys}

@@ -622,12 +622,12 @@ def test_unknown_fill_names_the_choices():
 # ------------------------------------------------------------------ the options in the data pipeline
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
-    from robust_lightning.data.datamodule import SyntheticData
+    from robust_lightning.data.sources import SyntheticSource
 
-    synthetic = SyntheticData(
+    synthetic = SyntheticSource(
         num_classes=4, train_per_class=8, val_per_class=4, image_size=40, root=str(tmp_path_factory.mktemp("synthetic"))
     )
-    return {"source": "synthetic", "image_size": 32, "batch_size": 8, "num_workers": 0, "synthetic": synthetic}
+    return {"source": synthetic, "image_size": 32, "batch_size": 8, "num_workers": 0}
 
 
 def training_batch(data: dict, **options) -> tuple[dict, object]:
@@ -646,9 +646,12 @@ def test_official_noise_reaches_the_batch_on_both_paths(tiny_data):
         torch.manual_seed(0)
         raw, dm = training_batch(tiny_data, augmentation="heavy", augment_on=augment_on, augmentation_fill="official")
         assert raw["image"].dtype == torch.uint8
-        assert dm.device_augment.erasing is not None and not dm.device_augment.erasing.clamp
+        assert dm.training_augmentation.device.erasing is not None and not dm.training_augmentation.device.erasing.clamp
         if augment_on == "cpu":  # the workers erase nothing: their uint8 could not hold the noise
-            assert dm.worker_augment.erasing is None and dm.worker_augment.rand_augment.fill.sum() == 0
+            assert (
+                dm.training_augmentation.worker.erasing is None
+                and dm.training_augmentation.worker.rand_augment.fill.sum() == 0
+            )
         images = torch.cat([dm.on_after_batch_transfer(dict(raw), 0)["image"] for _ in range(8)])
         assert images.min() < 0 and images.max() > 1
 
@@ -681,6 +684,7 @@ def test_results_list_the_differences_from_the_official_code(tiny_data):
     assert "global_batch_size" in official
     assert "reproduced" in official  # RandAugment still runs on the device
     assert "reproduced" not in data_differences(augment_on="cpu")
+    assert "CutMix box of timm 1.0.31" in default  # 1 px longer on odd sides than the official code's timm
 
     def model_differences(**options) -> str:
         return " | ".join(

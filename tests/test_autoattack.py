@@ -396,9 +396,7 @@ def direct_outcomes(checkpoint, batches: list[list[str]]) -> dict[str, bool]:
 
     ckpt, synthetic_root = checkpoint
     module = ImageClassifier.load_from_checkpoint(ckpt, map_location="cpu", weights_only=True).eval()
-    data = ImageNetDataModule(
-        source="synthetic", image_size=32, eval_batch_size=100, num_workers=0, synthetic=tiny_synthetic(synthetic_root)
-    )
+    data = ImageNetDataModule(source=tiny_synthetic(synthetic_root), image_size=32, eval_batch_size=100, num_workers=0)
     data.setup("test")
     everything = next(iter(data.test_dataloader()))
     where = {key: i for i, key in enumerate(everything["key"])}

@@ -216,9 +216,10 @@ def bench_config(tmp_path: Path, roots: dict[str, str], devices: int = 1) -> Pat
         },
         "model": {"arch": "test_resnet"},
         "data": {
-            "source": "folder",
-            "root": str(tmp_path / "imagenet"),
-            "class_map": "imagenet",
+            "source": {
+                "class_path": "FolderSource",
+                "init_args": {"root": str(tmp_path / "imagenet"), "class_map": "imagenet"},
+            },
             "image_size": 32,
             "eval_batch_size": 8,
             "num_workers": 0,

@@ -161,9 +161,10 @@ def test_the_card_runs_every_benchmark_that_has_data(tmp_path, imagenet_checkpoi
         },
         "model": {"arch": "test_resnet"},
         "data": {
-            "source": "folder",
-            "root": str(tmp_path / "imagenet"),
-            "class_map": "imagenet",
+            "source": {
+                "class_path": "FolderSource",
+                "init_args": {"root": str(tmp_path / "imagenet"), "class_map": "imagenet"},
+            },
             "image_size": 32,
             "eval_batch_size": 8,
             "num_workers": 0,
@@ -216,7 +217,11 @@ def test_the_quickstart_card_config_on_a_quickstart_model(tmp_path):
     card_args["imagenet_c"] |= {"corruptions": ["gaussian_noise", "contrast"], "severities": [1, 5], "num_workers": 0}
     card_args["resolution_sweep"] |= {"resolutions": [24, 32], "attack": "apgd-ce", "n_iter": 3}
     config["data"] |= {"eval_limit": 8, "num_workers": 0}
-    config["data"]["synthetic"] |= {"train_per_class": 2, "val_per_class": 2, "root": str(tmp_path / "synthetic")}
+    config["data"]["source"]["init_args"] |= {
+        "train_per_class": 2,
+        "val_per_class": 2,
+        "root": str(tmp_path / "synthetic"),
+    }
     path = tmp_path / "quickstart_card.yaml"
     path.write_text(yaml.safe_dump(config))
     assert main(["test", "--config", str(path)]) == 0

@@ -413,7 +413,7 @@ def test_cli_validates_a_released_file(tmp_path):
         "model.arch": "robustbench:Singh2023Revisiting_ConvNeXt-T-ConvStem",
         "model.init_from": str(path),
         "model.arch_kwargs": TINY_CONVNEXT,
-        "data.synthetic.val_per_class": 2,
+        "data.source.init_args.val_per_class": 2,
     }
     config = tiny_config(tmp_path, **overrides)
     result = run_cli("validate", "--config", str(config))

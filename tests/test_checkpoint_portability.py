@@ -14,7 +14,8 @@ from lightning import Trainer
 from helpers import tiny_config
 from robust_lightning import load_model
 from robust_lightning.cli import main
-from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
+from robust_lightning.data.datamodule import ImageNetDataModule
+from robust_lightning.data.sources import SyntheticSource
 from robust_lightning.models.checkpoints import save_net_weights
 from robust_lightning.models.classifier import build_classifier
 from robust_lightning.training.lightning_module import ImageClassifier
@@ -51,10 +52,9 @@ def independent_top1(ckpt, config) -> float:
     model.load_state_dict(state["state_dict"])  # holds the adopted normaliser as buffers
     model.eval()
     dm = ImageNetDataModule(
-        source="synthetic",
+        source=SyntheticSource(**yaml.safe_load(config.read_text())["data"]["source"]["init_args"]),
         image_size=32,
         num_workers=0,
-        synthetic=SyntheticData(**yaml.safe_load(config.read_text())["data"]["synthetic"]),
     )
     dm.setup("validate")
     with torch.no_grad():
@@ -149,10 +149,9 @@ def test_load_from_checkpoint_then_evaluate_keeps_the_checkpoint_weights(moved_c
     module = ImageClassifier.load_from_checkpoint(ckpt, weights_only=True)
     before = {k: v.clone() for k, v in module.state_dict().items()}
     dm = ImageNetDataModule(
-        source="synthetic",
+        source=SyntheticSource(**yaml.safe_load(config.read_text())["data"]["source"]["init_args"]),
         image_size=32,
         num_workers=0,
-        synthetic=SyntheticData(**yaml.safe_load(config.read_text())["data"]["synthetic"]),
     )
     trainer = Trainer(
         accelerator="cpu", logger=False, enable_progress_bar=False, enable_checkpointing=False, inference_mode=False

@@ -13,7 +13,8 @@ from torch import nn
 
 from helpers import eval_config
 from robust_lightning.cli import main
-from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
+from robust_lightning.data.datamodule import ImageNetDataModule
+from robust_lightning.data.sources import SyntheticSource
 
 CLASSES = 10  # more than APGD-T's 3 target classes + 1: the class count raises no check of its own
 SCALE = 0.05
@@ -91,9 +92,7 @@ ARCHS = {kind: _registered(kind, cls) for kind, cls in MODELS.items()}
 
 
 def class_means(synthetic: dict) -> torch.Tensor:
-    data = ImageNetDataModule(
-        source="synthetic", image_size=32, eval_batch_size=100, num_workers=0, synthetic=SyntheticData(**synthetic)
-    )
+    data = ImageNetDataModule(source=SyntheticSource(**synthetic), image_size=32, eval_batch_size=100, num_workers=0)
     data.setup("test")
     batch = next(iter(data.test_dataloader()))
     images, labels = batch["image"].float() / 255, batch["label"]
@@ -108,9 +107,9 @@ def test_robust_lightning_test_records_and_warns_of_the_checks_a_model_raises(ki
     config_path = eval_config(tmp_path, tmp_path / "synthetic", version="apgd-t", n_iter=2, sanity_points=0)
     config = yaml.safe_load(config_path.read_text())
     config["model"]["arch"] = ARCHS[kind]
-    config["data"]["synthetic"].update(num_classes=CLASSES, val_per_class=2, train_per_class=2)
+    config["data"]["source"]["init_args"].update(num_classes=CLASSES, val_per_class=2, train_per_class=2)
     config_path.write_text(yaml.safe_dump(config))
-    TEMPLATES.append(class_means(config["data"]["synthetic"]))
+    TEMPLATES.append(class_means(config["data"]["source"]["init_args"]))
     assert main(["test", "--config", str(config_path)]) == 0
 
     results = json.loads(next((tmp_path / "runs" / "aa").glob("version_*/results.json")).read_text())

@@ -9,9 +9,10 @@ import pytest
 import torch
 import yaml
 
-from helpers import run_cli, tiny_config
+from helpers import folder_source, run_cli, tiny_config
 from robust_lightning.cli import main
-from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
+from robust_lightning.data.datamodule import ImageNetDataModule
+from robust_lightning.data.sources import SyntheticSource
 from robust_lightning.training.lightning_module import ImageClassifier
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,8 +78,8 @@ def test_validate_accuracy_matches_an_independent_computation(fitted, tmp_path):
     model = ImageClassifier(**{k: v for k, v in state["hyper_parameters"].items() if not k.startswith("_")})
     model.load_state_dict(state["state_dict"])
     model.eval()
-    synthetic = SyntheticData(**yaml.safe_load(config.read_text())["data"]["synthetic"])
-    dm = ImageNetDataModule(source="synthetic", image_size=32, num_workers=0, synthetic=synthetic)
+    synthetic = SyntheticSource(**yaml.safe_load(config.read_text())["data"]["source"]["init_args"])
+    dm = ImageNetDataModule(source=synthetic, image_size=32, num_workers=0)
     dm.setup("validate")
     logits, labels = [], []
     with torch.no_grad():
@@ -152,7 +153,7 @@ def test_missing_config_file_is_reported(tmp_path):
 
 
 def test_missing_dataset_is_reported(tmp_path):
-    config = tiny_config(tmp_path, **{"data.source": "folder", "data.root": str(tmp_path / "imagenet")})
+    config = tiny_config(tmp_path, **{"data.source": folder_source(tmp_path / "imagenet")})
     result = run_cli("fit", "--config", str(config))
     assert result.returncode == 2
     assert "imagenet does not exist" in result.stderr and "train/" in result.stderr
@@ -232,7 +233,7 @@ def test_corrupt_images_are_skipped_counted_and_reported(tmp_path, caplog):
     make_image_tree(tmp_path / "imagenet" / "val", {w: 2 for w in WNIDS}, corrupt=["n01440764/n01440764_bad.JPEG"])
     config = tiny_config(
         tmp_path,
-        **{"data.source": "folder", "data.root": str(tmp_path / "imagenet"), "model.arch": "test_convnext"},
+        **{"data.source": folder_source(tmp_path / "imagenet"), "model.arch": "test_convnext"},
     )
     assert main(["validate", "--config", str(config)]) == 0
     results = json.loads(next(tmp_path.glob("runs/tiny/version_*/results.json")).read_text())["validate"]
@@ -272,8 +273,8 @@ def test_checkpoint_of_another_architecture_is_refused_clearly(fitted, tmp_path)
         "--config",
         str(config),
         "--data.source",
-        "folder",
-        "--data.root",
+        "FolderSource",
+        "--data.source.root",
         str(tmp_path / "imagenet"),
         "--ckpt_path",
         str(run_dir / "checkpoints" / "last.ckpt"),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import WNIDS, make_image_tree, run_command, tiny_config
+from helpers import WNIDS, folder_source, make_image_tree, run_command, tiny_config
 
 
 def fit(tmp_path: Path, devices: int, arch: str) -> tuple[Path, str]:
@@ -18,8 +18,7 @@ def fit(tmp_path: Path, devices: int, arch: str) -> tuple[Path, str]:
     make_image_tree(tmp_path / "imagenet" / "train", {w: 8 for w in WNIDS})
     make_image_tree(tmp_path / "imagenet" / "val", {w: 1 for w in WNIDS})
     options = {
-        "data.source": "folder",
-        "data.root": str(tmp_path / "imagenet"),
+        "data.source": folder_source(tmp_path / "imagenet"),
         "data.crop_scale": [1.0, 1.0],
         "trainer.max_steps": 3,
         "trainer.log_every_n_steps": 1,

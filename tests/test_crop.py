@@ -139,13 +139,11 @@ def test_default_canvas_holds_typical_imagenet_images_unreduced():
 
 
 def test_training_batches_are_canvases_cropped_on_the_device(tmp_path):
-    from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
+    from robust_lightning.data.datamodule import ImageNetDataModule
+    from robust_lightning.data.sources import SyntheticSource
 
     dm = ImageNetDataModule(
-        image_size=32,
-        batch_size=8,
-        num_workers=0,
-        synthetic=SyntheticData(
+        source=SyntheticSource(
             root=str(tmp_path / "synthetic"),
             num_classes=4,
             train_per_class=4,
@@ -153,6 +151,9 @@ def test_training_batches_are_canvases_cropped_on_the_device(tmp_path):
             image_size=40,
             samples_per_shard=8,
         ),
+        image_size=32,
+        batch_size=8,
+        num_workers=0,
     )
     dm.prepare_data()
     dm.setup("fit")

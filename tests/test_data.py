@@ -11,11 +11,12 @@ from torch.utils.data import DataLoader
 from helpers import WNIDS, make_image_tree, write_image
 from robust_lightning.data.classes import class_map
 from robust_lightning.data.contract import EvaluationSource
-from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
+from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.data.datasets import Corrupt, LabelledImageFolder, ShardStream
 from robust_lightning.data.loaders import collate
 from robust_lightning.data.samplers import ExactDistributedSampler
 from robust_lightning.data.shards import convert_image_folder, shard_urls
+from robust_lightning.data.sources import FolderSource, ShardSource, SyntheticSource, read_eval_subset
 from robust_lightning.data.transforms import eval_resize_size, eval_transform
 from robust_lightning.errors import UserError
 
@@ -68,7 +69,7 @@ def test_bhojanapallis_preprocessing_resizes_the_whole_image(tmp_path):
     np.testing.assert_array_equal(ours.permute(1, 2, 0).numpy(), expected)
     make_image_tree(tmp_path / "root" / "val", {w: 1 for w in WNIDS})
     data = ImageNetDataModule(
-        source="folder", root=str(tmp_path / "root"), image_size=48, eval_resize="whole", num_workers=0
+        source=FolderSource(str(tmp_path / "root")), image_size=48, eval_resize="whole", num_workers=0
     )
     data.setup("test")
     assert data.conditions()["eval_preprocessing"] == (
@@ -92,19 +93,19 @@ def test_folder_labels_follow_the_imagenet_map_not_the_folder_order(imagenet_tre
 
 def test_unknown_class_folder_is_a_clear_error(tmp_path):
     make_image_tree(tmp_path / "val", {"dogs": 1})
-    dm = ImageNetDataModule(source="folder", root=str(tmp_path), image_size=32, num_workers=0)
+    dm = ImageNetDataModule(source=FolderSource(str(tmp_path)), image_size=32, num_workers=0)
     with pytest.raises(UserError, match="not in the class map"):
         dm.setup("validate")
 
 
 def test_missing_dataset_root_is_a_clear_error(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
-        ImageNetDataModule(source="folder", root=str(tmp_path / "nowhere"))
-    dm = ImageNetDataModule(source="folder", root=str(tmp_path))
+        ImageNetDataModule(source=FolderSource(str(tmp_path / "nowhere")))
+    dm = ImageNetDataModule(source=FolderSource(str(tmp_path)))
     with pytest.raises(UserError, match="val"):
         dm.setup("validate")
     with pytest.raises(UserError, match="do not exist"):
-        ImageNetDataModule(source="shards", val_shards=str(tmp_path / "val-{000000..000003}.tar")).setup("validate")
+        ImageNetDataModule(source=ShardSource(val_shards=str(tmp_path / "val-{000000..000003}.tar"))).setup("validate")
 
 
 def _read_all(dm: ImageNetDataModule):
@@ -119,10 +120,10 @@ def _read_all(dm: ImageNetDataModule):
 
 def test_folder_and_shards_give_the_same_labels_and_pixels(imagenet_tree, val_shards):
     folder = ImageNetDataModule(
-        source="folder", root=str(imagenet_tree), image_size=32, eval_batch_size=4, num_workers=0
+        source=FolderSource(str(imagenet_tree)), image_size=32, eval_batch_size=4, num_workers=0
     )
     shards = ImageNetDataModule(
-        source="shards", val_shards=str(val_shards), image_size=32, eval_batch_size=4, num_workers=2
+        source=ShardSource(val_shards=str(val_shards)), image_size=32, eval_batch_size=4, num_workers=2
     )
     folder.setup("validate")
     shards.setup("validate")
@@ -168,15 +169,15 @@ def test_exact_sampler_covers_every_index_once(n, world):
 
 
 def test_evaluation_source_says_where_the_evaluation_images_come_from(imagenet_tree, val_shards, tmp_path):
-    folder = ImageNetDataModule(source="folder", root=str(imagenet_tree), eval_subset="robustbench", eval_limit=7)
+    folder = ImageNetDataModule(source=FolderSource(str(imagenet_tree)), eval_subset="robustbench", eval_limit=7)
     assert folder.evaluation_source() == EvaluationSource("folder", str(imagenet_tree), True, "robustbench", 7)
-    shards = ImageNetDataModule(source="shards", val_shards=str(val_shards))
+    shards = ImageNetDataModule(source=ShardSource(val_shards=str(val_shards)))
     assert shards.evaluation_source() == EvaluationSource("shards", str(val_shards), True, None, None)
     # not ImageNet val: another label map, a held-out part of train, the built-in set
-    for other in ({"class_map": "folders"}, {"holdout": 2}):
-        data = ImageNetDataModule(source="folder", root=str(imagenet_tree), **other)
+    for source, other in ((FolderSource(str(imagenet_tree), class_map="folders"), {}), (folder.source, {"holdout": 2})):
+        data = ImageNetDataModule(source=source, **other)
         assert not data.evaluation_source().imagenet_val
-    synthetic = ImageNetDataModule(synthetic=SyntheticData(root=str(tmp_path / "synthetic")))
+    synthetic = ImageNetDataModule(source=SyntheticSource(root=str(tmp_path / "synthetic")))
     assert synthetic.evaluation_source() == EvaluationSource("synthetic", str(tmp_path / "synthetic"), False)
 
 
@@ -186,7 +187,7 @@ def test_shard_stream_workers_and_ranks_read_disjoint_shards(val_shards):
     keys_per_rank = []
     for rank in range(2):
         dm = ImageNetDataModule(
-            source="shards", val_shards=str(val_shards), image_size=16, eval_batch_size=2, num_workers=2
+            source=ShardSource(val_shards=str(val_shards)), image_size=16, eval_batch_size=2, num_workers=2
         )
         dm.rank, dm.world_size = rank, 2
         dm.setup("validate")
@@ -201,9 +202,7 @@ def test_training_stream_reshuffles_each_epoch_and_keeps_epoch_length(tmp_path):
     out = tmp_path / "shards"
     convert_image_folder(src, out, samples_per_shard=3, workers=1, progress=False, verify=False)
     dm = ImageNetDataModule(
-        source="shards",
-        train_shards=str(out),
-        val_shards=str(out),
+        source=ShardSource(train_shards=str(out), val_shards=str(out)),
         image_size=16,
         batch_size=4,
         num_workers=2,
@@ -231,7 +230,7 @@ def test_uint8_batches_become_unit_range_floats_on_the_device():
 
 
 def test_dataloader_with_workers_yields_each_folder_image_once(imagenet_tree):
-    dm = ImageNetDataModule(source="folder", root=str(imagenet_tree), image_size=16, eval_batch_size=4, num_workers=2)
+    dm = ImageNetDataModule(source=FolderSource(str(imagenet_tree)), image_size=16, eval_batch_size=4, num_workers=2)
     dm.setup("validate")
     assert isinstance(dm.val_dataloader(), DataLoader)
     samples, corrupt = _read_all(dm)
@@ -239,16 +238,16 @@ def test_dataloader_with_workers_yields_each_folder_image_once(imagenet_tree):
 
 
 def test_brace_patterns_and_pipe_urls_read_the_same_shards(val_shards):
-    from_dir = ImageNetDataModule(source="shards", val_shards=str(val_shards), image_size=16, num_workers=0)
+    from_dir = ImageNetDataModule(source=ShardSource(val_shards=str(val_shards)), image_size=16, num_workers=0)
     pattern = f"{val_shards}/val-{{000000..000003}}.tar"
-    from_pattern = ImageNetDataModule(source="shards", val_shards=pattern, image_size=16, num_workers=0)
-    from_pipe = ImageNetDataModule(source="shards", val_shards=f"pipe:cat {pattern}", image_size=16, num_workers=0)
+    from_pattern = ImageNetDataModule(source=ShardSource(val_shards=pattern), image_size=16, num_workers=0)
+    from_pipe = ImageNetDataModule(source=ShardSource(val_shards=f"pipe:cat {pattern}"), image_size=16, num_workers=0)
     keys = []
     for dm in (from_dir, from_pattern, from_pipe):
         dm.setup("validate")
         keys.append(sorted(_read_all(dm)[0]))
     assert len(keys[0]) == 9 and keys[0] == keys[1] == keys[2]
-    training = ImageNetDataModule(source="shards", train_shards=pattern, val_shards=pattern, image_size=16)
+    training = ImageNetDataModule(source=ShardSource(train_shards=pattern, val_shards=pattern), image_size=16)
     with pytest.raises(UserError, match="train_size"):
         training.setup("fit")
 
@@ -273,8 +272,7 @@ def _subset_tree(tmp_path: Path) -> tuple[Path, list[str]]:
 def test_eval_subset_from_a_folder_tree_keeps_the_files_order(tmp_path):
     root, listed = _subset_tree(tmp_path)
     dm = ImageNetDataModule(
-        source="folder",
-        root=str(root),
+        source=FolderSource(str(root)),
         image_size=16,
         eval_batch_size=10,
         num_workers=0,
@@ -286,8 +284,7 @@ def test_eval_subset_from_a_folder_tree_keeps_the_files_order(tmp_path):
     labels = class_map("imagenet")
     assert batch["label"].tolist() == [labels[name.split("/")[0]] for name in listed]
     dm = ImageNetDataModule(
-        source="folder",
-        root=str(root),
+        source=FolderSource(str(root)),
         image_size=16,
         eval_batch_size=10,
         num_workers=0,
@@ -302,8 +299,7 @@ def test_eval_subset_from_shards_keeps_exactly_the_listed_images(tmp_path):
     root, listed = _subset_tree(tmp_path)
     convert_image_folder(root / "val", tmp_path / "val_shards", samples_per_shard=5, workers=1, progress=False)
     dm = ImageNetDataModule(
-        source="shards",
-        val_shards=str(tmp_path / "val_shards"),
+        source=ShardSource(val_shards=str(tmp_path / "val_shards")),
         image_size=16,
         eval_batch_size=20,
         num_workers=0,
@@ -320,8 +316,7 @@ def test_shard_images_of_another_class_than_listed_are_a_clear_error(tmp_path):
     moved = f"{WNIDS[1]}/{Path(listed[1]).name}"  # an image listed under another class than its own
     (tmp_path / "subset.txt").write_text("\n".join([listed[0], moved]))
     dm = ImageNetDataModule(
-        source="shards",
-        val_shards=str(tmp_path / "val_shards"),
+        source=ShardSource(val_shards=str(tmp_path / "val_shards")),
         image_size=16,
         num_workers=0,
         eval_subset=str(tmp_path / "subset.txt"),
@@ -348,19 +343,17 @@ def test_the_robustbench_subset_needs_the_imagenet_labels(tmp_path, source):
     imagenet = class_map("imagenet")
     for labels in ("imagenet", "folders"):  # folders: the three classes become 0, 1, 2
         if source == "folder":
-            where = {"root": str(root), "class_map": labels}
+            where = FolderSource(str(root), class_map=labels)
         else:
             out = tmp_path / f"shards_{labels}"
             convert_image_folder(root / "val", out, samples_per_shard=2, class_map=labels, workers=1, progress=False)
-            where = {"val_shards": str(out)}
-        dm = ImageNetDataModule(
-            source=source, image_size=16, num_workers=0, eval_subset="robustbench", eval_limit=3, **where
-        )
+            where = ShardSource(val_shards=str(out))
+        dm = ImageNetDataModule(source=where, image_size=16, num_workers=0, eval_subset="robustbench", eval_limit=3)
         if labels == "imagenet":
             dm.setup("test")
             batch = next(iter(dm.test_dataloader()))
             assert len(batch["key"]) == 3
-            wnids = {Path(e).stem: e.split("/")[0] for e in dm._subset_files()}
+            wnids = {Path(e).stem: e.split("/")[0] for e in read_eval_subset(dm.eval_subset, dm.eval_limit)}
             assert batch["label"].tolist() == [imagenet[wnids[k]] for k in batch["key"]]
         else:
             with pytest.raises(UserError, match="standard ImageNet map"):
@@ -372,8 +365,7 @@ def test_eval_limit_takes_the_first_images_of_any_eval_set(tmp_path):
     root, _ = _subset_tree(tmp_path)
     convert_image_folder(root / "val", tmp_path / "val_shards", samples_per_shard=5, workers=1, progress=False)
     dm = ImageNetDataModule(
-        source="shards",
-        val_shards=str(tmp_path / "val_shards"),
+        source=ShardSource(val_shards=str(tmp_path / "val_shards")),
         image_size=16,
         eval_batch_size=20,
         num_workers=0,
@@ -382,7 +374,7 @@ def test_eval_limit_takes_the_first_images_of_any_eval_set(tmp_path):
     dm.setup("test")
     assert sum(len(b["key"]) for b in dm.test_dataloader()) == 7 and dm.conditions()["eval_images"] == 7
     dm = ImageNetDataModule(
-        source="folder", root=str(root), image_size=16, eval_batch_size=20, num_workers=0, eval_limit=7
+        source=FolderSource(str(root)), image_size=16, eval_batch_size=20, num_workers=0, eval_limit=7
     )
     dm.setup("test")
     assert len(next(iter(dm.test_dataloader()))["key"]) == 7
@@ -392,18 +384,18 @@ def test_a_subset_naming_missing_images_is_a_clear_error(tmp_path):
     root, listed = _subset_tree(tmp_path)
     (tmp_path / "subset.txt").write_text("\n".join([*listed, f"{WNIDS[0]}/ILSVRC2012_val_00000001.JPEG"]))
     dm = ImageNetDataModule(
-        source="folder", root=str(root), image_size=16, num_workers=0, eval_subset=str(tmp_path / "subset.txt")
+        source=FolderSource(str(root)), image_size=16, num_workers=0, eval_subset=str(tmp_path / "subset.txt")
     )
     with pytest.raises(UserError, match="1 of the 6 images of data.eval_subset are not in"):
         dm.setup("test")
     with pytest.raises(UserError, match="no file"):
-        ImageNetDataModule(source="folder", root=str(root), eval_subset=str(tmp_path / "nope.txt")).setup("test")
+        ImageNetDataModule(source=FolderSource(str(root)), eval_subset=str(tmp_path / "nope.txt")).setup("test")
 
 
 def test_fewer_evaluation_images_than_processes_is_a_clear_error(tmp_path):
     # a rank without a batch would skip the evaluation loop and leave the others waiting at its barriers
     root, _ = _subset_tree(tmp_path)
-    dm = ImageNetDataModule(source="folder", root=str(root), image_size=16, num_workers=0, eval_limit=2)
+    dm = ImageNetDataModule(source=FolderSource(str(root)), image_size=16, num_workers=0, eval_limit=2)
     dm.setup("test")
     dm.world_size, dm.rank = 4, 3
     with pytest.raises(UserError, match="2 evaluation images cannot be split over 4 processes"):
@@ -422,17 +414,12 @@ def test_the_robustbench_subset_file_is_the_5000_image_list():
 @pytest.mark.parametrize("source", ["folder", "shards"])
 def test_eval_dataloader_with_another_transform_reads_the_same_images(tmp_path, source):
     root, _listed = _subset_tree(tmp_path)
-    where = {"root": str(root)}
+    where = FolderSource(str(root))
     if source == "shards":
         convert_image_folder(root / "val", tmp_path / "val_shards", samples_per_shard=5, workers=1, progress=False)
-        where = {"val_shards": str(tmp_path / "val_shards")}
+        where = ShardSource(val_shards=str(tmp_path / "val_shards"))
     dm = ImageNetDataModule(
-        source=source,
-        image_size=16,
-        eval_batch_size=20,
-        num_workers=0,
-        eval_subset=str(tmp_path / "subset.txt"),
-        **where,
+        source=where, image_size=16, eval_batch_size=20, num_workers=0, eval_subset=str(tmp_path / "subset.txt")
     )
     dm.setup("test")
     plain = next(iter(dm.test_dataloader()))
@@ -451,7 +438,7 @@ def test_images_sharing_a_file_name_in_two_class_folders_get_distinct_keys(tmp_p
     for i, wnid in enumerate(WNIDS[:2]):
         write_image(tmp_path / "in" / "val" / wnid / "0001.JPEG", seed=i)
     write_image(tmp_path / "in" / "val" / WNIDS[2] / "unique.JPEG", seed=5)
-    dm = ImageNetDataModule(source="folder", root=str(tmp_path / "in"), image_size=32, num_workers=0, eval_batch_size=8)
+    dm = ImageNetDataModule(source=FolderSource(str(tmp_path / "in")), image_size=32, num_workers=0, eval_batch_size=8)
     dm.setup("predict")
     keys = [key for batch in dm.predict_dataloader() for key in batch["key"]]
     assert sorted(keys) == sorted([f"{WNIDS[0]}/0001", f"{WNIDS[1]}/0001", f"{WNIDS[2]}/unique"])

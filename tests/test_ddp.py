@@ -68,9 +68,10 @@ def test_ddp_fit_on_shards_reads_disjoint_shards_and_validates_each_image_once(t
             progress=False,
         )
     data = {
-        "source": "shards",
-        "train_shards": str(tmp_path / "shards/train"),
-        "val_shards": str(tmp_path / "shards/val"),
+        "source": {
+            "class_path": "ShardSource",
+            "init_args": {"train_shards": str(tmp_path / "shards/train"), "val_shards": str(tmp_path / "shards/val")},
+        }
     }
     fit = run_ddp(tmp_path, "fit", data, tmp_path / "keys")
 
@@ -88,7 +89,10 @@ def test_ddp_validate_on_a_folder_counts_every_image_once(tmp_path):
     # 3 x 3 = 9 images over 2 ranks: torch's DistributedSampler would pad to 10 and count one twice
     make_image_tree(tmp_path / "imagenet" / "val", {w: 3 for w in WNIDS})
     (tmp_path / "imagenet" / "train").mkdir()
-    data = {"source": "folder", "root": str(tmp_path / "imagenet"), "num_classes": 1000}
+    data = {
+        "source": {"class_path": "FolderSource", "init_args": {"root": str(tmp_path / "imagenet")}},
+        "num_classes": 1000,
+    }
     validate = run_ddp(tmp_path, "validate", data, tmp_path / "keys")
     val = recorded(tmp_path / "keys", "val")
     assert sorted(val[0] + val[1]) == sorted(set(val[0]) | set(val[1]))
@@ -117,9 +121,10 @@ def test_ddp_adversarial_fit_selects_on_a_holdout_counted_exactly(tmp_path):
             progress=False,
         )
     data = {
-        "source": "shards",
-        "train_shards": str(tmp_path / "shards/train"),
-        "val_shards": str(tmp_path / "shards/val"),
+        "source": {
+            "class_path": "ShardSource",
+            "init_args": {"train_shards": str(tmp_path / "shards/train"), "val_shards": str(tmp_path / "shards/val")},
+        },
         "holdout": 7,
         "augmentation": "heavy",
     }
@@ -162,7 +167,10 @@ def test_more_ranks_than_validation_shards_split_the_samples_and_count_each_imag
         workers=1,
         progress=False,
     )
-    data = {"source": "shards", "val_shards": str(tmp_path / "shards/val"), "num_classes": 1000}
+    data = {
+        "source": {"class_path": "ShardSource", "init_args": {"val_shards": str(tmp_path / "shards/val")}},
+        "num_classes": 1000,
+    }
     three = run_ddp(tmp_path, "validate", data, tmp_path / "keys3", devices=3)["metrics"]
     one = run_ddp(tmp_path, "validate", data, tmp_path / "keys1", devices=1)["metrics"]
     val = recorded(tmp_path / "keys3", "val", ranks=3)
@@ -181,9 +189,7 @@ def test_ranks_draw_their_own_augmentation_and_a_resumed_run_draws_the_same(tmp_
         write_image(tmp_path / "same" / "train" / wnid / f"{wnid}_{i}.JPEG", seed=0)
     make_image_tree(tmp_path / "same" / "val", {w: 1 for w in WNIDS})
     data = {
-        "source": "folder",
-        "root": str(tmp_path / "same"),
-        "class_map": "folders",
+        "source": {"class_path": "FolderSource", "init_args": {"root": str(tmp_path / "same"), "class_map": "folders"}},
         "augmentation": "heavy",
         "batch_size": 3,
         "eval_batch_size": 3,

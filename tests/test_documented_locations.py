@@ -53,8 +53,7 @@ def test_the_synthetic_dataset_goes_to_data_synthetic():
     data/). A new process: the data folder is read at import."""
     env = {k: v for k, v in os.environ.items() if k != "ROBUST_LIGHTNING_DATA"}
     code = (
-        "from robust_lightning.data.datamodule import ImageNetDataModule; "
-        "print(ImageNetDataModule(source='synthetic').synthetic_root)"
+        "from robust_lightning.data.datamodule import ImageNetDataModule; print(ImageNetDataModule().source.location())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -107,8 +106,8 @@ def test_the_quickstarts_first_stage_writes_where_the_readme_says(tmp_path, monk
     monkeypatch.chdir(tmp_path)
     args = ["fit", "--config", str(REPO / "configs" / "quickstart_clean.yaml"), "--model.arch", "test_resnet",
             "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1",
-            "--data.synthetic.root", str(tmp_path / "synthetic"), "--data.synthetic.train_per_class", "8",
-            "--data.synthetic.val_per_class", "4", "--data.synthetic.samples_per_shard", "20"]  # fmt: skip
+            "--data.source.root", str(tmp_path / "synthetic"), "--data.source.train_per_class", "8",
+            "--data.source.val_per_class", "4", "--data.source.samples_per_shard", "20"]  # fmt: skip
     assert main(args) == 0
     assert (tmp_path / "runs" / "quickstart_clean" / "checkpoints" / "last.ckpt").is_file()
     assert (tmp_path / "runs" / "quickstart_clean" / "version_0" / "results.json").is_file()

@@ -11,8 +11,9 @@ from lightning import Trainer
 from lightning.pytorch.loggers import CSVLogger
 
 from robust_lightning.atomic import atomic_write_json, atomic_write_text, temporary_path
-from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
+from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.data.samplers import rank_share
+from robust_lightning.data.sources import SyntheticSource
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.base import Evaluation, evaluating, gather_objects, sum_over_ranks
 from robust_lightning.evaluation.results import RunResults
@@ -34,13 +35,11 @@ def docs_example() -> dict:
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory):
     root = tmp_path_factory.mktemp("synthetic")
-    return SyntheticData(num_classes=4, train_per_class=4, val_per_class=5, image_size=32, root=str(root))
+    return SyntheticSource(num_classes=4, train_per_class=4, val_per_class=5, image_size=32, root=str(root))
 
 
 def datamodule(synthetic) -> ImageNetDataModule:
-    return ImageNetDataModule(
-        source="synthetic", image_size=32, batch_size=4, eval_batch_size=3, num_workers=0, synthetic=synthetic
-    )
+    return ImageNetDataModule(source=synthetic, image_size=32, batch_size=4, eval_batch_size=3, num_workers=0)
 
 
 def run_test(tmp_path, synthetic, callbacks, module=None):

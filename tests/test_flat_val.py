@@ -1,4 +1,4 @@
-"""ImageNet's val as distributed: one flat folder of images, the labels in a separate file (data.val_labels, and
+"""ImageNet's val as distributed: one flat folder of images, the labels in a separate file (data.source.val_labels, and
 robust-lightning shards --val_labels). The same images sorted into class folders are the reference."""
 
 import json
@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import webdataset as wds
 
-from helpers import REPO, WNIDS, tiny_config, write_image
+from helpers import REPO, WNIDS, folder_source, tiny_config, write_image
 from robust_lightning.cli import main
 from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.data.shards import shard_urls
+from robust_lightning.data.sources import FolderSource, ShardSource
 from robust_lightning.data.transforms import eval_transform
 from robust_lightning.errors import UserError
 
@@ -57,11 +58,11 @@ def test_validate_and_predict_on_a_flat_folder_equal_the_class_folders(val, tmp_
     flat, tree, csv = val
     metrics = {}
     for name, options in {
-        "flat": {"data.root": str(flat), "data.val_labels": str(csv)},
-        "tree": {"data.root": str(tree)},
+        "flat": folder_source(flat, val_labels=str(csv)),
+        "tree": folder_source(tree),
     }.items():
         (tmp_path / name).mkdir()
-        config = tiny_config(tmp_path / name, **{"data.source": "folder", "model.arch": "test_resnet", **options})
+        config = tiny_config(tmp_path / name, **{"data.source": options, "model.arch": "test_resnet"})
         assert main(["validate", "--config", str(config)]) == 0
         metrics[name] = _results(tmp_path / name / "runs", "validate")["metrics"]
     assert metrics["flat"]["val/num_images"] == metrics["flat"]["val/expected_images"] == len(CLASSES)
@@ -81,12 +82,12 @@ def test_a_flat_folder_without_labels_names_the_option(val, tmp_path, capsys):
     flat, _, _ = val
     config = tiny_config(
         tmp_path,
-        **{"data.source": "folder", "data.root": str(flat), "model.arch": "test_resnet"},
+        **{"data.source": folder_source(flat), "model.arch": "test_resnet"},
     )
     assert main(["validate", "--config", str(config)]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("error:") == 1
-    assert f"{flat / 'val'} holds images directly" in err and "data.val_labels" in err
+    assert f"{flat / 'val'} holds images directly" in err and "data.source.val_labels" in err
     assert "LOC_val_solution.csv" in err
 
     assert main(["shards", str(flat / "val"), str(tmp_path / "out"), "--workers", "1"]) == 2
@@ -96,7 +97,7 @@ def test_a_flat_folder_without_labels_names_the_option(val, tmp_path, capsys):
 
 def _setup(root: Path, labels: Path | str, **options) -> ImageNetDataModule:
     data = ImageNetDataModule(
-        source="folder", root=str(root), val_labels=str(labels), image_size=32, num_workers=0, **options
+        source=FolderSource(str(root), val_labels=str(labels)), image_size=32, num_workers=0, **options
     )
     data.setup("validate")
     return data
@@ -109,7 +110,7 @@ def test_bad_labels_files_are_one_clear_message_each(val, tmp_path):
     without.write_text("\n".join(line for line in lines if not line.startswith(Path(_name(4)).stem)))
     with pytest.raises(
         UserError,
-        match=rf"1 of the 9 images in .*val are not in data.val_labels {without} "
+        match=rf"1 of the 9 images in .*val are not in data.source.val_labels {without} "
         rf"\(first: {_name(4)}\)",
     ):
         _setup(flat, without)
@@ -119,7 +120,7 @@ def test_bad_labels_files_are_one_clear_message_each(val, tmp_path):
         _setup(flat, unknown)
     with pytest.raises(
         UserError,
-        match=rf"data.val_labels {tmp_path / 'nowhere.csv'} does not exist; expected "
+        match=rf"data.source.val_labels {tmp_path / 'nowhere.csv'} does not exist; expected "
         "Kaggle's LOC_val_solution.csv",
     ):
         _setup(flat, tmp_path / "nowhere.csv")
@@ -134,10 +135,12 @@ def test_bad_labels_files_are_one_clear_message_each(val, tmp_path):
     (tmp_path / "meta.mat").write_text("not a MATLAB file")
     with pytest.raises(UserError, match="meta.mat is not the ImageNet devkit's meta.mat"):
         _setup(flat, devkit)
-    with pytest.raises(UserError, match="holds none directly; for class folders <wnid>/<images> leave data.val_labels"):
+    with pytest.raises(
+        UserError, match="holds none directly; for class folders <wnid>/<images> leave data.source.val_labels"
+    ):
         _setup(tree, csv)
-    with pytest.raises(UserError, match="data.val_labels labels a flat val folder of data.source folder"):
-        ImageNetDataModule(source="shards", val_shards=str(tmp_path), val_labels=str(csv))
+    with pytest.raises(TypeError, match="val_labels"):  # shards hold their labels: robust-lightning shards --val_labels
+        ShardSource(val_shards=str(tmp_path), val_labels=str(csv))
 
 
 def test_other_label_file_formats(val, tmp_path):
@@ -245,9 +248,7 @@ def test_the_robustbench_subset_and_other_subsets_from_a_flat_folder(tmp_path):
 
     # the RobustBench subset's first six images (data.eval_limit), in the list's order, with ImageNet's labels
     data = ImageNetDataModule(
-        source="folder",
-        root=str(tmp_path),
-        val_labels=str(csv),
+        source=FolderSource(str(tmp_path), val_labels=str(csv)),
         eval_subset="robustbench",
         eval_limit=6,
         image_size=32,
@@ -264,7 +265,7 @@ def test_the_robustbench_subset_and_other_subsets_from_a_flat_folder(tmp_path):
     subset = tmp_path / "subset.txt"
     subset.write_text(f"{WNIDS[1]}/{_name(3)}\n{listed[4]}\n{listed[1]}\n")
     data = ImageNetDataModule(
-        source="folder", root=str(tmp_path), val_labels=str(csv), eval_subset=str(subset), image_size=32, num_workers=0
+        source=FolderSource(str(tmp_path), val_labels=str(csv)), eval_subset=str(subset), image_size=32, num_workers=0
     )
     data.setup("test")
     batch = next(iter(data.test_dataloader()))
@@ -274,11 +275,11 @@ def test_the_robustbench_subset_and_other_subsets_from_a_flat_folder(tmp_path):
     # a subset that lists an image under another class than the labels file is an error, not a silent relabel
     subset.write_text(f"{WNIDS[0]}/{_name(3)}\n")
     data = ImageNetDataModule(
-        source="folder", root=str(tmp_path), val_labels=str(csv), eval_subset=str(subset), image_size=32, num_workers=0
+        source=FolderSource(str(tmp_path), val_labels=str(csv)), eval_subset=str(subset), image_size=32, num_workers=0
     )
     with pytest.raises(
         UserError,
-        match=rf"data.eval_subset lists {_name(3)} under {WNIDS[0]}, but data.val_labels "
+        match=rf"data.eval_subset lists {_name(3)} under {WNIDS[0]}, but data.source.val_labels "
         rf".* labels it {WNIDS[1]}",
     ):
         data.setup("test")

@@ -1,6 +1,6 @@
 """An error in a DataLoader worker ends the command: its one message, exit status 2, and no worker left behind.
 
-The loader workers ignore a scheduler's SIGTERM and SIGUSR1 (robust_lightning/scale/srun.py). A worker that also
+The loader workers ignore a scheduler's SIGTERM and SIGUSR1 (robust_lightning/job_signals.py). A worker that also
 ignored its own parent's SIGTERM kept a command that failed mid-epoch from ever exiting: the exiting process
 terminates its daemonic children with SIGTERM and then waits for them. Each command here runs in a session of its
 own under a kill timer, so a hang fails the test instead of stalling the suite.
@@ -21,7 +21,7 @@ from lightning import Callback
 
 from helpers import REPO, WNIDS, make_image_tree
 from robust_lightning.data.shards import convert_image_folder
-from robust_lightning.scale.srun import ignore_job_signals
+from robust_lightning.job_signals import ignore_job_signals
 
 KILL_AFTER = 120  # seconds; each command takes a few seconds here, a hang never ends
 
@@ -73,10 +73,14 @@ def _config(tmp_path: Path, shards: Path, pids: Path) -> Path:
         },
         "model": {"arch": "test_resnet", "warmup_epochs": 0, "lr": 1e-3},
         "data": {
-            "source": "shards",
-            "train_shards": str(shards / "train" / "train-{000000..000005}.tar"),
-            "val_shards": str(shards / "val" / "val-{000000..000002}.tar"),
-            "train_size": 24,
+            "source": {
+                "class_path": "ShardSource",
+                "init_args": {
+                    "train_shards": str(shards / "train" / "train-{000000..000005}.tar"),
+                    "val_shards": str(shards / "val" / "val-{000000..000002}.tar"),
+                    "train_size": 24,
+                },
+            },
             "image_size": 32,
             "batch_size": 8,
             "num_workers": 2,

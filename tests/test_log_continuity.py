@@ -49,7 +49,7 @@ def config(tmp_path: Path, **extra) -> Path:
             "trainer.limit_train_batches": STEPS_PER_EPOCH,
             "trainer.log_every_n_steps": 1,
             "data.batch_size": 2,
-            "data.synthetic.train_per_class": 4,
+            "data.source.init_args.train_per_class": 4,
             "model.arch": "test_resnet",
             **extra,
         },

@@ -19,7 +19,7 @@ VAL_IMAGES = 16  # 4 classes x 4 images, 4 per shard
 @pytest.fixture
 def truncated(tmp_path):
     """A tiny synthetic shard set whose second validation shard is cut in the middle of the file."""
-    config = tiny_config(tmp_path, tmp_path / "synthetic", **{"data.synthetic.samples_per_shard": 4})
+    config = tiny_config(tmp_path, tmp_path / "synthetic", **{"data.source.init_args.samples_per_shard": 4})
     assert main(["validate", "--config", str(config)]) == 0  # writes the shards; whole, every image is read
     whole = json.loads(next((tmp_path / "runs").glob("tiny/version_*/results.json")).read_text())["validate"]
     assert whole["metrics"]["val/num_images"] == whole["metrics"]["val/expected_images"] == VAL_IMAGES
@@ -44,7 +44,7 @@ def test_a_truncated_shard_stops_validation_naming_it(truncated, capsys):
 
 
 def test_a_listed_image_absent_from_the_shards_stops_validation_with_the_counts(tmp_path, capsys):
-    config = tiny_config(tmp_path, tmp_path / "synthetic", **{"data.synthetic.samples_per_shard": 4})
+    config = tiny_config(tmp_path, tmp_path / "synthetic", **{"data.source.init_args.samples_per_shard": 4})
     assert main(["validate", "--config", str(config)]) == 0  # writes the shards
     listed = []
     for shard in sorted((tmp_path / "synthetic" / "val").glob("*.tar")):

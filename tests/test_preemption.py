@@ -55,7 +55,7 @@ def test_kill_9_mid_epoch_then_ckpt_path_last_resumes_the_same_run(tmp_path):
             "trainer.max_epochs": 3,
             "trainer.limit_train_batches": STEPS_PER_EPOCH,
             "data.batch_size": 4,
-            "data.synthetic.train_per_class": STEPS_PER_EPOCH,
+            "data.source.init_args.train_per_class": STEPS_PER_EPOCH,
             "model.ema_decay": 0.9,
         },
     )
@@ -105,7 +105,7 @@ def test_sigterm_stops_a_fit_with_a_checkpoint_a_message_and_a_failing_status(tm
             "trainer.devices": devices,
             "trainer.strategy": "ddp" if devices > 1 else "auto",
             "data.batch_size": 2,
-            "data.synthetic.train_per_class": STEPS_PER_EPOCH,
+            "data.source.init_args.train_per_class": STEPS_PER_EPOCH,
             # a user's defaults, which tiny_config turns off: the progress bar (here its line-per-N-steps form, as in a
             # SLURM log) and loader workers, whose processes get the signal too
             "trainer.enable_progress_bar": True,
@@ -177,7 +177,7 @@ def test_the_slurm_requeue_signal_mid_step_checkpoints_at_the_end_of_that_step(t
             "trainer.limit_train_batches": 6,
             "trainer.callbacks": callbacks,
             "data.batch_size": 2,
-            "data.synthetic.train_per_class": 6,
+            "data.source.init_args.train_per_class": 6,
             "model.ema_decay": 0.9,
         },
     )

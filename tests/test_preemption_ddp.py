@@ -83,8 +83,7 @@ def _config(tmp_path: Path, data_root: Path, record: Path, seconds: float) -> Pa
         },
         "model": {"arch": "test_resnet", "warmup_epochs": 0.5, "lr": 1e-3, "ema_decay": 0.9},
         "data": {
-            "source": "folder",
-            "root": str(data_root),
+            "source": {"class_path": "FolderSource", "init_args": {"root": str(data_root)}},
             "num_classes": 1000,
             "image_size": 32,
             "batch_size": RANK_BATCH,
@@ -246,7 +245,7 @@ def test_a_slurm_requeue_stops_the_fit_at_its_step_and_says_slurm_resumes(tmp_pa
             "trainer.limit_train_batches": 7,
             "trainer.callbacks": callbacks,
             "data.batch_size": 2,
-            "data.synthetic.train_per_class": 4,
+            "data.source.init_args.train_per_class": 4,
             "model.arch": "test_resnet",
         },
     )
@@ -291,7 +290,7 @@ def test_a_refused_slurm_requeue_stops_the_fit_with_last_ckpt_and_the_command_th
         "trainer.max_epochs": 1,
         "trainer.limit_train_batches": 7,
         "data.batch_size": 2,
-        "data.synthetic.train_per_class": 4,
+        "data.source.init_args.train_per_class": 4,
         "model.arch": "test_resnet",
     }
     config = tiny_config(tmp_path, **overrides, **{"trainer.callbacks": callbacks})

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, tiny_config
-from robust_lightning.training import interruption
-from robust_lightning.training.interruption import resume_command, user_command
+from robust_lightning import errors
+from robust_lightning.errors import user_command
+from robust_lightning.training.interruption import resume_command
 
 CONSOLE_SCRIPT = Path(sys.executable).parent / "robust-lightning"  # the environment's, as `make env` installs it
 STEPS_PER_EPOCH = 6
@@ -48,7 +49,7 @@ def test_the_console_script_started_by_its_path_is_printed_by_that_path(tmp_path
 def test_python_m_robust_lightning_is_printed_with_its_interpreter_unless_the_name_is_on_path(tmp_path, monkeypatch):
     bin_dir = tmp_path / "venv" / "bin"
     _script(bin_dir / "robust-lightning")
-    main = Path(interruption.__file__).resolve().parents[1] / "__main__.py"
+    main = Path(errors.__file__).resolve().parent / "__main__.py"
     monkeypatch.setattr(sys, "argv", [str(main), "fit"])
     monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
@@ -125,7 +126,7 @@ def test_the_resume_command_of_an_interrupted_fit_runs_as_printed(tmp_path):
             "trainer.limit_val_batches": 1,
             "trainer.callbacks": [pace],
             "data.batch_size": 2,
-            "data.synthetic.train_per_class": STEPS_PER_EPOCH // 2,
+            "data.source.init_args.train_per_class": STEPS_PER_EPOCH // 2,
         },
     )
     fresh_shell = _without(CONSOLE_SCRIPT.parent)

@@ -96,11 +96,19 @@ def init_from_probes(command: str) -> list[Probe]:
 
 
 def folder(root: str) -> tuple[str, ...]:
-    return ("validate", "--config", "{cfg}", "--data.source", "folder", "--data.root", f"{{w}}/{root}")
+    return ("validate", "--config", "{cfg}", "--data.source", "FolderSource", "--data.source.root", f"{{w}}/{root}")
 
 
 def shards(spec: str) -> tuple[str, ...]:
-    return ("validate", "--config", "{cfg}", "--data.source", "shards", "--data.val_shards", f"{{w}}/{spec}")
+    return (
+        "validate",
+        "--config",
+        "{cfg}",
+        "--data.source",
+        "ShardSource",
+        "--data.source.val_shards",
+        f"{{w}}/{spec}",
+    )
 
 
 PROBES = [
@@ -144,7 +152,7 @@ PROBES = [
         "model.init_from: cannot read checkpoint {w}/truncated.ckpt",
     ),
     # data
-    Probe("data root missing", folder("nowhere"), 2, "data.root {w}/nowhere does not exist"),
+    Probe("data root missing", folder("nowhere"), 2, "data.source.root {w}/nowhere does not exist"),
     Probe("wrong data layout", folder("flat"), 2, "{w}/flat/val does not exist; expected the ImageFolder layout"),
     Probe(
         "class folders that are not wnids", folder("pets"), 2, "class folders ['cat', 'dog'] are not in the class map"

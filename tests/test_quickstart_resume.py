@@ -32,11 +32,11 @@ def _shrunk(name: str, tmp_path: Path, **overrides) -> None:
         "trainer.enable_progress_bar": False,
         "data.batch_size": 2,
         "data.num_workers": 0,
-        "data.synthetic.num_classes": 4,
-        "data.synthetic.train_per_class": STEPS_PER_EPOCH // 2,
-        "data.synthetic.val_per_class": 1,
-        "data.synthetic.image_size": 32,
-        "data.synthetic.root": str(tmp_path / "synthetic"),
+        "data.source.init_args.num_classes": 4,
+        "data.source.init_args.train_per_class": STEPS_PER_EPOCH // 2,
+        "data.source.init_args.val_per_class": 1,
+        "data.source.init_args.image_size": 32,
+        "data.source.init_args.root": str(tmp_path / "synthetic"),
         **overrides,
     }
     for dotted, value in settings.items():

@@ -256,7 +256,7 @@ def test_transfer_recipe_is_app_d6(dataset, capsys):
     assert model["attack_eps"] == pytest.approx(8 / 255)
     assert config["trainer"]["max_epochs"] == 20 and model["warmup_epochs"] == 2
     assert model["lr"] == lr and model["weight_decay"] == weight_decay and data["global_batch_size"] == batch
-    assert data["image_size"] == size and data["source"] == "folder"
+    assert data["image_size"] == size and data["source"]["class_path"].endswith("FolderSource")
     assert config["checkpoint"]["monitor"] is None  # no selection on the test split
     assert "App. D.6" in path.read_text()
 

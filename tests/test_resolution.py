@@ -19,6 +19,7 @@ from torchvision.transforms.v2.functional import pil_to_tensor
 from helpers import WNIDS, make_image_tree
 from robust_lightning.attacks.ensemble import AutoAttack
 from robust_lightning.data.datamodule import ImageNetDataModule
+from robust_lightning.data.sources import FolderSource
 from robust_lightning.data.transforms import eval_transform
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.autoattack import ThreatModel, read_outcomes
@@ -47,7 +48,7 @@ def tree(tmp_path_factory) -> Path:
 
 def datamodule(tree: Path) -> ImageNetDataModule:
     return ImageNetDataModule(
-        source="folder", root=str(tree), class_map="folders", image_size=32, eval_batch_size=4, num_workers=0
+        source=FolderSource(str(tree), class_map="folders"), image_size=32, eval_batch_size=4, num_workers=0
     )
 
 

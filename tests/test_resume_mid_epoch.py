@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import WNIDS, make_image_tree, run_command, tiny_config
+from helpers import WNIDS, folder_source, make_image_tree, run_command, synthetic_source, tiny_config
 from robust_lightning.cli import main
 from robust_lightning.data.augment import BatchAugment
 from robust_lightning.data.datasets import Corrupt, LabelledImageFolder, ReplayableSubset, Replayed
@@ -59,13 +59,9 @@ def config(tmp_path: Path, source: dict, devices: int = 1, **extra) -> Path:
     return tiny_config(tmp_path, **options)
 
 
-FOLDER = {"data.source": "folder", "data.full_resolution_decode": True}
-SHARDS = {
-    "data.source": "synthetic",  # shards the data module writes
-    "data.synthetic.num_classes": 3,
-    "data.synthetic.train_per_class": 8,
-    "data.synthetic.val_per_class": 1,
-    "data.synthetic.samples_per_shard": 4,  # 6 training shards: several per worker and per rank
+FOLDER = {"data.source": folder_source("<image_root>"), "data.full_resolution_decode": True}
+SHARDS = {  # shards the data module writes; 6 training shards: several per worker and per rank
+    "data.source": synthetic_source(num_classes=3, train_per_class=8, val_per_class=1, samples_per_shard=4),
 }
 
 
@@ -98,7 +94,8 @@ def train_losses(run: Path) -> dict[int, float]:
     ],
 )
 def test_a_fit_resumed_mid_epoch_ends_with_the_weights_of_the_fit_left_alone(tmp_path, image_root, source, devices):
-    source = {**source, "data.root": str(image_root)} if source["data.source"] == "folder" else source
+    if source is FOLDER:
+        source = {**source, "data.source": folder_source(image_root)}
     (tmp_path / "whole").mkdir()
     (tmp_path / "resumed").mkdir()
     synthetic = {"synthetic_root": tmp_path / "synthetic"}  # one generated copy for both runs

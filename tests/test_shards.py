@@ -11,6 +11,7 @@ import webdataset as wds
 from PIL import Image
 
 from robust_lightning.data.shards import convert_image_folder, read_manifest, shard_urls, shards_main
+from robust_lightning.data.sources import ShardSource
 from robust_lightning.errors import UserError
 
 WNIDS = {"n01440764": 0, "n01443537": 1, "n15075141": 999}
@@ -349,7 +350,7 @@ def test_errors_about_damaged_shards_name_the_command_that_repairs_them(tree, tm
             list(stream)
         assert str(error.value).startswith("cannot read shard (ReadError: unexpected end of data")
         assert str(error.value).endswith(expected)
-    data = ImageNetDataModule(source="shards", val_shards=str(out), image_size=32, on_missing_images="warn")
+    data = ImageNetDataModule(source=ShardSource(val_shards=str(out)), image_size=32, on_missing_images="warn")
     data.setup("validate")
     assert data.damaged_eval_shards() == [
         f"{shard} (700 of {len(whole)} bytes)",

@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 
+from helpers import synthetic_source
 from robust_lightning.cli import main
 from slurm_cluster import ClusterUnavailable, SlurmCluster
 
@@ -74,11 +75,10 @@ def fit_config(tmp_path: Path, name: str, num_workers: int = 0, **trainer) -> Pa
         "model": {"arch": "test_resnet", "warmup_epochs": 0.5},
         # 10-image shards: 4 training and 2 validation shards, enough for two ranks
         "data": {
-            "source": "synthetic",
+            "source": {"class_path": "SyntheticSource", "init_args": synthetic(tmp_path / "synthetic", per_shard=10)},
             "image_size": 32,
             "batch_size": 8,
             "num_workers": num_workers,
-            "synthetic": synthetic(tmp_path / "synthetic", per_shard=10),
         },
     }
     path = tmp_path / f"{name}.yaml"
@@ -134,7 +134,7 @@ def test_sweep_array_job_then_report(slurm_env, tiny_checkpoint, tmp_path, capsy
             "data.eval_limit": 10,
             "data.eval_batch_size": 10,
             "data.num_workers": 0,
-            "data.synthetic": synthetic(synthetic_root),
+            "data.source": synthetic_source(**synthetic(synthetic_root)),
             "trainer.accelerator": "cpu",
             "trainer.enable_model_summary": False,
         }
@@ -285,7 +285,7 @@ def test_eval_array_template_gives_each_checkpoint_its_directory(slurm_env, tiny
             "--trainer.accelerator=cpu",
             "--data.eval_limit=10",
             "--data.num_workers=0",
-            f"--data.synthetic={json.dumps(synthetic(synthetic_root))}",
+            f"--data.source={json.dumps(synthetic_source(**synthetic(synthetic_root)))}",
             "--trainer.callbacks.init_args.version=apgd-ce",
             "--trainer.callbacks.init_args.n_iter=3",
             '--trainer.callbacks.init_args.threat_models=[{"norm": "Linf", "eps": 0.01568627450980392}]',

@@ -55,11 +55,10 @@ def fit_config(directory: Path, data: Path, record: Path, seconds: float) -> Pat
         },
         "model": {"arch": "test_resnet", "warmup_epochs": 0.5, "attack": "apgd", "attack_steps": 1, "ema_decay": 0.9},
         "data": {
-            "source": "synthetic",
+            "source": {"class_path": "SyntheticSource", "init_args": {**SYNTHETIC, "root": str(data)}},
             "image_size": 32,
             "global_batch_size": 4,
             "num_workers": 1,
-            "synthetic": {**SYNTHETIC, "root": str(data)},
         },
         "checkpoint": {"every_n_train_steps": 3, "monitor": None},
     }

@@ -59,7 +59,7 @@ def test_a_sigterm_stop_then_the_slurm_restart_of_the_same_command_continues_fro
             "trainer.callbacks": callbacks,
             "checkpoint.dirpath": str(run_dir / "checkpoints"),
             "data.batch_size": 2,
-            "data.synthetic.train_per_class": 4,
+            "data.source.init_args.train_per_class": 4,
             "model.arch": "test_resnet",
         },
     )
@@ -119,7 +119,7 @@ def test_a_restart_after_a_requeue_and_a_later_sigterm_goes_on_from_the_newer_ch
                 "checkpoint.dirpath": str(run_dir / "checkpoints"),
                 "data.batch_size": 2,
                 "data.num_workers": 1,
-                "data.synthetic.train_per_class": 4,
+                "data.source.init_args.train_per_class": 4,
                 "model.arch": "test_resnet",
             },
         )

@@ -15,8 +15,8 @@ import yaml
 from robust_lightning.cli import main
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.results import update_results
+from robust_lightning.job_signals import shield_forked_children
 from robust_lightning.scale import report as report_module
-from robust_lightning.scale.srun import shield_forked_children
 from robust_lightning.scale.sweep import cell_state
 from robust_lightning.scale.sweep_spec import expand, load_sweep
 from robust_lightning.scale.task import run_cell, slurm_layout
@@ -462,17 +462,19 @@ def test_local_sweep_runs_each_cell_through_the_cell_command(tmp_path, capsys):
                 "trainer": {"accelerator": "cpu", "devices": 1, "enable_progress_bar": False, "limit_val_batches": 1},
                 "model": {"arch": "test_resnet"},
                 "data": {
-                    "source": "synthetic",
+                    "source": {
+                        "class_path": "SyntheticSource",
+                        "init_args": {
+                            "num_classes": 4,
+                            "train_per_class": 1,
+                            "val_per_class": 1,
+                            "image_size": 32,
+                            "root": str(tmp_path / "synthetic"),
+                        },
+                    },
                     "image_size": 32,
                     "batch_size": 4,
                     "num_workers": 0,
-                    "synthetic": {
-                        "num_classes": 4,
-                        "train_per_class": 1,
-                        "val_per_class": 1,
-                        "image_size": 32,
-                        "root": str(tmp_path / "synthetic"),
-                    },
                 },
             }
         )

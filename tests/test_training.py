@@ -5,7 +5,8 @@ import pytest
 import torch
 from lightning import Trainer
 
-from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
+from robust_lightning.data.datamodule import ImageNetDataModule
+from robust_lightning.data.sources import SyntheticSource
 from robust_lightning.training.lightning_module import ImageClassifier
 from robust_lightning.training.schedule import warmup_cosine
 
@@ -53,10 +54,10 @@ def _trainer(tmp_path, **kwargs):
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
-    synthetic = SyntheticData(
+    synthetic = SyntheticSource(
         num_classes=4, train_per_class=8, val_per_class=4, image_size=32, root=str(tmp_path_factory.mktemp("synthetic"))
     )
-    return dict(source="synthetic", image_size=32, batch_size=8, num_workers=0, synthetic=synthetic)
+    return dict(source=synthetic, image_size=32, batch_size=8, num_workers=0)
 
 
 def test_learning_rate_follows_the_schedule_every_step(tmp_path, tiny_data):

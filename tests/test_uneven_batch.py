@@ -16,8 +16,9 @@ from lightning import Callback, Trainer, seed_everything
 from torch.utils.data import DataLoader, DistributedSampler
 
 from helpers import WNIDS, make_image_tree, run_command
-from robust_lightning.data.datamodule import ImageNetDataModule, SyntheticData
+from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.data.samplers import GlobalBatchSampler, ShardShare, rank_share
+from robust_lightning.data.sources import FolderSource, SyntheticSource
 from robust_lightning.training.lightning_module import ImageClassifier
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,7 +96,7 @@ def test_folder_loaders_of_an_uneven_split(tmp_path):
     keys = []
     for rank in range(WORLD_SIZE):
         dm = ImageNetDataModule(
-            source="folder", root=str(tmp_path / "in"), image_size=32, num_workers=0, global_batch_size=5
+            source=FolderSource(str(tmp_path / "in")), image_size=32, num_workers=0, global_batch_size=5
         )
         dm.trainer = type("T", (), {"global_rank": rank, "world_size": WORLD_SIZE})()
         dm.setup("fit")
@@ -111,7 +112,7 @@ def test_folder_loaders_of_an_uneven_split(tmp_path):
 
 
 def test_shard_loaders_take_the_same_number_of_steps_on_every_rank(tmp_path):
-    synthetic = SyntheticData(
+    synthetic = SyntheticSource(
         num_classes=4,
         train_per_class=8,
         val_per_class=3,
@@ -121,7 +122,7 @@ def test_shard_loaders_take_the_same_number_of_steps_on_every_rank(tmp_path):
     )
     sizes = []
     for rank in range(WORLD_SIZE):
-        dm = ImageNetDataModule(image_size=32, num_workers=0, global_batch_size=10, synthetic=synthetic)
+        dm = ImageNetDataModule(source=synthetic, image_size=32, num_workers=0, global_batch_size=10)
         dm.trainer = type("T", (), {"global_rank": rank, "world_size": WORLD_SIZE, "current_epoch": 0})()
         dm.setup("fit")
         loader = dm.train_dataloader()
@@ -136,7 +137,7 @@ def test_a_global_batch_larger_than_the_training_set_is_refused(tmp_path):
     make_image_tree(tmp_path / "in" / "train", {w: 2 for w in WNIDS})
     make_image_tree(tmp_path / "in" / "val", {w: 1 for w in WNIDS})
     dm = ImageNetDataModule(
-        source="folder", root=str(tmp_path / "in"), image_size=32, num_workers=0, global_batch_size=7
+        source=FolderSource(str(tmp_path / "in")), image_size=32, num_workers=0, global_batch_size=7
     )
     dm.setup("fit")
     with pytest.raises(UserError, match="6 training images are fewer than one global batch of 7"):
@@ -209,9 +210,7 @@ def train_one_step(out: Path, world_size: int, max_device_batch_size: int | None
         default_root_dir=str(out),
     )
     data = ImageNetDataModule(
-        source="folder",
-        root=str(out / "in"),
-        class_map="folders",
+        source=FolderSource(str(out / "in"), class_map="folders"),
         image_size=32,
         num_workers=0,
         global_batch_size=GLOBAL_BATCH,
@@ -317,14 +316,13 @@ def test_trainer_accumulation_with_a_global_batch_is_refused_naming_the_option(t
     make_image_tree(tmp_path / "in" / "train", {w: 4 for w in WNIDS})
     make_image_tree(tmp_path / "in" / "val", {w: 1 for w in WNIDS})
     dm = ImageNetDataModule(
-        source="folder", root=str(tmp_path / "in"), image_size=32, num_workers=0, global_batch_size=6
+        source=FolderSource(str(tmp_path / "in")), image_size=32, num_workers=0, global_batch_size=6
     )
     dm.trainer = type("T", (), {"global_rank": 0, "world_size": 1, "accumulate_grad_batches": 2})()
     with pytest.raises(UserError, match="set data.max_device_batch_size"):
         dm.setup("fit")
     dm = ImageNetDataModule(
-        source="folder",
-        root=str(tmp_path / "in"),
+        source=FolderSource(str(tmp_path / "in")),
         image_size=32,
         num_workers=0,
         global_batch_size=6,

@@ -216,7 +216,7 @@ def test_the_full_config_and_the_training_curves_are_logged(fitted):
     config = fitted.config
     # the whole parsed config under the command line's key names, beside the model's own hyperparameters
     assert config["trainer.max_epochs"] == 1 and config["trainer.limit_train_batches"] == 3
-    assert config["data.image_size"] == 32 and config["data.synthetic.num_classes"] == 4
+    assert config["data.image_size"] == 32 and config["data.source.init_args.num_classes"] == 4
     assert config["model.attack"] == "apgd" and config["model.attack_steps"] == 1
     assert config["checkpoint.monitor"] == "val/select_acc" and "ckpt_path" in config
     assert [entry["class_path"].rsplit(".", 1)[1] for entry in config["trainer.logger"]] == ["CSVLogger", "WandbLogger"]

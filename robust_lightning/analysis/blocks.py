@@ -28,6 +28,7 @@ import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from timm.models.convnext import ConvNeXt, ConvNeXtBlock
@@ -349,7 +350,7 @@ class FeatureTap:
     def _store_output(self, label):
         return lambda module, args, out: self.features.__setitem__(label, out)
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

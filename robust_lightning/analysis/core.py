@@ -210,7 +210,13 @@ class Analysis(Evaluation):
         self.publish(trainer, section, metrics, figure)
 
     def publish(
-        self, trainer, section: dict[str, Any], metrics: dict[str, float], figure=None, tables=None, message=None
+        self,
+        trainer,
+        section: dict[str, Any],
+        metrics: dict[str, float],
+        figure=None,
+        tables=None,
+        message=None,
     ) -> dict[str, Any] | None:
         """As ``Evaluation.publish``, with the analysis's conditions added and its metrics under ``<name>/``."""
         # "images": those the analysis read (its own count when it gives one, e.g. a dataset of its own);

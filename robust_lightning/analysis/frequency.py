@@ -47,14 +47,16 @@ PROTOCOLS = ("code", "paper")
 PARK_ISSUE_44_EPS = 0.7
 
 
-def normalised_frequency(height: int, width: int, device=None) -> torch.Tensor:
+def normalised_frequency(height: int, width: int, device: torch.device | str | None = None) -> torch.Tensor:
     """(H, W) max(|w_y|, |w_x|) / pi of each DFT bin (unshifted layout), in [0, 1]."""
     fy = (2 * torch.fft.fftfreq(height, device=device)).abs()
     fx = (2 * torch.fft.fftfreq(width, device=device)).abs()
     return torch.maximum(fy[:, None], fx[None, :])
 
 
-def band_mask(height: int, width: int, low: float, high: float, closed: bool = False, device=None) -> torch.Tensor:
+def band_mask(
+    height: int, width: int, low: float, high: float, closed: bool = False, device: torch.device | str | None = None
+) -> torch.Tensor:
     """(H, W) float mask of the bins with low <= frequency < high (<= high when ``closed``), frequencies in pi."""
     freq = normalised_frequency(height, width, device)
     upper = freq <= high + 1e-9 if closed else freq < high - 1e-9
@@ -79,7 +81,7 @@ def _code_half_side(size: int, edge: float) -> int:
     return min(max(side, 0), size) // 2
 
 
-def code_band_mask(size: int, f: float, s: float, device=None) -> torch.Tensor:
+def code_band_mask(size: int, f: float, s: float, device: torch.device | str | None = None) -> torch.Tensor:
     """(n, n) 0/1 mask, unshifted DFT layout, of Park & Kim's ``FreqAttack._fourier_mask`` for centre ``f`` and
     half-width ``s`` (radians): the square of DFT bins -m1 .. m1 - 1 along each axis minus that of m2, with
     m = int((f +- s) n / 2 pi) (their ``_center_mask`` of side 2m padded to n in the spectrum rolled by n / 2)."""
@@ -104,7 +106,7 @@ def scaled_to_rms(noise: torch.Tensor, rms: float) -> torch.Tensor:
     return noise * (rms / current.clamp_min(torch.finfo(noise.dtype).tiny))
 
 
-def sign_noise(shape, eps: float, generator: torch.Generator, device=None) -> torch.Tensor:
+def sign_noise(shape, eps: float, generator: torch.Generator, device: torch.device | str | None = None) -> torch.Tensor:
     """eps * sign(N(0, 1)) (Park & Kim's ``Random`` attack): +-eps per entry."""
     return eps * torch.randn(shape, generator=generator, device=device).sign()
 
@@ -162,7 +164,9 @@ class FrequencyNoise(Analysis):
         self.rms_grey_levels = rms_grey_levels
         self.repeats, self.clamp, self.seed = repeats, clamp, seed
 
-    def bands(self, height: int, width: int, device=None) -> list[tuple[dict, torch.Tensor]]:
+    def bands(
+        self, height: int, width: int, device: torch.device | str | None = None
+    ) -> list[tuple[dict, torch.Tensor]]:
         """[(band description, (H, W) mask)] of the protocol."""
         if self.protocol == "paper":
             edges = band_edges(self.width)

@@ -42,8 +42,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from robust_lightning.analysis.core import Analysis, model_label, new_figure
 from robust_lightning.console import tqdm
+from robust_lightning.data.batch import soft_targets
 from robust_lightning.errors import UserError
-from robust_lightning.training.lightning_module import soft_targets
 
 MODEL_MODE = "eval (BatchNorm running statistics, no dropout / drop-path), fp32"
 
@@ -367,7 +367,7 @@ class HessianSpectrum(Analysis):
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._recorded = []
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+    def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         # keep the first max_images augmented images of an analysed epoch (on the CPU: GPU memory is training's)
         seen = sum(len(t) for _, t in self._recorded)
         if not self._due(trainer) or seen >= self.max_images or not batch["label"].numel():

@@ -79,7 +79,7 @@ def cue_conflict_images(root: str | Path, categories: list[str]) -> list[tuple[P
 
 
 class _Stimuli(Dataset):
-    def __init__(self, files: list[Path], transform):
+    def __init__(self, files: list[Path], transform) -> None:
         self.files, self.transform = files, transform
 
     def __len__(self) -> int:

@@ -27,6 +27,7 @@ images' device; MixUp/CutMix's per-batch draws from a NumPy-style random stream 
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -74,7 +75,7 @@ COLOR_JITTER = {"3aug": 0.4, "deit3": 0.3}
 # mean + std * N(0, 1), clamped to [0, 1] here).  'official': Singh et al.'s code builds timm's transform with
 # mean 0 / std 1 (github.com/nmndeep/revisiting-at, dataset_convnext_like.py), so its fill is black and its
 # erasing noise N(0, 1) per pixel and channel in [0, 1] space, never clamped (timm's _get_pixels).
-AUGMENTATION_FILLS = {
+AUGMENTATION_FILLS: dict[str, dict[str, Any]] = {
     "imagenet": {"mean": IMAGENET_MEAN, "std": IMAGENET_STD, "clamp": True},
     "official": {"mean": (0.0, 0.0, 0.0), "std": (1.0, 1.0, 1.0), "clamp": False},
 }
@@ -96,7 +97,7 @@ def _sample_view(values: Tensor) -> Tensor:
     return values.view(-1, 1, 1, 1)
 
 
-def _device_copy(t: Tensor, device: torch.device) -> Tensor:
+def _device_copy(t: Tensor, device: torch.device | str | None) -> Tensor:
     """t on `device`.  Module buffers stay on the host unless the module is moved; a blocking host-to-device
     copy synchronises the stream (the host waits for the device's queue), a non-blocking one need not and is
     safe from pageable memory too (the driver stages the data before returning)."""
@@ -314,15 +315,16 @@ def _affine(x: Tensor, matrices: Tensor, fill: Tensor, interpolation: tuple[str,
     # Channels-last rows: one gathered index fetches all channels of a pixel.
     pixels = x.permute(0, 2, 3, 1).reshape(n * h * w, c)
     first = torch.arange(n, device=x.device).view(n, 1) * (h * w)
-    out = 0.0
+    out: Tensor | float = 0.0
     for j, wy in enumerate(weights_y):
         row = first + (y0 + j).clamp(0, h - 1).long() * w
-        line = 0.0
+        line: Tensor | float = 0.0
         for k, wx in enumerate(weights_x):
             taps = pixels[(row + (x0 + k).clamp(0, w - 1).long()).view(-1)].view(n, h * w, c)
             line = line + wx.to(x.dtype).unsqueeze(-1) * taps
         out = out + wy.to(x.dtype).unsqueeze(-1) * line
     inside = ((src_x >= 0) & (src_x < w) & (src_y >= 0) & (src_y < h)).unsqueeze(-1)
+    assert isinstance(out, Tensor)  # the taps summed: weights_y is never empty
     out = torch.where(inside, torch.floor(out), fill.to(x.dtype))
     return out.clamp_(0, 255).view(n, h, w, c).permute(0, 3, 1, 2)
 
@@ -370,6 +372,8 @@ def parse_rand_augment(spec: str) -> dict:
 
 
 class RandAugment(torch.nn.Module):
+    fill: Tensor  # buffers (__init__)
+    _group_of_op: Tensor
     """Per-sample RandAugment on float [0, 1] batches, semantics of timm 'rand-m9-mstd0.5-inc1' (timm 1.0.31).
 
     For every image, `num_ops` times: an op is drawn uniformly (with replacement) from timm's increasing
@@ -421,7 +425,7 @@ class RandAugment(torch.nn.Module):
         self.register_buffer("_group_of_op", torch.tensor(group), persistent=False)
 
     @classmethod
-    def from_spec(cls, spec: str, **kwargs) -> "RandAugment":
+    def from_spec(cls, spec: str, **kwargs: Any) -> "RandAugment":
         return cls(**parse_rand_augment(spec), **kwargs)
 
     def extra_repr(self) -> str:
@@ -431,7 +435,9 @@ class RandAugment(torch.nn.Module):
             f"interpolation={self.interpolation!r}"
         )
 
-    def sample_magnitudes(self, shape, generator: torch.Generator | None = None, device=None) -> Tensor:
+    def sample_magnitudes(
+        self, shape, generator: torch.Generator | None = None, device: torch.device | str | None = None
+    ) -> Tensor:
         """Magnitudes as timm draws them: N(M, std) (U(0, M) for an infinite std), clipped to [0, mmax]."""
         if self.magnitude_std == math.inf:
             m = torch.rand(shape, generator=generator, device=device) * self.magnitude
@@ -441,7 +447,9 @@ class RandAugment(torch.nn.Module):
             m = torch.full(shape, self.magnitude, device=device)
         return m.clamp(0.0, self.magnitude_max)
 
-    def sample_params(self, n: int, generator: torch.Generator | None = None, device=None) -> dict[str, Tensor]:
+    def sample_params(
+        self, n: int, generator: torch.Generator | None = None, device: torch.device | str | None = None
+    ) -> dict[str, Tensor]:
         """All draws for a batch of n images, each (num_ops, n): 'op' (index into RAND_AUGMENT_OPS), 'applied'
         (bool, probability `prob`), 'magnitude' (clipped) and 'sign' (+-1, used by the signed ops only)."""
         shape = (self.num_ops, n)
@@ -457,7 +465,8 @@ class RandAugment(torch.nn.Module):
         _check_batch(images)
         return self.apply(images, self.sample_params(images.shape[0], generator, images.device))
 
-    def apply(self, images: Tensor, params: dict[str, Tensor]) -> Tensor:
+    # the op on given draws; not nn.Module.apply(fn), which this name hides
+    def apply(self, images: Tensor, params: dict[str, Tensor]) -> Tensor:  # type: ignore[override]
         """Apply the draws of `sample_params` (op layers in order; each layer dispatches per sample)."""
         _check_batch(images)
         x = torch.round(images.float() * 255).clamp_(0, 255)
@@ -546,12 +555,16 @@ class RandAugment(torch.nn.Module):
         c = torch.where(is_rot, cx - cos * cx + sin * cy, pick("TranslateXRel", translate * w))
         f = torch.where(is_rot, cy - sin * cx - cos * cy, pick("TranslateYRel", translate * h))
         matrices = torch.stack([a, b, c, d, e, f], dim=1).view(n, 2, 3)
-        interpolation = tuple(self.interpolation if axis in moves else "nearest" for axis in "xy")
+        interpolation = cast(
+            tuple[str, str], tuple(self.interpolation if axis in moves else "nearest" for axis in "xy")
+        )
         return _affine(x, matrices, _device_copy(self.fill, x.device), interpolation)
 
 
 # ---------------------------------------------------------------------------------------- RandomErasing
 class RandomErasing(torch.nn.Module):
+    mean: Tensor  # buffers (__init__)
+    std: Tensor
     """Per-sample random erasing with timm's semantics (timm.data.RandomErasing, max_count=1), vectorised.
 
     Each image is erased with probability `probability`: up to 10 attempts draw an area fraction
@@ -595,7 +608,9 @@ class RandomErasing(torch.nn.Module):
             f"mean={self.mean.flatten().tolist()}, std={self.std.flatten().tolist()}, clamp={self.clamp}"
         )
 
-    def boxes(self, n: int, height: int, width: int, generator=None, device=None) -> Tensor:
+    def boxes(
+        self, n: int, height: int, width: int, generator=None, device: torch.device | str | None = None
+    ) -> Tensor:
         """(n, 4) int boxes (top, left, h, w) per image; h = w = 0 where the image is not erased."""
         shape = (n, self.attempts)
         area = torch.rand(shape, generator=generator, device=device) * (self.max_area - self.min_area) + self.min_area
@@ -658,7 +673,9 @@ class ColorJitter(torch.nn.Module):
     def extra_repr(self) -> str:
         return "brightness={}, contrast={}, saturation={}".format(*self.ranges)
 
-    def sample_params(self, n: int, generator: torch.Generator | None = None, device=None) -> tuple[Tensor, Tensor]:
+    def sample_params(
+        self, n: int, generator: torch.Generator | None = None, device: torch.device | str | None = None
+    ) -> tuple[Tensor, Tensor]:
         """factors (n, 3) for OPS, each U(max(0, 1 - v), 1 + v); order (n, 3), a random permutation per image."""
         u = torch.rand((n, 3), generator=generator, device=device)
         lo = _device_copy(torch.tensor([max(0.0, 1 - v) for v in self.ranges]), device)
@@ -670,10 +687,15 @@ class ColorJitter(torch.nn.Module):
         _check_batch(images)
         return self.apply(images, *self.sample_params(images.shape[0], generator, images.device))
 
-    def apply(self, images: Tensor, factors: Tensor, order: Tensor) -> Tensor:
+    # the op on given draws; not nn.Module.apply(fn), which this name hides
+    def apply(self, images: Tensor, factors: Tensor, order: Tensor) -> Tensor:  # type: ignore[override]
         _check_batch(images)
         x = torch.round(images.float() * 255).clamp_(0, 255)
-        degenerates = (torch.zeros_like, _contrast_degenerate, lambda y: _grayscale(y).expand_as(y))
+        degenerates: tuple[Callable[[Tensor], Tensor], ...] = (
+            torch.zeros_like,
+            _contrast_degenerate,
+            lambda y: _grayscale(y).expand_as(y),
+        )
         # Step k applies to each image the op in position k of its order (factor 1 leaves an image exact);
         # evaluating every op on the whole batch is cheap elementwise work and needs no host sync.
         for k in range(3):
@@ -689,12 +711,14 @@ class ThreeAugment(torch.nn.Module):
 
     CHOICES = ("grayscale", "solarize", "blur")
 
-    def __init__(self, color_jitter: float = 0.3, blur_sigma: tuple[float, float] = (0.1, 2.0)):
+    def __init__(self, color_jitter: float | None = 0.3, blur_sigma: tuple[float, float] = (0.1, 2.0)):
         super().__init__()
         self.blur_sigma = blur_sigma
         self.color_jitter = ColorJitter(color_jitter, color_jitter, color_jitter) if color_jitter else None
 
-    def sample_params(self, n: int, generator: torch.Generator | None = None, device=None) -> tuple[Tensor, Tensor]:
+    def sample_params(
+        self, n: int, generator: torch.Generator | None = None, device: torch.device | str | None = None
+    ) -> tuple[Tensor, Tensor]:
         """choice (n,) index into CHOICES; sigma (n,) blur radius (used where the choice is 'blur')."""
         choice = torch.randint(3, (n,), generator=generator, device=device)
         lo, hi = self.blur_sigma
@@ -705,7 +729,8 @@ class ThreeAugment(torch.nn.Module):
         x = self.apply(images, *self.sample_params(images.shape[0], generator, images.device))
         return self.color_jitter(x, generator) if self.color_jitter is not None else x
 
-    def apply(self, images: Tensor, choice: Tensor, sigma: Tensor) -> Tensor:
+    # the op on given draws; not nn.Module.apply(fn), which this name hides
+    def apply(self, images: Tensor, choice: Tensor, sigma: Tensor) -> Tensor:  # type: ignore[override]
         """The grayscale / solarize / blur step for given draws (no colour jitter)."""
         _check_batch(images)
         x = torch.round(images.float() * 255).clamp_(0, 255)
@@ -894,6 +919,7 @@ class BatchAugment(torch.nn.Module):
         return self._mix(x, labels, mix_rng)
 
     def _mix(self, x: Tensor, labels: Tensor, rng) -> tuple[Tensor, Tensor]:
+        assert self.mixup is not None  # called with mixing on
         n = x.shape[0]
         if n % 2 == 0:
             return self.mixup(x, labels, rng)  # mixes x in place (x is this module's own tensor)

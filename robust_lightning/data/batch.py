@@ -32,3 +32,11 @@ class Batch(TypedDict, total=False):
     draw: tuple[int, int]
     corrupt: list[str]
     geometry: torch.Tensor
+
+
+def soft_targets(labels: torch.Tensor, num_classes: int, smoothing: float) -> torch.Tensor:
+    """Label-smoothed one-hot targets, the same values timm's Mixup gives an unmixed image."""
+    off = smoothing / num_classes
+    return torch.full((labels.numel(), num_classes), off, device=labels.device).scatter_(
+        1, labels.view(-1, 1), 1.0 - smoothing + off
+    )

@@ -93,7 +93,7 @@ def read_val_labels(path: str | Path, classes: dict[str, int], option: str) -> d
     WNID); the devkit's ILSVRC2012_validation_ground_truth.txt (line i: the ILSVRC2012_ID of
     ILSVRC2012_val_<i, 8 digits>, read with the devkit's meta.mat in the same folder); or lines
     ``<file name> <wnid>`` separated by whitespace or a comma. ``classes`` is the class map the WNIDs must be in;
-    ``option`` names the option in error messages (``data.val_labels``, ``--val_labels``).
+    ``option`` names the option in error messages (``data.source.val_labels``, ``--val_labels``).
     """
     path = Path(path)
     if not path.is_file():

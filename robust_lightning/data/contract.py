@@ -24,7 +24,7 @@ class TrainingSample(NamedTuple):
 class EvaluationSource:
     """Where a data module's evaluation images come from, as an evaluation reports it (``evaluation_source``)."""
 
-    kind: str  # data.source: "folder", "shards" or "synthetic"
+    kind: str  # data.source's kind: "folder", "shards" or "synthetic"
     location: str | None  # the folder root (holding val/), the validation shards, or the synthetic set's root
     imagenet_val: bool  # ImageNet val with ImageNet's labels: folder or shards, class_map imagenet, no holdout
     subset: str | None = None  # data.eval_subset: the listed images evaluated

@@ -3,6 +3,7 @@ evaluation epochs that read fewer images than the evaluation set holds (a trunca
 
 import logging
 from collections import defaultdict
+from typing import Any
 
 import torch
 from lightning import Callback
@@ -23,7 +24,7 @@ class CorruptImageReport(Callback):
         self.epoch_read: dict[str, int] = defaultdict(int)  # images of this epoch, decodable or not
         self.image_counts: dict[str, dict[str, int]] = {}  # last evaluation epoch per stage, for results.json
 
-    def _collect(self, stage: str, batch) -> None:
+    def _collect(self, stage: str, batch: Any) -> None:
         if isinstance(batch, dict):
             self.epoch_read[stage] += len(batch.get("key", ())) + len(batch.get("corrupt", ()))
         if isinstance(batch, dict) and batch.get("corrupt"):

@@ -74,11 +74,13 @@ class LabelledImageFolder(ImageFolder):
     """ImageFolder whose labels come from a fixed class map, so a val tree with missing classes keeps the
     standard ImageNet labels; undecodable images become Corrupt markers instead of exceptions.
 
-    With ``labels_file`` (data.val_labels) the folder is flat, as ImageNet's val is distributed: the images lie in
-    ``root`` itself and the file gives each one's class folder name (``classes.read_val_labels``);
+    With ``labels_file`` (data.source.val_labels) the folder is flat, as ImageNet's val is distributed: the images
+    lie in ``root`` itself and the file gives each one's class folder name (``classes.read_val_labels``);
     ``file_wnids`` then maps each file name to it."""
 
-    def __init__(self, root: str | Path, class_to_label: dict[str, int], transform, labels_file: str | None = None):
+    def __init__(
+        self, root: str | Path, class_to_label: dict[str, int], transform, labels_file: str | None = None
+    ) -> None:
         self.class_to_label, self.labels_file = class_to_label, labels_file
         self.file_wnids: dict[str, str] | None = None
         super().__init__(str(root), transform=transform, allow_empty=True)
@@ -118,14 +120,16 @@ class LabelledImageFolder(ImageFolder):
             raise UserError(
                 f"{directory} holds images directly (e.g. {images[0]}) instead of class folders "
                 f"<wnid>/<images>; a flat val folder (ImageNet's val as distributed) needs its labels: "
-                f"set data.val_labels to {VAL_LABELS_FORMATS}"
+                f"set data.source.val_labels to {VAL_LABELS_FORMATS}"
             )
         if not images:
             raise UserError(
-                f"data.val_labels {self.labels_file} labels a flat folder of images, but {directory} "
-                "holds none directly; for class folders <wnid>/<images> leave data.val_labels out"
+                f"data.source.val_labels {self.labels_file} labels a flat folder of images, but {directory} "
+                "holds none directly; for class folders <wnid>/<images> leave data.source.val_labels out"
             )
-        self.file_wnids = label_flat_folder(directory, images, self.labels_file, self.class_to_label, "data.val_labels")
+        self.file_wnids = label_flat_folder(
+            directory, images, self.labels_file, self.class_to_label, "data.source.val_labels"
+        )
         wnids = sorted(set(self.file_wnids.values()))
         return wnids, {name: self.class_to_label[name] for name in wnids}
 
@@ -222,7 +226,7 @@ class ShardStream(IterableDataset):
         shuffle_buffer: int = 0,
         seed: int = 0,
         subset: ListedImages | None = None,
-    ):
+    ) -> None:
         share = urls if isinstance(urls, ShardShare) else ShardShare(list(urls))
         self.urls = share.urls
         self.readers, self.reader = share.readers, share.reader  # ranks sharing these shards split their samples
@@ -312,7 +316,7 @@ class HoldoutStream(ShardStream):
     are ranks, so each (rank, worker) reads all of its shards and keeps every n-th sample: exact and disjoint.
     """
 
-    def __init__(self, urls: list[str], transform, *, limit: int, rank: int, world_size: int):
+    def __init__(self, urls: list[str], transform, *, limit: int, rank: int, world_size: int) -> None:
         super().__init__(urls, transform, repeat=False)
         self.limit, self.rank, self.world_size = limit, rank, world_size
 

@@ -10,6 +10,7 @@ so that the draws of every later image are the interrupted attempt's, and the ba
 
 import itertools
 from collections.abc import Iterable, Iterator
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -18,6 +19,7 @@ from torch.utils.data import DataLoader
 from robust_lightning.data.augment import BatchAugment
 from robust_lightning.data.batch import Batch
 from robust_lightning.data.datasets import Corrupt, Replayed, ShardStream
+from robust_lightning.data.samplers import GlobalBatchSampler
 
 
 def draw_seed(*key: int) -> int:
@@ -33,9 +35,13 @@ def split_micro_batches(batch: Batch, parts: int) -> Iterator[Batch]:
     start = 0
     for part in range(parts):
         end = start + size // parts + (part < size % parts)
-        yield {
-            key: (value if part == 0 else []) if key == "corrupt" else value[start:end] for key, value in batch.items()
-        }
+        yield cast(
+            Batch,
+            {
+                key: (value if part == 0 else []) if key == "corrupt" else value[start:end]
+                for key, value in cast(dict[str, Any], batch).items()
+            },
+        )
         start = end
 
 
@@ -67,14 +73,14 @@ def collate(items: list[dict | Corrupt], augment: BatchAugment | None = None) ->
     if replayed:
         if augment is not None:  # its draws depend on the batch size alone
             augment(torch.zeros(replayed, 3, 8, 8, dtype=torch.uint8), torch.zeros(replayed, dtype=torch.long))
-        return {"replayed": replayed}
+        return cast(Batch, {"replayed": replayed})  # a replayed batch's marker, which with_draws passes on
     good = [item for item in items if not isinstance(item, Corrupt)]
     bad = [f"{item.key} ({item.reason})" for item in items if isinstance(item, Corrupt)]
     images = torch.stack([item["image"] for item in good]) if good else torch.empty(0, dtype=torch.uint8)
     labels = torch.tensor([item["label"] for item in good], dtype=torch.long)
     if augment is not None and good:
         images = augment(images, labels)[0].mul_(255).round_().to(torch.uint8)
-    batch = {"image": images, "label": labels, "key": [item["key"] for item in good], "corrupt": bad}
+    batch: Batch = {"image": images, "label": labels, "key": [item["key"] for item in good], "corrupt": bad}
     if good and "geometry" in good[0]:  # canvases for the device-side crop
         batch["geometry"] = torch.stack([item["geometry"] for item in good])
     return batch
@@ -117,7 +123,7 @@ class ResumableLoader(DataLoader):
     prevents (it builds the loader first): the data module's own checkpoint state, restored before any loader is
     built, carries the same position, and whichever restores it first sets it (the same value)."""
 
-    def __init__(self, dataset, *, position: TrainingPosition | None = None, **kwargs):
+    def __init__(self, dataset, *, position: TrainingPosition | None = None, **kwargs: Any) -> None:
         super().__init__(dataset, **kwargs)
         self.position = position or TrainingPosition()
 
@@ -139,7 +145,9 @@ class EpochLoader(ResumableLoader):
     what the uninterrupted one drew: such workers cannot persist across epochs.
     """
 
-    def __init__(self, dataset, *, micro_batches: int = 1, rank: int = 0, **kwargs):
+    sampler: GlobalBatchSampler  # the sampler it is built with
+
+    def __init__(self, dataset, *, micro_batches: int = 1, rank: int = 0, **kwargs: Any) -> None:
         super().__init__(dataset, **kwargs)
         self.micro_batches, self.rank = micro_batches, rank
 
@@ -162,6 +170,8 @@ class ShardTrainLoader(ResumableLoader):
     epoch starts so the shard order changes every epoch and follows a resumed run.
     """
 
+    dataset: ShardStream
+
     def __init__(
         self,
         dataset: ShardStream,
@@ -170,8 +180,8 @@ class ShardTrainLoader(ResumableLoader):
         *,
         micro_batches: int = 1,
         rank: int = 0,
-        **kwargs,
-    ):
+        **kwargs: Any,
+    ) -> None:
         super().__init__(dataset, **kwargs)
         self.batches_per_epoch = batches_per_epoch
         self.current_epoch = current_epoch
@@ -185,6 +195,7 @@ class ShardTrainLoader(ResumableLoader):
         # resumed from a checkpoint creates it before its epoch counter is restored).
         epoch = self.dataset.epoch = self.current_epoch()
         self.dataset.replay_batches = self.position.replay_steps(epoch, self.micro_batches)
+        assert self.batch_size is not None  # built with one
         self.dataset.batch_size = self.batch_size
         # the workers' seeds come from (seed, epoch, rank), not from the global generator: creating the iterator
         # draws nothing from it, and a resumed run's workers draw what the uninterrupted run's drew

@@ -7,7 +7,8 @@ it splits (``GlobalBatchSampler``); evaluation takes each image exactly once ove
 (``ExactDistributedSampler``).
 """
 
-from typing import NamedTuple
+from collections.abc import Sized
+from typing import NamedTuple, cast
 
 import torch
 from torch.utils.data import Dataset, DistributedSampler
@@ -40,11 +41,13 @@ class GlobalBatchSampler(DistributedSampler):
     def __init__(self, dataset: Dataset, num_replicas: int, rank: int, global_batch: int, seed: int = 0):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
         self.global_batch = global_batch
-        self.steps = len(dataset) // global_batch
+        self.steps = len(cast(Sized, dataset)) // global_batch
         self.replay_steps = 0  # set by the training loader when it resumes an epoch
 
     def __iter__(self):
-        order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        order = torch.randperm(
+            len(cast(Sized, self.dataset)), generator=torch.Generator().manual_seed(self.seed + self.epoch)
+        )
         for step in range(self.steps):
             batch = order[step * self.global_batch : (step + 1) * self.global_batch][self.rank :: self.num_replicas]
             yield from map(ReplayIndex, batch.tolist()) if step < self.replay_steps else batch.tolist()
@@ -56,7 +59,7 @@ class GlobalBatchSampler(DistributedSampler):
 class ExactDistributedSampler(DistributedSampler):
     """Each index exactly once across ranks, without the padding of torch's DistributedSampler.
 
-    Rank r takes indices r, r + world_size, ...: ``rank_share(len(dataset), world_size, r)`` of them, none
+    Rank r takes indices r, r + world_size, ...: ``rank_share(len(cast(Sized, dataset)), world_size, r)`` of them, none
     when the dataset has fewer items than there are ranks. Neither sampler Lightning would pick does this:
     torch's DistributedSampler pads the ranks with repeated items (counted twice), and Lightning's own
     unpadded one, ``lightning.pytorch.overrides.distributed.UnrepeatedDistributedSampler`` (injected for
@@ -68,10 +71,10 @@ class ExactDistributedSampler(DistributedSampler):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
 
     def __iter__(self):
-        return iter(range(self.rank, len(self.dataset), self.num_replicas))
+        return iter(range(self.rank, len(cast(Sized, self.dataset)), self.num_replicas))
 
     def __len__(self) -> int:
-        return len(range(self.rank, len(self.dataset), self.num_replicas))
+        return len(range(self.rank, len(cast(Sized, self.dataset)), self.num_replicas))
 
 
 class ShardShare(NamedTuple):

@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import webdataset as wds
@@ -35,9 +36,8 @@ from robust_lightning.atomic import atomic_write, atomic_write_json
 from robust_lightning.console import tqdm
 from robust_lightning.data.classes import VAL_LABELS_FORMATS, label_flat_folder
 from robust_lightning.data.classes import class_map as resolve_class_map
-from robust_lightning.errors import UserError
+from robust_lightning.errors import UserError, user_command
 from robust_lightning.locking import LOCK_NAME, exclusive
-from robust_lightning.training.interruption import user_command
 
 MANIFEST_FORMAT = "robust-lightning-shards/1"
 MANIFEST_NAME = "manifest.json"
@@ -253,7 +253,7 @@ def _scan_image_folder(src: Path, val_labels: str | None) -> list[str]:
             f"{src} holds images directly (e.g. {loose[0]}); expected an ImageFolder tree SRC/<class folder>/<images>, "
             f"or for a flat folder such as ImageNet's val, --val_labels FILE: {VAL_LABELS_FORMATS}"
         )
-    files = []
+    files: list[str] = []
     for folder in sorted(e.name for e in os.scandir(src) if e.is_dir() and not e.name.startswith(".")):
         for dirpath, dirnames, filenames in os.walk(src / folder, followlinks=True):
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
@@ -394,7 +394,7 @@ def _read_source_sample(path: Path, key: str, label: int, wnid: str, verify: boo
                 image.convert("RGB")  # decodes every pixel: catches truncated and corrupt files
         except Exception as e:  # PIL raises many types (OSError, SyntaxError, ValueError, DecompressionBomb...)
             return None, f"cannot decode: {type(e).__name__}: {e}"
-        ext = PIL_FORMATS.get(fmt, ext)
+        ext = PIL_FORMATS.get(fmt, ext) if fmt is not None else ext
     return {"__key__": key, ext: data, "cls": label, "wnid": wnid}, None
 
 
@@ -542,10 +542,11 @@ def _convert(
     if damaged:
         print(f"Rewrote {len(damaged)} missing or damaged shard(s) of {out}: {', '.join(damaged)}", flush=True)
 
-    skipped = [item for s in stats for item in s["skipped"]]
+    done = cast(list[dict], stats)  # every shard's stats: the pool finished them all
+    skipped = [item for s in done for item in s["skipped"]]
     options = {name: plan[name] for name in CONVERSION_OPTIONS if name in plan}
     return write_manifest(
-        out, stats, class_map=class_map, labels=plan["labels"], source=str(src), skipped=skipped, options=options
+        out, done, class_map=class_map, labels=plan["labels"], source=str(src), skipped=skipped, options=options
     )
 
 

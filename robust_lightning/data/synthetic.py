@@ -187,7 +187,9 @@ def render_image(label: int, size: int, rng: np.random.Generator) -> Image.Image
     coords = (np.arange(size, dtype=np.float32) + 0.5) / size - 0.5
     ramp = (coords[None, :] * math.cos(angle) + coords[:, None] * math.sin(angle)) + 0.5
     background = bg0 + ramp[..., None] * (bg1 - bg0)
-    blobs = Image.fromarray(rng.integers(0, 256, size=(4, 4, 3), dtype=np.uint8)).resize((size, size), Image.BILINEAR)
+    blobs = Image.fromarray(rng.integers(0, 256, size=(4, 4, 3), dtype=np.uint8)).resize(
+        (size, size), Image.Resampling.BILINEAR
+    )
     background += (np.asarray(blobs, dtype=np.float32) - 127.5) * rng.uniform(0.05, 0.3)
     back_image = Image.fromarray(np.clip(background, 0, 255).astype(np.uint8))
     _distractors(back_image, rng, int(rng.integers(1, 5)))

@@ -158,8 +158,8 @@ class AutoAttackEvaluation(Evaluation):
         ):
             if value not in allowed:
                 raise UserError(f"AutoAttackEvaluation.{name} must be one of {allowed}, got {value!r}")
-        for name, value in (("channels_last", channels_last), ("fold_batchnorm", fold_batchnorm)):
-            if engine == "reference" and value:
+        for name, flag in (("channels_last", channels_last), ("fold_batchnorm", fold_batchnorm)):
+            if engine == "reference" and flag:
                 raise UserError(f"AutoAttackEvaluation.{name} applies to the fast engine only")
         self.threat_models = parse_threat_models(threat_models, "AutoAttackEvaluation", n_iter)
         self.version, self.engine, self.precision, self.seed = version, engine, precision, seed
@@ -178,11 +178,12 @@ class AutoAttackEvaluation(Evaluation):
         self.done: dict[str, set[str]] = {}
         # this session's totals per threat model and attack (not saved per point: a resumed run counts anew)
         self.seconds: dict[str, dict[str, float]] = {}
-        self.refuted: dict[str, dict[str, int]] = {}  # claims the fp32 check refuted (AutoAttackReport.refuted)
+        self.refuted: dict[str, dict[str, float]] = {}  # claims the fp32 check refuted (AutoAttackReport.refuted)
         self.locks = ExitStack()  # the outcome folders' locks, held from _start until teardown
 
     # ----------------------------------------------------------------------------------------- set-up
     def _directory(self, threat: ThreatModel) -> Path:
+        assert self.results_dir is not None  # set when the evaluation starts
         return self.results_dir / threat.name
 
     def _identity(self, trainer, weights_hash: str, threat: ThreatModel) -> dict[str, Any]:
@@ -268,7 +269,15 @@ class AutoAttackEvaluation(Evaluation):
         self.locks.close()
 
     # --------------------------------------------------------------------------------------- per batch
-    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+    def on_test_batch_end(
+        self,
+        trainer,
+        pl_module,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         images, labels, keys = batch["image"], batch["label"], list(batch["key"])
         repeated = [key for key in keys if key in self.seen] or [key for key in set(keys) if keys.count(key) > 1]
         if repeated:  # outcomes are saved per key: a repeated key would silently count two images as one
@@ -345,7 +354,13 @@ class AutoAttackEvaluation(Evaluation):
         expected = data.expected_eval_images() if hasattr(data, "expected_eval_images") else (None, None)
         self._finish(trainer, pl_module, *expected)
 
-    def _finish(self, trainer, pl_module, expected: int | None = None, expected_keys: frozenset | None = None) -> None:
+    def _finish(
+        self,
+        trainer,
+        pl_module,
+        expected: int | None = None,
+        expected_keys: frozenset | None = None,
+    ) -> None:
         """Summarise every saved outcome into results.json and the loggers. ``expected``: the evaluation set's
         size, so that images that never arrived (missing from shards, unreadable, cut by limit_test_batches)
         are reported rather than silently left out; ``expected_keys`` names them where the set is a list."""
@@ -380,6 +395,7 @@ class AutoAttackEvaluation(Evaluation):
                         *summary["robust_accuracy_after"].values(),
                     ]
                 )
+        assert self.results_dir is not None  # set when the evaluation started
         conditions = {
             "version": self.version,
             "engine": self.engine,

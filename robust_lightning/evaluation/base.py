@@ -12,7 +12,7 @@ the run's other sections, the scalars to every logger, the plot saved beside res
 WandbLogger, the plot and any tables to W&B), and one console line.
 """
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -56,7 +56,7 @@ def gather_objects(value: Any) -> list[Any]:
     return everyone
 
 
-def sum_over_ranks(per_key: dict[str, float]) -> dict[str, float]:
+def sum_over_ranks(per_key: Mapping[str, float]) -> dict[str, float]:
     """Per-key totals summed over the ranks (e.g. device-seconds per attack). A collective under DDP."""
     total: dict[str, float] = {}
     for part in gather_objects(dict(per_key)):
@@ -130,7 +130,11 @@ class Evaluation(Callback):
         return data
 
     def eval_loader(
-        self, trainer, transform: Callable | None = None, batch_size: int | None = None, num_workers: int | None = None
+        self,
+        trainer,
+        transform: Callable | None = None,
+        batch_size: int | None = None,
+        num_workers: int | None = None,
     ):
         """This rank's evaluation images through ``transform`` (default None: the data's own preprocessing)."""
         return self.check_data(trainer).eval_dataloader_with(transform, batch_size, num_workers)
@@ -198,6 +202,7 @@ class Evaluation(Callback):
         if not trainer.is_global_zero:
             _close(figure)
             return None
+        assert section is not None  # rank zero passes its section
         section = dict(section)
         if figure is not None:
             path = run_dir / (self.plot_file or f"{self.name}.png")

@@ -304,7 +304,14 @@ class DistributionShiftBenchmarks(Evaluation):
         return eval_transform(r, self.crop_pct), note
 
     # ------------------------------------------------------------------------------------------ running
-    def _predict(self, trainer, pl_module, split: Split, transform: Callable, classes: tuple[int, ...] | None):
+    def _predict(
+        self,
+        trainer,
+        pl_module,
+        split: Split,
+        transform: Callable,
+        classes: tuple[int, ...] | None,
+    ):
         return predict_split(
             trainer, pl_module, split, transform, classes, batch_size=self.batch_size, num_workers=self.num_workers
         )

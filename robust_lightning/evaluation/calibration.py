@@ -13,6 +13,7 @@ that is what the published numbers measure.
 """
 
 import itertools
+from typing import Any
 
 import torch
 from torchmetrics import Metric
@@ -63,9 +64,11 @@ def rms_calibration_error(confidence: torch.Tensor, correct: torch.Tensor, bin_s
 class CalibrationError(Metric):
     """ECE of top-1 predictions from logits: confidence = max softmax, correct = argmax equals the label."""
 
+    sums: torch.Tensor  # a state (add_state)
+
     full_state_update = False
 
-    def __init__(self, bins: int = ECE_BINS, **kwargs):
+    def __init__(self, bins: int = ECE_BINS, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.bins = bins
         self.add_state("sums", torch.zeros(3, bins, dtype=torch.float64), dist_reduce_fx="sum")

@@ -82,7 +82,7 @@ class RobustnessCard(Evaluation):
     Args:
         datasets: dataset roots, set once: imagenet_c (the released folder, or "generated" to corrupt the test
             images on the fly), imagenet_p, imagenet_r, imagenet_a, imagenet_sketch, imagenet_v2, imagenet_o,
-            imagenet_val (in-distribution images of ImageNet-O; default ``<data.root>/val`` for a folder
+            imagenet_val (in-distribution images of ImageNet-O; default ``<data.source.root>/val`` for a folder
             dataset) and imagenet_9. A missing or null root skips that benchmark (listed in the card).
         autoattack: settings of the AutoAttack part (AutoAttackEvaluation's arguments; default: standard
             AutoAttack, Linf 4/255, L2 2.0 and L1 75, fp32). None: no AutoAttack.
@@ -121,7 +121,7 @@ class RobustnessCard(Evaluation):
         self._build_parts(num_classes=1000)  # wrong settings fail here, at start-up
 
     # ------------------------------------------------------------------------------------------- parts
-    def _part(self, name: str, cls, **kwargs) -> Evaluation:
+    def _part(self, name: str, cls, **kwargs: Any) -> Evaluation:
         try:
             return cls(**kwargs)
         except TypeError as e:  # an unknown or missing setting: name the part, not a frame deep inside
@@ -192,7 +192,7 @@ class RobustnessCard(Evaluation):
             part.setup(trainer, pl_module, stage)
 
     def _forward(hook: str):
-        def forward(self, trainer, pl_module, *args, **kwargs) -> None:
+        def forward(self, trainer, pl_module, *args: Any, **kwargs: Any) -> None:
             for part in self.parts.values():
                 getattr(part, hook)(trainer, pl_module, *args, **kwargs)
 

@@ -93,10 +93,11 @@ def claim(results: str, *, model_name: str, architecture: str | None = None, out
     differences, linf = leaderboard_differences(content)
     if differences:
         raise UserError(f"{path} is not an evaluation the leaderboard accepts:\n  " + "\n  ".join(differences))
+    assert linf is not None  # no differences: the section is there
     conditions = content["autoattack"]["conditions"]
     model = (content.get("test") or content.get("fit") or {}).get("conditions", {}).get("model") or {}
     raised = [check for check, found in linf.get("checks", {}).items() if found.get("raised")]
-    info = {field: None for field in MANUAL_FIELDS} | {
+    info: dict[str, Any] = {field: None for field in MANUAL_FIELDS} | {
         "number_forward_passes": 1,
         "dataset": "imagenet",
         "architecture": architecture or model.get("arch"),

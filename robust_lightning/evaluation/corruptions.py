@@ -28,6 +28,7 @@ from collections.abc import Callable
 from functools import cache
 from io import BytesIO
 from pathlib import Path
+from typing import Any
 
 import cv2
 import numpy as np
@@ -46,7 +47,7 @@ RELEASED_JPEG_QUALITY = 85
 FROST_FILES = ("frost1.png", "frost2.png", "frost3.png", "frost4.jpg", "frost5.jpg")  # frost6.jpg: never drawn
 
 # Per-severity parameters of make_imagenet_c.py (data/imagenet_c_parameters.md has their meaning)
-PARAMETERS = {
+PARAMETERS: dict[str, Any] = {  # per corruption, a tuple of severities (numbers or tuples of them)
     "gaussian_noise": (0.08, 0.12, 0.18, 0.26, 0.38),
     "shot_noise": (60, 25, 12, 5, 3),
     "impulse_noise": (0.03, 0.06, 0.09, 0.17, 0.27),
@@ -458,14 +459,14 @@ def elastic_transform(image: np.ndarray, severity: int = 1, rng: RNG = None) -> 
     relative to the image size."""
     a, b, j = PARAMETERS["elastic_transform"][severity - 1]
     state = random_state(rng)
-    x = image.astype(np.float32) / 255.0
+    x: np.ndarray = image.astype(np.float32) / 255.0
     shape = x.shape[:2]
     unit = 244 * min(shape) / 224  # exactly 244 at 224 px
     alpha, sigma, jitter = unit * a, unit * b, unit * j
     # affine: three points around the centre, each moved by up to +-jitter pixels
-    centre = np.float32(shape) // 2
+    centre = np.array(shape, dtype=np.float32) // 2
     arm = min(shape) // 3
-    anchors = np.float32([centre + arm, [centre[0] + arm, centre[1] - arm], centre - arm])
+    anchors = np.array([centre + arm, [centre[0] + arm, centre[1] - arm], centre - arm], dtype=np.float32)
     moved = anchors + state.uniform(-jitter, jitter, size=anchors.shape).astype(np.float32)
     x = cv2.warpAffine(x, cv2.getAffineTransform(anchors, moved), shape[::-1], borderMode=cv2.BORDER_REFLECT_101)
     dx, dy = (
@@ -484,8 +485,8 @@ def pixelate(image: np.ndarray, severity: int = 1) -> np.ndarray:
     ``imagecorruptions`` upscales with NEAREST instead."""
     c = PARAMETERS["pixelate"][severity - 1]
     height, width = image.shape[:2]
-    small = Image.fromarray(image).resize((int(width * c), int(height * c)), Image.BOX)
-    return np.array(small.resize((width, height), Image.BOX))
+    small = Image.fromarray(image).resize((int(width * c), int(height * c)), Image.Resampling.BOX)
+    return np.array(small.resize((width, height), Image.Resampling.BOX))
 
 
 def jpeg_compression(image: np.ndarray, severity: int = 1) -> np.ndarray:

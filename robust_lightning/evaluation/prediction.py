@@ -6,9 +6,9 @@ image's prediction and confidence. Images reach the model in [0, 1] (``base.to_m
 trainer's precision.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from PIL import Image
@@ -101,7 +101,7 @@ def run_exactly_once(
     rows = sorted(row for part in parts for row in part[0])
     corrupt = sorted(item for part in parts for item in part[1])
     seen = sorted([row[0] for row in rows] + [index for index, _ in corrupt])
-    assert seen == list(range(len(dataset))), f"{what} lost or counted twice across ranks"
+    assert seen == list(range(len(cast(Sized, dataset)))), f"{what} lost or counted twice across ranks"
     return rows, corrupt
 
 

@@ -456,7 +456,9 @@ class ResolutionSweep(Evaluation):
                     done[cell.name].update(record["key"])
         self._complete(trainer, todo, seen)
 
-    def _evaluate(self, model, cell: Cell, images, labels, keys, index, device) -> dict[str, Any]:
+    def _evaluate(
+        self, model, cell: Cell, images, labels, keys, index, device: torch.device | str | None
+    ) -> dict[str, Any]:
         """Outcomes of one batch in one cell, in AutoAttackEvaluation's record format."""
         picked = torch.tensor(index, device=images.device)
         x, y = images[picked], labels[picked]
@@ -495,7 +497,7 @@ class ResolutionSweep(Evaluation):
         }
 
     @staticmethod
-    def _clean_flags(model, x, y, bs: int, device) -> list[bool]:
+    def _clean_flags(model, x, y, bs: int, device: torch.device | str | None) -> list[bool]:
         """Correct predictions in fp32 with TF32 off, as AutoAttack judges clean points."""
         with torch.no_grad(), numerics("fp32", torch.device(device)):
             return torch.cat(

@@ -25,7 +25,7 @@ import threading
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from lightning import Callback
@@ -37,9 +37,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 import robust_lightning
 from robust_lightning.atomic import atomic_write_json
 from robust_lightning.data.corrupt_report import CorruptImageReport
+from robust_lightning.job_signals import requeue_this_job
 from robust_lightning.paths import run_directory
-from robust_lightning.scale.requeue import requeue_this_job
-from robust_lightning.training.throughput import Throughput
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +107,16 @@ def software_versions() -> dict[str, str]:
     return versions
 
 
+@runtime_checkable
+class FitSummary(Protocol):
+    """A callback whose summary of the fit goes into the fit's section of results.json under ``summary_key``
+    (robust_lightning.training.throughput.Throughput)."""
+
+    summary_key: str
+
+    def summary(self) -> dict[str, Any] | None: ...
+
+
 class RunResults(Callback):
     """Writes the run's metrics and conditions to ``<run dir>/results.json`` and prints a summary. In an
     evaluation on SLURM, it also takes SLURM's requeue signal (module docstring)."""
@@ -130,6 +139,7 @@ class RunResults(Callback):
         if not (isinstance(environment, SLURMEnvironment) and environment.auto_requeue):
             return
         signum = environment.requeue_signal
+        assert signum is not None  # auto_requeue: SLURMEnvironment has its signal
         if threading.current_thread() is not threading.main_thread():
             return
         if signal.getsignal(signum) not in (None, signal.SIG_DFL):  # another handler, which Lightning keeps too
@@ -140,7 +150,7 @@ class RunResults(Callback):
     def _requeue_job(self, signum, frame) -> None:
         """SLURM's requeue signal in an evaluation: ``scontrol requeue`` (rank zero), no checkpoint (module
         docstring)."""
-        if rank_zero_only.rank == 0:
+        if rank_zero_only.rank == 0:  # type: ignore[attr-defined]  # Lightning sets the rank on the function
             self._requeued = requeue_this_job(signum, "the requeued evaluation resumes its outcomes")
 
     def _give_back_requeue_signal(self, trainer) -> None:
@@ -170,7 +180,14 @@ class RunResults(Callback):
             "versions": software_versions(),
         }
 
-    def _write(self, trainer, pl_module, section: str, extra: dict[str, Any], run_dir: Path | None = None) -> None:
+    def _write(
+        self,
+        trainer,
+        pl_module,
+        section: str,
+        extra: dict[str, Any],
+        run_dir: Path | None = None,
+    ) -> None:
         run_dir = run_dir or run_directory(trainer, every_rank=True)  # every rank is here
         if not trainer.is_global_zero:
             return
@@ -190,9 +207,10 @@ class RunResults(Callback):
         corrupt = next((cb.totals for cb in trainer.callbacks if isinstance(cb, CorruptImageReport)), None)
         if corrupt:
             payload["corrupt_images"] = dict(corrupt)
-        throughput = next((cb.summary() for cb in trainer.callbacks if isinstance(cb, Throughput)), None)
-        if section == "fit" and throughput:  # images/s per device, step time, data-wait share (training.throughput)
-            payload["throughput"] = throughput
+        if section == "fit":  # e.g. images/s per device, step time, data-wait share (training.throughput)
+            for callback in trainer.callbacks:
+                if isinstance(callback, FitSummary) and (summary := callback.summary()):
+                    payload[callback.summary_key] = summary
         counts = next((cb.image_counts for cb in trainer.callbacks if isinstance(cb, CorruptImageReport)), None)
         if counts:  # expected, read, corrupt and missing images of the last evaluation epoch
             payload["eval_image_counts"] = dict(counts)
@@ -224,7 +242,7 @@ class RunResults(Callback):
         """An interrupted fit (SIGTERM, Ctrl-C) still leaves its results.json: what it reached, marked interrupted.
         An evaluation that requeued its job says so to the command line's last word (``job_requeued``)."""
         self._give_back_requeue_signal(trainer)
-        exception.job_requeued = self._requeued
+        exception.job_requeued = self._requeued  # type: ignore[attr-defined]  # read by the command line (cli.py)
         interrupted = isinstance(exception, SIGTERMException) or (
             isinstance(exception, KeyboardInterrupt) and trainer.world_size == 1
         )  # Ctrl-C: one rank only

@@ -11,8 +11,6 @@ restart does (scale/torchrun.py): in its own run directory, from its newest chec
 
 import logging
 import os
-import re
-import subprocess
 from pathlib import Path
 
 from lightning.fabric.plugins.environments import SLURMEnvironment
@@ -79,27 +77,6 @@ def continue_slurm_restart(subcommand: str, config) -> bool:
         "--ckpt_path last"
     )
     config.ckpt_path = "last"
-    return True
-
-
-def requeue_this_job(signum: int, then: str) -> bool:
-    """``scontrol requeue`` of this SLURM job (an array job's own task), as Lightning's requeue handler runs it, on
-    the requeue signal ``signum``; ``then`` says what the requeued job does. Called by rank zero alone. Returns
-    whether SLURM took the requeue; a failure is logged as a warning."""
-    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
-    job = f"{array_job}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if array_job else os.environ.get("SLURM_JOB_ID", "")
-    if not re.fullmatch(r"[0-9_]+", job):
-        log.warning(f"the requeue signal ({signum}) came, but this is no SLURM job to requeue (job id {job!r})")
-        return False
-    rank_zero_info(f"Handling auto-requeue signal: {signum}: requeueing SLURM job {job}; {then}")
-    try:
-        status = subprocess.call(["scontrol", "requeue", job])
-    except OSError as e:
-        status = f"{type(e).__name__}: {e}"
-    if status != 0:
-        log.warning(f"Requeuing SLURM job {job} failed: {status}")
-        return False
-    rank_zero_info(f"Requeued SLURM job: {job}")
     return True
 
 

@@ -44,9 +44,8 @@ from typing import Any
 
 from robust_lightning.argument_parsing import parse_tool_arguments
 from robust_lightning.atomic import atomic_write_json
-from robust_lightning.errors import UserError
+from robust_lightning.errors import UserError, user_command
 from robust_lightning.scale.sweep_spec import Cell, Sweep, expand, sweep_from_spec
-from robust_lightning.training.interruption import user_command
 
 # every cell of an array gets the same resources; requeue + SIGUSR1@90 let Lightning save hpc_ckpt_N.ckpt in the
 # cell's directory and requeue before the time limit (a resumed fit continues from it, AutoAttack from its outcomes)

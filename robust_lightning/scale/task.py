@@ -21,7 +21,7 @@ from typing import Any
 from robust_lightning.argument_parsing import run_tool
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.results import update_results
-from robust_lightning.scale.srun import shield_forked_children
+from robust_lightning.job_signals import shield_forked_children
 from robust_lightning.training.interruption import EXIT_SIGTERM
 
 

@@ -18,13 +18,10 @@ loses in W&B. The message says that SLURM resumes the job, with nothing for the 
 """
 
 import logging
-import os
-import shlex
-import shutil
 import signal
 import sys
 import threading
-from pathlib import Path
+from typing import Any
 
 import torch
 from lightning import Callback
@@ -33,45 +30,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from robust_lightning.errors import user_command
+from robust_lightning.job_signals import requeue_this_job
 from robust_lightning.loggers import end_wandb_before_job_signal
-from robust_lightning.scale.requeue import requeue_this_job
 
 EXIT_SIGTERM = 128 + 15  # the shell's status for a process ended by SIGTERM
 log = logging.getLogger(__name__)
-
-
-PROGRAM = "robust-lightning"  # the console script (pyproject.toml)
-
-
-def user_command(*args: str) -> str:
-    """``robust-lightning ARGS`` as it runs in the shell this process was started from: every command the project
-    prints for the user to run (the resume advice of an interrupted fit, a repair, a report) is made here.
-
-    ``robust-lightning`` where that name on PATH is this program. Otherwise the program as it was started, since
-    the bare name would not run (the environment not activated: ``.venv/bin/`` is not on PATH): the console script
-    by the path it was started with (``.venv/bin/robust-lightning``), or this interpreter with ``-m
-    robust_lightning``. A process not started as the program (the Python API, a sweep cell, a test calling
-    ``main``) gets the bare name: no shell of the user's started it."""
-    return shlex.join([*_program(), *args])
-
-
-def _program() -> list[str]:
-    started = sys.argv[0] if sys.argv else ""
-    on_path = shutil.which(PROGRAM)
-    if os.path.basename(started) == PROGRAM and os.path.isfile(started):  # the console script
-        try:
-            if on_path and os.path.samefile(on_path, started):
-                return [PROGRAM]
-        except OSError:
-            pass
-        return [started if os.sep in started else os.path.abspath(started)]
-    package = Path(__file__).resolve().parents[1]
-    if started.endswith(".py") and Path(started).resolve().parent == package:  # python -m robust_lightning(.cli)
-        # the name on PATH runs this program where it is the console script of this interpreter's environment
-        if on_path and os.path.realpath(os.path.dirname(on_path)) == os.path.realpath(os.path.dirname(sys.executable)):
-            return [PROGRAM]
-        return [sys.executable, "-m", "robust_lightning"]
-    return [PROGRAM]
 
 
 def resume_command(argv: list[str]) -> str:
@@ -222,7 +186,7 @@ class Interruption(Callback):
     def teardown(self, trainer, pl_module, stage: str) -> None:
         trainer._rl_signals_taken = False
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
         _act_on_signals(trainer)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:

@@ -9,11 +9,12 @@ score that ModelCheckpoint keeps the best of (``val/select_acc``).
 import copy
 import warnings
 from functools import partial
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
 from lightning import LightningModule
+from lightning.pytorch.utilities.parsing import AttributeDict
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from timm.layers import DropPath
@@ -27,13 +28,19 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from robust_lightning.attacks import apgd, fgsm, pgd
 from robust_lightning.attacks.projections import host_reads_are_cheap
-from robust_lightning.data.batch import Batch
+from robust_lightning.data.batch import Batch, soft_targets
+from robust_lightning.data.batching import global_batch_of
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.calibration import CalibrationError
-from robust_lightning.models.classifier import RobustClassifier, build_classifier, use_small_input_strides
+from robust_lightning.models.classifier import (
+    InputNormalization,
+    RobustClassifier,
+    build_classifier,
+    use_small_input_strides,
+)
 from robust_lightning.models.isotropic_convnext import IsotropicConvNeXt
 from robust_lightning.models.robustbench import is_robustbench_arch, preprocessing_mismatch, resolve_arch
-from robust_lightning.models.weights import adopt_normalizer, load_pretrained
+from robust_lightning.models.weights import WarmStartReport, adopt_normalizer, load_pretrained
 from robust_lightning.official_differences import training_differences
 from robust_lightning.training.random_state import random_states, set_random_states
 from robust_lightning.training.schedule import warmup_cosine
@@ -59,14 +66,6 @@ def accuracy_metrics(num_classes: int) -> MetricCollection:
             "acc1": MulticlassAccuracy(num_classes, top_k=1, average="micro"),
             "acc5": MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro"),
         }
-    )
-
-
-def soft_targets(labels: torch.Tensor, num_classes: int, smoothing: float) -> torch.Tensor:
-    """Label-smoothed one-hot targets, the same values timm's Mixup gives an unmixed image."""
-    off = smoothing / num_classes
-    return torch.full((labels.numel(), num_classes), off, device=labels.device).scatter_(
-        1, labels.view(-1, 1), 1.0 - smoothing + off
     )
 
 
@@ -153,6 +152,11 @@ class ImageClassifier(LightningModule):
         select_on: which weights the checkpoint score val/select_acc comes from: "raw" or "ema".
     """
 
+    if TYPE_CHECKING:  # save_hyperparameters() stores them in an AttributeDict: hp.lr, hp.attack, ...
+
+        @property
+        def hparams(self) -> AttributeDict: ...
+
     def __init__(
         self,
         arch: str = "convnext_tiny_convstem",
@@ -196,11 +200,11 @@ class ImageClassifier(LightningModule):
             raise UserError(f"model.attack {attack!r} is Linf only; use apgd or pgd for {attack_norm}")
         if select_on == "ema" and ema_decay is None:
             raise UserError("model.select_on 'ema' needs model.ema_decay")
-        if given:
+        if isinstance(arch, nn.Module):  # given
             self.model = RobustClassifier(arch, mean, std)
         else:
-            timm_arch, mean, std = resolve_arch(arch, mean, std)
-            self.model = build_classifier(timm_arch, num_classes, image_size, mean, std, arch_kwargs or {})
+            timm_arch, net_mean, net_std = resolve_arch(arch, mean, std)
+            self.model = build_classifier(timm_arch, num_classes, image_size, net_mean, net_std, arch_kwargs or {})
         if small_input:
             use_small_input_strides(self.model.net)
         if channels_last:
@@ -218,7 +222,7 @@ class ImageClassifier(LightningModule):
             not has_mode_dependent_layers(self.model) if reuse_attack_forward is None else reuse_attack_forward
         )
         # The EMA copy never takes gradients; requires_grad False keeps DDP from expecting them.
-        self.ema = None
+        self.ema: ModelEmaV3 | None = None
         if ema_decay is not None:
             self.ema = ModelEmaV3(self.model, decay=ema_decay)
             self.ema.requires_grad_(False)
@@ -226,8 +230,9 @@ class ImageClassifier(LightningModule):
         self._step_nominal: int | None = None  # images the current optimiser step is meant to see (global batch)
         self._step_images: int | None = None  # images of this rank the current optimiser step saw so far
         self._step_totals: torch.Tensor | None = None  # the step's images and loss sums on this rank (device)
-        self._resumed_random_states = None  # set by on_load_checkpoint, applied by on_train_start
-        self.warm_start_report = None
+        # set by on_load_checkpoint, applied by on_train_start: (this rank's states, every rank's or None)
+        self._resumed_random_states: tuple[Any, list[Any] | None] | None = None
+        self.warm_start_report: WarmStartReport | None = None
         self.weights_from_checkpoint = False  # set by on_load_checkpoint: init_from is then never read
         self.train_metrics = MetricCollection(
             {
@@ -240,7 +245,8 @@ class ImageClassifier(LightningModule):
             {
                 weights: MetricCollection(
                     {
-                        **accuracy_metrics(num_classes),
+                        # a MetricCollection unpacks as the mapping it is (its keys() takes an option)
+                        **accuracy_metrics(num_classes),  # type: ignore[dict-item]
                         "loss": MeanMetric(),
                         "robust_acc": MeanMetric(),
                         "num_images": SumMetric(),
@@ -277,10 +283,12 @@ class ImageClassifier(LightningModule):
             raise UserError(f"model.init_from: {e}") from e
         rank_zero_info(str(self.warm_start_report))
         if adopt_normalizer(self.model, self.warm_start_report.checkpoint_normalize):
-            self.model.normalize.to(self.device)  # the model may already be on its device
+            normalize = self.model.normalize
+            assert isinstance(normalize, InputNormalization)  # adopt_normalizer put one there
+            normalize.to(self.device)  # the model may already be on its device
             # the weights were trained behind this normaliser; recorded so a resumed run rebuilds it
-            self.hparams.mean = self.model.normalize.mean.flatten().tolist()
-            self.hparams.std = self.model.normalize.std.flatten().tolist()
+            self.hparams.mean = normalize.mean.flatten().tolist()
+            self.hparams.std = normalize.std.flatten().tolist()
             self.warm_start_report.notes.append(f"input normaliser taken from the checkpoint: {self.model.normalize}")
             rank_zero_info(self.warm_start_report.notes[-1])
             if self.ema is not None:
@@ -309,7 +317,7 @@ class ImageClassifier(LightningModule):
 
     def setup(self, stage: str) -> None:
         data = getattr(self.trainer, "datamodule", None)
-        if is_robustbench_arch(self.hparams.arch) and hasattr(data, "crop_pct"):
+        if is_robustbench_arch(self.hparams.arch) and data is not None and hasattr(data, "crop_pct"):
             mismatch = preprocessing_mismatch(self.hparams.arch, data.image_size, data.crop_pct)
             if mismatch:
                 rank_zero_warn(mismatch)
@@ -319,7 +327,7 @@ class ImageClassifier(LightningModule):
         every rank saves a checkpoint together (a collective), so each rank's states are gathered into the file."""
         checkpoint["random_states"] = states = random_states()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            ranks = [None] * torch.distributed.get_world_size()
+            ranks: list[Any] = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(ranks, states)
             checkpoint["random_states_of_ranks"] = ranks
 
@@ -438,6 +446,7 @@ class ImageClassifier(LightningModule):
         self.train_metrics["clean_acc1"].update(clean_logits.detach(), hard)
         clean_loss = F.cross_entropy(clean_logits.detach().float(), targets)
         # the losses are logged by on_before_optimizer_step, as means over the step's images on every rank
+        assert self._step_totals is not None  # _start_step began the step
         self._step_totals[0].add_(labels.numel())
         self._step_totals[1:].add_(torch.stack([loss.detach().float(), clean_loss]) * labels.numel())
         return loss * self.global_batch_weight(labels.numel()) if shares_a_step else loss
@@ -449,8 +458,8 @@ class ImageClassifier(LightningModule):
         return self.trainer.world_size > 1 or self.trainer.accumulate_grad_batches > 1
 
     def _start_step(self) -> None:
-        datamodule = getattr(self.trainer, "datamodule", None)
-        self._step_nominal = getattr(datamodule, "global_batch", None)  # images one step is meant to see
+        global_batch = global_batch_of(self.trainer)
+        self._step_nominal = global_batch.images if global_batch else None  # images one step is meant to see
         self._step_images = 0
         # this rank's images, and their summed update and clean losses, in the step (a fill: nothing is copied)
         self._step_totals = torch.zeros(3, device=self.device)
@@ -467,6 +476,7 @@ class ImageClassifier(LightningModule):
         """
         if self._step_nominal is None:  # a data module that names no global batch: the first micro-batch's
             self._step_nominal = images * self.trainer.world_size * self.trainer.accumulate_grad_batches
+        assert self._step_images is not None  # _start_step began the step
         self._step_images += images
         return images * self.trainer.world_size * self.trainer.accumulate_grad_batches / self._step_nominal
 
@@ -482,6 +492,7 @@ class ImageClassifier(LightningModule):
         seen = totals[0].clamp(min=1)
         if self._shares_a_step() and self._step_images is not None:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            assert self._step_nominal is not None  # set by global_batch_weight, which a shared step ran
             torch._foreach_mul_(grads, self._step_nominal / seen)  # a device scalar: no host read
         # not prog_bar: Lightning turns progress-bar values into numbers after every step (a wait for the GPU);
         # the progress display reads train/loss at logging steps only (robust_lightning.training.progress)
@@ -580,7 +591,7 @@ class ImageClassifier(LightningModule):
             )
         return fgsm(forward, images, targets, eps=eps, random_start=hp.attack == "fgsm_rs")
 
-    def optimizer_step(self, *args, **kwargs) -> None:
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)
         # Here, not in on_train_batch_end: a checkpoint written by a callback at the end of the step (ModelCheckpoint,
         # the SLURM requeue, SIGTERM) then holds the EMA of the step it records.
@@ -603,7 +614,7 @@ class ImageClassifier(LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        params = self.model.net  # timm's rule: create_optimizer_v2 spares biases, 1-D tensors, no_weight_decay()
+        params: nn.Module | list[dict[str, Any]] = self.model.net  # timm's rule: create_optimizer_v2 spares biases, 1-D tensors, no_weight_decay()
         if hp.weight_decay_rule == "official":
             decayed = official_decayed_names(self.model.net)
             named = [(name, p) for name, p in self.model.net.named_parameters() if p.requires_grad]
@@ -626,12 +637,17 @@ class ImageClassifier(LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ----------------------------------------------------------------------------------------- evaluation
-    def _eval_step(self, batch: dict) -> None:
+    def _eval_step(self, batch: Batch) -> None:
         images, labels = batch["image"], batch["label"]
         if labels.numel() == 0:
             return
         for weights, metrics in self.eval_metrics.items():
-            model = self.model if weights == "raw" else self.ema.module
+            metrics = cast(MetricCollection, metrics)  # the ModuleDict's values (__init__)
+            if weights == "raw":
+                model = self.model
+            else:
+                assert self.ema is not None  # an "ema" entry exists with the EMA only
+                model = self.ema.module
             with torch.no_grad():
                 logits = self._run(model, images)
             metrics["loss"].update(F.cross_entropy(logits.float(), labels), weight=labels.numel())
@@ -662,6 +678,7 @@ class ImageClassifier(LightningModule):
         # compute() sums the counts of all ranks before dividing: exact, unlike averaging per-rank means. The
         # results are then equal on every rank and are logged without sync_dist (see on_train_epoch_end).
         for weights, metrics in self.eval_metrics.items():
+            metrics = cast(MetricCollection, metrics)  # the ModuleDict's values (__init__)
             prefix = stage if weights == "raw" else f"{stage}_ema"
             # decided by the configuration, not by update counts: every rank must log the same keys
             values = {

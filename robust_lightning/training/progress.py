@@ -72,7 +72,7 @@ class StepProgressBar(TQDMProgressBar):
         self._resumed = False
         super().on_train_epoch_start(trainer, pl_module)
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         self._steps_before = trainer.global_step
         if self._resumed:  # a fit resumed mid-epoch: the bar of on_train_start, with the epoch's total and the
             # batches trained before the resume as its start, so that tqdm's rate counts those since the resume
@@ -87,7 +87,7 @@ class StepProgressBar(TQDMProgressBar):
             self._shown = {**super().get_metrics(trainer, pl_module), **shown_values(trainer)}
         return self._shown
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._read_now = _training_reading_due(trainer, batch_idx, self.total_train_batches, self._steps_before)
         try:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
@@ -158,14 +158,14 @@ class ProgressLines(ProgressBar):
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._started, self._first = time.monotonic(), 0
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         self._steps_before = trainer.global_step
         if self._first is None:  # the first batch since a resume mid-epoch
             self._first = batch_idx
             of = f"/{int(self.total_train_batches)}" if self.total_train_batches != float("inf") else ""
             self._print(f"epoch {trainer.current_epoch} resumed at batch {batch_idx + 1}{of}: times count from here")
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
         total = self.total_train_batches
         if _training_reading_due(trainer, batch_idx, total, self._steps_before):
             epoch = f"epoch {trainer.current_epoch}"
@@ -199,7 +199,15 @@ class ProgressLines(ProgressBar):
     def on_validation_start(self, trainer, pl_module) -> None:
         self._evaluation_start()
 
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+    def on_validation_batch_end(
+        self,
+        trainer,
+        pl_module,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         if not trainer.sanity_checking:
             self._evaluation_batch(trainer, "validation", batch_idx, trainer.num_val_batches[dataloader_idx])
 
@@ -210,7 +218,15 @@ class ProgressLines(ProgressBar):
     def on_test_start(self, trainer, pl_module) -> None:
         self._evaluation_start()
 
-    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+    def on_test_batch_end(
+        self,
+        trainer,
+        pl_module,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         self._evaluation_batch(trainer, "test", batch_idx, trainer.num_test_batches[dataloader_idx])
 
     def on_test_end(self, trainer, pl_module) -> None:
@@ -219,7 +235,15 @@ class ProgressLines(ProgressBar):
     def on_predict_start(self, trainer, pl_module) -> None:
         self._evaluation_start()
 
-    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+    def on_predict_batch_end(
+        self,
+        trainer,
+        pl_module,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         self._evaluation_batch(trainer, "predict", batch_idx, trainer.num_predict_batches[dataloader_idx])
 
     def on_predict_end(self, trainer, pl_module) -> None:

@@ -4,6 +4,7 @@ would have drawn: augmentation (torch, and NumPy for timm's MixUp/CutMix), the a
 torch.load(weights_only=True)."""
 
 import random
+from typing import cast
 
 import numpy as np
 import torch
@@ -11,7 +12,10 @@ import torch
 
 def random_states() -> dict:
     """The current states of torch (CPU, and this process's CUDA device), NumPy and Python ``random``."""
-    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    # the legacy tuple (get_state's default; its dict form only with legacy=False)
+    kind, keys, position, has_gauss, cached_gaussian = cast(
+        tuple[str, np.ndarray, int, int, float], np.random.get_state()
+    )
     states = {
         "torch": torch.get_rng_state(),
         "numpy": {

@@ -27,6 +27,7 @@ import sys
 import zipfile
 from contextlib import ExitStack, suppress
 from pathlib import Path
+from typing import Any
 
 from lightning import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -258,16 +259,18 @@ class FitRunDirectory(Callback):
         if _command is not None:
             _command.begun = True
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+    def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         self._begin_work()
 
-    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+    def on_validation_batch_start(
+        self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         self._begin_work()
 
-    def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+    def on_test_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._begin_work()
 
-    def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+    def on_predict_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._begin_work()
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:

@@ -3,7 +3,7 @@
 import math
 
 
-def warmup_cosine(step: int, total_steps: int, warmup_steps: int, peak_lr: float, min_lr: float) -> float:
+def warmup_cosine(step: int, total_steps: float, warmup_steps: int, peak_lr: float, min_lr: float) -> float:
     """Learning rate at optimiser step ``step`` (0-based)."""
     if step < warmup_steps:
         return peak_lr * (step + 1) / warmup_steps

@@ -17,9 +17,12 @@ after its last logging step are left out. results.json's fit section holds the s
 """
 
 import time
+from typing import Any
 
 import torch
 from lightning import Callback
+
+from robust_lightning.data.batching import global_batch_of
 
 
 def _synchronize(device: torch.device) -> None:
@@ -32,8 +35,13 @@ class Throughput(Callback):
     steps on rank zero (straight to the trainer's loggers: no value is reduced or read back from the device),
     and keeps their run averages for results.json (``summary``)."""
 
+    summary_key = "throughput"  # where results.json's fit section holds the summary (evaluation.results)
+
     def __init__(self):
-        self._window = self._run = self._first = None
+        # the window and the run's totals are set by on_train_start, before any batch
+        self._window: dict[str, float] = {}
+        self._run: dict[str, float] | None = None
+        self._first: dict[str, float] | None = None
         self._batch_end = None
         self._step_images = 0  # this rank's images of the step in progress
 
@@ -54,20 +62,22 @@ class Throughput(Callback):
         self._window = self._zero()
         self._window_start = self._batch_end = time.perf_counter()  # the first batch's wait counts from here
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+    def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         if self._batch_end is not None:
             self._window["wait"] += time.perf_counter() - self._batch_end
         self._step_before = trainer.global_step
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
         images = len(batch["label"]) if isinstance(batch, dict) and "label" in batch else 0
         self._window["images"] += images
         self._step_images += images
         stepped = trainer.global_step != self._step_before
         self._window["steps"] += int(stepped)
         if stepped:  # the whole job's images of the step: the global batch (else this rank's as every rank's)
-            global_batch = getattr(trainer.datamodule, "global_batch", None)
-            self._window["job_images"] += global_batch or self._step_images * trainer.world_size
+            global_batch = global_batch_of(trainer)
+            self._window["job_images"] += (
+                global_batch.images if global_batch else self._step_images * trainer.world_size
+            )
             self._step_images = 0
         if stepped and trainer.global_step % max(1, trainer.log_every_n_steps) == 0:
             self._close_window(trainer, pl_module)
@@ -83,6 +93,7 @@ class Throughput(Callback):
         if self._first is None:
             self._first = window
         else:
+            assert self._run is not None  # on_train_start set it
             for key in self._run:
                 self._run[key] += window[key]
         if trainer.is_global_zero and window["steps"]:
