@@ -325,13 +325,13 @@ def test_global_batch_size_is_split_over_any_device_count(tiny_data):
     dm.trainer = type("T", (), {"global_rank": 0, "world_size": 3})()
     # the tiny set has one shard: ranks beyond the first share its samples
     dm.setup("test")
-    assert dm.batch_size == 4
+    assert dm.global_batch.share == 4
     dm.trainer.world_size = 5  # uneven: the first 12 % 5 = 2 ranks take one image more
     shares = []
     for rank in range(5):
         dm.trainer.global_rank = rank
         dm.setup("test")
-        shares.append(dm.batch_size)
+        shares.append(dm.global_batch.share)
     assert shares == [3, 3, 2, 2, 2]
     dm.trainer.world_size = 13
     with pytest.raises(UserError, match="12 leaves some of the 13 devices without an image"):

@@ -1,9 +1,9 @@
-"""ImageNet-style data from three sources: ImageFolder roots, WebDataset shards, or the built-in synthetic set.
+"""ImageNet-style data for training and evaluation, from any source (robust_lightning.data.sources).
 
-Distribution across ranks is decided here, not by Lightning, because Lightning's default is wrong for us
-twice over: its validation DistributedSampler pads ranks with repeated samples (double counting), and
-webdataset's split_by_node does not split under spawn-started workers (webdataset 1.0.2's split_by_node reads the rank
-from the environment). The rank and world size are captured in setup() and every rank reads a disjoint part of the data.
+Distribution across ranks is decided here, not by Lightning, whose default is wrong twice over: its validation
+DistributedSampler pads ranks with repeated samples (double counting), and webdataset 1.0.2's split_by_node reads
+the rank from the environment, so it does not split under spawn-started workers. The rank and world size are
+captured in setup() and every rank reads a disjoint part of the data.
 """
 
 import copy
@@ -11,16 +11,13 @@ from typing import Any, Literal
 
 import torch
 from lightning import LightningDataModule
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from robust_lightning.data.batching import GlobalBatch
 from robust_lightning.data.classes import class_map as load_class_map
 from robust_lightning.data.contract import EvaluationSource, TrainingSample
-from robust_lightning.data.datasets import (
-    HoldoutStream,
-    ShardStream,
-)
-from robust_lightning.data.loaders import EpochLoader, ShardTrainLoader, TrainingPosition, collate
+from robust_lightning.data.datasets import ShardStream, with_transform
+from robust_lightning.data.loaders import EpochLoader, ShardTrainLoader, TrainingPosition, data_loader
 from robust_lightning.data.samplers import ExactDistributedSampler, GlobalBatchSampler
 from robust_lightning.data.sources import (
     DataSets,
@@ -29,6 +26,7 @@ from robust_lightning.data.sources import (
     SyntheticSource,
     damaged_shards,
     read_eval_subset,
+    training_subset,
 )
 from robust_lightning.data.training_augmentation import TrainingAugmentation
 from robust_lightning.data.transforms import (
@@ -40,7 +38,6 @@ from robust_lightning.data.transforms import (
     train_transform,
 )
 from robust_lightning.errors import UserError
-from robust_lightning.job_signals import ignore_job_signals
 from robust_lightning.official_differences import data_differences
 
 
@@ -70,14 +67,12 @@ class ImageNetDataModule(LightningDataModule):
             erased pixels leave [0, 1]). With augment_on "cpu" the erasing runs on the device with the mixing, in
             float as in timm, so the noise is not rounded to uint8.
         full_resolution_decode: decode every training image at full resolution and random-resized-crop it with
-            PIL in the loader workers, as the official pipeline does (torchvision's RandomResizedCrop on the full
-            image), instead of the reduced decode of canvases (see canvas_size); the augmentation after the crop
-            still runs where augment_on says. augment_on "cpu" always decodes at full resolution.
+            PIL in the loader workers, as the official pipeline does, instead of decoding canvases (canvas_size);
+            the augmentation after the crop still runs where augment_on says ("cpu" always decodes in full).
         crop_scale: area range of RandomResizedCrop.
         canvas_size: with augment_on "device", workers decode each training image into a canvas of this side
-            (default 16/7 of image_size: 512 for 224) and ship it whole; larger images are decoded at reduced
-            scale to fit (JPEG DCT scaling by 2, 4 or 8; benchmarks/decode_scale.py measures what that changes in
-            the crops). Crop boxes are still drawn on the original size.
+            (default 16/7 of image_size: 512 for 224); larger images are decoded at reduced scale to fit (JPEG DCT
+            scaling by 2, 4 or 8; benchmarks/decode_scale.py), and crop boxes are drawn on the original size.
         eval_subset: evaluate (test/predict, and validate without holdout) only the images listed in a file of
             ``class_folder/file_name`` lines, in its order: "robustbench" is the RobustBench 5000-image ImageNet
             subset (data/robustbench_imagenet_test_image_ids.txt), anything else a path. Folder trees are read
@@ -90,27 +85,23 @@ class ImageNetDataModule(LightningDataModule):
             val split and training never sees them; test and predict still use the val split.
         label_smoothing: smoothing of the MixUp/CutMix soft targets (linked from model.label_smoothing).
         batch_size: per-device training batch size.
-        global_batch_size: the effective batch over all devices and nodes (the paper's recipes fix it); when
-            set, it is split over the devices as evenly as possible (batch_size becomes this rank's share: the
-            first global_batch_size % world size ranks take one image more) and the training loss is weighted
-            so that the update is that of the mean loss over the whole global batch (ImageClassifier).
-        max_device_batch_size: images per forward pass on one device during training. A rank's share of the
-            global batch that is larger is split into micro-batches (sizes differing by at most one) whose
-            gradients are accumulated (the data module sets trainer.accumulate_grad_batches), so that every
-            optimiser step still sees exactly the global batch: the paper's batch on any number of devices with
-            any memory. None: one forward per step. trainer.accumulate_grad_batches together with
-            data.global_batch_size or this option is refused.
+        global_batch_size: the effective batch over all devices and nodes (the paper's recipes fix it), split
+            over the devices as evenly as possible; the loss is weighted so that the update is that of the mean
+            loss over the whole global batch (robust_lightning.data.batching.GlobalBatch).
+        max_device_batch_size: images per forward pass on one device during training: a larger share of the
+            global batch is split into micro-batches whose gradients are accumulated, so that every optimiser
+            step still sees exactly the global batch (GlobalBatch). None: one forward per step. Either option
+            refuses trainer.accumulate_grad_batches, which would multiply the global batch.
         eval_batch_size: per-device evaluation batch size (default: batch_size).
         num_workers: decoding processes per device.
         shuffle_buffer: samples held for shuffling within the training shard stream.
         seed: data order and augmentation seed (shard order, shuffle buffer, sampler; every training batch's
             augmentation draws from streams keyed by (seed, epoch, batch index, rank), so ranks draw differently
             and a run resumed at an epoch boundary draws what the uninterrupted one drew).
-        on_missing_images: what a validation or test epoch that read fewer images than the evaluation set holds
-            (a truncated or missing shard, a listed image absent from the shards) does: "error" (stop with the
-            expected and read counts and the damaged shards) or "warn" (warn; the counts go to results.json and
-            the logged metrics as <stage>/expected_images and <stage>/missing_images). An undecodable image was
-            read: it is counted in <stage>/corrupt_images, not as missing.
+        on_missing_images: what an evaluation epoch that read fewer images than the evaluation set holds (a
+            truncated or missing shard, a listed image absent from the shards) does: "error" (stop, naming the
+            counts and the damaged shards) or "warn" (the counts go to results.json and the logged metrics as
+            <stage>/expected_images and <stage>/missing_images). Undecodable images count as <stage>/corrupt_images.
     """
 
     def __init__(
@@ -160,19 +151,25 @@ class ImageNetDataModule(LightningDataModule):
             raise UserError(f"data.holdout must be >= 0, got {holdout}")
         self.global_batch = GlobalBatch(global_batch_size, batch_size, max_device_batch_size)
         self.eval_batch_size = eval_batch_size or batch_size
-        self.num_workers = num_workers
-        self.shuffle_buffer = shuffle_buffer
-        self.seed = seed
+        self.num_workers, self.shuffle_buffer, self.seed = num_workers, shuffle_buffer, seed
         if on_missing_images not in ("error", "warn"):
             raise UserError(f"data.on_missing_images must be 'error' or 'warn', got {on_missing_images!r}")
         self.on_missing_images = on_missing_images
         self.rank, self.world_size = 0, 1
         self.training_position = TrainingPosition()  # checkpoint state of the training loaders (resuming mid-epoch)
-        self.training_augmentation: TrainingAugmentation | None = None  # set up with the ranks
         self.sets = DataSets()  # what the source built in the last setup
         self.num_classes = source.num_classes(num_classes)
+        self.training_augmentation = TrainingAugmentation(
+            augmentation,
+            self.num_classes,
+            on=augment_on,
+            fill=augmentation_fill,
+            label_smoothing=label_smoothing,
+            image_size=image_size,
+            crop_scale=self.crop_scale,
+            seed=seed,
+        )
 
-    # ----------------------------------------------------------------------------------------------- setup
     def prepare_data(self) -> None:
         self.source.prepare()
 
@@ -183,21 +180,11 @@ class ImageNetDataModule(LightningDataModule):
         if stage == "fit" and self.trainer is not None:
             self.global_batch.accumulate_in(self.trainer)
         evaluation = eval_transform(self.image_size, self.crop_pct, self.eval_resize)
-        if self.uses_canvases:
-            training = CanvasDecode(self.canvas_size)
-        else:
-            training = train_transform(self.image_size, self.crop_scale)
-        self.training_augmentation = TrainingAugmentation(
-            self.augmentation,
-            self.num_classes,
-            on=self.augment_on,
-            fill=self.augmentation_fill,
-            label_smoothing=self.label_smoothing,
-            image_size=self.image_size,
-            crop_scale=self.crop_scale,
-            seed=self.seed,
-            rank=self.rank,
+        uses_canvases = self.uses_canvases
+        training = (
+            CanvasDecode(self.canvas_size) if uses_canvases else train_transform(self.image_size, self.crop_scale)
         )
+        self.training_augmentation.rank = self.rank  # each rank draws its own augmentation
         # validation of fit and validate runs on the held-out part of train when there is one
         on_holdout = self.holdout > 0 and stage in ("fit", "validate")
         self.sets = self.source.build(
@@ -232,68 +219,53 @@ class ImageNetDataModule(LightningDataModule):
         """Training images decoded into canvases (reduced scale when large) and cropped on the device."""
         return self.augment_on == "device" and not self.full_resolution_decode
 
-    # ---------------------------------------------------------------------------------------- dataloaders
-    def _loader(self, dataset, batch_size: int, **kwargs) -> DataLoader:
-        kwargs.setdefault("num_workers", self.num_workers)
-        if type(dataset) is ShardStream:  # more workers than shards would sit idle
-            kwargs["num_workers"] = min(kwargs["num_workers"], len(dataset.urls))
-        elif isinstance(dataset, HoldoutStream):  # each worker reads every held-out shard: keep the I/O small
-            kwargs["num_workers"] = min(kwargs["num_workers"], 2)
-        loader_cls = kwargs.pop("loader_cls", DataLoader)
-        kwargs.setdefault("collate_fn", collate)
-        if kwargs["num_workers"] > 0:  # the training process handles SIGTERM / SIGUSR1, not its workers
-            kwargs.setdefault("worker_init_fn", ignore_job_signals)
-        return loader_cls(dataset, batch_size=batch_size, pin_memory=torch.cuda.is_available(), **kwargs)
-
     def train_dataloader(self) -> DataLoader:
         images = self.sets.train_images if isinstance(self.train_set, ShardStream) else len(self.train_set)
         if images < self.global_batch.images:
             raise UserError(f"{images} training images are fewer than one global batch of {self.global_batch.images}")
-        augmentation = self.training_augmentation
-        if isinstance(self.train_set, ShardStream):
-            # every rank reads its own shards, so the ranks' batches are distinct images
-            batches = images // self.global_batch.images
-            return self._loader(
-                self.train_set,
-                self.global_batch.share,
-                loader_cls=ShardTrainLoader,
-                batches_per_epoch=batches,
-                current_epoch=lambda: self.trainer.current_epoch if self.trainer else 0,
-                drop_last=True,
-                collate_fn=augmentation.collate,
-                micro_batches=self.global_batch.micro_batches,
-                rank=self.rank,
-                position=self.training_position,
-            )
-        sampler = GlobalBatchSampler(self.train_set, self.world_size, self.rank, self.global_batch.images, self.seed)
-        # workers that only decode draw nothing and may persist; workers that crop or augment are seeded per epoch
-        draws_in_workers = augmentation.worker is not None or not self.uses_canvases
-        return self._loader(
-            self.train_set,
-            self.global_batch.share,
-            loader_cls=EpochLoader,
-            sampler=sampler,
+        batch = self.global_batch
+        options = dict(
+            num_workers=self.num_workers,
             drop_last=True,
-            persistent_workers=self.num_workers > 0 and not draws_in_workers,
-            collate_fn=augmentation.collate,
-            generator=torch.Generator().manual_seed(self.seed),  # keeps iterator creation off the global generator
-            micro_batches=self.global_batch.micro_batches,
+            collate_fn=self.training_augmentation.collate,
+            micro_batches=batch.micro_batches,
             rank=self.rank,
             position=self.training_position,
+        )
+        if isinstance(self.train_set, ShardStream):  # every rank reads its own shards: distinct images
+            return data_loader(
+                self.train_set,
+                batch.share,
+                ShardTrainLoader,
+                batches_per_epoch=images // batch.images,
+                current_epoch=lambda: self.trainer.current_epoch if self.trainer else 0,
+                **options,
+            )
+        # workers that only decode draw nothing and may persist; workers that crop or augment are seeded per epoch
+        draws_in_workers = self.training_augmentation.worker is not None or not self.uses_canvases
+        return data_loader(
+            self.train_set,
+            batch.share,
+            EpochLoader,
+            sampler=GlobalBatchSampler(self.train_set, self.world_size, self.rank, batch.images, self.seed),
+            persistent_workers=self.num_workers > 0 and not draws_in_workers,
+            generator=torch.Generator().manual_seed(self.seed),  # keeps iterator creation off the global generator
+            **options,
         )
 
     def _eval_dataloader(self, dataset: Dataset | None = None, batch_size: int | None = None, **kwargs) -> DataLoader:
         dataset = self.eval_set if dataset is None else dataset
         batch_size = batch_size or self.eval_batch_size
+        kwargs.setdefault("num_workers", self.num_workers)
         if isinstance(dataset, ShardStream):
-            return self._loader(dataset, batch_size, **kwargs)
+            return data_loader(dataset, batch_size, **kwargs)
         if len(dataset) < self.world_size:  # a rank with no batch skips the loop and its hooks: the others hang
             raise UserError(
                 f"{len(dataset)} evaluation images cannot be split over {self.world_size} processes; "
                 "evaluate more images or on fewer devices"
             )
         sampler = ExactDistributedSampler(dataset, self.world_size, self.rank)
-        return self._loader(dataset, batch_size, sampler=sampler, **kwargs)
+        return data_loader(dataset, batch_size, sampler=sampler, **kwargs)
 
     def val_dataloader(self) -> DataLoader:
         return self._eval_dataloader()
@@ -310,11 +282,7 @@ class ImageNetDataModule(LightningDataModule):
         if self.eval_set is None:
             raise RuntimeError("eval_dataloader_with needs setup('test') (or 'validate') first")
         transform = transform or eval_transform(self.image_size, self.crop_pct, self.eval_resize)
-        dataset = copy.copy(self.eval_set)
-        inner = dataset
-        if isinstance(dataset, Subset):  # a folder subset or limit: swap the transform of a copy of the folder
-            inner = dataset.dataset = copy.copy(dataset.dataset)
-        inner.transform = transform
+        dataset = with_transform(self.eval_set, transform)
         workers = {} if num_workers is None else {"num_workers": num_workers}
         return self._eval_dataloader(dataset, batch_size, **workers)
 
@@ -332,8 +300,7 @@ class ImageNetDataModule(LightningDataModule):
         return len(self.eval_set)
 
     def damaged_eval_shards(self) -> list[str]:
-        """The evaluation shards that are missing or whose size differs from their manifest entry, then, if there
-        are any, how to rewrite them (the command, where the manifest records it)."""
+        """The evaluation shards that are missing or damaged, then how to rewrite them (``damaged_shards``)."""
         return damaged_shards(self.sets.eval_shard_spec)
 
     def training_sample(
@@ -347,14 +314,12 @@ class ImageNetDataModule(LightningDataModule):
         """Training batches exactly as training_step receives them (the training transform and crop, the
         augmentation scheme, MixUp/CutMix soft targets), ``batch_size`` images each (default data.batch_size;
         MixUp/CutMix mix within a batch), for a fixed random subset of the training set: round(fraction x
-        training images) of them drawn with ``seed``, the first ``max_images`` of those when given.
+        training images) of them drawn with ``seed`` (``training_subset``), the first ``max_images`` of those.
 
         Works outside the fit loop (an analysis after test): without setup('fit') the training set is set up on
-        a copy of this data module, so the evaluation set of the running test stays as it is. A folder's subset
-        is a seeded permutation's first images; a shard stream reads its shards in a seeded order (they are
-        shuffled when written) through the shuffle buffer and keeps the first images. Augmentation draws from
-        streams keyed by (data.seed, ``seed``, batch index, rank): the same batches in every call with the same
-        arguments, and never the streams of a training epoch."""
+        a copy of this data module, so the evaluation set of the running test stays as it is. Augmentation draws
+        from streams keyed by (data.seed, ``seed``, batch index, rank): the same batches in every call with the
+        same arguments, and never the streams of a training epoch."""
         if not 0 < fraction <= 1:
             raise UserError(f"the fraction of the training set must be in (0, 1], got {fraction}")
         if max_images is not None and max_images < 1:
@@ -363,20 +328,11 @@ class ImageNetDataModule(LightningDataModule):
         if self.train_set is None:
             data = copy.copy(self)
             data.setup("fit")
-        generator = torch.Generator().manual_seed(seed)
-        if isinstance(data.train_set, ShardStream):
-            total = data.sets.train_images
-            dataset = copy.copy(data.train_set)
-            dataset.repeat, dataset.seed = False, seed  # one pass: every image at most once
-            dataset.urls = [dataset.urls[i] for i in torch.randperm(len(dataset.urls), generator=generator)]
-        else:
-            total = len(data.train_set)
-        subset_images = max(1, round(fraction * total))
-        images = min(subset_images, max_images or subset_images)
-        if not isinstance(data.train_set, ShardStream):
-            dataset = Subset(data.train_set, torch.randperm(total, generator=generator)[:images].tolist())
+        dataset, images, subset_images, total = training_subset(data.sets, fraction, max_images, seed)
         collate_fn = data.training_augmentation.collate
-        loader = data._loader(dataset, batch_size or data.global_batch.share, collate_fn=collate_fn)
+        loader = data_loader(
+            dataset, batch_size or data.global_batch.share, num_workers=data.num_workers, collate_fn=collate_fn
+        )
         transform = {
             "augmentation": data.augmentation,
             "augment_on": data.augment_on,
@@ -402,7 +358,6 @@ class ImageNetDataModule(LightningDataModule):
             self.training_position.record(batch["draw"])
         return self.training_augmentation.on_device(batch, augment=training)
 
-    # ------------------------------------------------------------------------------------------ reporting
     def differences_from_official_code(self) -> list[str]:
         """How the training data pipeline departs from Singh et al.'s (robust_lightning.official_differences)."""
         return data_differences(self)
@@ -419,12 +374,11 @@ class ImageNetDataModule(LightningDataModule):
 
     def conditions(self) -> dict[str, Any]:
         """What results.json records about the data."""
-        eval_images = self.sets.eval_images if isinstance(self.eval_set, IterableDataset) else len(self.eval_set)
         return {
             "source": self.source.kind,
             **self.source.conditions(),
             "num_classes": self.num_classes,
-            "eval_images": eval_images,
+            "eval_images": self.expected_eval_image_count(),
             "image_size": self.image_size,
             "eval_preprocessing": describe_eval_preprocessing(self.image_size, self.crop_pct, self.eval_resize),
             "augmentation": self.augmentation,

@@ -5,6 +5,7 @@ already trained on is replayed: its transform's random draws are made, its pixel
 a ``Replayed`` marker, whose batch the training loader drops.
 """
 
+import copy
 import io
 import itertools
 import os
@@ -329,3 +330,14 @@ class HoldoutStream(ShardStream):
         for index, sample in enumerate(itertools.islice(samples, self.limit)):
             if index % readers == mine:
                 yield self.decode(sample)
+
+
+def with_transform(dataset: Any, transform: Any) -> Any:
+    """A copy of a dataset (an image folder, a subset of one, a shard stream) whose images go through another
+    per-image transform; the dataset itself is left as it is."""
+    dataset = copy.copy(dataset)
+    inner = dataset
+    if isinstance(dataset, Subset):  # a folder subset or limit: swap the transform of a copy of the folder
+        inner = dataset.dataset = copy.copy(dataset.dataset)
+    inner.transform = transform
+    return dataset

@@ -18,8 +18,9 @@ from torch.utils.data import DataLoader
 
 from robust_lightning.data.augment import BatchAugment
 from robust_lightning.data.batch import Batch
-from robust_lightning.data.datasets import Corrupt, Replayed, ShardStream
+from robust_lightning.data.datasets import Corrupt, HoldoutStream, Replayed, ShardStream
 from robust_lightning.data.samplers import GlobalBatchSampler
+from robust_lightning.job_signals import ignore_job_signals
 
 
 def draw_seed(*key: int) -> int:
@@ -201,3 +202,19 @@ class ShardTrainLoader(ResumableLoader):
         # draws nothing from it, and a resumed run's workers draw what the uninterrupted run's drew
         self.generator = torch.Generator().manual_seed(draw_seed(self.dataset.seed, epoch, self.rank, 2))
         yield from with_draws(itertools.islice(super().__iter__(), self.batches_per_epoch), epoch, self.micro_batches)
+
+
+def data_loader(
+    dataset: Any, batch_size: int, loader_cls: type[DataLoader] = DataLoader, *, num_workers: int, **kwargs: Any
+) -> DataLoader:
+    """A loader of the data module's datasets: no more workers than a shard stream can keep busy, the project's
+    collate function, loader workers that leave the job's signals to the training process, pinned memory on GPUs."""
+    if type(dataset) is ShardStream:  # more workers than shards would sit idle
+        num_workers = min(num_workers, len(dataset.urls))
+    elif isinstance(dataset, HoldoutStream):  # each worker reads every held-out shard: keep the I/O small
+        num_workers = min(num_workers, 2)
+    kwargs.setdefault("collate_fn", collate)
+    if num_workers > 0:  # the training process handles SIGTERM / SIGUSR1, not its workers
+        kwargs.setdefault("worker_init_fn", ignore_job_signals)
+    pin_memory = torch.cuda.is_available()
+    return loader_cls(dataset, batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory, **kwargs)

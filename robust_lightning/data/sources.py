@@ -429,3 +429,25 @@ def read_eval_subset(spec: str | None, limit: int | None) -> list[str] | None:
     if malformed:
         raise UserError(f"data.eval_subset {path}: lines must read class_folder/file_name, got {malformed[0]!r}")
     return entries[:limit] if limit else entries
+
+
+def training_subset(
+    sets: DataSets, fraction: float, max_images: int | None, seed: int
+) -> tuple[Dataset, int, int, int]:
+    """A fixed random subset of a built training set: (dataset, images, round(fraction x training images),
+    training images). A map-style set's subset is a seeded permutation's first images; a shard stream reads its
+    shards once in a seeded order (they are shuffled when written) and the first images are kept."""
+    generator = torch.Generator().manual_seed(seed)
+    train = sets.train
+    if isinstance(train, ShardStream):
+        total = sets.train_images or 0
+        dataset: Dataset = copy.copy(train)
+        dataset.repeat, dataset.seed = False, seed  # one pass: every image at most once
+        dataset.urls = [train.urls[i] for i in torch.randperm(len(train.urls), generator=generator)]
+    else:
+        total = len(train)
+    subset_images = max(1, round(fraction * total))
+    images = min(subset_images, max_images or subset_images)
+    if not isinstance(train, ShardStream):
+        dataset = Subset(train, torch.randperm(total, generator=generator)[:images].tolist())
+    return dataset, images, subset_images, total
