@@ -256,7 +256,7 @@ class Sandbox:
             make_image_tree(self.substitutes["/datasets/imagenet"] / split, {w: 1 for w in WNIDS})
         self.substitutes["/datasets/imagenet-wds"].mkdir()
         self.substitutes["my_overrides.yaml"].write_text("trainer: {enable_progress_bar: false}\n")
-        self.substitutes["my.yaml"].write_text("model: {arch: resnet18}\ndata: {source: synthetic, image_size: 32}\n")
+        self.substitutes["my.yaml"].write_text("model: {arch: resnet18}\ndata: {source: SyntheticSource, image_size: 32}\n")
         self.substitutes["ckpts.txt"].write_text(f"{self.substitutes['CKPT']}\n")
         self.substitutes["RUN_DIR"].mkdir()
         (self.substitutes["RUN_DIR"] / "results.json").write_text("{}\n")
@@ -412,11 +412,12 @@ def check_trainer_command(
     init_from = config["model"].get("init_from")
     if init_from and not str(init_from).startswith(USER_SUPPLIED_PREFIXES):
         check_written(shown, "model.init_from", init_from, sandbox, written)
-    data = config["data"]
-    if data.get("source") == "shards":
+    source = config["data"]["source"]
+    if source["class_path"].endswith(".ShardSource"):
+        shards = source["init_args"]
         for key in ("train_shards", "val_shards"):
-            if data.get(key) and not re.search(r"[{]|^pipe:", str(data[key])):
-                check_written(shown, f"data.{key}", sandbox.unresolve(str(data[key])), sandbox, written)
+            if shards.get(key) and not re.search(r"[{]|^pipe:", str(shards[key])):
+                check_written(shown, f"data.source.{key}", sandbox.unresolve(str(shards[key])), sandbox, written)
     for name, value in env.items():
         prefix = f"RL_{args[0].upper()}__"
         assert name.startswith(prefix), f"{shown}\n{name}: not an environment variable of `{args[0]}` ({prefix}...)"
