@@ -6,7 +6,7 @@ from robust_lightning.startup import collector_paused
 
 with collector_paused():  # torch and timm import sooner (robust_lightning/startup.py)
     # First, before timm imports wandb: its temporary folders into one a killed process's successor removes.
-    from robust_lightning.process_temp import import_wandb_into_process_folder
+    from robust_lightning.wandb_temp_folders import import_wandb_into_process_folder
 
     import_wandb_into_process_folder()
 

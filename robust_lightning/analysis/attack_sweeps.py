@@ -14,6 +14,7 @@ gradients only, [0, 1] box, the model in eval mode); PGD's random start is seede
 """
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,9 +97,9 @@ class AttackSweep(Analysis):
 
     def __init__(
         self,
-        attacks: list[str] = ("fgsm", "pgd"),
-        eps: list[float] = (0.0, 0.00196078431372549, 0.00392156862745098),
-        steps: list[int] = (8,),
+        attacks: Sequence[str] = ("fgsm", "pgd"),
+        eps: Sequence[float] = (0.0, 0.00196078431372549, 0.00392156862745098),
+        steps: Sequence[int] = (8,),
         relative_step: float | None = 0.125,
         random_start: bool = False,
         seed: int = 0,
@@ -267,7 +268,7 @@ class TransferMatrix(Analysis):
 
     def __init__(
         self,
-        checkpoints: list[str] = (),
+        checkpoints: Sequence[str] = (),
         names: list[str] | None = None,
         include_tested_model: bool = True,
         attack: str = "pgd",

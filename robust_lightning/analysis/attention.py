@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -102,6 +103,7 @@ def masked(net: nn.Module, bmap: BlockMap, masks: dict[int, torch.Tensor]) -> It
     try:
         for i, mask in masks.items():
             path = bmap.units[i].attention
+            assert path is not None  # masks are given for attention units only
             done.append((path, replace_module(net, path, MaskedAttention(net.get_submodule(path), mask.to(device)))))
         yield net
     finally:
@@ -130,10 +132,10 @@ class RestrictedAttention(Analysis):
 
     def __init__(
         self,
-        distances: list[float] = (0, 1, 2, 3, 4, 6, 8, 12),
+        distances: Sequence[float] = (0, 1, 2, 3, 4, 6, 8, 12),
         permutations: int = 1,
         blocks: list[int] | None = None,
-        cls_only: list[int] = (1, 2, 4, 6),
+        cls_only: Sequence[int] = (1, 2, 4, 6),
         seed: int = 0,
         max_images: int = 256,
         batch_size: int = 64,
@@ -173,15 +175,15 @@ class RestrictedAttention(Analysis):
     def analyse(self, trainer, pl_module):
         images, labels = self.images(trainer, pl_module)
         model = copy.deepcopy(self.model(pl_module))  # masks wrap modules of this copy only
-        net = model.net
+        net: Any = model.net  # a timm ViT (blocks)
         bmap = find_blocks(net)
-        seen = {}
+        seen: dict[str, int] = {}
         hook = net.blocks[0].register_forward_pre_hook(lambda m, args: seen.__setitem__("n", args[0].shape[1]))
         with torch.no_grad():
             model(images[:1])
         hook.remove()
         prefix = bmap.num_prefix_tokens
-        grid = token_grid(seen["n"] - prefix, tuple(images.shape[-2:]))
+        grid = token_grid(seen["n"] - prefix, (images.shape[-2], images.shape[-1]))
         depth = len(bmap.units)
         targets = range(depth) if self.blocks is None else self.blocks
         patches = grid[0] * grid[1]
@@ -201,7 +203,7 @@ class RestrictedAttention(Analysis):
             return acc
 
         full = measure({})
-        rows = []
+        rows: list[dict[str, Any]] = []
         for d in self.distances:
             mask = local_mask(grid, prefix, d)
             local = measure({i: mask for i in targets})
@@ -220,7 +222,7 @@ class RestrictedAttention(Analysis):
                     "permuted": permuted,
                 }
             )
-        cls_rows = {"first": [], "last": []}
+        cls_rows: dict[str, list[Any]] = {"first": [], "last": []}
         if self.cls_only:
             only = cls_only_mask(grid, prefix)
             for k in self.cls_only:
@@ -250,7 +252,7 @@ class RestrictedAttention(Analysis):
                 "cls_only": "patch tokens attend only to the prefix tokens in the first / last k blocks",
             },
         }
-        metrics = {"full_accuracy": full}
+        metrics: dict[str, Any] = {"full_accuracy": full}
         for row in rows:
             metrics[f"local_{row['distance']}"] = row["local_accuracy"]
             if row["permuted"]:

@@ -25,10 +25,10 @@ a part that is itself a residual block, skips it). ``lesioned`` swaps the module
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from timm.models.convnext import ConvNeXt, ConvNeXtBlock
@@ -150,8 +150,8 @@ def find_blocks(net: nn.Module) -> BlockMap:
 
 def _staged_units(net: nn.Module, plain: bool) -> list[Unit]:
     units = []
-    for s, stage in enumerate(net.stages):
-        blocks, j = list(stage.blocks), 0
+    for s, stage in enumerate(cast(Iterable[nn.Module], net.stages)):
+        blocks, j = list(cast(Iterable[nn.Module], stage.blocks)), 0
         while j < len(blocks):
             path = f"stages.{s}.blocks.{j}"
             block = blocks[j]
@@ -219,7 +219,8 @@ class _PreActShortcut(nn.Module):
         self.block = block
 
     def forward(self, x):
-        return self.block.shortcut(self.block.act(self.block.bn1(x)))
+        block: Any = self.block  # a PreActBottleneck (shortcut, act, bn1)
+        return block.shortcut(block.act(block.bn1(x)))
 
 
 def replace_module(net: nn.Module, path: str, new: nn.Module) -> nn.Module:
@@ -338,7 +339,7 @@ class FeatureTap:
                     module.register_forward_pre_hook(lambda m, args, _i=inputs: _i.__setitem__("x", args[0]))
                 )
                 self._handles.append(
-                    module.drop_path1.register_forward_hook(
+                    cast(nn.Module, module.drop_path1).register_forward_hook(
                         lambda m, args, out, _i=inputs, _l=label: self.features.__setitem__(_l, _i["x"] + out)
                     )
                 )
@@ -376,10 +377,11 @@ def attention_probabilities(attn: nn.Module, tokens: torch.Tensor, mask: torch.T
             "(qkv, num_heads, head_dim, scale)"
         )
     batch, n, _ = tokens.shape
-    qkv = attn.qkv(tokens).reshape(batch, n, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    timm_attn: Any = attn  # checked above: qkv, num_heads, head_dim, q_norm, k_norm, scale
+    qkv = timm_attn.qkv(tokens).reshape(batch, n, 3, timm_attn.num_heads, timm_attn.head_dim).permute(2, 0, 3, 1, 4)
     q, k = qkv[0], qkv[1]
-    q, k = attn.q_norm(q), attn.k_norm(k)
-    scores = (q * attn.scale) @ k.transpose(-2, -1)
+    q, k = timm_attn.q_norm(q), timm_attn.k_norm(k)
+    scores = (q * timm_attn.scale) @ k.transpose(-2, -1)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return scores.softmax(dim=-1)
@@ -409,8 +411,12 @@ def removable_units(net: nn.Module, bmap: BlockMap, probe: torch.Tensor) -> tupl
     finally:
         for handle in handles:
             handle.remove()
-    keep, fixed = [], []
+    keep: list[Unit] = []
+    fixed: list[str] = []
     for unit in bmap.units:
         ok = all(path not in shapes or shapes[path][0] == shapes[path][1] for path in unit.paths)
-        (keep if ok else fixed).append(unit if ok else unit.name)
+        if ok:
+            keep.append(unit)
+        else:
+            fixed.append(unit.name)
     return keep, fixed

@@ -17,6 +17,7 @@ from torchvision.transforms import v2 as T
 from robust_lightning.data.transforms import decode_rgb, eval_resize_size
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.base import Evaluation, check_weights, evaluating, new_figure  # noqa: F401
+from robust_lightning.models.classifier import RobustClassifier
 
 # How the papers name model families in their legends (Bhojanapalli et al.: "ViT", "ResNet"; Park & Kim: "ViT",
 # "ResNet", "AlterNet"; Chen et al.: "RepLKNet", "ConvNeXt"), matched in this order against the architecture name.
@@ -32,7 +33,7 @@ FAMILY_NAMES = (
 
 
 # (marker, colour) of a family in Park & Kim's plots (their notebooks); other families: "s", tab:green
-FAMILY_STYLES = {"ViT": ("o", "tab:red"), "ResNet": ("D", "tab:blue")}
+FAMILY_STYLES: dict[str | None, tuple[str, str]] = {"ViT": ("o", "tab:red"), "ResNet": ("D", "tab:blue")}
 
 
 def model_family(arch: str | None) -> str | None:
@@ -154,7 +155,7 @@ class Analysis(Evaluation):
     def check(self, trainer, pl_module) -> None:
         """Refuse (UserError) a model the analysis does not apply to, before the test loop spends any time."""
 
-    def model(self, pl_module) -> nn.Module:
+    def model(self, pl_module) -> RobustClassifier:
         """The classifier in eval mode: [0, 1] images in, logits out (its timm network is ``.net``)."""
         return self.network(pl_module).eval()
 
@@ -212,8 +213,8 @@ class Analysis(Evaluation):
     def publish(
         self,
         trainer,
-        section: dict[str, Any],
-        metrics: dict[str, float],
+        section: dict[str, Any] | None,
+        metrics: dict[str, float] | None,
         figure=None,
         tables=None,
         message=None,
@@ -221,6 +222,7 @@ class Analysis(Evaluation):
         """As ``Evaluation.publish``, with the analysis's conditions added and its metrics under ``<name>/``."""
         # "images": those the analysis read (its own count when it gives one, e.g. a dataset of its own);
         # "max_images": the budget it was given (analyses run in one process: no sum over ranks)
+        assert section is not None and metrics is not None  # one process: it is rank zero
         section = {
             **section,
             "conditions": {
@@ -233,6 +235,7 @@ class Analysis(Evaluation):
         }
         if self.preprocessed is not None:
             section["conditions"]["eval_preprocessing"] = self.preprocessed
+            assert self.resized is not None  # set with preprocessed
             difference = resize_difference(*self.resized)
             if difference is not None:
                 protocol = section.get("protocol", {})

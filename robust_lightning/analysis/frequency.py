@@ -23,6 +23,7 @@ through. Reported: accuracy per band and its drop from the clean accuracy.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from timm.data import IMAGENET_DEFAULT_STD
@@ -201,7 +202,8 @@ class FrequencyNoise(Analysis):
 
     def analyse(self, trainer, pl_module):
         model = self.model(pl_module)
-        correct, bands = None, None
+        correct: torch.Tensor | None = None
+        bands: Any = None
         clean_correct, seen = 0, 0
         generator = None
         with torch.no_grad():
@@ -233,6 +235,7 @@ class FrequencyNoise(Analysis):
                             noisy = noisy.clamp(0, 1)
                         correct[i] += int((model(noisy).argmax(-1) == labels).sum())
         clean = clean_correct / seen
+        assert correct is not None  # a batch was read
         accuracy = (correct.double() / (seen * self.repeats)).tolist()
         # the noise's size as a reader judges it: root mean square over every pixel and channel, in grey levels
         rms = (squares / (seen * self.repeats * images[0].numel())).sqrt().mul(255).tolist()

@@ -32,7 +32,7 @@ Two ways to run it:
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -43,13 +43,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from robust_lightning.analysis.core import Analysis, model_label, new_figure
 from robust_lightning.console import tqdm
 from robust_lightning.data.batch import soft_targets
+from robust_lightning.data.contract import evaluation_data
 from robust_lightning.errors import UserError
 
 MODEL_MODE = "eval (BatchNorm running statistics, no dropout / drop-path), fp32"
 
 
 # ------------------------------------------------------------------------------------------------ the method
-def hessian_vector_product(loss: Tensor, params: list[Tensor], weight_decay: float = 0.0) -> Callable[[Tensor], Tensor]:
+def hessian_vector_product(
+    loss: Tensor, params: Sequence[Tensor], weight_decay: float = 0.0
+) -> Callable[[Tensor], Tensor]:
     """A function v -> (H + weight_decay * I) v for the Hessian H of ``loss`` with respect to ``params``, on
     flat vectors. The gradient graph is built once and reused by every product."""
     grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
@@ -59,7 +62,7 @@ def hessian_vector_product(loss: Tensor, params: list[Tensor], weight_decay: flo
 
     def product(v: Tensor) -> Tensor:
         parts = v.split(sizes)
-        hv = [None] * len(params)
+        hv: list[Tensor | None] = [None] * len(params)
         if live:
             out = torch.autograd.grad(
                 [grads[i] for i in live],
@@ -88,7 +91,9 @@ def top_eigenvalues(
     """The ``top_k`` eigenvalues of largest magnitude of the symmetric operator ``hvp`` (on vectors of size
     ``dim``), by power iteration with deflation, in the order found. Each one stops when the Rayleigh quotient
     changes by less than ``tol`` (relative) or after ``max_iter`` products. Returns (eigenvalues, iterations)."""
-    values, iterations, vectors = [], [], []
+    values: list[float] = []
+    iterations: list[int] = []
+    vectors: list[Tensor] = []
     for _ in range(top_k):
         v = torch.randn(dim, generator=generator, dtype=dtype).to(device)
         value, steps = None, 0
@@ -103,6 +108,7 @@ def top_eigenvalues(
             value = new
             if converged:
                 break
+        assert value is not None  # max_iter >= 1 products
         for u in vectors:
             v = v - torch.dot(u, v) * u
         vectors.append(v / v.norm().clamp_min(1e-12))
@@ -212,7 +218,8 @@ class HessianSpectrum(Analysis):
         if max_images is not None and max_images < 1:
             raise UserError(f"HessianSpectrum.max_images must be a positive count or null, got {max_images}")
         super().__init__(max_images=max_images or 1, batch_size=batch_size, weights=weights, plot=plot)
-        self.max_images = max_images  # None: the whole subset (the base class only takes a count)
+        # None: the whole subset (the base class only takes a count)
+        self.max_images = max_images  # type: ignore[assignment]
         if data not in ("train", "eval"):
             raise UserError(f"HessianSpectrum.data must be 'train' (the paper's protocol) or 'eval', got {data!r}")
         if not 0 < train_fraction <= 1:
@@ -234,7 +241,7 @@ class HessianSpectrum(Analysis):
             raise UserError(
                 "HessianSpectrum during fit records max_images augmented images of each analysed epoch: set max_images"
             )
-        if stage == "test" and self.data == "train" and not hasattr(trainer.datamodule, "training_sample"):
+        if stage == "test" and self.data == "train" and evaluation_data(trainer) is None:
             raise UserError(
                 "HessianSpectrum.data 'train' needs the training set of an ImageNetDataModule "
                 "(robust_lightning.data.datamodule); use data 'eval' for another data module"
@@ -311,7 +318,9 @@ class HessianSpectrum(Analysis):
                 batch_size=self.batch_size,
                 seed=self.seed,
             )
-            minibatches = ((b["image"], training_targets(pl_module, b)) for b in sample.batches)
+            minibatches: Iterator[tuple[Tensor, Tensor]] = (
+                (b["image"], training_targets(pl_module, b)) for b in sample.batches
+            )
             total = math.ceil(sample.images / self.batch_size)
         else:
             minibatches, total = self.batches(trainer, pl_module), None

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from robust_lightning.analysis.core import Analysis, model_label, new_figure
 from robust_lightning.errors import UserError
+from robust_lightning.evaluation.evaluated_module import model_setting
 from robust_lightning.models.replknet import ReparamLargeKernelConv
 
 
@@ -134,7 +135,7 @@ class KernelAttentionDistance(Analysis):
         found = depthwise_convs(net, self.min_kernel_size, self.small_kernels)
         if not found:
             sizes = sorted({max(m.kernel_size) for _, m in depthwise_convs(net, 1)})
-            arch = getattr(pl_module, "hparams", {}).get("arch") or type(net).__name__
+            arch = model_setting(pl_module, "arch") or type(net).__name__
             seen = f"its depthwise kernels are {sizes} px" if sizes else "it has no depthwise convolutions"
             raise UserError(
                 f"KernelAttentionDistance does not apply to {arch}: it measures depthwise large kernels (kernel "
@@ -148,7 +149,8 @@ class KernelAttentionDistance(Analysis):
         self.layers(pl_module)  # fail before the test loop, not after it
 
     def analyse(self, trainer, pl_module):
-        per_layer, channels = [], {}
+        per_layer: list[dict[str, Any]] = []
+        channels: dict[str, torch.Tensor] = {}
         for name, conv in self.layers(pl_module):
             d = kernel_distance(conv.weight, self.normalize)
             valid = d[~d.isnan()]

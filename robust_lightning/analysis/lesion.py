@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -70,9 +71,9 @@ class LesionStudy(Analysis):
     def __init__(
         self,
         modes: list[str] | None = None,
-        random_counts: list[int] = (2, 4, 6),
+        random_counts: Sequence[int] = (2, 4, 6),
         samples: int = 25,
-        random_parts: list[str] | None = ("block",),
+        random_parts: Sequence[str] | None = ("block",),
         random_stages: list[int] | None = None,
         seed: int = 0,
         figure: str = "bhojanapalli",
@@ -215,8 +216,8 @@ class LesionStudy(Analysis):
                 metrics[f"{mode}/min_accuracy"] = min(r["accuracy"] for r in rows)
                 metrics[f"{mode}/mean_accuracy"] = sum(r["accuracy"] for r in rows) / len(rows)
         for part, by_n in random.items():
-            for n, entry in by_n.items():
-                metrics[f"random_{part}_{n}/mean_accuracy"] = entry["mean"]
+            for count, entry in by_n.items():
+                metrics[f"random_{part}_{count}/mean_accuracy"] = entry["mean"]
         return section, metrics, self.figure(section) if self.plot else None
 
     @staticmethod
@@ -251,14 +252,14 @@ class LesionStudy(Analysis):
             several = len(random) > 1
             for part, by_n in random.items():
                 ns = sorted(by_n, key=int)
-                xs = [int(n) / len(names) if chen else int(n) for n in ns]
+                at: list[float] = [int(n) / len(names) if chen else int(n) for n in ns]
                 means = [100 * by_n[n]["mean"] for n in ns]
                 name = f"{label}, {PART_NAMES.get(part, part)}" if several or part != "block" else label
                 if chen:
-                    line = ax.plot(xs, means, marker="o", label=name)[0]
+                    line = ax.plot(at, means, marker="o", label=name)[0]
                 else:
                     line = ax.errorbar(
-                        xs,
+                        at,
                         means,
                         yerr=[100 * by_n[n]["stderr"] for n in ns],
                         marker="o",

@@ -16,6 +16,7 @@ head 1), e.g. ``dino_deitsmall16_pretrain.pth``. Maps are pooled onto the occlus
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from robust_lightning.analysis.lesion import summary
 from robust_lightning.console import tqdm
 from robust_lightning.errors import UserError
 from robust_lightning.models.checkpoints import read_state_dict
+from robust_lightning.models.classifier import RobustClassifier
 
 __all__ = ["Occlusion", "cls_attention", "drop_patches", "mass_mask", "random_patch_mask"]
 
@@ -82,11 +84,12 @@ def cls_attention(vit: nn.Module, tokens_in: torch.Tensor, block: int = -1, head
     """(B, h, w) attention of the CLS query to the patches in ``vit.blocks[block]`` (one head, or the mean)."""
     bmap = find_blocks(vit)
     bmap.require_cls("attention saliency")
-    target = vit.blocks[block]
-    seen = {}
+    timm_vit: Any = vit  # a timm ViT: blocks (their attn), forward_features
+    target = timm_vit.blocks[block]
+    seen: dict[str, torch.Tensor] = {}
     hook = target.attn.register_forward_pre_hook(lambda m, args: seen.__setitem__("x", args[0]))  # returns None
     try:
-        vit.forward_features(tokens_in)
+        timm_vit.forward_features(tokens_in)
     finally:
         hook.remove()
     probs = attention_probabilities(target.attn, seen["x"])  # (B, heads, N, N)
@@ -94,7 +97,7 @@ def cls_attention(vit: nn.Module, tokens_in: torch.Tensor, block: int = -1, head
         raise UserError(f"saliency_head {head}: the attention has {probs.shape[1]} heads")
     probs = probs[:, head] if head is not None else probs.mean(dim=1)  # (B, N, N)
     cls_row = probs[:, 0, :, None]  # (B, N, 1): the CLS query's weights as a one-channel token feature
-    return as_map(cls_row, bmap, tuple(tokens_in.shape[-2:]))[:, 0]
+    return as_map(cls_row, bmap, (tokens_in.shape[-2], tokens_in.shape[-1]))[:, 0]
 
 
 def gradient_saliency(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
@@ -157,10 +160,10 @@ class Occlusion(Analysis):
     def __init__(
         self,
         grid: int = 14,
-        drop_fractions: list[float] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
+        drop_fractions: Sequence[float] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
         samples: int = 1,
         saliency: str = "gradient",
-        lambdas: list[float] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+        lambdas: Sequence[float] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
         saliency_checkpoint: str | None = None,
         saliency_arch: str = "vit_small_patch16_224",
         saliency_head: int | None = 1,
@@ -206,9 +209,10 @@ class Occlusion(Analysis):
                     f"{pl_module.model.net.blocks[-1].attn.num_heads} heads"
                 )
         if self.saliency == "checkpoint" and self._saliency_vit is None:
+            assert self.saliency_checkpoint is not None  # saliency "checkpoint" needs one (__init__)
             self._saliency_vit = load_saliency_vit(self.saliency_checkpoint, self.saliency_arch)
 
-    def saliency_maps(self, model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    def saliency_maps(self, model: RobustClassifier, images: torch.Tensor) -> torch.Tensor:
         """(B, grid, grid) saliency mass per cell, ``batch_size`` images at a time."""
         parts = []
         for start in range(0, len(images), self.batch_size):
@@ -219,6 +223,7 @@ class Occlusion(Analysis):
                 with torch.no_grad():
                     s = cls_attention(model.net, model.normalize(x), head=self.saliency_head)
             else:
+                assert self._saliency_vit is not None  # loaded at setup
                 vit = self._saliency_vit.to(x.device)
                 if self.saliency_normalize:
                     mean = torch.tensor(IMAGENET_DEFAULT_MEAN, device=x.device).view(1, -1, 1, 1)
@@ -228,7 +233,7 @@ class Occlusion(Analysis):
                     x_in = x
                 with torch.no_grad():
                     s = cls_attention(vit, x_in, head=self.saliency_head)
-            parts.append(to_grid(s.detach(), tuple(images.shape[-2:]), self.grid))
+            parts.append(to_grid(s.detach(), (images.shape[-2], images.shape[-1]), self.grid))
         return torch.cat(parts)
 
     def analyse(self, trainer, pl_module):

@@ -23,6 +23,7 @@ paper's plots, and the stem (patch embedding) output is the first point.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -150,6 +151,7 @@ class LinearCKAAccumulator:
     def matrix(self, num_layers: int) -> torch.Tensor:
         if not self.batches:
             raise UserError(f"linear CKA needs batches of at least {self.MIN_BATCH} images: raise batch_size")
+        assert isinstance(self.hsic, torch.Tensor)  # a batch was added
         scale = self.hsic.diagonal().sqrt()
         return self.hsic / torch.outer(scale, scale)
 
@@ -252,7 +254,7 @@ class LayerCorrelation(_FeatureAnalysis):
 
     def __init__(
         self,
-        tokens: list[str] = ("all", "cls"),
+        tokens: Sequence[str] = ("all", "cls"),
         stem: bool = False,
         measure: str = "auto",
         max_images: int = 256,
@@ -460,6 +462,7 @@ class FeatureVariance(_FeatureAnalysis):
         generator = torch.Generator().manual_seed(0)
         last = (len(images) - 1) // self.batch_size * self.batch_size  # where a sweep's last batch starts
         batches = []
+        assert self.sweeps is not None  # called with sweeps only
         for _ in range(self.sweeps):
             index = torch.randperm(len(images), generator=generator)[last:].to(images.device)
             batches.append((images[index], labels[index]))
@@ -484,8 +487,8 @@ class FeatureVariance(_FeatureAnalysis):
 
         batches = self.script_batches(trainer, pl_module) if self.sweeps else None
         bmap, tap = self.run(trainer, pl_module, consume, batches)
-        variances = [t / count[0] for t in totals]
-        variances = [None if math.isnan(v) else v for v in variances]  # a 1x1 map has no spatial variance
+        means = [t / count[0] for t in totals]
+        variances = [None if math.isnan(v) else v for v in means]  # a 1x1 map has no spatial variance
         points = [
             {"name": label, "kind": kind, "map_size": list(size), "subsampling": sub, "variance": v}
             for (label, kind), size, sub, v in zip(tap.points, sizes, _subsampling(sizes), variances)
@@ -548,7 +551,7 @@ class FourierFeatures(_FeatureAnalysis):
 
     def analyse(self, trainer, pl_module):
         totals: list[torch.Tensor] = []
-        frequencies: list[torch.Tensor] = []
+        frequencies: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
         sizes: list[tuple[int, ...]] = []
         count = [0]
 

@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 
-from robust_lightning.process_temp import process_folder_name
+from robust_lightning.wandb_temp_folders import process_folder_name
 
 IMPORT = "import robust_lightning, sys, time; print('ready', flush=True); time.sleep(float(sys.argv[1]))"
 
