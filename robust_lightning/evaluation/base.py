@@ -29,6 +29,7 @@ from robust_lightning.data.contract import EvaluationSource
 from robust_lightning.data.samplers import rank_share
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.results import update_results
+from robust_lightning.models.classifier import RobustClassifier
 from robust_lightning.paths import run_directory
 
 WEIGHTS = ("raw", "ema")
@@ -109,7 +110,7 @@ class Evaluation(Callback):
     plot_key = "plot"
 
     # ---------------------------------------------------------------------------------------- the model
-    def network(self, pl_module) -> nn.Module:
+    def network(self, pl_module) -> RobustClassifier:
         """The network evaluated: the raw weights, or the EMA copy (``weights: ema``) of a model trained with
         model.ema_decay. [0, 1] images in, logits out. Its mode is left as it is (see ``evaluating``)."""
         if self.weights == "ema":
@@ -186,7 +187,7 @@ class Evaluation(Callback):
         metrics: dict[str, float] | None,
         figure=None,
         tables: dict[str, tuple[list[str], list[list]]] | None = None,
-        message: str | list[str] | Callable[[dict[str, Any]], str] | None = None,
+        message: str | list[str] | Callable[[dict[str, Any]], str | list[str]] | None = None,
     ) -> dict[str, Any] | None:
         """Publish one result. Every rank calls it; only global rank zero writes (elsewhere the arguments may
         be None). Returns the section as written (None off rank zero).

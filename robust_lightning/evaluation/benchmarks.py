@@ -319,7 +319,9 @@ class DistributionShiftBenchmarks(Evaluation):
     def _run(self, trainer, pl_module, name: str) -> dict[str, Any]:
         transform, note = self._preprocessing(name)
         splits = self.splits[name]
-        section: dict[str, Any] = {"root": str(Path(self.roots[name]).resolve()), "preprocessing": note}
+        root = self.roots[name]
+        assert root is not None  # only the benchmarks given a root run
+        section: dict[str, Any] = {"root": str(Path(root).resolve()), "preprocessing": note}
         corrupt: list[str] = []
         if name in ("imagenet_r", "imagenet_a", "imagenet_sketch", "imagenet_v2"):
             classes = subset_classes(name)[1] if name in ("imagenet_r", "imagenet_a") else None
@@ -340,6 +342,7 @@ class DistributionShiftBenchmarks(Evaluation):
             corrupt += ood.corrupt + known.corrupt
             is_ood = torch.cat([ood.label, known.label]).bool()  # labels: 1 = OOD, 0 = in-distribution
             anomaly = -torch.cat([ood.confidence, known.confidence])  # -max softmax over the 200 classes
+            assert self.imagenet_val is not None  # ImageNet-O is set up with it only
             section.update(
                 imagenet_val=str(Path(self.imagenet_val).resolve()),
                 num_ood=len(ood.label),

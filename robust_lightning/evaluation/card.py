@@ -108,7 +108,7 @@ class RobustnessCard(Evaluation):
         if unknown:
             raise UserError(f"RobustnessCard.datasets: unknown {unknown}; the datasets are {', '.join(DATASETS)}")
         self.datasets = {name: datasets.get(name) for name in DATASETS}
-        self.settings = {
+        self.settings: dict[str, Any] = {  # the options of each part (None: not requested)
             "autoattack": autoattack,
             "benchmarks": benchmarks or {},
             "imagenet_c": imagenet_c or {},
@@ -185,13 +185,18 @@ class RobustnessCard(Evaluation):
         num_classes = int(getattr(pl_module, "hparams", {}).get("num_classes", 1000))
         source = evaluation_source(trainer)
         default_val = None
-        if source is not None and source.kind == "folder" and (Path(source.location) / "val").is_dir():
+        if (
+            source is not None
+            and source.kind == "folder"
+            and source.location is not None
+            and (Path(source.location) / "val").is_dir()
+        ):
             default_val = str(Path(source.location) / "val")
         self._build_parts(num_classes, default_val)
         for part in self.parts.values():
             part.setup(trainer, pl_module, stage)
 
-    def _forward(hook: str):
+    def _forward(hook: str):  # type: ignore[misc]  # called in the class body (below), to make the hooks
         def forward(self, trainer, pl_module, *args: Any, **kwargs: Any) -> None:
             for part in self.parts.values():
                 getattr(part, hook)(trainer, pl_module, *args, **kwargs)

@@ -29,6 +29,7 @@ metrics are the same code, and the results.json section says how the images were
 """
 
 import csv
+from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from torch.utils.data import IterableDataset
 
 from robust_lightning.console import tqdm
 from robust_lightning.data.classes import class_map
-from robust_lightning.data.contract import EvaluationSource
+from robust_lightning.data.contract import EvaluationSource, evaluation_data
 from robust_lightning.data.transforms import eval_resize_size
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.base import (
@@ -191,7 +192,8 @@ def corruption_errors(
 
     def mean(values: dict[str, float | None]) -> float | None:
         picked = [values[c] for c in standard]
-        return None if not picked or None in picked else sum(picked) / len(picked)
+        known = [v for v in picked if v is not None]
+        return None if not picked or len(known) < len(picked) else sum(known) / len(known)
 
     if complete:
         result.update(mce=mean(ce), relative_mce=mean(relative))
@@ -254,7 +256,8 @@ def _subsample(
     """Deterministic: the first ``limit_per_class`` files (sorted) of each class, then ``max_images`` evenly
     spaced over what is left. Every cell holds the same file names, so all cells keep the same images."""
     if limit_per_class is not None:
-        kept, counts = [], {}
+        kept: list[tuple[str, int]] = []
+        counts: dict[int, int] = {}
         for path, label in samples:
             counts[label] = counts.get(label, 0) + 1
             if counts[label] <= limit_per_class:
@@ -430,11 +433,12 @@ class ImageNetC(Evaluation):
         the run at once, not hours in."""
         self.resolution = evaluation_resolution(trainer, pl_module, self.image_size)
         if self.source == "released":
+            assert self.root is not None  # the released source has a root (__init__)
             self.cells, self.groups = imagenet_c_cells(
                 self.root, self.corruptions, self.severities, self.limit_per_class, self.max_images
             )
             return
-        if not hasattr(trainer.datamodule, "eval_dataloader_with"):
+        if evaluation_data(trainer) is None:
             raise UserError(
                 "ImageNetC source: generated makes the corruptions from the evaluation images of the data "
                 "module: it needs robust_lightning's ImageNetDataModule (the data: section of the config)"
@@ -446,7 +450,8 @@ class ImageNetC(Evaluation):
         self.textures = str(frost_directory(self.frost_dir)) if "frost" in self.corruptions else None
 
     def _workers(self, trainer) -> int:
-        return self.num_workers if self.num_workers is not None else getattr(trainer.datamodule, "num_workers", 4)
+        data = evaluation_data(trainer)
+        return self.num_workers if self.num_workers is not None else data.num_workers if data is not None else 4
 
     def on_test_end(self, trainer, pl_module) -> None:
         evaluate = self._released if self.source == "released" else self._generated
@@ -504,6 +509,7 @@ class ImageNetC(Evaluation):
             released = image.size
         r = self.resolution
         subsampled = self.limit_per_class is not None or self.max_images is not None
+        assert self.root is not None  # the released source has a root (__init__)
         return {
             "source": "released",
             "root": str(Path(self.root).resolve()),
@@ -544,7 +550,8 @@ class ImageNetC(Evaluation):
             corruption, self.severities, self.resolution, self.seed, self.crop_pct, self.textures
         )
         loader = self.eval_loader(trainer, transform, max(1, self.batch_size // len(self.severities)), self.num_workers)
-        rows, corrupt = [], []
+        rows: list[Any] = []
+        corrupt: list[Any] = []
         for batch in tqdm(loader, desc=f"imagenet_c {corruption}", disable=not trainer.is_global_zero, leave=False):
             corrupt += batch["corrupt"]
             if not len(batch["label"]):
@@ -638,7 +645,7 @@ class ImageNetC(Evaluation):
         target: torch.Tensor,
         prediction: torch.Tensor,
         confidence: torch.Tensor,
-        groups: dict[str, str | None],
+        groups: Mapping[str, str | None],
         fewer_images: str | None,
     ) -> dict[str, Any]:
         """Top-1 and error per cell, per-corruption means, ECE (severities pooled), CE / mCE and their relative

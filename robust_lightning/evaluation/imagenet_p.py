@@ -152,7 +152,8 @@ def perturbation_summary(scores: dict[str, dict[str, float | None]], difficulty:
 
     def mean(values: dict[str, float | None], names: list[str]) -> float | None:
         picked = [values[p] for p in names]
-        return None if not picked or None in picked else sum(picked) / len(picked)
+        known = [v for v in picked if v is not None]
+        return None if not picked or len(known) < len(picked) else sum(known) / len(known)
 
     t5d = {p: s["t5d"] for p, s in scores.items()}
     test, validation = [p for p in TEST if p in scores], [p for p in VALIDATION if p in scores]
@@ -450,7 +451,7 @@ class ImageNetP(Evaluation):
 
     def _section(self, trainer, paths, perturbation_of, scores: SequenceScores) -> dict[str, Any]:
         of = [perturbation_of[i] for i in scores.index.tolist()]
-        corrupt = {p: [] for p in self.perturbations}
+        corrupt: dict[str, list[Any]] = {p: [] for p in self.perturbations}
         for index, reason in scores.corrupt:
             corrupt[perturbation_of[index]].append(reason)
         alexnet = alexnet_flip_probabilities()

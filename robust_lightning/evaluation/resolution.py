@@ -45,7 +45,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -125,10 +125,11 @@ def input_size_adaptation(network: nn.Module, pos_embed_interpolation: str = "si
 def _grid_pos_embed(module: nn.Module) -> tuple[int, tuple[int, int]] | None:
     """(prefix tokens in pos_embed, grid) of a timm ViT with a learned absolute position embedding, else None."""
     pos_embed, patch_embed = getattr(module, "pos_embed", None), getattr(module, "patch_embed", None)
-    if not isinstance(pos_embed, torch.Tensor) or getattr(patch_embed, "grid_size", None) is None:
+    grid = getattr(patch_embed, "grid_size", None)
+    if not isinstance(pos_embed, torch.Tensor) or grid is None:
         return None
     prefix = 0 if getattr(module, "no_embed_class", False) else getattr(module, "num_prefix_tokens", 0)
-    return prefix, tuple(patch_embed.grid_size)
+    return prefix, tuple(grid)
 
 
 def interpolate_pos_embed_singh(
@@ -172,14 +173,14 @@ def network_at(network: nn.Module, resolution: int, pos_embed_interpolation: str
         return network
     resized = copy.deepcopy(network)
     try:
-        target = resized.get_submodule(name)
+        target: Any = resized.get_submodule(name)  # a timm ViT: set_input_size, pos_embed, patch_embed
         target.set_input_size(img_size=(resolution, resolution))
         trained = _grid_pos_embed(module)
         if pos_embed_interpolation == "singh" and trained is not None:
             prefix, old_grid = trained
             with torch.no_grad():  # replaces timm's resampling from the same trained embedding
                 target.pos_embed.data = interpolate_pos_embed_singh(
-                    module.pos_embed, old_grid, tuple(target.patch_embed.grid_size), prefix
+                    cast(torch.Tensor, module.pos_embed), old_grid, tuple(target.patch_embed.grid_size), prefix
                 )
     except (ValueError, RuntimeError, AssertionError, NotImplementedError, TypeError) as e:
         raise UserError(
@@ -313,14 +314,14 @@ class ResolutionSweep(Evaluation):
             raise UserError(f"ResolutionSweep.resolutions must be distinct positive sizes, got {resolutions}")
         if not 0 < crop_pct <= 1:
             raise UserError(f"ResolutionSweep.crop_pct must be in (0, 1], got {crop_pct}")
-        for name, value in (
+        for name, number in (
             ("max_images", max_images),
             ("batch_size", batch_size),
             ("n_iter", n_iter),
             ("reference_resolution", reference_resolution),
         ):
-            if value is not None and value < 1:
-                raise UserError(f"ResolutionSweep.{name} must be a positive number, got {value}")
+            if number is not None and number < 1:
+                raise UserError(f"ResolutionSweep.{name} must be a positive number, got {number}")
         # without an attack: clean accuracy only
         self.threat_models = [] if attack is None else parse_threat_models(threat_models, "ResolutionSweep", n_iter)
         self.resolutions, self.crop_pct = sorted(resolutions), float(crop_pct)
@@ -344,6 +345,7 @@ class ResolutionSweep(Evaluation):
         return partial(run, network) if run is not None else network
 
     def cells(self, resolution: int) -> list[Cell]:
+        assert self.results_dir is not None  # set when the sweep starts
         directory = self.results_dir / f"{resolution}px"
         cells = [Cell(resolution, CLEAN, None, directory / CLEAN, self.max_images)]
         for threat in self.threat_models:
@@ -456,9 +458,7 @@ class ResolutionSweep(Evaluation):
                     done[cell.name].update(record["key"])
         self._complete(trainer, todo, seen)
 
-    def _evaluate(
-        self, model, cell: Cell, images, labels, keys, index, device: torch.device | str | None
-    ) -> dict[str, Any]:
+    def _evaluate(self, model, cell: Cell, images, labels, keys, index, device: torch.device | str) -> dict[str, Any]:
         """Outcomes of one batch in one cell, in AutoAttackEvaluation's record format."""
         picked = torch.tensor(index, device=images.device)
         x, y = images[picked], labels[picked]
@@ -472,6 +472,7 @@ class ResolutionSweep(Evaluation):
                 {"clean": time.perf_counter() - started},
             )
         else:
+            assert self.attack is not None  # a robust cell exists with an attack only
             adversary = AutoAttack(
                 model,
                 norm=cell.threat.norm,
@@ -497,7 +498,7 @@ class ResolutionSweep(Evaluation):
         }
 
     @staticmethod
-    def _clean_flags(model, x, y, bs: int, device: torch.device | str | None) -> list[bool]:
+    def _clean_flags(model, x, y, bs: int, device: torch.device | str) -> list[bool]:
         """Correct predictions in fp32 with TF32 off, as AutoAttack judges clean points."""
         with torch.no_grad(), numerics("fp32", torch.device(device)):
             return torch.cat(
@@ -551,6 +552,7 @@ class ResolutionSweep(Evaluation):
             }
             rows[r] = {"clean_accuracy": entry["clean_accuracy"], "robust_accuracy": {}}
             for cell, nominal in zip(cells[1:], self.threat_models):
+                assert self.attack is not None and cell.threat is not None  # the robust cells
                 outcomes = cell.outcomes()
                 robust = sum(o["robust"] for o in outcomes.values())
                 summary = summarise(outcomes, VERSIONS[self.attack])
@@ -570,6 +572,7 @@ class ResolutionSweep(Evaluation):
         return resolutions, rows
 
     def _conditions(self, trainer) -> dict[str, Any]:
+        assert self.results_dir is not None  # set when the sweep started
         network = self.network(trainer.lightning_module)
         return {
             "attack": self.attack,
@@ -604,7 +607,7 @@ class ResolutionSweep(Evaluation):
         resolutions, rows = self._summary()
         first = self.threat_models[0].name if self.threat_models else None
         best = best_resolutions(rows, first)
-        section = {"resolutions": resolutions, "best": best, "conditions": self._conditions(trainer)}
+        section: dict[str, Any] = {"resolutions": resolutions, "best": best, "conditions": self._conditions(trainer)}
         figure = self._plot(rows, best) if self.plot else None
         if figure is None:
             section["plot"] = "not requested"
