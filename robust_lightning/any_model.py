@@ -16,7 +16,7 @@ import tempfile
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning import LightningDataModule, Trainer
@@ -181,7 +181,7 @@ def _callbacks(
 
     callbacks: list[Evaluation] = []
     if "card" in evaluations:
-        card = {
+        card: dict[str, Any] = {
             key: options[key]
             for key in ("benchmarks", "imagenet_c", "imagenet_p", "resolution_sweep")
             if key in options
@@ -193,14 +193,14 @@ def _callbacks(
     if shifts:
         callbacks.append(
             DistributionShiftBenchmarks(
-                **{name: root(name) for name in shifts},
+                **cast(dict[str, Any], {name: root(name) for name in shifts}),
                 imagenet_val=datasets.get("imagenet_val"),
                 **options.get("benchmarks", {}),
             )
         )
     if "imagenet_c" in evaluations:
         where = root("imagenet_c")
-        source = {"source": "generated"} if where == "generated" else {"root": where}
+        source: dict[str, Any] = {"source": "generated"} if where == "generated" else {"root": where}
         callbacks.append(ImageNetC(**source, **options.get("imagenet_c", {})))
     if "imagenet_p" in evaluations:
         callbacks.append(ImageNetP(root=root("imagenet_p"), **options.get("imagenet_p", {})))
@@ -229,7 +229,7 @@ def evaluate(
     batch_size: int = 50,
     num_workers: int | None = None,
     accelerator: str = "auto",
-    devices: int | str = 1,
+    devices: int | str | list[int] = 1,
     strategy: str = "auto",
 ) -> dict[str, Any]:
     """Run the project's evaluations on ``model`` and return the sections results.json holds.
@@ -264,6 +264,7 @@ def evaluate(
     if not isinstance(model, nn.Module):
         raise UserError(f"model must be a torch nn.Module, got {type(model).__name__}")
     evaluations = list(evaluations or ["autoattack"])
+    datamodule: ImageNetDataModule | GivenImages
     if isinstance(data, (str, Path)):
         datamodule = ImageNetDataModule(
             source=FolderSource(str(data), val_labels=val_labels),
@@ -272,7 +273,7 @@ def evaluate(
             eval_subset=eval_subset,
             eval_limit=eval_limit,
             batch_size=batch_size,
-            **{} if num_workers is None else {"num_workers": num_workers},
+            **cast(dict[str, Any], {} if num_workers is None else {"num_workers": num_workers}),
         )
         num_classes = datamodule.num_classes
         found = _num_classes(model, torch.zeros(2, 3, image_size, image_size))
@@ -291,7 +292,14 @@ def evaluate(
 
     from robust_lightning.training.lightning_module import ImageClassifier  # noqa: PLC0415 (heavy)
 
-    module = ImageClassifier(arch=model, num_classes=num_classes, mean=mean, std=std, image_size=datamodule.image_size)
+    # a module given in Python: ImageClassifier takes one (its arch is typed str, as the command line gives it)
+    module = ImageClassifier(
+        arch=model,  # type: ignore[arg-type]
+        num_classes=num_classes,
+        mean=mean,
+        std=std,
+        image_size=datamodule.image_size,
+    )
     with tempfile.TemporaryDirectory(prefix="robust-lightning-evaluate-") as scratch:
         run_dir = Path(out_dir) if out_dir is not None else Path(scratch)
         trainer = Trainer(
@@ -312,7 +320,9 @@ def evaluate(
 
 ROBUSTBENCH_IMAGES = 5000  # RobustBench's ImageNet evaluation subset (data/robustbench_imagenet_test_image_ids.txt)
 # RobustBench's names of the ImageNet preprocessing (robustbench/data.py) that this project's evaluation runs
-ROBUSTBENCH_PREPROCESSING = {"BicubicRes256Crop224": {"image_size": 224, "crop_pct": 224 / 256}}
+ROBUSTBENCH_PREPROCESSING: dict[str, dict[str, Any]] = {
+    "BicubicRes256Crop224": {"image_size": 224, "crop_pct": 224 / 256}
+}
 
 
 def benchmark(

@@ -16,7 +16,7 @@ from argparse import ArgumentError
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from robust_lightning.startup import collector_paused, leave_imported_objects_out_of_collections
 
@@ -131,7 +131,7 @@ LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")  # resolved by the Tr
 
 
 class RobustLightningCLI(LightningCLI):
-    model_overrides: ClassVar[dict[str, Any]] = {}
+    model_overrides: dict[str, Any] = {}  # noqa: RUF012 (a default none; each run sets its own)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Check --ckpt_path before LightningCLI reads it, and keep the model settings that apply over it."""
@@ -141,6 +141,7 @@ class RobustLightningCLI(LightningCLI):
         ckpt_path = config.get("ckpt_path") if config is not None else None
         if not ckpt_path or str(ckpt_path) in LIGHTNING_CKPT_NAMES:
             return
+        assert config is not None  # it named the checkpoint
         argv = sys.argv[1:] if args is None else args if isinstance(args, list) else []
         named = {m.group(1) for token in argv if (m := re.match(r"--model\.(\w+)", str(token)))}
         self.model_overrides = model_settings_over_checkpoint(subcommand, str(ckpt_path), config.model.as_dict(), named)
@@ -171,6 +172,7 @@ class RobustLightningCLI(LightningCLI):
         if self.subcommand == "fit" and not config.get("ckpt_path") and restarts:
             rank_zero_info(f"torchrun restarted this fit ({restarts} restarts so far): it goes on as --ckpt_path last")
             config.ckpt_path = "last"
+        assert self.subcommand is not None  # before_instantiate_classes runs for a subcommand
         continue_slurm_restart(self.subcommand, config)  # a SLURM restart: the same (scale/requeue.py)
         if self.subcommand == "fit" and config.get("ckpt_path") == "last":
             continue_in_latest_run_directory(config)
@@ -196,7 +198,8 @@ class RobustLightningCLI(LightningCLI):
             default = "nccl" if strategy.root_device.type == "cuda" else "gloo"  # Lightning's choice
             join_process_group(strategy.process_group_backend or default)
         first = trainer.loggers[0] if trainer.loggers else None
-        if rank_zero_only.rank == 0 and isinstance(first, (CSVLogger, TensorBoardLogger)):  # W&B logs on rank 0
+        rank = rank_zero_only.rank  # type: ignore[attr-defined]  # what Lightning sets on the function
+        if rank == 0 and isinstance(first, (CSVLogger, TensorBoardLogger)):  # W&B logs on rank 0
             for logger in trainer.loggers:
                 if isinstance(logger, WandbLogger):
                     logger.keep_run_in(first.log_dir)
@@ -246,7 +249,7 @@ def _trainer_options_error(config: dict[str, Any], error: BaseException) -> str:
             return f"[{', '.join(map(shown, value))}]"
         return type(value).__name__
 
-    named = [f"--trainer.{name} {shown(config.get(name))}" for name in sorted(found, key=found.get)]
+    named = [f"--trainer.{name} {shown(config.get(name))}" for name in sorted(found, key=lambda name: found[name])]
     return f"{', '.join(named)}: {message}" if named else message
 
 
@@ -362,8 +365,11 @@ def _merge_settings(earlier: dict, later: dict) -> dict:
     merged = dict(earlier)
     for key, value in later.items():
         before = merged.get(key)
-        mergeable = isinstance(value, dict) and isinstance(before, dict)
-        if mergeable and value.get("class_path", before.get("class_path")) == before.get("class_path"):
+        if (
+            isinstance(value, dict)
+            and isinstance(before, dict)
+            and value.get("class_path", before.get("class_path")) == before.get("class_path")
+        ):
             merged[key] = _merge_settings(before, value)
         else:
             merged[key] = value
@@ -476,7 +482,7 @@ def command_line_check() -> Callable[[Sequence[str]], None]:
 
 def main(args: Sequence[str] | None = None) -> int:
     from_command_line = args is None
-    args = list(sys.argv[1:] if from_command_line else args)
+    args = list(sys.argv[1:] if args is None else args)
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0 if args else 2
@@ -522,7 +528,7 @@ def _run_command(args: list[str], from_command_line: bool) -> int:
         # args None: LightningCLI reads sys.argv itself
         RobustLightningCLI(**cli_arguments(), args=None if from_command_line else args)
     except SIGTERMException as e:  # a SystemExit without a code: the process would exit 0 as if the run had finished
-        if rank_zero_only.rank == 0:
+        if rank_zero_only.rank == 0:  # type: ignore[attr-defined]  # the rank Lightning sets on the function
             requeued = getattr(e, "requeued_checkpoint", None)  # set by Interruption after a SLURM requeue
             if requeued:
                 stopped, then = "stopped for SLURM's requeue", f"SLURM resumes the requeued job from {requeued}"

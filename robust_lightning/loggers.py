@@ -22,9 +22,10 @@ import importlib
 import json
 import os
 import sys
+from collections.abc import Mapping
 from contextlib import suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 from lightning.fabric.loggers.logger import rank_zero_experiment
@@ -193,7 +194,7 @@ class CSVLogger(LightningCSVLogger):
         if self._experiment is None:
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = _ContinuedMetrics(log_dir=self.log_dir)
-        return self._experiment
+        return cast(_ContinuedMetrics, self._experiment)  # made here (the base class types it as its own writer)
 
     @rank_zero_only
     def checkpoint_saved(self) -> None:
@@ -240,6 +241,7 @@ class WandbLogger(LightningWandbLogger):
         self._wandb_init["resume"] = self._wandb_init.get("resume") or "allow"  # the parsed config gives None
 
     def _save_state(self) -> None:
+        assert self._state is not None  # called with a state file only
         atomic_write_json(self._state, {"id": self._id, "best": self._best})
         self._state_written = True
 
@@ -250,7 +252,7 @@ class WandbLogger(LightningWandbLogger):
             self._save_state()
 
     @rank_zero_only
-    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         super().log_metrics(metrics, step)
         if self._state is None:
             return

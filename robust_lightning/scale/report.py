@@ -118,6 +118,7 @@ def _format(value: Any) -> str:
 def build_report(directory: Path, columns: list[str] | None = None) -> dict[str, Any]:
     description, cells = _expected_cells(directory)
     axes = [a["name"] for a in description["axes"]]
+    metric_names: set[str]
     rows, problems, metric_names = [], [], set()
     for cell in cells:  # one entry per expected cell: nothing counted twice, nothing silently missing
         cell_dir = directory / cell["dir"]

@@ -111,7 +111,8 @@ def workspace(
 
     try:
         entity = entity or wandb.Api().default_entity
-        saved = build_workspace(entity, project, name).save()
+        # None (no default entity) goes on to wandb_workspaces, which refuses it, as before
+        saved = build_workspace(entity, project, name).save()  # type: ignore[arg-type]
     except UserError:  # wandb-workspaces missing: its own message
         raise
     except Exception as e:  # no credentials, no network, an unknown project: the library's own message

@@ -53,7 +53,8 @@ class LatestCheckpoint(ModelCheckpoint):
         files a save can replace; whether they are this run's is known once the fit has restored its checkpoint,
         so they are judged at the start of training (``on_train_start``)."""
         if "://" in str(dirpath):  # remote: Lightning's own check
-            return super()._ModelCheckpoint__warn_if_dir_not_empty(dirpath)
+            # Lightning's private check, by its mangled name (mypy does not mangle it)
+            return super()._ModelCheckpoint__warn_if_dir_not_empty(dirpath)  # type: ignore[misc]
         folder = Path(dirpath)
         if self.save_top_k != 0 and folder.is_dir() and any(not p.name.startswith(".") for p in folder.glob("*.ckpt")):
             self._unjudged = folder
@@ -68,7 +69,7 @@ class LatestCheckpoint(ModelCheckpoint):
         if resumed is not None and any(resumed.is_relative_to(d.resolve()) for d in (folder, run_directory(trainer))):
             rank_zero_info(f"checkpoint directory {folder}: this run's checkpoints, which the resumed fit goes on with")
         else:  # another run's, or an earlier attempt's that this fit starts over from scratch
-            super()._ModelCheckpoint__warn_if_dir_not_empty(folder)
+            super()._ModelCheckpoint__warn_if_dir_not_empty(folder)  # type: ignore[misc]  # as above
 
     @property
     def state_key(self) -> str:

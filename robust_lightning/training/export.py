@@ -15,7 +15,7 @@ Two forms:
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import safetensors
 from timm.models import model_entrypoint, save_for_hf
@@ -24,7 +24,7 @@ from robust_lightning.argument_parsing import run_tool
 from robust_lightning.atomic import atomic_write_json, atomic_write_text, give_ordinary_permissions
 from robust_lightning.errors import UserError
 from robust_lightning.models.checkpoints import read_checkpoint, save_net_weights
-from robust_lightning.models.classifier import RobustClassifier
+from robust_lightning.models.classifier import InputNormalization, RobustClassifier
 
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".pt", ".pth")
 # the evaluation preprocessing of robust_lightning.data.transforms.eval_transform at its default
@@ -74,10 +74,11 @@ def export_timm_folder(checkpoint: str | Path, out_dir: str | Path, ema: bool = 
             f"{checkpoint} was trained with model.small_input: timm would rebuild it with the standard "
             "strides; export a .safetensors file instead and load it with robust-lightning"
         )
-    net = model.net
+    net: Any = model.net  # a timm model (pretrained_cfg)
     channels = net.pretrained_cfg.get("input_size", (3,))[0]
     if hasattr(model.normalize, "mean"):
-        mean, std = model.normalize.mean.flatten().tolist(), model.normalize.std.flatten().tolist()
+        normalize = cast(InputNormalization, model.normalize)
+        mean, std = normalize.mean.flatten().tolist(), normalize.std.flatten().tolist()
     else:  # the net takes [0, 1] images: timm's normalisation must be the identity
         mean, std = [0.0] * channels, [1.0] * channels
     size = hparams.get("image_size") or net.pretrained_cfg["input_size"][-1]
@@ -181,6 +182,7 @@ def model_card(
         lines.append("- Clean training (no attack).")
     else:
         eps, norm = hparams.get("attack_eps"), hparams.get("attack_norm")
+        assert eps is not None  # an adversarial recipe records its eps
         shown_eps = f"{eps * 255:.4g}/255" if norm == "Linf" else f"{eps:.4g}"
         lines.append(f"- Adversarial training: {attack}, {norm} eps {shown_eps}, {hparams.get('attack_steps')} steps.")
     lines += [

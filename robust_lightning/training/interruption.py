@@ -200,7 +200,7 @@ class Interruption(Callback):
         requeued = getattr(trainer, "_rl_requeued", None)
         if requeued is not None:  # the job is requeued whatever this process does now
             path, step = requeued
-            exception.requeued_checkpoint = path  # for the command line's last word
+            exception.requeued_checkpoint = path  # type: ignore[union-attr]  # for the command line's last word
             rank_zero_info(
                 f"\nfit stopped at epoch {trainer.current_epoch}, step {step} for SLURM's requeue of the job\n"
                 f"SLURM restarts the job, which resumes from {path}: nothing to run (a resume of your own would start "

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import torch
 import torch.nn.functional as F
 from lightning import LightningModule
-from lightning.pytorch.utilities.parsing import AttributeDict
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.parsing import AttributeDict
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from timm.layers import DropPath
 from timm.models.convnext import ConvNeXt
@@ -614,7 +614,8 @@ class ImageClassifier(LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        params: nn.Module | list[dict[str, Any]] = self.model.net  # timm's rule: create_optimizer_v2 spares biases, 1-D tensors, no_weight_decay()
+        # timm's rule: create_optimizer_v2 spares biases, 1-D tensors, no_weight_decay()
+        params: nn.Module | list[dict[str, Any]] = self.model.net
         if hp.weight_decay_rule == "official":
             decayed = official_decayed_names(self.model.net)
             named = [(name, p) for name, p in self.model.net.named_parameters() if p.requires_grad]

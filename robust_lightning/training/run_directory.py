@@ -298,7 +298,7 @@ def newest_intact_checkpoint(directory: Path) -> tuple[Path | None, list[str]]:
     files = [p for p in directory.glob(f"*{ModelCheckpoint.FILE_EXTENSION}") if not p.name.startswith(".")]
     last = [p for p in files if p.name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST)]
     others = sorted(set(files) - set(last), key=lambda p: p.stat().st_mtime, reverse=True)
-    passed = []
+    passed: list[str] = []
     for candidate in sorted(last, key=lambda p: p.stat().st_mtime, reverse=True) + others:
         try:
             with zipfile.ZipFile(candidate):
@@ -347,7 +347,8 @@ def continue_in_latest_run_directory(config) -> None:
             run_dir = run_dir or runs / f"version_{init.version}"
             # the log continues in metrics.csv; a copy as the earlier attempts left it, named as before
             metrics = runs / f"version_{init.version}" / "metrics.csv"
-            if metrics.is_file() and rank_zero_only.rank == 0:
+            # the rank Lightning sets on the function
+            if metrics.is_file() and rank_zero_only.rank == 0:  # type: ignore[attr-defined]
                 part = next(k for k in itertools.count(1) if not metrics.with_name(f"metrics.part{k}.csv").exists())
                 _note_added_file(metrics.with_name(f"metrics.part{part}.csv"))
                 shutil.copyfile(metrics, metrics.with_name(f"metrics.part{part}.csv"))
