@@ -25,6 +25,9 @@ NOT_IMPORTED = {
     "pytest-xdist": "a pytest plugin: `make test` passes its -n option",
     "mkdocs-material": "the theme of the manual's site (mkdocs.yml), built by tests/test_docs.py",
     "mkdocstrings": "the API page of the manual's site (docs/api.md), a plugin mkdocs loads",
+    "mypy": "the type checker `make test` runs after the linter (a command, not a module)",
+    "types-pyyaml": "stubs mypy reads for yaml (never imported)",
+    "types-tqdm": "stubs mypy reads for tqdm (never imported)",
 }
 
 
