@@ -267,7 +267,7 @@ class LesionStudy(Analysis):
                         label=f"{name}: mean ± standard error",
                     ).lines[0]
                 ax.fill_between(
-                    xs,
+                    at,
                     [100 * by_n[n]["min"] for n in ns],
                     [100 * by_n[n]["max"] for n in ns],
                     alpha=0.2,
