@@ -418,7 +418,8 @@ def fit_overrides(workdir: Path, sizes: Sizes, train: Path, val: Path) -> dict:
         "log_every_n_steps": 1 if sizes.smoke else 5,
         "callbacks": [{"class_path": "sync_probe.SyncProbe", "init_args": {"record": str(workdir / "sync.json")}}],
     }
-    data = {"train_shards": str(train), "val_shards": str(val), "holdout": 16 if sizes.smoke else 512}
+    shards = {"class_path": "ShardSource", "init_args": {"train_shards": str(train), "val_shards": str(val)}}
+    data = {"source": shards, "holdout": 16 if sizes.smoke else 512}
     if sizes.smoke:  # tiny sizes on the CPU, the rest as the recipe
         trainer.update(accelerator="cpu", max_steps=3)
         data.update(

@@ -10,17 +10,20 @@ message with a close match and exit status 2. A tool's options are the parameter
 import argparse
 import difflib
 import json
+import os
 import re
 import sys
 import typing
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, NoReturn
 
-from jsonargparse import ActionConfigFile, DefaultHelpFormatter
+import yaml
+from jsonargparse import ActionConfigFile, DefaultHelpFormatter, get_loader
 from lightning.pytorch.cli import LightningArgumentParser
 
-from robust_lightning.errors import PROG, job_rank
+from robust_lightning.errors import PROG, UserError, job_rank
 
 
 class ArgumentParser(LightningArgumentParser):
@@ -157,3 +160,99 @@ def run_tool(function: Callable[..., int], argv: Sequence[str], prog: str, descr
     """Parse ``argv`` into the parameters of ``function`` and call it."""
     options, _ = parse_tool_arguments(function, argv, prog, description)
     return function(**options)
+
+
+# A config file may start from others: ``extends: BASE`` (or a list of them). See compose_config.
+BASES_KEY = "extends"
+_parsed_config_file: ContextVar[Path | None] = ContextVar("parsed_config_file", default=None)
+
+
+def compose_config(path: Path, content: Any = None, _chain: tuple[Path, ...] = ()) -> Any:
+    """The settings of config file ``path`` (its text already read: ``content``, a mapping) with its bases composed
+    in. ``extends: BASE`` or ``extends: [BASE, ...]`` names the files, relative to the file naming them, that the
+    file starts from: each base composed the same way (a base may extend others), the next base over it, the file's
+    own settings last. Over what comes before, a mapping is merged key by key; any other value (a list, a scalar,
+    null) replaces the earlier one, and so does a mapping naming another ``class_path``. A top-level key with dots
+    (``model.arch: convnext_tiny``) stands for the nested key, as on the command line. A file without the key is
+    returned as it is; a missing base, a base that is no mapping and bases extending each other are UserErrors."""
+    path = Path(os.path.abspath(path))
+    if path in _chain:
+        cycle = " -> ".join(p.name for p in (*_chain[_chain.index(path) :], path))
+        raise UserError(f"config file {_chain[0]}: its bases extend each other in a cycle: {cycle}")
+    if content is None:
+        try:
+            content = get_loader("yaml")(path.read_text())
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"cannot read config file {path}, a base of {_chain[-1]}: {e}") from None
+        except yaml.YAMLError as e:
+            raise UserError(
+                f"config file {path}, a base of {_chain[-1]}, is not valid YAML: {' '.join(str(e).split())}"
+            ) from None
+        if not isinstance(content, dict):
+            raise UserError(f"config file {path}, a base of {_chain[-1]}, holds no mapping of options")
+    if not isinstance(content, dict) or BASES_KEY not in content:
+        return content
+    bases = content[BASES_KEY]
+    names = [bases] if isinstance(bases, str) else bases
+    if not isinstance(names, list) or not names or not all(isinstance(name, str) and name for name in names):
+        raise UserError(f"config file {path}: {BASES_KEY} names a base config file or a list of them, not {bases!r}")
+    composed: dict = {}
+    for name in names:
+        base = path.parent / name
+        if not base.is_file():
+            raise UserError(f"config file {path}: its base {name} is not a file ({base})")
+        composed = _merge_settings(composed, _nest_dotted_keys(compose_config(base, None, (*_chain, path))))
+    own = {key: value for key, value in content.items() if key != BASES_KEY}
+    return _merge_settings(composed, _nest_dotted_keys(own))
+
+
+def _nest_dotted_keys(settings: dict) -> dict:
+    """``{"model.arch": x}`` as ``{"model": {"arch": x}}``, merged with the other keys in their order."""
+    nested: dict = {}
+    for key, value in settings.items():
+        for part in reversed(str(key).split(".")[1:]):
+            value = {part: value}
+        nested = _merge_settings(nested, {str(key).split(".")[0]: value})
+    return nested
+
+
+def _merge_settings(earlier: dict, later: dict) -> dict:
+    merged = dict(earlier)
+    for key, value in later.items():
+        before = merged.get(key)
+        if (
+            isinstance(value, dict)
+            and isinstance(before, dict)
+            and value.get("class_path", before.get("class_path")) == before.get("class_path")
+        ):
+            merged[key] = _merge_settings(before, value)
+        else:
+            merged[key] = value
+    return merged
+
+
+class ArgumentParserWithBases(ArgumentParser):
+    """The Trainer commands' parser: a config file that extends others is parsed as its composed settings
+    (compose_config), so that ``--print_config`` shows the whole config and messages name the file given."""
+
+    def parse_path(self, path: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
+        token = _parsed_config_file.set(Path(os.path.abspath(os.fspath(path))))
+        try:
+            return super().parse_path(path, *args, **kwargs)  # reads the file and hands its text to parse_string
+        finally:
+            _parsed_config_file.reset(token)
+
+    def parse_string(self, content: str, *args: Any, **kwargs: Any) -> Any:
+        file = _parsed_config_file.get()
+        token = _parsed_config_file.set(None)  # the text of that file only, not what it may parse in turn
+        try:
+            if file is not None and BASES_KEY in content:
+                try:
+                    settings = get_loader("yaml")(content)
+                except yaml.YAMLError:
+                    settings = None  # left to the parser, which reports it
+                if isinstance(settings, dict) and BASES_KEY in settings:
+                    content = yaml.safe_dump(compose_config(file, settings), sort_keys=False)
+            return super().parse_string(content, *args, **kwargs)
+        finally:
+            _parsed_config_file.reset(token)

@@ -700,13 +700,13 @@ def test_results_list_the_differences_from_the_official_code(tiny_data):
 def test_recipes_use_the_official_fill_and_decode():
     from pathlib import Path
 
-    import yaml
+    from robust_lightning.argument_parsing import compose_config
 
     recipes = sorted((Path(__file__).resolve().parents[1] / "configs" / "recipes").glob("*.yaml"))
     assert len(recipes) > 10
     for path in recipes:
         text = path.read_text()
-        data = yaml.safe_load(text)["data"]
+        data = compose_config(path)["data"]  # with the bases it extends
         assert data["augmentation_fill"] == "official" and data["full_resolution_decode"] is True, path.name
         assert "timm's ImageNet defaults" not in text.split("seed_everything")[0], path.name  # header up to date
 

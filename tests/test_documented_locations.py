@@ -11,11 +11,14 @@ import pytest
 import yaml
 
 from helpers import REPO
+from robust_lightning.argument_parsing import compose_config
 from robust_lightning.locking import LOCK_NAME
 from robust_lightning.scale.sweep_spec import load_sweep
 
-RUN_CONFIGS = sorted(
-    path for path in (REPO / "configs").rglob("*.yaml") if "trainer" in (yaml.safe_load(path.read_text()) or {})
+RUN_CONFIGS = sorted(  # composed with the bases they extend (configs/recipes/base), which are no runs themselves
+    path
+    for path in (REPO / "configs").rglob("*.yaml")
+    if "base" not in path.relative_to(REPO / "configs").parts and "trainer" in (compose_config(path) or {})
 )
 
 
@@ -23,7 +26,7 @@ RUN_CONFIGS = sorted(
 def test_every_shipped_run_config_writes_its_run_directories_under_runs(config):
     """README: every run directory is runs/<name>/version_N/ with the CSV logger every shipped config names; the
     run's other outputs (AutoAttack outcomes, the logger's folder) follow trainer.default_root_dir."""
-    trainer = yaml.safe_load(config.read_text())["trainer"]
+    trainer = compose_config(config)["trainer"]
     loggers = trainer["logger"] if isinstance(trainer["logger"], list) else [trainer["logger"]]
     csv = loggers[0]
     assert csv["class_path"] == "lightning.pytorch.loggers.CSVLogger"

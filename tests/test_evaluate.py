@@ -175,7 +175,7 @@ def test_a_leaderboard_claim_only_for_the_leaderboards_evaluation(trained, point
     linf = content["autoattack"]["threat_models"]["Linf-4_255"]
     linf.update(num_points=5000, clean_accuracy=0.72724, robust_accuracy=0.49456)
     content["test"]["conditions"]["data"] = {
-        "source": {"class_path": "ShardSource", "init_args": {}},
+        "source": "shards",
         "eval_split": "val",
         "eval_subset": "robustbench",
         "eval_limit": None,

@@ -17,6 +17,8 @@ import yaml
 from PIL import Image
 
 from helpers import run_command
+from robust_lightning.data.datamodule import ImageNetDataModule
+from robust_lightning.data.sources import SyntheticSource
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation import imagenet_c
 from robust_lightning.evaluation.corruptions import CorruptedEvalTransform
@@ -464,7 +466,8 @@ def test_generated_checks_before_any_work(tmp_path):
     ):
         with pytest.raises(UserError, match=message):
             ImageNetC(**kwargs)
-    trainer = SimpleNamespace(datamodule=SimpleNamespace(eval_dataloader_with=None, image_size=224))
+    # a data module that provides the evaluation images (EvaluationData), never set up: nothing is read
+    trainer = SimpleNamespace(datamodule=ImageNetDataModule(source=SyntheticSource(root=str(tmp_path / "none"))))
     callback = ImageNetC(source="generated", corruptions=["frost"], frost_dir=str(tmp_path))
     with pytest.raises(UserError, match=r"frost texture folder .* lacks frost1.png"):
         callback.on_test_start(trainer, Recorder(224))

@@ -13,7 +13,7 @@ from helpers import write_checkpoint
 from robust_lightning import atomic
 from robust_lightning.atomic import atomic_write_text, temporary_path, umask
 from robust_lightning.evaluation.outcomes import append_record, claim_directory
-from robust_lightning.evaluation.results import update_results
+from robust_lightning.evaluation.results import ResultsFile
 from robust_lightning.training.checkpoint_io import AtomicCheckpointIO
 from robust_lightning.training.export import export
 
@@ -39,7 +39,7 @@ def test_files_follow_the_umask(tmp_path, umask_and_mode):
     assert export(str(checkpoint), str(tmp_path / "timm-folder")) == 0
     assert export(str(checkpoint), str(tmp_path / "weights.safetensors")) == 0
     AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.zeros(2)}}, tmp_path / "ckpts" / "last.ckpt")
-    update_results(tmp_path / "results.json", {"test": {"acc1": 0.5}})
+    ResultsFile.of(tmp_path).write({"test": {"acc1": 0.5}})
     atomic_write_text(tmp_path / "note.txt", "text")
     outcomes = tmp_path / "outcomes"
     claim_directory(outcomes, {"n_iter": 5}, True, "AutoAttackEvaluation")

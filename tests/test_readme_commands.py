@@ -256,7 +256,9 @@ class Sandbox:
             make_image_tree(self.substitutes["/datasets/imagenet"] / split, {w: 1 for w in WNIDS})
         self.substitutes["/datasets/imagenet-wds"].mkdir()
         self.substitutes["my_overrides.yaml"].write_text("trainer: {enable_progress_bar: false}\n")
-        self.substitutes["my.yaml"].write_text("model: {arch: resnet18}\ndata: {source: SyntheticSource, image_size: 32}\n")
+        self.substitutes["my.yaml"].write_text(
+            "model: {arch: resnet18}\ndata: {source: SyntheticSource, image_size: 32}\n"
+        )
         self.substitutes["ckpts.txt"].write_text(f"{self.substitutes['CKPT']}\n")
         self.substitutes["RUN_DIR"].mkdir()
         (self.substitutes["RUN_DIR"] / "results.json").write_text("{}\n")

@@ -1,5 +1,5 @@
-"""Recipes that say only what differs (project issue 39): the bases of configs/recipes/base/, the ``extends`` key that
-composes a config from them (robust_lightning.cli.compose_config), how little the recipes repeat each other, and the
+"""Recipes that say only what differs: the bases of configs/recipes/base/, the ``extends`` key that composes a
+config from them (robust_lightning.argument_parsing.compose_config), how little the recipes repeat each other, and the
 run configs of the stem ablations of App. B (Tables 7-9) of Singh, Croce & Hein (NeurIPS 2023).
 
 Every expected value of the App. B configs is written here from the paper, not read back from the files under test."""
@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from robust_lightning.cli import BASES_KEY, compose_config, main
+from robust_lightning.argument_parsing import BASES_KEY, compose_config
+from robust_lightning.cli import main
 from robust_lightning.errors import UserError
 from robust_lightning.models.convstem import (
     CONVNEXT_BASE_STEM_ABLATIONS,

@@ -14,7 +14,7 @@ import yaml
 
 from robust_lightning.cli import main
 from robust_lightning.errors import UserError
-from robust_lightning.evaluation.results import update_results
+from robust_lightning.evaluation.results import ResultsFile
 from robust_lightning.job_signals import shield_forked_children
 from robust_lightning.scale import report as report_module
 from robust_lightning.scale.sweep import cell_state
@@ -49,7 +49,7 @@ def write_sweep(tmp_path: Path, **spec) -> Path:
 
 
 def mark(cell_dir: Path, status: str, **sections) -> None:
-    update_results(cell_dir / "results.json", {**sections, "sweep": {"status": status, "cell": cell_dir.name}})
+    ResultsFile.of(cell_dir).write({**sections, "sweep": {"status": status, "cell": cell_dir.name}})
 
 
 def test_grid_expands_to_the_product_with_every_value_in_its_cell(tmp_path):

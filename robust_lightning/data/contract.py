@@ -4,7 +4,7 @@ evaluation and analysis packages read the data only through this contract; Image
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch.utils.data import DataLoader
@@ -31,6 +31,7 @@ class EvaluationSource:
     limit: int | None = None  # data.eval_limit: the first n images evaluated
 
 
+@runtime_checkable
 class EvaluationData(Protocol):
     """What an evaluation or analysis (robust_lightning.evaluation, robust_lightning.analysis) may ask of the
     data module, and all it may ask; ImageNetDataModule provides it. The data module's other attributes are its
@@ -71,3 +72,10 @@ class EvaluationData(Protocol):
     ) -> TrainingSample: ...
 
     def conditions(self) -> dict[str, Any]: ...
+
+
+def evaluation_data(trainer: Any) -> EvaluationData | None:
+    """The trainer's data module where it provides ``EvaluationData`` (ImageNetDataModule, the Python API's
+    images), None for another data module or none."""
+    data = getattr(trainer, "datamodule", None)
+    return data if isinstance(data, EvaluationData) else None

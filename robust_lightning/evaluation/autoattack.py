@@ -41,6 +41,7 @@ from robust_lightning.attacks.ensemble import (
 )
 from robust_lightning.attacks.projections import NORMS
 from robust_lightning.attacks.sanity import sanity_checks
+from robust_lightning.data.contract import evaluation_data
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.base import (
     Evaluation,
@@ -191,6 +192,7 @@ class AutoAttackEvaluation(Evaluation):
         evaluated (also after fit, where no checkpoint file names them), the images and the attack."""
         source = evaluation_source(trainer)
         kind, location = (source.kind, source.location) if source else (None, None)
+        data = evaluation_data(trainer)
         return {
             "weights_sha256": weights_hash,
             "weights": self.weights,
@@ -199,11 +201,11 @@ class AutoAttackEvaluation(Evaluation):
             "data_root": location if kind == "folder" else None,
             "data_val_shards": location if kind == "shards" else None,
             "data_image_size": data_image_size(trainer),
-            "data_crop_pct": getattr(trainer.datamodule, "crop_pct", None),
+            "data_crop_pct": data.crop_pct if data is not None else None,
             # only where it is not the default, so that manifests written before the option still resume
             **(
                 {"data_eval_resize": resize}
-                if (resize := getattr(trainer.datamodule, "eval_resize", "shorter_side")) != "shorter_side"
+                if (resize := data.eval_resize if data is not None else "shorter_side") != "shorter_side"
                 else {}
             ),
             "data_eval_subset": source.subset if source else None,
@@ -350,8 +352,8 @@ class AutoAttackEvaluation(Evaluation):
 
     # -------------------------------------------------------------------------------------------- end
     def on_test_epoch_end(self, trainer, pl_module) -> None:
-        data = trainer.datamodule
-        expected = data.expected_eval_images() if hasattr(data, "expected_eval_images") else (None, None)
+        data = evaluation_data(trainer)
+        expected = data.expected_eval_images() if data is not None else (None, None)
         self._finish(trainer, pl_module, *expected)
 
     def _finish(

@@ -25,10 +25,11 @@ from torch import nn
 
 from robust_lightning.console import tqdm
 from robust_lightning.data.batch import IMAGE, KEY, LABEL
-from robust_lightning.data.contract import EvaluationSource
+from robust_lightning.data.contract import EvaluationSource, evaluation_data
 from robust_lightning.data.samplers import rank_share
 from robust_lightning.errors import UserError
-from robust_lightning.evaluation.results import update_results
+from robust_lightning.evaluation.evaluated_module import EvaluatedModule, model_setting
+from robust_lightning.evaluation.results import ResultsFile
 from robust_lightning.models.classifier import RobustClassifier
 from robust_lightning.paths import run_directory
 
@@ -110,11 +111,11 @@ class Evaluation(Callback):
     plot_key = "plot"
 
     # ---------------------------------------------------------------------------------------- the model
-    def network(self, pl_module) -> RobustClassifier:
+    def network(self, pl_module: EvaluatedModule) -> RobustClassifier:
         """The network evaluated: the raw weights, or the EMA copy (``weights: ema``) of a model trained with
         model.ema_decay. [0, 1] images in, logits out. Its mode is left as it is (see ``evaluating``)."""
         if self.weights == "ema":
-            if getattr(pl_module, "ema", None) is None:
+            if pl_module.ema is None:
                 raise UserError(f"{type(self).__name__}.weights 'ema' needs a model trained with model.ema_decay")
             return pl_module.ema.module
         return pl_module.model
@@ -122,8 +123,8 @@ class Evaluation(Callback):
     # ----------------------------------------------------------------------------------------- the data
     def check_data(self, trainer):
         """The data module, if it can give the evaluation images (else a UserError, before any work)."""
-        data = trainer.datamodule
-        if not hasattr(data, "eval_dataloader_with"):
+        data = evaluation_data(trainer)
+        if data is None:
             raise UserError(
                 f"{type(self).__name__} reads the evaluation images through the datamodule: run it "
                 "with robust_lightning's ImageNetDataModule (the data: section of the config)"
@@ -211,8 +212,8 @@ class Evaluation(Callback):
             figure.savefig(path, dpi=100, bbox_inches="tight")
             _close(figure)
             section["plot"] = str(path.resolve())
-        results = run_dir / "results.json"
-        update_results(results, {self.name: section})
+        results = ResultsFile.of(run_dir)
+        results.write({self.name: section})
         metrics = {key: float(value) for key, value in (metrics or {}).items()}
         for logger in trainer.loggers:
             if metrics:
@@ -227,7 +228,7 @@ class Evaluation(Callback):
             message = message(section)
         if message is None:
             shown = ", ".join(f"{k.removeprefix(self.name + '/')}={v:.4g}" for k, v in metrics.items())
-            message = f"{self.name}: {shown or 'done'}; results: {results.resolve()}"
+            message = f"{self.name}: {shown or 'done'}; results: {results.path.resolve()}"
         for line in [message] if isinstance(message, str) else message:
             print(line, flush=True)
         return section
@@ -252,17 +253,18 @@ def new_figure(*args, **kwargs):
 
 def data_image_size(trainer) -> int | None:
     """The data module's evaluation crop (``EvaluationData.image_size``), None for a data module without one."""
-    return getattr(trainer.datamodule, "image_size", None)
+    data = evaluation_data(trainer)
+    return data.image_size if data is not None else None
 
 
 def evaluation_source(trainer) -> EvaluationSource | None:
     """Where the data module's evaluation images come from (``EvaluationData.evaluation_source``), None for a
     data module that does not say."""
-    describe = getattr(trainer.datamodule, "evaluation_source", None)
-    return None if describe is None else describe()
+    data = evaluation_data(trainer)
+    return data.evaluation_source() if data is not None else None
 
 
 def evaluation_resolution(trainer, pl_module, override: int | None) -> int:
     """The resolution an evaluation runs at: the override, else the model's, else the data's, else 224."""
-    model_size = getattr(pl_module, "hparams", {}).get("image_size")
+    model_size = model_setting(pl_module, "image_size")
     return int(override or model_size or data_image_size(trainer) or 224)

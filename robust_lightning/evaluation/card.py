@@ -11,19 +11,21 @@ everything that was skipped and why (no dataset root, or a model whose classes a
 """
 
 import csv
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from robust_lightning.atomic import atomic_write_text
+from robust_lightning.data.contract import evaluation_data
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.autoattack import AutoAttackEvaluation, ThreatModel
 from robust_lightning.evaluation.base import Evaluation, evaluation_resolution, evaluation_source
 from robust_lightning.evaluation.benchmarks import DistributionShiftBenchmarks
+from robust_lightning.evaluation.evaluated_module import model_setting
 from robust_lightning.evaluation.imagenet_c import ImageNetC
 from robust_lightning.evaluation.imagenet_p import ImageNetP
 from robust_lightning.evaluation.resolution import ResolutionSweep
+from robust_lightning.evaluation.results import ResultsFile
 from robust_lightning.models.robustbench import is_robustbench_arch, robustbench_entry
 from robust_lightning.paths import DATA_DIR
 
@@ -182,7 +184,7 @@ class RobustnessCard(Evaluation):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "test":
             raise UserError("RobustnessCard runs under `robust-lightning test` only")
-        num_classes = int(getattr(pl_module, "hparams", {}).get("num_classes", 1000))
+        num_classes = int(model_setting(pl_module, "num_classes", 1000))
         source = evaluation_source(trainer)
         default_val = None
         if (
@@ -217,15 +219,14 @@ class RobustnessCard(Evaluation):
         if not trainer.is_global_zero:
             self.publish(trainer, None, None)
             return
-        results_path = run_dir / "results.json"
-        results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+        results = ResultsFile.of(run_dir).sections  # what the parts handed the writer, in memory
         test_metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test")}
         header = {
-            "arch": getattr(pl_module, "hparams", {}).get("arch", type(pl_module).__name__),
-            "num_classes": int(getattr(pl_module, "hparams", {}).get("num_classes", 1000)),
+            "arch": model_setting(pl_module, "arch", type(pl_module).__name__),
+            "num_classes": int(model_setting(pl_module, "num_classes", 1000)),
             "checkpoint": trainer.ckpt_path,
             "resolution": evaluation_resolution(trainer, pl_module, None),
-            "data": trainer.datamodule.conditions() if hasattr(trainer.datamodule, "conditions") else None,
+            "data": data.conditions() if (data := evaluation_data(trainer)) is not None else None,
         }
         papers = paper_rows(header["arch"]) if self.paper_results else []
         atomic_write_text(run_dir / CARD_FILE, render_card(header, test_metrics, results, self.skipped, papers))

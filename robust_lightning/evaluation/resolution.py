@@ -43,7 +43,6 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -53,6 +52,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from timm.layers import PatchEmbed
 from torch import nn
 
+from robust_lightning.atomic import atomic_write_json
 from robust_lightning.attacks.ensemble import ENGINES, PRECISIONS, VERSIONS, AutoAttack, numerics, precision_note
 from robust_lightning.data.samplers import rank_share
 from robust_lightning.data.transforms import eval_resize_size, eval_transform
@@ -68,8 +68,9 @@ from robust_lightning.evaluation.base import (
     new_figure,
     outcomes_parent,
 )
+from robust_lightning.evaluation.evaluated_module import model_setting, network_runner
 from robust_lightning.evaluation.outcomes import append_record, cell_seconds, claim_directory, read_outcomes, summarise
-from robust_lightning.evaluation.results import update_results, weights_sha256
+from robust_lightning.evaluation.results import weights_sha256
 
 __all__ = [
     "DEFAULT_RESOLUTIONS",
@@ -340,9 +341,7 @@ class ResolutionSweep(Evaluation):
 
     # ------------------------------------------------------------------------------------------- set-up
     def _model(self, pl_module, network: nn.Module) -> Callable:
-        # through the module's own runner where it has one (it applies channels_last)
-        run = getattr(pl_module, "_run", None)
-        return partial(run, network) if run is not None else network
+        return network_runner(pl_module, network)  # the module's own runner applies channels_last
 
     def cells(self, resolution: int) -> list[Cell]:
         assert self.results_dir is not None  # set when the sweep starts
@@ -389,7 +388,7 @@ class ResolutionSweep(Evaluation):
         # not the versioned log dir: a re-run of the same command must find the saved outcomes
         self.results_dir = self.results_dir or outcomes_parent(trainer) / "resolution_sweep"
         self.weights_sha256 = weights_sha256(network)  # the weights evaluated, however they were loaded
-        arch = getattr(pl_module, "hparams", {}).get("arch", type(network).__name__)
+        arch = model_setting(pl_module, "arch", type(network).__name__)
         # eval mode: the trial forwards must not touch BatchNorm statistics
         with evaluating(pl_module), torch.inference_mode(False):
             for r in self.resolutions:
@@ -524,7 +523,7 @@ class ResolutionSweep(Evaluation):
                     f"{cell.directory} lacks the outcomes of {len(missing)} images (first: "
                     f"{sorted(missing)[0]}); results_dir must be a directory every rank can read"
                 )
-            update_results(
+            atomic_write_json(
                 cell.directory / "done.json",
                 {"num_images": len(expected), "max_images": self.max_images, "keys": sorted(expected)},
             )

@@ -25,7 +25,7 @@ import threading
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from lightning import Callback
@@ -36,20 +36,63 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import robust_lightning
 from robust_lightning.atomic import atomic_write_json
+from robust_lightning.data.contract import evaluation_data
 from robust_lightning.data.corrupt_report import CorruptImageReport
+from robust_lightning.evaluation.evaluated_module import model_conditions
 from robust_lightning.job_signals import requeue_this_job
 from robust_lightning.paths import run_directory
 
 log = logging.getLogger(__name__)
 
 
-def update_results(path: str | Path, sections: dict[str, Any]) -> dict:
-    """Merge ``sections`` into the JSON file at ``path`` (created if missing); returns the merged content."""
-    path = Path(path)
-    content = json.loads(path.read_text()) if path.is_file() else {}
-    content.update(sections)
-    atomic_write_json(path, content, default=str)
-    return content
+RESULTS_FILE = "results.json"
+
+
+class ResultsFile:
+    """The one writer of a run's results.json. Each stage and evaluation hands it its section (``write``), and
+    readers in the same process (the robustness card) read the sections from it (``sections``), not from disk.
+
+    There is one writer per file in a process (``of``). Every write rewrites the whole file atomically, merged
+    over what another process wrote to it since (an earlier session of the run, a sweep's bookkeeping)."""
+
+    _writers: ClassVar[dict[Path, "ResultsFile"]] = {}
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._sections: dict[str, Any] = {}
+        self._seen: tuple[int, int] | None = None  # (mtime_ns, size) of the file as this writer last saw it
+
+    @classmethod
+    def of(cls, run_dir: str | Path) -> "ResultsFile":
+        """The writer of ``run_dir/results.json`` in this process."""
+        path = (Path(run_dir) / RESULTS_FILE).absolute()
+        if path not in cls._writers:
+            cls._writers[path] = cls(path)
+        return cls._writers[path]
+
+    def _stamp(self) -> tuple[int, int] | None:
+        try:
+            status = self.path.stat()
+        except FileNotFoundError:
+            return None
+        return status.st_mtime_ns, status.st_size
+
+    @property
+    def sections(self) -> dict[str, Any]:
+        """The run's sections: those written here, and those another process wrote to the file."""
+        stamp = self._stamp()
+        if stamp != self._seen:
+            self._sections = json.loads(self.path.read_text()) if stamp is not None else {}
+            self._seen = stamp
+        return self._sections
+
+    def write(self, sections: dict[str, Any]) -> dict[str, Any]:
+        """Add or replace ``sections`` (name: section) and write the file; returns all the run's sections."""
+        content = self.sections
+        content.update(sections)
+        atomic_write_json(self.path, content, default=str)
+        self._seen = self._stamp()
+        return content
 
 
 def file_sha256(path: str | Path) -> str:
@@ -167,11 +210,11 @@ class RunResults(Callback):
         self._give_back_requeue_signal(trainer)
 
     def _conditions(self, trainer, pl_module) -> dict[str, Any]:
-        datamodule = trainer.datamodule
+        data = evaluation_data(trainer)
         return {
             "command": " ".join(sys.argv),
-            "model": pl_module.conditions() if hasattr(pl_module, "conditions") else type(pl_module).__name__,
-            "data": datamodule.conditions() if hasattr(datamodule, "conditions") else None,
+            "model": model_conditions(pl_module),
+            "data": data.conditions() if data is not None else None,
             "seed": int(os.environ.get("PL_GLOBAL_SEED", -1)),
             "precision": str(trainer.precision),
             "accelerator": type(trainer.accelerator).__name__,
@@ -192,11 +235,11 @@ class RunResults(Callback):
         if not trainer.is_global_zero:
             return
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-        path = run_dir / "results.json"
-        if not metrics and path.is_file():
+        results = ResultsFile.of(run_dir)
+        if not metrics and section in results.sections:
             # e.g. a fit resumed from a checkpoint that had finished (nothing trained or validated): keep what the
             # run measured before instead of overwriting it with nothing
-            metrics = json.loads(path.read_text()).get(section, {}).get("metrics", {})
+            metrics = results.sections[section].get("metrics", {})
             extra = {**extra, "metrics_from_an_earlier_session": True}
         payload = {
             "metrics": dict(sorted(metrics.items())),
@@ -214,14 +257,14 @@ class RunResults(Callback):
         counts = next((cb.image_counts for cb in trainer.callbacks if isinstance(cb, CorruptImageReport)), None)
         if counts:  # expected, read, corrupt and missing images of the last evaluation epoch
             payload["eval_image_counts"] = dict(counts)
-        update_results(path, {section: payload})
+        results.write({section: payload})
         shown = ", ".join(f"{k}={v:.4g}" for k, v in payload["metrics"].items() if not k.startswith("train/"))
         ended = (
             f"interrupted after {payload['seconds']:.0f}s"
             if "interrupted" in extra
             else f"finished in {payload['seconds']:.0f}s"
         )
-        print(f"\n{section} {ended}: {shown}\nresults: {path.resolve()}", flush=True)
+        print(f"\n{section} {ended}: {shown}\nresults: {results.path.resolve()}", flush=True)
 
     def _checkpoint(self, path: str | None) -> dict[str, Any] | None:
         if not path or not Path(path).is_file():

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from robust_lightning.argument_parsing import compose_config
 from robust_lightning.errors import UserError
 
 SBATCH_OWN = ("array", "output", "error")  # set by the sweep: one log per task under <output_dir>/logs
@@ -175,7 +176,7 @@ def _logger_spec(sweep: Sweep, bundles: list[dict]) -> Any:
     """trainer.logger as the cell's configs and overrides leave it (the last one that sets it wins)."""
     logger: Any = None
     for config in sweep.configs + [c for b in bundles for c in b.get("configs", [])]:
-        content = yaml.safe_load(Path(config).read_text()) or {}
+        content = compose_config(Path(config)) or {}  # with the bases it extends
         trainer = content.get("trainer") if isinstance(content, dict) else None
         if isinstance(trainer, dict) and "logger" in trainer:
             logger = trainer["logger"]

@@ -20,7 +20,7 @@ from typing import Any
 
 from robust_lightning.argument_parsing import run_tool
 from robust_lightning.errors import UserError
-from robust_lightning.evaluation.results import update_results
+from robust_lightning.evaluation.results import ResultsFile
 from robust_lightning.job_signals import shield_forked_children
 from robust_lightning.training.interruption import EXIT_SIGTERM
 
@@ -54,12 +54,12 @@ def run_cell(manifest_path: str, index: int, run: Callable[[list[str]], int]) ->
         "restarts": int(os.environ.get("SLURM_RESTART_COUNT", 0)),
         "log": log,
     }
-    results = Path(cell["dir"]) / "results.json"
+    results = ResultsFile.of(cell["dir"])
 
     def mark(status: str, **extra: Any) -> None:
         if rank_zero:
-            update_results(
-                results, {"sweep": {**record, "status": status, **extra, "updated": time.strftime("%Y-%m-%dT%H:%M:%S")}}
+            results.write(
+                {"sweep": {**record, "status": status, **extra, "updated": time.strftime("%Y-%m-%dT%H:%M:%S")}}
             )
 
     if manifest.get("wandb"):  # read by every WandbLogger of the cell: one group and the same tags per sweep

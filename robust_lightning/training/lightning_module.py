@@ -371,9 +371,9 @@ class ImageClassifier(LightningModule):
         self.weights_from_checkpoint = True
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self._run(self.model, images)
+        return self.run_network(self.model, images)
 
-    def _run(self, model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    def run_network(self, model: nn.Module, images: torch.Tensor) -> torch.Tensor:
         if self.hparams.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         return self._any_batch(model, model, images)
@@ -402,7 +402,7 @@ class ImageClassifier(LightningModule):
         Without gradients (the attack's last iterate) nothing is recorded to detach from: the model runs as it is,
         and a compiled one reuses validation's graph instead of compiling one for detached parameters."""
         if not torch.is_grad_enabled():
-            return self._run(model, images)
+            return self.run_network(model, images)
         if self.hparams.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         detached = {name: p.detach() for name, p in model.named_parameters()}
@@ -650,7 +650,7 @@ class ImageClassifier(LightningModule):
                 assert self.ema is not None  # an "ema" entry exists with the EMA only
                 model = self.ema.module
             with torch.no_grad():
-                logits = self._run(model, images)
+                logits = self.run_network(model, images)
             metrics["loss"].update(F.cross_entropy(logits.float(), labels), weight=labels.numel())
             metrics["num_images"].update(labels.numel())
             metrics["acc1"].update(logits, labels)
