@@ -97,10 +97,10 @@ def _is_list(action: Any) -> bool:
     return any(typing.get_origin(t) is list or t is list for t in _types(action))
 
 
-def accept_gnu_spellings(argv: Sequence[str], parser: ArgumentParser) -> list[str]:
-    """The tools' option spellings from before they were jsonargparse parsers, rewritten to today's:
-    ``--samples-per-shard 4`` -> ``--samples_per_shard 4``, a bare flag ``--ema`` -> ``--ema=true``,
-    ``--no-shuffle`` -> ``--shuffle=false``, ``--columns a b`` -> ``--columns=["a", "b"]``."""
+def shell_style_values(argv: Sequence[str], parser: ArgumentParser) -> list[str]:
+    """A tool's options as a shell user writes them, in the form jsonargparse reads: a flag given alone means
+    true (``--dry_run`` -> ``--dry_run=true``), and a list option takes the words after it
+    (``--columns a b`` -> ``--columns=["a", "b"]``)."""
     actions = {action.dest: action for action in parser._actions if action.option_strings}
     out: list[str] = []
     rest = list(argv)
@@ -113,11 +113,8 @@ def accept_gnu_spellings(argv: Sequence[str], parser: ArgumentParser) -> list[st
         if not match:
             out.append(token)
             continue
-        key, value = match.group(1).replace("-", "_"), match.group(2)
-        negated = key.startswith("no_") and key not in actions and key[3:] in actions and _is_flag(actions[key[3:]])
-        if negated and value is None:
-            out.append(f"--{key[3:]}=false")
-        elif key not in actions:
+        key, value = match.group(1), match.group(2)
+        if key not in actions:
             out.append(token)  # the parser reports it
         elif value is not None:
             out.append(f"--{key}{value}")
@@ -150,7 +147,7 @@ def parse_tool_arguments(
 ) -> tuple[dict[str, Any], list[Path]]:
     """The parameters of ``function`` from ``argv`` (and the config files it names), and those files."""
     parser = tool_parser(function, prog, description)
-    options = parser.parse_args(accept_gnu_spellings(argv, parser)).as_dict()
+    options = parser.parse_args(shell_style_values(argv, parser)).as_dict()
     files = [Path(str(f)) for f in options.pop("config", None) or []]
     options.pop("__path__", None)
     return options, files

@@ -210,7 +210,7 @@ def test_shards_command_converts_a_folder(tmp_path, capsys):
 
     make_image_tree(tmp_path / "val", {w: 2 for w in WNIDS})
     assert (
-        main(["shards", str(tmp_path / "val"), str(tmp_path / "out"), "--samples-per-shard", "4", "--workers", "1"])
+        main(["shards", str(tmp_path / "val"), str(tmp_path / "out"), "--samples_per_shard", "4", "--workers", "1"])
         == 0
     )
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())

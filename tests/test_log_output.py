@@ -41,7 +41,7 @@ def test_an_autoattack_evaluation_writes_whole_lines_to_a_log(tmp_path, autoatta
 
 def test_the_shards_converter_writes_whole_lines_to_a_log(tmp_path, capsys):
     src = make_image_tree(tmp_path / "train", {"n01440764": 3, "n01443537": 3})
-    args = [str(src), str(tmp_path / "out"), "--prefix", "train", "--samples-per-shard", "2", "--workers", "1"]
+    args = [str(src), str(tmp_path / "out"), "--prefix", "train", "--samples_per_shard", "2", "--workers", "1"]
     assert shards_main(args) == 0
     printed = capsys.readouterr()
     assert_plain(printed.out + printed.err)

@@ -281,7 +281,7 @@ def world(tmp_path_factory) -> Path:
                 "shards",
                 str(image_tree(w / "for_shards")),
                 str(w / "truncated_shards"),
-                "--samples-per-shard",
+                "--samples_per_shard",
                 "2",
                 "--workers",
                 "1",

@@ -305,7 +305,7 @@ class Sandbox:
 
     def printed_config(self, args: list[str], env: dict[str, str] | None = None, shown: str = "") -> dict:
         """The config ``--print_config`` prints for ARGS (appended when missing)."""
-        args = [a for a in args if a not in ("--dry_run", "--dry-run", "--local")]
+        args = [a for a in args if a not in ("--dry_run", "--local")]
         if "--print_config" not in args:
             args = args + ["--print_config"]
         code, out, err = self.run(args, env)
@@ -456,7 +456,7 @@ def check_robust_lightning(
         if command.stdout_to and "--print_config" in args:  # what the shell would write
             (sandbox.work / command.stdout_to).write_text(sandbox.run(args, env)[1])
     if args[0] == "sweep" and "--print_config" not in args:
-        dry_run = args if {"--dry_run", "--dry-run"} & set(args) else args + ["--dry_run"]
+        dry_run = args if "--dry_run" in args else args + ["--dry_run"]
         code, out, err = sandbox.run(dry_run, env)
         assert code == 0, f"{shown}\n--dry_run: exit status {code}:\n{err}"
         # each cell: "# [i] <cell id>", then "#     robust-lightning <its arguments>"

@@ -275,7 +275,7 @@ def test_cli(tree, tmp_path, capsys):
     out = tmp_path / "cli"
     assert (
         shards_main(
-            [str(src), str(out), "--prefix", "part", "--samples-per-shard", "4", "--no-shuffle", "--workers", "1"]
+            [str(src), str(out), "--prefix", "part", "--samples_per_shard", "4", "--shuffle", "false", "--workers", "1"]
         )
         == 0
     )

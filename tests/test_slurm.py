@@ -193,7 +193,7 @@ def test_sweep_array_job_then_report(slurm_env, tiny_checkpoint, tmp_path, capsy
     results["sweep"].update(status="failed", error="simulated failure")
     results_path.write_text(json.dumps(results))
     capsys.readouterr()
-    assert main(["sweep", "--config", str(sweep_file), "--dry-run"]) == 0
+    assert main(["sweep", "--config", str(sweep_file), "--dry_run"]) == 0
     dry = capsys.readouterr().out
     assert "#SBATCH --array=0-0" in dry and f"[0] {failed['id']}" in dry and "3 done" in dry
     assert main(["report", str(output)]) == 0

@@ -159,7 +159,7 @@ def test_loggers_of_the_configs_are_kept_and_pointed_at_the_cell(tmp_path):
 
 
 def test_dry_run_prints_the_array_script_and_writes_nothing(tmp_path, capsys):
-    assert main(["sweep", "--config", str(write_sweep(tmp_path)), "--dry-run"]) == 0
+    assert main(["sweep", "--config", str(write_sweep(tmp_path)), "--dry_run"]) == 0
     out = capsys.readouterr().out
     script, _, listing = out.partition("\n# sweep demo:")
     for line in [
@@ -224,7 +224,7 @@ def test_rerun_submits_only_cells_without_results_nor_a_place_in_the_queue(tmp_p
     assert cell_state(out_dir / "cells" / cells[0]) == "done" and cell_state(out_dir / "cells" / "none") == "missing"
 
 
-@pytest.mark.parametrize("flags", [[], ["--dry-run"], ["--local"]])
+@pytest.mark.parametrize("flags", [[], ["--dry_run"], ["--local"]])
 def test_a_misspelt_key_stops_the_sweep_before_anything_is_written_or_submitted(tmp_path, monkeypatch, capsys, flags):
     bin_dir = fake_slurm(tmp_path, monkeypatch)
     path = write_sweep(tmp_path, grid={"ckpt_path": {"a": "/weights/a.ckpt"}, "data.imag_size": [32, 48]})
@@ -258,7 +258,7 @@ def test_a_misspelt_key_in_a_bundle_config_names_its_cell(tmp_path, monkeypatch,
     path = write_sweep(
         tmp_path, grid={"benchmark": {"clean": {"args": {"trainer.callbacks": []}}, "typo": {"configs": [str(typo)]}}}
     )
-    assert main(["sweep", "--config", str(path), "--dry-run"]) == 2
+    assert main(["sweep", "--config", str(path), "--dry_run"]) == 2
     first, second = capsys.readouterr().err.strip().splitlines()
     assert (
         first == "robust-lightning: error: sweep cell 1 (benchmark=typo): Subcommand 'test' does not accept "

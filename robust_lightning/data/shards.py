@@ -306,7 +306,7 @@ def _make_plan(
         if class_map == "imagenet":
             raise UserError(
                 f"class folder(s) {names} in {src} are not ImageNet wnids (expected names like n01440764); "
-                "for another dataset use class_map 'folders' (--class-map folders) or a JSON class map file"
+                "for another dataset use class_map 'folders' (--class_map folders) or a JSON class map file"
             )
         raise UserError(f"class folder(s) {names} in {src} are not in the class map {class_map!r}")
     keys = _sample_keys(files)
