@@ -138,7 +138,8 @@ class ImageNetDataModule(LightningDataModule):
         if eval_resize not in EVAL_RESIZES:
             raise UserError(f"data.eval_resize must be one of {', '.join(EVAL_RESIZES)}, got {eval_resize!r}")
         self.eval_resize = eval_resize
-        self.augmentation, self.augment_on, self.crop_scale = augmentation, augment_on, tuple(crop_scale)
+        self.augmentation, self.augment_on = augmentation, augment_on
+        self.crop_scale: tuple[float, float] = (crop_scale[0], crop_scale[1])
         self.augmentation_fill, self.full_resolution_decode = augmentation_fill, full_resolution_decode
         self.canvas_size = canvas_size or default_canvas_size(image_size)
         if self.canvas_size < image_size:
@@ -220,11 +221,11 @@ class ImageNetDataModule(LightningDataModule):
         return self.augment_on == "device" and not self.full_resolution_decode
 
     def train_dataloader(self) -> DataLoader:
-        images = self.sets.train_images if isinstance(self.train_set, ShardStream) else len(self.train_set)
+        train, images = self.sets.training()
         if images < self.global_batch.images:
             raise UserError(f"{images} training images are fewer than one global batch of {self.global_batch.images}")
         batch = self.global_batch
-        options = dict(
+        options: dict[str, Any] = dict(
             num_workers=self.num_workers,
             drop_last=True,
             collate_fn=self.training_augmentation.collate,
@@ -232,9 +233,9 @@ class ImageNetDataModule(LightningDataModule):
             rank=self.rank,
             position=self.training_position,
         )
-        if isinstance(self.train_set, ShardStream):  # every rank reads its own shards: distinct images
+        if isinstance(train, ShardStream):  # every rank reads its own shards: distinct images
             return data_loader(
-                self.train_set,
+                train,
                 batch.share,
                 ShardTrainLoader,
                 batches_per_epoch=images // batch.images,
@@ -244,10 +245,10 @@ class ImageNetDataModule(LightningDataModule):
         # workers that only decode draw nothing and may persist; workers that crop or augment are seeded per epoch
         draws_in_workers = self.training_augmentation.worker is not None or not self.uses_canvases
         return data_loader(
-            self.train_set,
+            train,
             batch.share,
             EpochLoader,
-            sampler=GlobalBatchSampler(self.train_set, self.world_size, self.rank, batch.images, self.seed),
+            sampler=GlobalBatchSampler(train, self.world_size, self.rank, batch.images, self.seed),
             persistent_workers=self.num_workers > 0 and not draws_in_workers,
             generator=torch.Generator().manual_seed(self.seed),  # keeps iterator creation off the global generator
             **options,
@@ -255,13 +256,15 @@ class ImageNetDataModule(LightningDataModule):
 
     def _eval_dataloader(self, dataset: Dataset | None = None, batch_size: int | None = None, **kwargs) -> DataLoader:
         dataset = self.eval_set if dataset is None else dataset
+        assert dataset is not None  # set up by setup()
         batch_size = batch_size or self.eval_batch_size
         kwargs.setdefault("num_workers", self.num_workers)
         if isinstance(dataset, ShardStream):
             return data_loader(dataset, batch_size, **kwargs)
-        if len(dataset) < self.world_size:  # a rank with no batch skips the loop and its hooks: the others hang
+        images = len(dataset)  # type: ignore[arg-type]  # a map-style set has a length
+        if images < self.world_size:  # a rank with no batch skips the loop and its hooks: the others hang
             raise UserError(
-                f"{len(dataset)} evaluation images cannot be split over {self.world_size} processes; "
+                f"{images} evaluation images cannot be split over {self.world_size} processes; "
                 "evaluate more images or on fewer devices"
             )
         sampler = ExactDistributedSampler(dataset, self.world_size, self.rank)
@@ -295,9 +298,9 @@ class ImageNetDataModule(LightningDataModule):
     def expected_eval_image_count(self) -> int | None:
         """How many images an evaluation epoch over all ranks must read (decodable or not), None where unknown
         (shards given by a pattern without a manifest)."""
-        if isinstance(self.eval_set, IterableDataset):
+        if self.eval_set is None or isinstance(self.eval_set, IterableDataset):
             return self.sets.eval_images
-        return len(self.eval_set)
+        return len(self.eval_set)  # type: ignore[arg-type]  # a map-style set has a length
 
     def damaged_eval_shards(self) -> list[str]:
         """The evaluation shards that are missing or damaged, then how to rewrite them (``damaged_shards``)."""

@@ -16,7 +16,7 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeGuard
 
 import torch
 import webdataset as wds
@@ -72,6 +72,13 @@ class DataSets:
     eval_images: int | None = None  # evaluation images over all ranks, where known before reading (streams)
     eval_keys: frozenset[str] | None = None  # the sample keys of a listed subset read from shards
     eval_shard_spec: str | None = None  # the shard directory evaluation reads, to name damaged shards
+
+    def training(self) -> tuple[Dataset, int]:
+        """The training set and its images over all ranks (a shard stream's count, a map-style set's length)."""
+        assert self.train is not None  # built for fit
+        if isinstance(self.train, ShardStream):
+            return self.train, self.train_images or 0
+        return self.train, len(self.train)  # type: ignore[arg-type]  # a map-style set has a length
 
 
 class DataSource:
@@ -134,10 +141,10 @@ class FolderSource(DataSource):
     def build(self, request: SetRequest) -> DataSets:
         sets = DataSets()
         if request.needs_train:
-            train = LabelledImageFolder(self._split_dir("train"), self.classes, request.training)
+            folder = LabelledImageFolder(self._split_dir("train"), self.classes, request.training)
+            sets.train = folder
             if request.holdout:
-                train, held = self._split_holdout(train, request)
-            sets.train = train
+                sets.train, held = self._split_holdout(folder, request)
         if request.on_holdout:
             sets.evaluation = held
         else:
@@ -267,6 +274,7 @@ class ShardSource(DataSource):
         else:
             self._build_evaluation(sets, request)
         if request.read_damaged:
+            assert isinstance(sets.evaluation, ShardStream)  # every evaluation set of shards is a stream
             sets.evaluation.handler = wds.warn_and_continue
         return sets
 
@@ -353,7 +361,7 @@ class SyntheticSource(DataSource):
         samples_per_shard: int = 500,
         root: str | None = None,
     ):
-        self.options = {
+        self.options: dict[str, Any] = {
             "num_classes": num_classes,
             "train_per_class": train_per_class,
             "val_per_class": val_per_class,
@@ -379,7 +387,7 @@ class SyntheticSource(DataSource):
         return {**self.options, "root": str(self.root)}
 
 
-def is_shard_dir(spec: str | None) -> bool:
+def is_shard_dir(spec: str | None) -> TypeGuard[str]:
     """Whether a shard specification names a local directory (which holds a manifest), not a pattern or URL."""
     return spec is not None and not spec.startswith("pipe:") and Path(spec).is_dir()
 
@@ -438,14 +446,13 @@ def training_subset(
     training images). A map-style set's subset is a seeded permutation's first images; a shard stream reads its
     shards once in a seeded order (they are shuffled when written) and the first images are kept."""
     generator = torch.Generator().manual_seed(seed)
-    train = sets.train
+    train, total = sets.training()
+    dataset: Dataset
     if isinstance(train, ShardStream):
-        total = sets.train_images or 0
-        dataset: Dataset = copy.copy(train)
-        dataset.repeat, dataset.seed = False, seed  # one pass: every image at most once
-        dataset.urls = [train.urls[i] for i in torch.randperm(len(train.urls), generator=generator)]
-    else:
-        total = len(train)
+        stream = copy.copy(train)
+        stream.repeat, stream.seed = False, seed  # one pass: every image at most once
+        stream.urls = [train.urls[i] for i in torch.randperm(len(train.urls), generator=generator)]
+        dataset = stream
     subset_images = max(1, round(fraction * total))
     images = min(subset_images, max_images or subset_images)
     if not isinstance(train, ShardStream):

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from robust_lightning.data.augment import BatchAugment
+from robust_lightning.data.batch import Batch
 from robust_lightning.data.crop import random_resized_crop
 from robust_lightning.data.loaders import collate, draw_seed
 
@@ -48,7 +49,7 @@ class TrainingAugmentation:
         self._generators: dict[torch.device, torch.Generator] = {}
 
     @property
-    def collate(self) -> Callable[[list], dict]:
+    def collate(self) -> Callable[..., Batch]:
         """The loaders' collate function: with the workers' part of the augmentation where they have one."""
         return partial(collate, augment=self.worker) if self.worker else collate
 

@@ -10,6 +10,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from robust_lightning.models.classifier import RobustClassifier
+
 
 class EvaluatedModule(Protocol):
     """The evaluated module:
@@ -22,7 +24,7 @@ class EvaluatedModule(Protocol):
     - ``conditions()``: what results.json records about the model.
     """
 
-    model: nn.Module
+    model: RobustClassifier
     ema: Any
     hparams: Mapping[str, Any]
 
