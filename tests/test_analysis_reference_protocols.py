@@ -143,7 +143,8 @@ def test_the_bilinear_option_is_chens_resize_and_bicubic_the_data_modules():
 
 
 class FolderData:
-    """What an analysis reads of the data module: the images go through the transform it is given."""
+    """A data module (EvaluationData) of which an analysis reads the images alone: they go through the transform it
+    is given. The other methods of the contract are there, and fail if called."""
 
     image_size, crop_pct, num_workers = 14, 14 / 16, 0
 
@@ -155,6 +156,11 @@ class FolderData:
         transform = transform or eval_transform(self.image_size, self.crop_pct, self.eval_resize)
         images = torch.stack([transform(image) for image in self.images])
         return [{"image": images, "label": torch.zeros(len(images), dtype=torch.long), "key": ["a"] * len(images)}]
+
+    def evaluation_source(self):
+        raise AssertionError("not read by the analysis")
+
+    expected_eval_images = training_sample = conditions = evaluation_source
 
 
 @pytest.mark.parametrize("interpolation", [None, "bilinear"])

@@ -98,7 +98,7 @@ def test_a_single_row_is_forwarded_as_two_and_keeps_its_logits_and_gradient():
     calls = []
     module.model.register_forward_pre_hook(lambda _, args: calls.append(len(args[0])))
     with torch.no_grad():
-        logits = module._run(module.model, x)
+        logits = module.run_network(module.model, x)
     (grad,) = torch.autograd.grad(module._run_for_attack(module.model, x_req).logsumexp(1).sum(), x_req)
     assert calls == [2, 2]
     torch.testing.assert_close(logits, expected, atol=1e-6, rtol=1e-5)

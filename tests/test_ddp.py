@@ -106,6 +106,7 @@ def test_ddp_adversarial_fit_selects_on_a_holdout_counted_exactly(tmp_path):
 
     from robust_lightning.attacks import apgd
     from robust_lightning.data.datamodule import ImageNetDataModule
+    from robust_lightning.data.sources import ShardSource
     from robust_lightning.training.lightning_module import ImageClassifier
 
     trees = tmp_path / "trees"
@@ -144,7 +145,8 @@ def test_ddp_adversarial_fit_selects_on_a_holdout_counted_exactly(tmp_path):
 
     # the same measurement in one process, from the checkpoint, over the same 7 images
     module = ImageClassifier.load_from_checkpoint(fit["last_checkpoint"]["path"], weights_only=True).eval()
-    dm = ImageNetDataModule(**{k: v for k, v in data.items()}, image_size=32, eval_batch_size=7, num_workers=0)
+    options = {**data, "source": ShardSource(**data["source"]["init_args"])}
+    dm = ImageNetDataModule(**options, image_size=32, eval_batch_size=7, num_workers=0)
     dm.setup("validate")
     batch = dm.on_after_batch_transfer(next(iter(dm.val_dataloader())), 0)
     assert sorted(batch["key"]) == sorted(held)

@@ -422,7 +422,8 @@ def cli_config(tmp_path: Path, root: Path) -> Path:
         root=str(root), perturbations=["gaussian_noise", "brightness"], batch_size=3, num_workers=0
     )
     config["model"] = {"arch": "test_resnet"}
-    config["data"].update(root=str(tmp_path / "imagenet"), image_size=SIZE, eval_batch_size=4, num_workers=0)
+    config["data"]["source"]["init_args"]["root"] = str(tmp_path / "imagenet")
+    config["data"].update(image_size=SIZE, eval_batch_size=4, num_workers=0)
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
