@@ -26,6 +26,8 @@ from robust_lightning.attacks import fgsm, pgd
 from robust_lightning.attacks.spatial import spatial_grid_attack
 from robust_lightning.console import tqdm
 from robust_lightning.errors import UserError
+from robust_lightning.models.checkpoints import read_checkpoint
+from robust_lightning.models.weights import load_model
 
 ATTACKS = ("fgsm", "pgd")
 
@@ -231,24 +233,22 @@ def checkpoint_label(path: str) -> str:
 
 
 def load_classifier(path: str, device: torch.device, weights: str = "raw") -> tuple[nn.Module, int]:
-    """(classifier in eval mode, num_classes) of a project checkpoint, loaded weights-only."""
-    from robust_lightning.training.lightning_module import ImageClassifier  # noqa: PLC0415 (heavy; only when used)
-
+    """(classifier in eval mode, num_classes) of a project checkpoint, loaded weights-only through the models
+    layer (``load_model``: the architecture, its settings and normaliser from the checkpoint)."""
     if not Path(path).is_file():
         raise UserError(f"TransferMatrix: checkpoint {path} does not exist")
     try:
-        module = ImageClassifier.load_from_checkpoint(path, map_location=device, weights_only=True)
+        checkpoint = read_checkpoint(path)
+        if weights == "ema" and not checkpoint.has_ema:
+            raise UserError(
+                f"TransferMatrix.weights 'ema': {path} has no EMA weights (trained without model.ema_decay)"
+            )
+        model = load_model(checkpoint=path, prefer_ema=weights == "ema")
     except UserError:
         raise
     except Exception as e:  # a non-Lightning file, a pickled object weights_only refuses, a truncated file
         raise UserError(f"TransferMatrix: cannot load {path} as a robust-lightning checkpoint: {e}") from e
-    if weights == "ema":
-        if module.ema is None:
-            raise UserError(
-                f"TransferMatrix.weights 'ema': {path} has no EMA weights (trained without model.ema_decay)"
-            )
-        return module.ema.module.eval(), module.hparams.num_classes
-    return module.model.eval(), module.hparams.num_classes
+    return model.to(device), int(checkpoint.hyper_parameters.get("num_classes", 1000))
 
 
 class TransferMatrix(Analysis):
