@@ -15,7 +15,7 @@ import termios
 import threading
 import traceback
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -373,6 +373,15 @@ def fake_slurm_job(tmp_path: Path) -> dict[str, str]:
         "SLURM_NODEID": "0",
         "SLURM_NODELIST": "localhost",
     }
+
+
+def trainer_args(command: str, config: Path | str, options: dict[str, Any] | None = None) -> list[str]:
+    """The arguments of a Trainer command for ``main``: ``command --config CONFIG --key value ...``, each option's
+    value as text."""
+    args = [command, "--config", str(config)]
+    for key, value in (options or {}).items():
+        args += [f"--{key}", str(value)]
+    return args
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -11,7 +11,7 @@ import torch
 import yaml
 from lightning import Trainer
 
-from helpers import tiny_config
+from helpers import tiny_config, trainer_args
 from robust_lightning import load_model
 from robust_lightning.cli import main
 from robust_lightning.data.datamodule import ImageNetDataModule
@@ -95,17 +95,11 @@ def test_init_from_null_beside_the_checkpoint_is_accepted(moved_checkpoint, tmp_
     config, ckpt = moved_checkpoint
     assert (
         main(
-            [
+            trainer_args(
                 "validate",
-                "--config",
-                str(config),
-                "--ckpt_path",
-                str(ckpt),
-                "--model.init_from",
-                "null",
-                "--trainer.logger.init_args.save_dir",
-                str(tmp_path),
-            ]
+                config,
+                {"ckpt_path": str(ckpt), "model.init_from": "null", "trainer.logger.init_args.save_dir": str(tmp_path)},
+            )
         )
         == 0
     )
@@ -116,17 +110,11 @@ def test_fit_resumes_without_the_warm_start_file(moved_checkpoint, tmp_path):
     config, ckpt = moved_checkpoint
     assert (
         main(
-            [
+            trainer_args(
                 "fit",
-                "--config",
-                str(config),
-                "--ckpt_path",
-                str(ckpt),
-                "--trainer.max_epochs",
-                "2",
-                "--trainer.logger.init_args.save_dir",
-                str(tmp_path),
-            ]
+                config,
+                {"ckpt_path": str(ckpt), "trainer.max_epochs": "2", "trainer.logger.init_args.save_dir": str(tmp_path)},
+            )
         )
         == 0
     )
@@ -181,19 +169,16 @@ def test_a_setting_of_the_evaluation_applies_over_the_checkpoint(moved_checkpoin
     config, ckpt = moved_checkpoint
     assert (
         main(
-            [
+            trainer_args(
                 "validate",
-                "--config",
-                str(config),
-                "--ckpt_path",
-                str(ckpt),
-                "--model.select_attack_steps",
-                "1",
-                "--model.lr",
-                "0.5",
-                "--trainer.logger.init_args.save_dir",
-                str(tmp_path),
-            ]
+                config,
+                {
+                    "ckpt_path": str(ckpt),
+                    "model.select_attack_steps": "1",
+                    "model.lr": "0.5",
+                    "trainer.logger.init_args.save_dir": str(tmp_path),
+                },
+            )
         )
         == 0
     )

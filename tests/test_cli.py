@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import folder_source, run_cli, tiny_config
+from helpers import folder_source, run_cli, tiny_config, trainer_args
 from robust_lightning.cli import main
 from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.data.sources import SyntheticSource
@@ -58,15 +58,9 @@ def test_validate_accuracy_matches_an_independent_computation(fitted, tmp_path):
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     assert (
         main(
-            [
-                "validate",
-                "--config",
-                str(config),
-                "--ckpt_path",
-                str(ckpt),
-                "--trainer.logger.init_args.save_dir",
-                str(tmp_path),
-            ]
+            trainer_args(
+                "validate", config, {"ckpt_path": str(ckpt), "trainer.logger.init_args.save_dir": str(tmp_path)}
+            )
         )
         == 0
     )
@@ -98,17 +92,11 @@ def test_resume_from_checkpoint_continues_training(fitted, tmp_path):
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     assert (
         main(
-            [
+            trainer_args(
                 "fit",
-                "--config",
-                str(config),
-                "--ckpt_path",
-                str(ckpt),
-                "--trainer.max_epochs",
-                "2",
-                "--trainer.logger.init_args.save_dir",
-                str(tmp_path),
-            ]
+                config,
+                {"ckpt_path": str(ckpt), "trainer.max_epochs": "2", "trainer.logger.init_args.save_dir": str(tmp_path)},
+            )
         )
         == 0
     )
@@ -187,15 +175,14 @@ def test_predict_writes_top5_predictions(fitted, tmp_path):
     config, run_dir = fitted
     assert (
         main(
-            [
+            trainer_args(
                 "predict",
-                "--config",
-                str(config),
-                "--ckpt_path",
-                str(run_dir / "checkpoints" / "last.ckpt"),
-                "--trainer.logger.init_args.save_dir",
-                str(tmp_path),
-            ]
+                config,
+                {
+                    "ckpt_path": str(run_dir / "checkpoints" / "last.ckpt"),
+                    "trainer.logger.init_args.save_dir": str(tmp_path),
+                },
+            )
         )
         == 0
     )
@@ -292,15 +279,14 @@ def test_checkpoints_given_with_ckpt_path_load_weights_only(fitted, tmp_path, mo
     monkeypatch.setattr(torch, "load", lambda *a, **k: seen.append(k.get("weights_only")) or original(*a, **k))
     assert (
         main(
-            [
+            trainer_args(
                 "validate",
-                "--config",
-                str(config),
-                "--ckpt_path",
-                str(run_dir / "checkpoints" / "last.ckpt"),
-                "--trainer.logger.init_args.save_dir",
-                str(tmp_path),
-            ]
+                config,
+                {
+                    "ckpt_path": str(run_dir / "checkpoints" / "last.ckpt"),
+                    "trainer.logger.init_args.save_dir": str(tmp_path),
+                },
+            )
         )
         == 0
     )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import tiny_config
+from helpers import tiny_config, trainer_args
 from robust_lightning.cli import main
 from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.errors import UserError
@@ -71,15 +71,11 @@ def test_warn_mode_evaluates_what_is_there_and_records_the_counts(truncated, tmp
     with pytest.warns(UserWarning, match="evaluation images"):
         assert (
             main(
-                [
+                trainer_args(
                     "validate",
-                    "--config",
-                    str(config),
-                    "--data.on_missing_images",
-                    "warn",
-                    "--trainer.logger.init_args.save_dir",
-                    str(out),
-                ]
+                    config,
+                    {"data.on_missing_images": "warn", "trainer.logger.init_args.save_dir": str(out)},
+                )
             )
             == 0
         )

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from helpers import tiny_config
+from helpers import tiny_config, trainer_args
 from robust_lightning.cli import main
 from robust_lightning.data.loaders import EpochLoader
 from robust_lightning.data.samplers import GlobalBatchSampler
@@ -65,17 +65,15 @@ def test_resume_at_an_epoch_boundary_reproduces_every_step(uninterrupted, tmp_pa
     first_epoch = next((whole / "checkpoints").glob("epoch000-*.ckpt"))
     assert (
         main(
-            [
+            trainer_args(
                 "fit",
-                "--config",
-                str(config),
-                "--ckpt_path",
-                str(first_epoch),
-                "--trainer.default_root_dir",
-                str(tmp_path / "runs"),
-                "--trainer.logger.init_args.save_dir",
-                str(tmp_path / "runs"),
-            ]
+                config,
+                {
+                    "ckpt_path": str(first_epoch),
+                    "trainer.default_root_dir": str(tmp_path / "runs"),
+                    "trainer.logger.init_args.save_dir": str(tmp_path / "runs"),
+                },
+            )
         )
         == 0
     )

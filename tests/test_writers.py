@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, eval_config, make_image_tree, tiny_config
+from helpers import REPO, eval_config, make_image_tree, tiny_config, trainer_args
 from robust_lightning.cli import main
 from robust_lightning.data.shards import read_manifest, shard_urls
 from robust_lightning.errors import UserError
@@ -189,15 +189,9 @@ def test_a_second_fit_into_a_fixed_checkpoint_dirpath_is_refused(tmp_path, fixed
     # so is a new run resuming from one of them by path: it would overwrite them as well
     assert (
         main(
-            [
-                "fit",
-                "--config",
-                str(fixed_dirpath_config),
-                "--trainer.max_epochs",
-                "3",
-                "--ckpt_path",
-                str(checkpoints / "last.ckpt"),
-            ]
+            trainer_args(
+                "fit", fixed_dirpath_config, {"trainer.max_epochs": "3", "ckpt_path": str(checkpoints / "last.ckpt")}
+            )
         )
         == 2
     )
@@ -236,15 +230,7 @@ def test_ckpt_path_last_without_an_earlier_fit_says_so_and_starts_one(tmp_path, 
     checkpoint_file = tmp_path / "model.ckpt"
     assert (
         main(
-            [
-                "fit",
-                "--config",
-                str(config),
-                "--trainer.logger",
-                "false",
-                "--checkpoint.dirpath",
-                str(tmp_path / "elsewhere"),
-            ]
+            trainer_args("fit", config, {"trainer.logger": "false", "checkpoint.dirpath": str(tmp_path / "elsewhere")})
         )
         == 0
     )
@@ -362,15 +348,7 @@ def test_a_full_disk_is_one_message_and_leaves_nothing_half_written(tmp_path, fu
     saved = tmp_path / "model.ckpt"
     assert (
         main(
-            [
-                "fit",
-                "--config",
-                str(config),
-                "--trainer.logger",
-                "false",
-                "--checkpoint.dirpath",
-                str(tmp_path / "elsewhere"),
-            ]
+            trainer_args("fit", config, {"trainer.logger": "false", "checkpoint.dirpath": str(tmp_path / "elsewhere")})
         )
         == 0
     )
