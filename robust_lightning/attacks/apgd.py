@@ -21,7 +21,7 @@ Design constraints:
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -319,9 +319,7 @@ def apgd(
 
     step_max = (2.0 if norm in ("Linf", "L2") else 1.0) * eps if step_size is None else float(step_size)
     step = torch.full(_per_sample(loss_best, x).shape, step_max, device=x.device)
-    loss_steps = torch.zeros(n_iter, batch, device=x.device)  # zeros on purpose: see _oscillation
-    loss_best_last_check = loss_best
-    reduced_last_check = torch.ones(batch, dtype=torch.bool, device=x.device)
+    topk = sparsity_old = None
     if norm == "L1":
         # Fraction of coordinates moved per step; starts dense, then follows the sparsity of the best point.
         if x_init is None:
@@ -331,129 +329,111 @@ def apgd(
             sparsity_old = lp_norm(x_adv - x, "L0").float()
             topk = sparsity_old / n_fts / 1.5
 
-    x_adv_old = x_adv.clone()
+    # the per-point state of the rows still attacked (rows leave it early with exit_broken)
+    s = _Rows(
+        rows=torch.arange(batch, device=x.device),  # the caller's row of each row still attacked
+        exit_broken=exit_broken,
+        x=x,
+        y=y,
+        y_target=y_target,
+        x_adv=x_adv,
+        x_adv_old=x_adv.clone(),
+        grad=grad,
+        x_best=x_best,
+        x_best_adv=x_best_adv,
+        grad_best=grad_best,
+        loss_best=loss_best,
+        loss_steps=torch.zeros(n_iter, batch, device=x.device),  # zeros on purpose: see _oscillation
+        step=step,
+        robust=robust,
+        loss_best_last_check=loss_best,
+        reduced_last_check=torch.ones(batch, dtype=torch.bool, device=x.device),
+        logits=logits,
+        improved=torch.zeros(batch, dtype=torch.bool, device=x.device),
+        topk=topk,
+        sparsity_old=sparsity_old,
+    )
     since_check = 0
-    rows = torch.arange(batch, device=x.device)  # the caller's row of each row still attacked
     exited = []  # (rows, x_best, loss_best, x_best_adv, logits, improved, robust) of the rows that left
     for i in range(n_iter):
         # --- step: projected (sparse) ascent step, then momentum for Linf/L2 (none at the first step)
-        momentum = x_adv - x_adv_old
-        x_adv_old = x_adv
+        momentum = s.x_adv - s.x_adv_old
+        s.x_adv_old = s.x_adv
         a = 0.75 if i > 0 else 1.0
         if norm == "Linf":
-            z = project(x, x_adv + step * torch.sign(grad), norm, eps)
-            x_adv = project(x, x_adv + a * (z - x_adv) + (1 - a) * momentum, norm, eps)
+            z = project(s.x, s.x_adv + s.step * torch.sign(s.grad), norm, eps)
+            s.x_adv = project(s.x, s.x_adv + a * (z - s.x_adv) + (1 - a) * momentum, norm, eps)
         elif norm == "L2":
-            z = project(x, x_adv + step * normalize(grad, "L2"), norm, eps)
-            x_adv = project(x, x_adv + a * (z - x_adv) + (1 - a) * momentum, norm, eps)
+            z = project(s.x, s.x_adv + s.step * normalize(s.grad, "L2"), norm, eps)
+            s.x_adv = project(s.x, s.x_adv + a * (z - s.x_adv) + (1 - a) * momentum, norm, eps)
         else:
-            x_adv = project(x, x_adv + step * _l1_sparse_direction(grad, topk, n_fts), norm, eps)
+            assert s.topk is not None  # set for L1
+            s.x_adv = project(s.x, s.x_adv + s.step * _l1_sparse_direction(s.grad, s.topk, n_fts), norm, eps)
 
         # --- evaluate the new iterate
         if i < n_iter - 1:
-            logits, loss_cur, grad = input_gradient(model, x_adv, y, loss, y_target, eot_iter)
+            s.logits, loss_cur, s.grad = input_gradient(model, s.x_adv, s.y, loss, s.y_target, eot_iter)
         else:  # no step follows the last iterate: its loss is all that is needed
-            logits, loss_cur = _last_logits(
+            s.logits, loss_cur = _last_logits(
                 model if last_forward is None else last_forward,
-                x_adv,
-                y,
+                s.x_adv,
+                s.y,
                 loss,
-                y_target,
+                s.y_target,
                 keep_graph=last_forward is not None,
             )
-        correct = predicted_correct(logits, y)
-        robust = robust & correct
-        x_best_adv = torch.where(_per_sample(~correct, x), x_adv, x_best_adv)
+        correct = predicted_correct(s.logits, s.y)
+        s.robust = s.robust & correct
+        s.x_best_adv = torch.where(_per_sample(~correct, s.x), s.x_adv, s.x_best_adv)
 
-        loss_steps[i] = loss_cur
-        improved = loss_cur > loss_best  # strict: ties keep the earlier point
-        x_best = torch.where(_per_sample(improved, x), x_adv, x_best)
-        grad_best = torch.where(_per_sample(improved, x), grad, grad_best)
-        loss_best = torch.where(improved, loss_cur, loss_best)
+        s.loss_steps[i] = loss_cur
+        s.improved = loss_cur > s.loss_best  # strict: ties keep the earlier point
+        s.x_best = torch.where(_per_sample(s.improved, s.x), s.x_adv, s.x_best)
+        s.grad_best = torch.where(_per_sample(s.improved, s.x), s.grad, s.grad_best)
+        s.loss_best = torch.where(s.improved, loss_cur, s.loss_best)
 
         # --- checkpoint: adapt the step size per point; points whose step shrinks restart from their best
         since_check += 1
         if since_check == k:
             if norm in ("Linf", "L2"):
-                no_progress = ~reduced_last_check & (loss_best_last_check >= loss_best)
-                restart = _oscillation(loss_steps, i, k, rho) | no_progress
-                reduced_last_check = restart
-                loss_best_last_check = loss_best
-                step = torch.where(_per_sample(restart, x), step / 2.0, step)
+                no_progress = ~s.reduced_last_check & (s.loss_best_last_check >= s.loss_best)
+                restart = _oscillation(s.loss_steps, i, k, rho) | no_progress
+                s.reduced_last_check = restart
+                s.loss_best_last_check = s.loss_best
+                s.step = torch.where(_per_sample(restart, s.x), s.step / 2.0, s.step)
                 k = max(k - size_decr, n_iter_min)
             else:
                 # L1: if the best point got sparser, reset the step to its maximum, else shrink it.
-                sparsity = lp_norm(x_best - x, "L0").float()
-                restart = sparsity / sparsity_old < 0.95
-                topk = sparsity / n_fts / 1.5
-                step = torch.where(_per_sample(restart, x), step_max, step / 1.5).clamp(step_max / 10.0, step_max)
-                sparsity_old = sparsity
-            x_adv = torch.where(_per_sample(restart, x), x_best, x_adv)
-            grad = torch.where(_per_sample(restart, x), grad_best, grad)
+                sparsity = lp_norm(s.x_best - s.x, "L0").float()
+                assert s.sparsity_old is not None  # set for L1
+                restart = sparsity / s.sparsity_old < 0.95
+                s.topk = sparsity / n_fts / 1.5
+                s.step = torch.where(_per_sample(restart, s.x), step_max, s.step / 1.5).clamp(step_max / 10.0, step_max)
+                s.sparsity_old = sparsity
+            s.x_adv = torch.where(_per_sample(restart, s.x), s.x_best, s.x_adv)
+            s.grad = torch.where(_per_sample(restart, s.x), s.grad_best, s.grad)
             since_check = 0
 
         # --- early exit: the rows of broken points leave (at iterations 1, 2, 4, ...: one read back each time)
-        if exit_broken is not None and i < n_iter - 1 and (i + 1) & i == 0:
-            leave = ((exit_broken[:, None] == exit_broken[None, :]) & ~robust).any(1)  # a row of its point broke
+        if s.exit_broken is not None and i < n_iter - 1 and (i + 1) & i == 0:
+            leave = ((s.exit_broken[:, None] == s.exit_broken[None, :]) & ~s.robust).any(1)  # a row of its point broke
             n_leave = int(leave.sum())
             if n_leave:
                 by_leave = leave.to(torch.uint8).argsort(stable=True)  # the rows that stay, then those that leave
                 stay, gone = by_leave[: len(leave) - n_leave], by_leave[len(leave) - n_leave :]
-                exited.append(tuple(t[gone] for t in (rows, x_best, loss_best, x_best_adv, logits, improved, robust)))
-                (
-                    rows,
-                    exit_broken,
-                    x,
-                    y,
-                    x_adv,
-                    x_adv_old,
-                    grad,
-                    x_best,
-                    x_best_adv,
-                    grad_best,
-                    loss_best,
-                    step,
-                    robust,
-                    loss_best_last_check,
-                    reduced_last_check,
-                    logits,
-                    improved,
-                ) = (
-                    t[stay]
-                    for t in (
-                        rows,
-                        exit_broken,
-                        x,
-                        y,
-                        x_adv,
-                        x_adv_old,
-                        grad,
-                        x_best,
-                        x_best_adv,
-                        grad_best,
-                        loss_best,
-                        step,
-                        robust,
-                        loss_best_last_check,
-                        reduced_last_check,
-                        logits,
-                        improved,
-                    )
-                )
-                loss_steps = loss_steps[:, stay]
-                if y_target is not None:
-                    y_target = y_target[stay]
-                if norm == "L1":
-                    topk, sparsity_old = topk[stay], sparsity_old[stay]
-                if not len(rows):
+                exited.append(s.results(gone))
+                s.keep(stay)
+                if not len(s.rows):
                     break
 
     if exited:  # put the rows that left and those that stayed back in the caller's order
-        parts = [*exited, (rows, x_best, loss_best, x_best_adv, logits, improved, robust)]
+        parts = [*exited, s.results()]
         order = torch.cat([part[0] for part in parts]).argsort()
         x_best, loss_best, x_best_adv, logits, improved, robust = (
             torch.cat([part[j] for part in parts])[order] for j in range(1, 7)
         )
+    else:
+        _, x_best, loss_best, x_best_adv, logits, improved, robust = s.results()
     return APGDResult(
         x_best=x_best,
         loss_best=loss_best,
@@ -463,6 +443,46 @@ def apgd(
         logits_start=logits_start,
         best_is_last=improved,
     )
+
+
+@dataclass
+class _Rows:
+    """The per-row state of an APGD run, of the rows still attacked. Where rows leave early (``exit_broken``), the
+    run hands their results over (``results``) and keeps the other rows of every tensor (``keep``)."""
+
+    rows: Tensor  # the caller's row of each row
+    exit_broken: Tensor | None
+    x: Tensor
+    y: Tensor
+    y_target: Tensor | None
+    x_adv: Tensor
+    x_adv_old: Tensor
+    grad: Tensor
+    x_best: Tensor
+    x_best_adv: Tensor
+    grad_best: Tensor
+    loss_best: Tensor
+    loss_steps: Tensor  # (n_iter, rows): a column per row
+    step: Tensor
+    robust: Tensor
+    loss_best_last_check: Tensor
+    reduced_last_check: Tensor
+    logits: Tensor
+    improved: Tensor
+    topk: Tensor | None  # L1 only
+    sparsity_old: Tensor | None  # L1 only
+
+    def results(self, index: Tensor | None = None) -> tuple[Tensor, ...]:
+        """(rows, x_best, loss_best, x_best_adv, logits, improved, robust) of the rows ``index`` (default: all)."""
+        kept = (self.rows, self.x_best, self.loss_best, self.x_best_adv, self.logits, self.improved, self.robust)
+        return kept if index is None else tuple(t[index] for t in kept)
+
+    def keep(self, index: Tensor) -> None:
+        """Keep the rows ``index`` alone."""
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if value is not None:
+                setattr(self, field.name, value[:, index] if field.name == "loss_steps" else value[index])
 
 
 def _last_logits(
