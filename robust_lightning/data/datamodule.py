@@ -7,6 +7,7 @@ captured in setup() and every rank reads a disjoint part of the data.
 """
 
 import copy
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -254,13 +255,14 @@ class ImageNetDataModule(LightningDataModule):
             **options,
         )
 
-    def _eval_dataloader(self, dataset: Dataset | None = None, batch_size: int | None = None, **kwargs) -> DataLoader:
+    def _eval_dataloader(
+        self, dataset: Dataset | None = None, batch_size: int | None = None, num_workers: int | None = None
+    ) -> DataLoader:
         dataset = self.eval_set if dataset is None else dataset
         assert dataset is not None  # set up by setup()
-        batch_size = batch_size or self.eval_batch_size
-        kwargs.setdefault("num_workers", self.num_workers)
+        workers = self.num_workers if num_workers is None else num_workers
         if isinstance(dataset, ShardStream):
-            return data_loader(dataset, batch_size, **kwargs)
+            return data_loader(dataset, batch_size or self.eval_batch_size, num_workers=workers)
         images = len(dataset)  # type: ignore[arg-type]  # a map-style set has a length
         if images < self.world_size:  # a rank with no batch skips the loop and its hooks: the others hang
             raise UserError(
@@ -268,7 +270,7 @@ class ImageNetDataModule(LightningDataModule):
                 "evaluate more images or on fewer devices"
             )
         sampler = ExactDistributedSampler(dataset, self.world_size, self.rank)
-        return data_loader(dataset, batch_size, sampler=sampler, **kwargs)
+        return data_loader(dataset, batch_size or self.eval_batch_size, num_workers=workers, sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:
         return self._eval_dataloader()
@@ -276,7 +278,7 @@ class ImageNetDataModule(LightningDataModule):
     test_dataloader = predict_dataloader = val_dataloader
 
     def eval_dataloader_with(
-        self, transform, batch_size: int | None = None, num_workers: int | None = None
+        self, transform: Callable[[Any], Any] | None, batch_size: int | None = None, num_workers: int | None = None
     ) -> DataLoader:
         """The evaluation images of the last ``setup`` (same subset, limit and share of this rank) through
         another per-image transform: e.g. another resolution, or corruptions generated on the fly.
@@ -285,9 +287,7 @@ class ImageNetDataModule(LightningDataModule):
         if self.eval_set is None:
             raise RuntimeError("eval_dataloader_with needs setup('test') (or 'validate') first")
         transform = transform or eval_transform(self.image_size, self.crop_pct, self.eval_resize)
-        dataset = with_transform(self.eval_set, transform)
-        workers = {} if num_workers is None else {"num_workers": num_workers}
-        return self._eval_dataloader(dataset, batch_size, **workers)
+        return self._eval_dataloader(with_transform(self.eval_set, transform), batch_size, num_workers)
 
     def expected_eval_images(self) -> tuple[int | None, frozenset[str] | None]:
         """What the last ``setup`` selected for evaluation, where it is known before the images are read: (the
