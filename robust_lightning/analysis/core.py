@@ -16,7 +16,8 @@ from torchvision.transforms import v2 as T
 
 from robust_lightning.data.transforms import decode_rgb, eval_resize_size
 from robust_lightning.errors import UserError
-from robust_lightning.evaluation.base import Evaluation, check_weights, evaluating, new_figure  # noqa: F401
+from robust_lightning.evaluation.base import Evaluation, check_weights, evaluating
+from robust_lightning.evaluation.base import new_figure as new_figure  # the analyses' figures, as evaluations make them
 from robust_lightning.models.classifier import RobustClassifier
 
 # How the papers name model families in their legends (Bhojanapalli et al.: "ViT", "ResNet"; Park & Kim: "ViT",

@@ -52,13 +52,8 @@ from robust_lightning.evaluation.base import (
     new_figure,
     to_model_input,
 )
-from robust_lightning.evaluation.benchmarks import (
-    ECE_BINS,
-    IMAGE_SUFFIXES,
-    accuracy,
-    choose,
-    expected_calibration_error,
-)
+from robust_lightning.evaluation.benchmarks import IMAGE_SUFFIXES, accuracy, choose
+from robust_lightning.evaluation.calibration import ECE_BINS, expected_calibration_error
 from robust_lightning.evaluation.corruptions import (
     CORRUPTIONS,
     MIN_SIZE,
