@@ -51,11 +51,13 @@ class SolidColourSource(DataSource):
 
 
 def test_a_new_source_is_one_class_chosen_in_the_config(tmp_path):
-    """validate through the command line on a source class defined here: the data module needs no change."""
+    """validate through the command line on a source class defined here: the data module needs no change. With a
+    user's progress display and loader workers (tiny_config turns both off)."""
     config = tiny_config(
         tmp_path,
         **{"data.source": {"class_path": f"{__name__}.SolidColourSource", "init_args": {"images": 6}}},
         **{"model.arch": "test_resnet", "data.num_classes": 3},
+        **{"trainer.enable_progress_bar": True, "data.num_workers": 2},
     )
     assert main(["validate", "--config", str(config)]) == 0
     results = next((tmp_path / "runs").rglob("results.json")).read_text()

@@ -34,7 +34,8 @@ def test_what_another_process_wrote_since_is_kept(tmp_path):
 
 def test_every_write_of_results_json_in_a_run_goes_through_the_writer(tmp_path, autoattack_checkpoint, monkeypatch):
     """A `test` with AutoAttack (the stage's section and the evaluation's): each rename that puts a results.json in
-    place is made inside ResultsFile.write."""
+    place is made inside ResultsFile.write. The config loads in the main process (no workers): the writes come
+    from the callbacks on rank zero, which loader workers never reach."""
     writes = []
     replace = os.replace
 
