@@ -163,9 +163,9 @@ def test_a_requeued_two_task_ddp_job_ends_as_the_fit_left_alone(requeued):
     assert f"job {requeued.job}, attempt 2: 1 node(s) x 2 task(s)" in log
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in log and "distributed_backend=gloo" in log
     assert log.count("Requeued SLURM job: ") == 1  # by the training processes alone, not by a loader worker
-    # the requeued attempt resumes from the requeue's checkpoint by itself (Lightning), not as --ckpt_path last
+    # the requeued attempt goes on as --ckpt_path last, from the requeue's checkpoint: the newest by training step
+    assert "SLURM restarted this job (1 restarts so far): the fit goes on as --ckpt_path last" in log
     assert f"Restored all states from the checkpoint at {requeued.relative_run_dir / 'hpc_ckpt_1.ckpt'}" in log
-    assert "SLURM restarted this job" not in log
 
     # each step trained once per attempt that trained it: the first up to its stop, the second from the checkpoint
     first, second = attempts(requeued.steps)

@@ -1,7 +1,8 @@
-"""A fit that SLURM restarts (a requeued job: ``SLURM_RESTART_COUNT`` > 0) with no ``--ckpt_path`` and no hpc
-checkpoint for Lightning to resume from goes on as ``--ckpt_path last`` (robust_lightning/scale/requeue.py): a job
-pre-empted without the requeue signal (SLURM's SIGTERM; the fit writes last.ckpt of its stop step) continues its run
-instead of training it again from the start. Without a cluster: the environment SLURM gives the job's task."""
+"""A fit that SLURM restarts (a requeued job: ``SLURM_RESTART_COUNT`` > 0) with no ``--ckpt_path`` goes on as
+``--ckpt_path last`` (robust_lightning/scale/requeue.py), from the checkpoint furthest in training: a job pre-empted
+without the requeue signal (SLURM's SIGTERM; the fit writes last.ckpt of its stop step) continues its run instead of
+training it again from the start, or again from an older hpc checkpoint. Without a cluster: the environment SLURM
+gives the job's task."""
 
 import csv
 import json
@@ -15,7 +16,8 @@ from lightning import Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 
 from helpers import fake_slurm_job, run_command, tiny_config
-from robust_lightning.scale.requeue import continue_slurm_restart, hpc_checkpoints
+from robust_lightning.scale.requeue import continue_slurm_restart
+from robust_lightning.training.run_directory import hpc_checkpoints
 
 STEPS = 8  # 2 epochs of 4 steps
 STOP = 3  # SIGTERM inside step 3: last.ckpt of step 3
@@ -80,7 +82,7 @@ def test_a_sigterm_stop_then_the_slurm_restart_of_the_same_command_continues_fro
     )
     output = restart.stdout + restart.stderr
     assert restart.returncode == 0, output[-3000:]
-    assert "SLURM restarted this job (1 restarts so far) and left no hpc checkpoint" in output
+    assert "SLURM restarted this job (1 restarts so far): the fit goes on as --ckpt_path last" in output
     assert f"Restoring states from the checkpoint path at {last}" in output
     steps = [(r["attempt"], r["step"]) for r in map(json.loads, record.read_text().splitlines())]
     assert steps == [(0, s) for s in range(1, STOP + 1)] + [(1, s) for s in range(STOP + 1, STEPS + 1)]
@@ -145,7 +147,7 @@ def test_a_restart_after_a_requeue_and_a_later_sigterm_goes_on_from_the_newer_ch
     )
     output = third.stdout + third.stderr
     assert third.returncode == 0, output[-3000:]
-    assert f"{last} was saved after the hpc checkpoint of its last requeue" in output
+    assert f"resuming from {last}, the newest intact checkpoint by training step (step 5" in output
     steps = [(r["attempt"], r["step"]) for r in map(json.loads, record.read_text().splitlines())]
     assert steps == [(0, 1), (0, 2), (1, 3), (1, 4), (1, 5), (2, 6), (2, 7), (2, 8)]
 
@@ -169,9 +171,12 @@ def _config(tmp_path: Path, ckpt_path: str | None = None) -> Namespace:
 
 @pytest.mark.parametrize("srun", [True, False])
 @pytest.mark.parametrize("hpc", [None, "hpc_ckpt_1.ckpt", "hpc_ckpt_12.ckpt"])
-def test_the_decision_follows_lightnings_own_hpc_resume(tmp_path, monkeypatch, srun, hpc):
-    """A restart goes on as --ckpt_path last exactly when Lightning's fit, given no ckpt_path, would not resume from an
-    hpc checkpoint by itself (asked of Lightning's own checkpoint connector)."""
+def test_a_restart_never_leaves_the_choice_to_lightnings_own_hpc_resume(tmp_path, monkeypatch, srun, hpc):
+    """A restart goes on as --ckpt_path last, whether or not Lightning's fit, given no ckpt_path, would resume from an
+    hpc checkpoint by itself (asked of Lightning's own checkpoint connector): that choice is by the number in the
+    file's name, not by how far training went. hpc_checkpoints finds what Lightning would take. A job's first attempt
+    goes on as --ckpt_path last only where Lightning would resume it from an hpc checkpoint: a new job given an
+    earlier job's run folder."""
     for name, value in srun_task().items():
         monkeypatch.setenv(name, value)
     if not srun:  # in the batch script itself, not started by srun
@@ -188,8 +193,11 @@ def test_the_decision_follows_lightnings_own_hpc_resume(tmp_path, monkeypatch, s
     assert lightning == (str(tmp_path / hpc) if hpc and srun else None)
     assert bool(hpc_checkpoints(str(tmp_path))) == (lightning is not None)
     config = _config(tmp_path)
-    assert continue_slurm_restart("fit", config) == (lightning is None)
-    assert config.ckpt_path == (None if lightning else "last")
+    assert continue_slurm_restart("fit", config) and config.ckpt_path == "last"
+    monkeypatch.delenv("SLURM_RESTART_COUNT")
+    config = _config(tmp_path)
+    assert continue_slurm_restart("fit", config) == (lightning is not None)
+    assert config.ckpt_path == ("last" if lightning else None)
 
 
 def test_only_a_restarted_fit_without_a_checkpoint_path_changes(tmp_path, monkeypatch):

@@ -2,25 +2,22 @@
 script again, under the same job id and with ``SLURM_RESTART_COUNT`` one higher. So a fit restarted by SLURM is the
 same command in the same run directory (slurm/train_multinode.sbatch, a sweep's cell).
 
-Lightning resumes such a fit by itself only from an ``hpc_ckpt_N.ckpt`` in ``trainer.default_root_dir``, which its
-requeue signal handler writes (``--signal=SIGUSR1@90``). A job requeued without that signal, pre-empted for instance
-(SLURM ends it with SIGTERM, and the fit writes last.ckpt of the step it stops at), has none: the restart would train
-the run again from its start. A restarted fit without ``ckpt_path`` then goes on as ``--ckpt_path last``, as a torchrun
-restart does (scale/torchrun.py): in its own run directory, from its newest checkpoint, with one log.
+Given no ``ckpt_path``, Lightning resumes such a fit by itself from the ``hpc_ckpt_N.ckpt`` numbered highest in
+``trainer.default_root_dir``, which its requeue signal handler writes (``--signal=SIGUSR1@90``), even where a later
+attempt went further and stopped without that signal (pre-emption, ``scancel``: SLURM ends it with SIGTERM, and the
+fit writes last.ckpt of the step it stops at). With no hpc checkpoint it would train the run again from its start. A
+restarted fit without ``ckpt_path`` therefore goes on as ``--ckpt_path last``, as a torchrun restart does
+(scale/torchrun.py): in its own run directory, from the checkpoint furthest in training, hpc or not, with one log. So
+does any fit without ``ckpt_path`` that Lightning would resume from an hpc checkpoint by itself, such as a new job
+given an earlier job's run directory.
 """
 
-import logging
 import os
-from pathlib import Path
 
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
 
-from robust_lightning.training.run_directory import fit_checkpoint_directory, newest_intact_checkpoint
-
-log = logging.getLogger(__name__)
-
-HPC_CHECKPOINT = "hpc_ckpt_"  # what Lightning looks for in a file's name (_CheckpointConnector._hpc_resume_path)
+from robust_lightning.training.run_directory import hpc_checkpoints
 
 
 def restart_count() -> int | None:
@@ -29,53 +26,21 @@ def restart_count() -> int | None:
     return int(count) if count is not None and count.isdigit() else None
 
 
-def hpc_checkpoints(default_root_dir: str | None) -> list[Path]:
-    """The hpc checkpoints Lightning, given no ckpt_path, resumes a fit from by itself (the newest): under srun (its
-    SLURM environment detected), the files named ``*hpc_ckpt_*`` in ``trainer.default_root_dir`` (the working
-    directory when unset). The same condition as Lightning 2.6's ``_CheckpointConnector._parse_ckpt_path``, for a
-    local folder (a remote one, ``s3://...``, is taken to hold none: the fit then resumes from its newest
-    checkpoint)."""
-    root = str(default_root_dir or os.getcwd())
-    if not SLURMEnvironment.detect() or "://" in root or not Path(root).is_dir():
-        return []
-    return [entry for entry in Path(root).iterdir() if HPC_CHECKPOINT in entry.name]
-
-
-def checkpoint_saved_after(hpc: list[Path], run_dir: Path) -> Path | None:
-    """The checkpoint a restart should resume from instead of the hpc ones, where the run went further after the
-    last requeue: a later attempt stopped without the requeue signal (pre-emption: last.ckpt of its stop step) or
-    killed after a step checkpoint. The newest intact checkpoint of the fit whose run directory is ``run_dir``
-    (slurm/train_multinode.sbatch: RUN_DIR, also default_root_dir), where it was written after every hpc one."""
-    checkpoints = fit_checkpoint_directory(run_dir)
-    newest, _ = newest_intact_checkpoint(checkpoints) if checkpoints is not None else (None, [])
-    if newest is None or newest.stat().st_mtime <= max(path.stat().st_mtime for path in hpc):
-        return None
-    return newest
-
-
 def continue_slurm_restart(subcommand: str, config) -> bool:
-    """A fit that SLURM restarted, given no ckpt_path, goes on as ``--ckpt_path last`` where Lightning has no hpc
-    checkpoint to resume from, and from its newer checkpoint where the run went further after the requeue that wrote
-    the hpc one (``config.ckpt_path``). Returns whether it does."""
-    restarts = restart_count()
-    if subcommand != "fit" or config.get("ckpt_path") or not restarts:
+    """A fit without ckpt_path that SLURM restarted, or that Lightning would resume from an hpc checkpoint by itself,
+    goes on as ``--ckpt_path last`` (``config.ckpt_path``), whose choice of checkpoint is by training step
+    (robust_lightning.training.run_directory.resume_checkpoint). Returns whether it does."""
+    if subcommand != "fit" or config.get("ckpt_path"):
         return False
+    restarts = restart_count()
     root = config.trainer.get("default_root_dir")
-    hpc = hpc_checkpoints(root)
-    if hpc:
-        newer = checkpoint_saved_after(hpc, Path(root or os.getcwd()))
-        if newer is None:
-            return False  # Lightning resumes from the newest hpc checkpoint
-        rank_zero_info(
-            f"SLURM restarted this job ({restarts} restarts so far): {newer} was saved after the hpc checkpoint of "
-            "its last requeue, so the fit goes on from it"
-        )
-        config.ckpt_path = str(newer)
-        return True
-    rank_zero_info(
-        f"SLURM restarted this job ({restarts} restarts so far) and left no hpc checkpoint: the fit goes on as "
-        "--ckpt_path last"
-    )
+    if restarts:
+        why = f"SLURM restarted this job ({restarts} restarts so far)"
+    elif hpc_checkpoints(root):
+        why = f"{root or os.getcwd()} holds SLURM's hpc checkpoints, which Lightning would resume from by itself"
+    else:
+        return False
+    rank_zero_info(f"{why}: the fit goes on as --ckpt_path last")
     config.ckpt_path = "last"
     return True
 

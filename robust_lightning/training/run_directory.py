@@ -9,7 +9,8 @@
   path from a new run directory is (the earlier run's results.json would no longer match its checkpoints).
 - The run directory of a fit is marked (``.fit``, naming its checkpoint directory): ``--ckpt_path last`` looks
   only at run directories so marked, never at one a validate or test created
-  (``continue_in_latest_run_directory``), and starts from the newest intact checkpoint there.
+  (``continue_in_latest_run_directory``), and starts from the checkpoint furthest in training there
+  (``resume_checkpoint``), SLURM's hpc checkpoints of the run among them.
 - Its log goes to disk with each checkpoint (robust_lightning.loggers.CSVLogger.checkpoint_saved), and a fit
   stopped by SIGTERM logs the row of the step it stopped at, whose checkpoint it wrote.
 - A command refused before its loops ran a batch (exit status 2: a refusal here, a config value the data module or
@@ -24,12 +25,13 @@ import json
 import os
 import shutil
 import sys
-import zipfile
 from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning import Callback
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
@@ -289,23 +291,69 @@ class FitRunDirectory(Callback):
             _command.wandb_folders = _wandb_folders(trainer)
 
 
-def newest_intact_checkpoint(directory: Path) -> tuple[Path | None, list[str]]:
-    """The checkpoint a resume should start from: last.ckpt, or else the newest other checkpoint of ``directory``,
-    provided it reads to its end (a torch checkpoint is a zip archive, whose directory is at the end: a cut file
-    has none). Returns it (None when there is none) and a note on each newer one passed over."""
-    if not directory.is_dir():
-        return None, []
-    files = [p for p in directory.glob(f"*{ModelCheckpoint.FILE_EXTENSION}") if not p.name.startswith(".")]
-    last = [p for p in files if p.name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST)]
-    others = sorted(set(files) - set(last), key=lambda p: p.stat().st_mtime, reverse=True)
-    passed: list[str] = []
-    for candidate in sorted(last, key=lambda p: p.stat().st_mtime, reverse=True) + others:
-        try:
-            with zipfile.ZipFile(candidate):
-                return candidate, passed
-        except (zipfile.BadZipFile, OSError) as e:
-            passed.append(f"{candidate.name} is damaged ({type(e).__name__}: {e})")
-    return None, passed
+HPC_CHECKPOINT = "hpc_ckpt_"  # what Lightning looks for in a file's name (_CheckpointConnector._hpc_resume_path)
+
+
+def _hpc_files(default_root_dir: str | os.PathLike | None) -> list[Path]:
+    """The files named ``*hpc_ckpt_*`` in ``trainer.default_root_dir`` (the working directory when unset), where
+    Lightning writes a fit's checkpoint at SLURM's requeue. A remote folder (``s3://...``) is taken to hold none."""
+    root = str(default_root_dir or os.getcwd())
+    if "://" in root or not Path(root).is_dir():
+        return []
+    return sorted(entry for entry in Path(root).iterdir() if HPC_CHECKPOINT in entry.name)
+
+
+def hpc_checkpoints(default_root_dir: str | os.PathLike | None) -> list[Path]:
+    """The hpc checkpoints Lightning, given no ckpt_path, resumes a fit from by itself (the one numbered highest):
+    those of ``default_root_dir`` under srun (its SLURM environment detected), none elsewhere. The same condition as
+    Lightning 2.6's ``_CheckpointConnector._parse_ckpt_path``."""
+    return _hpc_files(default_root_dir) if SLURMEnvironment.detect() else []
+
+
+def _checkpoint_folders(checkpoint: dict[str, Any]) -> set[Path]:
+    """The folders of the checkpoint callbacks whose state ``checkpoint`` holds: those of the fit that wrote it."""
+    states = checkpoint.get("callbacks") or {}
+    return {Path(s["dirpath"]).resolve() for s in states.values() if isinstance(s, dict) and s.get("dirpath")}
+
+
+def resume_checkpoint(checkpoints: Path, default_root_dir: str | os.PathLike | None) -> tuple[Path | None, str, str]:
+    """The checkpoint a resume of a run starts from: the one furthest in training.
+
+    The candidates are every checkpoint of the run's checkpoint folder and the hpc checkpoints that Lightning writes
+    into ``default_root_dir`` at SLURM's requeue. An hpc checkpoint counts only where its checkpoint callback's
+    folder is ``checkpoints``, because a default_root_dir that several runs share holds theirs too. The checkpoint
+    with the highest ``global_step`` wins, whatever its kind: a later attempt may have stopped without a requeue
+    (SIGTERM's last.ckpt, a step checkpoint) after an earlier one was requeued, or the other way round. Of those at
+    that step, the one written last wins: one saved at the end of a validation comes after one saved at that step
+    before it, and a resume from it does not validate again. A file that does not load (cut short, or no
+    checkpoint) is passed over.
+
+    Returns the checkpoint (None where no candidate is left), why it was chosen, and a note on each file passed
+    over, as parts of a message."""
+    files = sorted(p for p in checkpoints.glob(f"*{ModelCheckpoint.FILE_EXTENSION}") if not p.name.startswith("."))
+    ours = {p.resolve() for p in files}
+    hpc = [p for p in _hpc_files(default_root_dir) if p.resolve() not in ours]  # the recipes': one folder for both
+    found: list[tuple[int, int, Path]] = []
+    notes = ""
+    for path in files + hpc:
+        try:  # mmap: the tensors stay on disk, only the pickled structure around them is read
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            step = int(checkpoint["global_step"])
+        except Exception as e:  # noqa: BLE001 (a file that does not load, whatever the reason, is no place to resume)
+            notes += f"; {path.name} is damaged ({type(e).__name__}: {str(e).split('. ')[0]})"
+            continue
+        if path in hpc and checkpoints.resolve() not in _checkpoint_folders(checkpoint):
+            notes += f"; {path} is another run's (its checkpoints are not in {checkpoints})"
+            continue
+        found.append((step, path.stat().st_mtime_ns, path))
+    if not found:
+        return None, "", notes
+    step, _, chosen = max(found)
+    tie = "; of those at that step, the one saved last" if sum(s == step for s, _, _ in found) > 1 else ""
+    why = (
+        f"the newest intact checkpoint by training step (step {step}, the highest of its {len(found)} checkpoints{tie})"
+    )
+    return chosen, why, notes
 
 
 def continue_in_latest_run_directory(config) -> None:
@@ -317,10 +365,11 @@ def continue_in_latest_run_directory(config) -> None:
     continues where it was). Other CSV or TensorBoard loggers take their newest version_N (a W&B logger's
     ``version`` is its run id: the run directory keeps it, robust_lightning.loggers.WandbLogger). The CSV log
     continues (robust_lightning.loggers.CSVLogger); a copy of it as the earlier attempts left it is kept as
-    metrics.partN.csv. The fit then starts from the
-    newest intact checkpoint of that run (``newest_intact_checkpoint``); with none (the run stopped before its
-    first checkpoint, or there was no earlier run), it says so and starts afresh in the same run directory:
-    Lightning alone would warn and silently start from scratch in a new one."""
+    metrics.partN.csv. The fit then starts from the checkpoint of that run furthest in training, whatever its kind
+    (``resume_checkpoint``), and says which and why; with none (the run stopped before its first checkpoint, or
+    there was no earlier run), it says so and starts afresh in the same run directory: Lightning alone would warn
+    and silently start from scratch in a new one. Where Lightning would take an hpc checkpoint by itself instead
+    (under SLURM, given no ckpt_path), the command is refused."""
     loggers = config.trainer.get("logger")
     loggers = loggers if isinstance(loggers, list) else [loggers]
     run_dir = None
@@ -361,15 +410,22 @@ def continue_in_latest_run_directory(config) -> None:
         checkpoints = Path(config.trainer.get("default_root_dir") or ".") / "checkpoints"
     else:
         return  # Lightning's default logger: its directory is not known before it is created
-    chosen, passed = newest_intact_checkpoint(checkpoints)
+    root = config.trainer.get("default_root_dir")
+    chosen, why, notes = resume_checkpoint(checkpoints, root)
     where = f" (the run in {run_dir})" if run_dir is not None else ""
-    notes = "".join(f"; {note}" for note in passed)
-    if chosen is None:
-        rank_zero_info(
-            f"--ckpt_path last: no intact checkpoint in {checkpoints}{where}{notes}: the run stopped "
-            "before its first one, so it starts afresh in the same run directory"
-        )
-        config.ckpt_path = None
-    elif passed or not chosen.name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST):
-        rank_zero_info(f"--ckpt_path last: resuming from {chosen}, the newest intact checkpoint{where}{notes}")
+    if chosen is not None:
+        rank_zero_info(f"--ckpt_path last: resuming from {chosen}, {why}{where}{notes}")
         config.ckpt_path = str(chosen)
+        return
+    lightnings = hpc_checkpoints(root)
+    if lightnings:  # Lightning, given no ckpt_path under SLURM, would resume from one of them all the same
+        raise UserError(
+            f"--ckpt_path last: no checkpoint of this run to resume from in {checkpoints}{where}{notes}; under "
+            f"SLURM, Lightning would resume from {lightnings[0].parent}'s hpc_ckpt_N.ckpt by itself: move those "
+            "files away to start the run afresh, or name a checkpoint with --ckpt_path"
+        )
+    rank_zero_info(
+        f"--ckpt_path last: no intact checkpoint in {checkpoints}{where}{notes}: the run stopped "
+        "before its first one, so it starts afresh in the same run directory"
+    )
+    config.ckpt_path = None
