@@ -69,6 +69,7 @@ PLACEHOLDERS = {
     "my.yaml": ("a whole config of your own", "a config that leaves trainer.max_epochs to the environment"),
     "ckpts.txt": ("the evaluation array's checkpoints, one path per line", "a list naming CKPT's substitute"),
     "RUN_DIR": ("the run directory of an evaluation, holding its results.json", "a folder with a results.json"),
+    "runs/slurm/rl-train-1234": ("the run folder of a stopped training job, which a new job continues", "a folder"),
 }
 # Model files a user supplies (README: the recipes warm-start from local copies of clean ImageNet weights).
 USER_SUPPLIED_PREFIXES = ("weights/",)
@@ -248,6 +249,7 @@ class Sandbox:
             "my.yaml": made / "my.yaml",
             "ckpts.txt": made / "ckpts.txt",
             "RUN_DIR": made / "run",
+            "runs/slurm/rl-train-1234": made / "stopped-job",
         }
         assert self.substitutes.keys() == PLACEHOLDERS.keys()
         made.mkdir()
@@ -262,6 +264,7 @@ class Sandbox:
         self.substitutes["ckpts.txt"].write_text(f"{self.substitutes['CKPT']}\n")
         self.substitutes["RUN_DIR"].mkdir()
         (self.substitutes["RUN_DIR"] / "results.json").write_text("{}\n")
+        self.substitutes["runs/slurm/rl-train-1234"].mkdir()
         self.runs: dict[tuple, tuple[int, str, str]] = {}
 
     def resolve(self, word: str) -> str:
