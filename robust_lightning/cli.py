@@ -45,6 +45,7 @@ with collector_paused():  # Lightning imports sooner (robust_lightning/startup.p
         use_project_loggers,
     )
     from robust_lightning.models.checkpoints import require_weights
+    from robust_lightning.rank_exit import RankFailureWatch, failed_here, leave_together, stopped_by_other_rank
     from robust_lightning.scale.requeue import continue_slurm_restart, slurm_restart_note
     from robust_lightning.scale.torchrun import join_process_group, restart_count
     from robust_lightning.training.checkpoint_io import AtomicCheckpointIO, LatestCheckpoint
@@ -333,6 +334,7 @@ def cli_arguments() -> dict[str, Any]:
                 PredictionWriter(),
                 FitRunDirectory(),
                 Throughput(),
+                RankFailureWatch(),  # one rank's failure stops the others (robust_lightning.rank_exit)
             ],
             # a kill during a save never corrupts last.ckpt
             "plugins": [{"class_path": f"{AtomicCheckpointIO.__module__}.{AtomicCheckpointIO.__name__}"}],
@@ -400,6 +402,8 @@ def main(args: Sequence[str] | None = None) -> int:
     # closing lines as plain text where the output is no terminal (left to W&B's exit, they carry colour codes). An
     # error that ends with a traceback is left to W&B's exit, which records it (and the traceback) as it did.
     finish_wandb_run(code, already_open)
+    if code == EXIT_SIGTERM:  # every rank has done its writing before any exits 143 (srun --kill-on-bad-exit)
+        leave_together(_command_state["trainer"])
     return code
 
 
@@ -414,6 +418,7 @@ def _report_error(message: str) -> None:
     if trainer is None:
         print_error(message)
     else:
+        failed_here(trainer)  # the other ranks stop after this message (robust_lightning.rank_exit)
         print_rank_error(message, trainer.global_rank, trainer.world_size, Path(trainer.default_root_dir))
 
 
@@ -452,6 +457,12 @@ def _run_command(args: list[str], from_command_line: bool) -> int:
             message = message.rpartition(f"{UserError.__module__}.UserError: ")[2].strip() or message
         _report_error(message)
         return 2
+    except Exception:  # its traceback, unless this rank met it because another rank failed (rank_exit)
+        trainer = _command_state["trainer"]
+        if stopped_by_other_rank(trainer):
+            return 1
+        failed_here(trainer)
+        raise
     return 0
 
 

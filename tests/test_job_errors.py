@@ -4,19 +4,24 @@
   its rank 0, and names ``robust-lightning`` (not ``__main__.py``); every process exits with status 2.
 - A combination of Trainer options that Lightning refuses while the Trainer is built is one message and exit 2; an
   error raised while training keeps its traceback.
+- One rank's error in a DDP job is the job's one error, with nothing after it but one line saying that the other
+  rank stopped, soon, whether that rank meets the failure in a collective or waits where it never would. After a
+  stop by SIGTERM the ranks leave together (robust_lightning.rank_exit).
 - A W&B fit whose output is not a terminal writes W&B's closing lines without colour codes.
 """
 
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import yaml
 from lightning import Callback
+from torch.distributed import TCPStore
 
-from helpers import REPO, run_command, tiny_config
-from robust_lightning import errors
+from helpers import REPO, run_command, synthetic_source, tiny_config
+from robust_lightning import errors, rank_exit
 from robust_lightning.errors import UserError, job_rank, print_error, print_rank_error
 
 TASKS = 3
@@ -250,3 +255,111 @@ def test_rank_errors_are_filed_and_compared_without_a_collective(tmp_path, monke
         "robust-lightning: error: alone",
         "robust-lightning: error: no shared folder",
     ]
+
+
+# ------------------------------------------------------------------ one error per job, and nothing after it
+class FailsOnOneRank(Callback):
+    """Rank ``rank`` alone fails at the start of training step ``step``: with a UserError, as a rank meets a file
+    that it alone reads, or with another exception, whose traceback stays. It notes the time in ``record``. With
+    ``block_others``, the other ranks then wait where no peer's exit reaches them, as in an NCCL collective that
+    waits for its time-out."""
+
+    def __init__(self, rank: int, record: str, step: int = 2, user_error: bool = True, block_others: bool = False):
+        self.rank, self.record, self.step = rank, Path(record), step
+        self.user_error, self.block_others = user_error, block_others
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step != self.step:
+            return
+        if trainer.global_rank == self.rank:
+            self.record.write_text(str(time.time()))
+            if self.user_error:
+                raise UserError(f"a file only rank {self.rank} reads is corrupt")
+            raise ValueError(f"a fault on rank {self.rank}")
+        if self.block_others:
+            time.sleep(600)
+
+
+STOP_BOUND = 30  # seconds from the failure to the job's end: a few for the failed rank's message, a grace, the exits
+
+
+def ddp_fit_failing_on_one_rank(tmp_path: Path, rank: int, **options):
+    """A 2-rank gloo fit with a user's defaults (the progress display, a loader worker per rank) in which rank
+    ``rank`` alone fails at step 2. Returns the run and how long after the failure the job ended."""
+    record = tmp_path / "failed_at"
+    options = {"rank": rank, "record": str(record), **options}
+    callback = {"class_path": f"{__name__}.FailsOnOneRank", "init_args": options}
+    config = tiny_config(
+        tmp_path,
+        **{
+            "model.arch": "test_resnet",
+            "trainer.devices": 2,
+            "trainer.strategy": "ddp",
+            "trainer.callbacks": [callback],
+            "trainer.enable_progress_bar": True,
+            "data.num_workers": 1,
+            "data.source": synthetic_source(num_classes=4, train_per_class=16, val_per_class=4, image_size=32),
+        },
+    )
+    run = run_command(["fit", "--config", str(config)], cwd=tmp_path, timeout=TIMEOUT)
+    assert record.is_file(), run.stderr[-3000:]  # the fit got to the failure
+    return run, time.time() - float(record.read_text())
+
+
+def assert_nothing_after_the_error(run, last_line_of_error: str, stopped: str) -> None:
+    """After the failed rank's error, one line alone: the one saying that the other rank stopped. Nowhere a rank's
+    traceback from a collective, a line of gloo's or torch's distributed code (c10d), or Lightning's launcher
+    killing the ranks."""
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    last = max(i for i, line in enumerate(lines) if line.endswith(last_line_of_error))
+    assert lines[last + 1 :] == [stopped], run.stderr[-3000:]
+    output = run.stderr + run.stdout
+    assert [line for line in output.splitlines() if "gloo" in line.lower()] == ["distributed_backend=gloo"], output
+    assert "Connection closed" not in output and "c10d" not in output, output[-3000:]
+    assert "Child process" not in output and "Forcefully terminating" not in output, output[-3000:]
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_one_rank_s_error_in_training_is_the_job_s_one_error(tmp_path, rank):
+    """The other rank, waiting for it in a collective, ends without a traceback of its own, soon."""
+    run, took = ddp_fit_failing_on_one_rank(tmp_path, rank)
+    assert run.returncode != 0
+    assert took < STOP_BOUND, (took, run.stderr[-3000:])
+    errors = [line for line in run.stderr.splitlines() if "error:" in line]
+    message = f"a file only rank {rank} reads is corrupt"
+    assert errors == [f"robust-lightning: error: {'(rank 1) ' if rank else ''}{message}"], run.stderr[-3000:]
+    assert "Traceback" not in run.stderr + run.stdout, run.stderr[-3000:]
+    stopped = f"robust-lightning: rank {1 - rank} stopped: rank {rank} failed (see its message above)"
+    assert_nothing_after_the_error(run, errors[0], stopped)
+
+
+def test_a_rank_that_never_meets_the_failure_is_stopped_all_the_same(tmp_path):
+    """Rank 1 fails with a traceback while rank 0 waits where no connection error reaches it (an NCCL collective
+    would wait 30 minutes for its time-out): rank 0 is stopped soon, and the traceback is the job's one error."""
+    run, took = ddp_fit_failing_on_one_rank(tmp_path, 1, user_error=False, block_others=True)
+    assert run.returncode != 0
+    assert took < STOP_BOUND, (took, run.stderr[-3000:])
+    assert run.stderr.count("Traceback") == 1 and "ValueError: a fault on rank 1" in run.stderr, run.stderr[-3000:]
+    stopped = "robust-lightning: rank 0 stopped: rank 1 failed (see its message above)"
+    assert_nothing_after_the_error(run, "ValueError: a fault on rank 1", stopped)
+
+
+def test_the_ranks_of_a_stopped_job_leave_together():
+    """At the end of a stop by SIGTERM no rank leaves before every rank has got there, and rank 0, which holds the
+    store, leaves last. Three ranks on a real TCPStore, the second one second late."""
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    jobs = [rank_exit._Job(TCPStore("127.0.0.1", server.port, is_master=False), rank, 3, False) for rank in range(3)]
+    arrived, left = {}, {}
+
+    def leave(job):
+        if job.rank == 1:
+            time.sleep(1.0)
+        arrived[job.rank] = time.monotonic()
+        rank_exit._leave_together(job)
+        left[job.rank] = time.monotonic()
+
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(leave, jobs))
+    assert min(left.values()) >= arrived[1]
+    assert left[0] == max(left.values())
+    assert max(left.values()) - arrived[1] < 1.0  # then at once
