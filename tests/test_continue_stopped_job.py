@@ -37,7 +37,8 @@ def node(tmp_path: Path) -> dict[str, str]:
     """SLURM's environment for the batch script of a one-node, one-task job, with the job's scontrol and srun."""
     env = fake_slurm_job(tmp_path)
     srun = tmp_path / "bin" / "srun"
-    srun.write_text('#!/bin/sh\nexec "$@"\n')  # one task: the command itself
+    # one task: the command itself, srun's options (--kill-on-bad-exit) left out
+    srun.write_text('#!/bin/sh\nwhile [ "${1#-}" != "$1" ]; do shift; done\nexec "$@"\n')
     srun.chmod(0o755)
     return {**env, "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS_PER_NODE": "1", "PYTHON": sys.executable}
 

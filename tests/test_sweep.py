@@ -176,7 +176,7 @@ def test_dry_run_prints_the_array_script_and_writes_nothing(tmp_path, capsys):
         "module load cuda",
         f"cd {Path.cwd()}",
         'export WANDB_MODE="${WANDB_MODE:-offline}"',
-        f'srun "$PYTHON" -m robust_lightning cell {tmp_path / "out" / "arrays" / "000.json"} '
+        f'srun --kill-on-bad-exit=1 "$PYTHON" -m robust_lightning cell {tmp_path / "out" / "arrays" / "000.json"} '
         '--index "$SLURM_ARRAY_TASK_ID"',
     ]:
         assert line in script.splitlines(), line
@@ -431,7 +431,8 @@ def test_slurm_templates(tmp_path):
         # Lightning: devices == --ntasks-per-node, num_nodes == --nodes, processes started by srun
         assert '--trainer.devices="$SLURM_NTASKS_PER_NODE"' in text
         assert '--trainer.num_nodes="$SLURM_JOB_NUM_NODES"' in text
-        assert 'srun "$PYTHON" -m robust_lightning ' in text and "--trainer.default_root_dir=" in text
+        assert 'srun --kill-on-bad-exit=1 "$PYTHON" -m robust_lightning ' in text
+        assert "--trainer.default_root_dir=" in text
 
 
 def test_forked_children_ignore_sigusr1(monkeypatch):

@@ -135,8 +135,10 @@ def array_script(sweep: Sweep, cells: list[Cell], manifest: Path) -> str:
         'if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"; fi',
         *setup,
         f'PYTHON="${{RL_PYTHON:-{sys.executable}}}"',
-        "# one process per task (= per device); Lightning's SLURM environment wires up DDP and the requeue",
-        f'srun "$PYTHON" -m robust_lightning cell {shlex.quote(str(manifest))} --index "$SLURM_ARRAY_TASK_ID"',
+        "# one process per task (= per device); Lightning's SLURM environment wires up DDP and the requeue;",
+        "# the first task to fail ends the step (the others would wait for it in a collective)",
+        f'srun --kill-on-bad-exit=1 "$PYTHON" -m robust_lightning cell {shlex.quote(str(manifest))} '
+        '--index "$SLURM_ARRAY_TASK_ID"',
         "",
     ]
     return "\n".join(lines)
