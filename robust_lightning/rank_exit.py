@@ -12,16 +12,19 @@ waiting for. One rank prints one line saying why, and the other stopped ranks pr
 exception because another rank failed ends the same way, without a traceback (:func:`stopped_by_other_rank`).
 
 A failed rank tells the others at its exit, after its error is printed (:func:`failed_here`), so that their line
-comes after its message. Rank 0 holds the store, and a rank that asks a store that is gone gets a warning of torch's
-on its output. So rank 0 is the last rank to leave the store: a failed rank 0 waits until the others know of its
-failure, and at a normal end rank 0 waits until the others' watchdogs have stopped. Under Lightning's own launcher
-a node's rank 0 is the parent of its other ranks, and kills them all, with a line about it, once one of them ends
-with a non-zero status. So there a failed child waits until its parent has ended.
+comes after its message. It then waits until the others know of the failure.
+
+Rank 0 holds the store, and a rank that asks a store that is gone gets a warning of torch's on its output. So rank
+0 leaves the store last: before it ends, whether normally, by another rank's failure or by a stop, it waits until
+every other rank has said that it asks the store nothing more (:meth:`_Job.leave_store`). A failed rank 0 waits
+only until the others know, and they then ask the store nothing more. Under Lightning's own launcher a
+node's rank 0 is also the parent of its other ranks, and kills them all, with a line about it, once one of them
+ends with a non-zero status. So there a rank ending with a non-zero status ends after its parent.
 
 A stop by SIGTERM or by SLURM's requeue ends every rank with exit status 143, which is non-zero. Under srun's
-``--kill-on-bad-exit``, the first rank to exit makes SLURM signal the others. After the collective checkpoint,
-rank 0 still writes ``results.json`` and ends the W&B run. So the ranks leave together (:func:`leave_together`):
-each waits at the end of the command until every rank has got there.
+``--kill-on-bad-exit``, the first rank to exit makes SLURM signal the others, and kill them after its ``KillWait``.
+After the collective checkpoint, rank 0 still writes ``results.json`` and ends the W&B run. So the ranks leave
+together (:func:`leave_together`): each waits at the end of the command until every rank has got there.
 """
 
 import atexit
@@ -41,14 +44,13 @@ from robust_lightning.errors import PROG
 
 FAILED = "robust-lightning/failed"  # the rank whose error was reported first
 KNOWN = "robust-lightning/known"  # how many ranks know that the job is failing
-DONE = "robust-lightning/done"  # how many ranks other than 0 have stopped watching at the normal end of a run
 LEAVING = "robust-lightning/leaving"  # how many ranks have got to the end of a stop by SIGTERM
-LEFT = "robust-lightning/left"  # how many ranks other than 0 are done with the store at the end of such a stop
+DONE = "robust-lightning/done"  # how many ranks other than 0 ask the store nothing more
 EXIT_STOPPED = 1  # the exit status of a rank stopped by another rank's failure
 
 POLL = 0.2  # seconds between two looks at the store
 GRACE = 2.0  # seconds that a rank hearing of a failure waits before it stops (it may be failing on its own)
-LINGER = 10.0  # seconds at most that a failed rank waits at its exit
+LINGER = 10.0  # seconds at most that a rank ending by a failure waits for the others
 LEAVE_WAIT = 60.0  # seconds at most that a rank waits for the others at the end of a run or of a stop by SIGTERM
 
 
@@ -66,6 +68,7 @@ class _Job:
         self.armed = True  # whether the watchdog may still end this process
         self.known: int | None = None  # the failed rank, once this rank knows of it
         self.failed = False  # whether this rank failed (and tells the others at its exit)
+        self.left_store = False
         self.stop = threading.Event()  # the watchdog stops
         self.watchdog: threading.Thread | None = None
 
@@ -107,8 +110,22 @@ class _Job:
     def count(self, key: str) -> int:
         return int(self.store.add(key, 0))
 
-    def parent_ended(self) -> bool:
-        return os.getppid() != self.parent
+    def leave_store(self, seconds: float, until: Callable[[], bool] = lambda: False, status: int = 1) -> None:
+        """This rank asks the store nothing more. A rank other than 0 says so; rank 0, which holds the store, waits
+        until every other rank has said so, at most ``seconds`` or until ``until()``. Where rank 0 is the failed
+        rank, the others know it and leave the store alone, and rank 0 leaves first: the launcher then names it as
+        the job's first failure. A rank that Lightning's launcher started and that is to end with a non-zero
+        ``status`` then waits for its parent to end."""
+        rank_zero_failed = self.known == 0
+        if self.rank == 0:
+            if not rank_zero_failed:
+                self.wait(lambda: self.count(DONE) >= self.world_size - 1 or until(), seconds)
+        elif not (self.left_store or rank_zero_failed):
+            self.left_store = True
+            with contextlib.suppress(Exception):
+                self.store.add(DONE, 1)
+        if self.parent is not None and status != 0:
+            self.wait(lambda: os.getppid() != self.parent, seconds)
 
     def announce(self, reason: str) -> None:
         """The job's one line about the ranks that stop: printed by the lowest rank among them."""
@@ -154,6 +171,7 @@ def _watch(job: _Job) -> None:
             if not job.armed:  # this rank met an error of its own meanwhile, or an exception that says it all
                 return
             job.announce(f"rank {failed} failed (see its message above)")
+            job.leave_store(LINGER)
             _end_process(EXIT_STOPPED)
 
 
@@ -179,20 +197,16 @@ class RankFailureWatch(Callback):
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         job = _job_of(trainer)
-        if job is None or job.failed:
-            return
-        job.stop_watching()
-        if job.rank != 0:
-            with contextlib.suppress(Exception):
-                job.store.add(DONE, 1)
-        else:  # the store stays until the others have stopped asking it (a failure ends the wait too)
-            job.wait(lambda: job.count(DONE) >= job.world_size - 1 or job.store.check([FAILED]), LEAVE_WAIT)
+        if job is not None and not job.failed:
+            job.stop_watching()
+            # a failure after the run's last collective ends rank 0's wait
+            job.leave_store(LEAVE_WAIT, until=lambda: job.store.check([FAILED]), status=0)
 
 
 def failed_here(trainer: Trainer | None) -> None:
-    """This rank failed: its own error is printed now, or as a traceback when the process ends. Its watchdog
-    stops at once. At its exit, after its error, this rank tells the others and waits, at most ``LINGER`` seconds:
-    rank 0 until the others know, a rank that Lightning's launcher started until its parent has ended."""
+    """This rank failed: its own error is printed now, or as a traceback when the process ends. Its watchdog stops
+    at once. At its exit, after its error, this rank tells the others and waits, at most ``LINGER`` seconds, until
+    they know."""
     job = _job_of(trainer)
     if job is None or job.failed:
         return
@@ -203,14 +217,13 @@ def failed_here(trainer: Trainer | None) -> None:
 
 def _tell_the_others(job: _Job) -> None:
     try:
-        job.store.compare_set(FAILED, "", str(job.rank))  # the first failed rank to report keeps its place
+        first = int(job.store.compare_set(FAILED, "", str(job.rank)))  # the first failed rank to report stays
     except Exception:  # the store is gone with rank 0, which has ended
         return
-    job.know(job.rank)
-    if job.parent is not None:
-        job.wait(job.parent_ended, LINGER)
-    else:
+    job.know(first)
+    if job.rank == 0 or first != 0:  # where rank 0 failed, it waits for the others to know, and they leave it be
         job.wait(lambda: job.count(KNOWN) >= job.world_size, LINGER)
+    job.leave_store(LINGER)
 
 
 def stopped_by_other_rank(trainer: Trainer | None) -> bool:
@@ -230,14 +243,13 @@ def stopped_by_other_rank(trainer: Trainer | None) -> bool:
         return False
     job.know(failed)
     job.announce(f"rank {failed} failed (see its message above)")
+    job.leave_store(LINGER)
     return True
 
 
 def leave_together(trainer: Trainer | None) -> None:
     """At the end of a command stopped by SIGTERM (exit status 143): wait until every rank has got here, at most
-    ``LEAVE_WAIT`` seconds, so that no rank exits while another still writes. No collective: the store counts.
-    Rank 0 leaves last, once the others are done with the store; a rank that Lightning's launcher started waits
-    for its parent."""
+    ``LEAVE_WAIT`` seconds, so that no rank exits while another still writes. No collective: the store counts."""
     job = _job_of(trainer)
     if job is not None:
         _leave_together(job)
@@ -250,10 +262,4 @@ def _leave_together(job: _Job) -> None:
     with contextlib.suppress(Exception):
         job.store.add(LEAVING, 1)
     job.wait(lambda: job.count(LEAVING) >= job.world_size, LEAVE_WAIT)
-    if job.rank == 0:
-        job.wait(lambda: job.count(LEFT) >= job.world_size - 1, LEAVE_WAIT)
-        return
-    with contextlib.suppress(Exception):
-        job.store.add(LEFT, 1)
-    if job.parent is not None:
-        job.wait(job.parent_ended, LEAVE_WAIT)
+    job.leave_store(LEAVE_WAIT)
