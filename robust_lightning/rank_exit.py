@@ -8,23 +8,26 @@ with a traceback of its own ("Connection closed by peer"). Over NCCL they may wa
 needs no collective. While its Trainer runs, each rank keeps a watchdog thread (:class:`RankFailureWatch`). On
 hearing of another rank's failure, the watchdog gives this rank a short grace, in which a rank that has failed on
 its own still reports its own error. Then it ends this process with exit status 1, whatever the process was
-waiting for. One rank prints one line saying why, and the other stopped ranks print nothing. A rank that meets an
+waiting for. The lowest stopped rank prints one line saying why, and the others print nothing. A rank that meets an
 exception because another rank failed ends the same way, without a traceback (:func:`stopped_by_other_rank`).
 
 A failed rank tells the others at its exit, after its error is printed (:func:`failed_here`), so that their line
 comes after its message. It then waits until the others know of the failure.
 
-Rank 0 holds the store, and a rank that asks a store that is gone gets a warning of torch's on its output. So rank
-0 leaves the store last: before it ends, whether normally, by another rank's failure or by a stop, it waits until
-every other rank has said that it asks the store nothing more (:meth:`_Job.leave_store`). A failed rank 0 waits
-only until the others know, and they then ask the store nothing more. Under Lightning's own launcher a
-node's rank 0 is also the parent of its other ranks, and kills them all, with a line about it, once one of them
-ends with a non-zero status. So there a rank ending with a non-zero status ends after its parent.
+Under srun and Lightning's launcher rank 0 holds the store (torchrun's agent holds its own), and a rank that asks
+a store that is gone gets a warning of torch's on its output. So rank 0 leaves the store last: before it ends,
+whether normally, by another rank's failure or by a stop, it waits until every other rank has said that it asks
+the store nothing more (:meth:`_Job.leave_store`). A failed rank 0 waits only until the others know, and they then
+ask the store nothing more. Under Lightning's own launcher a node's rank 0 is also the parent of its other ranks.
+It kills them all, with a line about it, once one of them ends with a non-zero status (``_ChildProcessObserver``,
+lightning/fabric/strategies/launchers/subprocess_script.py). So there a rank ending with a non-zero status ends
+after its parent.
 
 A stop by SIGTERM or by SLURM's requeue ends every rank with exit status 143, which is non-zero. Under srun's
-``--kill-on-bad-exit``, the first rank to exit makes SLURM signal the others, and kill them after its ``KillWait``.
-After the collective checkpoint, rank 0 still writes ``results.json`` and ends the W&B run. So the ranks leave
-together (:func:`leave_together`): each waits at the end of the command until every rank has got there.
+``--kill-on-bad-exit``, the first rank to exit makes SLURM send the others SIGTERM, then SIGKILL after its
+``KillWait`` (SLURM's src/slurmd/slurmstepd/req.c, ``SIG_TERM_KILL``). After the collective checkpoint, rank 0
+still writes ``results.json`` and ends the W&B run. So the ranks leave together (:func:`leave_together`): each
+waits at the end of the command until every rank has got there.
 """
 
 import atexit
