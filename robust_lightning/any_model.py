@@ -38,6 +38,7 @@ from robust_lightning.evaluation.imagenet_c import ImageNetC
 from robust_lightning.evaluation.imagenet_p import ImageNetP
 from robust_lightning.evaluation.resolution import ResolutionSweep
 from robust_lightning.evaluation.results import RunResults
+from robust_lightning.job_signals import JobSignals
 
 SHIFTS = ("imagenet_r", "imagenet_a", "imagenet_sketch", "imagenet_v2", "imagenet_o", "imagenet_9")
 EVALUATIONS = ("autoattack", *SHIFTS, "imagenet_c", "imagenet_p", "resolution_sweep", "card")
@@ -260,6 +261,11 @@ def evaluate(
         accelerator: Lightning's.
         devices: Lightning's; several devices split the images between them.
         strategy: Lightning's.
+
+    SIGTERM (a scheduler's pre-emption or time limit, ``timeout``) stops the evaluation at its next batch, or
+    between two attacks of AutoAttack, and raises ``robust_lightning.job_signals.JobStopped``, a ``SystemExit`` with
+    the status 143: a script ends as a process ended by SIGTERM, and the same call with the same ``out_dir`` goes on
+    with the outcomes kept (none are kept without ``out_dir``). No partial result is returned or written.
     """
     if not isinstance(model, nn.Module):
         raise UserError(f"model must be a torch nn.Module, got {type(model).__name__}")
@@ -290,6 +296,7 @@ def evaluate(
         datamodule = GivenImages(images, labels, batch_size)
     callbacks = _callbacks(evaluations, dict(datasets or {}), threat_models, version, dict(options or {}))
 
+    from robust_lightning.training.interruption import Interruption  # noqa: PLC0415 (heavy)
     from robust_lightning.training.lightning_module import ImageClassifier  # noqa: PLC0415 (heavy)
 
     # a module given in Python: ImageClassifier takes one (its arch is typed str, as the command line gives it)
@@ -310,9 +317,13 @@ def evaluate(
             default_root_dir=str(run_dir),
             enable_checkpointing=False,
             inference_mode=False,
-            callbacks=[RunResults(), *callbacks],
+            # the evaluations first: a signal that cuts a batch short is agreed on after the batch's work
+            callbacks=[*callbacks, Interruption(), RunResults()],
         )
-        trainer.test(module, datamodule=datamodule)
+        try:
+            trainer.test(module, datamodule=datamodule)
+        finally:
+            JobSignals.give_back()
         trainer.strategy.barrier()  # under DDP: rank zero has written results.json before any rank reads it
         results = run_dir / "results.json"
         return json.loads(results.read_text()) if results.is_file() else {}

@@ -36,7 +36,7 @@ with collector_paused():  # Lightning imports sooner (robust_lightning/startup.p
     from robust_lightning.data.datamodule import ImageNetDataModule
     from robust_lightning.errors import UserError, print_error, print_rank_error
     from robust_lightning.evaluation.results import PredictionWriter, RunResults
-    from robust_lightning.job_signals import shield_forked_children
+    from robust_lightning.job_signals import JobSignals, JobStopped, shield_forked_children
     from robust_lightning.loggers import (
         SaveConfigToWandb,
         WandbLogger,
@@ -436,13 +436,18 @@ def _run_command(args: list[str], from_command_line: bool) -> int:
         RobustLightningCLI(**cli_arguments(), args=None if from_command_line else args)
     except SIGTERMException as e:  # a SystemExit without a code: the process would exit 0 as if the run had finished
         if rank_zero_only.rank == 0:  # type: ignore[attr-defined]  # the rank Lightning sets on the function
-            requeued = getattr(e, "requeued_checkpoint", None)  # set by Interruption after a SLURM requeue
-            if requeued:
-                stopped, then = "stopped for SLURM's requeue", f"SLURM resumes the requeued job from {requeued}"
-            elif getattr(e, "job_requeued", False):  # an evaluation, requeued on SLURM's signal, then ended by it
-                stopped, then = "interrupted by SIGTERM after SLURM's requeue", "the requeued job runs it again"
+            stop = e if isinstance(e, JobStopped) else None  # Lightning's own has none of the stop's facts
+            if stop is not None and stop.requeued:
+                stopped = "stopped for SLURM's requeue"
+                then = (
+                    f"SLURM resumes the requeued job from {stop.checkpoint}"
+                    if stop.checkpoint
+                    else ("the requeued job runs it again")
+                )
             else:
                 stopped = "interrupted by SIGTERM"
+                if stop is not None and stop.requeue:
+                    stopped = "stopped by SLURM's requeue signal, but the requeue failed"
                 then = "the same command resumes it (fit: with --ckpt_path last)" + slurm_restart_note()
             print(f"robust-lightning: {args[0]} {stopped} (exit status {EXIT_SIGTERM}); {then}", file=sys.stderr)
         return EXIT_SIGTERM
@@ -463,6 +468,8 @@ def _run_command(args: list[str], from_command_line: bool) -> int:
             return 1
         failed_here(trainer)
         raise
+    finally:
+        JobSignals.give_back()  # the handlers the command found (kept through a stopped fit's last save)
     return 0
 
 

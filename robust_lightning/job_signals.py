@@ -1,5 +1,16 @@
-"""How the processes of a SLURM job take its signals: who ignores them, and who requeues the job
-(:func:`requeue_this_job`, which a fit and an evaluation share).
+"""How the processes of a job take its signals: who ignores them, how a command stops at a batch boundary
+(:class:`JobSignals`, :func:`stop_requested`, :func:`agree_to_stop`), and who requeues the job
+(:func:`requeue_this_job`).
+
+Every Trainer command notes SIGTERM (pre-emption, a time limit, ``scancel``) and SLURM's requeue signal and does
+nothing else inside the handler: a handler runs wherever the process was, in the middle of a collective or of a
+checkpoint's write. The command acts on a noted signal at its next batch boundary, in training, in validation, in
+a test and in an evaluation's own loop alike. Under DDP the ranks must stop together, because whatever comes next
+(a checkpoint's save, a metric's reduction) is a collective. So a rank that noted a signal tells the others
+through the process group's key-value store, which every rank reads at each batch boundary without a collective,
+and each loop ends with one small collective at which the ranks agree whether to stop (:func:`agree_to_stop`). A
+rank that has its own share of batches left joins that agreement at its next batch boundary, or at its last
+batch. Every rank then raises :class:`JobStopped`, whose exit status is 143, the shell's for SIGTERM.
 
 Processes started by srun: SLURM delivers the requeue signal (``--signal=SIGUSR1@90``,
 ``scancel --signal=USR1``) and the stop signal (SIGTERM: pre-emption, time limit, scancel) to every process of the
@@ -31,8 +42,15 @@ import re
 import signal
 import subprocess
 import threading
+from collections.abc import Callable
+from contextlib import suppress
+from types import FrameType
+from typing import Any
 
+import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 log = logging.getLogger(__name__)
 
@@ -102,3 +120,126 @@ def requeue_this_job(signum: int, then: str) -> bool:
         return False
     rank_zero_info(f"Requeued SLURM job: {job}")
     return True
+
+
+# ------------------------------------------------------------------------------------- stopping at a batch boundary
+EXIT_SIGTERM = 128 + 15  # the shell's status for a process ended by SIGTERM
+
+
+class JobStopped(SIGTERMException):
+    """A command stopped at a batch boundary by SIGTERM or SLURM's requeue signal. It is Lightning's
+    ``SIGTERMException``, a ``SystemExit``, with the status 143: a script that calls the Python API ends as a
+    command stopped by SIGTERM does. ``requeue`` says whether SLURM asked for a requeue; ``where`` names the work it
+    stopped (a training step, a validation, an evaluation), for the message and the checkpoint. What the stop did
+    is added by whoever handles it: ``requeued`` (SLURM took the requeue) and ``checkpoint`` (the file the run
+    resumes from)."""
+
+    def __init__(self, requeue: bool, where: str) -> None:
+        SystemExit.__init__(self, EXIT_SIGTERM)
+        self.requeue, self.where = requeue, where
+        self.requeued = False
+        self.checkpoint: str | None = None
+
+
+class JobSignals:
+    """The signals this process noted, and the handlers that note them. One per process: signals are a
+    process's."""
+
+    sigterm = False  # SIGTERM came
+    requeue = False  # SLURM's requeue signal came
+    told_others = False  # the store holds this process's stop
+    generation = 0  # which command of the process the store's key is for (every rank runs the same commands)
+    _previous: dict[int, Any] = {}  # noqa: RUF012 (the process's one state)
+
+    @classmethod
+    def take(cls, requeue_signal: int | None, on_sigterm: Callable[[int], None] | None = None) -> None:
+        """Note SIGTERM and the requeue signal (None: not on SLURM, or auto-requeue off) from now on, in the main
+        thread. ``on_sigterm`` also runs in the handler (to pass the signal to the processes this one started).
+        Taking them again keeps what was noted; :meth:`give_back` restores the handlers found first."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def note_sigterm(signum: int, frame: FrameType | None) -> None:
+            if not cls.sigterm and on_sigterm is not None:
+                on_sigterm(signum)
+            cls.sigterm = True
+            log.info("received SIGTERM: stopping at the next batch boundary")
+
+        def note_requeue(signum: int, frame: FrameType | None) -> None:
+            cls.requeue = True
+            log.info("received SLURM's requeue signal: stopping at the next batch boundary")
+
+        for signum, handler in ((signal.SIGTERM, note_sigterm), (requeue_signal, note_requeue)):
+            if signum is None:
+                continue
+            cls._previous.setdefault(signum, signal.getsignal(signum))
+            signal.signal(signum, handler)
+            # a system call the signal interrupts (a collective's socket read) is restarted instead of failing
+            signal.siginterrupt(signum, False)
+
+    @classmethod
+    def give_back(cls) -> None:
+        """The handlers found before :meth:`take`; what was noted stays noted."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, handler in cls._previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        cls._previous = {}
+
+    @classmethod
+    def start_command(cls) -> None:
+        """A new command of this process: nothing noted yet, and a store key of its own."""
+        cls.sigterm = cls.requeue = cls.told_others = False
+        cls.generation += 1
+
+    @classmethod
+    def noted(cls) -> bool:
+        return cls.sigterm or cls.requeue
+
+
+def _store() -> Any:
+    """The key-value store of the default process group, where ranks tell each other of a stop; None in one
+    process or where there is none."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+def _stop_key() -> str:
+    return f"robust_lightning/stop/{JobSignals.generation}"
+
+
+def stop_requested() -> bool:
+    """Whether this command should stop at this batch boundary: this process noted a signal, or another rank did
+    (the store's key). A process that noted one puts the key there once. No collective: the ranks may be at
+    different batches."""
+    store = _store()
+    if JobSignals.noted():
+        if store is not None and not JobSignals.told_others:
+            with suppress(Exception):  # the key only speeds the others up: the agreement decides
+                store.set(_stop_key(), "1")
+            JobSignals.told_others = True
+        return True
+    if store is None:
+        return False
+    try:
+        return bool(store.check([_stop_key()]))
+    except Exception:  # noqa: BLE001 (the agreement at the loop's end decides all the same)
+        return False
+
+
+def agree_to_stop(device: torch.device | str, where: str) -> JobStopped | None:
+    """The stop that every rank agrees on at this point, or None to go on. Under DDP a collective: each rank calls
+    it once at the end of a loop (or at a batch boundary where it stops), and the largest of the ranks' notes
+    decides, so they all stop at the same point. ``where`` names the work that stops (see :class:`JobStopped`)."""
+    sigterm, requeue = JobSignals.sigterm, JobSignals.requeue
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flags = torch.tensor([int(sigterm), int(requeue)], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        sigterm, requeue = (bool(flag) for flag in flags.tolist())
+    if not (sigterm or requeue):
+        return None
+    return JobStopped(requeue=requeue, where=where)

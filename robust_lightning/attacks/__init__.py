@@ -12,7 +12,7 @@ from .apgd import (
     predicted_correct,
     random_start_point,
 )
-from .ensemble import AutoAttack, AutoAttackReport
+from .ensemble import AutoAttack, AutoAttackReport, EvaluationStopped
 from .fab import FABResult, fab_targeted
 from .projections import NORMS, l1_projection, lp_norm, normalize, project, project_l1, project_l2, project_linf
 from .simple import fgsm, pgd
@@ -25,6 +25,7 @@ __all__ = [
     "APGDResult",
     "AutoAttack",
     "AutoAttackReport",
+    "EvaluationStopped",
     "FABResult",
     "SpatialResult",
     "SquareResult",

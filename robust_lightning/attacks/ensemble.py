@@ -256,6 +256,11 @@ def uses_channels_last(engine: str, device: torch.device, requested: bool | None
 L1_MIN_ITER = 3  # one iteration for each stage of the L1 eps schedule
 
 
+class EvaluationStopped(Exception):
+    """An evaluation given ``stop`` stopped between two attacks because ``stop()`` said so; its state file
+    (``state_path``) holds every attack it finished, and the same call again runs only the others."""
+
+
 class AutoAttack:
     """The standard AutoAttack ensemble (or a quick mode) against ``model``: [0, 1] inputs, logits out.
 
@@ -511,13 +516,17 @@ class AutoAttack:
         progress: Callable[[str], None] | None = None,
         progress_bar: bool = False,
         state_path: Path | str | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> AutoAttackReport:
         """Run the ensemble on ``x`` (N, C, H, W) in [0, 1] with labels ``y`` (N,), ``bs`` points at a time.
         ``progress`` receives fra31's verbose lines (the initial accuracy, per attack the points it broke and the
         robust accuracy after it); ``progress_bar`` shows a bar over the attacks (rank zero). ``state_path``: the
         reference's resume file (:mod:`robust_lightning.attacks.evaluation_state`): the attacks already run are
         skipped, and the points they broke stay broken (their ``x_adv`` is the clean image, as in the
-        reference; ``broken_by`` says "before the resume")."""
+        reference; ``broken_by`` names the attack, or says "before the resume" for a reference's state file, which
+        does not record it). ``stop``: asked before each attack (a job's stop
+        signal); where it says so, :class:`EvaluationStopped` is raised, the attacks run so far kept in
+        ``state_path``."""
         if x.min() < 0 or x.max() > 1:
             raise ValueError("AutoAttack takes images in [0, 1]; normalisation belongs inside the model")
         self._check_settings()
@@ -528,7 +537,7 @@ class AutoAttack:
             state = None
             if state_path is not None:
                 state = EvaluationState.open(state_path, self.attacks, len(x), self.norm, self.eps)
-            return self._evaluate(x.float(), y.long(), bs, progress, progress_bar, state)
+            return self._evaluate(x.float(), y.long(), bs, progress, progress_bar, state, stop)
         finally:
             if was_training:
                 cast(nn.Module, self.model).train()
@@ -552,6 +561,7 @@ class AutoAttack:
         progress: Callable[[str], None] | None,
         progress_bar: bool,
         state: EvaluationState | None,
+        stop: Callable[[], bool] | None = None,
     ) -> AutoAttackReport:
         started = time.perf_counter()
         stand_in, folded = self._stand_in() if self.engine == "fast" else (self.model, False)
@@ -565,7 +575,7 @@ class AutoAttack:
         if state is not None and state.resumed:
             robust = self._restored_flags(state, clean)
             for i in (clean & ~robust).nonzero().flatten().tolist():
-                broken_by[i] = "before the resume"
+                broken_by[i] = state.broken_by[i] if state.broken_by is not None else "before the resume"
             if progress is not None:
                 progress(
                     f"robust accuracy at the time of restoring the state: {robust.float().mean().item():.2%}; "
@@ -574,6 +584,7 @@ class AutoAttack:
                 )
         elif state is not None:
             state.robust_flags, state.clean_accuracy = clean.tolist(), clean.float().mean().item()
+            state.broken_by = list(broken_by)
             state.save()
         checks = []
         if self.checks:
@@ -589,6 +600,8 @@ class AutoAttack:
             if state is not None and attack in state.run_attacks:
                 robust_after[attack] = state.robust_accuracy_after.get(attack, robust.float().mean().item())
                 continue
+            if stop is not None and stop():
+                raise EvaluationStopped(f"stopped before {attack}; {len(robust_after)} attacks done")
             started = time.perf_counter()
             survivors = robust.nonzero().flatten()
             if len(survivors):
@@ -615,7 +628,7 @@ class AutoAttack:
             robust_after[attack] = robust.float().mean().item()
             seconds[attack] = time.perf_counter() - started
             if state is not None:
-                state.robust_flags = robust.tolist()
+                state.robust_flags, state.broken_by = robust.tolist(), list(broken_by)
                 state.run_attacks.append(attack)
                 state.robust_accuracy_after[attack] = robust_after[attack]
                 state.save()

@@ -16,6 +16,7 @@ ends with other weights (trained for more epochs) evaluates them afresh beside t
 which are kept, never mixed in, and do not stop the run at its end.
 """
 
+import hashlib
 import json
 import time
 from contextlib import ExitStack
@@ -34,6 +35,7 @@ from robust_lightning.attacks.ensemble import (
     PRECISIONS,
     VERSIONS,
     AutoAttack,
+    EvaluationStopped,
     folded_batchnorm,
     folds_batchnorm,
     precision_note,
@@ -59,6 +61,7 @@ from robust_lightning.evaluation.outcomes import (
     summarise,
 )
 from robust_lightning.evaluation.results import weights_sha256
+from robust_lightning.job_signals import stop_requested
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,12 @@ class ThreatModel:
 
 # plain dicts, as a config writes them: the saved config.yaml of a run can then be run again as it is
 DEFAULT_THREAT_MODELS = ({"norm": "Linf", "eps": 4 / 255}, {"norm": "L2", "eps": 2.0}, {"norm": "L1", "eps": 75.0})
+
+
+def batch_state_name(rank: int, keys: list[str]) -> str:
+    """The state file of the AutoAttack run on one batch of a rank (its images' keys, in order), kept while the
+    batch is attacked (``AutoAttack.evaluate(state_path=...)``)."""
+    return f".rank{rank}-{hashlib.sha256(json.dumps(keys).encode()).hexdigest()[:16]}.state.json"
 
 
 MISSING_KEYS_LISTED = 20  # results.json names at most this many images that were not evaluated
@@ -292,6 +301,8 @@ class AutoAttackEvaluation(Evaluation):
             todo = [i for i, key in enumerate(keys) if key not in self.done[threat.name]]
             if not todo:
                 continue
+            if stop_requested():  # SIGTERM or SLURM's requeue: the batch boundary stops the evaluation
+                return
             first = not self.model_checks[threat.name]  # no checks of the model yet: this batch gets them
             adversary = AutoAttack(
                 self.network(pl_module),
@@ -308,10 +319,21 @@ class AutoAttackEvaluation(Evaluation):
                 checks=self.checks and first,
             )
             index = torch.tensor(todo, device=images.device)
+            # the attacks finished on this batch, kept should a signal stop it before its last (as the reference's
+            # state_path keeps them): the same batch after a resume runs only the attacks left
+            state = self._directory(threat) / batch_state_name(trainer.global_rank, [keys[i] for i in todo])
             with torch.enable_grad():
-                report = adversary.evaluate(
-                    images[index], labels[index], bs=self.batch_size or len(todo), progress_bar=trainer.is_global_zero
-                )
+                try:
+                    report = adversary.evaluate(
+                        images[index],
+                        labels[index],
+                        bs=self.batch_size or len(todo),
+                        progress_bar=trainer.is_global_zero,
+                        state_path=state,
+                        stop=stop_requested,
+                    )
+                except EvaluationStopped:
+                    return
             record = {
                 "key": [keys[i] for i in todo],
                 "label": labels[index].tolist(),
@@ -321,6 +343,7 @@ class AutoAttackEvaluation(Evaluation):
                 "seconds": report.seconds,
             }
             append_record(self._directory(threat) / f"rank{trainer.global_rank}.jsonl", record)
+            state.unlink(missing_ok=True)
             self.done[threat.name].update(record["key"])
             if first and (self.checks or self.sanity_points):
                 self._check_model(trainer, pl_module, threat, report, images[index], labels[index])

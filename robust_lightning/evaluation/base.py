@@ -12,10 +12,10 @@ the run's other sections, the scalars to every logger, the plot saved beside res
 WandbLogger, the plot and any tables to W&B), and one console line.
 """
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -30,10 +30,12 @@ from robust_lightning.data.samplers import rank_share
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.evaluated_module import EvaluatedModule, model_setting
 from robust_lightning.evaluation.results import ResultsFile
+from robust_lightning.job_signals import agree_to_stop, stop_requested
 from robust_lightning.models.classifier import RobustClassifier
 from robust_lightning.paths import run_directory
 
 WEIGHTS = ("raw", "ema")
+T = TypeVar("T")
 
 
 # ------------------------------------------------------------------------------------------------ pieces
@@ -89,6 +91,21 @@ def evaluating(module: nn.Module) -> Iterator[nn.Module]:
         yield module
     finally:
         module.train(was_training)
+
+
+def until_stopped(batches: Iterable[T], trainer) -> Iterator[T]:
+    """``batches`` up to SIGTERM or SLURM's requeue signal, noted by this rank or another; then, or at their end,
+    every rank agrees whether to stop (a small collective under DDP: every rank iterates to the end or to its stop,
+    and no rank calls another collective before that) and raises :class:`JobStopped` if so, before anything of
+    the evaluation is published. An evaluation that saves its outcomes per batch keeps those of every batch it
+    finished."""
+    for batch in batches:
+        if stop_requested():
+            break
+        yield batch
+    stop = agree_to_stop(trainer.strategy.root_device, "evaluation")
+    if stop is not None:
+        raise stop
 
 
 def check_weights(owner: str, weights: str) -> None:
@@ -153,10 +170,24 @@ class Evaluation(Callback):
     ) -> Iterator[dict[str, Any]]:
         """Batches {image: [0, 1] float on the module's device, label: on the device, key: names} of this
         rank's evaluation images. ``limit``: the first ``limit`` images over all ranks (each rank takes its
-        share). ``progress``: show a progress bar (rank zero) with this description."""
+        share). ``progress``: show a progress bar (rank zero) with this description.
+
+        After SIGTERM or SLURM's requeue signal the batches stop at the next one (:func:`until_stopped`)."""
         share = None if limit is None else rank_share(limit, trainer.world_size, trainer.global_rank)
-        if share == 0:
-            return
+        batches = self._share_of_batches(trainer, pl_module, share, transform, batch_size, num_workers, progress)
+        yield from until_stopped(batches if share != 0 else iter(()), trainer)
+
+    def _share_of_batches(
+        self,
+        trainer,
+        pl_module,
+        share: int | None,
+        transform: Callable | None,
+        batch_size: int | None,
+        num_workers: int | None,
+        progress: str | None,
+    ) -> Iterator[dict[str, Any]]:
+        """This rank's batches for :meth:`eval_batches`."""
         loader = self.eval_loader(trainer, transform, batch_size, num_workers)
         bar = tqdm(loader, desc=progress, disable=progress is None or not trainer.is_global_zero, leave=False)
         seen = 0

@@ -51,6 +51,7 @@ from robust_lightning.evaluation.base import (
     gather_objects,
     new_figure,
     to_model_input,
+    until_stopped,
 )
 from robust_lightning.evaluation.benchmarks import IMAGE_SUFFIXES, accuracy, choose
 from robust_lightning.evaluation.calibration import ECE_BINS, expected_calibration_error
@@ -547,7 +548,8 @@ class ImageNetC(Evaluation):
         loader = self.eval_loader(trainer, transform, max(1, self.batch_size // len(self.severities)), self.num_workers)
         rows: list[Any] = []
         corrupt: list[Any] = []
-        for batch in tqdm(loader, desc=f"imagenet_c {corruption}", disable=not trainer.is_global_zero, leave=False):
+        bar = tqdm(loader, desc=f"imagenet_c {corruption}", disable=not trainer.is_global_zero, leave=False)
+        for batch in until_stopped(bar, trainer):
             corrupt += batch["corrupt"]
             if not len(batch["label"]):
                 continue

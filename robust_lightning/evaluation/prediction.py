@@ -19,7 +19,7 @@ from robust_lightning.console import tqdm
 from robust_lightning.data.batch import CORRUPT, IMAGE, LABEL
 from robust_lightning.data.samplers import ExactDistributedSampler
 from robust_lightning.data.transforms import BICUBIC, decode_rgb
-from robust_lightning.evaluation.base import gather_objects, to_model_input
+from robust_lightning.evaluation.base import gather_objects, to_model_input, until_stopped
 
 
 @dataclass
@@ -92,7 +92,7 @@ def run_exactly_once(
     sampler = ExactDistributedSampler(dataset, trainer.world_size, trainer.global_rank)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, collate_fn=collate_fn)
     rows, corrupt = [], []
-    for batch in tqdm(loader, desc=desc, disable=not trainer.is_global_zero, leave=False):
+    for batch in until_stopped(tqdm(loader, desc=desc, disable=not trainer.is_global_zero, leave=False), trainer):
         corrupt += batch[CORRUPT]
         more_rows, more_corrupt = step(batch)
         rows += more_rows

@@ -3,13 +3,6 @@
 Each command (fit, validate, test, and later each evaluation callback) writes its own section; sections are
 merged into the file atomically, so a crash never leaves a half-written results.json and later sections
 never erase earlier ones.
-
-An evaluation (validate, test, predict) on SLURM requeues its job on the requeue signal without writing the
-``hpc_ckpt_N.ckpt`` that Lightning's handler would (``RunResults``): the requeued job runs the same command, on
-the same checkpoint, and resumes its AutoAttack outcomes from their folder (robust_lightning.evaluation.outcomes),
-not from a checkpoint. Lightning's save would leave a copy of the weights behind in ``trainer.default_root_dir``
-(45 MB for a small model, gigabytes for a large one), made inside the signal handler: under DDP a collective
-wherever each rank was.
 """
 
 import contextlib
@@ -19,9 +12,7 @@ import json
 import logging
 import os
 import platform
-import signal
 import sys
-import threading
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -29,9 +20,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from lightning import Callback
-from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import robust_lightning
@@ -39,7 +28,7 @@ from robust_lightning.atomic import atomic_write_json
 from robust_lightning.data.contract import evaluation_data
 from robust_lightning.data.corrupt_report import CorruptImageReport
 from robust_lightning.evaluation.evaluated_module import model_conditions
-from robust_lightning.job_signals import requeue_this_job
+from robust_lightning.job_signals import JobStopped
 from robust_lightning.paths import run_directory
 
 log = logging.getLogger(__name__)
@@ -161,53 +150,13 @@ class FitSummary(Protocol):
 
 
 class RunResults(Callback):
-    """Writes the run's metrics and conditions to ``<run dir>/results.json`` and prints a summary. In an
-    evaluation on SLURM, it also takes SLURM's requeue signal (module docstring)."""
-
-    _requeue_signal: int | None = None  # the requeue signal taken in an evaluation (its handler was the default)
-    _requeued = False  # whether this evaluation requeued its job
+    """Writes the run's metrics and conditions to ``<run dir>/results.json`` and prints a summary."""
 
     def __init__(self):
         self.started = time.time()
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self.started = time.time()
-        if stage != "fit":
-            self._take_requeue_signal(trainer)
-
-    def _take_requeue_signal(self, trainer) -> None:
-        """Before Lightning sets its requeue handler (after the setup hooks), which it sets only where the signal
-        has none: where it would, the evaluation's own (_requeue_job) takes its place."""
-        environment = trainer._accelerator_connector.cluster_environment
-        if not (isinstance(environment, SLURMEnvironment) and environment.auto_requeue):
-            return
-        signum = environment.requeue_signal
-        assert signum is not None  # auto_requeue: SLURMEnvironment has its signal
-        if threading.current_thread() is not threading.main_thread():
-            return
-        if signal.getsignal(signum) not in (None, signal.SIG_DFL):  # another handler, which Lightning keeps too
-            return
-        signal.signal(signum, self._requeue_job)
-        self._requeue_signal, self._requeued = signum, False
-
-    def _requeue_job(self, signum, frame) -> None:
-        """SLURM's requeue signal in an evaluation: ``scontrol requeue`` (rank zero), no checkpoint (module
-        docstring)."""
-        if rank_zero_only.rank == 0:  # type: ignore[attr-defined]  # Lightning sets the rank on the function
-            self._requeued = requeue_this_job(signum, "the requeued evaluation resumes its outcomes")
-
-    def _give_back_requeue_signal(self, trainer) -> None:
-        signum, self._requeue_signal = self._requeue_signal, None
-        if signum is None:
-            return
-        signal.signal(signum, signal.SIG_DFL)
-        # after an exception Lightning's teardown comes later, and restores the handlers it found: this one
-        found = trainer._signal_connector._original_handlers
-        if signum in found:
-            found[signum] = signal.SIG_DFL
-
-    def teardown(self, trainer, pl_module, stage: str) -> None:
-        self._give_back_requeue_signal(trainer)
 
     def _conditions(self, trainer, pl_module) -> dict[str, Any]:
         data = evaluation_data(trainer)
@@ -282,23 +231,29 @@ class RunResults(Callback):
         self._write(trainer, pl_module, "fit", extra)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        """An interrupted fit (SIGTERM, Ctrl-C) still leaves its results.json: what it reached, marked interrupted.
-        An evaluation that requeued its job says so to the command line's last word (``job_requeued``)."""
-        self._give_back_requeue_signal(trainer)
-        exception.job_requeued = self._requeued  # type: ignore[attr-defined]  # read by the command line (cli.py)
+        """An interrupted fit (SIGTERM, Ctrl-C) still leaves its results.json: what it reached, marked interrupted."""
         interrupted = isinstance(exception, SIGTERMException) or (
             isinstance(exception, KeyboardInterrupt) and trainer.world_size == 1
         )  # Ctrl-C: one rank only
         if interrupted and trainer.state.fn == "fit" and trainer.is_global_zero:
             checkpoint = trainer.checkpoint_callback
             last = checkpoint.last_model_path if isinstance(checkpoint, ModelCheckpoint) else None
+            stop = exception if isinstance(exception, JobStopped) else None
+            if stop is not None and stop.checkpoint:  # what the stop saved (robust_lightning.training.interruption)
+                last = stop.checkpoint
             self._write(
                 trainer,
                 pl_module,
                 "fit",
                 run_dir=run_directory(trainer),  # no collective: the ranks may have stopped at other steps
                 extra={
-                    "interrupted": "SIGTERM" if isinstance(exception, SIGTERMException) else "SIGINT",
+                    "interrupted": (
+                        "SIGINT"
+                        if stop is None and isinstance(exception, KeyboardInterrupt)
+                        else "SLURM requeue"
+                        if stop is not None and stop.requeue
+                        else "SIGTERM"
+                    ),
                     "epochs": trainer.current_epoch,
                     "steps": trainer.global_step,
                     "last_checkpoint": self._checkpoint(last),

@@ -1,41 +1,58 @@
-"""A fit stopped by a signal ends honestly: promptly, with a checkpoint, a message saying what happens next, and a
-non-zero exit status (the command line's; ``robust_lightning.cli``).
+"""A command stopped by a signal ends honestly: within a batch, with a checkpoint of the last trained step, a
+message saying what happens next, and the exit status 143 (the command line's; ``robust_lightning.cli``).
 
-Lightning notes SIGTERM but, in one process, stops only at the end of the epoch (hours on ImageNet), and its
-``SIGTERMException`` is a ``SystemExit`` without a code: the process exits 0, which schedulers, scripts and sweep
-bookkeeping take for a finished run. Here a fit stops at the next step boundary (under DDP every rank at the same
-one: the ranks agree at the end of each step) and writes a checkpoint of that step there, where training went
-further than the last checkpoint: a collective save (every rank at that boundary), in one process and under DDP
-alike. The message then says the one command that continues the fit. SIGINT (Ctrl-C) ends the same way; Lightning
-exits 1 after it; under DDP it saves nothing (each rank stops wherever it was: no collective).
+SIGTERM (pre-emption, a time limit, ``scancel``) and SLURM's requeue signal (``#SBATCH --signal``) are only noted
+when they come (``robust_lightning.job_signals``). Lightning's own handlers act inside the handler: its SIGTERM
+handler broadcasts, a collective wherever each rank was, and its requeue handler saves a checkpoint of half a step.
+Here the command acts at its next batch boundary, wherever that is:
 
-SLURM's requeue signal (SIGUSR1 with ``#SBATCH --signal``) is acted on at the end of the training step in progress
-too. Lightning's own handler runs inside the signal handler: a checkpoint of half a step (the resumed run then
-trained that batch twice) and, under DDP, a collective wherever each rank was. Here the step is finished, its
-``hpc_ckpt_N.ckpt`` written (Lightning resumes a requeued job from it), the W&B run finished, the job requeued, and
-the fit stops: SLURM ends the requeued job at once (SIGTERM), so training on would only add steps that a SIGTERM
-loses in W&B. The message says that SLURM resumes the job, with nothing for the user to run.
+- in a training step, at the step's end (under DDP the ranks agree there at every step: one small all-reduce, as
+  Lightning's broadcast it replaces). A step that a validation or the epoch's end follows stops at the start of
+  that validation, or of the next epoch, instead: a checkpoint written between a step and its validation would
+  resume past that validation, and Lightning would never run it;
+- in a validation (its selection attack included), a test or a prediction, at the next batch, and in an
+  evaluation's own loop (``robust_lightning.evaluation.base``), at the next batch. An evaluation that keeps its
+  outcomes per batch (AutoAttack) keeps those of every finished batch;
+- in a checkpoint's save, at the next boundary after it.
+
+A fit then writes a checkpoint of the last trained step and stops. A stop inside a validation saves the state of
+that validation's start: the resumed fit runs the whole validation again and publishes only its complete
+results. The row of a training step the fit stops at is in metrics.csv, and on disk, before its checkpoint is
+written; W&B gets it after the checkpoint, and a W&B that died with the job (SLURM signals every process of the
+job, W&B's service included) costs a warning, never the step (``robust_lightning.loggers``). On the requeue
+signal the checkpoint is ``hpc_ckpt_N.ckpt`` in ``trainer.default_root_dir``, replacing the previous requeue's,
+the W&B run is finished and rank zero asks SLURM to requeue the job; on SIGTERM it is last.ckpt. Either way the
+message says what happens next. Ctrl-C (SIGINT) ends a fit as Lightning ends it, after saving last.ckpt in one
+process.
 """
 
+import copy
 import logging
-import signal
 import sys
-import threading
+from pathlib import Path
 from typing import Any
 
-import torch
 from lightning import Callback
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from robust_lightning.errors import user_command
-from robust_lightning.job_signals import requeue_this_job
-from robust_lightning.loggers import end_wandb_before_job_signal
+from robust_lightning.job_signals import (
+    EXIT_SIGTERM,
+    JobSignals,
+    JobStopped,
+    agree_to_stop,
+    requeue_this_job,
+    stop_requested,
+)
+from robust_lightning.loggers import end_wandb_before_job_signal, hold_wandb_rows, send_held_wandb_rows
+from robust_lightning.training.random_state import random_states
 
-EXIT_SIGTERM = 128 + 15  # the shell's status for a process ended by SIGTERM
+__all__ = ["EXIT_SIGTERM", "Interruption", "resume_command"]
+
 log = logging.getLogger(__name__)
+HPC_CHECKPOINT = "hpc_ckpt_"  # what Lightning looks for in a file's name (_CheckpointConnector._hpc_resume_path)
 
 
 def resume_command(argv: list[str]) -> str:
@@ -53,166 +70,222 @@ def resume_command(argv: list[str]) -> str:
     return user_command(*kept, "--ckpt_path", "last")
 
 
-def _take_over_signals(trainer) -> None:
-    """Replace Lightning's SIGTERM handler (and, in a fit on SLURM, its requeue handler) by ones that only note the
-    signal; :func:`_act_on_signals` acts on them at the end of a training step. SIGTERM is also forwarded to the
-    ranks this process launched, as Lightning's handler does. Lightning's SIGTERM handler also broadcasts from
-    inside the handler, a collective at whatever point each rank was interrupted: under DDP, with every rank
-    signalled (SLURM, a process group), the ranks then wait in different collectives forever.
-
-    Under DDP a noted signal is acted on only where every rank is, at the end of a training step (the largest flag
-    over the ranks). Lightning would stop a rank whose own SIGTERM flag is set: a rank signalled a moment before the
-    others would leave alone, and the others would fail in the next step's gradient all-reduce. In one process
-    SIGTERM also ends a validation loop in progress (Lightning checks the flag between its batches)."""
-    if threading.current_thread() is not threading.main_thread() or getattr(trainer, "_rl_signals_taken", False):
-        return
-    connector = trainer._signal_connector
-    distributed = trainer.world_size > 1
-    trainer._rl_sigterm_pending = trainer._rl_requeue_pending = False
-    trainer._rl_requeued = None  # [hpc_ckpt_N.ckpt, its step] once this process requeued the job
-    if distributed:  # its broadcast of rank zero's flag at the start of a step; _act_on_signals decides instead
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
-
-    def note_sigterm(signum, frame) -> None:
-        log.info(f"[rank {trainer.global_rank}] received SIGTERM: stopping at the next step")
-        if not (connector.received_sigterm or trainer._rl_sigterm_pending) and trainer.strategy.launcher is not None:
-            trainer.strategy.launcher.kill(signum)
-        if distributed:
-            trainer._rl_sigterm_pending = True
-        else:
-            connector.received_sigterm = True
-
-    def note_requeue(signum, frame) -> None:
-        log.info(f"[rank {trainer.global_rank}] received the requeue signal: checkpoint and requeue after this step")
-        trainer._rl_requeue_pending = True
-
-    # restart the system calls a signal interrupts: a collective's socket read cut short (EINTR) would fail that
-    # rank's collective while the others complete theirs
-    signal.signal(signal.SIGTERM, note_sigterm)  # Lightning's teardown restores the handlers it found at its start
-    signal.siginterrupt(signal.SIGTERM, False)
-    requeue = _requeue_signal(trainer)
-    if requeue is not None and trainer.state.fn == "fit":
-        signal.signal(requeue, note_requeue)
-        signal.siginterrupt(requeue, False)
-    trainer._rl_signals_taken = True
-
-
-def _requeue_signal(trainer):
-    """The signal Lightning requeues a SLURM job on, or None where it does not (not SLURM, auto_requeue off)."""
+def requeue_signal(trainer) -> int | None:
+    """The signal on which SLURM asks for a requeue (``#SBATCH --signal``); None where Lightning would not requeue
+    (not SLURM, or auto-requeue off)."""
     environment = trainer._accelerator_connector.cluster_environment
     if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
         return environment.requeue_signal
     return None
 
 
-def _requeue(trainer) -> None:
-    """SLURM's requeue at the end of a training step, where every rank is: the loggers flushed, hpc_ckpt_N.ckpt of
-    this step (a collective), then, on rank zero, the W&B run finished and ``scontrol requeue``. The W&B run is
-    finished first because the SIGTERM with which SLURM ends the requeued job also reaches W&B's wandb-core
-    process, which dies without writing what it holds (wandb/wandb issue 9963); the fit stops here, so nothing
-    logs after it. Where SLURM took the requeue, ``trainer._rl_requeued`` names the checkpoint it resumes from;
-    where it did not, last.ckpt is written too, for the resume the message then advises."""
-    for logger in trainer.loggers:  # as Lightning's requeue handler: every row logged so far on disk
-        logger.finalize("finished")
-    path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
-    trainer.save_checkpoint(path)
-    requeued = False
-    if trainer.is_global_zero:
-        end_wandb_before_job_signal(EXIT_SIGTERM)  # the exit status this attempt ends with
-        requeued = requeue_this_job(_requeue_signal(trainer), f"the requeued job resumes from {path}")
-    if trainer.strategy.broadcast(requeued, src=0):
-        trainer._rl_requeued = [path, trainer.global_step]
-    else:
-        _save_at_stop(trainer)
-
-
-def _save_at_stop(trainer) -> None:
-    """A checkpoint of the step the fit stops at (last.ckpt), where training went further than the last checkpoint.
-    Every rank calls it at the same point: under DDP a save is a collective (every rank dumps its state, rank zero
-    writes, a barrier; ModelCheckpoint's also broadcasts whether the file exists)."""
-    if getattr(trainer, "_rl_requeued", None) is not None:  # SLURM resumes the job from its hpc checkpoint
-        return
-    checkpoint = trainer.checkpoint_callback
-    if not (isinstance(checkpoint, ModelCheckpoint) and checkpoint.save_last and checkpoint.dirpath):
-        return
-    if checkpoint._last_global_step_saved == trainer.global_step:  # saved at this step already
-        return
-    save_last, checkpoint.save_last = checkpoint.save_last, True  # "link" would point it at an older step's file
-    try:
-        checkpoint._save_last_checkpoint(trainer, checkpoint._monitor_candidates(trainer))
-    finally:
-        checkpoint.save_last = save_last
-
-
-def _act_on_signals(trainer) -> None:
-    """At the end of a training step: if the requeue signal came, requeue the job; if SIGTERM came, save this step.
-    Either way the fit stops here. Under DDP every rank does so at the same step: one small collective per step, as
-    Lightning's broadcast it replaces."""
-    requeue, stop = trainer._rl_requeue_pending, trainer.received_sigterm
-    if trainer.world_size > 1:
-        flags = torch.tensor([int(requeue), int(trainer._rl_sigterm_pending)], device=trainer.strategy.root_device)
-        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        requeue, stop = flags.tolist()
-    if not (requeue or stop):
-        return
-    # this step is checkpointed and will not be trained again: its row, which Lightning logs after the step's end
-    # hooks, is logged now
-    trainer._logger_connector.update_train_step_metrics()
-    if requeue:
-        trainer._rl_requeue_pending = False
-        _requeue(trainer)
-    else:
-        _save_at_stop(trainer)
-    trainer._signal_connector.received_sigterm = True
-    raise SIGTERMException()
+def _evaluation_loop(trainer) -> Any:
+    """The loop of the validation, test or prediction in progress."""
+    return trainer.predict_loop if trainer.predicting else trainer._evaluation_loop
 
 
 class Interruption(Callback):
-    """Stops a fit at the step boundary after SIGTERM, saves that step and says what happens next."""
+    """Stops a command at the batch boundary after SIGTERM or SLURM's requeue signal, saves a fit's last trained
+    step and says what happens next (module docstring)."""
 
-    # after Lightning registers its signal handlers (Trainer._run), before any batch
+    def __init__(self) -> None:
+        self._deferred: JobStopped | None = None  # a stop agreed at a step end, acted on at the next boundary
+        # at the start of a validation inside a fit: its progress (Lightning's counters) and the random states,
+        # which a stop inside it saves, so that the resumed fit runs it again from its start
+        self._validation_start: tuple[dict[str, Any], dict[str, Any]] | None = None
+        self._saving_validation_start = False
+
+    # ------------------------------------------------------------------------------------------ the signals
+    def _take_signals(self, trainer) -> None:
+        def pass_on(signum: int) -> None:  # to the ranks Lightning's launcher started, as its own handler does
+            if trainer.strategy.launcher is not None:
+                trainer.strategy.launcher.kill(signum)
+
+        JobSignals.take(requeue_signal(trainer), pass_on)
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        # before Lightning registers its handlers (Trainer._run, after the setup hooks), which wrap these; taken
+        # again, alone, at the start of the command's loops below
+        JobSignals.start_command()
+        self._deferred, self._validation_start = None, None
+        self._take_signals(trainer)
+
     def on_train_start(self, trainer, pl_module) -> None:
-        _take_over_signals(trainer)
+        self._take_signals(trainer)
 
     def on_validation_start(self, trainer, pl_module) -> None:
-        _take_over_signals(trainer)
+        self._take_signals(trainer)
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            progress = trainer.fit_loop.epoch_loop.val_loop.batch_progress.state_dict()
+            self._validation_start = (copy.deepcopy(progress), random_states())
+            self._act_on_deferred_stop("validation")
 
     def on_test_start(self, trainer, pl_module) -> None:
-        _take_over_signals(trainer)
+        self._take_signals(trainer)
 
     def on_predict_start(self, trainer, pl_module) -> None:
-        _take_over_signals(trainer)
+        self._take_signals(trainer)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        trainer._rl_signals_taken = False
+        JobSignals.give_back()
 
+    # ---------------------------------------------------------------------------------------------- training
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
-        _act_on_signals(trainer)
-
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        if not isinstance(exception, (SIGTERMException, KeyboardInterrupt)) or trainer.state.fn != "fit":
+        loop = trainer.fit_loop.epoch_loop
+        if loop._should_accumulate():  # the step is not over: its gradient is in part on the device only
             return
-        # Stopped at a step boundary by SIGTERM, the fit saved there (_act_on_signals). In one process a stop
-        # elsewhere (SIGTERM in validation, Ctrl-C) saves here; under DDP Ctrl-C stops each rank wherever it was: no
-        # collective, the run resumes from its last checkpoint.
-        if trainer.world_size == 1:
-            _save_at_stop(trainer)
-        requeued = getattr(trainer, "_rl_requeued", None)
-        if requeued is not None:  # the job is requeued whatever this process does now
-            path, step = requeued
-            exception.requeued_checkpoint = path  # type: ignore[union-attr]  # for the command line's last word
+        stop = agree_to_stop(pl_module.device, "step")
+        if stop is None:
+            return
+        if loop._num_ready_batches_reached() or loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+            # The epoch's end or a validation follows this step. Lightning resumes a checkpoint of this point past
+            # them, so the stop waits for the start of the validation or of the next epoch (or the fit's end).
+            self._deferred = stop
+            return
+        raise stop
+
+    def _act_on_deferred_stop(self, where: str) -> None:
+        stop, self._deferred = self._deferred, None
+        if stop is not None:
+            stop.where = where
+            raise stop
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._act_on_deferred_stop("epoch start")
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        # the last epoch's end is over; the end-of-fit evaluations have not started
+        self._act_on_deferred_stop("training end")
+
+    # ----------------------------------------------------------------------------- validation, test, predict
+    def _stop_at_batch(self, trainer, pl_module, last: bool) -> None:
+        """At a batch boundary of a validation, test or prediction: stop where a signal was noted (here or on
+        another rank), and at the last batch agree with the other ranks whether to."""
+        if trainer.sanity_checking:
+            where = "sanity check"
+        elif trainer.predicting:
+            where = "prediction"
+        else:
+            where = "validation" if trainer.validating else "test"
+        if last or stop_requested():
+            stop = agree_to_stop(pl_module.device, where)
+            if stop is not None:
+                raise stop
+
+    def on_validation_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0):
+        self._stop_at_batch(trainer, pl_module, last=False)
+
+    def on_test_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0):
+        self._stop_at_batch(trainer, pl_module, last=False)
+
+    def on_predict_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0):
+        self._stop_at_batch(trainer, pl_module, last=False)
+
+    # The agreement at the last batch comes after the batch's work, that of the config's callbacks included (they
+    # come first in the trainer's list): an evaluation that cut its last batch short on a signal never publishes.
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int, dataloader_idx: int = 0):
+        self._stop_at_batch(trainer, pl_module, last=_evaluation_loop(trainer).batch_progress.is_last_batch)
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int, dataloader_idx: int = 0):
+        self._stop_at_batch(trainer, pl_module, last=_evaluation_loop(trainer).batch_progress.is_last_batch)
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int, dataloader_idx: int = 0):
+        self._stop_at_batch(trainer, pl_module, last=_evaluation_loop(trainer).batch_progress.is_last_batch)
+
+    # ------------------------------------------------------------------------------------------- the stop
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        """A stop inside a validation saves the state of that validation's start: its progress as Lightning's
+        counters have it when a restart is to run a validation from its first batch, and the random states drawn
+        from there (the module keeps the states it finds here)."""
+        if not self._saving_validation_start or self._validation_start is None:
+            return
+        progress, states = copy.deepcopy(self._validation_start)
+        done = progress["total"]["completed"]  # batches of the epoch's earlier validations
+        progress["total"].update(ready=done + 1, started=done + 1, processed=done, completed=done)
+        progress["current"].update(ready=1, started=1, processed=0, completed=0)
+        progress["is_last_batch"] = False
+        checkpoint["loops"]["fit_loop"]["epoch_loop.val_loop.batch_progress"] = progress
+        checkpoint["random_states"] = states
+
+    # The signals are given back when the command ends (the command line, robust_lightning.evaluate): a signal
+    # that comes while a stopped fit saves its checkpoint is noted, not fatal.
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if isinstance(exception, JobStopped):
+            if trainer.state.fn == "fit" and exception.where != "sanity check":
+                self._save_stop(trainer, exception)
+            if exception.requeue and trainer.is_global_zero:
+                end_wandb_before_job_signal(EXIT_SIGTERM)  # before SLURM's SIGTERM reaches W&B's service
+                then = "the requeued job resumes " + ("from " + exception.checkpoint if exception.checkpoint else "it")
+                exception.requeued = requeue_this_job(requeue_signal(trainer) or 0, then)
+            self._say_what_happens_next(trainer, exception)
+        elif isinstance(exception, KeyboardInterrupt) and trainer.state.fn == "fit" and trainer.world_size == 1:
+            # Ctrl-C stops the process wherever it was; under DDP each rank stops on its own (no collective save)
+            self._save_last(trainer)
+            self._say_what_happens_next(trainer, exception)
+
+    def _save_stop(self, trainer, stop: JobStopped) -> None:
+        """The checkpoint a stopped fit resumes from, of its last trained step; every rank calls it (a save is a
+        collective). A stop at a step's end logs that step's row first, to metrics.csv at once and to W&B after
+        the save."""
+        held = hold_wandb_rows(trainer.loggers)
+        try:
+            if stop.where == "step":  # Lightning logs a step's row after the hooks of its end, where it stopped
+                trainer._logger_connector.update_train_step_metrics()
+            self._saving_validation_start = stop.where == "validation"
+            try:
+                stop.checkpoint = self._save_hpc(trainer) if stop.requeue else self._save_last(trainer)
+            finally:
+                self._saving_validation_start = False
+        finally:
+            send_held_wandb_rows(held)
+
+    def _save_last(self, trainer) -> str | None:
+        """last.ckpt of this point, through the checkpoint callback (which then knows it); an hpc checkpoint where
+        the run keeps no last.ckpt."""
+        checkpoint = trainer.checkpoint_callback
+        if not (isinstance(checkpoint, ModelCheckpoint) and checkpoint.save_last and checkpoint.dirpath):
+            return self._save_hpc(trainer)
+        save_last, checkpoint.save_last = checkpoint.save_last, True  # "link" would point it at an older step's file
+        try:
+            checkpoint._save_last_checkpoint(trainer, checkpoint._monitor_candidates(trainer))
+        finally:
+            checkpoint.save_last = save_last
+        return checkpoint.last_model_path
+
+    def _save_hpc(self, trainer) -> str:
+        """``hpc_ckpt_N.ckpt`` in ``trainer.default_root_dir`` (Lightning's name for a requeue's checkpoint),
+        replacing the earlier ones: a requeue a day would otherwise keep a copy of the run for each."""
+        path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+        trainer.save_checkpoint(path)
+        if trainer.is_global_zero:
+            for older in Path(path).parent.glob(f"{HPC_CHECKPOINT}*.ckpt"):
+                if older.name != Path(path).name:
+                    older.unlink(missing_ok=True)
+        return str(path)
+
+    def _say_what_happens_next(self, trainer, exception: BaseException) -> None:
+        stopped = f"at epoch {trainer.current_epoch}, step {trainer.global_step}"
+        if isinstance(exception, JobStopped) and exception.requeued:
             rank_zero_info(
-                f"\nfit stopped at epoch {trainer.current_epoch}, step {step} for SLURM's requeue of the job\n"
-                f"SLURM restarts the job, which resumes from {path}: nothing to run (a resume of your own would start "
-                "a second copy of the run)"
+                f"\n{trainer.state.fn} stopped {stopped} for SLURM's requeue of the job\nSLURM restarts the job, which "
+                f"resumes {'from ' + exception.checkpoint if exception.checkpoint else 'it'}: nothing to run (a resume "
+                "of your own would start a second copy of the run)"
             )
             return
-        signal_name = "SIGTERM" if isinstance(exception, SIGTERMException) else "SIGINT (Ctrl-C)"
-        stopped = f"\nfit interrupted by {signal_name} at epoch {trainer.current_epoch}, step {trainer.global_step}"
+        if trainer.state.fn != "fit":
+            return  # the command line's last word says how to run it again
+        signal_name = "SIGINT (Ctrl-C)" if isinstance(exception, KeyboardInterrupt) else "SIGTERM"
+        if isinstance(exception, JobStopped) and exception.requeue and not exception.requeued:
+            signal_name = "SLURM's requeue signal (the requeue failed)"
+        saved = exception.checkpoint if isinstance(exception, JobStopped) else self._last_saved(trainer)
+        where = f"checkpoint of this step: {saved}" if saved else "no checkpoint yet"
+        rank_zero_info(
+            f"\nfit interrupted by {signal_name} {stopped}; {where}\nresume with: {resume_command(sys.argv[1:])}"
+        )
+
+    @staticmethod
+    def _last_saved(trainer) -> str | None:
         checkpoint = trainer.checkpoint_callback
-        saved = checkpoint.last_model_path if isinstance(checkpoint, ModelCheckpoint) and checkpoint.save_last else None
-        if saved and checkpoint._last_global_step_saved == trainer.global_step:
-            where = f"checkpoint of this step: {saved}"
-        else:
-            where = f"last checkpoint: {saved}" if saved else "no checkpoint yet"
-        rank_zero_info(f"{stopped}; {where}\nresume with: {resume_command(sys.argv[1:])}")
+        if isinstance(checkpoint, ModelCheckpoint) and checkpoint._last_global_step_saved == trainer.global_step:
+            return checkpoint.last_model_path or None
+        return None

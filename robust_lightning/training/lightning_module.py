@@ -87,6 +87,11 @@ def official_decayed_names(net: nn.Module) -> set[str]:
     return {name for name, p in trainable.items() if p.ndim > 1 and not name.endswith(".bias")}
 
 
+def _to_cpu(state: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+    """A torchmetrics state (a tensor, or a list of them for the states it concatenates) on the CPU."""
+    return [part.detach().cpu() for part in state] if isinstance(state, list) else state.detach().cpu()
+
+
 def has_mode_dependent_layers(model: nn.Module) -> bool:
     for module in model.modules():
         # dropout and drop-path at rate 0 are identities in both modes
@@ -232,6 +237,7 @@ class ImageClassifier(LightningModule):
         self._step_totals: torch.Tensor | None = None  # the step's images and loss sums on this rank (device)
         # set by on_load_checkpoint, applied by on_train_start: (this rank's states, every rank's or None)
         self._resumed_random_states: tuple[Any, list[Any] | None] | None = None
+        self._resumed_train_metrics: tuple[Any, list[Any] | None] | None = None  # the same for the accuracies
         self.warm_start_report: WarmStartReport | None = None
         self.weights_from_checkpoint = False  # set by on_load_checkpoint: init_from is then never read
         self.train_metrics = MetricCollection(
@@ -323,13 +329,49 @@ class ImageClassifier(LightningModule):
                 rank_zero_warn(mismatch)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Lightning saves no random state; a resumed fit needs it to draw the same attacks and drop paths. Under DDP
-        every rank saves a checkpoint together (a collective), so each rank's states are gathered into the file."""
-        checkpoint["random_states"] = states = random_states()
+        """Lightning saves no random state; a resumed fit needs it to draw the same attacks and drop paths. Nor does
+        it save the training accuracies of the epoch so far (torchmetrics states), which the epoch's end logs: a
+        fit resumed in the middle of an epoch logs them over the whole epoch all the same. Under DDP every rank saves
+        a checkpoint together (a collective), so each rank's states are gathered into the file. Random states
+        already in the checkpoint are those of the moment it stands for (robust_lightning.training.interruption)."""
+        states = checkpoint.setdefault("random_states", random_states())
+        checkpoint["train_metric_states"] = accuracies = self._train_metric_states()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             ranks: list[Any] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(ranks, states)
-            checkpoint["random_states_of_ranks"] = ranks
+            torch.distributed.all_gather_object(ranks, (states, accuracies))
+            checkpoint["random_states_of_ranks"] = [rank[0] for rank in ranks]
+            checkpoint["train_metric_states_of_ranks"] = [rank[1] for rank in ranks]
+
+    def _train_metric_states(self) -> dict[str, dict[str, Any]]:
+        """This rank's training accuracies of the epoch so far: each metric's states and update count."""
+        return {
+            name: {
+                "states": {key: _to_cpu(value) for key, value in metric.metric_state.items()},
+                "updates": metric._update_count,
+            }
+            for name, metric in self.train_metrics.items(keep_base=True)
+        }
+
+    def _restore_train_metrics(self, own: dict[str, Any], of_ranks: list[Any] | None) -> None:
+        """Each rank takes its own accuracies' states where the checkpoint has them for this many ranks; otherwise
+        rank zero takes them all, merged (the states are sums over images, which ``compute`` sums over ranks)."""
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        if of_ranks is not None and len(of_ranks) == world:
+            parts = [of_ranks[rank]]
+        else:
+            parts = (of_ranks or [own]) if rank == 0 else []
+        for name, metric in self.train_metrics.items(keep_base=True):
+            metric.reset()
+            for part in parts:
+                if name in part:
+                    states = part[name]["states"]
+                    metric.merge_state(
+                        {
+                            k: [t.to(self.device) for t in v] if isinstance(v, list) else v.to(self.device)
+                            for k, v in states.items()
+                        }
+                    )
+                    metric._update_count += part[name]["updates"]
 
     def on_train_start(self) -> None:
         # After the sanity check and the creation of the first training iterator, which draw from the global
@@ -341,11 +383,19 @@ class ImageClassifier(LightningModule):
                 own = of_ranks[self.trainer.global_rank]
             set_random_states(own)
             self._resumed_random_states = None
+        if self._resumed_train_metrics is not None:
+            self._restore_train_metrics(*self._resumed_train_metrics)
+            self._resumed_train_metrics = None
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Refuse a checkpoint of another architecture with one clear message instead of a state_dict traceback."""
         if checkpoint.get("random_states") is not None:  # for on_train_start
             self._resumed_random_states = (checkpoint["random_states"], checkpoint.get("random_states_of_ranks"))
+        if checkpoint.get("train_metric_states") is not None:  # the same; not in checkpoints of earlier versions
+            self._resumed_train_metrics = (
+                checkpoint["train_metric_states"],
+                checkpoint.get("train_metric_states_of_ranks"),
+            )
         ours = self.state_dict()
         theirs = checkpoint.get("state_dict", {})
         mismatched = sorted(
