@@ -12,6 +12,7 @@ Trainer on the given data: nothing here evaluates anything itself.
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 import warnings
 from collections.abc import Iterable
@@ -38,7 +39,7 @@ from robust_lightning.evaluation.imagenet_c import ImageNetC
 from robust_lightning.evaluation.imagenet_p import ImageNetP
 from robust_lightning.evaluation.resolution import ResolutionSweep
 from robust_lightning.evaluation.results import RunResults
-from robust_lightning.job_signals import JobSignals
+from robust_lightning.job_signals import JobSignals, JobStopped
 
 SHIFTS = ("imagenet_r", "imagenet_a", "imagenet_sketch", "imagenet_v2", "imagenet_o", "imagenet_9")
 EVALUATIONS = ("autoattack", *SHIFTS, "imagenet_c", "imagenet_p", "resolution_sweep", "card")
@@ -322,6 +323,10 @@ def evaluate(
         )
         try:
             trainer.test(module, datamodule=datamodule)
+        except JobStopped:
+            then = f"the same call with out_dir={out_dir} goes on" if out_dir is not None else "nothing is kept"
+            print(f"robust_lightning: evaluate stopped by SIGTERM; {then}", file=sys.stderr)
+            raise
         finally:
             JobSignals.give_back()
         trainer.strategy.barrier()  # under DDP: rank zero has written results.json before any rank reads it

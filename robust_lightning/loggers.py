@@ -116,6 +116,9 @@ def finish_wandb_run(exit_code: int, already_open: Any = None) -> None:
         run.finish(exit_code=exit_code)
     except Exception as e:  # noqa: BLE001 (re-raised unless a job signal explains it)
         _wandb_failed(e, "could not finish its run")
+        # W&B's exit hook would try the lost connection again and print its traceback; its teardown removes it
+        with suppress(Exception):
+            sys.modules["wandb"].teardown()
 
 
 def end_wandb_before_job_signal(exit_code: int) -> None:

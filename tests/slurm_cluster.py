@@ -302,26 +302,27 @@ class SlurmCluster:
 
 
 class Pace(Callback):
-    """Slows training down to ``seconds`` per batch (so a test can signal a job mid-run) and appends every
-    trained batch (SLURM attempt, epoch, global step) to the file ``record``."""
+    """Slows training down to ``seconds`` per batch, and a validation to ``validation_seconds`` per batch (so a
+    test can signal a job mid-run), and appends every trained batch (SLURM attempt, epoch, global step) and every
+    validation batch started (with "validation": its index) to the file ``record``."""
 
-    def __init__(self, record: str, seconds: float = 0.5):
-        self.record, self.seconds = record, seconds
+    def __init__(self, record: str, seconds: float = 0.5, validation_seconds: float = 0.0):
+        self.record, self.seconds, self.validation_seconds = record, seconds, validation_seconds
+
+    def _note(self, trainer, **more) -> None:
+        if trainer.is_global_zero:
+            with open(self.record, "a") as f:
+                attempt = int(os.environ.get("SLURM_RESTART_COUNT", 0))
+                f.write(json.dumps({"attempt": attempt, "epoch": trainer.current_epoch, **more}) + "\n")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         time.sleep(self.seconds)
-        if trainer.is_global_zero:
-            with open(self.record, "a") as f:
-                f.write(
-                    json.dumps(
-                        {
-                            "attempt": int(os.environ.get("SLURM_RESTART_COUNT", 0)),
-                            "epoch": trainer.current_epoch,
-                            "step": trainer.global_step,
-                        }
-                    )
-                    + "\n"
-                )
+        self._note(trainer, step=trainer.global_step)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if not trainer.sanity_checking and self.validation_seconds:
+            self._note(trainer, validation=batch_idx)
+            time.sleep(self.validation_seconds)
 
 
 class SignalMidStep(Callback):

@@ -12,7 +12,8 @@ import pytest
 
 from helpers import REPO, fake_slurm_job, run_command, tiny_config
 from robust_lightning.loggers import WANDB_RUN_FILE, use_project_loggers
-from test_wandb import OfflineRun, read_records
+from robust_lightning.wandb_records import read_records
+from test_wandb import OfflineRun
 
 WANDB_YAML = str(REPO / "configs" / "loggers" / "wandb.yaml")
 STEPS_PER_EPOCH = 4

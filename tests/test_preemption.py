@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, fake_slurm_job, tiny_config
+from helpers import REPO, fake_slurm_job, run_command, tiny_config
 from robust_lightning.training.checkpoint_io import AtomicCheckpointIO, atomic_write_bytes
 
 STEPS_PER_EPOCH = 12
@@ -226,3 +226,41 @@ def test_the_slurm_requeue_signal_mid_step_checkpoints_at_the_end_of_that_step(t
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [json.loads(line)["step"] for line in record.read_text().splitlines()] == [4, 5, 6]
+
+
+def test_a_requeue_replaces_the_checkpoint_of_the_previous_requeue(tmp_path):
+    """Two requeues of one job, in steps 2 and 4 of its two attempts: the second writes hpc_ckpt_2.ckpt and removes
+    hpc_ckpt_1.ckpt (a requeue a day would otherwise keep a copy of the run for each), and the checkpoints the
+    run's policy keeps (here last.ckpt) stay."""
+    record = tmp_path / "batches.jsonl"
+
+    def attempt(step: int, restarts: int) -> subprocess.CompletedProcess:
+        callbacks = [
+            {"class_path": "slurm_cluster.Pace", "init_args": {"record": str(record), "seconds": 0}},
+            {"class_path": "slurm_cluster.SignalMidStep", "init_args": {"step": step}},
+        ]
+        config = tiny_config(
+            tmp_path,
+            **{
+                "trainer.max_epochs": 1,
+                "trainer.limit_train_batches": 6,
+                "trainer.callbacks": callbacks,
+                "data.batch_size": 2,
+                "data.source.init_args.train_per_class": 3,
+                "model.arch": "test_resnet",
+                "checkpoint.every_n_train_steps": 1,
+            },
+        )
+        env = {**fake_slurm_job(tmp_path), "SLURM_RESTART_COUNT": str(restarts)}
+        return run_command(["fit", "--config", str(config)], cwd=tmp_path, timeout=240, env=env)
+
+    first = attempt(2, 0)
+    assert first.returncode == 143, first.stderr[-3000:]
+    (tmp_path / "bin").rename(tmp_path / "bin.first")  # fake_slurm_job makes its scontrol anew
+    second = attempt(4, 1)
+    assert second.returncode == 143, second.stderr[-3000:]
+    hpc = sorted(p.name for p in (tmp_path / "runs").glob("hpc_ckpt_*.ckpt"))
+    assert hpc == ["hpc_ckpt_2.ckpt"]
+    assert torch.load(tmp_path / "runs" / "hpc_ckpt_2.ckpt", weights_only=True)["global_step"] == 4
+    assert (tmp_path / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+    assert [json.loads(line)["step"] for line in record.read_text().splitlines()] == [1, 2, 3, 4]

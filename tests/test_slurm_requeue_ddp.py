@@ -1,7 +1,8 @@
-"""What a cluster runs (issue 37): slurm/train_multinode.sbatch submitted as a user does, a 2-task DDP fit (gloo, CPU,
-a loader worker per task, W&B offline), requeued by SLURM's requeue signal in the middle of an epoch. The requeued job
-ends with the weights of the same fit left alone, bit for bit, one metrics.csv (every step once per attempt that
-trained it, the first attempt's rows kept), one W&B run and one log of both attempts. On the real single-node cluster
+"""What a cluster runs (issues 37 and 44): slurm/train_multinode.sbatch submitted as a user does, a 2-task DDP fit
+(gloo, CPU, a loader worker per task, W&B offline), requeued by SLURM's requeue signal in the middle of its first
+validation, the selection attack's. The requeued job validates that epoch again and ends with the weights of the same
+fit left alone, bit for bit, its metrics.csv rows (every step once, the first attempt's rows kept) and one W&B run
+whose two attempts' records hold every row once, in order, and one log of both attempts. On the real single-node cluster
 of tests/test_slurm.py; the whole test runs under a hard time limit, after which its jobs are cancelled and it fails
 (the cluster fixture then stops the daemons)."""
 
@@ -9,7 +10,6 @@ import csv
 import json
 import os
 import time
-from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,8 +26,7 @@ pytestmark = pytest.mark.slurm
 
 TIME_LIMIT = 420  # seconds for the whole test, both jobs and SLURM's requeue included
 EPOCHS, STEPS_PER_EPOCH = 2, 8  # 32 training images in global batches of 4 (2 per task)
-SIGNAL_AFTER = STEPS_PER_EPOCH + 2  # the requeue signal once this many steps are trained: in the second epoch
-PACE = 0.5  # seconds per step of the requeued job, so that the signal lands mid-epoch
+VALIDATION_PACE = 1.0  # seconds per validation batch of the requeued job, so that the signal lands in a validation
 SYNTHETIC = {
     "num_classes": 4,
     "train_per_class": 8,
@@ -38,8 +37,9 @@ SYNTHETIC = {
 
 
 def fit_config(directory: Path, data: Path, record: Path, seconds: float) -> Path:
-    """A tiny APGD-AT fit with EMA, a checkpoint every 3 steps, and slurm_cluster.Pace recording each trained step
-    (SLURM attempt, global step) and sleeping ``seconds`` after it; the same computation whatever ``seconds``."""
+    """A tiny APGD-AT fit with EMA, a robust selection at each validation, a checkpoint every 3 steps, and
+    slurm_cluster.Pace recording each trained step (SLURM attempt, global step) and validation batch, and sleeping
+    ``seconds`` in each validation batch; the same computation whatever ``seconds``."""
     config = {
         "seed_everything": 0,
         "trainer": {
@@ -50,10 +50,20 @@ def fit_config(directory: Path, data: Path, record: Path, seconds: float) -> Pat
             "log_every_n_steps": 1,
             "enable_model_summary": False,
             "callbacks": [
-                {"class_path": "slurm_cluster.Pace", "init_args": {"record": str(record), "seconds": seconds}}
+                {
+                    "class_path": "slurm_cluster.Pace",
+                    "init_args": {"record": str(record), "seconds": 0, "validation_seconds": seconds},
+                }
             ],
         },
-        "model": {"arch": "test_resnet", "warmup_epochs": 0.5, "attack": "apgd", "attack_steps": 1, "ema_decay": 0.9},
+        "model": {
+            "arch": "test_resnet",
+            "warmup_epochs": 0.5,
+            "attack": "apgd",
+            "attack_steps": 1,
+            "ema_decay": 0.9,
+            "select_attack_steps": 1,
+        },
         "data": {
             "source": {"class_path": "SyntheticSource", "init_args": {**SYNTHETIC, "root": str(data)}},
             "image_size": 32,
@@ -67,11 +77,13 @@ def fit_config(directory: Path, data: Path, record: Path, seconds: float) -> Pat
     return path
 
 
+def records_of(record: Path) -> list[dict]:
+    return [json.loads(line) for line in record.read_text().splitlines()] if record.is_file() else []
+
+
 def steps_of(record: Path) -> list[tuple[int, int]]:
     """(attempt, global step) of each trained step, from Pace's record."""
-    if not record.is_file():
-        return []
-    return [(r["attempt"], r["step"]) for r in map(json.loads, record.read_text().splitlines())]
+    return [(r["attempt"], r["step"]) for r in records_of(record) if "step" in r]
 
 
 def read_log(run_dir: Path) -> list[dict]:
@@ -82,8 +94,8 @@ def read_log(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def requeued(cluster, tmp_path_factory):  # noqa: F811 - the fixture imported above
-    """Both jobs submitted together; the second gets SLURM's requeue signal in its second epoch, is requeued, and its
-    second attempt is let start at once. Returns what the tests read. Everything within TIME_LIMIT: past it, or on
+    """Both jobs submitted together; the second gets SLURM's requeue signal in its first validation, is requeued, and
+    its second attempt is let start at once. Returns what the tests read. Everything within TIME_LIMIT: past it, or on
     any failure, both jobs are cancelled and the test fails."""
     tmp_path = tmp_path_factory.mktemp("requeue")
     deadline = time.time() + TIME_LIMIT
@@ -107,7 +119,7 @@ def requeued(cluster, tmp_path_factory):  # noqa: F811 - the fixture imported ab
     }
     jobs = []
     try:
-        for directory, seconds in ((alone_dir, 0.0), (requeued_dir, PACE)):
+        for directory, seconds in ((alone_dir, 0.0), (requeued_dir, VALIDATION_PACE)):
             directory.mkdir()
             wandb_dirs = {f"WANDB_{kind}_DIR": str(directory / f"wandb-{kind.lower()}") for kind in ("CONFIG", "CACHE")}
             # the template's defaults: RUN_DIR and the log named after the job, in the submission directory
@@ -121,9 +133,9 @@ def requeued(cluster, tmp_path_factory):  # noqa: F811 - the fixture imported ab
         def log_tail() -> str:
             return out.read_text()[-3000:] if out.is_file() else str(cluster.job(job))
 
-        while len(steps_of(requeued_dir / "steps.jsonl")) < SIGNAL_AFTER:
+        while not any("validation" in r for r in records_of(requeued_dir / "steps.jsonl")):
             assert cluster.job(job).get("JobState") in ("PENDING", "RUNNING"), log_tail()
-            assert time.time() < deadline, f"no {SIGNAL_AFTER} steps within {TIME_LIMIT} s:\n{log_tail()}"
+            assert time.time() < deadline, f"no validation within {TIME_LIMIT} s:\n{log_tail()}"
             time.sleep(0.2)
         # what SLURM sends 90 s before the time limit with #SBATCH --signal=SIGUSR1@90
         cluster.run("scancel", "--signal=USR1", job)
@@ -131,6 +143,7 @@ def requeued(cluster, tmp_path_factory):  # noqa: F811 - the fixture imported ab
             assert time.time() < deadline, f"not requeued within {TIME_LIMIT} s: {cluster.job(job)}\n{log_tail()}"
             time.sleep(0.5)
         first_rows = read_log(requeued_dir / run_dir)  # the first attempt's log, as it left it
+        first_records = records_of(requeued_dir / "steps.jsonl")
         # SLURM holds a requeued batch job for about two minutes (BeginTime); let it start now
         cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
         final = cluster.wait(job, timeout=left())[0]
@@ -150,7 +163,19 @@ def requeued(cluster, tmp_path_factory):  # noqa: F811 - the fixture imported ab
         steps=steps_of(requeued_dir / "steps.jsonl"),
         alone_steps=steps_of(alone_dir / "steps.jsonl"),
         first_rows=first_rows,
+        first_records=first_records,
     )
+
+
+def without_times(rows: list[dict]) -> list[dict]:
+    """metrics.csv's rows without the throughput's (times) and empty cells."""
+    kept = [{k: v for k, v in row.items() if v and not k.startswith("perf/")} for row in rows]
+    return [row for row in kept if set(row) - {"step", "epoch"}]
+
+
+def signature(row: dict) -> tuple:
+    """A W&B history row's step and metrics, the throughput's (times) and W&B's own aside."""
+    return row.get("trainer/global_step"), sorted(k for k in row if not k.startswith(("_", "perf/", "trainer/")))
 
 
 def attempts(steps: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
@@ -167,32 +192,40 @@ def test_a_requeued_two_task_ddp_job_ends_as_the_fit_left_alone(requeued):
     assert "SLURM restarted this job (1 restarts so far): the fit goes on as --ckpt_path last" in log
     assert f"Restored all states from the checkpoint at {requeued.relative_run_dir / 'hpc_ckpt_1.ckpt'}" in log
 
-    # each step trained once per attempt that trained it: the first up to its stop, the second from the checkpoint
+    # the first attempt stopped in its first validation, which it had not finished, with the checkpoint of that
+    # validation's start; the second validated that epoch again and trained every later step once
     first, second = attempts(requeued.steps)
+    assert [r["validation"] for r in requeued.first_records if "validation" in r] == [0], log[-3000:]
     resumed_at = torch.load(run_dir / "hpc_ckpt_1.ckpt", map_location="cpu", weights_only=True)["global_step"]
-    assert first == list(range(1, len(first) + 1)) and SIGNAL_AFTER <= resumed_at <= first[-1], log[-3000:]
-    assert resumed_at % STEPS_PER_EPOCH and resumed_at < EPOCHS * STEPS_PER_EPOCH  # in the middle of an epoch
-    assert second == list(range(resumed_at + 1, EPOCHS * STEPS_PER_EPOCH + 1))
+    assert first == list(range(1, STEPS_PER_EPOCH + 1)) and resumed_at == STEPS_PER_EPOCH, log[-3000:]
+    assert second == list(range(STEPS_PER_EPOCH + 1, EPOCHS * STEPS_PER_EPOCH + 1))
     assert [step for _, step in requeued.alone_steps] == list(range(1, EPOCHS * STEPS_PER_EPOCH + 1))
 
-    # one metrics.csv: the first attempt's rows kept as they were, then the second's; each step once per attempt
+    # one metrics.csv: the first attempt's rows kept as they were, then the second's; each row of the fit left alone
+    # once (the throughput's times aside), the cut validation's never
     rows = read_log(run_dir)
     assert [{k: v for k, v in row.items() if v} for row in rows[: len(requeued.first_rows)]] == [
         {k: v for k, v in row.items() if v} for row in requeued.first_rows
     ]
-    logged = Counter(int(row["step"]) for row in rows if row.get("train/loss"))
-    assert logged == Counter(step - 1 for step in first + second)  # metrics.csv numbers steps from 0
+    assert not any(row.get("val/acc1") for row in requeued.first_rows)
+    assert without_times(rows) == without_times(read_log(requeued.alone_run_dir))
     assert sorted(int(row["epoch"]) for row in rows if row.get("val/acc1")) == list(range(EPOCHS))
 
-    # one W&B run: the id the run directory keeps names both attempts' offline folders and is the second's run
+    # one W&B run: the id the run directory keeps names both attempts' offline folders; the second continues the
+    # first's history (_step), and together they hold the rows of the fit left alone, in order
     run_id = json.loads((run_dir / WANDB_RUN_FILE).read_text())["id"]
     folders = sorted((run_dir / "wandb").glob("offline-run-*"))
     assert [(folder.name.rsplit("-", 1)[1], [p.name for p in folder.glob("run-*.wandb")]) for folder in folders] == [
         (run_id, [f"run-{run_id}.wandb"])
     ] * 2
-    second_run = OfflineRun(folders[1])
+    first_run, second_run = (OfflineRun(folder) for folder in folders)
     assert second_run.run.run_id == run_id
-    assert [row["trainer/global_step"] for row in second_run.history if "train/loss" in row] == [s - 1 for s in second]
+    history = first_run.history + second_run.history
+    assert [row["_step"] for row in history] == list(range(len(history)))
+    alone_history = OfflineRun(next((requeued.alone_run_dir / "wandb").glob("offline-run-*"))).history
+    assert [signature(row) for row in history if signature(row)[1]] == [
+        signature(row) for row in alone_history if signature(row)[1]
+    ]
 
     # the final weights of the requeued job are those of the fit left alone, bit for bit
     expected, got = (
@@ -217,5 +250,5 @@ def test_the_first_attempts_wandb_records_are_in_its_offline_run(requeued):
     first_run = OfflineRun(sorted((requeued.run_dir / "wandb").glob("offline-run-*"))[0])  # complete: an exit record
     assert first_run.run.run_id == run_id
     assert [row["trainer/global_step"] for row in first_run.history if "train/loss" in row] == [s - 1 for s in first]
-    assert len(first_run.logged("val/acc1")) == 1  # epoch 0's validation
+    assert first_run.logged("val/acc1") == []  # the validation it was stopped in published nothing
     assert "Traceback" not in requeued.log and "Exception ignored" not in requeued.log

@@ -3,18 +3,17 @@ configs/loggers/wandb.yaml composed in, then what they logged read back from the
 run-*.wandb record log and the files/ folder), never through the network."""
 
 import json
-import struct
 from pathlib import Path
 
 import pytest
 import torch
 import wandb
 import yaml
-from wandb.proto import wandb_internal_pb2
 
 from helpers import make_image_tree, tiny_config
 from robust_lightning.cli import main
 from robust_lightning.loggers import WANDB_CONFIG_FILE
+from robust_lightning.wandb_records import history_rows, read_records
 from shift_data import imagenet_c_config, imagenet_c_tree, imagenet_p_tree
 
 REPO = Path(__file__).resolve().parents[1]
@@ -22,27 +21,7 @@ WANDB_YAML = str(REPO / "configs" / "loggers" / "wandb.yaml")
 
 
 # --------------------------------------------------------------------------- reading an offline run back
-def read_records(path: Path) -> list[wandb_internal_pb2.Record]:
-    """The records of a run-*.wandb file. wandb >= 0.19 has no Python reader left; the format is LevelDB's log
-    (the W&B header ':W&B', 0xBEE1, version; then 32 KiB blocks of chunks, each with a 7-byte header: CRC32,
-    length, type FULL=1 / FIRST=2 / MIDDLE=3 / LAST=4; a block tail under 7 bytes is padding)."""
-    data = path.read_bytes()
-    assert struct.unpack("<4sHB", data[:7])[:2] == (b":W&B", 0xBEE1)
-    records, chunks, pos = [], [], 7
-    while pos + 7 <= len(data):
-        left = 32768 - pos % 32768
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if left < 7 or kind == 0:  # padding to the end of the block
-            pos += left
-            continue
-        chunks.append(data[pos + 7 : pos + 7 + length])
-        pos += 7 + length
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(b"".join(chunks))
-            records.append(record)
-            chunks = []
-    return records
+# (the run-*.wandb record log and the files/ folder, read with robust_lightning.wandb_records)
 
 
 class OfflineRun:
@@ -60,14 +39,7 @@ class OfflineRun:
             if kind == "config":
                 self.config.update({item.key: json.loads(item.value_json) for item in r.config.update})
             elif kind == "history":
-                row = {}
-                for item in r.history.item:  # media (tables, images) come as one item per field: nested_key
-                    *parents, leaf = item.nested_key or [item.key]
-                    node = row
-                    for key in parents:
-                        node = node.setdefault(key, {})
-                    node[leaf] = json.loads(item.value_json)
-                self.history.append(row)
+                self.history += history_rows([r])  # media (tables, images) come nested, as W&B nests them
             elif kind == "files":
                 self.saved += [f.path for f in r.files.files]
             elif kind == "metric" and r.metric.name:  # define_metric: a key's step metric and summary

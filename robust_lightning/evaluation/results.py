@@ -185,11 +185,14 @@ class RunResults(Callback):
             return
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         results = ResultsFile.of(run_dir)
-        if not metrics and section in results.sections:
-            # e.g. a fit resumed from a checkpoint that had finished (nothing trained or validated): keep what the
-            # run measured before instead of overwriting it with nothing
-            metrics = results.sections[section].get("metrics", {})
-            extra = {**extra, "metrics_from_an_earlier_session": True}
+        earlier = results.sections.get(section, {}).get("metrics", {}) if section == "fit" and trainer.ckpt_path else {}
+        if set(earlier) - set(metrics):
+            # A fit resumed in its run directory logs only what its own session measured: a fit stopped in a
+            # validation or in its end-of-fit evaluation, resumed, trains no step, and one that had finished trains
+            # nothing at all. The last value of each metric the run measured is the earlier session's where this one
+            # did not measure it again.
+            extra = {**extra, "metrics_from_an_earlier_session": sorted(set(earlier) - set(metrics))}
+            metrics = {**earlier, **metrics}
         payload = {
             "metrics": dict(sorted(metrics.items())),
             **extra,
@@ -213,7 +216,7 @@ class RunResults(Callback):
             if "interrupted" in extra
             else f"finished in {payload['seconds']:.0f}s"
         )
-        print(f"\n{section} {ended}: {shown}\nresults: {results.path.resolve()}", flush=True)
+        print(f"\n{section} {ended}: {shown or 'no metrics logged yet'}\nresults: {results.path.resolve()}", flush=True)
 
     def _checkpoint(self, path: str | None) -> dict[str, Any] | None:
         if not path or not Path(path).is_file():

@@ -10,6 +10,16 @@ Lightning 2.6 writes last.ckpt only when it also saves a top-k checkpoint at the
 score does not improve, last.ckpt stays at the best epoch, and ``fit --ckpt_path last`` would silently train the
 later epochs again. ``LatestCheckpoint`` writes it at every save point.
 
+``checkpoint.every_n_train_steps`` bounds the work a kill loses: every n training steps ``LatestCheckpoint``
+writes last.ckpt, the checkpoint a resume starts from, from the first epoch on. The best checkpoints are still
+chosen at the ends of the validations, with the scores of the weights they save, and so are the epoch-end saves.
+Lightning's own step saves would keep top-k files scored with the last validation's score (the weights of later
+steps, saved under an older score), write nothing until a validation has logged the monitored score (a first epoch
+of hours without a checkpoint), and turn the epoch-end saves off. A run that keeps every checkpoint
+(``save_top_k: -1`` without a monitor) keeps a file every n steps as well. No step checkpoint is written where the
+epoch's end or a validation follows the step: resumed from there, Lightning would skip them; the save at their end
+comes soon after.
+
 Lightning warns that a checkpoint directory "exists and is not empty" whatever is in it: every fresh fit into a
 fixed ``checkpoint.dirpath`` would, for the lock and owner marker its own FitRunDirectory has just written there, and
 so would every resume, for the run's own checkpoints. ``LatestCheckpoint`` keeps the warning for checkpoints that
@@ -41,12 +51,51 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         atomic_write_bytes(path, buffer.getvalue())
 
 
+def validation_or_epoch_end_follows(trainer) -> bool:
+    """Whether the training step that just ended is followed by a validation or by its epoch's end, where
+    Lightning's resume from a checkpoint of this point would skip them (it counts a step checkpointed at its end as
+    done, epoch-end work included)."""
+    loop = trainer.fit_loop.epoch_loop
+    return bool(loop._num_ready_batches_reached() or loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
+
+
 class LatestCheckpoint(ModelCheckpoint):
     """Lightning's ModelCheckpoint, with last.ckpt (``save_last``) written at every save point, whether or not a
-    top-k checkpoint was saved there, and its warning of a non-empty folder given only where it is true (module
-    docstring)."""
+    top-k checkpoint was saved there, ``every_n_train_steps`` as the steps between checkpoints to resume from, and
+    its warning of a non-empty folder given only where it is true (module docstring)."""
 
     _unjudged: Path | None = None  # a folder holding checkpoints at the setup of a fit: whose they are is known later
+    _resume_every: int = 0  # every_n_train_steps as configured: the steps between two last.ckpt
+    _configured: tuple[int, int] | None = None  # every_n_train_steps and every_n_epochs as configured (state_key)
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self._configured is None:
+            self._configured = (self._every_n_train_steps, self._every_n_epochs)
+            if self._every_n_train_steps:  # Lightning allows no every_n_epochs beside it: it is 0
+                self._resume_every, self._every_n_train_steps = self._every_n_train_steps, 0
+                if self._train_time_interval is None:
+                    self._every_n_epochs = 1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        every = self._resume_every
+        if (
+            not every
+            or trainer.global_step % every
+            or self._should_skip_saving_checkpoint(trainer)
+            or trainer.fit_loop.epoch_loop._should_accumulate()  # a step still accumulating its gradient
+            or validation_or_epoch_end_follows(trainer)
+        ):
+            return
+        candidates = self._monitor_candidates(trainer)
+        if self.save_top_k == -1 and self.monitor is None:  # every checkpoint is kept: this one too
+            self._save_topk_checkpoint(trainer, candidates)
+        save_last, self.save_last = self.save_last, True  # the point of a step checkpoint is the resume
+        try:
+            self._save_last_checkpoint(trainer, candidates)
+        finally:
+            self.save_last = save_last
 
     def _ModelCheckpoint__warn_if_dir_not_empty(self, dirpath) -> None:
         """Lightning's check of the folder at the setup of a fit (global rank zero). Only checkpoints count, the
@@ -73,8 +122,16 @@ class LatestCheckpoint(ModelCheckpoint):
 
     @property
     def state_key(self) -> str:
-        # ModelCheckpoint's own key: the best score and paths of checkpoints written by it still restore
-        return super().state_key.replace(type(self).__qualname__, ModelCheckpoint.__qualname__, 1)
+        # ModelCheckpoint's own key, with the options as configured: the best score and paths of checkpoints
+        # written by it, and by earlier versions, still restore
+        every_n_train_steps, every_n_epochs = self._configured or (self._every_n_train_steps, self._every_n_epochs)
+        return self._generate_state_key(
+            monitor=self.monitor,
+            mode=self.mode,
+            every_n_train_steps=every_n_train_steps,
+            every_n_epochs=every_n_epochs,
+            train_time_interval=self._train_time_interval,
+        ).replace(type(self).__qualname__, ModelCheckpoint.__qualname__, 1)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         super().on_train_epoch_end(trainer, pl_module)

@@ -47,6 +47,7 @@ from robust_lightning.job_signals import (
     stop_requested,
 )
 from robust_lightning.loggers import end_wandb_before_job_signal, hold_wandb_rows, send_held_wandb_rows
+from robust_lightning.training.checkpoint_io import validation_or_epoch_end_follows
 from robust_lightning.training.random_state import random_states
 
 __all__ = ["EXIT_SIGTERM", "Interruption", "resume_command"]
@@ -137,9 +138,9 @@ class Interruption(Callback):
         stop = agree_to_stop(pl_module.device, "step")
         if stop is None:
             return
-        if loop._num_ready_batches_reached() or loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
-            # The epoch's end or a validation follows this step. Lightning resumes a checkpoint of this point past
-            # them, so the stop waits for the start of the validation or of the next epoch (or the fit's end).
+        if validation_or_epoch_end_follows(trainer):
+            # Lightning resumes a checkpoint of this point past them, so the stop waits for the start of the
+            # validation or of the next epoch (or the fit's end).
             self._deferred = stop
             return
         raise stop
@@ -267,9 +268,9 @@ class Interruption(Callback):
         stopped = f"at epoch {trainer.current_epoch}, step {trainer.global_step}"
         if isinstance(exception, JobStopped) and exception.requeued:
             rank_zero_info(
-                f"\n{trainer.state.fn} stopped {stopped} for SLURM's requeue of the job\nSLURM restarts the job, which "
-                f"resumes {'from ' + exception.checkpoint if exception.checkpoint else 'it'}: nothing to run (a resume "
-                "of your own would start a second copy of the run)"
+                f"\n{trainer.state.fn.value} stopped {stopped} for SLURM's requeue of the job\nSLURM restarts the job, "
+                f"which resumes {'from ' + exception.checkpoint if exception.checkpoint else 'it'}: nothing to run (a "
+                "resume of your own would start a second copy of the run)"
             )
             return
         if trainer.state.fn != "fit":

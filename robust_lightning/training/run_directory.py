@@ -40,9 +40,11 @@ from robust_lightning.atomic import atomic_write_json
 from robust_lightning.errors import UserError
 from robust_lightning.locking import LOCK_NAME, exclusive
 from robust_lightning.loggers import CSVLogger as ContinuedCSVLogger
+from robust_lightning.loggers import WandbLogger as ContinuedWandbLogger
 from robust_lightning.loggers import finish_wandb_run, logger_class
 from robust_lightning.paths import run_directory
 
+LOGGED_ROWS = "metrics_csv_rows"  # in a fit's checkpoint: how many rows its run's metrics.csv held then
 FIT_MARKER = ".fit"  # in a fit's run directory: {"checkpoint_dirpath": ...}
 OWNER_MARKER = ".run_directory"  # in a checkpoint directory outside its run: {"run_directory": ...}
 
@@ -200,6 +202,7 @@ class FitRunDirectory(Callback):
 
     def __init__(self):
         self._locks = ExitStack()
+        self._logged_rows: int | None = None  # of the checkpoint the fit resumes from
         _begin_command()
 
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -278,7 +281,24 @@ class FitRunDirectory(Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         for logger in trainer.loggers:
             if isinstance(logger, ContinuedCSVLogger):
-                logger.checkpoint_saved()
+                rows = logger.checkpoint_saved()
+                if logger is trainer.loggers[0] and rows is not None:  # the run's log (rank zero writes the file)
+                    checkpoint[LOGGED_ROWS] = rows
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self._logged_rows = checkpoint.get(LOGGED_ROWS)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        """A resumed fit first sends W&B the rows of the run's log up to its checkpoint that the earlier attempts'
+        W&B records lack (robust_lightning.loggers.WandbLogger.send_rows_it_lacks), even where it has nothing left to
+        train (a fit stopped in its end-of-fit evaluation)."""
+        rows, self._logged_rows = self._logged_rows, None
+        first = trainer.loggers[0] if trainer.loggers else None
+        if not rows or not trainer.is_global_zero or not isinstance(first, ContinuedCSVLogger):
+            return
+        for logger in trainer.loggers:
+            if isinstance(logger, ContinuedWandbLogger):
+                logger.send_rows_it_lacks(Path(first.experiment.metrics_file_path), rows)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._locks.close()

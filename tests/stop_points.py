@@ -1,0 +1,107 @@
+"""Stops of a running command at chosen points, as a scheduler stops a job: SIGTERM (or another signal) to every
+process of it, the ranks, their loader workers and W&B's service process (wandb-core, which runs in a session of
+its own) alike, as SLURM's process tracking reaches every process a job step started.
+
+A config names the callback (tests/ is on the command's PYTHONPATH in tests/helpers.py's run_command). Each stop
+point fires once across a run's attempts: a file in ``marks`` records that it fired, so the resumed attempt runs
+past it."""
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+from lightning import Callback
+
+from robust_lightning.evaluation.autoattack import AutoAttackEvaluation
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process started by ``pid``, its children's children included (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (parent := parent_of(int(entry))) is not None:
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def signal_job(signum: int) -> None:
+    """``signum`` to this job: the process at the top of this one's tree of robust-lightning processes (rank zero
+    under Lightning's launcher) and everything it started. Sent by a process of its own, as a scheduler's comes
+    from outside: a loader worker ends on its parent's SIGTERM, and drops any other
+    (robust_lightning.job_signals)."""
+    top, parent = os.getpid(), parent_of(os.getpid())
+    while parent is not None and " -m robust_lightning" in _command_line(parent):  # rank zero started this rank
+        top, parent = parent, parent_of(parent)
+    pids = [str(pid) for pid in [top, *descendants(top)]]
+    subprocess.run(["kill", f"-{signal.Signals(signum).name.removeprefix('SIG')}", *pids], check=False)
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class _Once:
+    def __init__(self, marks: str | None, signal_name: str) -> None:
+        self.marks = Path(marks) if marks else None
+        self.signum = signal.Signals[signal_name]
+
+    def fire(self, trainer, point: str) -> None:
+        """Signal the job at ``point``, once across the run's attempts (from rank zero)."""
+        if self.marks is None or not trainer.is_global_zero:
+            return
+        mark = self.marks / point
+        if mark.exists():
+            return
+        self.marks.mkdir(parents=True, exist_ok=True)
+        mark.write_text(str(trainer.global_step))
+        signal_job(self.signum)
+
+
+class StopAt(Callback):
+    """Signals the job once at each of ``points``: "validation:<epoch>:<batch>" (the start of that validation
+    batch), "save:<epoch>" (in the first checkpoint's save of that epoch: the epoch-end one after its validation).
+    ``marks``: the folder recording the points that fired (None: none fire, the run left alone)."""
+
+    def __init__(self, points: list[str], marks: str | None = None, signal_name: str = "SIGTERM") -> None:
+        self.points, self.once = set(points), _Once(marks, signal_name)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        point = f"validation:{trainer.current_epoch}:{batch_idx}"
+        if not trainer.sanity_checking and point in self.points:
+            self.once.fire(trainer, point)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        point = f"save:{trainer.current_epoch}"
+        if point in self.points:
+            self.once.fire(trainer, point)
+
+
+class AutoAttackStoppedAt(AutoAttackEvaluation):
+    """The AutoAttack evaluation, signalling the job once after its ``after``-th batch (on rank zero) when ``marks``
+    is given."""
+
+    def __init__(self, after: int = 1, marks: str | None = None, signal_name: str = "SIGTERM", **options) -> None:
+        super().__init__(**options)
+        self.after, self.batches, self.once = after, 0, _Once(marks, signal_name)
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        super().on_test_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
+        self.batches += 1
+        if self.batches == self.after:
+            self.once.fire(trainer, f"autoattack:{self.after}")

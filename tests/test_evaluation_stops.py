@@ -1,0 +1,125 @@
+"""An evaluation stopped by SIGTERM stops at its next batch, keeps the outcomes of every batch it finished and
+publishes nothing; the same call or command again goes on from them to the numbers of the evaluation left alone
+(issue 44): ``robust_lightning.evaluate`` from a script, and the ``validate`` command. Each in a process of its own,
+under a hard time limit."""
+
+import json
+import textwrap
+from pathlib import Path
+
+from helpers import run_command, tiny_config, untrained_checkpoint
+
+SCRIPT = textwrap.dedent(
+    """
+    # robust_lightning.evaluate on 12 points in batches of 4; with a marker file's path, the model sends this process
+    # SIGTERM in its first pass over the second batch, once
+    import json, os, signal, sys
+    from pathlib import Path
+    import torch
+    from torch import nn
+    import robust_lightning
+
+    out_dir, marker = sys.argv[1], (Path(sys.argv[2]) if len(sys.argv) > 2 else None)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.rand(12, 3, 16, 16, generator=generator)
+    y = torch.randint(0, 10, (12,), generator=generator)
+    calls = [0]  # the attack runs copies of the model: the count is the process's
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4),
+                                      nn.Flatten(), nn.Linear(128, 10))
+
+        def forward(self, inputs):
+            calls[0] += 1
+            if marker is not None and not marker.exists() and any(torch.equal(image, x[4]) for image in x_in(inputs)):
+                marker.write_text(str(calls[0]))
+                os.kill(os.getpid(), signal.SIGTERM)
+            return self.body(inputs)
+
+    def x_in(inputs):
+        return inputs.detach().contiguous()
+
+    net = Net()
+    results = robust_lightning.evaluate(
+        net, (x, y), ["autoattack"], threat_models=[{"norm": "Linf", "eps": 8 / 255}], version="apgd-ce",
+        batch_size=4, out_dir=out_dir, options={"autoattack": {"n_iter": 10, "sanity_points": 0}},
+    )
+    print("forward passes", calls[0])
+    print("RESULT " + json.dumps(results["autoattack"]["threat_models"]))
+    """
+)
+
+
+def evaluate(tmp_path: Path, out_dir: Path, *marker: Path):
+    script = tmp_path / "evaluate.py"
+    script.write_text(SCRIPT)
+    return run_command([str(out_dir), *map(str, marker)], cwd=tmp_path, timeout=240, script=script)
+
+
+def result_of(done) -> dict:
+    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
+    sections = json.loads(line.removeprefix("RESULT "))
+    for section in sections.values():
+        section.pop("seconds_this_session")  # what each session did (its times, its fp32 checks) is its own
+        section.pop("claims_refuted_in_fp32_this_session")
+    return sections
+
+
+def test_evaluate_stops_at_the_next_batch_on_sigterm_and_the_same_call_goes_on(tmp_path):
+    alone = evaluate(tmp_path, tmp_path / "alone")
+    assert alone.returncode == 0, alone.stderr[-3000:]
+
+    out_dir, marker = tmp_path / "stopped", tmp_path / "signalled"
+    stopped = evaluate(tmp_path, out_dir, marker)
+    assert marker.exists()
+    assert stopped.returncode == 143, stopped.stderr[-3000:]  # a script ends as a process ended by SIGTERM
+    assert "Traceback" not in stopped.stderr and "RESULT" not in stopped.stdout  # nothing partial returned
+    assert not (out_dir / "results.json").exists()  # nor written
+    # the signal came in the second batch's first pass (the test step's), before its attack started: the first
+    # batch's outcomes are kept, and neither the second's attack nor the third batch ran
+    [threat] = list((out_dir / "autoattack").iterdir())
+    assert len((threat / "rank0.jsonl").read_text().splitlines()) == 1
+    assert f"evaluate stopped by SIGTERM; the same call with out_dir={out_dir} goes on" in stopped.stderr
+
+    resumed = evaluate(tmp_path, out_dir, marker)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming, 4 images already done" in resumed.stdout + resumed.stderr
+    assert result_of(resumed) == result_of(alone)
+
+
+def test_validate_stops_at_the_next_batch_on_sigterm_and_publishes_nothing(tmp_path):
+    checkpoint = untrained_checkpoint(tmp_path, "test_resnet")
+    callbacks = [
+        {
+            "class_path": "stop_points.StopAt",
+            "init_args": {"points": ["validation:0:1"], "marks": str(tmp_path / "marks")},
+        }
+    ]
+    config = tiny_config(
+        tmp_path,
+        **{
+            "trainer.callbacks": callbacks,
+            "trainer.limit_val_batches": None,
+            "data.eval_batch_size": 4,
+            "model.arch": "test_resnet",
+            "model.select_attack_steps": 1,
+            "data.source.init_args.num_classes": 10,
+            "data.source.init_args.val_per_class": 1,
+        },
+    )
+    command = ["validate", "--config", str(config), "--ckpt_path", str(checkpoint)]
+    stopped = run_command(command, cwd=tmp_path, timeout=240)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert "validate interrupted by SIGTERM (exit status 143); the same command resumes it" in stopped.stderr
+    assert "Traceback" not in stopped.stdout + stopped.stderr
+    results = tmp_path / "runs" / "tiny" / "version_0" / "results.json"
+    assert "validate" not in (json.loads(results.read_text()) if results.exists() else {})
+
+    # the same command again validates every image (the stop point fired once)
+    again = run_command(command, cwd=tmp_path, timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    [written] = (tmp_path / "runs" / "tiny").glob("version_*/results.json")
+    assert json.loads(written.read_text())["validate"]["metrics"]["val/num_images"] == 10
