@@ -231,12 +231,14 @@ def stop_requested() -> bool:
         return False
 
 
-def agree_to_stop(device: torch.device | str, where: str) -> JobStopped | None:
+def agree_to_stop(where: str) -> JobStopped | None:
     """The stop that every rank agrees on at this point, or None to go on. Under DDP a collective: each rank calls
     it once at the end of a loop (or at a batch boundary where it stops), and the largest of the ranks' notes
     decides, so they all stop at the same point. ``where`` names the work that stops (see :class:`JobStopped`)."""
     sigterm, requeue = JobSignals.sigterm, JobSignals.requeue
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # NCCL reduces tensors on this process's GPU only
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
         flags = torch.tensor([int(sigterm), int(requeue)], device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         sigterm, requeue = (bool(flag) for flag in flags.tolist())

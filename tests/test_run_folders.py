@@ -146,22 +146,22 @@ class SignalAtTestBatch(Callback):
 def test_an_evaluation_requeued_by_slurm_resumes_its_outcomes_and_leaves_no_hpc_checkpoint(
     tmp_path, autoattack_checkpoint, monkeypatch, caplog, capsys
 ):
-    """SLURM's requeue signal in an AutoAttack evaluation, then the SIGTERM that ends the requeued job: the job is
-    requeued (scontrol) without an hpc checkpoint; the requeued job runs the command again, resumes the outcomes and
-    completes. No hpc_ckpt_N.ckpt anywhere, and the requeue signal's handler is given back."""
+    """SLURM's requeue signal in an AutoAttack evaluation: the evaluation stops at the end of the batch it came in,
+    its outcomes kept, and the job is requeued (scontrol) without an hpc checkpoint; the requeued job runs the command
+    again, resumes the outcomes and completes. No hpc_ckpt_N.ckpt anywhere, and the requeue signal's handler is given
+    back."""
     ckpt, synthetic_root = autoattack_checkpoint
     for name, value in fake_slurm_job(tmp_path).items():
         monkeypatch.setenv(name, value)
     config = eval_config(tmp_path, synthetic_root)
     signalled = yaml.safe_load(config.read_text())
     signalled["trainer"]["callbacks"] += [
-        {"class_path": "test_run_folders.SignalAtTestBatch", "init_args": {"batch": 0}},
-        {"class_path": "test_run_folders.SignalAtTestBatch", "init_args": {"batch": 1, "signal_name": "SIGTERM"}},
+        {"class_path": "test_run_folders.SignalAtTestBatch", "init_args": {"batch": 0}}
     ]
     (tmp_path / "signalled.yaml").write_text(yaml.safe_dump(signalled))
     assert main(["test", "--config", str(tmp_path / "signalled.yaml"), "--ckpt_path", str(ckpt)]) == 143
     # the last word: SLURM runs the requeued job again, nothing for the user to run
-    assert "test interrupted by SIGTERM after SLURM's requeue (exit status 143); the requeued job runs it again" in (
+    assert "test stopped for SLURM's requeue (exit status 143); the requeued job runs it again" in (
         capsys.readouterr().err
     )
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
@@ -172,7 +172,7 @@ def test_an_evaluation_requeued_by_slurm_resumes_its_outcomes_and_leaves_no_hpc_
     caplog.clear()
     with caplog.at_level("INFO"):
         assert main(["test", "--config", str(config), "--ckpt_path", str(ckpt)]) == 0  # the requeued job
-    assert "Linf-4_255: resuming, 12 images already done" in caplog.text  # two batches of 6
+    assert "Linf-4_255: resuming, 6 images already done" in caplog.text  # the batch of 6 the signal came in
     assert not list(tmp_path.rglob("hpc_ckpt_*"))
     (results,) = (tmp_path / "runs" / "aa").glob("version_*/results.json")
     assert json.loads(results.read_text())["autoattack"]["threat_models"]["Linf-4_255"]["num_points"] == 20

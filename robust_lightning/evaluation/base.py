@@ -93,7 +93,7 @@ def evaluating(module: nn.Module) -> Iterator[nn.Module]:
         module.train(was_training)
 
 
-def until_stopped(batches: Iterable[T], trainer) -> Iterator[T]:
+def until_stopped(batches: Iterable[T]) -> Iterator[T]:
     """``batches`` up to SIGTERM or SLURM's requeue signal, noted by this rank or another; then, or at their end,
     every rank agrees whether to stop (a small collective under DDP: every rank iterates to the end or to its stop,
     and no rank calls another collective before that) and raises :class:`JobStopped` if so, before anything of
@@ -103,7 +103,7 @@ def until_stopped(batches: Iterable[T], trainer) -> Iterator[T]:
         if stop_requested():
             break
         yield batch
-    stop = agree_to_stop(trainer.strategy.root_device, "evaluation")
+    stop = agree_to_stop("evaluation")
     if stop is not None:
         raise stop
 
@@ -175,7 +175,7 @@ class Evaluation(Callback):
         After SIGTERM or SLURM's requeue signal the batches stop at the next one (:func:`until_stopped`)."""
         share = None if limit is None else rank_share(limit, trainer.world_size, trainer.global_rank)
         batches = self._share_of_batches(trainer, pl_module, share, transform, batch_size, num_workers, progress)
-        yield from until_stopped(batches if share != 0 else iter(()), trainer)
+        yield from until_stopped(batches if share != 0 else iter(()))
 
     def _share_of_batches(
         self,

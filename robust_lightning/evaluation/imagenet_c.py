@@ -549,7 +549,7 @@ class ImageNetC(Evaluation):
         rows: list[Any] = []
         corrupt: list[Any] = []
         bar = tqdm(loader, desc=f"imagenet_c {corruption}", disable=not trainer.is_global_zero, leave=False)
-        for batch in until_stopped(bar, trainer):
+        for batch in until_stopped(bar):
             corrupt += batch["corrupt"]
             if not len(batch["label"]):
                 continue

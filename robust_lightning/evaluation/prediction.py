@@ -92,7 +92,7 @@ def run_exactly_once(
     sampler = ExactDistributedSampler(dataset, trainer.world_size, trainer.global_rank)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, collate_fn=collate_fn)
     rows, corrupt = [], []
-    for batch in until_stopped(tqdm(loader, desc=desc, disable=not trainer.is_global_zero, leave=False), trainer):
+    for batch in until_stopped(tqdm(loader, desc=desc, disable=not trainer.is_global_zero, leave=False)):
         corrupt += batch[CORRUPT]
         more_rows, more_corrupt = step(batch)
         rows += more_rows

@@ -28,6 +28,7 @@ process.
 
 import copy
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -97,35 +98,38 @@ class Interruption(Callback):
         self._saving_validation_start = False
 
     # ------------------------------------------------------------------------------------------ the signals
-    def _take_signals(self, trainer) -> None:
+    def setup(self, trainer, pl_module, stage: str) -> None:
         def pass_on(signum: int) -> None:  # to the ranks Lightning's launcher started, as its own handler does
             if trainer.strategy.launcher is not None:
                 trainer.strategy.launcher.kill(signum)
 
-        JobSignals.take(requeue_signal(trainer), pass_on)
-
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        # before Lightning registers its handlers (Trainer._run, after the setup hooks), which wrap these; taken
-        # again, alone, at the start of the command's loops below
         JobSignals.start_command()
         self._deferred, self._validation_start = None, None
-        self._take_signals(trainer)
+        requeue = requeue_signal(trainer)
+        JobSignals.take(requeue, pass_on)
+        if requeue is not None:
+            rank_zero_info(
+                f"SLURM's requeue signal ({signal.Signals(requeue).name}) and SIGTERM stop this "
+                f"{trainer.state.fn.value} at its next batch boundary"
+            )
+        # Lightning registers handlers of its own after the setup hooks (Trainer._run), which would act inside the
+        # handler: its SIGTERM handler broadcasts (under DDP a collective wherever each rank was) and its requeue
+        # handler saves half a step. This command's handlers take their place at once. Lightning's registration
+        # stays: it records every handler of the process, which its teardown restores (a DataLoader's SIGCHLD
+        # handler among them, which would otherwise fail the exit of a command whose loader workers are killed).
+        register = trainer._signal_connector.register_signal_handlers
 
-    def on_train_start(self, trainer, pl_module) -> None:
-        self._take_signals(trainer)
+        def register_then_take() -> None:
+            register()
+            JobSignals.take(requeue, pass_on)
+
+        trainer._signal_connector.register_signal_handlers = register_then_take
 
     def on_validation_start(self, trainer, pl_module) -> None:
-        self._take_signals(trainer)
         if trainer.state.fn == "fit" and not trainer.sanity_checking:
             progress = trainer.fit_loop.epoch_loop.val_loop.batch_progress.state_dict()
             self._validation_start = (copy.deepcopy(progress), random_states())
             self._act_on_deferred_stop("validation")
-
-    def on_test_start(self, trainer, pl_module) -> None:
-        self._take_signals(trainer)
-
-    def on_predict_start(self, trainer, pl_module) -> None:
-        self._take_signals(trainer)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         JobSignals.give_back()
@@ -135,7 +139,7 @@ class Interruption(Callback):
         loop = trainer.fit_loop.epoch_loop
         if loop._should_accumulate():  # the step is not over: its gradient is in part on the device only
             return
-        stop = agree_to_stop(pl_module.device, "step")
+        stop = agree_to_stop("step")
         if stop is None:
             return
         if validation_or_epoch_end_follows(trainer):
@@ -169,7 +173,7 @@ class Interruption(Callback):
         else:
             where = "validation" if trainer.validating else "test"
         if last or stop_requested():
-            stop = agree_to_stop(pl_module.device, where)
+            stop = agree_to_stop(where)
             if stop is not None:
                 raise stop
 
