@@ -56,6 +56,22 @@ _SOURCE_OPTIONS = ("root", "class_map", "val_labels", "train_shards", "val_shard
 _OLD_SOURCE_OPTION = re.compile(rf"data\.(?:{'|'.join(_SOURCE_OPTIONS)})\b|Parser key \"data\.source\"")
 
 
+# Lightning 2.6 types these Trainer options ``float | int | None``: parsed in that order, the 1 a user types for one
+# batch becomes 1.0, which Lightning reads as the whole epoch. Its documentation says an int is a number of batches
+# and a float a fraction, and ``overfit_batches`` and ``val_check_interval`` already put int first.
+BATCH_LIMITS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches")
+
+
+def int_before_float(parser: argparse.ArgumentParser, prefix: str = "trainer.") -> None:
+    """Parse the Trainer's batch limits as ``int | float | None``: 1 is one batch and 1.0 all of them, from the
+    command line, a config file and the environment alike."""
+    for name in BATCH_LIMITS:
+        action = next((a for a in parser._actions if a.dest == prefix + name), None)
+        if action is None:  # a Lightning without the option: nothing to fix
+            continue
+        action._typehint = int | float | None  # type: ignore[attr-defined]  # jsonargparse's ActionTypeHint
+
+
 def moved_options(message: str) -> list[str]:
     """A line saying how data.source is written now, for a message about its old form (a name such as "folder",
     or one of its options directly under data)."""

@@ -31,7 +31,12 @@ with collector_paused():  # Lightning imports sooner (robust_lightning/startup.p
     from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
     import robust_lightning
-    from robust_lightning.argument_parsing import ArgumentParserWithBases, did_you_mean, moved_options
+    from robust_lightning.argument_parsing import (
+        ArgumentParserWithBases,
+        did_you_mean,
+        int_before_float,
+        moved_options,
+    )
     from robust_lightning.data.corrupt_report import CorruptImageReport
     from robust_lightning.data.datamodule import ImageNetDataModule
     from robust_lightning.errors import UserError, print_error, print_rank_error
@@ -205,6 +210,7 @@ class RobustLightningCLI(LightningCLI):
         return trainer
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        int_before_float(parser)  # --trainer.limit_train_batches 1 is one batch (argument_parsing.BATCH_LIMITS)
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
         parser.link_arguments("data.image_size", "model.image_size")
         parser.link_arguments("model.label_smoothing", "data.label_smoothing")
