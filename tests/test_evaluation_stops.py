@@ -7,7 +7,9 @@ import json
 import textwrap
 from pathlib import Path
 
-from helpers import run_command, tiny_config, untrained_checkpoint
+import yaml
+
+from helpers import eval_config, run_command, tiny_config, untrained_checkpoint
 
 SCRIPT = textwrap.dedent(
     """
@@ -123,3 +125,47 @@ def test_validate_stops_at_the_next_batch_on_sigterm_and_publishes_nothing(tmp_p
     assert again.returncode == 0, again.stderr[-3000:]
     [written] = (tmp_path / "runs" / "tiny").glob("version_*/results.json")
     assert json.loads(written.read_text())["validate"]["metrics"]["val/num_images"] == 10
+
+
+def test_a_two_rank_test_stopped_by_sigterm_keeps_each_ranks_batches_and_goes_on(tmp_path, autoattack_checkpoint):
+    """``test`` with AutoAttack on 2 gloo ranks (the progress display and a loader worker per rank, as a user runs
+    it), SIGTERM to every process of the job after rank zero's first batch: every rank stops at its next batch
+    boundary, exit 143 without a traceback, nothing published; the same command again resumes the outcomes of
+    each rank's finished batches and ends with the results of the test left alone."""
+    ckpt, synthetic_root = autoattack_checkpoint
+    results = {}
+    for name, marks in (("alone", None), ("stopped", tmp_path / "marks")):
+        folder = tmp_path / name
+        folder.mkdir()
+        config = yaml.safe_load(eval_config(folder, synthetic_root, devices=2).read_text())
+        callback = config["trainer"]["callbacks"][0]
+        callback["class_path"] = "stop_points.AutoAttackStoppedAt"
+        # the model's checks are another test's: here only the stop and the resume
+        callback["init_args"] |= {
+            "after": 1,
+            "checks": False,
+            "sanity_points": 0,
+            **({"marks": str(marks)} if marks else {}),
+        }
+        config["data"] |= {"eval_batch_size": 4, "num_workers": 1}  # 10 images a rank: batches of 4, 4 and 2
+        (folder / "test.yaml").write_text(yaml.safe_dump(config))
+        command = ["test", "--config", str(folder / "test.yaml"), "--ckpt_path", str(ckpt)]
+        done = run_command(command, cwd=folder, timeout=240)
+        if marks is not None:
+            assert done.returncode == 143, done.stderr[-3000:]
+            assert "Traceback" not in done.stdout + done.stderr
+            assert "test interrupted by SIGTERM (exit status 143); the same command resumes it" in done.stderr
+            assert not list(folder.glob("runs/aa/version_*/results.json"))
+            outcomes = sorted((folder / "outcomes").glob("*/rank*.jsonl"))
+            assert outcomes and all(len(p.read_text().splitlines()) < 3 for p in outcomes)  # no rank finished
+            done = run_command(command, cwd=folder, timeout=240)
+            assert "already done" in done.stdout + done.stderr
+        assert done.returncode == 0, done.stderr[-3000:]
+        [written] = folder.glob("runs/aa/version_*/results.json")
+        section = json.loads(written.read_text())["autoattack"]["threat_models"]
+        for threat in section.values():
+            threat.pop("seconds_this_session")
+            threat.pop("claims_refuted_in_fp32_this_session", None)
+        results[name] = section
+    assert results["stopped"] == results["alone"]
+    assert next(iter(results["alone"].values()))["num_points"] == 20
