@@ -164,6 +164,7 @@ def _callbacks(
     threat_models: list[dict] | None,
     version: str,
     options: dict[str, dict],
+    adaptive_options: dict[str, Any],
 ) -> list[Evaluation]:
     unknown = [name for name in evaluations if name not in EVALUATIONS] + [
         name for name in options if name not in EVALUATIONS
@@ -173,6 +174,7 @@ def _callbacks(
     attack = {
         "threat_models": list(threat_models or DEFAULT_THREAT_MODELS),
         "version": version,
+        **adaptive_options,
         **options.get("autoattack", {}),
     }
 
@@ -233,6 +235,12 @@ def evaluate(
     accelerator: str = "auto",
     devices: int | str | list[int] = 1,
     strategy: str = "auto",
+    adaptive: str | list[str] = "auto",
+    bpda: list[str] | None = None,
+    stand_ins: dict[str, nn.Module] | None = None,
+    surrogate: nn.Module | str | Path | None = None,
+    n_iter: int | None = None,
+    n_queries: int | None = None,
 ) -> dict[str, Any]:
     """Run the project's evaluations on ``model`` and return the sections results.json holds.
 
@@ -249,7 +257,9 @@ def evaluate(
             L2 2.0 and L1 75, the card's three threat models. Generated ImageNet-C and the resolution sweep need an
             ImageNet root as ``data``.
         threat_models: AutoAttack's, as the AutoAttack callback takes them: ``[{"norm": "Linf", "eps": 4/255}]``.
-        version: AutoAttack's version ("standard", or the quick modes "apgd-t", "apgd-ce").
+        version: AutoAttack's version: "standard" (APGD-CE, APGD-T, FAB-T, Square), "rand" (APGD-CE and APGD-DLR
+            with 20 EoT passes, for randomized models), "plus" (AA+: more attacks and restarts), or the quick modes
+            "apgd-t" (40 iterations, 3 targets) and "apgd-ce" (``n_iter`` steps).
         mean: with ``std``, a normaliser put in front of a model that expects normalised input.
         std: see ``mean``.
         datasets: roots of the benchmarks, under the card's names (``imagenet_r``, ``imagenet_c`` (or
@@ -262,6 +272,20 @@ def evaluate(
         accelerator: Lightning's.
         devices: Lightning's; several devices split the images between them.
         strategy: Lightning's.
+        adaptive: AutoAttack's adaptive attacks, run on every image after the standard ones: "auto" (those that
+            the raised checks call for: EoT for a randomized model; BPDA, a transfer attack and Square from scratch
+            for masked gradients), "none", or a list of names to run always. results.json keeps standard
+            AutoAttack's figure, each adaptive attack's and the lowest per image (``reported_robust_accuracy``).
+        bpda: the dotted names (``model.named_modules()``) of the parts of ``model`` that mask its gradients: BPDA
+            attacks the model with the identity's gradient through them (or ``stand_ins``'), and the transfer
+            attack attacks the model without them.
+        stand_ins: differentiable modules standing in for the ``bpda`` parts, by name.
+        surrogate: a model (or a checkpoint's path) to transfer attacks from, instead of the model without its
+            ``bpda`` parts.
+        n_iter: APGD's iterations (default: the version's, 100; 40 for "apgd-t"), for a quick look.
+        n_queries: Square's queries (default 5000), in the ensemble and from scratch, for a quick look. The budget
+            is recorded in results.json (``autoattack.conditions.budget``); standard AutoAttack's figure holds only
+            at its own budget.
 
     SIGTERM (a scheduler's pre-emption or time limit, ``timeout``) stops the evaluation at its next batch, or
     between two attacks of AutoAttack, and raises ``robust_lightning.job_signals.JobStopped``, a ``SystemExit`` with
@@ -270,6 +294,14 @@ def evaluate(
     """
     if not isinstance(model, nn.Module):
         raise UserError(f"model must be a torch nn.Module, got {type(model).__name__}")
+    if model.training:  # said, never a silent switch
+        warnings.warn(
+            "robust_lightning.evaluate: the model is in train mode (dropout or BatchNorm's batch statistics on); it "
+            "is evaluated in eval mode, deterministically. A defence whose randomness lives in train mode is "
+            "attacked as given by robust_lightning.attacks.AutoAttack(model).evaluate(x, y), whose check "
+            "randomized and EoT then take it into account",
+            stacklevel=2,
+        )
     evaluations = list(evaluations or ["autoattack"])
     datamodule: ImageNetDataModule | GivenImages
     if isinstance(data, (str, Path)):
@@ -295,7 +327,17 @@ def evaluate(
                 f"[{labels.min().item()}, {labels.max().item()}]"
             )
         datamodule = GivenImages(images, labels, batch_size)
-    callbacks = _callbacks(evaluations, dict(datasets or {}), threat_models, version, dict(options or {}))
+    adaptive_options: dict[str, Any] = {
+        "adaptive": adaptive,
+        "bpda": list(bpda or []),
+        "stand_ins": dict(stand_ins or {}),
+        "surrogate": str(surrogate) if isinstance(surrogate, (str, Path)) else surrogate,
+        **({"n_iter": n_iter} if n_iter is not None else {}),
+        **({"n_queries": n_queries} if n_queries is not None else {}),
+    }
+    callbacks = _callbacks(
+        evaluations, dict(datasets or {}), threat_models, version, dict(options or {}), adaptive_options
+    )
 
     from robust_lightning.training.interruption import Interruption  # noqa: PLC0415 (heavy)
     from robust_lightning.training.lightning_module import ImageClassifier  # noqa: PLC0415 (heavy)

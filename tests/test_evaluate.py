@@ -249,7 +249,9 @@ def test_a_leaderboard_claim_only_for_the_leaderboards_evaluation(trained, point
     results.write_text(json.dumps(content))
     assert main(["claim", str(results), "--model_name", "Me2026Robust", "--out", str(out)]) == 0
     flagged = json.loads(out.read_text())
-    assert flagged["unreliable"] is True and "AutoAttack's checks raised: randomized." in flagged["footnote"]
+    assert (
+        flagged["unreliable"] is True and "The reference AutoAttack's checks raised: randomized." in flagged["footnote"]
+    )
     assert "checks randomized were raised" in capsys.readouterr().out
 
     content["autoattack"]["conditions"]["version"] = "apgd-ce"

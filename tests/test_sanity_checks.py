@@ -72,7 +72,7 @@ def test_each_sanity_check_is_raised_by_the_masking_it_is_for(radius, raised):
         figures = found["eps_monotonic"].figures
         assert list(figures) == [f"robust_accuracy_at_{m:g}x_eps" for m in sanity.EPS_MULTIPLIERS]
         assert found["unbounded"].figures["robust_accuracy"] == 0.0
-        assert found["engines_agree"].figures["agreement"] >= sanity.AGREEMENT_MIN
+        assert found["engines_agree"].figures["agreeing"] * 10 >= 9 * found["engines_agree"].figures["points"]
     for check in found.values():
         assert bool(check.advice) == check.raised
 

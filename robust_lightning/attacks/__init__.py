@@ -1,6 +1,15 @@
 """Adversarial attacks on plain callables ``model(x) -> logits`` (no Lightning): APGD, FAB-T, Square, FGSM(-RS),
 PGD, the spatial grid attack, and the AutoAttack ensemble built from them (or run by the reference package)."""
 
+from .adaptive import (
+    AdaptiveResult,
+    bpda_attack,
+    eot_attack,
+    square_from_scratch,
+    straight_through,
+    transfer_attack,
+    without_parts,
+)
 from .apgd import (
     LOSSES,
     APGDResult,
@@ -23,6 +32,7 @@ __all__ = [
     "LOSSES",
     "NORMS",
     "APGDResult",
+    "AdaptiveResult",
     "AutoAttack",
     "AutoAttackReport",
     "EvaluationStopped",
@@ -30,8 +40,10 @@ __all__ = [
     "SpatialResult",
     "SquareResult",
     "apgd",
+    "bpda_attack",
     "dlr_loss",
     "dlr_targeted_loss",
+    "eot_attack",
     "fab_targeted",
     "fgsm",
     "input_gradient",
@@ -49,4 +61,8 @@ __all__ = [
     "spatial_grid",
     "spatial_grid_attack",
     "square_attack",
+    "square_from_scratch",
+    "straight_through",
+    "transfer_attack",
+    "without_parts",
 ]

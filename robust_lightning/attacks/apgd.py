@@ -52,6 +52,9 @@ class APGDResult:
     logits_last: Tensor  # logits of the last iterate (float32 and detached, unless from last_forward)
     logits_start: Tensor  # logits of the starting point (the clean images without random start / x_init)
     best_is_last: Tensor  # bool per point: x_best is the last iterate
+    # bool per point: the input gradient at the start is zero everywhere (the reference's zero_gradients check,
+    # which it makes at every APGD start; read here from the gradient APGD computes anyway, on the device)
+    zero_gradient: Tensor | None = None
 
 
 # ----------------------------------------------------------------------------------------------- losses
@@ -314,6 +317,7 @@ def apgd(
 
     logits, loss_cur, grad = input_gradient(model, x_adv, y, loss, y_target, eot_iter)
     logits_start = logits
+    zero_gradient = grad.flatten(1).abs().amax(1) == 0
     robust = predicted_correct(logits, y)
     x_best, x_best_adv, grad_best, loss_best = x_adv.clone(), x_adv.clone(), grad.clone(), loss_cur.clone()
 
@@ -442,6 +446,7 @@ def apgd(
         logits_last=logits,
         logits_start=logits_start,
         best_is_last=improved,
+        zero_gradient=zero_gradient,
     )
 
 

@@ -11,15 +11,20 @@ Where this code departs from the reference, on purpose:
 """
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+# the reference's checks, by name (its check_* functions without the prefix)
+REFERENCE_CHECKS = ("randomized", "range_output", "zero_gradients", "square_sr", "dynamic", "n_classes")
 # the functions whose calls inside a forward pass mark it as computing gradients (the reference's list)
 GRADIENT_FUNCTIONS = ("grad", "backward", "_make_grads")
+# where the advice sends the user: this project's account of the checks and the attacks that answer them (the
+# reference's messages point to its flags_doc.md, which is not shipped here)
+DOCS = "docs/evaluation.md"
 
 
 @dataclass
@@ -54,7 +59,8 @@ def randomized(model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, n: int =
         raised,
         {"passes": n, "correct_per_pass": correct, "max_logit_distance": spread, "threshold": alpha},
         'the outputs change between calls on the same input (a randomized defence): evaluate with version="rand", '
-        "which averages the gradients over 20 draws (Expectation over Transformation)"
+        "which averages the gradients over 20 draws, and report EoT's expected robust accuracy, which adaptive: auto "
+        f"runs ({DOCS}, Adaptive attacks)"
         if raised
         else "",
     )
@@ -80,13 +86,20 @@ def range_output(model: Callable[[Tensor], Tensor], x: Tensor, alpha: float = 1e
 def zero_gradients(grad: Tensor) -> Check:
     """Raised where a point's input gradient is zero everywhere (the reference computes it at APGD's start, for
     the DLR losses): a gradient-based attack cannot move that point."""
-    zero = int((grad.reshape(len(grad), -1).abs().sum(-1) == 0).sum())
+    return zero_gradient_starts(int((grad.reshape(len(grad), -1).abs().sum(-1) == 0).sum()), len(grad))
+
+
+def zero_gradient_starts(zero: int, starts: int) -> Check:
+    """zero_gradients counted over APGD starts: ``zero`` of the ``starts`` (a point's start in one run, restart or
+    target) had an input gradient that is zero everywhere. The reference checks it at every APGD start of its DLR
+    attacks, on the points still attacked."""
     return Check(
         "zero_gradients",
         zero > 0,
-        {"points_with_zero_gradient": zero, "points": len(grad)},
-        f"{zero} points have a zero input gradient (input quantization, a saturated output, a non-differentiable "
-        "step): gradient-based attacks make no progress there; use an adaptive attack (e.g. BPDA)"
+        {"starts_with_zero_gradient": zero, "starts": starts},
+        f"{zero} APGD starts had a zero input gradient (input quantization, a saturated output, a non-differentiable "
+        "step): gradient-based attacks make no progress there; the adaptive attacks (BPDA with the masking parts "
+        f"named in bpda, a transfer attack, Square from scratch) answer it ({DOCS}, Adaptive attacks)"
         if zero
         else "",
     )
@@ -105,7 +118,8 @@ def square_sr(robust_after: dict[str, float], alpha: float = 0.002) -> Check:
         raised,
         {"square_lowered_robust_accuracy_by": drop, "threshold": alpha} if ran else {"square_ran": False},
         f"Square Attack, which uses no gradient, lowered the robust accuracy by {drop:.2%} after the gradient-based "
-        "attacks: their gradients may be masked; run Square with more queries and restarts, or an adaptive attack"
+        "attacks: their gradients may be masked; Square with restarts from scratch, BPDA and a transfer attack, which "
+        f"adaptive: auto runs, answer it ({DOCS}, Adaptive attacks)"
         if raised
         else "",
     )
@@ -131,8 +145,8 @@ def dynamic(model: Callable[[Tensor], Tensor], x: Tensor) -> Check:
         "dynamic",
         raised,
         dict(calls),  # calls of each gradient function during the forward pass
-        "the forward pass computes gradients (a dynamic defence): standard AutoAttack may not be enough; use an "
-        "adaptive attack"
+        "the forward pass computes gradients (a dynamic defence): standard AutoAttack may not be enough; the "
+        f"adaptive attacks answer it, BPDA with the parts that optimise named in bpda ({DOCS}, Adaptive attacks)"
         if raised
         else "",
     )
@@ -155,5 +169,56 @@ def n_classes(num_classes: int, attacks: tuple[str, ...], apgd_targets: int, fab
         "n_classes",
         bool(problems),
         {"num_classes": num_classes, "apgd_targets": apgd_targets, "fab_targets": fab_targets},
-        "; ".join(problems) + ": lower the attacks' target classes or drop the DLR attacks" if problems else "",
+        "; ".join(problems) + ": the attacks the class count does not allow are left out, and the targeted ones aim "
+        "at the classes there are"
+        if problems
+        else "",
     )
+
+
+# ------------------------------------------------------------------------------- what answers a raised check
+ADAPTIVE_ATTACKS = ("bpda", "transfer", "square", "eot")  # robust_lightning.attacks.adaptive
+# The attacks that answer each check where it is raised (Athalye et al., 2018; Carlini et al., 2019, Sec. 5): a
+# randomized model is attacked with the gradient averaged over its draws (EoT) and scored over draws; masked or
+# obfuscated gradients (a zero gradient, Square doing better than the gradient attacks, a forward that computes
+# gradients, and the sanity checks' signs of masking) by the straight-through approximation of the parts that
+# mask them (BPDA), a transfer from a surrogate without them, and Square, which needs no gradient, on every point.
+ANSWERS: dict[str, tuple[str, ...]] = {
+    "randomized": ("eot",),
+    "zero_gradients": ("bpda", "transfer", "square"),
+    "square_sr": ("bpda", "transfer", "square"),
+    "dynamic": ("transfer", "square"),
+    "eps_monotonic": ("bpda", "transfer", "square"),
+    "unbounded": ("bpda", "transfer", "square"),
+    "iterative_vs_one_step": ("bpda", "transfer", "square"),
+}
+
+
+def adaptive_plan(
+    raised: Iterable[str], requested: str | Sequence[str], can_approximate: bool, has_surrogate: bool
+) -> tuple[list[str], dict[str, str]]:
+    """The adaptive attacks to run, in the order of ADAPTIVE_ATTACKS, and a note for each that a raised check asked
+    for but that cannot run. ``raised``: the names of the checks raised. ``requested``: "auto" (what the raised
+    checks call for), "none", or the names of attacks to run always (beside what "auto" adds, where "auto" is one
+    of them). ``can_approximate``: the parts to approximate were named (``bpda``); ``has_surrogate``: a surrogate
+    model was given, or those parts can be taken out of the model."""
+    if isinstance(requested, str):
+        requested = [requested]
+    unknown = [name for name in requested if name not in (*ADAPTIVE_ATTACKS, "auto", "none")]
+    if unknown or ("none" in requested and len(requested) > 1):
+        raise ValueError(
+            f"adaptive must be 'auto', 'none' or a list of {ADAPTIVE_ATTACKS} (with 'auto' among them to add what "
+            f"the checks call for), got {list(requested)}"
+        )
+    wanted = {name for name in requested if name in ADAPTIVE_ATTACKS}
+    if "auto" in requested:
+        wanted |= {attack for check in raised for attack in ANSWERS.get(check, ())}
+    needs = {
+        "bpda": (can_approximate, "needs the parts of the model to approximate (option bpda)"),
+        "transfer": (
+            has_surrogate,
+            "needs a surrogate model, or the parts of the model to take out of it (option bpda)",
+        ),
+    }
+    notes = {name: needs[name][1] for name in wanted if name in needs and not needs[name][0]}
+    return [name for name in ADAPTIVE_ATTACKS if name in wanted and name not in notes], notes

@@ -50,7 +50,7 @@ import contextlib
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -61,8 +61,9 @@ from torch import Tensor, nn
 from robust_lightning.console import tqdm
 
 from . import checks as reference_checks
+from .adaptive import AdaptiveResult, bpda_attack, eot_attack, square_from_scratch, transfer_attack, without_parts
 from .apgd import apgd, input_gradient, random_start_point
-from .checks import Check
+from .checks import Check, adaptive_plan
 from .evaluation_state import EvaluationState
 from .fab import fab_targeted, fab_untargeted
 from .projections import NORMS, l1_projection
@@ -117,6 +118,25 @@ class AutoAttackReport:
     x_adv: Tensor | None = None
     # the reference's checks (robust_lightning.attacks.checks): a raised one says the robust accuracy may not hold
     checks: list[Check] = field(default_factory=list)
+    # the adaptive attacks the raised checks called for (robust_lightning.attacks.adaptive), each on every point,
+    # and why one they called for could not run
+    adaptive: dict[str, AdaptiveResult] = field(default_factory=dict)
+    adaptive_notes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def reported(self) -> Tensor:
+        """Per point, the lowest of its robust figures: standard AutoAttack's (0 or 1) and each adaptive attack's
+        (0 or 1, or EoT's share of draws)."""
+        lowest = self.robust.float()
+        for result in self.adaptive.values():
+            lowest = torch.minimum(lowest, result.robust.float())
+        return lowest
+
+    @property
+    def reported_robust_accuracy(self) -> float:
+        """The robust accuracy to report: standard AutoAttack's where no adaptive attack ran, else the mean of the
+        lowest figure per point."""
+        return self.reported.mean().item()
 
     @property
     def clean_accuracy(self) -> float:
@@ -146,6 +166,15 @@ class AutoAttackReport:
             "seconds": dict(self.seconds),
             "total_seconds": sum(self.seconds.values()),
             "checks": {check.name: check.record() for check in self.checks},
+            "adaptive": {
+                **{
+                    name: {"robust_accuracy": result.robust.float().mean().item(), "seconds": result.seconds}
+                    | ({"notes": result.notes} if result.notes else {})
+                    for name, result in self.adaptive.items()
+                },
+                **{name: {"not_run": note} for name, note in self.adaptive_notes.items()},
+            },
+            "reported_robust_accuracy": self.reported_robust_accuracy,
         }
 
 
@@ -296,6 +325,18 @@ class AutoAttack:
             the first batch before the attacks, and Square's after them. :meth:`evaluate` reports them
             (``AutoAttackReport.checks``); :meth:`run_standard_evaluation` also warns of a raised one, as the
             reference does.
+        adaptive: the adaptive attacks (:mod:`robust_lightning.attacks.adaptive`) run after the standard ones, on
+            every point: "auto" (default) those that the raised checks call for
+            (:data:`robust_lightning.attacks.checks.ANSWERS`), "none", or a list of names to run always ("auto"
+            among them adds the others). None runs where no check is raised. The report keeps standard
+            AutoAttack's figure (``robust_accuracy``), each adaptive attack's, and the lowest per point
+            (``reported_robust_accuracy``).
+        bpda: dotted names (``model.named_modules()``) of the parts of the model that mask its gradients (an input
+            quantisation, a non-differentiable step): BPDA attacks the model with them approximated (the identity's
+            gradient, or ``stand_ins[name]``'s), and the transfer attack a surrogate without them.
+        stand_ins: differentiable modules standing in for the ``bpda`` parts, by name.
+        surrogate: a model to transfer attacks from (default: the model without its ``bpda`` parts).
+        eot_draws: the forward passes over which EoT scores a randomized model's adversarial examples.
 
     The reference codes' calls work unchanged. fra31/auto-attack: ``AutoAttack(model, norm='Linf', eps=.3,
     seed=None, verbose=True, attacks_to_run=[], version='standard', is_tf_model=False, device='cuda',
@@ -334,6 +375,11 @@ class AutoAttack:
         fold_batchnorm: bool | None = None,
         attacks: list[str] | None = None,
         checks: bool = True,
+        adaptive: str | Sequence[str] = "auto",
+        bpda: Sequence[str] = (),
+        stand_ins: Mapping[str, nn.Module] | None = None,
+        surrogate: Callable[[Tensor], Tensor] | None = None,
+        eot_draws: int = 20,
     ):
         if norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
@@ -368,6 +414,9 @@ class AutoAttack:
         self.seed = int(time.time()) if seed is None else int(seed)
         self.verbose, self.log_path, self.is_tf_model = verbose, log_path, is_tf_model
         self.engine, self.precision, self.checks = engine, precision, checks
+        adaptive_plan((), adaptive, bool(bpda), True)  # a bad name is refused here, before any attack
+        self.adaptive, self.bpda, self.stand_ins = adaptive, tuple(bpda), dict(stand_ins or {})
+        self.surrogate, self.eot_draws = surrogate, eot_draws
         if device is None:
             parameter = next(iter(getattr(model, "parameters", lambda: iter(()))()), None)
             device = parameter.device if parameter is not None else "cpu"
@@ -451,10 +500,7 @@ class AutoAttack:
         log = self.log if self.verbose else None
         if log:
             log(f"using {self.version} version including {', '.join(self.attacks_to_run)}.")
-        report = self.evaluate(x, y, bs=bs, progress=log, state_path=state_path)
-        for check in report.checks:  # the reference warns of a raised check whatever its verbosity
-            if check.raised:
-                warnings.warn(f"AutoAttack check {check.name}: {check.advice}", stacklevel=2)
+        report = self.evaluate(x, y, bs=bs, progress=log, state_path=state_path)  # it warns of raised checks
         x_adv = report.x_adv
         assert x_adv is not None  # evaluate() reports the adversarial images
         if log:
@@ -517,6 +563,7 @@ class AutoAttack:
         progress_bar: bool = False,
         state_path: Path | str | None = None,
         stop: Callable[[], bool] | None = None,
+        checked_elsewhere: Sequence[Check] = (),
     ) -> AutoAttackReport:
         """Run the ensemble on ``x`` (N, C, H, W) in [0, 1] with labels ``y`` (N,), ``bs`` points at a time.
         ``progress`` receives fra31's verbose lines (the initial accuracy, per attack the points it broke and the
@@ -524,23 +571,27 @@ class AutoAttack:
         reference's resume file (:mod:`robust_lightning.attacks.evaluation_state`): the attacks already run are
         skipped, and the points they broke stay broken (their ``x_adv`` is the clean image, as in the
         reference; ``broken_by`` names the attack, or says "before the resume" for a reference's state file, which
-        does not record it). ``stop``: asked before each attack (a job's stop
-        signal); where it says so, :class:`EvaluationStopped` is raised, the attacks run so far kept in
-        ``state_path``."""
+        does not record it). ``stop``: asked before each attack and each adaptive attack (a job's stop signal);
+        where it says so, :class:`EvaluationStopped` is raised, the attacks run so far kept in ``state_path``.
+        ``checked_elsewhere``: checks of the model made outside this call (the evaluation callback's sanity
+        checks, or the checks of an earlier batch), which decide the adaptive attacks too.
+
+        The model is attacked in the mode it is given in, as the reference does: one in train mode (dropout, or
+        BatchNorm's batch statistics) is attacked so, with a warning."""
         if x.min() < 0 or x.max() > 1:
             raise ValueError("AutoAttack takes images in [0, 1]; normalisation belongs inside the model")
         self._check_settings()
-        was_training = getattr(self.model, "training", False)
-        if was_training:  # a module (a plain callable has no training mode)
-            cast(nn.Module, self.model).eval()
-        try:
-            state = None
-            if state_path is not None:
-                state = EvaluationState.open(state_path, self.attacks, len(x), self.norm, self.eps)
-            return self._evaluate(x.float(), y.long(), bs, progress, progress_bar, state, stop)
-        finally:
-            if was_training:
-                cast(nn.Module, self.model).train()
+        if getattr(self.model, "training", False):  # a module (a plain callable has no training mode)
+            warnings.warn(
+                "AutoAttack: the model is in train mode (dropout or BatchNorm's batch statistics on) and is attacked "
+                "as given, as the reference does: call model.eval() first, unless its randomness is part of the "
+                "defence (the check randomized then raises, and EoT answers it)",
+                stacklevel=2,
+            )
+        state = None
+        if state_path is not None:
+            state = EvaluationState.open(state_path, self.attacks, len(x), self.norm, self.eps)
+        return self._evaluate(x.float(), y.long(), bs, progress, progress_bar, state, stop, checked_elsewhere)
 
     @staticmethod
     def _batch_size(bs: int | None, batch_size: int | None) -> int:
@@ -562,8 +613,10 @@ class AutoAttack:
         progress_bar: bool,
         state: EvaluationState | None,
         stop: Callable[[], bool] | None = None,
+        checked_elsewhere: Sequence[Check] = (),
     ) -> AutoAttackReport:
         started = time.perf_counter()
+        self._zero_starts, self._starts = torch.zeros((), dtype=torch.long, device=self.device), 0
         stand_in, folded = self._stand_in() if self.engine == "fast" else (self.model, False)
         clean = self._correct(x, y, bs)
         robust = clean.clone()
@@ -574,6 +627,8 @@ class AutoAttack:
             progress(f"initial accuracy: {clean.float().mean().item():.2%}")
         if state is not None and state.resumed:
             robust = self._restored_flags(state, clean)
+            self._zero_starts += state.zero_gradient_starts[0]
+            self._starts = state.zero_gradient_starts[1]
             for i in (clean & ~robust).nonzero().flatten().tolist():
                 broken_by[i] = state.broken_by[i] if state.broken_by is not None else "before the resume"
             if progress is not None:
@@ -591,14 +646,18 @@ class AutoAttack:
             started = time.perf_counter()
             checks = self._checks_before_attacks(x[:bs], y[:bs], clean[:bs])
             seconds["checks"] = time.perf_counter() - started
+            self._warn_of(checks)  # before the attacks, as the reference does
+        attacks = self._attacks_the_classes_allow(x[:1])
         attacks_started = time.perf_counter()
         robust_after: dict[str, float] = {}
         refuted: dict[str, int] = {}
         bar = tqdm(self.attacks, desc="autoattack", unit="attack", leave=False, disable=not progress_bar)
         for attack in bar:
             bar.set_postfix_str(attack)
-            if state is not None and attack in state.run_attacks:
-                robust_after[attack] = state.robust_accuracy_after.get(attack, robust.float().mean().item())
+            if (state is not None and attack in state.run_attacks) or attack not in attacks:
+                robust_after[attack] = robust.float().mean().item()
+                if state is not None and attack in state.run_attacks:
+                    robust_after[attack] = state.robust_accuracy_after.get(attack, robust_after[attack])
                 continue
             if stop is not None and stop():
                 raise EvaluationStopped(f"stopped before {attack}; {len(robust_after)} attacks done")
@@ -629,6 +688,7 @@ class AutoAttack:
             seconds[attack] = time.perf_counter() - started
             if state is not None:
                 state.robust_flags, state.broken_by = robust.tolist(), list(broken_by)
+                state.zero_gradient_starts = (int(self._zero_starts), self._starts)
                 state.run_attacks.append(attack)
                 state.robust_accuracy_after[attack] = robust_after[attack]
                 state.save()
@@ -637,8 +697,24 @@ class AutoAttack:
                     f"robust accuracy after {attack.upper()}: {robust_after[attack]:.2%} "
                     f"(total time {time.perf_counter() - attacks_started:.1f} s)"
                 )
+        after: list[Check] = []
         if self.checks:
-            checks.append(reference_checks.square_sr({"clean": clean.float().mean().item(), **robust_after}))
+            after.append(reference_checks.square_sr({"clean": clean.float().mean().item(), **robust_after}))
+        if self._starts:  # free: the DLR attacks' own start gradients, so made on every batch
+            after.append(reference_checks.zero_gradient_starts(int(self._zero_starts), self._starts))
+        self._warn_of(after)
+        checks += after
+        raised = {check.name for check in [*checks, *checked_elsewhere] if check.raised}
+        can_transfer = self.surrogate is not None or bool(self.bpda)
+        plan, notes = adaptive_plan(raised, self.adaptive, bool(self.bpda), can_transfer)
+        adaptive = {}
+        for name in plan:
+            if stop is not None and stop():
+                raise EvaluationStopped(f"stopped before the adaptive attack {name}")
+            adaptive[name] = self._adaptive_attack(name, x, y, bs)
+            seconds[f"adaptive_{name}"] = adaptive[name].seconds  # apart from a standard attack of the same name
+            if progress is not None:
+                progress(f"{name} (adaptive): robust accuracy {adaptive[name].robust.mean().item():.2%}")
         return AutoAttackReport(
             norm=self.norm,
             eps=self.eps,
@@ -657,7 +733,65 @@ class AutoAttack:
             seconds=seconds,
             x_adv=x_adv,
             checks=checks,
+            adaptive=adaptive,
+            adaptive_notes=notes,
         )
+
+    def _warn_of(self, checks: list[Check]) -> None:
+        """A raised check as the reference says it: a line of the log where ``log_path`` is set, else a warning."""
+        for check in checks:
+            if not check.raised:
+                continue
+            if self.log_path is not None:
+                self.log(f"Warning: AutoAttack check {check.name}: {check.advice}")
+            else:
+                warnings.warn(f"AutoAttack check {check.name}: {check.advice}", stacklevel=4)
+
+    def _attacks_the_classes_allow(self, x: Tensor) -> tuple[str, ...]:
+        """The attacks to run: those of the version that the model's class count allows. The DLR loss needs 3
+        classes and its targeted form 4; with fewer the attacks that use them are left out, with a warning (the
+        reference runs them and fails), and a targeted attack aims at no more targets than there are other
+        classes."""
+        with numerics("fp32", self.device):
+            classes = self._logits(self.model, x.to(self.device)).shape[1]
+        needs = {"apgd-dlr": 3, "apgd-t": 4}
+        left_out = [attack for attack in self.attacks if classes < needs.get(attack, 0)]
+        if left_out:
+            warnings.warn(
+                f"AutoAttack: the model has {classes} classes, too few for {', '.join(left_out)} (the DLR loss needs "
+                "3 classes and its targeted form 4): left out, the others run",
+                stacklevel=4,
+            )
+        self.apgd_targeted.n_target_classes = min(self.apgd_targeted.n_target_classes, max(classes - 1, 1))
+        self.fab.n_target_classes = min(self.fab.n_target_classes, max(classes - 1, 1))
+        return tuple(attack for attack in self.attacks if attack not in left_out)
+
+    def _adaptive_attack(self, name: str, x: Tensor, y: Tensor, bs: int) -> AdaptiveResult:
+        """One adaptive attack (robust_lightning.attacks.adaptive) on every point, with this evaluation's budgets,
+        on the model as given."""
+        model = cast(nn.Module, self.model)
+        x, y = x.to(self.device), y.to(self.device)
+        norm, eps, seed, n_iter = self.norm, self.eps, self.seed, self.apgd.n_iter
+        targets = self.apgd_targeted.n_target_classes
+        with numerics("fp32", self.device):
+            if name == "bpda":
+                return bpda_attack(
+                    model, x, y, parts=self.bpda, stand_ins=self.stand_ins, norm=norm, eps=eps, n_iter=n_iter,
+                    n_target_classes=targets, seed=seed, bs=bs,
+                )  # fmt: skip
+            if name == "transfer":
+                surrogate = self.surrogate or without_parts(model, self.bpda, self.stand_ins)
+                return transfer_attack(
+                    model, surrogate, x, y, norm=norm, eps=eps, n_iter=n_iter, n_target_classes=targets, seed=seed,
+                    bs=bs,
+                )  # fmt: skip
+            if name == "eot":
+                return eot_attack(
+                    model, x, y, norm=norm, eps=eps, draws=self.eot_draws, n_iter=n_iter, seed=seed, bs=bs
+                )
+            return square_from_scratch(
+                model, x, y, norm=norm, eps=eps, n_queries=self.square.n_queries, seed=seed, bs=bs
+            )
 
     @staticmethod
     def _restored_flags(state: EvaluationState, clean: Tensor) -> Tensor:
@@ -675,10 +809,11 @@ class AutoAttack:
 
     def _checks_before_attacks(self, x: Tensor, y: Tensor, clean: Tensor) -> list[Check]:
         """The reference's checks on the first batch, before the attacks (fra31/auto-attack's
-        ``run_standard_evaluation``), on the model as given in fp32. zero_gradients is computed as the reference
-        does inside APGD for the DLR losses: on the points the attack gets (those ``clean``ly classified), at
-        APGD's random start, with the DLR loss of the first DLR attack (APGD-T: towards the highest other class);
-        it is not run where no DLR attack is."""
+        ``run_standard_evaluation``), on the model as given in fp32. The fast engine's DLR attacks count zero
+        gradients at every start, as the reference does inside APGD, on every batch. For the reference engine
+        zero_gradients is computed here as the reference does it: on the points the attack gets (those
+        ``clean``ly classified), at APGD's random start, with the DLR loss of the first DLR attack (APGD-T:
+        towards the highest other class); it is not run where no DLR attack is."""
         x, y = x.to(self.device), y.to(self.device)
         with numerics("fp32", self.device):
             output_range = reference_checks.range_output(self.model, x)
@@ -694,7 +829,8 @@ class AutoAttack:
             ]
             dlr = [attack for attack in self.attacks if attack in ("apgd-t", "apgd-dlr")]
             x, y = x[clean.to(x.device)], y[clean.to(x.device)]
-            if dlr and num_classes > 3 and len(x):
+            # the fast engine's DLR attacks count zero gradients at each of their starts (_count_zero_gradients)
+            if self.engine == "reference" and dlr and num_classes > 3 and len(x):
                 generator = torch.Generator(x.device).manual_seed(self.seed or 0)
                 start = random_start_point(x, self.norm, self.eps, generator).clamp(0, 1)
                 if dlr[0] == "apgd-t":
@@ -791,6 +927,7 @@ class AutoAttack:
                 exit_broken=points,
                 **kwargs,
             )
+            self._count_zero_gradients(result, kwargs.get("loss"))
             return result.x_adv, result.robust
         stages = [math.ceil(0.3 * n_iter), math.ceil(0.3 * n_iter)]
         stages.append(n_iter - sum(stages))
@@ -810,8 +947,16 @@ class AutoAttack:
                 exit_broken=points if factor == 1 else None,
                 **kwargs,
             )
+            if factor == 3:  # the run's start
+                self._count_zero_gradients(result, kwargs.get("loss"))
             start = result.x_best
         return result.x_adv, result.robust
+
+    def _count_zero_gradients(self, result: Any, loss: str | None) -> None:
+        """The reference's zero_gradients at an APGD start of a DLR attack, summed on the device (no read back)."""
+        if loss in ("dlr", "dlr-targeted") and result.zero_gradient is not None:
+            self._zero_starts = self._zero_starts + result.zero_gradient.sum()
+            self._starts += len(result.zero_gradient)
 
     def _apgd_ce(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
         return self._apgd_untargeted(model, x, y, bs, "ce")
@@ -914,7 +1059,11 @@ class AutoAttack:
             raise RuntimeError(
                 "engine='reference' needs the pyautoattack package (pip install pyautoattack==0.2.0)"
             ) from e
+        import pyautoattack.checks
         from pyautoattack.autopgd_base import APGDAttack, APGDAttack_targeted
+
+        # its APGD warns of zero gradients "See flags_doc.md", a file of the reference's repository
+        pyautoattack.checks.checks_doc_path = f"robust-lightning's {reference_checks.DOCS}"
 
         reference = ReferenceAutoAttack(
             self.model, norm=self.norm, eps=self.eps, version="standard", seed=self.seed, device=self.device

@@ -3,8 +3,9 @@
 fra31/auto-attack and pyautoattack 0.2.0 (``pyautoattack/state.py``) keep, in a JSON file, which attacks have run
 and which points are still robust; a second call with the same file runs only the attacks left, on the points
 left. The file here holds the same, plus what makes a resume safe: the threat model and the number of points, which
-must match, and the robust accuracy after each attack and the attack that broke each point, so that the report of a
-resumed run is complete. The file is
+must match, the robust accuracy after each attack and the attack that broke each point, so that the report of a
+resumed run is complete, and the count of zero gradients at the attacks' starts, so that the check made after the
+attacks (and the adaptive attacks it calls for) sees the attacks run before the resume. The file is
 replaced atomically after the clean pass and after each attack. An attack stopped half-way is run again from its
 start on the points still robust.
 
@@ -37,6 +38,9 @@ class EvaluationState:
     clean_accuracy: float | None = None
     robust_accuracy_after: dict[str, float] = field(default_factory=dict)
     broken_by: list[str | None] | None = None  # per point, the attack that broke it (not in the reference's files)
+    # the DLR attacks' starts so far and how many had a zero gradient (the check zero_gradients, made after the
+    # attacks, must count the attacks run before a resume too); not in the reference's files
+    zero_gradient_starts: tuple[int, int] = (0, 0)
 
     @classmethod
     def open(cls, path: Path | str, attacks: tuple[str, ...], num_points: int, norm: str, eps: float) -> Self:
@@ -78,6 +82,7 @@ class EvaluationState:
                 saved["clean_accuracy"],
                 saved["robust_accuracy_after"],
                 saved.get("broken_by"),  # files written before it was kept have none
+                tuple(saved.get("zero_gradient_starts", (0, 0))),
             )
         if "_attacks_to_run" in saved and "_robust_flags" in saved:  # fra31 / pyautoattack
             attacks = saved["_attacks_to_run"]

@@ -16,6 +16,7 @@ ends with other weights (trained for more epochs) evaluates them afresh beside t
 which are kept, never mixed in, and do not stop the run at its end.
 """
 
+import difflib
 import hashlib
 import json
 import time
@@ -29,6 +30,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from robust_lightning.atomic import atomic_write_json
 from robust_lightning.attacks import checks as reference_checks
+from robust_lightning.attacks.checks import Check, adaptive_plan
 from robust_lightning.attacks.ensemble import (
     ENGINES,
     L1_MIN_ITER,
@@ -51,6 +53,7 @@ from robust_lightning.evaluation.base import (
     data_image_size,
     evaluating,
     evaluation_source,
+    gather_objects,
     outcomes_parent,
     sum_over_ranks,
 )
@@ -62,6 +65,7 @@ from robust_lightning.evaluation.outcomes import (
 )
 from robust_lightning.evaluation.results import weights_sha256
 from robust_lightning.job_signals import stop_requested
+from robust_lightning.models.weights import load_model
 
 
 @dataclass(frozen=True)
@@ -79,12 +83,26 @@ class ThreatModel:
 DEFAULT_THREAT_MODELS = ({"norm": "Linf", "eps": 4 / 255}, {"norm": "L2", "eps": 2.0}, {"norm": "L1", "eps": 75.0})
 
 
+def summary_line(name: str, section: dict[str, Any]) -> str:
+    """One threat model's figures for the console: standard AutoAttack's, and where adaptive attacks ran, the
+    lowest per image beside each of theirs."""
+    line = (
+        f"AutoAttack {name}: clean {section['clean_accuracy']:.2%}, robust {section['robust_accuracy']:.2%} "
+        f"on {section['num_points']} images"
+    )
+    if "adaptive" in section:
+        each = ", ".join(f"{name} {figures['robust_accuracy']:.2%}" for name, figures in section["adaptive"].items())
+        line += f"; reported {section['reported_robust_accuracy']:.2%}, the lowest per image with {each}"
+    return line
+
+
 def batch_state_name(rank: int, keys: list[str]) -> str:
     """The state file of the AutoAttack run on one batch of a rank (its images' keys, in order), kept while the
     batch is attacked (``AutoAttack.evaluate(state_path=...)``)."""
     return f".rank{rank}-{hashlib.sha256(json.dumps(keys).encode()).hexdigest()[:16]}.state.json"
 
 
+SQUARE_QUERIES = 5000  # AutoAttack's Square budget (the standard version's)
 MISSING_KEYS_LISTED = 20  # results.json names at most this many images that were not evaluated
 CHECKS_FILE = "checks.json"  # in a threat model's outcome folder: the checks of the model (its first batch)
 WEIGHTS_HASH_PREFIX = 16  # hex digits of the weights' sha256 naming a fit's outcome folder (the manifest has all)
@@ -139,6 +157,21 @@ class AutoAttackEvaluation(Evaluation):
             model's ``checks``, and a raised one is warned of.
         sanity_points: run the sanity checks of Carlini et al. (:mod:`robust_lightning.attacks.sanity`) on this
             many points of the first batch attacked, recorded beside the reference's checks; 0: not run.
+        adaptive: the adaptive attacks run on every point after standard AutoAttack (see
+            :class:`~robust_lightning.attacks.AutoAttack`): "auto" those the checks raised on the first batch call
+            for, "none", or a list of names ("bpda", "transfer", "square", "eot") to run always. results.json keeps
+            standard AutoAttack's robust accuracy (the leaderboard's figure), each adaptive attack's, which images it
+            broke, and the lowest per image (``reported_robust_accuracy``).
+        bpda: the dotted names of the model's parts that mask its gradients (names of the model's own
+            ``named_modules()``: its timm network's, or those of the module given to ``robust_lightning.evaluate``),
+            which BPDA approximates by the identity's gradient and the transfer attack takes out of the model.
+        surrogate: a checkpoint of the model to transfer attacks from (default: the model without its ``bpda``
+            parts); from Python, also a module.
+        eot_draws: the forward passes over which EoT scores a randomized model's adversarial examples.
+        stand_ins: from Python, differentiable modules standing in for the ``bpda`` parts in BPDA's backward pass,
+            by name (default: the identity).
+        n_queries: Square's query budget, in the ensemble and from scratch (default: AutoAttack's 5000); with
+            ``n_iter``, a smaller budget for a quick look, recorded in results.json.
     """
 
     name = "autoattack"
@@ -159,7 +192,26 @@ class AutoAttackEvaluation(Evaluation):
         results_dir: str | None = None,
         checks: bool = True,
         sanity_points: int = 200,
+        adaptive: str | list[str] = "auto",
+        bpda: list[str] | None = None,
+        surrogate: Any = None,
+        eot_draws: int = 20,
+        stand_ins: dict[str, Any] | None = None,
+        n_queries: int | None = None,
     ):
+        if n_queries is not None and n_queries < 1:
+            raise UserError(f"AutoAttackEvaluation.n_queries must be at least 1, got {n_queries}")
+        self.n_queries = n_queries
+        try:
+            adaptive_plan((), adaptive, bool(bpda), True)
+        except ValueError as e:
+            raise UserError(f"AutoAttackEvaluation.{e}") from None
+        self.adaptive, self.bpda, self.eot_draws = adaptive, list(bpda or []), eot_draws
+        self.stand_ins: dict[str, torch.nn.Module] = dict(stand_ins or {})
+        given = isinstance(surrogate, torch.nn.Module)  # from Python; a config names a checkpoint
+        self.surrogate: str | None = None if given or surrogate is None else str(surrogate)
+        self._surrogate_model: torch.nn.Module | None = surrogate if given else None
+        self.adaptive_notes: dict[str, dict[str, str]] = {}  # per threat model: why an adaptive attack did not run
         for name, value, allowed in (
             ("version", version, tuple(VERSIONS)),
             ("engine", engine, ENGINES),
@@ -225,6 +277,12 @@ class AutoAttackEvaluation(Evaluation):
             "precision": self.precision,
             "seed": self.seed,
             "n_iter": self.n_iter,
+            # only where not the default, so that manifests written before the adaptive attacks still resume
+            **({"adaptive": self.adaptive} if self.adaptive != "auto" else {}),
+            **({"bpda": self.bpda} if self.bpda else {}),
+            **({"surrogate": self.surrogate} if self.surrogate else {}),
+            **({"eot_draws": self.eot_draws} if self.eot_draws != 20 else {}),
+            **({"n_queries": self.n_queries} if self.n_queries is not None else {}),
         }
 
     def on_test_start(self, trainer, pl_module) -> None:
@@ -304,6 +362,11 @@ class AutoAttackEvaluation(Evaluation):
             if stop_requested():  # SIGTERM or SLURM's requeue: the batch boundary stops the evaluation
                 return
             first = not self.model_checks[threat.name]  # no checks of the model yet: this batch gets them
+            index = torch.tensor(todo, device=images.device)
+            # the first batch's sanity checks come before its attacks, whose adaptive part they help decide; a later
+            # batch's adaptive attacks are those the first batch's checks called for
+            sane = self._sanity_checks(trainer, pl_module, threat, images[index], labels[index]) if first else []
+            earlier = [Check(name, **record) for name, record in self.model_checks[threat.name].items()]
             adversary = AutoAttack(
                 self.network(pl_module),
                 norm=threat.norm,
@@ -314,11 +377,16 @@ class AutoAttackEvaluation(Evaluation):
                 device=pl_module.device,
                 precision=self.precision,
                 n_iter=self.n_iter,
+                n_queries=self.n_queries or SQUARE_QUERIES,
                 channels_last=self.channels_last,
                 fold_batchnorm=self.fold_batchnorm,
                 checks=self.checks and first,
+                adaptive=self.adaptive,
+                bpda=self._bpda_parts(pl_module),
+                stand_ins={f"{self._net_prefix(pl_module)}{name}": module for name, module in self.stand_ins.items()},
+                surrogate=self._surrogate(pl_module),
+                eot_draws=self.eot_draws,
             )
-            index = torch.tensor(todo, device=images.device)
             # the attacks finished on this batch, kept should a signal stop it before its last (as the reference's
             # state_path keeps them): the same batch after a resume runs only the attacks left
             state = self._directory(threat) / batch_state_name(trainer.global_rank, [keys[i] for i in todo])
@@ -331,6 +399,7 @@ class AutoAttackEvaluation(Evaluation):
                         progress_bar=trainer.is_global_zero,
                         state_path=state,
                         stop=stop_requested,
+                        checked_elsewhere=[*sane, *earlier],
                     )
                 except EvaluationStopped:
                     return
@@ -342,36 +411,96 @@ class AutoAttackEvaluation(Evaluation):
                 "broken_by": report.broken_by,
                 "seconds": report.seconds,
             }
+            if report.adaptive:  # each adaptive attack's figure per point, and the lowest of them all
+                record["adaptive"] = {name: result.robust.tolist() for name, result in report.adaptive.items()}
+                record["reported"] = report.reported.tolist()
+            if report.adaptive_notes:
+                self.adaptive_notes[threat.name] = dict(report.adaptive_notes)
             append_record(self._directory(threat) / f"rank{trainer.global_rank}.jsonl", record)
             state.unlink(missing_ok=True)
             self.done[threat.name].update(record["key"])
             if first and (self.checks or self.sanity_points):
-                self._check_model(trainer, pl_module, threat, report, images[index], labels[index])
+                self._record_checks(trainer, threat, report, sane)
+            elif any(
+                c.raised and not self.model_checks[threat.name].get(c.name, {}).get("raised") for c in report.checks
+            ):
+                # a check made on every batch (zero_gradients) raised here: the batches after this one run the
+                # adaptive attacks it calls for too
+                self._record_checks(trainer, threat, report, [], keep=self.model_checks[threat.name])
             for totals, counts in ((self.seconds, report.seconds), (self.refuted, report.refuted)):
                 for attack, value in counts.items():
                     totals[threat.name][attack] = totals[threat.name].get(attack, 0) + value
 
-    def _check_model(self, trainer, pl_module, threat: ThreatModel, report, images, labels) -> None:
-        """The checks of the model on the first batch attacked: the reference's, which the AutoAttack run made,
-        and the sanity checks. Each rank checks its first batch once; rank zero's are the evaluation's."""
-        found = {name: check for name, check in report.summary()["checks"].items() if name != "square_sr"}
-        if self.sanity_points:
-            started = time.perf_counter()
-            with torch.enable_grad():
-                sane = sanity_checks(
-                    self.network(pl_module),
-                    images[: self.sanity_points].float(),
-                    labels[: self.sanity_points],
-                    threat.norm,
-                    threat.eps,
-                    seed=self.seed,
+    def _net_prefix(self, pl_module) -> str:
+        """Where the user's network sits in the network evaluated: a classifier keeps it as ``net`` behind its
+        input normaliser, and ``bpda`` names the user's own modules."""
+        return "net." if isinstance(getattr(self.network(pl_module), "net", None), torch.nn.Module) else ""
+
+    def _bpda_parts(self, pl_module) -> list[str]:
+        """``bpda``'s names within the network evaluated, each checked: a name that is not a module of the user's
+        network is refused with the names closest to it."""
+        prefix = self._net_prefix(pl_module)
+        modules = {name for name, _ in self.network(pl_module).named_modules()}
+        for name in self.bpda:
+            if prefix + name not in modules:
+                mine = sorted(n.removeprefix(prefix) for n in modules if n.startswith(prefix))
+                close = difflib.get_close_matches(name, mine, n=3)
+                raise UserError(
+                    f"AutoAttackEvaluation.bpda: {name!r} is not a module of the model (a dotted name of its "
+                    "named_modules())" + (f"; did you mean {', '.join(close)}?" if close else "")
                 )
-            found |= {check.name: check.record() for check in sane}
-            spent = self.seconds[threat.name]
-            spent["sanity_checks"] = spent.get("sanity_checks", 0.0) + time.perf_counter() - started
+        return [prefix + name for name in self.bpda]
+
+    def _raised(self, threat: ThreatModel, check: str) -> bool:
+        return bool(self.model_checks[threat.name].get(check, {}).get("raised"))
+
+    def _sanity_checks(self, trainer, pl_module, threat: ThreatModel, images, labels) -> list[Check]:
+        """The sanity checks of Carlini et al. on the first ``sanity_points`` evaluation images: those of the first
+        batch attacked, and in one process, where that batch is smaller, the evaluation's first images read
+        again (under DDP each rank takes what its first batch holds: another read would be a collective that a
+        rank whose batch suffices would not join)."""
+        if not self.sanity_points:
+            return []
+        if len(images) < self.sanity_points and trainer.world_size == 1:
+            parts = list(self.eval_batches(trainer, pl_module, limit=self.sanity_points))
+            images, labels = torch.cat([b["image"] for b in parts]), torch.cat([b["label"] for b in parts])
+        started = time.perf_counter()
+        with torch.enable_grad():
+            sane = sanity_checks(
+                self.network(pl_module),
+                images[: self.sanity_points].float(),
+                labels[: self.sanity_points],
+                threat.norm,
+                threat.eps,
+                seed=self.seed,
+            )
+        spent = self.seconds[threat.name]
+        spent["sanity_checks"] = spent.get("sanity_checks", 0.0) + time.perf_counter() - started
+        return sane
+
+    def _record_checks(
+        self, trainer, threat: ThreatModel, report, sane: list[Check], keep: dict[str, Any] | None = None
+    ) -> None:
+        """The checks of the model on the first batch attacked: the reference's, which the AutoAttack run made,
+        and the sanity checks; later, a check made on every batch where it is first raised (over ``keep``, the
+        checks so far). Each rank checks its own batches; rank zero's are the evaluation's."""
+        found = dict(keep or {})
+        found |= {
+            name: check
+            for name, check in report.summary()["checks"].items()
+            if name != "square_sr" and (keep is None or check["raised"])
+        }
+        found |= {check.name: check.record() for check in sane}
         self.model_checks[threat.name] = found
         if trainer.is_global_zero:
             atomic_write_json(self._directory(threat) / CHECKS_FILE, found)
+
+    def _surrogate(self, pl_module) -> torch.nn.Module | None:
+        """The model a transfer attack starts from (``surrogate``: a checkpoint), loaded once; None: the model
+        without its ``bpda`` parts."""
+        if self._surrogate_model is None and self.surrogate is not None:
+            self._surrogate_model = load_model(checkpoint=self.surrogate).eval()
+        return self._surrogate_model.to(pl_module.device) if self._surrogate_model is not None else None
 
     # -------------------------------------------------------------------------------------------- end
     def on_test_epoch_end(self, trainer, pl_module) -> None:
@@ -407,10 +536,15 @@ class AutoAttackEvaluation(Evaluation):
                 if self.checks:
                     robust_after = {"clean": summary["clean_accuracy"], **summary["robust_accuracy_after"]}
                     summary["checks"]["square_sr"] = reference_checks.square_sr(robust_after).record()
+            notes = gather_objects(self.adaptive_notes.get(threat.name, {}))
+            if any(notes):  # adaptive attacks the checks called for that could not run, and why
+                summary["adaptive_not_run"] = {name: note for part in notes for name, note in part.items()}
             sections[threat.name] = {"norm": threat.norm, "eps": threat.eps, **summary}
             if summary["num_points"]:
                 metrics[f"autoattack/{threat.name}/clean_acc"] = summary["clean_accuracy"]
                 metrics[f"autoattack/{threat.name}/robust_acc"] = summary["robust_accuracy"]
+                if "reported_robust_accuracy" in summary:
+                    metrics[f"autoattack/{threat.name}/reported_robust_acc"] = summary["reported_robust_accuracy"]
                 rows.append(
                     [
                         threat.name,
@@ -429,34 +563,33 @@ class AutoAttackEvaluation(Evaluation):
             "batchnorm_folded": folds_batchnorm(self.engine, self.fold_batchnorm)
             and folded_batchnorm(self.network(pl_module)) is not None,
             "seed": self.seed,
+            # the budget where not the version's own (a quick look): iterations, Square's queries
+            "budget": {"n_iter": self.n_iter, "n_queries": self.n_queries},
+            "adaptive": {"adaptive": self.adaptive, "bpda": self.bpda, "surrogate": self.surrogate},
             "weights": self.weights,
             "weights_sha256": self.weights_hash,
             "attacks": list(VERSIONS[self.version]),
             "results_dir": str(self.results_dir.resolve()),
         }
-        lines = [
-            f"AutoAttack {name}: clean {section['clean_accuracy']:.2%}, robust {section['robust_accuracy']:.2%} "
-            f"on {section['num_points']} images"
-            for name, section in sections.items()
-            if section["num_points"]
-        ]
-        columns = ["threat_model", "images", "clean", "robust", *VERSIONS[self.version]]
-        published = self.publish(
-            trainer,
-            {"threat_models": sections, "conditions": conditions},
-            metrics,
-            tables={"summary": (columns, rows)},
-            message=lines,
-        )
-        if published is None:  # not global rank zero
-            return
-        for name, section in sections.items():
+        # the caveats first, then the numbers they qualify
+        for name, section in sections.items() if trainer.is_global_zero else ():
             for check, found in section.get("checks", {}).items():
                 if found["raised"]:
                     rank_zero_warn(f"AutoAttack {name}: the check {check} was raised: {found['advice']}")
+            for attack, note in section.get("adaptive_not_run", {}).items():
+                rank_zero_warn(f"AutoAttack {name}: the adaptive attack {attack} did not run: it {note}")
             if section.get("images_not_evaluated"):
                 rank_zero_warn(
                     f"AutoAttack {name}: {section['images_not_evaluated']} of the {expected} evaluation "
                     f"images were not evaluated (missing from the data, unreadable, or cut short by a "
                     f"limit); results.json lists them under keys_not_evaluated where known"
                 )
+        lines = [summary_line(name, section) for name, section in sections.items() if section["num_points"]]
+        columns = ["threat_model", "images", "clean", "robust", *VERSIONS[self.version]]
+        self.publish(
+            trainer,
+            {"threat_models": sections, "conditions": conditions},
+            metrics,
+            tables={"summary": (columns, rows)},
+            message=lines,
+        )

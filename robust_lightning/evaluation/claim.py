@@ -5,8 +5,13 @@ RobustBench's ImageNet Linf leaderboard evaluates standard AutoAttack at eps 4/2
 only for an evaluation that was exactly that; anything else is refused with every difference named. The JSON
 has the fields of RobustBench's ``ModelInfo`` (robustbench/utils.py), accuracies as percent strings rounded to
 two decimals as its ``update_json`` writes them; the fields only the authors know (link, name, authors, venue,
-additional_data, reported) are left null to be filled in by hand. ``unreliable`` is true where a check of the
-reference AutoAttack was raised (results.json's ``checks``).
+additional_data, reported) are left null to be filled in by hand. ``autoattack_acc`` is standard AutoAttack's
+figure, the leaderboard's, whatever else ran. ``unreliable`` is true where a check of the reference AutoAttack was
+raised (results.json's ``checks``), or where an adaptive attack broke images that standard AutoAttack had not: its
+figure does not hold then. The adaptive attacks' figures and the lowest per image go into the footnote, since
+RobustBench's ``ModelInfo`` takes no field beside its own. The sanity checks of Carlini et al. that were raised
+are named in the footnote under their own name; they set nothing (they ask for adaptive attacks, which the
+evaluation ran where it could).
 """
 
 import json
@@ -17,6 +22,7 @@ from typing import Any
 
 from robust_lightning.argument_parsing import run_tool
 from robust_lightning.atomic import atomic_write_json
+from robust_lightning.attacks.checks import REFERENCE_CHECKS
 from robust_lightning.errors import UserError
 
 EPS = 4 / 255
@@ -97,6 +103,9 @@ def claim(results: str, *, model_name: str, architecture: str | None = None, out
     conditions = content["autoattack"]["conditions"]
     model = (content.get("test") or content.get("fit") or {}).get("conditions", {}).get("model") or {}
     raised = [check for check, found in linf.get("checks", {}).items() if found.get("raised")]
+    reference = [check for check in raised if check in REFERENCE_CHECKS]
+    sanity = [check for check in raised if check not in REFERENCE_CHECKS]
+    reported = linf.get("reported_robust_accuracy", linf["robust_accuracy"])
     info: dict[str, Any] = {field: None for field in MANUAL_FIELDS} | {
         "number_forward_passes": 1,
         "dataset": "imagenet",
@@ -107,21 +116,32 @@ def claim(results: str, *, model_name: str, architecture: str | None = None, out
         "footnote": f"Evaluated with robust-lightning: standard AutoAttack ({conditions.get('engine')} engine, "
         f"{conditions.get('precision')}, seed {conditions.get('seed')}) on RobustBench's {IMAGES} ImageNet "
         f"val images, {PREPROCESSING}; weights sha256 {conditions.get('weights_sha256')}.",
-        # RobustBench's flag for an evaluation known not to hold: a check of the reference AutoAttack was raised
-        "unreliable": bool(raised),
+        # RobustBench's flag for an evaluation known not to hold: a check of the reference AutoAttack was raised,
+        # or an adaptive attack broke images that standard AutoAttack had not
+        "unreliable": bool(reference) or reported < linf["robust_accuracy"],
     }
-    if raised:
-        info["footnote"] += f" AutoAttack's checks raised: {', '.join(raised)}."
+    if linf.get("adaptive"):  # in the footnote: RobustBench's ModelInfo takes no other field
+        each = ", ".join(f"{name} {_percent(f['robust_accuracy'])} %" for name, f in linf["adaptive"].items())
+        info["footnote"] += f" Adaptive attacks: {each}; the lowest per image leaves {_percent(reported)} % robust."
+    if reference:
+        info["footnote"] += f" The reference AutoAttack's checks raised: {', '.join(reference)}."
+    if sanity:
+        info["footnote"] += f" The sanity checks of Carlini et al. raised: {', '.join(sanity)}."
     target = Path(out) if out else Path("model_info") / "imagenet" / "Linf" / f"{model_name}.json"
     atomic_write_json(target, info)
     print(
         f"wrote {target}: clean {info['clean_acc']} %, AutoAttack {info['autoattack_acc']} % (Linf 4/255, "
         f"{IMAGES} images); fill in by hand: {', '.join(MANUAL_FIELDS)}"
     )
-    if raised:
+    if reference:
         print(
-            f"the reference AutoAttack's checks {', '.join(raised)} were raised: standard AutoAttack may not evaluate "
-            "this model, so the claim is marked unreliable (results.json names what to run instead)"
+            f"the reference AutoAttack's checks {', '.join(reference)} were raised: standard AutoAttack may not "
+            "evaluate this model, so the claim is marked unreliable (results.json names what to run instead)"
+        )
+    if reported < linf["robust_accuracy"]:
+        print(
+            f"adaptive attacks broke images that standard AutoAttack had not ({_percent(reported)} % left): the "
+            "claim is marked unreliable"
         )
     return 0
 

@@ -32,15 +32,16 @@ def read_outcomes(directory: Path) -> dict[str, dict[str, Any]]:
             except json.JSONDecodeError:  # a line cut short by a kill: its batch is simply redone
                 continue
             for i, key in enumerate(batch["key"]):
-                outcomes.setdefault(
-                    key,
-                    {
-                        "label": batch["label"][i],
-                        "clean": batch["clean"][i],
-                        "robust": batch["robust"][i],
-                        "broken_by": batch["broken_by"][i],
-                    },
-                )
+                outcome = {
+                    "label": batch["label"][i],
+                    "clean": batch["clean"][i],
+                    "robust": batch["robust"][i],
+                    "broken_by": batch["broken_by"][i],
+                }
+                if "adaptive" in batch:  # AutoAttack's adaptive attacks, where the checks called for them
+                    outcome["adaptive"] = {name: values[i] for name, values in batch["adaptive"].items()}
+                    outcome["reported"] = batch["reported"][i]
+                outcomes.setdefault(key, outcome)
     return outcomes
 
 
@@ -89,8 +90,13 @@ def claim_directory(
         atomic_write_json(manifest, identity, default=str)
 
 
+ADAPTIVE_KEYS_LISTED = 100  # the images an adaptive attack broke that standard AutoAttack had not, named at most
+
+
 def summarise(outcomes: dict[str, dict[str, Any]], attacks: tuple[str, ...]) -> dict[str, Any]:
-    """Clean and robust accuracy, and robust accuracy after each attack, from per-image outcomes."""
+    """Clean and robust accuracy, and robust accuracy after each attack, from per-image outcomes; where adaptive
+    attacks ran, each one's robust accuracy, the images it broke that standard AutoAttack had not, and the lowest
+    figure per image (``reported_robust_accuracy``)."""
     n = len(outcomes)
     if n == 0:
         return {"num_points": 0}
@@ -99,12 +105,28 @@ def summarise(outcomes: dict[str, dict[str, Any]], attacks: tuple[str, ...]) -> 
     for attack in attacks:
         survivors -= broken.count(attack)
         after[attack] = survivors / n
-    return {
+    robust = sum(o["robust"] for o in outcomes.values()) / n
+    summary = {
         "num_points": n,
         "clean_accuracy": sum(o["clean"] for o in outcomes.values()) / n,
-        "robust_accuracy": sum(o["robust"] for o in outcomes.values()) / n,
+        "robust_accuracy": robust,
         "robust_accuracy_after": after,
     }
+    names = sorted({name for o in outcomes.values() for name in o.get("adaptive", {})})
+    if names:
+        adaptive = {}
+        for name in names:
+            figures = {key: o["adaptive"][name] for key, o in outcomes.items() if name in o.get("adaptive", {})}
+            newly = sorted(key for key, value in figures.items() if outcomes[key]["robust"] and value < 1)
+            adaptive[name] = {
+                "robust_accuracy": sum(figures.values()) / len(figures),
+                "num_points": len(figures),
+                "broke_beyond_autoattack": len(newly),
+                "keys_broken_beyond_autoattack": newly[:ADAPTIVE_KEYS_LISTED],
+            }
+        summary["adaptive"] = adaptive
+        summary["reported_robust_accuracy"] = sum(o.get("reported", o["robust"]) for o in outcomes.values()) / n
+    return summary
 
 
 def cell_seconds(directory: Path) -> float:
