@@ -101,8 +101,10 @@ def test_render_card_lays_out_our_numbers_beside_the_papers():
         "dynamic": {"raised": False, "figures": {}, "advice": ""},
     }
     lines = render_card(header, {}, results, [], []).splitlines()
-    heading = lines.index("## AutoAttack's checks raised: the robust accuracy below may not hold")
-    assert lines[heading + 2] == "- Linf-4_255: `randomized`: use version='rand'" and "dynamic" not in "".join(lines)
+    heading = lines.index("## Checks raised: standard AutoAttack's robust accuracy below may not hold")
+    assert lines[
+        heading + 2
+    ] == "- Linf-4_255: `randomized` (the reference AutoAttack): use version='rand'" and "dynamic" not in "".join(lines)
     assert heading < next(i for i, line in enumerate(lines) if line.startswith("## Adversarial robustness"))
 
 

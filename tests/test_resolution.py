@@ -244,17 +244,25 @@ def test_clean_accuracy_and_preprocessing_at_each_resolution(tmp_path, tree, cnn
 
 
 def test_vit_sweep_leaves_the_model_as_it_found_it(tmp_path, tree, vit_checkpoint):
-    section, module = run_sweep(
-        tmp_path,
-        tree,
-        vit_checkpoint,
-        TINY_VIT,
-        resolutions=[16, 32, 48],
-        threat_models=[LINF],
-        attack="apgd-ce",
-        n_iter=2,
-        max_images=5,
-    )
+    """A ViT swept over its sizes, and over one its patches cannot split (36 px), which is skipped with its
+    reason, in results.json and a warning, while the others run."""
+    with pytest.warns(UserWarning, match="36 px skipped: resolution 36 is not a multiple of the model's patch size"):
+        section, module = run_sweep(
+            tmp_path,
+            tree,
+            vit_checkpoint,
+            TINY_VIT,
+            resolutions=[16, 32, 36, 48],
+            threat_models=[LINF],
+            attack="apgd-ce",
+            n_iter=2,
+            max_images=5,
+        )
+    assert set(section["resolutions"]) == {"16", "32", "48"}
+    skipped = section["skipped_resolutions"]
+    assert list(skipped) == ["36"] and "use multiples of 8" in skipped["36"]
+    with pytest.raises(UserError, match=r"runs at none of the resolutions \[36, 44\]"):
+        run_sweep(tmp_path / "none", tree, vit_checkpoint, TINY_VIT, resolutions=[36, 44], attack=None)
     reference = load(vit_checkpoint, TINY_VIT)
     state = module.state_dict()
     assert state.keys() == reference.state_dict().keys()

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from robust_lightning.atomic import atomic_write_text
+from robust_lightning.attacks.checks import REFERENCE_CHECKS
 from robust_lightning.data.contract import evaluation_data
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.autoattack import AutoAttackEvaluation, ThreatModel
@@ -195,6 +196,17 @@ class RobustnessCard(Evaluation):
         ):
             default_val = str(Path(source.location) / "val")
         self._build_parts(num_classes, default_val)
+        if source is not None and source.kind == "tensors":  # robust_lightning.evaluate on images in memory
+            for name in ("resolution_sweep", "imagenet_c"):
+                if name in self.parts and not (name == "imagenet_c" and self.datasets["imagenet_c"] != "generated"):
+                    del self.parts[name]
+                    self.skipped.append(
+                        {
+                            "benchmark": name,
+                            "reason": "the images were given as tensors, which it cannot read at a preprocessing of "
+                            "its own: give evaluate an ImageNet val root as data",
+                        }
+                    )
         for part in self.parts.values():
             part.setup(trainer, pl_module, stage)
 
@@ -330,10 +342,12 @@ def _sweep_lines(sweep: dict[str, Any]) -> list[str]:
 
 
 def raised_check_lines(threats: dict[str, dict[str, Any]]) -> list[str]:
-    """A section naming the reference AutoAttack's checks that were raised (results.json's ``checks``), placed
-    before the robust accuracies they qualify; none where none was."""
+    """A section naming the checks that were raised (results.json's ``checks``): the reference AutoAttack's, and
+    the sanity checks of Carlini et al. under their own name, placed before the robust accuracies they qualify;
+    none where none was."""
     raised = [
-        f"- {name}: `{check}`: {found['advice']}"
+        f"- {name}: `{check}` ({'the reference AutoAttack' if check in REFERENCE_CHECKS else 'Carlini et al.'}): "
+        f"{found['advice']}"
         for name, section in threats.items()
         for check, found in section.get("checks", {}).items()
         if found.get("raised")
@@ -341,9 +355,34 @@ def raised_check_lines(threats: dict[str, dict[str, Any]]) -> list[str]:
     if not raised:
         return []
     return [
-        "## AutoAttack's checks raised: the robust accuracy below may not hold",
+        "## Checks raised: standard AutoAttack's robust accuracy below may not hold",
         "",
         *raised,
+        "",
+    ]
+
+
+def adaptive_lines(threats: dict[str, dict[str, Any]]) -> list[str]:
+    """Where adaptive attacks ran (a check called for them), their figures beside standard AutoAttack's, and the
+    lowest per image, which is the number to report; none where none ran."""
+    ran = {name: s for name, s in threats.items() if s.get("adaptive")}
+    if not ran:
+        return []
+    attacks = sorted({attack for s in ran.values() for attack in s["adaptive"]})
+    rows = [
+        [
+            threat_label(s),
+            percent(s["robust_accuracy"]),
+            *(percent(s["adaptive"][a]["robust_accuracy"]) if a in s["adaptive"] else "-" for a in attacks),
+            f"**{percent(s['reported_robust_accuracy'])}**",
+        ]
+        for s in ran.values()
+    ]
+    return [
+        "Adaptive attacks that the raised checks called for, on every image (AutoAttack's figure above stays the "
+        "leaderboard's; the lowest per image is the one to report):",
+        "",
+        table(["threat model", "AutoAttack", *attacks, "reported"], rows),
         "",
     ]
 
@@ -397,6 +436,7 @@ def render_card(
                 [f"{paper['model']}, {paper['paper']} ({paper['resolution']} px{note})", paper["clean"], *cells]
             )
         lines += [table(["model", "clean", *labels], rows), ""]
+        lines += adaptive_lines(threats)
         if any(paper.get("source") for paper in papers):
             lines += [
                 "Leaderboard numbers: data/robustbench_imagenet_linf.csv (the same weights, RobustBench's "
@@ -457,6 +497,10 @@ def render_card(
         lines += ["## Plots", "", *(f"![{title}]({name})" for title, name in plots), ""]
 
     everything_skipped = skipped + results.get("benchmarks", {}).get("skipped", [])
+    everything_skipped += [
+        {"benchmark": f"resolution sweep at {r} px", "reason": reason}
+        for r, reason in (sweep or {}).get("skipped_resolutions", {}).items()
+    ]
     lines += ["## Skipped", ""]
     lines += [f"- {s['benchmark']}: {s['reason']}" for s in everything_skipped] or ["- nothing"]
     return "\n".join(lines) + "\n"

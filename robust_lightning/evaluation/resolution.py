@@ -13,8 +13,10 @@ resolution at 256-288 for every model.
   nmndeep/revisiting-at, after DINO: plain bicubic with the scale factor (new grid + 0.1) / old grid), so ViT
   numbers at 256-384 px are comparable with the paper's; ``timm`` keeps timm's own resampling
   (``resample_abs_pos_embed``: bicubic to the exact size, antialiased). Convolutional models
-  take any size as they are. Before any work each resolution is tried with one forward; a model that cannot
-  run at a resolution (a fixed-size MLP, a ViT at a size that is not a multiple of its patch) is a UserError.
+  take any size as they are. Before any work each resolution is tried with one forward; a resolution the model
+  cannot run at (a fixed-size MLP, a ViT at a size that is not a multiple of its patch) is skipped with a
+  warning and listed with its reason under ``skipped_resolutions``, and a model that runs at none of them is a
+  UserError.
 - Radii: Linf is per pixel and never scaled. With ``scale_l2_with_resolution`` the L2 radius is scaled by
   r / reference (the L2 norm of a fixed per-pixel perturbation grows with the side length), with
   ``scale_l1_with_resolution`` the L1 radius by (r / reference)^2 (the L1 norm grows with the pixel count).
@@ -48,7 +50,7 @@ from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from timm.layers import PatchEmbed
 from torch import nn
 
@@ -332,6 +334,12 @@ class ResolutionSweep(Evaluation):
         self.weights, self.plot, self.pos_embed_interpolation = weights, plot, pos_embed_interpolation
         self.results_dir = Path(results_dir) if results_dir else None
         self.locks = ExitStack()  # the cells' outcome-folder locks, held from the claim until teardown
+        self.skipped: dict[int, str] = {}  # resolution -> why the model cannot run at it
+
+    @property
+    def runnable(self) -> list[int]:
+        """The resolutions the model runs at (all of them until on_test_start has tried each)."""
+        return [r for r in self.resolutions if r not in self.skipped]
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self.locks.close()
@@ -384,6 +392,7 @@ class ResolutionSweep(Evaluation):
         """Check everything before any work: settings against saved outcomes, the data, every resolution."""
         network = self.network(pl_module)
         self.check_data(trainer)
+        self.skipped = {}
         self.reference = evaluation_resolution(trainer, pl_module, self.reference_resolution)
         # not the versioned log dir: a re-run of the same command must find the saved outcomes
         self.results_dir = self.results_dir or outcomes_parent(trainer) / "resolution_sweep"
@@ -404,18 +413,23 @@ class ResolutionSweep(Evaluation):
                 if all(cell.complete for cell in cells):
                     rank_zero_info(f"resolution sweep {r} px: complete in {cells[0].directory.parent}, skipped")
                     continue
-                check_runs_at(
-                    self._model(pl_module, network_at(network, r, self.pos_embed_interpolation)),
-                    r,
-                    pl_module.device,
-                    arch,
-                )
+                try:  # the same on every rank: the same model and sizes
+                    resized = network_at(network, r, self.pos_embed_interpolation)
+                    check_runs_at(self._model(pl_module, resized), r, pl_module.device, arch)
+                except UserError as e:
+                    self.skipped[r] = str(e).replace("; leave this resolution out of ResolutionSweep.resolutions", "")
+                    rank_zero_warn(f"resolution sweep: {r} px skipped: {self.skipped[r]}")
+        if not self.runnable:
+            raise UserError(
+                "ResolutionSweep: the model runs at none of the resolutions "
+                f"{self.resolutions}: " + "; ".join(self.skipped.values())
+            )
 
     # ------------------------------------------------------------------------------------------ running
     def on_test_end(self, trainer, pl_module) -> None:
         # the sweep makes its own tensors: gradients work even when the test loop ran under inference mode
         with evaluating(pl_module), torch.inference_mode(False), torch.no_grad():
-            for r in self.resolutions:
+            for r in self.runnable:
                 self._sweep(trainer, pl_module, r)
         self._report(trainer)
 
@@ -532,7 +546,7 @@ class ResolutionSweep(Evaluation):
     def _summary(self) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
         """results.json entries per resolution, and the rows best_resolutions chooses from."""
         resolutions, rows = {}, {}
-        for r in self.resolutions:
+        for r in self.runnable:
             cells = self.cells(r)
             clean = cells[0].outcomes()
             n = len(clean)
@@ -607,6 +621,7 @@ class ResolutionSweep(Evaluation):
         first = self.threat_models[0].name if self.threat_models else None
         best = best_resolutions(rows, first)
         section: dict[str, Any] = {"resolutions": resolutions, "best": best, "conditions": self._conditions(trainer)}
+        section["skipped_resolutions"] = {str(r): reason for r, reason in self.skipped.items()}
         figure = self._plot(rows, best) if self.plot else None
         if figure is None:
             section["plot"] = "not requested"
@@ -635,6 +650,7 @@ class ResolutionSweep(Evaluation):
                         f"resolution {r}: clean {row['clean_accuracy']:.2%}{robust} on "
                         f"{resolutions[str(r)]['num_images']} images"
                     )
+            lines += [f"resolution {r}: skipped, {reason}" for r, reason in self.skipped.items()]
             chosen = best["by_robust"] or best["by_clean"]
             if chosen:
                 how = "by " + chosen["threat_model"] + " robust" if "threat_model" in chosen else "by clean"
