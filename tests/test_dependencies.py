@@ -60,8 +60,9 @@ def makefile_references() -> set[str]:
 
 def imported_modules(folder: str, module_level: bool = False) -> set[str]:
     """Top-level names of the absolute imports in the folder's .py files, less the standard library and the
-    folder's own modules (the tests import their helpers by file name). ``module_level``: only the imports a
-    module runs when it is imported, outside its functions and classes."""
+    folder's own modules (the tests import their helpers by file name) and the tests' modules (a benchmark that
+    measures on the tests' small models puts tests/ on its path). ``module_level``: only the imports a module runs
+    when it is imported, outside its functions and classes."""
     names = set()
     for path in (ROOT / folder).rglob("*.py"):
         tree = ast.parse(path.read_text(), str(path))
@@ -70,7 +71,7 @@ def imported_modules(folder: str, module_level: bool = False) -> set[str]:
                 names |= {alias.name.split(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names.add(node.module.split(".")[0])
-    local = {p.stem for p in (ROOT / folder).glob("*.py")} | {"robust_lightning"}
+    local = {p.stem for f in (folder, "tests") for p in (ROOT / f).glob("*.py")} | {"robust_lightning"}
     return {n for n in names if n not in sys.stdlib_module_names and n not in local}
 
 
