@@ -132,6 +132,12 @@ def iterative_vs_one_step(model: Model, x: Tensor, y: Tensor, norm: str, eps: fl
     )
 
 
+def too_few_agree(same: int, points: int) -> bool:
+    """Whether fewer than 9 in 10 of ``points`` got the same verdict, compared in integers: 36 of 40 as a float32
+    share is 0.8999999762, below 0.9."""
+    return same * AGREEMENT_MIN[1] < AGREEMENT_MIN[0] * points
+
+
 def engines_agree(
     model: Model, x: Tensor, y: Tensor, norm: str, eps: float, n_iter: int, seed: int, randomized: bool = False
 ) -> Check:
@@ -150,7 +156,7 @@ def engines_agree(
         for engine in ("fast", "reference")
     }
     same = int((verdicts["fast"].robust == verdicts["reference"].robust).sum())
-    raised = same * AGREEMENT_MIN[1] < AGREEMENT_MIN[0] * len(x)
+    raised = too_few_agree(same, len(x))
     if not raised:
         advice = ""
     elif randomized:
