@@ -7,6 +7,7 @@ cluster of tests/test_slurm.py (gloo, CPU, a loader worker per task):
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -124,4 +125,9 @@ def test_a_stop_by_sigterm_ends_every_task_whole(cluster, tmp_path):  # noqa: F8
     assert "interrupted by SIGTERM (exit status 143)" in log, log[-3000:]
     fit = json.loads((run_dir / "results.json").read_text())["fit"]
     assert fit["interrupted"] == "SIGTERM" and fit["steps"] == stop
-    assert "tasks 0-1: Exited with exit code 143" in log, log[-3000:]  # together: srun ended neither
+    # srun ended neither: both tasks exit 143 of themselves, and where srun saw one exit first (a busy machine
+    # tears a process down slower) and terminated the step, rank 0's work was done before it did
+    exits = sorted(re.findall(r"tasks? ([0-9-]+): Exited with exit code (\d+)", log))
+    assert exits in ([("0-1", "143")], [("0", "143"), ("1", "143")]), log[-3000:]
+    if "Terminating StepId" in log:
+        assert log.index("interrupted by SIGTERM (exit status 143)") < log.index("Terminating StepId"), log[-3000:]
