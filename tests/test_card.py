@@ -13,7 +13,7 @@ from robust_lightning.evaluation.card import RobustnessCard, paper_rows, percent
 from shift_data import benchmark_trees, imagenet_c_tree, imagenet_p_tree, write_favouring_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-QUICK_ATTACK = {"version": "apgd-ce", "n_iter": 3}
+QUICK_ATTACK = {"version": "apgd-ce", "n_iter": 3, "n_queries": 20}  # n_queries: Square from scratch, where a check calls for it
 
 
 @pytest.fixture(scope="module")

@@ -103,8 +103,11 @@ def class_means(synthetic: dict) -> torch.Tensor:
 def test_robust_lightning_test_records_and_warns_of_the_checks_a_model_raises(kind, tmp_path, recwarn):
     # eval_config keeps the progress display and logger a user has; its loaders run in the main process, since
     # the checks see the batch the callback attacks whichever process decoded it (loader workers under `test` are
-    # run by tests/test_ddp_commands.py); the sanity checks are off here (tests/test_sanity_checks.py has them)
-    config_path = eval_config(tmp_path, tmp_path / "synthetic", version="apgd-t", n_iter=2, sanity_points=0)
+    # run by tests/test_ddp_commands.py); the sanity checks are off here (tests/test_sanity_checks.py has them);
+    # the adaptive attacks a raised check calls for run, on a small budget (Square from scratch: 20 queries)
+    config_path = eval_config(
+        tmp_path, tmp_path / "synthetic", version="apgd-t", n_iter=2, n_queries=20, sanity_points=0
+    )
     config = yaml.safe_load(config_path.read_text())
     config["model"]["arch"] = ARCHS[kind]
     config["data"]["source"]["init_args"].update(num_classes=CLASSES, val_per_class=2, train_per_class=2)

@@ -154,7 +154,8 @@ def _run(model):
     x, _ = batch()
     with torch.no_grad():
         y = model(x).argmax(1)
-    adversary = AutoAttack(model, norm="Linf", eps=8 / 255, version="apgd-t", verbose=False, n_iter=5)
+    # n_queries: the budget of Square from scratch, which a raised check calls for (adaptive: auto)
+    adversary = AutoAttack(model, norm="Linf", eps=8 / 255, version="apgd-t", verbose=False, n_iter=5, n_queries=20)
     report = adversary.evaluate(x, y, bs=16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -193,7 +194,7 @@ def test_robust_lightning_evaluate_records_the_checks_a_model_raises(kind, tmp_p
             (x, y),
             threat_models=[{"norm": "Linf", "eps": 8 / 255}],
             version="apgd-t",
-            options={"autoattack": {"n_iter": 2, "sanity_points": 0}},
+            options={"autoattack": {"n_iter": 2, "n_queries": 20, "sanity_points": 0}},
             out_dir=tmp_path,
             accelerator="cpu",
         )
