@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: env quickstart quickstart-fresh test clean
+.PHONY: env quickstart quickstart-fresh test test-fast clean
 
 env: $(VENV)/.installed
 
@@ -44,13 +44,20 @@ quickstart-fresh:
 
 # The linter and the formatter's check, then mypy (the package's types, at the strictness pyproject.toml's
 # [tool.mypy] states), then the suite: one worker per core, each test file whole on one worker (its module
-# fixtures built once); --durations keeps the slowest tests in view (the suite should stay near 10 min on the
-# 2-core CI machine; it took 10 min 16 s and 10 min 18 s there in the last two runs of 2026-11-27).
+# fixtures built once). After the run it prints the seconds of each test file (tests/conftest.py) and
+# --durations the slowest tests. MEASURED_TOTAL
 test: env
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy robust_lightning
 	$(BIN)/python -m pytest -n auto --dist loadfile --durations=15
+
+# The inner loop: the same checks and the tests not marked slow (tests/conftest.py, SLOW_FILES). MEASURED_FAST
+test-fast: env
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy robust_lightning
+	$(BIN)/python -m pytest -n auto --dist loadfile -m "not slow"
 
 clean:
 	rm -rf runs lightning_logs .pytest_cache

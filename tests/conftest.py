@@ -100,9 +100,89 @@ LONGEST_FILES = (
 )
 
 
+# The test files marked slow: those whose tests took 15 s or more in all (the per-file times the suite prints, on two
+# busy cores). Most start processes (DDP ranks, SLURM jobs, the command) or run attacks against the reference.
+# `make test-fast` (-m "not slow") leaves them out for the inner loop; `make test` and CI run them.
+SLOW_FILES = (
+    "test_adaptive_attacks.py",
+    "test_analysis_figures.py",
+    "test_autoattack.py",
+    "test_autoattack_rand.py",
+    "test_benchmark.py",
+    "test_benchmarks.py",
+    "test_card.py",
+    "test_checkpoint_formats.py",
+    "test_checkpoint_portability.py",
+    "test_checks_through_test.py",
+    "test_cli.py",
+    "test_cluster_environment.py",
+    "test_cluster_log.py",
+    "test_compile.py",
+    "test_continue_stopped_job.py",
+    "test_data_sources.py",
+    "test_ddp.py",
+    "test_ddp_commands.py",
+    "test_dependencies.py",
+    "test_evaluate.py",
+    "test_evaluation_stops.py",
+    "test_export.py",
+    "test_fab_untargeted.py",
+    "test_gpu_suite.py",
+    "test_imagenet_c.py",
+    "test_job_errors.py",
+    "test_loader_worker_errors.py",
+    "test_log_continuity.py",
+    "test_log_output.py",
+    "test_preemption.py",
+    "test_preemption_ddp.py",
+    "test_printed_commands.py",
+    "test_progress_resume.py",
+    "test_quickstart_resume.py",
+    "test_recipes.py",
+    "test_reference_checks.py",
+    "test_resolution.py",
+    "test_results_json.py",
+    "test_resume_autoattack.py",
+    "test_resume_mid_epoch.py",
+    "test_run_folders.py",
+    "test_slurm.py",
+    "test_slurm_rank_failure.py",
+    "test_slurm_requeue_ddp.py",
+    "test_slurm_restart.py",
+    "test_stop_anywhere.py",
+    "test_synthetic.py",
+    "test_torchrun.py",
+    "test_uneven_batch.py",
+    "test_wandb.py",
+    "test_wandb_temp_folders.py",
+    "test_writers.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     def rank(item) -> int:
         name = item.path.name
         return LONGEST_FILES.index(name) if name in LONGEST_FILES else len(LONGEST_FILES)
 
     items.sort(key=rank)  # stable: the rest keep their order
+    for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
+
+
+# The time each test file took (setup, call and teardown of its tests), printed after the run: the suite's budget
+# (the Makefile's test target) is spent per file, and pytest's --durations shows single tests only.
+FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    FILE_SECONDS[report.nodeid.split("::")[0]] = FILE_SECONDS.get(report.nodeid.split("::")[0], 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not FILE_SECONDS:
+        return
+    terminalreporter.section("seconds per test file")
+    for path, seconds in sorted(FILE_SECONDS.items(), key=lambda item: -item[1]):
+        terminalreporter.write_line(f"{seconds:8.1f}  {path}")
+    terminalreporter.write_line(f"{sum(FILE_SECONDS.values()):8.1f}  in all (summed over the workers)")
