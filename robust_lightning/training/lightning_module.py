@@ -27,9 +27,9 @@ from torchmetrics import MeanMetric, MetricCollection, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from robust_lightning.attacks import apgd, fgsm, pgd
-from robust_lightning.attacks.projections import host_reads_are_cheap
 from robust_lightning.data.batch import Batch, soft_targets
 from robust_lightning.data.batching import global_batch_of
+from robust_lightning.devices import host_reads_are_cheap
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.calibration import CalibrationError
 from robust_lightning.models.classifier import (
