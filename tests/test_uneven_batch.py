@@ -16,6 +16,7 @@ from lightning import Callback, Trainer, seed_everything
 from torch.utils.data import DataLoader, DistributedSampler
 
 from helpers import WNIDS, make_image_tree, run_command
+from robust_lightning.data.batching import GlobalBatch
 from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.data.samplers import GlobalBatchSampler, ShardShare, rank_share
 from robust_lightning.data.sources import FolderSource, SyntheticSource
@@ -331,6 +332,23 @@ def test_trainer_accumulation_with_a_global_batch_is_refused_naming_the_option(t
     dm.trainer = type("T", (), {"global_rank": 0, "world_size": 1, "accumulate_grad_batches": 1})()
     dm.setup("fit")
     assert dm.trainer.accumulate_grad_batches == 3 and len(dm.train_dataloader()) == 2 * 3
+
+
+def test_the_model_takes_its_micro_batches_from_the_global_batch():
+    """Global batch 20, at most 7 images per forward pass: the model weighs the micro-batches (7, 7, 6) of a step
+    by the three passes that the data module's GlobalBatch decided. The trainer here carries no
+    accumulate_grad_batches: the model reads the count from the global batch, not from the trainer's copy."""
+    global_batch = GlobalBatch(configured=20, per_device=20, max_device_batch=7)
+    global_batch.place(world_size=1, rank=0)
+    module = SGDClassifier(**MODEL)
+    module.trainer = type("T", (), {"world_size": 1, "datamodule": type("D", (), {"global_batch": global_batch})()})()
+    assert module._shares_a_step()
+    module._start_step()
+    weights = [module.global_batch_weight(images) for images in (7, 7, 6)]
+    assert weights == pytest.approx([21 / 20, 21 / 20, 18 / 20])
+    # a micro-batch's mean loss, so weighted and divided by Lightning by the 3 passes, gives each image 1/20
+    per_image = [w / images / 3 for w, images in zip(weights, (7, 7, 6), strict=True)]
+    assert per_image == pytest.approx([1 / 20] * 3)
 
 
 if __name__ == "__main__":

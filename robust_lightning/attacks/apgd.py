@@ -27,11 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from robust_lightning.devices import host_reads_are_cheap
+
 from .projections import (
     _per_sample,
     check_count,
     check_threat_model,
-    host_reads_are_cheap,
     l1_projection,
     lp_norm,
     normalize,

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from robust_lightning.devices import host_reads_are_cheap
+
 NORMS = ("Linf", "L2", "L1")
 
 
@@ -27,13 +29,6 @@ def check_threat_model(norm: str, eps: float) -> None:
 def check_count(name: str, value: int, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def host_reads_are_cheap(t: Tensor) -> bool:
-    """Whether code may branch on ``t``'s values: on the CPU reading them costs nothing, on a GPU it waits for
-    the device's queue to drain. The one switch between the two paths (a test forces the device path on the CPU
-    to check that it never reads back)."""
-    return t.device.type == "cpu"
 
 
 def _per_sample(v: Tensor, like: Tensor) -> Tensor:

@@ -56,8 +56,10 @@ from functools import cache
 import torch
 from torch import Tensor
 
+from robust_lightning.devices import host_reads_are_cheap
+
 from .apgd import Model
-from .projections import check_count, check_threat_model, host_reads_are_cheap, l1_projection
+from .projections import check_count, check_threat_model, l1_projection
 
 # Iteration indices after which p halves (the reference's schedule for 10000 queries; AutoAttack uses it
 # unrescaled with 5000 queries, i.e. ``resc_schedule=False``).

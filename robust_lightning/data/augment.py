@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from timm.data.mixup import mixup_target
 from torch import Tensor
 
-from robust_lightning.attacks.projections import host_reads_are_cheap
+from robust_lightning.devices import host_reads_are_cheap
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

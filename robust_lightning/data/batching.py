@@ -76,8 +76,9 @@ class GlobalBatch:
         return passes
 
     def accumulate_in(self, trainer: Any) -> None:
-        """Make ``trainer`` accumulate the gradients of a step's micro-batches. Its own accumulate_grad_batches
-        would multiply a global batch fixed here, so it is refused then."""
+        """Make ``trainer`` accumulate the gradients of a step's micro-batches: Lightning's loop reads its
+        accumulate_grad_batches, while the model reads ``micro_batches`` here. The trainer's own setting would
+        multiply a global batch fixed here, so it is refused then."""
         accumulate = getattr(trainer, "accumulate_grad_batches", 1)
         if self.fixed and accumulate not in (1, self.micro_batches):
             raise UserError(

@@ -27,9 +27,9 @@ from torchmetrics import MeanMetric, MetricCollection, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from robust_lightning.attacks import apgd, fgsm, pgd
-from robust_lightning.attacks.projections import host_reads_are_cheap
 from robust_lightning.data.batch import Batch, soft_targets
 from robust_lightning.data.batching import global_batch_of
+from robust_lightning.devices import host_reads_are_cheap
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.calibration import CalibrationError
 from robust_lightning.models.classifier import (
@@ -475,7 +475,7 @@ class ImageClassifier(LightningModule):
     def training_step(self, batch: Batch, batch_idx: int):
         images, labels = batch["image"], batch["label"]
         shares_a_step = self._shares_a_step()
-        if batch_idx % self.trainer.accumulate_grad_batches == 0:
+        if batch_idx % self._micro_batches() == 0:
             self._start_step()
         if labels.numel() == 0:  # every image of this batch was corrupt (reported by CorruptImageReport)
             # alone, the step is skipped; sharing one (other ranks, micro-batches), a zero loss over every
@@ -504,8 +504,15 @@ class ImageClassifier(LightningModule):
     # An optimiser step's global batch may be split over ranks (DDP) and, on each rank, over micro-batches whose
     # gradients are accumulated (data.max_device_batch_size). Its gradient must be that of the mean loss over all
     # its images, however unevenly they are split and however many were left out as undecodable.
+    def _micro_batches(self) -> int:
+        """This rank's forward passes per optimiser step: the data module's global batch decides them (and sets
+        Lightning's accumulate_grad_batches to match); a data module that names no global batch leaves them to the
+        trainer's own accumulate_grad_batches."""
+        global_batch = global_batch_of(self.trainer)
+        return global_batch.micro_batches if global_batch else self.trainer.accumulate_grad_batches
+
     def _shares_a_step(self) -> bool:
-        return self.trainer.world_size > 1 or self.trainer.accumulate_grad_batches > 1
+        return self.trainer.world_size > 1 or self._micro_batches() > 1
 
     def _start_step(self) -> None:
         global_batch = global_batch_of(self.trainer)
@@ -518,17 +525,18 @@ class ImageClassifier(LightningModule):
         """The weight of a micro-batch's mean loss (``images`` images) in a step shared by ranks or micro-batches.
 
         DDP averages the ranks' gradients and Lightning divides each micro-batch's loss by the number of
-        micro-batches (trainer.accumulate_grad_batches, A): weighting the mean loss by images * W * A / G, with G
-        the global batch the step is meant to see, gives the gradient of (1 / G) * sum_i loss_i over all the
-        step's images. ``on_before_optimizer_step`` then rescales the gradient by G / (the images the step saw,
-        summed over ranks): exactly 1 unless images were left out. A plain number: nothing is read back from the
-        device, and the step's one all-reduce (the image count) comes before the optimiser step.
+        micro-batches (A, ``_micro_batches``, which its accumulate_grad_batches matches): weighting the mean loss
+        by images * W * A / G, with G the global batch the step is meant to see, gives the gradient of
+        (1 / G) * sum_i loss_i over all the step's images. ``on_before_optimizer_step`` then rescales the gradient
+        by G / (the images the step saw, summed over ranks): exactly 1 unless images were left out. A plain number:
+        nothing is read back from the device, and the step's one all-reduce (the image count) comes before the
+        optimiser step.
         """
         if self._step_nominal is None:  # a data module that names no global batch: the first micro-batch's
-            self._step_nominal = images * self.trainer.world_size * self.trainer.accumulate_grad_batches
+            self._step_nominal = images * self.trainer.world_size * self._micro_batches()
         assert self._step_images is not None  # _start_step began the step
         self._step_images += images
-        return images * self.trainer.world_size * self.trainer.accumulate_grad_batches / self._step_nominal
+        return images * self.trainer.world_size * self._micro_batches() / self._step_nominal
 
     def on_before_optimizer_step(self, optimizer) -> None:
         """Sum the step's images and losses over the ranks (the step's one all-reduce), rescale the gradient to
