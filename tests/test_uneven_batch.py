@@ -332,6 +332,11 @@ def test_trainer_accumulation_with_a_global_batch_is_refused_naming_the_option(t
     dm.trainer = type("T", (), {"global_rank": 0, "world_size": 1, "accumulate_grad_batches": 1})()
     dm.setup("fit")
     assert dm.trainer.accumulate_grad_batches == 3 and len(dm.train_dataloader()) == 2 * 3
+    # without a global batch, the trainer's accumulation would be replaced by the data module's (one pass) unsaid
+    dm = ImageNetDataModule(source=FolderSource(str(tmp_path / "in")), image_size=32, num_workers=0, batch_size=2)
+    dm.trainer = type("T", (), {"global_rank": 0, "world_size": 1, "accumulate_grad_batches": 4})()
+    with pytest.raises(UserError, match="set data.global_batch_size .* and data.max_device_batch_size"):
+        dm.setup("fit")
 
 
 def test_the_model_takes_its_micro_batches_from_the_global_batch():

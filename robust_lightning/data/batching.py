@@ -78,13 +78,20 @@ class GlobalBatch:
     def accumulate_in(self, trainer: Any) -> None:
         """Make ``trainer`` accumulate the gradients of a step's micro-batches: Lightning's loop reads its
         accumulate_grad_batches, while the model reads ``micro_batches`` here. The trainer's own setting would
-        multiply a global batch fixed here, so it is refused then."""
+        multiply a global batch fixed here, so it is refused then; without a fixed global batch it would be replaced
+        by ``micro_batches`` without a word, so it is refused too, naming the options that do the same."""
         accumulate = getattr(trainer, "accumulate_grad_batches", 1)
         if self.fixed and accumulate not in (1, self.micro_batches):
             raise UserError(
                 f"trainer.accumulate_grad_batches {accumulate} would multiply data.global_batch_size: "
                 "every optimiser step already sees exactly the global batch; to fit it into less "
                 "memory, set data.max_device_batch_size (images per forward pass on one device) instead"
+            )
+        if not self.fixed and accumulate not in (1, self.micro_batches):
+            raise UserError(
+                f"trainer.accumulate_grad_batches {accumulate} is not how this project accumulates: set "
+                "data.global_batch_size (images per optimiser step, over all devices) and "
+                "data.max_device_batch_size (images per forward pass on one device) instead"
             )
         trainer.accumulate_grad_batches = self.micro_batches
 
