@@ -18,7 +18,6 @@ from robust_lightning.training import lightning_module as classifier_module
 from robust_lightning.training.export import export_weights
 from robust_lightning.training.lightning_module import ImageClassifier, has_mode_dependent_layers
 
-REPO = Path(__file__).resolve().parents[1]
 EPS = 4 / 255
 
 

@@ -13,6 +13,7 @@ import yaml
 from PIL import Image
 from torch import nn
 
+from helpers import REPO
 from robust_lightning.analysis.attack_sweeps import AttackSweep, TransferMatrix, attack_batch
 from robust_lightning.analysis.kernels import KernelAttentionDistance, depthwise_convs, kernel_distance, stage_of
 from robust_lightning.analysis.shape_bias import (
@@ -27,8 +28,6 @@ from robust_lightning.attacks.spatial import spatial_grid, spatial_grid_attack, 
 from robust_lightning.cli import main
 from robust_lightning.errors import UserError
 from robust_lightning.training.lightning_module import ImageClassifier
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_cnn(seed: int, classes: int = 3) -> nn.Module:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import REPO
 from robust_lightning.analysis.attack_sweeps import AttackSweep, SpatialRobustness
 from robust_lightning.analysis.attention import RestrictedAttention
 from robust_lightning.analysis.core import model_family
@@ -19,7 +20,6 @@ from robust_lightning.analysis.occlusion import Occlusion
 from robust_lightning.analysis.representation import FeatureVariance, FourierFeatures, LayerCorrelation
 from robust_lightning.cli import main
 
-REPO = Path(__file__).parents[1]
 ANALYSIS_CONFIGS = sorted((REPO / "configs" / "analysis").glob("*.yaml"))
 # the model families each paper studies, as model_family names them
 PAPERS = {

@@ -26,7 +26,6 @@ from robust_lightning.errors import UserError
 from robust_lightning.evaluation.autoattack import AutoAttackEvaluation, append_record, read_outcomes
 from robust_lightning.evaluation.results import weights_sha256
 
-REPO = Path(__file__).resolve().parents[1]
 EPS = {"Linf": 10 / 255, "L2": 0.75, "L1": 9.0}
 
 

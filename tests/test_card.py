@@ -7,13 +7,14 @@ import pytest
 import torch
 import yaml
 
+from helpers import REPO
 from robust_lightning.cli import main
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.card import RobustnessCard, paper_rows, percent, render_card
 from shift_data import benchmark_trees, imagenet_c_tree, imagenet_p_tree, write_favouring_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
-QUICK_ATTACK = {"version": "apgd-ce", "n_iter": 3, "n_queries": 20}  # n_queries: Square from scratch, where a check calls for it
+# n_queries: the budget of Square from scratch, which a raised check calls for
+QUICK_ATTACK = {"version": "apgd-ce", "n_iter": 3, "n_queries": 20}
 
 
 @pytest.fixture(scope="module")

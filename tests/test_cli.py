@@ -2,20 +2,17 @@
 
 import json
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import yaml
 
-from helpers import folder_source, run_cli, tiny_config, trainer_args
+from helpers import REPO, folder_source, run_cli, tiny_config, trainer_args
 from robust_lightning.cli import main
 from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.data.sources import SyntheticSource
 from robust_lightning.training.lightning_module import ImageClassifier
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ import signal
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO
+
 DDP_TEST = "tests/test_ddp.py::test_ddp_validate_on_a_folder_counts_every_image_once"
 
 

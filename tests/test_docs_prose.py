@@ -18,9 +18,8 @@ comparable projects (torchgeo, timm, litgpt: 14-25), with room below for short i
 
 import re
 import statistics
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 ABBREVIATIONS = re.compile(r"\b(?:e\.g|i\.e|et al|etc|vs|cf|Fig|Eq|App|Sec|No)\.")

@@ -10,6 +10,7 @@ import torch
 from lightning import Trainer
 from lightning.pytorch.loggers import CSVLogger
 
+from helpers import REPO
 from robust_lightning.atomic import atomic_write_json, atomic_write_text, temporary_path
 from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.data.samplers import rank_share
@@ -18,8 +19,6 @@ from robust_lightning.errors import UserError
 from robust_lightning.evaluation.base import Evaluation, evaluating, gather_objects, sum_over_ranks
 from robust_lightning.evaluation.results import RunResults
 from robust_lightning.training.lightning_module import ImageClassifier
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def docs_example() -> dict:

@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from helpers import REPO
 from robust_lightning.training.lightning_module import ImageClassifier
 
-REPO = Path(__file__).resolve().parents[1]
 SUITE = REPO / "benchmarks" / "gpu_suite.py"
 
 

@@ -17,7 +17,7 @@ import yaml
 from lightning.pytorch.loggers import WandbLogger
 from PIL import Image
 
-from helpers import make_image_tree
+from helpers import REPO, make_image_tree
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.imagenet_p import (
     ALL,
@@ -33,7 +33,6 @@ from robust_lightning.evaluation.imagenet_p import (
 from robust_lightning.paths import DATA_DIR
 from shift_data import SIZE, frames_of, imagenet_p_tree, write_video
 
-REPO = Path(__file__).resolve().parents[1]
 WNIDS = ("n01440764", "n01443537", "n15075141")  # ImageNet labels 0, 1, 999
 LAYOUT = r"<root>/<perturbation>/<wnid>/<sequence>\.mp4"
 

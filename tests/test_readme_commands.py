@@ -34,9 +34,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import REPO
 from robust_lightning.cli import LIGHTNING_CKPT_NAMES, TOOL_COMMANDS, TRAINER_COMMANDS, main
 
-REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 DOCUMENTS = [README, *sorted((REPO / "docs").glob("*.md"))]
 MAKEFILE = REPO / "Makefile"

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import REPO
 from robust_lightning.argument_parsing import BASES_KEY, compose_config
 from robust_lightning.cli import main
 from robust_lightning.errors import UserError
@@ -20,7 +21,6 @@ from robust_lightning.models.convstem import (
     VIT_SMALL_STEM_ABLATIONS,
 )
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 RECIPES = CONFIGS / "recipes"
 BASES = RECIPES / "base"

@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from helpers import REPO
 from robust_lightning.cli import main
 from robust_lightning.training.lightning_module import ImageClassifier, paper_warmup_epochs
 from robust_lightning.training.schedule import warmup_cosine
 
-REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "configs" / "recipes"
 CLEAN = REPO / "configs" / "clean"
 

@@ -13,13 +13,12 @@ import pytest
 import torch
 import yaml
 
-from helpers import synthetic_source
+from helpers import REPO, synthetic_source
 from robust_lightning.cli import main
 from slurm_cluster import ClusterUnavailable, SlurmCluster
 
 pytestmark = pytest.mark.slurm
 
-REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import REPO
 from robust_lightning.cli import main
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.results import ResultsFile
@@ -21,8 +22,6 @@ from robust_lightning.scale.sweep import cell_state
 from robust_lightning.scale.sweep_spec import expand, load_sweep
 from robust_lightning.scale.task import run_cell, slurm_layout
 from robust_lightning.training.interruption import EXIT_SIGTERM
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def write_sweep(tmp_path: Path, **spec) -> Path:

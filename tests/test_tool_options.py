@@ -11,10 +11,9 @@ import pytest
 import yaml
 
 import robust_lightning
+from helpers import REPO
 from robust_lightning.argument_parsing import shell_style_values, tool_parser
 from robust_lightning.cli import main
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_version(capsys):

@@ -22,7 +22,6 @@ from robust_lightning.data.samplers import GlobalBatchSampler, ShardShare, rank_
 from robust_lightning.data.sources import FolderSource, SyntheticSource
 from robust_lightning.training.lightning_module import ImageClassifier
 
-REPO = Path(__file__).resolve().parents[1]
 GLOBAL_BATCH, WORLD_SIZE, LR = 20, 3, 0.5
 
 

@@ -10,13 +10,12 @@ import torch
 import wandb
 import yaml
 
-from helpers import make_image_tree, tiny_config
+from helpers import REPO, make_image_tree, tiny_config
 from robust_lightning.cli import main
 from robust_lightning.loggers import WANDB_CONFIG_FILE
 from robust_lightning.wandb_records import history_rows, read_records
 from shift_data import imagenet_c_config, imagenet_c_tree, imagenet_p_tree
 
-REPO = Path(__file__).resolve().parents[1]
 WANDB_YAML = str(REPO / "configs" / "loggers" / "wandb.yaml")
 
 
