@@ -11,7 +11,9 @@ everything that was skipped and why (no dataset root, or a model whose classes a
 """
 
 import csv
+import math
 from collections.abc import Callable
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +61,7 @@ def paper_rows(arch: str) -> list[dict[str, str]]:
                 "arch": arch,
                 "resolution": str(entry.preprocessing.image_size),
                 "clean": f"{entry.clean_acc:.2f}",
-                "autoattack_linf_4_255": f"{entry.autoattack_acc:.2f}",
+                PUBLISHED_AUTOATTACK[("Linf", Fraction(4, 255))]: f"{entry.autoattack_acc:.2f}",  # its only radius
                 "note": "these weights",
                 "source": "data/robustbench_imagenet_linf.csv",
             }
@@ -264,6 +266,28 @@ def table(columns: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
+# The threat models of the published AutoAttack numbers (the radii of Singh et al.'s Table 2; RobustBench's Linf
+# leaderboard at 4/255), as norm and exact radius, and their columns in data/paper_results.csv
+PUBLISHED_AUTOATTACK = {
+    ("Linf", Fraction(4, 255)): "autoattack_linf_4_255",
+    ("L2", Fraction(2)): "autoattack_l2_2",
+    ("L1", Fraction(75)): "autoattack_l1_75",
+}
+
+
+def published_column(norm: str, eps: float) -> str | None:
+    """The column of the published numbers at this threat model; None where the papers report none. A radius
+    matches to a relative 1e-6, so that 4/255 as a float64 or float32 number is 4/255, and 0.0157 is not."""
+    return next(
+        (
+            column
+            for (published_norm, radius), column in PUBLISHED_AUTOATTACK.items()
+            if norm == published_norm and math.isclose(eps, radius, rel_tol=1e-6)
+        ),
+        None,
+    )
+
+
 def threat_label(section: dict[str, Any]) -> str:
     """ "Linf 4/255", "L2 2", "L1 1.53": radii as the papers quote them."""
     if section["norm"] == "Linf":
@@ -407,15 +431,18 @@ def render_card(
                 *(percent(s["robust_accuracy"]) for s in threats.values()),
             ]
         ]
-        # published AutoAttack numbers at the radii of Singh et al.'s Table 2; other radii, or none given: "-"
-        published = {"Linf 4/255": "autoattack_linf_4_255", "L2 2": "autoattack_l2_2", "L1 75": "autoattack_l1_75"}
+        columns = [published_column(s["norm"], s["eps"]) for s in threats.values()]
         for paper in papers:
-            cells = [paper.get(published.get(label, "")) or "-" for label in labels]
+            cells = [(paper.get(column) if column else None) or "-" for column in columns]  # "-": not in the paper
             note = f", {paper['note']}" if paper["note"] else ""
             rows.append(
                 [f"{paper['model']}, {paper['paper']} ({paper['resolution']} px{note})", paper["clean"], *cells]
             )
         lines += [table(["model", "clean", *labels], rows), ""]
+        unpublished = [label for label, column in zip(labels, columns, strict=True) if column is None]
+        if papers and unpublished:  # said, so that a radius off the papers' is not read as a missing number
+            published = ", ".join(threat_label({"norm": norm, "eps": float(eps)}) for norm, eps in PUBLISHED_AUTOATTACK)
+            lines += [f"No published numbers at {', '.join(unpublished)}: the papers report {published}.", ""]
         lines += adaptive_lines(threats)
         if any(paper.get("source") for paper in papers):
             lines += [
