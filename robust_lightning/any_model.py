@@ -33,7 +33,7 @@ from robust_lightning.data.sources import FolderSource
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.autoattack import DEFAULT_THREAT_MODELS, AutoAttackEvaluation
 from robust_lightning.evaluation.base import Evaluation, evaluating
-from robust_lightning.evaluation.benchmarks import DistributionShiftBenchmarks
+from robust_lightning.evaluation.benchmarks import SHIFT_BENCHMARKS, DistributionShiftBenchmarks
 from robust_lightning.evaluation.card import RobustnessCard
 from robust_lightning.evaluation.imagenet_c import ImageNetC
 from robust_lightning.evaluation.imagenet_p import ImageNetP
@@ -41,8 +41,13 @@ from robust_lightning.evaluation.resolution import ResolutionSweep
 from robust_lightning.evaluation.results import RunResults
 from robust_lightning.job_signals import JobSignals, JobStopped
 
-SHIFTS = ("imagenet_r", "imagenet_a", "imagenet_sketch", "imagenet_v2", "imagenet_o", "imagenet_9")
-EVALUATIONS = ("autoattack", *SHIFTS, "imagenet_c", "imagenet_p", "resolution_sweep", "card")
+
+def evaluation_names() -> list[str]:
+    """The evaluations ``evaluate`` runs by name: AutoAttack, each distribution-shift benchmark registered in
+    ``SHIFT_BENCHMARKS``, ImageNet-C and -P, the resolution sweep and the card."""
+    return ["autoattack", *SHIFT_BENCHMARKS, "imagenet_c", "imagenet_p", "resolution_sweep", "card"]
+
+
 OWN_PREPROCESSING = "generated ImageNet-C and the resolution sweep"
 
 
@@ -166,11 +171,10 @@ def _callbacks(
     options: dict[str, dict],
     adaptive_options: dict[str, Any],
 ) -> list[Evaluation]:
-    unknown = [name for name in evaluations if name not in EVALUATIONS] + [
-        name for name in options if name not in EVALUATIONS
-    ]
+    known = evaluation_names()
+    unknown = [name for name in evaluations if name not in known] + [name for name in options if name not in known]
     if unknown:
-        raise UserError(f"unknown evaluation {unknown[0]!r}; the evaluations are {', '.join(EVALUATIONS)}")
+        raise UserError(f"unknown evaluation {unknown[0]!r}; the evaluations are {', '.join(known)}")
     attack = {
         "threat_models": list(threat_models or DEFAULT_THREAT_MODELS),
         "version": version,
@@ -193,15 +197,11 @@ def _callbacks(
         callbacks.append(RobustnessCard(datasets=dict(datasets), autoattack=attack, **card))
     if "autoattack" in evaluations:
         callbacks.append(AutoAttackEvaluation(**attack))
-    shifts = [name for name in SHIFTS if name in evaluations]
+    shifts = [name for name in SHIFT_BENCHMARKS if name in evaluations]
     if shifts:
-        callbacks.append(
-            DistributionShiftBenchmarks(
-                **cast(dict[str, Any], {name: root(name) for name in shifts}),
-                imagenet_val=datasets.get("imagenet_val"),
-                **options.get("benchmarks", {}),
-            )
-        )
+        needed = {need: datasets.get(need) for name in shifts for need in SHIFT_BENCHMARKS[name].needs}
+        roots = {name: root(name) for name in shifts} | needed
+        callbacks.append(DistributionShiftBenchmarks(roots=roots, **options.get("benchmarks", {})))
     if "imagenet_c" in evaluations:
         where = root("imagenet_c")
         source: dict[str, Any] = {"source": "generated"} if where == "generated" else {"root": where}
@@ -253,7 +253,7 @@ def evaluate(
             DataLoader of ``(images, labels)`` batches (read once, into memory), or an ImageNet root holding
             ``val/`` (read with the project's preprocessing: ``image_size``, ``crop_pct``, ``eval_subset``,
             ``eval_limit``, ``val_labels``, as ``data.*`` of the command line).
-        evaluations: names of :data:`EVALUATIONS`; default ``["autoattack"]``: standard AutoAttack in Linf 4/255,
+        evaluations: names of :func:`evaluation_names`; default ``["autoattack"]``: standard AutoAttack in Linf 4/255,
             L2 2.0 and L1 75, the card's three threat models. Generated ImageNet-C and the resolution sweep need an
             ImageNet root as ``data``.
         threat_models: AutoAttack's, as the AutoAttack callback takes them: ``[{"norm": "Linf", "eps": 4/255}]``.

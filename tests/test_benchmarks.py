@@ -16,6 +16,10 @@ from robust_lightning.data.classes import class_map
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.benchmarks import (
     IN9_FOLDERS,
+    SHIFT_BENCHMARKS,
+    DistributionShiftBenchmarks,
+    ShiftBenchmark,
+    Split,
     accuracy,
     bg_gap,
     expected_calibration_error,
@@ -27,8 +31,9 @@ from robust_lightning.evaluation.benchmarks import (
     predict,
     subset_classes,
     subset_split,
+    top1_metrics,
 )
-from shift_data import benchmark_trees, tree, write_favouring_checkpoint
+from shift_data import WNIDS, benchmark_trees, tree, write_favouring_checkpoint
 
 
 # --------------------------------------------------------------------------------------------- class lists
@@ -347,3 +352,87 @@ def test_an_unreadable_image_is_skipped_and_named_not_fatal(tmp_path, checkpoint
     section = json.loads(next((tmp_path / "runs" / "bench").glob("version_*/results.json")).read_text())
     r = section["benchmarks"]["imagenet_r"]
     assert r["num_images"] == 5 and len(r["corrupt_images"]) == 1 and str(broken) in r["corrupt_images"][0]
+
+
+# ------------------------------------------------------------------------------------ a registered benchmark
+def toy_splits(root: str | Path) -> list[Split]:
+    """A benchmark of three ImageNet classes (tench, goldfish, toilet tissue), folders named by wnid."""
+    return [Split("toy_shift", [(str(p), WNIDS.index(p.parent.name)) for p in sorted(Path(root).glob("*/*.JPEG"))])]
+
+
+TOY = ShiftBenchmark(
+    "toy_shift", toy_splits, top1_metrics, keys=("acc1", "ece"), column="Toy", classes=lambda: (0, 1, 999)
+)
+
+
+def test_a_benchmark_registered_in_a_test_is_run_by_the_callback_the_card_and_evaluate(
+    tmp_path, checkpoint, monkeypatch
+):
+    import robust_lightning
+    from robust_lightning.cli import main
+
+    monkeypatch.setitem(SHIFT_BENCHMARKS, "toy_shift", TOY)
+    root = str(tree(tmp_path / "toy", WNIDS))  # two images of each of the three classes
+    tree(tmp_path / "imagenet" / "val", WNIDS[:1])  # the model's own test set
+
+    # the callback, from a config: the new benchmark's root under roots
+    config = bench_config(tmp_path, {"roots": {"toy_shift": root}})
+    assert main(["test", "--config", str(config), "--ckpt_path", str(checkpoint)]) == 0
+    run = next((tmp_path / "runs" / "bench").glob("version_*"))
+    section = json.loads((run / "results.json").read_text())["benchmarks"]
+    assert section["toy_shift"]["num_images"] == 6 and section["toy_shift"]["num_classes"] == 3
+    assert {s["benchmark"] for s in section["skipped"]} == set(SHIFT_BENCHMARKS) - {"toy_shift"}
+    logged = (run / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"benchmarks/toy_shift/acc1", "benchmarks/toy_shift/ece"} <= set(logged)
+
+    # evaluate by its name, and the card: a model whose logits favour class 999 predicts it (position 2 of the
+    # 3 classes) on every image, with the softmax over the 3 sliced logits as its confidence
+    model = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(3, 1000))
+    with torch.no_grad():
+        model[2].weight.zero_()
+        model[2].bias.zero_()
+        model[2].bias[999] = 5.0
+    x, y = torch.rand(2, 3, 32, 32), torch.tensor([999, 0])
+    confidence = float(np.exp(5.0) / (np.exp(5.0) + 2))
+    result = robust_lightning.evaluate(model, (x, y), ["toy_shift"], datasets={"toy_shift": root}, accelerator="cpu")
+    toy = result["benchmarks"]["toy_shift"]
+    assert toy["acc1"] == 1 / 3 and toy["ece"] == pytest.approx(confidence - 1 / 3, abs=1e-6)
+
+    out = tmp_path / "card"
+    result = robust_lightning.evaluate(
+        model,
+        (x, y),
+        ["card"],
+        datasets={"toy_shift": root},
+        threat_models=[{"norm": "Linf", "eps": 4 / 255}],
+        version="apgd-ce",
+        n_iter=1,
+        adaptive="none",  # the constant model raises AutoAttack's checks: no adaptive attacks here
+        options={"resolution_sweep": None},
+        out_dir=out,
+        accelerator="cpu",
+    )
+    assert result["benchmarks"]["toy_shift"]["acc1"] == 1 / 3
+    lines = (out / "robustness_card.md").read_text().splitlines()
+    # its column in the distribution-shift row (top-1) and in the calibration table (ECE)
+    tables = [table_of(lines, i) for i, line in enumerate(lines) if "| Toy |" in line]
+    assert [t["Toy"] for t in tables] == ["33.33", f"{100 * (confidence - 1 / 3):.2f}"]
+
+
+def table_of(lines: list[str], header: int) -> dict[str, str]:
+    """The first row of the markdown table whose header is lines[header], by column."""
+    cells = [[cell.strip() for cell in lines[i].strip("|").split("|")] for i in (header, header + 2)]
+    return dict(zip(*cells, strict=True))
+
+
+def test_roots_name_registered_benchmarks_once():
+    with pytest.raises(UserError, match=r"roots: unknown \['imagenet_x'\]; the roots are imagenet_r, imagenet_a"):
+        DistributionShiftBenchmarks(roots={"imagenet_x": "/x"})
+    with pytest.raises(UserError, match=r"\['imagenet_r'\] given twice"):
+        DistributionShiftBenchmarks(imagenet_r="/r", roots={"imagenet_r": "/r"})
+    both = DistributionShiftBenchmarks(imagenet_r="/r", roots={"imagenet_a": "/a", "imagenet_val": "/val"})
+    assert {k: v for k, v in both.roots.items() if v} == {
+        "imagenet_r": "/r",
+        "imagenet_a": "/a",
+        "imagenet_val": "/val",
+    }

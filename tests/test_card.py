@@ -246,3 +246,24 @@ def test_the_card_shows_mt5d_unnormalised_and_mfr_in_percent():
     cells = dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in row.split("|")]))
     assert cells["IN-P mFR ↓"] == "12.34"  # a rate, in %
     assert cells["IN-P mT5D (unnormalised) ↓"] == "1.877"  # a distance, as measured
+
+
+def test_published_numbers_are_found_by_threat_model_and_an_unpublished_radius_is_said():
+    def card_of(*threats: tuple[str, float]) -> list[str]:
+        sections = {
+            f"t{i}": {"norm": norm, "eps": eps, "num_points": 50, "clean_accuracy": 0.7, "robust_accuracy": 0.5}
+            for i, (norm, eps) in enumerate(threats)
+        }
+        results = {"autoattack": {"threat_models": sections, "conditions": {}}}
+        header = {"arch": "vit_small_patch16_224", "checkpoint": "x.ckpt", "resolution": 224, "data": {}}
+        return render_card(header, {}, results, [], paper_rows("vit_small_patch16_224")).splitlines()
+
+    paper = "| ViT-S, Singh et al. 2023 (224 px, 300 epochs) | 69.22 |"
+    # 4/255 in float32 and 2.0 given as an integer are the papers' radii: their numbers stand beside ours
+    lines = card_of(("Linf", float(torch.tensor(4 / 255, dtype=torch.float32))), ("L2", 2))
+    assert f"{paper} 44.04 | 37.52 |" in lines
+    assert not any(line.startswith("No published numbers") for line in lines)
+    # a radius near but not at 4/255, and one the papers do not report: said, not a silent "-"
+    lines = card_of(("Linf", 0.0157), ("L1", 75.0), ("L2", 0.3))
+    assert f"{paper} - | 15.12 | - |" in lines
+    assert "No published numbers at Linf 4.0035/255, L2 0.3: the papers report Linf 4/255, L2 2, L1 75." in lines

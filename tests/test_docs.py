@@ -57,3 +57,12 @@ def test_the_site_builds_strictly(tmp_path):
         "data.datamodule.ImageNetDataModule",
     ):
         assert f'id="robust_lightning.{name}"' in api, name  # an entry with its docstring, from the source
+
+
+def test_the_evaluations_the_manual_names_are_those_evaluate_runs():
+    from robust_lightning.any_model import evaluation_names
+
+    text = " ".join((DOCS / "evaluation.md").read_text().split())
+    sentence = re.search(r"The evaluations are named (.+?)\. ", text)
+    assert sentence is not None
+    assert re.findall(r"`(\w+)`", sentence.group(1)) == evaluation_names()

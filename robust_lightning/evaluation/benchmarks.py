@@ -18,6 +18,9 @@ Protocols (the papers and reference code of each benchmark; class lists in data/
   9 classes by data/in_to_in9.json (an unmapped prediction is wrong). Accuracy and ECE per variant and
   BG-gap = mixed_same - mixed_rand. Its images are 224 x 224 already: only resized at another model resolution.
 
+Each benchmark is one entry of ``SHIFT_BENCHMARKS`` (its layout, class subset, metrics and card column), from
+which this callback, the robustness card and ``robust_lightning.evaluate`` take their lists of benchmarks.
+
 Preprocessing: the project's eval transform (resize floor(r / crop_pct) bicubic, centre crop r) for all but
 ImageNet-9; images reach the model in [0, 1].
 
@@ -31,7 +34,8 @@ reported as skipped, with the reason, in results.json.
 import json
 import math
 from collections.abc import Callable
-from functools import cache
+from dataclasses import dataclass
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +51,13 @@ from robust_lightning.evaluation.calibration import (
     expected_calibration_error,
     rms_calibration_error,
 )
-from robust_lightning.evaluation.prediction import ExactSize, Split, predict, predict_split  # noqa: F401 (predict)
+from robust_lightning.evaluation.prediction import (  # noqa: F401 (predict)
+    ExactSize,
+    Predictions,
+    Split,
+    predict,
+    predict_split,
+)
 from robust_lightning.paths import DATA_DIR
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
@@ -231,8 +241,148 @@ def in9_splits(root: str | Path) -> list[Split]:
     return splits
 
 
+# --------------------------------------------------------------------------------------------- the metrics
+def top1_metrics(predictions: dict[str, Predictions], num_classes: int) -> dict[str, Any]:
+    """Top-1 and ECE of one split (softmax over the logits of the benchmark's classes)."""
+    (p,) = predictions.values()
+    return {
+        "num_images": len(p.label),
+        "num_classes": num_classes,
+        "acc1": accuracy(p.prediction, p.label),
+        "ece": expected_calibration_error(p.confidence, p.prediction == p.label),
+    }
+
+
+def top1_rms_metrics(predictions: dict[str, Predictions], num_classes: int) -> dict[str, Any]:
+    """Top-1 and ECE, and the RMS calibration error Hendrycks et al. publish for ImageNet-R and -A."""
+    section = top1_metrics(predictions, num_classes)
+    (p,) = predictions.values()
+    rms = rms_calibration_error(p.confidence, p.prediction == p.label)
+    section["rms_calibration_error"] = None if math.isnan(rms) else rms  # None: under 2 bins of images
+    return section
+
+
+def imagenet_o_metrics(predictions: dict[str, Predictions], num_classes: int) -> dict[str, Any]:
+    """AUPR, AUROC and FPR@95TPR of the OOD images (the first split) against the in-distribution ones."""
+    ood, known = predictions.values()
+    is_ood = torch.cat([ood.label, known.label]).bool()  # labels: 1 = OOD, 0 = in-distribution
+    anomaly = -torch.cat([ood.confidence, known.confidence])  # -max softmax over the 200 classes
+    return {"num_ood": len(ood.label), "num_in_distribution": len(known.label), **ood_metrics(anomaly, is_ood)}
+
+
+def imagenet_9_metrics(predictions: dict[str, Predictions], num_classes: int) -> dict[str, Any]:
+    """Accuracy and ECE per variant through the 1000 -> 9 map, and the BG-gap."""
+    to_in9 = in9_map()
+    variants = {}
+    for variant, p in predictions.items():
+        correct = to_in9[p.prediction] == p.label
+        # confidence: the max of the 1000-way softmax, whose argmax gave the (mapped) prediction
+        variants[variant] = {
+            "num_images": len(p.label),
+            "acc1": correct.double().mean().item(),
+            "ece": expected_calibration_error(p.confidence, correct),
+        }
+    return {"variants": variants, "bg_gap": bg_gap({k: v["acc1"] for k, v in variants.items()})}
+
+
+# -------------------------------------------------------------------------------------------- the registry
+@dataclass(frozen=True)
+class ShiftBenchmark:
+    """One distribution-shift benchmark, as the callback, the card, ``robust_lightning.evaluate`` and the docs
+    know it.
+
+    ``name`` is its dataset root's name (in the card's ``datasets``, ``evaluate``'s evaluations and datasets) and
+    its section of results.json. ``splits`` checks the layout under its root, and under the roots that ``needs``
+    names, and lists the images of each split: ``splits(root, *needed_roots)``. ``classes`` gives the 1000-class
+    logit indices of its class subset (None: all 1000). ``metrics`` turns the predictions of its splits, by split
+    name, into its section: ``metrics(predictions, num_classes)``. ``keys`` are the section's scalar metrics,
+    logged as ``benchmarks/<name>/<key>`` (a section with ``variants`` logs each variant's acc1 and ECE too);
+    those with "ece" are in the card's calibration table. ``column`` and ``headline`` are its cell in the card's
+    distribution-shift row. ``as_released``: its images keep their released size (resized only at another
+    resolution), without the eval transform's resize and crop."""
+
+    name: str
+    splits: Callable[..., list[Split]]
+    metrics: Callable[[dict[str, Predictions], int], dict[str, Any]]
+    keys: tuple[str, ...]
+    column: str
+    headline: str = "acc1"
+    classes: Callable[[], tuple[int, ...]] | None = None
+    needs: tuple[str, ...] = ()
+    as_released: bool = False
+
+
+def subset_indices(benchmark: str) -> tuple[int, ...]:
+    return subset_classes(benchmark)[1]
+
+
+def _one(layout: Callable[[str, str | Path], Split], benchmark: str) -> Callable[[str | Path], list[Split]]:
+    return lambda root: [layout(benchmark, root)]
+
+
+# Every distribution-shift benchmark, in the order of results.json, the card's row and the docs. A benchmark added
+# here (or by a test, with monkeypatch.setitem) is run by the callback, the card and evaluate under its name.
+SHIFT_BENCHMARKS: dict[str, ShiftBenchmark] = {
+    b.name: b
+    for b in (
+        ShiftBenchmark(
+            "imagenet_r",
+            _one(subset_split, "imagenet_r"),
+            top1_rms_metrics,
+            keys=("acc1", "ece", "rms_calibration_error"),
+            column="IN-R",
+            classes=partial(subset_indices, "imagenet_r"),
+        ),
+        ShiftBenchmark(
+            "imagenet_a",
+            _one(subset_split, "imagenet_a"),
+            top1_rms_metrics,
+            keys=("acc1", "ece", "rms_calibration_error"),
+            column="IN-A",
+            classes=partial(subset_indices, "imagenet_a"),
+        ),
+        ShiftBenchmark(
+            "imagenet_sketch",
+            _one(full_split, "imagenet_sketch"),
+            top1_metrics,
+            keys=("acc1", "ece"),
+            column="IN-Sketch",
+        ),
+        ShiftBenchmark(
+            "imagenet_v2", _one(full_split, "imagenet_v2"), top1_metrics, keys=("acc1", "ece"), column="IN-V2"
+        ),
+        ShiftBenchmark(
+            "imagenet_o",
+            lambda root, val_root: list(imagenet_o_splits(root, val_root)),
+            imagenet_o_metrics,
+            keys=("aupr", "auroc", "fpr95"),
+            column="IN-O AUPR",
+            headline="aupr",
+            classes=partial(subset_indices, "imagenet_o"),
+            needs=("imagenet_val",),
+        ),
+        ShiftBenchmark(
+            "imagenet_9",
+            in9_splits,
+            imagenet_9_metrics,
+            keys=("bg_gap",),
+            column="IN-9 BG-gap ↓",
+            headline="bg_gap",
+            as_released=True,
+        ),
+    )
+}
+
+
+def shift_datasets() -> list[str]:
+    """The dataset roots the registered benchmarks read: each benchmark's, then those it needs."""
+    names = [name for b in SHIFT_BENCHMARKS.values() for name in (b.name, *b.needs)]
+    return list(dict.fromkeys(names))
+
+
 class DistributionShiftBenchmarks(Evaluation):
-    """ImageNet-R, -A, -Sketch, -V2, -O and ImageNet-9 after ``test`` (see the module docstring).
+    """The benchmarks of ``SHIFT_BENCHMARKS`` after ``test``: ImageNet-R, -A, -Sketch, -V2, -O and ImageNet-9 (see
+    the module docstring).
 
     Args:
         imagenet_r, imagenet_a: roots ``<root>/<wnid>/*`` (200 classes; a partial copy with fewer is accepted).
@@ -242,6 +392,8 @@ class DistributionShiftBenchmarks(Evaluation):
         imagenet_val: the ImageNet val folder ``<root>/<wnid>/*`` (in-distribution images for ImageNet-O).
         imagenet_9: root ``<root>/{original,mixed_same,mixed_rand}/val/<class folder>/*``.
             A root left at None skips that benchmark (listed under "skipped" in results.json).
+        roots: the roots by name, for any benchmark of ``SHIFT_BENCHMARKS`` (the arguments above are the same
+            for those of the project).
         image_size: evaluation resolution (default: the model's ``image_size``, else the data's, else 224).
         crop_pct: the eval transform resizes the shorter side to floor(image_size / crop_pct) before the crop.
         batch_size: images per forward pass on each device.
@@ -263,16 +415,31 @@ class DistributionShiftBenchmarks(Evaluation):
         crop_pct: float = 0.875,
         batch_size: int = 64,
         num_workers: int = 4,
+        roots: dict[str, str | None] | None = None,
     ):
-        self.roots = {
+        # the arguments of configs written before ``roots``: they stay, as the same roots
+        arguments = {
             "imagenet_r": imagenet_r,
             "imagenet_a": imagenet_a,
             "imagenet_sketch": imagenet_sketch,
             "imagenet_v2": imagenet_v2,
             "imagenet_o": imagenet_o,
+            "imagenet_val": imagenet_val,
             "imagenet_9": imagenet_9,
         }
-        self.imagenet_val = imagenet_val
+        self.benchmarks = dict(SHIFT_BENCHMARKS)  # as registered now: a later registration changes no callback
+        known = shift_datasets()
+        roots = dict(roots or {})
+        unknown = sorted(set(roots) - set(known))
+        twice = sorted(name for name, root in arguments.items() if root is not None and roots.get(name) is not None)
+        if unknown or twice:
+            raise UserError(
+                f"DistributionShiftBenchmarks.roots: {f'unknown {unknown}' if unknown else f'{twice} given twice'}; "
+                f"the roots are {', '.join(known)}"
+            )
+        given = {**{k: v for k, v in arguments.items() if v is not None}, **roots}
+        self.roots = {name: given.get(name) for name in known}
+        self.arguments = set(arguments)
         self.image_size, self.crop_pct = image_size, crop_pct
         self.batch_size, self.num_workers = batch_size, num_workers
         self.splits: dict[str, list[Split]] = {}
@@ -282,22 +449,18 @@ class DistributionShiftBenchmarks(Evaluation):
     def on_test_start(self, trainer, pl_module) -> None:
         """Check every layout before any work: one wrong path fails the run at once, not hours in."""
         self.splits, self.skipped = {}, []
-        for name, root in self.roots.items():
+        for name, benchmark in self.benchmarks.items():
+            root = self.roots[name]
             if root is None:
-                self.skipped.append({"benchmark": name, "reason": f"no root given (init arg {name})"})
-            elif name in ("imagenet_r", "imagenet_a"):
-                self.splits[name] = [subset_split(name, root)]
-            elif name in ("imagenet_sketch", "imagenet_v2"):
-                self.splits[name] = [full_split(name, root)]
-            elif name == "imagenet_o":
-                self.splits[name] = list(imagenet_o_splits(root, self.imagenet_val))
+                argument = name if name in self.arguments else f"roots.{name}"
+                self.skipped.append({"benchmark": name, "reason": f"no root given (init arg {argument})"})
             else:
-                self.splits[name] = in9_splits(root)
+                self.splits[name] = benchmark.splits(root, *(self.roots[need] for need in benchmark.needs))
         self.resolution = evaluation_resolution(trainer, pl_module, self.image_size)
 
-    def _preprocessing(self, name: str) -> tuple[Callable, str]:
+    def _preprocessing(self, benchmark: ShiftBenchmark) -> tuple[Callable, str]:
         r = self.resolution
-        if name == "imagenet_9":
+        if benchmark.as_released:
             note = "none (224 x 224 as released)" if r == 224 else f"resize to {r} x {r} (bicubic)"
             return ExactSize(r), note
         note = f"resize shorter side to {eval_resize_size(r, self.crop_pct)} (bicubic), centre crop {r}"
@@ -317,59 +480,26 @@ class DistributionShiftBenchmarks(Evaluation):
         )
 
     def _run(self, trainer, pl_module, name: str) -> dict[str, Any]:
-        transform, note = self._preprocessing(name)
-        splits = self.splits[name]
-        root = self.roots[name]
-        assert root is not None  # only the benchmarks given a root run
-        section: dict[str, Any] = {"root": str(Path(root).resolve()), "preprocessing": note}
-        corrupt: list[str] = []
-        if name in ("imagenet_r", "imagenet_a", "imagenet_sketch", "imagenet_v2"):
-            classes = subset_classes(name)[1] if name in ("imagenet_r", "imagenet_a") else None
-            p = self._predict(trainer, pl_module, splits[0], transform, classes)
-            corrupt += p.corrupt
-            section.update(
-                num_images=len(p.label),
-                num_classes=len(classes or range(1000)),
-                acc1=accuracy(p.prediction, p.label),
-                ece=expected_calibration_error(p.confidence, p.prediction == p.label),
-            )
-            if name in ("imagenet_r", "imagenet_a"):
-                rms = rms_calibration_error(p.confidence, p.prediction == p.label)
-                section["rms_calibration_error"] = None if math.isnan(rms) else rms  # None: under 2 bins of images
-        elif name == "imagenet_o":
-            classes = subset_classes(name)[1]
-            ood, known = (self._predict(trainer, pl_module, split, transform, classes) for split in splits)
-            corrupt += ood.corrupt + known.corrupt
-            is_ood = torch.cat([ood.label, known.label]).bool()  # labels: 1 = OOD, 0 = in-distribution
-            anomaly = -torch.cat([ood.confidence, known.confidence])  # -max softmax over the 200 classes
-            assert self.imagenet_val is not None  # ImageNet-O is set up with it only
-            section.update(
-                imagenet_val=str(Path(self.imagenet_val).resolve()),
-                num_ood=len(ood.label),
-                num_in_distribution=len(known.label),
-                **ood_metrics(anomaly, is_ood),
-            )
-        else:
-            to_in9 = in9_map()
-            variants = {}
-            for split in splits:
-                p = self._predict(trainer, pl_module, split, transform, None)
-                corrupt += p.corrupt
-                correct = to_in9[p.prediction] == p.label
-                # confidence: the max of the 1000-way softmax, whose argmax gave the (mapped) prediction
-                variants[split.name] = {
-                    "num_images": len(p.label),
-                    "acc1": correct.double().mean().item(),
-                    "ece": expected_calibration_error(p.confidence, correct),
-                }
-            section.update(variants=variants, bg_gap=bg_gap({k: v["acc1"] for k, v in variants.items()}))
-        section["corrupt_images"] = corrupt
+        benchmark = self.benchmarks[name]
+        transform, note = self._preprocessing(benchmark)
+        classes = benchmark.classes() if benchmark.classes is not None else None
+        predictions = {
+            split.name: self._predict(trainer, pl_module, split, transform, classes) for split in self.splits[name]
+        }
+        given = {key: str(Path(root).resolve()) for key in (name, *benchmark.needs) if (root := self.roots[key])}
+        section: dict[str, Any] = {
+            "root": given.pop(name),  # only the benchmarks given a root run
+            "preprocessing": note,
+            **given,  # the roots it needs (ImageNet-O's in-distribution images)
+            **benchmark.metrics(predictions, len(classes or range(1000))),
+        }
+        section["corrupt_images"] = [image for p in predictions.values() for image in p.corrupt]
         return section
 
     def on_test_end(self, trainer, pl_module) -> None:
         with evaluating(pl_module):
             sections = {name: self._run(trainer, pl_module, name) for name in self.splits}
-        metrics = flat_metrics(sections)
+        metrics = flat_metrics(sections, self.benchmarks)
         # one table: benchmark, metric (e.g. mixed_rand/acc1)
         rows = [key.removeprefix("benchmarks/").split("/", 1) + [value] for key, value in metrics.items()]
         shown = ", ".join(f"{k.removeprefix('benchmarks/')}={v:.4f}" for k, v in metrics.items())
@@ -392,11 +522,11 @@ class DistributionShiftBenchmarks(Evaluation):
         )
 
 
-def flat_metrics(sections: dict[str, dict[str, Any]]) -> dict[str, float]:
+def flat_metrics(sections: dict[str, dict[str, Any]], benchmarks: dict[str, ShiftBenchmark]) -> dict[str, float]:
     """The scalar metrics of the results sections as ``benchmarks/<name>/<metric>`` logger keys."""
     metrics = {}
     for name, section in sections.items():
-        for key in ("acc1", "ece", "rms_calibration_error", "aupr", "auroc", "fpr95", "bg_gap"):
+        for key in benchmarks[name].keys:
             if section.get(key) is not None:
                 metrics[f"benchmarks/{name}/{key}"] = float(section[key])
         for variant, values in section.get("variants", {}).items():

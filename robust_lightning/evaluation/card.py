@@ -11,7 +11,9 @@ everything that was skipped and why (no dataset root, or a model whose classes a
 """
 
 import csv
+import math
 from collections.abc import Callable
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from robust_lightning.data.contract import evaluation_data
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.autoattack import AutoAttackEvaluation, ThreatModel
 from robust_lightning.evaluation.base import Evaluation, evaluation_resolution, evaluation_source
-from robust_lightning.evaluation.benchmarks import DistributionShiftBenchmarks
+from robust_lightning.evaluation.benchmarks import SHIFT_BENCHMARKS, DistributionShiftBenchmarks, shift_datasets
 from robust_lightning.evaluation.evaluated_module import model_setting
 from robust_lightning.evaluation.imagenet_c import ImageNetC
 from robust_lightning.evaluation.imagenet_p import ImageNetP
@@ -30,28 +32,18 @@ from robust_lightning.evaluation.results import ResultsFile
 from robust_lightning.models.robustbench import is_robustbench_arch, robustbench_entry
 from robust_lightning.paths import DATA_DIR
 
-DATASETS = (
-    "imagenet_c",
-    "imagenet_p",
-    "imagenet_r",
-    "imagenet_a",
-    "imagenet_sketch",
-    "imagenet_v2",
-    "imagenet_o",
-    "imagenet_val",
-    "imagenet_9",
-)
-# benchmarks whose labels are ImageNet-1k classes: they need a 1000-class model
-IMAGENET_LABELLED = (
-    "imagenet_c",
-    "imagenet_p",
-    "imagenet_r",
-    "imagenet_a",
-    "imagenet_sketch",
-    "imagenet_v2",
-    "imagenet_o",
-    "imagenet_9",
-)
+
+def card_datasets() -> list[str]:
+    """The card's dataset roots: ImageNet-C and -P, and those of the distribution-shift benchmarks registered."""
+    return ["imagenet_c", "imagenet_p", *shift_datasets()]
+
+
+def imagenet_labelled() -> list[str]:
+    """The benchmarks labelled with ImageNet-1k classes, which need a 1000-class model: ImageNet-C and -P, and
+    every distribution-shift benchmark (each reads the 1000 logits, or a subset of them)."""
+    return ["imagenet_c", "imagenet_p", *SHIFT_BENCHMARKS]
+
+
 CARD_FILE = "robustness_card.md"
 
 
@@ -69,7 +61,7 @@ def paper_rows(arch: str) -> list[dict[str, str]]:
                 "arch": arch,
                 "resolution": str(entry.preprocessing.image_size),
                 "clean": f"{entry.clean_acc:.2f}",
-                "autoattack_linf_4_255": f"{entry.autoattack_acc:.2f}",
+                PUBLISHED_AUTOATTACK[("Linf", Fraction(4, 255))]: f"{entry.autoattack_acc:.2f}",  # its only radius
                 "note": "these weights",
                 "source": "data/robustbench_imagenet_linf.csv",
             }
@@ -107,10 +99,11 @@ class RobustnessCard(Evaluation):
         paper_results: bool = True,
     ):
         datasets = dict(datasets or {})
-        unknown = sorted(set(datasets) - set(DATASETS))
+        known = card_datasets()
+        unknown = sorted(set(datasets) - set(known))
         if unknown:
-            raise UserError(f"RobustnessCard.datasets: unknown {unknown}; the datasets are {', '.join(DATASETS)}")
-        self.datasets = {name: datasets.get(name) for name in DATASETS}
+            raise UserError(f"RobustnessCard.datasets: unknown {unknown}; the datasets are {', '.join(known)}")
+        self.datasets = {name: datasets.get(name) for name in known}
         self.settings: dict[str, Any] = {  # the options of each part (None: not requested)
             "autoattack": autoattack,
             "benchmarks": benchmarks or {},
@@ -143,24 +136,23 @@ class RobustnessCard(Evaluation):
             skip("autoattack", "not requested (autoattack: null)")
         if num_classes != 1000:
             # generated ImageNet-C corrupts the test set itself, whatever its labels: it still applies
-            foreign = [name for name in IMAGENET_LABELLED if not (name == "imagenet_c" and roots[name] == "generated")]
+            foreign = [
+                name for name in imagenet_labelled() if not (name == "imagenet_c" and roots[name] == "generated")
+            ]
             for name in foreign:
                 skip(name, f"the model has {num_classes} classes; this benchmark is labelled with ImageNet's 1000")
             roots = {name: None if name in foreign else root for name, root in roots.items()}
-        shifts = {
-            name: roots[name]
-            for name in ("imagenet_r", "imagenet_a", "imagenet_sketch", "imagenet_v2", "imagenet_o", "imagenet_9")
-        }
-        if any(shifts.values()):
+        if any(roots[name] for name in SHIFT_BENCHMARKS):
+            shifts = {name: roots[name] for name in shift_datasets()}
+            if "imagenet_val" in shifts:  # ImageNet-O's in-distribution images: the data's val folder unless given
+                shifts["imagenet_val"] = shifts["imagenet_val"] or imagenet_val
             self.parts["benchmarks"] = self._part(
-                "benchmarks",
-                DistributionShiftBenchmarks,
-                **shifts,
-                imagenet_val=roots["imagenet_val"] or imagenet_val,
-                **settings["benchmarks"],
+                "benchmarks", DistributionShiftBenchmarks, roots=shifts, **settings["benchmarks"]
             )
         elif num_classes == 1000:
-            skip("distribution shifts (imagenet_r, _a, _sketch, _v2, _o, _9)", "no dataset root given")
+            names = list(SHIFT_BENCHMARKS)  # "imagenet_r, _a, _sketch, ...": short, as the card has always listed them
+            short = [names[0], *(name.replace("imagenet", "", 1) for name in names[1:])]
+            skip(f"distribution shifts ({', '.join(short)})", "no dataset root given")
         if roots["imagenet_c"] == "generated":
             self.parts["imagenet_c"] = self._part("imagenet_c", ImageNetC, source="generated", **settings["imagenet_c"])
         elif roots["imagenet_c"]:
@@ -274,19 +266,33 @@ def table(columns: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
+# The threat models of the published AutoAttack numbers (the radii of Singh et al.'s Table 2; RobustBench's Linf
+# leaderboard at 4/255), as norm and exact radius, and their columns in data/paper_results.csv
+PUBLISHED_AUTOATTACK = {
+    ("Linf", Fraction(4, 255)): "autoattack_linf_4_255",
+    ("L2", Fraction(2)): "autoattack_l2_2",
+    ("L1", Fraction(75)): "autoattack_l1_75",
+}
+
+
+def published_column(norm: str, eps: float) -> str | None:
+    """The column of the published numbers at this threat model; None where the papers report none. A radius
+    matches to a relative 1e-6, so that 4/255 as a float64 or float32 number is 4/255, and 0.0157 is not."""
+    return next(
+        (
+            column
+            for (published_norm, radius), column in PUBLISHED_AUTOATTACK.items()
+            if norm == published_norm and math.isclose(eps, radius, rel_tol=1e-6)
+        ),
+        None,
+    )
+
+
 def threat_label(section: dict[str, Any]) -> str:
     """ "Linf 4/255", "L2 2", "L1 1.53": radii as the papers quote them."""
     if section["norm"] == "Linf":
         return ThreatModel("Linf", section["eps"]).name.replace("-", " ").replace("_", "/")
     return f"{section['norm']} {section['eps']:.3g}"
-
-
-SHIFT_COLUMNS = (
-    ("IN-R", "imagenet_r"),
-    ("IN-A", "imagenet_a"),
-    ("IN-Sketch", "imagenet_sketch"),
-    ("IN-V2", "imagenet_v2"),
-)
 
 
 def _shift_values(test_metrics: dict[str, float], results: dict[str, Any], imagenet: bool = True) -> dict[str, str]:
@@ -298,10 +304,8 @@ def _shift_values(test_metrics: dict[str, float], results: dict[str, Any], image
         "IN-C mCE ↓": mean_over(c, "mce") if imagenet else "- (not ImageNet)",
         "IN-C acc": percent(c.get("mean_acc1")),
     }
-    for label, name in SHIFT_COLUMNS:
-        row[label] = percent(benchmarks.get(name, {}).get("acc1"))
-    row["IN-O AUPR"] = percent(benchmarks.get("imagenet_o", {}).get("aupr"))
-    row["IN-9 BG-gap ↓"] = percent(benchmarks.get("imagenet_9", {}).get("bg_gap"))
+    for name, benchmark in SHIFT_BENCHMARKS.items():
+        row[benchmark.column] = percent(benchmarks.get(name, {}).get(benchmark.headline))
     row["IN-P mFR ↓"] = mean_over(p, "mfr")
     # a mean top-5 distance, not AlexNet-normalised (no published AlexNet constants): not a percentage
     row["IN-P mT5D (unnormalised) ↓"] = mean_over(p, "mt5d", plain)
@@ -427,15 +431,18 @@ def render_card(
                 *(percent(s["robust_accuracy"]) for s in threats.values()),
             ]
         ]
-        # published AutoAttack numbers at the radii of Singh et al.'s Table 2; other radii, or none given: "-"
-        published = {"Linf 4/255": "autoattack_linf_4_255", "L2 2": "autoattack_l2_2", "L1 75": "autoattack_l1_75"}
+        columns = [published_column(s["norm"], s["eps"]) for s in threats.values()]
         for paper in papers:
-            cells = [paper.get(published.get(label, "")) or "-" for label in labels]
+            cells = [(paper.get(column) if column else None) or "-" for column in columns]  # "-": not in the paper
             note = f", {paper['note']}" if paper["note"] else ""
             rows.append(
                 [f"{paper['model']}, {paper['paper']} ({paper['resolution']} px{note})", paper["clean"], *cells]
             )
         lines += [table(["model", "clean", *labels], rows), ""]
+        unpublished = [label for label, column in zip(labels, columns, strict=True) if column is None]
+        if papers and unpublished:  # said, so that a radius off the papers' is not read as a missing number
+            published = ", ".join(threat_label({"norm": norm, "eps": float(eps)}) for norm, eps in PUBLISHED_AUTOATTACK)
+            lines += [f"No published numbers at {', '.join(unpublished)}: the papers report {published}.", ""]
         lines += adaptive_lines(threats)
         if any(paper.get("source") for paper in papers):
             lines += [
@@ -458,7 +465,11 @@ def render_card(
             "",
         ]
     ece = {"test set": test_metrics.get("test/ece")}
-    ece |= {label: results.get("benchmarks", {}).get(name, {}).get("ece") for label, name in SHIFT_COLUMNS}
+    ece |= {
+        benchmark.column: results.get("benchmarks", {}).get(name, {}).get("ece")
+        for name, benchmark in SHIFT_BENCHMARKS.items()
+        if "ece" in benchmark.keys
+    }
     corruptions = (results.get("imagenet_c") or {}).get("corruptions", {})
     if corruptions:
         ece["IN-C"] = sum(c["ece"] for c in corruptions.values()) / len(corruptions)
