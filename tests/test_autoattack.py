@@ -19,8 +19,9 @@ from helpers import (
     synthetic_points,
     tiny_synthetic,
 )
-from robust_lightning.attacks import ensemble, lp_norm
-from robust_lightning.attacks.ensemble import AutoAttack, batched_runs, channels_last_inputs, folded_batchnorm
+from robust_lightning.attacks import ensemble, lp_norm, reference_engine, stand_ins
+from robust_lightning.attacks.ensemble import AutoAttack, batched_runs
+from robust_lightning.attacks.stand_ins import channels_last_inputs, folded_batchnorm
 from robust_lightning.cli import main
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.autoattack import AutoAttackEvaluation, append_record, read_outcomes
@@ -138,9 +139,9 @@ def test_the_reference_engine_runs_in_true_fp32(trained, points, monkeypatch):
     # PyTorch lets cuDNN convolutions use TF32 by default; an "fp32" reference number must not
     seen = []
     monkeypatch.setattr(
-        AutoAttack,
-        "_reference_attack",
-        lambda self, attack, x, y, bs: (
+        reference_engine,
+        "reference_attack",
+        lambda adversary, attack, x, y, bs: (
             seen.append((torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)) or x
         ),
     )
@@ -273,7 +274,7 @@ def test_folding_follows_the_weights_and_its_claims_are_checked_on_the_model(tra
         def forward(self, images):
             return -self.model(images)
 
-    monkeypatch.setattr(ensemble, "folded_batchnorm", Negated)
+    monkeypatch.setattr(stand_ins, "folded_batchnorm", Negated)
     monkeypatch.setattr(AutoAttack, "_attack", spy)
     misled = adversary.evaluate(x, y)
     assert misled.batchnorm_folded and attacked[-1] is net and len(attacked) == 2

@@ -22,8 +22,9 @@ restarts or queries), a point whose claim the check refutes goes through that at
 given, in fp32.
 
 * ``engine="reference"`` runs the attacks of the ``pyautoattack`` package (a packaging of the reference code)
-  unchanged, one attack at a time on the survivors: its own batching of survivors in index order and its
-  seed reset before every attack on every batch, so the result is the package's own.
+  unchanged (robust_lightning.attacks.reference_engine), one attack at a time on the survivors: its own batching
+  of survivors in index order and its seed reset before every attack on every batch, so the result is the
+  package's own.
 * ``engine="fast"`` runs our implementations (robust_lightning.attacks: APGD, FAB-T, Square) with the same
   settings: input-only gradients, no host sync per iteration in the attack loops (APGD reads back only after
   iterations 1, 2, 4, 8, ..., when the rows of the points it broke leave the run; Square after its forward passes
@@ -32,9 +33,9 @@ given, in fp32.
   not attacked again; while few survivors are left, several target classes (restarts) run in one batch of up
   to ``bs`` rows (:func:`batched_runs`), and Square evaluates several of each point's next queries in one pass
   (speculatively, with the one-at-a-time result).
-  The attacks run a copy of the model with eval-mode BatchNorm folded into the convolutions before it
-  (:func:`folded_batchnorm`: one op instead of two, forward and backward), and on the CPU give it inputs in
-  the channels_last layout, where oneDNN's convolutions and pooling run faster (:func:`channels_last_inputs`).
+  The attacks run a copy of the model with eval-mode BatchNorm folded into the convolutions before it (one op
+  instead of two, forward and backward), and on the CPU give it inputs in the channels_last layout, where oneDNN's
+  convolutions and pooling run faster (robust_lightning.attacks.stand_ins).
 
 The reference's version "rand", for randomized defences: APGD-CE then APGD-DLR, one restart each, every iterate's
 gradient averaged over 20 forward/backward passes (Expectation over Transformation, ``adversary.apgd.eot_iter``).
@@ -61,13 +62,15 @@ from torch import Tensor, nn
 from robust_lightning.console import tqdm
 
 from . import checks as reference_checks
+from . import reference_engine
 from .adaptive import AdaptiveResult, bpda_attack, eot_attack, square_from_scratch, transfer_attack, without_parts
-from .apgd import apgd, input_gradient, random_start_point
+from .apgd import apgd
 from .checks import Check, adaptive_plan
 from .evaluation_state import EvaluationState
 from .fab import fab_targeted, fab_untargeted
 from .projections import NORMS, l1_projection
 from .square import square_attack
+from .stand_ins import attack_stand_in, folds_batchnorm, uses_channels_last
 
 ENGINES = ("fast", "reference")
 PRECISIONS = ("fp32", "tf32", "bf16")
@@ -198,90 +201,6 @@ def numerics(precision: str, device: torch.device) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
-class _ToChannelsLast(torch.autograd.Function):
-    """A channels_last copy of the input whose gradient comes back in the standard layout, so the attacks'
-    tensors keep their usual strides."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.clone(memory_format=torch.channels_last)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return grad.contiguous()
-
-
-def attack_stand_in(
-    model: Callable[[Tensor], Tensor], fold_batchnorm: bool, channels_last: bool
-) -> tuple[Callable[[Tensor], Tensor], bool]:
-    """What the fast engine's attacks run instead of ``model``: a copy with BatchNorm folded
-    (:func:`folded_batchnorm`, where it applies) and/or fed channels_last inputs; and whether BatchNorm is
-    folded in it."""
-    folded = folded_batchnorm(model) if fold_batchnorm else None
-    if folded is not None and channels_last:
-        # the copy's weights in the inputs' layout: else oneDNN reorders them at every call (ResNet-18 at 32 px,
-        # 24 rows: a forward pass 18 ms instead of 11 ms)
-        folded = folded.to(memory_format=torch.channels_last)
-    net = folded if folded is not None else model
-    return (channels_last_inputs(net) if channels_last else net), folded is not None
-
-
-def channels_last_inputs(model: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
-    """``model`` called on channels_last copies of 4-d inputs; logits and input gradients are unchanged up to
-    float rounding. On the CPU this runs oneDNN's NHWC kernels (max pooling in NCHW is many times slower)."""
-
-    def forward(x: Tensor) -> Tensor:
-        if x.dim() != 4:
-            return model(x)
-        try:
-            return model(_ToChannelsLast.apply(x))
-        except RuntimeError as error:
-            if "view size is not compatible" not in str(error):
-                raise
-            raise RuntimeError(
-                "the model cannot take channels_last inputs (it calls .view on an image or feature "
-                "map); run AutoAttack with channels_last=False"
-            ) from error
-
-    return forward
-
-
-def folded_batchnorm(model: Callable[[Tensor], Tensor]) -> nn.Module | None:
-    """A copy of ``model`` (an ``nn.Module`` in eval mode) with each BatchNorm folded into the convolution or
-    linear layer before it, so that the pair costs one op, forward and backward; logits agree up to float
-    rounding. None where nothing folds, or where torch.fx cannot trace the model (with a warning)."""
-
-    def batchnorms(module: nn.Module) -> int:
-        return sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
-
-    if not isinstance(model, nn.Module) or model.training or not batchnorms(model):
-        return None
-    from torch.fx.experimental.optimization import fuse
-
-    try:
-        folded = fuse(model)  # works on a deep copy
-    except Exception as error:  # noqa: BLE001 - tracing fails in many ways on dynamic code; the model still runs
-        warnings.warn(f"BatchNorm not folded for the attacks: torch.fx cannot trace the model ({error})", stacklevel=2)
-        return None
-    if batchnorms(folded) == batchnorms(model):
-        return None  # no BatchNorm follows a convolution or linear layer directly
-    return folded.requires_grad_(False)
-
-
-def folds_batchnorm(engine: str, requested: bool | None = None) -> bool:
-    """Whether the attacks may run a BatchNorm-folded copy of the model: as ``requested`` (fast engine only),
-    by default on (whether anything folds depends on the model: :func:`folded_batchnorm`)."""
-    return engine == "fast" and requested is not False
-
-
-def uses_channels_last(engine: str, device: torch.device, requested: bool | None = None) -> bool:
-    """Whether the attacks feed the model channels_last inputs: as ``requested`` (fast engine only), by default
-    on the CPU, where it measured faster (benchmarks/RESULTS.md), and not elsewhere, where it is unmeasured."""
-    if engine == "reference" and requested:
-        raise ValueError("channels_last applies to the fast engine only; the reference runs the model as is")
-    return engine == "fast" and (device.type == "cpu" if requested is None else bool(requested))
-
-
 L1_MIN_ITER = 3  # one iteration for each stage of the L1 eps schedule
 
 
@@ -318,8 +237,8 @@ class AutoAttack:
             measured faster (benchmarks/RESULTS.md); off elsewhere, where it has not been measured. The fp32
             verification of successes always sees the standard layout.
         fold_batchnorm: fast engine only (default on): attack a copy of the model with BatchNorm folded into
-            the layers before it (:func:`folded_batchnorm`, made afresh by every ``evaluate``); successes are
-            verified on the model as given.
+            the layers before it (:func:`~robust_lightning.attacks.stand_ins.folded_batchnorm`, made afresh by
+            every ``evaluate``); successes are verified on the model as given.
         attacks: pyautoattack's name for ``attacks_to_run``.
         checks: run the reference's checks (:mod:`robust_lightning.attacks.checks`), as the reference does: on
             the first batch before the attacks, and Square's after them. :meth:`evaluate` reports them
@@ -827,20 +746,9 @@ class AutoAttack:
                     num_classes, self.attacks, self.apgd_targeted.n_target_classes, self.fab.n_target_classes
                 ),
             ]
-            dlr = [attack for attack in self.attacks if attack in ("apgd-t", "apgd-dlr")]
-            x, y = x[clean.to(x.device)], y[clean.to(x.device)]
             # the fast engine's DLR attacks count zero gradients at each of their starts (_count_zero_gradients)
-            if self.engine == "reference" and dlr and num_classes > 3 and len(x):
-                generator = torch.Generator(x.device).manual_seed(self.seed or 0)
-                start = random_start_point(x, self.norm, self.eps, generator).clamp(0, 1)
-                if dlr[0] == "apgd-t":
-                    with torch.no_grad():
-                        target = self.model(x).sort(dim=1)[1][:, -2]
-                    eot = self.apgd_targeted.eot_iter
-                    grad = input_gradient(self.model, start, y, "dlr-targeted", target, eot)[2]
-                else:
-                    grad = input_gradient(self.model, start, y, "dlr", eot_iter=self.apgd.eot_iter)[2]
-                found.append(reference_checks.zero_gradients(grad))
+            if self.engine == "reference" and num_classes > 3:
+                found += reference_engine.zero_gradients(self, x[clean.to(x.device)], y[clean.to(x.device)])
         return found
 
     def _correct(self, x: Tensor, y: Tensor, bs: int) -> Tensor:
@@ -868,7 +776,7 @@ class AutoAttack:
         ``precision``)."""
         if self.engine == "reference":
             with numerics("fp32", self.device):  # TF32 off: PyTorch lets cuDNN convolutions use it by default
-                return self._reference_attack(attack, x, y, bs), None
+                return reference_engine.reference_attack(self, attack, x, y, bs), None
         run = {
             "apgd-ce": self._apgd_ce,
             "apgd-dlr": self._apgd_dlr,
@@ -1049,51 +957,6 @@ class AutoAttack:
             batch_size=bs,
         )
         return torch.where(result.robust.view(-1, *[1] * (x.dim() - 1)), x, result.x_adv), result.robust
-
-    # -------------------------------------------------------------------------------- reference engine
-    def _reference_attack(self, attack: str, x: Tensor, y: Tensor, bs: int) -> Tensor:
-        """One attack of pyautoattack's standard AutoAttack, run by the package on the survivors."""
-        try:
-            from pyautoattack import AutoAttack as ReferenceAutoAttack
-        except ImportError as e:
-            raise RuntimeError(
-                "engine='reference' needs the pyautoattack package (pip install pyautoattack==0.2.0)"
-            ) from e
-        import pyautoattack.checks
-        from pyautoattack.autopgd_base import APGDAttack, APGDAttack_targeted
-
-        # its APGD warns of zero gradients "See flags_doc.md", a file of the reference's repository
-        pyautoattack.checks.checks_doc_path = f"robust-lightning's {reference_checks.DOCS}"
-
-        reference = ReferenceAutoAttack(
-            self.model, norm=self.norm, eps=self.eps, version="standard", seed=self.seed, device=self.device
-        )
-        for name, build in (("apgd", APGDAttack), ("apgd_targeted", APGDAttack_targeted)):
-            settings = getattr(self, name)
-            if settings.n_iter != 100:  # rebuilt: the APGD checkpoint schedule is set in the constructor
-                setattr(
-                    reference,
-                    name,
-                    build(
-                        self.model,
-                        n_iter=settings.n_iter,
-                        eps=self.eps,
-                        norm=self.norm,
-                        seed=self.seed,
-                        device=self.device,
-                        use_largereps=self.norm == "L1",
-                        verbose=False,
-                    ),
-                )
-            getattr(reference, name).n_restarts = settings.n_restarts
-            getattr(reference, name).eot_iter = settings.eot_iter
-        reference.apgd_targeted.n_target_classes = self.apgd_targeted.n_target_classes
-        reference.fab.n_iter, reference.fab.n_target_classes = self.fab.n_iter, self.fab.n_target_classes
-        reference.fab.n_restarts = self.fab.n_restarts  # untargeted FAB's; the reference runs FAB-T once
-        reference.square.n_queries, reference.square.n_restarts = self.square.n_queries, self.square.n_restarts
-        reference.attacks_to_run = [attack]
-        x_adv, _ = reference.run_standard_evaluation(x.to(self.device), y.to(self.device), batch_size=bs)
-        return x_adv.to(x.device)
 
 
 def batched_runs(

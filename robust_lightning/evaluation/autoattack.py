@@ -38,13 +38,11 @@ from robust_lightning.attacks.ensemble import (
     VERSIONS,
     AutoAttack,
     EvaluationStopped,
-    folded_batchnorm,
-    folds_batchnorm,
     precision_note,
-    uses_channels_last,
 )
 from robust_lightning.attacks.projections import NORMS
 from robust_lightning.attacks.sanity import sanity_checks
+from robust_lightning.attacks.stand_ins import folded_batchnorm, folds_batchnorm, uses_channels_last
 from robust_lightning.data.contract import evaluation_data
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.base import (
