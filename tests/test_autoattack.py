@@ -2,6 +2,7 @@
 safeguard, and the Lightning callback (results, resume, DDP)."""
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -116,14 +117,14 @@ def test_claimed_successes_are_verified_in_fp32_and_refuted_ones_attacked_again_
         attacks.append((len(x), torch.is_autocast_enabled("cpu")))
         if torch.is_autocast_enabled("cpu"):  # "succeeds" on every point unmoved, as bf16 could wrongly suggest
             return x + 0.0, torch.zeros(len(x), dtype=torch.bool)
-        return apgd_ce(self, model, x, y, bs)  # in fp32: the real attack
+        return apgd_ce.run(self, model, x, y, bs)  # in fp32: the real attack
 
     def model(images):  # every forward outside the stubbed bf16 attack is an fp32 check or the fp32 attack
         check_numerics.append((torch.is_autocast_enabled("cpu"), torch.backends.cudnn.allow_tf32))
         return trained(images)
 
-    apgd_ce = AutoAttack._apgd_ce
-    monkeypatch.setattr(AutoAttack, "_apgd_ce", attack)
+    apgd_ce = ensemble.ATTACKS["apgd-ce"]
+    monkeypatch.setitem(ensemble.ATTACKS, "apgd-ce", dataclasses.replace(apgd_ce, run=attack))
     x, y = points
     report = AutoAttack(model, norm="Linf", eps=EPS["Linf"], version="apgd-ce", precision="bf16").evaluate(x, y)
     n_clean = int(report.clean.sum())
@@ -377,8 +378,8 @@ def test_fab_target_ranks_batched_in_one_run_match_one_rank_at_a_time(trained, p
     x, y = points
     adversary = AutoAttack(trained, norm="Linf", eps=EPS["Linf"], seed=0)
     clean = trained(x).argmax(1) == y
-    one_at_a_time, robust_one = adversary._fab_t(trained, x[clean], y[clean], bs=1)
-    all_at_once, robust_all = adversary._fab_t(trained, x[clean], y[clean], bs=10_000)
+    one_at_a_time, robust_one = ensemble.run_fab_t(adversary, trained, x[clean], y[clean], bs=1)
+    all_at_once, robust_all = ensemble.run_fab_t(adversary, trained, x[clean], y[clean], bs=10_000)
     moved = (one_at_a_time != x[clean]).flatten(1).any(1)
     assert moved.any() and not moved.all() and torch.equal(moved, ~robust_one)
     assert torch.equal(moved, (all_at_once != x[clean]).flatten(1).any(1)) and torch.equal(robust_one, robust_all)

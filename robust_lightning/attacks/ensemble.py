@@ -45,6 +45,10 @@ backward per class at each step), Square, APGD-T and FAB-T.
 
 Quick modes (``version``): "apgd-t" (targeted APGD-DLR only, 40 iterations, 3 target classes: the paper's
 sweeps) and "apgd-ce" (``n_iter``-step APGD-CE, e.g. 10 for checkpoint selection).
+
+The fast engine's attacks are the rows of one table, :data:`ATTACKS` (name -> runner and what the ensemble needs to
+know of it), from which the versions' names, "custom"'s choice and the dispatch come: a new attack is a runner and
+a row.
 """
 
 import contextlib
@@ -74,14 +78,13 @@ from .stand_ins import attack_stand_in, folds_batchnorm, uses_channels_last
 
 ENGINES = ("fast", "reference")
 PRECISIONS = ("fp32", "tf32", "bf16")
-VERSIONS = {
+VERSIONS = {  # names of ATTACKS (below, after their runners), in the order they run
     "standard": ("apgd-ce", "apgd-t", "fab-t", "square"),
     "rand": ("apgd-ce", "apgd-dlr"),  # for randomized defences: 20 EoT passes per iterate, one restart
     "plus": ("apgd-ce", "apgd-dlr", "fab", "square", "apgd-t", "fab-t"),  # AA+: more attacks and restarts
     "apgd-t": ("apgd-t",),
     "apgd-ce": ("apgd-ce",),
 }
-ATTACKS = ("apgd-ce", "apgd-dlr", "apgd-t", "fab", "fab-t", "square")  # the reference's names
 
 
 @dataclass
@@ -381,11 +384,14 @@ class AutoAttack:
         if not self.attacks_to_run:
             raise ValueError(
                 "version='custom' needs the attacks to run: AutoAttack(..., attacks_to_run=[...]) or "
-                f"adversary.attacks_to_run = [...], of {ATTACKS}"
+                f"adversary.attacks_to_run = [...], of {tuple(ATTACKS)}"
             )
         unknown = [attack for attack in self.attacks_to_run if attack not in ATTACKS]
         if unknown:
-            raise ValueError(f"attacks must be a non-empty list of {ATTACKS}, got {self.attacks_to_run}")
+            raise ValueError(f"attacks must be a non-empty list of {tuple(ATTACKS)}, got {self.attacks_to_run}")
+        theirs = reference_engine.REFERENCE_ATTACKS
+        if self.engine == "reference" and any(attack not in theirs for attack in self.attacks_to_run):
+            raise ValueError(f"engine='reference' runs pyautoattack's attacks {theirs} only, got {self.attacks_to_run}")
         for settings in (self.apgd, self.apgd_targeted):
             if self.norm == "L1" and settings.n_iter < L1_MIN_ITER:
                 raise ValueError(
@@ -672,17 +678,17 @@ class AutoAttack:
         reference runs them and fails), and a targeted attack aims at no more targets than there are other
         classes."""
         with numerics("fp32", self.device):
-            classes = self._logits(self.model, x.to(self.device)).shape[1]
-        needs = {"apgd-dlr": 3, "apgd-t": 4}
-        left_out = [attack for attack in self.attacks if classes < needs.get(attack, 0)]
+            classes = clean_logits(self.model, x.to(self.device)).shape[1]
+        left_out = [attack for attack in self.attacks if classes < ATTACKS[attack].min_classes]
         if left_out:
             warnings.warn(
                 f"AutoAttack: the model has {classes} classes, too few for {', '.join(left_out)} (the DLR loss needs "
                 "3 classes and its targeted form 4): left out, the others run",
                 stacklevel=4,
             )
-        self.apgd_targeted.n_target_classes = min(self.apgd_targeted.n_target_classes, max(classes - 1, 1))
-        self.fab.n_target_classes = min(self.fab.n_target_classes, max(classes - 1, 1))
+        for name in {row.settings for row in ATTACKS.values() if row.targeted}:  # apgd_targeted, fab
+            settings = getattr(self, name)
+            settings.n_target_classes = min(settings.n_target_classes, max(classes - 1, 1))
         return tuple(attack for attack in self.attacks if attack not in left_out)
 
     def _adaptive_attack(self, name: str, x: Tensor, y: Tensor, bs: int) -> AdaptiveResult:
@@ -777,88 +783,14 @@ class AutoAttack:
         if self.engine == "reference":
             with numerics("fp32", self.device):  # TF32 off: PyTorch lets cuDNN convolutions use it by default
                 return reference_engine.reference_attack(self, attack, x, y, bs), None
-        run = {
-            "apgd-ce": self._apgd_ce,
-            "apgd-dlr": self._apgd_dlr,
-            "apgd-t": self._apgd_t,
-            "fab": self._fab,
-            "fab-t": self._fab_t,
-            "square": self._square,
-        }
         images, robust = [], []
         for i in range(0, len(x), bs):
             xb, yb = x[i : i + bs].to(self.device), y[i : i + bs].to(self.device)
             with numerics(precision or self.precision, self.device):
-                candidates, still = run[attack](model, xb, yb, bs)
+                candidates, still = ATTACKS[attack].run(self, model, xb, yb, bs)
             images.append(candidates.detach().float().to(x.device))
             robust.append(still.to(x.device))
         return torch.cat(images), torch.cat(robust)
-
-    # ------------------------------------------------------------------------------------- fast engine
-    def _generator(self) -> torch.Generator:
-        return torch.Generator(device=self.device).manual_seed(self.seed)  # reset per attack per batch
-
-    @staticmethod
-    def _logits(model: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
-        with torch.no_grad():
-            return model(x).float()
-
-    def _apgd(
-        self,
-        model: Callable[[Tensor], Tensor],
-        x: Tensor,
-        y: Tensor,
-        points: Tensor,
-        generator: torch.Generator,
-        n_iter: int,
-        **kwargs: Any,
-    ) -> tuple[Tensor, Tensor]:
-        """One APGD run (x_adv, robust) on rows of the points ``points`` (a point's rows leave the run once one
-        breaks it); for L1 the reference's 3/2/1 x eps schedule (30/30/40 % of the iterations) from a random
-        point, each stage starting from the previous stage's best point (only a break at eps, in the last stage,
-        counts).
-
-        One known difference: the reference re-projects each stage's start as a correction (``x_init +=``),
-        which leaves ~1e-8 residues where coordinates are zeroed, and its initial step sparsity counts them
-        (the start's L0 distance); ours starts exactly sparse, so its first steps may be sparser. Matching it
-        would need the reference's own projection bit for bit (ours agrees to float error only)."""
-        if self.norm != "L1":
-            result = apgd(
-                model,
-                x,
-                y,
-                norm=self.norm,
-                eps=self.eps,
-                n_iter=n_iter,
-                random_start=True,
-                generator=generator,
-                exit_broken=points,
-                **kwargs,
-            )
-            self._count_zero_gradients(result, kwargs.get("loss"))
-            return result.x_adv, result.robust
-        stages = [math.ceil(0.3 * n_iter), math.ceil(0.3 * n_iter)]
-        stages.append(n_iter - sum(stages))
-        noise = torch.randn(x.shape, generator=generator, device=generator.device).to(x.device)
-        start = x + l1_projection(x, noise, 3 * self.eps)
-        for factor, stage_iter in zip((3, 2, 1), stages):
-            start = x + l1_projection(x, start - x, factor * self.eps)
-            result = apgd(
-                model,
-                x,
-                y,
-                norm="L1",
-                eps=factor * self.eps,
-                n_iter=stage_iter,
-                x_init=start,
-                generator=generator,
-                exit_broken=points if factor == 1 else None,
-                **kwargs,
-            )
-            if factor == 3:  # the run's start
-                self._count_zero_gradients(result, kwargs.get("loss"))
-            start = result.x_best
-        return result.x_adv, result.robust
 
     def _count_zero_gradients(self, result: Any, loss: str | None) -> None:
         """The reference's zero_gradients at an APGD start of a DLR attack, summed on the device (no read back)."""
@@ -866,97 +798,228 @@ class AutoAttack:
             self._zero_starts = self._zero_starts + result.zero_gradient.sum()
             self._starts += len(result.zero_gradient)
 
-    def _apgd_ce(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
-        return self._apgd_untargeted(model, x, y, bs, "ce")
 
-    def _apgd_dlr(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
-        return self._apgd_untargeted(model, x, y, bs, "dlr")
+# --------------------------------------------------------------------------------------- the attacks
+# Each attack of the fast engine is a runner, run(adversary, model, x, y, bs): it attacks the points x (labels y, on
+# the adversary's device, at most bs rows at a time) on ``model`` with the adversary's norm, eps, seed and budgets,
+# and returns the candidate images (x where it failed) and the robust flags. The ensemble (AutoAttack._evaluate)
+# runs it on the survivors, batch by batch, and checks its successes in fp32 on the model as given.
+Runner = Callable[["AutoAttack", Callable[[Tensor], Tensor], Tensor, Tensor, int], tuple[Tensor, Tensor]]
 
-    def _apgd_untargeted(
-        self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int, loss: str
-    ) -> tuple[Tensor, Tensor]:
-        generator = self._generator()
 
-        def attack(rows: Tensor, restarts: Tensor) -> tuple[Tensor, Tensor]:  # each row its own random start
-            return self._apgd(
-                model, x[rows], y[rows], rows, generator, self.apgd.n_iter, loss=loss, eot_iter=self.apgd.eot_iter
-            )
+@dataclass(frozen=True)
+class Attack:
+    """One row of :data:`ATTACKS`: an attack's runner and what the ensemble needs to know of it. ``settings``: the
+    adversary's :class:`AttackSettings` that hold its budget (``adversary.apgd``, ...); ``targeted``: it aims at
+    ``settings.n_target_classes`` other classes, which the model's class count caps; ``min_classes``: the fewest
+    classes it can run with (the DLR loss needs 3, its targeted form 4), fewer leaves it out with a warning."""
 
-        return batched_runs(attack, x, range(self.apgd.n_restarts), bs)
+    run: Runner
+    settings: str
+    targeted: bool = False
+    min_classes: int = 2
 
-    def _apgd_t(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
-        generator = self._generator()
-        ranked = self._logits(model, x).sort(dim=1)[1]  # target of rank r: the r-th highest clean logit
 
-        def attack(rows: Tensor, ranks: Tensor) -> tuple[Tensor, Tensor]:
-            target = ranked[rows, ranked.shape[1] - ranks]
-            return self._apgd(
-                model,
-                x[rows],
-                y[rows],
-                rows,
-                generator,
-                self.apgd_targeted.n_iter,
-                loss="dlr-targeted",
-                y_target=target,
-                eot_iter=self.apgd_targeted.eot_iter,
-            )
+def seeded_generator(adversary: "AutoAttack") -> torch.Generator:
+    """The generator of one attack on one batch, seeded afresh each time, as the reference resets its seed."""
+    return torch.Generator(device=adversary.device).manual_seed(adversary.seed)
 
-        return batched_runs(attack, x, range(2, self.apgd_targeted.n_target_classes + 2), bs)
 
-    def _fab(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
-        generator = self._generator()
-        restarts = range(self.fab.n_restarts)  # restarts after the first start at random points
-        return self._fab_runs(
-            model, x, y, bs, fab_untargeted, restarts, lambda ids: {"random_start": ids > 0, "generator": generator}
-        )
+def clean_logits(model: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    with torch.no_grad():
+        return model(x).float()
 
-    def _fab_t(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
-        ranks = range(2, self.fab.n_target_classes + 2)
-        return self._fab_runs(model, x, y, bs, fab_targeted, ranks, lambda ids: {"target_rank": ids})
 
-    def _fab_runs(
-        self,
-        model: Callable[[Tensor], Tensor],
-        x: Tensor,
-        y: Tensor,
-        bs: int,
-        fab: Callable[..., Any],
-        runs: range,
-        run_arguments: Callable[[Tensor], dict[str, Any]],
-    ) -> tuple[Tensor, Tensor]:
-        """FAB's runs (restarts, or target ranks) through :func:`batched_runs`; ``run_arguments`` gives a batch's
-        rows the arguments of their runs."""
-        logits = self._logits(model, x)
+def apgd_run(
+    adversary: "AutoAttack",
+    model: Callable[[Tensor], Tensor],
+    x: Tensor,
+    y: Tensor,
+    points: Tensor,
+    generator: torch.Generator,
+    n_iter: int,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor]:
+    """One APGD run (x_adv, robust) on rows of the points ``points`` (a point's rows leave the run once one
+    breaks it); for L1 the reference's 3/2/1 x eps schedule (30/30/40 % of the iterations) from a random
+    point, each stage starting from the previous stage's best point (only a break at eps, in the last stage,
+    counts).
 
-        def attack(rows: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
-            result = fab(
-                model,
-                x[rows],
-                y[rows],
-                norm=self.norm,
-                eps=self.eps,
-                n_iter=self.fab.n_iter,
-                logits_clean=logits[rows],
-                **run_arguments(ids),
-            )
-            return result.x_adv, result.robust
-
-        return batched_runs(attack, x, runs, bs)
-
-    def _square(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
-        result = square_attack(
+    One known difference: the reference re-projects each stage's start as a correction (``x_init +=``),
+    which leaves ~1e-8 residues where coordinates are zeroed, and its initial step sparsity counts them
+    (the start's L0 distance); ours starts exactly sparse, so its first steps may be sparser. Matching it
+    would need the reference's own projection bit for bit (ours agrees to float error only)."""
+    norm, eps = adversary.norm, adversary.eps
+    if norm != "L1":
+        result = apgd(
             model,
             x,
             y,
-            norm=self.norm,
-            eps=self.eps,
-            n_queries=self.square.n_queries,
-            p_init=0.8,
-            generator=self._generator(),
-            batch_size=bs,
+            norm=norm,
+            eps=eps,
+            n_iter=n_iter,
+            random_start=True,
+            generator=generator,
+            exit_broken=points,
+            **kwargs,
         )
-        return torch.where(result.robust.view(-1, *[1] * (x.dim() - 1)), x, result.x_adv), result.robust
+        adversary._count_zero_gradients(result, kwargs.get("loss"))
+        return result.x_adv, result.robust
+    stages = [math.ceil(0.3 * n_iter), math.ceil(0.3 * n_iter)]
+    stages.append(n_iter - sum(stages))
+    noise = torch.randn(x.shape, generator=generator, device=generator.device).to(x.device)
+    start = x + l1_projection(x, noise, 3 * eps)
+    for factor, stage_iter in zip((3, 2, 1), stages):
+        start = x + l1_projection(x, start - x, factor * eps)
+        result = apgd(
+            model,
+            x,
+            y,
+            norm="L1",
+            eps=factor * eps,
+            n_iter=stage_iter,
+            x_init=start,
+            generator=generator,
+            exit_broken=points if factor == 1 else None,
+            **kwargs,
+        )
+        if factor == 3:  # the run's start
+            adversary._count_zero_gradients(result, kwargs.get("loss"))
+        start = result.x_best
+    return result.x_adv, result.robust
+
+
+def run_apgd_ce(
+    adversary: "AutoAttack", model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int
+) -> tuple[Tensor, Tensor]:
+    return _apgd_untargeted(adversary, model, x, y, bs, "ce")
+
+
+def run_apgd_dlr(
+    adversary: "AutoAttack", model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int
+) -> tuple[Tensor, Tensor]:
+    return _apgd_untargeted(adversary, model, x, y, bs, "dlr")
+
+
+def _apgd_untargeted(
+    adversary: "AutoAttack", model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int, loss: str
+) -> tuple[Tensor, Tensor]:
+    generator, settings = seeded_generator(adversary), adversary.apgd
+
+    def attack(rows: Tensor, restarts: Tensor) -> tuple[Tensor, Tensor]:  # each row its own random start
+        return apgd_run(
+            adversary, model, x[rows], y[rows], rows, generator, settings.n_iter, loss=loss, eot_iter=settings.eot_iter
+        )
+
+    return batched_runs(attack, x, range(settings.n_restarts), bs)
+
+
+def run_apgd_t(
+    adversary: "AutoAttack", model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int
+) -> tuple[Tensor, Tensor]:
+    generator, settings = seeded_generator(adversary), adversary.apgd_targeted
+    ranked = clean_logits(model, x).sort(dim=1)[1]  # target of rank r: the r-th highest clean logit
+
+    def attack(rows: Tensor, ranks: Tensor) -> tuple[Tensor, Tensor]:
+        target = ranked[rows, ranked.shape[1] - ranks]
+        return apgd_run(
+            adversary,
+            model,
+            x[rows],
+            y[rows],
+            rows,
+            generator,
+            settings.n_iter,
+            loss="dlr-targeted",
+            y_target=target,
+            eot_iter=settings.eot_iter,
+        )
+
+    return batched_runs(attack, x, range(2, settings.n_target_classes + 2), bs)
+
+
+def run_fab(
+    adversary: "AutoAttack", model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int
+) -> tuple[Tensor, Tensor]:
+    generator = seeded_generator(adversary)
+    restarts = range(adversary.fab.n_restarts)  # restarts after the first start at random points
+    return _fab_runs(
+        adversary,
+        model,
+        x,
+        y,
+        bs,
+        fab_untargeted,
+        restarts,
+        lambda ids: {"random_start": ids > 0, "generator": generator},
+    )
+
+
+def run_fab_t(
+    adversary: "AutoAttack", model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int
+) -> tuple[Tensor, Tensor]:
+    ranks = range(2, adversary.fab.n_target_classes + 2)
+    return _fab_runs(adversary, model, x, y, bs, fab_targeted, ranks, lambda ids: {"target_rank": ids})
+
+
+def _fab_runs(
+    adversary: "AutoAttack",
+    model: Callable[[Tensor], Tensor],
+    x: Tensor,
+    y: Tensor,
+    bs: int,
+    fab: Callable[..., Any],
+    runs: range,
+    run_arguments: Callable[[Tensor], dict[str, Any]],
+) -> tuple[Tensor, Tensor]:
+    """FAB's runs (restarts, or target ranks) through :func:`batched_runs`; ``run_arguments`` gives a batch's
+    rows the arguments of their runs."""
+    logits = clean_logits(model, x)
+
+    def attack(rows: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+        result = fab(
+            model,
+            x[rows],
+            y[rows],
+            norm=adversary.norm,
+            eps=adversary.eps,
+            n_iter=adversary.fab.n_iter,
+            logits_clean=logits[rows],
+            **run_arguments(ids),
+        )
+        return result.x_adv, result.robust
+
+    return batched_runs(attack, x, runs, bs)
+
+
+def run_square(
+    adversary: "AutoAttack", model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int
+) -> tuple[Tensor, Tensor]:
+    result = square_attack(
+        model,
+        x,
+        y,
+        norm=adversary.norm,
+        eps=adversary.eps,
+        n_queries=adversary.square.n_queries,
+        p_init=0.8,
+        generator=seeded_generator(adversary),
+        batch_size=bs,
+    )
+    return torch.where(result.robust.view(-1, *[1] * (x.dim() - 1)), x, result.x_adv), result.robust
+
+
+# The attacks by the reference's names: the versions (VERSIONS), "custom"'s attacks_to_run, the dispatch of the fast
+# engine, the class counts each needs and the callback's results columns all come from here. A new attack is a
+# runner and a row.
+ATTACKS: dict[str, Attack] = {
+    "apgd-ce": Attack(run_apgd_ce, "apgd"),
+    "apgd-dlr": Attack(run_apgd_dlr, "apgd", min_classes=3),
+    "apgd-t": Attack(run_apgd_t, "apgd_targeted", targeted=True, min_classes=4),
+    "fab": Attack(run_fab, "fab"),
+    "fab-t": Attack(run_fab_t, "fab", targeted=True),
+    "square": Attack(run_square, "square"),
+}
 
 
 def batched_runs(
