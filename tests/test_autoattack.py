@@ -673,7 +673,7 @@ def test_budgets_set_on_the_attack_objects_reach_the_attacks(trained, points, mo
         adversary.evaluate(x, y)
     seeded_by_the_clock = AutoAttack(trained, seed=None)
     assert isinstance(seeded_by_the_clock.seed, int)
-    with pytest.raises(UserError, match="version must be one of"):  # the callbacks run the named ensembles only
+    with pytest.raises(UserError, match="version custom needs attacks_to_run"):  # a config names them too
         AutoAttackEvaluation(version="custom")
 
 
