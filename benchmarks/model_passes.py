@@ -7,7 +7,7 @@ Every robust point costs standard Linf AutoAttack 900 APGD-T and 900 FAB-T forwa
 checking forwards and 5000 Square forwards, whichever engine runs them. This times one forward pass
 (no_grad) and one forward pass plus the input's gradient (what the attacks take) on random images at the
 model's resolution, for each ``--rows`` batch size: the model as given and the fast engine's stand-in for it
-(:func:`~robust_lightning.attacks.ensemble.attack_stand_in`: BatchNorm folded), each with the standard and
+(:func:`~robust_lightning.attacks.stand_ins.attack_stand_in`: BatchNorm folded), each with the standard and
 the channels_last input layout (the fast engine's default on the CPU). The last line printed is a JSON object
 with the milliseconds.
 """
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from robust_lightning.attacks.ensemble import attack_stand_in
+from robust_lightning.attacks.stand_ins import attack_stand_in
 from robust_lightning.training.lightning_module import ImageClassifier
 
 

@@ -2,6 +2,7 @@
 safeguard, and the Lightning callback (results, resume, DDP)."""
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -19,8 +20,9 @@ from helpers import (
     synthetic_points,
     tiny_synthetic,
 )
-from robust_lightning.attacks import ensemble, lp_norm
-from robust_lightning.attacks.ensemble import AutoAttack, batched_runs, channels_last_inputs, folded_batchnorm
+from robust_lightning.attacks import ensemble, lp_norm, reference_engine, stand_ins
+from robust_lightning.attacks.ensemble import AutoAttack, batched_runs
+from robust_lightning.attacks.stand_ins import channels_last_inputs, folded_batchnorm
 from robust_lightning.cli import main
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.autoattack import AutoAttackEvaluation, append_record, read_outcomes
@@ -114,14 +116,14 @@ def test_claimed_successes_are_verified_in_fp32_and_refuted_ones_attacked_again_
         attacks.append((len(x), torch.is_autocast_enabled("cpu")))
         if torch.is_autocast_enabled("cpu"):  # "succeeds" on every point unmoved, as bf16 could wrongly suggest
             return x + 0.0, torch.zeros(len(x), dtype=torch.bool)
-        return apgd_ce(self, model, x, y, bs)  # in fp32: the real attack
+        return apgd_ce.run(self, model, x, y, bs)  # in fp32: the real attack
 
     def model(images):  # every forward outside the stubbed bf16 attack is an fp32 check or the fp32 attack
         check_numerics.append((torch.is_autocast_enabled("cpu"), torch.backends.cudnn.allow_tf32))
         return trained(images)
 
-    apgd_ce = AutoAttack._apgd_ce
-    monkeypatch.setattr(AutoAttack, "_apgd_ce", attack)
+    apgd_ce = ensemble.ATTACKS["apgd-ce"]
+    monkeypatch.setitem(ensemble.ATTACKS, "apgd-ce", dataclasses.replace(apgd_ce, run=attack))
     x, y = points
     report = AutoAttack(model, norm="Linf", eps=EPS["Linf"], version="apgd-ce", precision="bf16").evaluate(x, y)
     n_clean = int(report.clean.sum())
@@ -137,9 +139,9 @@ def test_the_reference_engine_runs_in_true_fp32(trained, points, monkeypatch):
     # PyTorch lets cuDNN convolutions use TF32 by default; an "fp32" reference number must not
     seen = []
     monkeypatch.setattr(
-        AutoAttack,
-        "_reference_attack",
-        lambda self, attack, x, y, bs: (
+        reference_engine,
+        "reference_attack",
+        lambda adversary, attack, x, y, bs: (
             seen.append((torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)) or x
         ),
     )
@@ -272,7 +274,7 @@ def test_folding_follows_the_weights_and_its_claims_are_checked_on_the_model(tra
         def forward(self, images):
             return -self.model(images)
 
-    monkeypatch.setattr(ensemble, "folded_batchnorm", Negated)
+    monkeypatch.setattr(stand_ins, "folded_batchnorm", Negated)
     monkeypatch.setattr(AutoAttack, "_attack", spy)
     misled = adversary.evaluate(x, y)
     assert misled.batchnorm_folded and attacked[-1] is net and len(attacked) == 2
@@ -375,8 +377,8 @@ def test_fab_target_ranks_batched_in_one_run_match_one_rank_at_a_time(trained, p
     x, y = points
     adversary = AutoAttack(trained, norm="Linf", eps=EPS["Linf"], seed=0)
     clean = trained(x).argmax(1) == y
-    one_at_a_time, robust_one = adversary._fab_t(trained, x[clean], y[clean], bs=1)
-    all_at_once, robust_all = adversary._fab_t(trained, x[clean], y[clean], bs=10_000)
+    one_at_a_time, robust_one = ensemble.run_fab_t(adversary, trained, x[clean], y[clean], bs=1)
+    all_at_once, robust_all = ensemble.run_fab_t(adversary, trained, x[clean], y[clean], bs=10_000)
     moved = (one_at_a_time != x[clean]).flatten(1).any(1)
     assert moved.any() and not moved.all() and torch.equal(moved, ~robust_one)
     assert torch.equal(moved, (all_at_once != x[clean]).flatten(1).any(1)) and torch.equal(robust_one, robust_all)
@@ -670,7 +672,7 @@ def test_budgets_set_on_the_attack_objects_reach_the_attacks(trained, points, mo
         adversary.evaluate(x, y)
     seeded_by_the_clock = AutoAttack(trained, seed=None)
     assert isinstance(seeded_by_the_clock.seed, int)
-    with pytest.raises(UserError, match="version must be one of"):  # the callbacks run the named ensembles only
+    with pytest.raises(UserError, match="version custom needs attacks_to_run"):  # a config names them too
         AutoAttackEvaluation(version="custom")
 
 

@@ -22,8 +22,9 @@ restarts or queries), a point whose claim the check refutes goes through that at
 given, in fp32.
 
 * ``engine="reference"`` runs the attacks of the ``pyautoattack`` package (a packaging of the reference code)
-  unchanged, one attack at a time on the survivors: its own batching of survivors in index order and its
-  seed reset before every attack on every batch, so the result is the package's own.
+  unchanged (robust_lightning.attacks.reference_engine), one attack at a time on the survivors: its own batching
+  of survivors in index order and its seed reset before every attack on every batch, so the result is the
+  package's own.
 * ``engine="fast"`` runs our implementations (robust_lightning.attacks: APGD, FAB-T, Square) with the same
   settings: input-only gradients, no host sync per iteration in the attack loops (APGD reads back only after
   iterations 1, 2, 4, 8, ..., when the rows of the points it broke leave the run; Square after its forward passes
@@ -32,9 +33,9 @@ given, in fp32.
   not attacked again; while few survivors are left, several target classes (restarts) run in one batch of up
   to ``bs`` rows (:func:`batched_runs`), and Square evaluates several of each point's next queries in one pass
   (speculatively, with the one-at-a-time result).
-  The attacks run a copy of the model with eval-mode BatchNorm folded into the convolutions before it
-  (:func:`folded_batchnorm`: one op instead of two, forward and backward), and on the CPU give it inputs in
-  the channels_last layout, where oneDNN's convolutions and pooling run faster (:func:`channels_last_inputs`).
+  The attacks run a copy of the model with eval-mode BatchNorm folded into the convolutions before it (one op
+  instead of two, forward and backward), and on the CPU give it inputs in the channels_last layout, where oneDNN's
+  convolutions and pooling run faster (robust_lightning.attacks.stand_ins).
 
 The reference's version "rand", for randomized defences: APGD-CE then APGD-DLR, one restart each, every iterate's
 gradient averaged over 20 forward/backward passes (Expectation over Transformation, ``adversary.apgd.eot_iter``).
@@ -44,6 +45,10 @@ backward per class at each step), Square, APGD-T and FAB-T.
 
 Quick modes (``version``): "apgd-t" (targeted APGD-DLR only, 40 iterations, 3 target classes: the paper's
 sweeps) and "apgd-ce" (``n_iter``-step APGD-CE, e.g. 10 for checkpoint selection).
+
+The fast engine's attacks are the rows of one table, :data:`ATTACKS` (name -> runner and what the ensemble needs to
+know of it), from which the versions' names, "custom"'s choice and the dispatch come: a new attack is a runner and
+a row.
 """
 
 import contextlib
@@ -61,24 +66,25 @@ from torch import Tensor, nn
 from robust_lightning.console import tqdm
 
 from . import checks as reference_checks
+from . import reference_engine
 from .adaptive import AdaptiveResult, bpda_attack, eot_attack, square_from_scratch, transfer_attack, without_parts
-from .apgd import apgd, input_gradient, random_start_point
+from .apgd import apgd
 from .checks import Check, adaptive_plan
 from .evaluation_state import EvaluationState
 from .fab import fab_targeted, fab_untargeted
 from .projections import NORMS, l1_projection
 from .square import square_attack
+from .stand_ins import attack_stand_in, folds_batchnorm, uses_channels_last
 
 ENGINES = ("fast", "reference")
 PRECISIONS = ("fp32", "tf32", "bf16")
-VERSIONS = {
+VERSIONS = {  # names of ATTACKS (below, after their runners), in the order they run
     "standard": ("apgd-ce", "apgd-t", "fab-t", "square"),
     "rand": ("apgd-ce", "apgd-dlr"),  # for randomized defences: 20 EoT passes per iterate, one restart
     "plus": ("apgd-ce", "apgd-dlr", "fab", "square", "apgd-t", "fab-t"),  # AA+: more attacks and restarts
     "apgd-t": ("apgd-t",),
     "apgd-ce": ("apgd-ce",),
 }
-ATTACKS = ("apgd-ce", "apgd-dlr", "apgd-t", "fab", "fab-t", "square")  # the reference's names
 
 
 @dataclass
@@ -198,90 +204,6 @@ def numerics(precision: str, device: torch.device) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
-class _ToChannelsLast(torch.autograd.Function):
-    """A channels_last copy of the input whose gradient comes back in the standard layout, so the attacks'
-    tensors keep their usual strides."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.clone(memory_format=torch.channels_last)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return grad.contiguous()
-
-
-def attack_stand_in(
-    model: Callable[[Tensor], Tensor], fold_batchnorm: bool, channels_last: bool
-) -> tuple[Callable[[Tensor], Tensor], bool]:
-    """What the fast engine's attacks run instead of ``model``: a copy with BatchNorm folded
-    (:func:`folded_batchnorm`, where it applies) and/or fed channels_last inputs; and whether BatchNorm is
-    folded in it."""
-    folded = folded_batchnorm(model) if fold_batchnorm else None
-    if folded is not None and channels_last:
-        # the copy's weights in the inputs' layout: else oneDNN reorders them at every call (ResNet-18 at 32 px,
-        # 24 rows: a forward pass 18 ms instead of 11 ms)
-        folded = folded.to(memory_format=torch.channels_last)
-    net = folded if folded is not None else model
-    return (channels_last_inputs(net) if channels_last else net), folded is not None
-
-
-def channels_last_inputs(model: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
-    """``model`` called on channels_last copies of 4-d inputs; logits and input gradients are unchanged up to
-    float rounding. On the CPU this runs oneDNN's NHWC kernels (max pooling in NCHW is many times slower)."""
-
-    def forward(x: Tensor) -> Tensor:
-        if x.dim() != 4:
-            return model(x)
-        try:
-            return model(_ToChannelsLast.apply(x))
-        except RuntimeError as error:
-            if "view size is not compatible" not in str(error):
-                raise
-            raise RuntimeError(
-                "the model cannot take channels_last inputs (it calls .view on an image or feature "
-                "map); run AutoAttack with channels_last=False"
-            ) from error
-
-    return forward
-
-
-def folded_batchnorm(model: Callable[[Tensor], Tensor]) -> nn.Module | None:
-    """A copy of ``model`` (an ``nn.Module`` in eval mode) with each BatchNorm folded into the convolution or
-    linear layer before it, so that the pair costs one op, forward and backward; logits agree up to float
-    rounding. None where nothing folds, or where torch.fx cannot trace the model (with a warning)."""
-
-    def batchnorms(module: nn.Module) -> int:
-        return sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
-
-    if not isinstance(model, nn.Module) or model.training or not batchnorms(model):
-        return None
-    from torch.fx.experimental.optimization import fuse
-
-    try:
-        folded = fuse(model)  # works on a deep copy
-    except Exception as error:  # noqa: BLE001 - tracing fails in many ways on dynamic code; the model still runs
-        warnings.warn(f"BatchNorm not folded for the attacks: torch.fx cannot trace the model ({error})", stacklevel=2)
-        return None
-    if batchnorms(folded) == batchnorms(model):
-        return None  # no BatchNorm follows a convolution or linear layer directly
-    return folded.requires_grad_(False)
-
-
-def folds_batchnorm(engine: str, requested: bool | None = None) -> bool:
-    """Whether the attacks may run a BatchNorm-folded copy of the model: as ``requested`` (fast engine only),
-    by default on (whether anything folds depends on the model: :func:`folded_batchnorm`)."""
-    return engine == "fast" and requested is not False
-
-
-def uses_channels_last(engine: str, device: torch.device, requested: bool | None = None) -> bool:
-    """Whether the attacks feed the model channels_last inputs: as ``requested`` (fast engine only), by default
-    on the CPU, where it measured faster (benchmarks/RESULTS.md), and not elsewhere, where it is unmeasured."""
-    if engine == "reference" and requested:
-        raise ValueError("channels_last applies to the fast engine only; the reference runs the model as is")
-    return engine == "fast" and (device.type == "cpu" if requested is None else bool(requested))
-
-
 L1_MIN_ITER = 3  # one iteration for each stage of the L1 eps schedule
 
 
@@ -318,8 +240,8 @@ class AutoAttack:
             measured faster (benchmarks/RESULTS.md); off elsewhere, where it has not been measured. The fp32
             verification of successes always sees the standard layout.
         fold_batchnorm: fast engine only (default on): attack a copy of the model with BatchNorm folded into
-            the layers before it (:func:`folded_batchnorm`, made afresh by every ``evaluate``); successes are
-            verified on the model as given.
+            the layers before it (:func:`~robust_lightning.attacks.stand_ins.folded_batchnorm`, made afresh by
+            every ``evaluate``); successes are verified on the model as given.
         attacks: pyautoattack's name for ``attacks_to_run``.
         checks: run the reference's checks (:mod:`robust_lightning.attacks.checks`), as the reference does: on
             the first batch before the attacks, and Square's after them. :meth:`evaluate` reports them
@@ -462,11 +384,14 @@ class AutoAttack:
         if not self.attacks_to_run:
             raise ValueError(
                 "version='custom' needs the attacks to run: AutoAttack(..., attacks_to_run=[...]) or "
-                f"adversary.attacks_to_run = [...], of {ATTACKS}"
+                f"adversary.attacks_to_run = [...], of {tuple(ATTACKS)}"
             )
         unknown = [attack for attack in self.attacks_to_run if attack not in ATTACKS]
         if unknown:
-            raise ValueError(f"attacks must be a non-empty list of {ATTACKS}, got {self.attacks_to_run}")
+            raise ValueError(f"attacks must be a non-empty list of {tuple(ATTACKS)}, got {self.attacks_to_run}")
+        theirs = reference_engine.REFERENCE_ATTACKS
+        if self.engine == "reference" and any(attack not in theirs for attack in self.attacks_to_run):
+            raise ValueError(f"engine='reference' runs pyautoattack's attacks {theirs} only, got {self.attacks_to_run}")
         for settings in (self.apgd, self.apgd_targeted):
             if self.norm == "L1" and settings.n_iter < L1_MIN_ITER:
                 raise ValueError(
@@ -753,17 +678,17 @@ class AutoAttack:
         reference runs them and fails), and a targeted attack aims at no more targets than there are other
         classes."""
         with numerics("fp32", self.device):
-            classes = self._logits(self.model, x.to(self.device)).shape[1]
-        needs = {"apgd-dlr": 3, "apgd-t": 4}
-        left_out = [attack for attack in self.attacks if classes < needs.get(attack, 0)]
+            classes = clean_logits(self.model, x.to(self.device)).shape[1]
+        left_out = [attack for attack in self.attacks if classes < ATTACKS[attack].min_classes]
         if left_out:
             warnings.warn(
                 f"AutoAttack: the model has {classes} classes, too few for {', '.join(left_out)} (the DLR loss needs "
                 "3 classes and its targeted form 4): left out, the others run",
                 stacklevel=4,
             )
-        self.apgd_targeted.n_target_classes = min(self.apgd_targeted.n_target_classes, max(classes - 1, 1))
-        self.fab.n_target_classes = min(self.fab.n_target_classes, max(classes - 1, 1))
+        for name in {row.settings for row in ATTACKS.values() if row.targeted}:  # apgd_targeted, fab
+            settings = getattr(self, name)
+            settings.n_target_classes = min(settings.n_target_classes, max(classes - 1, 1))
         return tuple(attack for attack in self.attacks if attack not in left_out)
 
     def _adaptive_attack(self, name: str, x: Tensor, y: Tensor, bs: int) -> AdaptiveResult:
@@ -827,20 +752,9 @@ class AutoAttack:
                     num_classes, self.attacks, self.apgd_targeted.n_target_classes, self.fab.n_target_classes
                 ),
             ]
-            dlr = [attack for attack in self.attacks if attack in ("apgd-t", "apgd-dlr")]
-            x, y = x[clean.to(x.device)], y[clean.to(x.device)]
             # the fast engine's DLR attacks count zero gradients at each of their starts (_count_zero_gradients)
-            if self.engine == "reference" and dlr and num_classes > 3 and len(x):
-                generator = torch.Generator(x.device).manual_seed(self.seed or 0)
-                start = random_start_point(x, self.norm, self.eps, generator).clamp(0, 1)
-                if dlr[0] == "apgd-t":
-                    with torch.no_grad():
-                        target = self.model(x).sort(dim=1)[1][:, -2]
-                    eot = self.apgd_targeted.eot_iter
-                    grad = input_gradient(self.model, start, y, "dlr-targeted", target, eot)[2]
-                else:
-                    grad = input_gradient(self.model, start, y, "dlr", eot_iter=self.apgd.eot_iter)[2]
-                found.append(reference_checks.zero_gradients(grad))
+            if self.engine == "reference" and num_classes > 3:
+                found += reference_engine.zero_gradients(self, x[clean.to(x.device)], y[clean.to(x.device)])
         return found
 
     def _correct(self, x: Tensor, y: Tensor, bs: int) -> Tensor:
@@ -868,89 +782,15 @@ class AutoAttack:
         ``precision``)."""
         if self.engine == "reference":
             with numerics("fp32", self.device):  # TF32 off: PyTorch lets cuDNN convolutions use it by default
-                return self._reference_attack(attack, x, y, bs), None
-        run = {
-            "apgd-ce": self._apgd_ce,
-            "apgd-dlr": self._apgd_dlr,
-            "apgd-t": self._apgd_t,
-            "fab": self._fab,
-            "fab-t": self._fab_t,
-            "square": self._square,
-        }
+                return reference_engine.reference_attack(self, attack, x, y, bs), None
         images, robust = [], []
         for i in range(0, len(x), bs):
             xb, yb = x[i : i + bs].to(self.device), y[i : i + bs].to(self.device)
             with numerics(precision or self.precision, self.device):
-                candidates, still = run[attack](model, xb, yb, bs)
+                candidates, still = ATTACKS[attack].run(self, model, xb, yb, bs)
             images.append(candidates.detach().float().to(x.device))
             robust.append(still.to(x.device))
         return torch.cat(images), torch.cat(robust)
-
-    # ------------------------------------------------------------------------------------- fast engine
-    def _generator(self) -> torch.Generator:
-        return torch.Generator(device=self.device).manual_seed(self.seed)  # reset per attack per batch
-
-    @staticmethod
-    def _logits(model: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
-        with torch.no_grad():
-            return model(x).float()
-
-    def _apgd(
-        self,
-        model: Callable[[Tensor], Tensor],
-        x: Tensor,
-        y: Tensor,
-        points: Tensor,
-        generator: torch.Generator,
-        n_iter: int,
-        **kwargs: Any,
-    ) -> tuple[Tensor, Tensor]:
-        """One APGD run (x_adv, robust) on rows of the points ``points`` (a point's rows leave the run once one
-        breaks it); for L1 the reference's 3/2/1 x eps schedule (30/30/40 % of the iterations) from a random
-        point, each stage starting from the previous stage's best point (only a break at eps, in the last stage,
-        counts).
-
-        One known difference: the reference re-projects each stage's start as a correction (``x_init +=``),
-        which leaves ~1e-8 residues where coordinates are zeroed, and its initial step sparsity counts them
-        (the start's L0 distance); ours starts exactly sparse, so its first steps may be sparser. Matching it
-        would need the reference's own projection bit for bit (ours agrees to float error only)."""
-        if self.norm != "L1":
-            result = apgd(
-                model,
-                x,
-                y,
-                norm=self.norm,
-                eps=self.eps,
-                n_iter=n_iter,
-                random_start=True,
-                generator=generator,
-                exit_broken=points,
-                **kwargs,
-            )
-            self._count_zero_gradients(result, kwargs.get("loss"))
-            return result.x_adv, result.robust
-        stages = [math.ceil(0.3 * n_iter), math.ceil(0.3 * n_iter)]
-        stages.append(n_iter - sum(stages))
-        noise = torch.randn(x.shape, generator=generator, device=generator.device).to(x.device)
-        start = x + l1_projection(x, noise, 3 * self.eps)
-        for factor, stage_iter in zip((3, 2, 1), stages):
-            start = x + l1_projection(x, start - x, factor * self.eps)
-            result = apgd(
-                model,
-                x,
-                y,
-                norm="L1",
-                eps=factor * self.eps,
-                n_iter=stage_iter,
-                x_init=start,
-                generator=generator,
-                exit_broken=points if factor == 1 else None,
-                **kwargs,
-            )
-            if factor == 3:  # the run's start
-                self._count_zero_gradients(result, kwargs.get("loss"))
-            start = result.x_best
-        return result.x_adv, result.robust
 
     def _count_zero_gradients(self, result: Any, loss: str | None) -> None:
         """The reference's zero_gradients at an APGD start of a DLR attack, summed on the device (no read back)."""
@@ -958,142 +798,228 @@ class AutoAttack:
             self._zero_starts = self._zero_starts + result.zero_gradient.sum()
             self._starts += len(result.zero_gradient)
 
-    def _apgd_ce(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
-        return self._apgd_untargeted(model, x, y, bs, "ce")
 
-    def _apgd_dlr(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
-        return self._apgd_untargeted(model, x, y, bs, "dlr")
+# --------------------------------------------------------------------------------------- the attacks
+# Each attack of the fast engine is a runner, run(adversary, model, x, y, bs): it attacks the points x (labels y, on
+# the adversary's device, at most bs rows at a time) on ``model`` with the adversary's norm, eps, seed and budgets,
+# and returns the candidate images (x where it failed) and the robust flags. The ensemble (AutoAttack._evaluate)
+# runs it on the survivors, batch by batch, and checks its successes in fp32 on the model as given.
+Runner = Callable[["AutoAttack", Callable[[Tensor], Tensor], Tensor, Tensor, int], tuple[Tensor, Tensor]]
 
-    def _apgd_untargeted(
-        self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int, loss: str
-    ) -> tuple[Tensor, Tensor]:
-        generator = self._generator()
 
-        def attack(rows: Tensor, restarts: Tensor) -> tuple[Tensor, Tensor]:  # each row its own random start
-            return self._apgd(
-                model, x[rows], y[rows], rows, generator, self.apgd.n_iter, loss=loss, eot_iter=self.apgd.eot_iter
-            )
+@dataclass(frozen=True)
+class Attack:
+    """One row of :data:`ATTACKS`: an attack's runner and what the ensemble needs to know of it. ``settings``: the
+    adversary's :class:`AttackSettings` that hold its budget (``adversary.apgd``, ...); ``targeted``: it aims at
+    ``settings.n_target_classes`` other classes, which the model's class count caps; ``min_classes``: the fewest
+    classes it can run with (the DLR loss needs 3, its targeted form 4), fewer leaves it out with a warning."""
 
-        return batched_runs(attack, x, range(self.apgd.n_restarts), bs)
+    run: Runner
+    settings: str
+    targeted: bool = False
+    min_classes: int = 2
 
-    def _apgd_t(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
-        generator = self._generator()
-        ranked = self._logits(model, x).sort(dim=1)[1]  # target of rank r: the r-th highest clean logit
 
-        def attack(rows: Tensor, ranks: Tensor) -> tuple[Tensor, Tensor]:
-            target = ranked[rows, ranked.shape[1] - ranks]
-            return self._apgd(
-                model,
-                x[rows],
-                y[rows],
-                rows,
-                generator,
-                self.apgd_targeted.n_iter,
-                loss="dlr-targeted",
-                y_target=target,
-                eot_iter=self.apgd_targeted.eot_iter,
-            )
+def seeded_generator(adversary: "AutoAttack") -> torch.Generator:
+    """The generator of one attack on one batch, seeded afresh each time, as the reference resets its seed."""
+    return torch.Generator(device=adversary.device).manual_seed(adversary.seed)
 
-        return batched_runs(attack, x, range(2, self.apgd_targeted.n_target_classes + 2), bs)
 
-    def _fab(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
-        generator = self._generator()
-        restarts = range(self.fab.n_restarts)  # restarts after the first start at random points
-        return self._fab_runs(
-            model, x, y, bs, fab_untargeted, restarts, lambda ids: {"random_start": ids > 0, "generator": generator}
-        )
+def clean_logits(model: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    with torch.no_grad():
+        return model(x).float()
 
-    def _fab_t(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
-        ranks = range(2, self.fab.n_target_classes + 2)
-        return self._fab_runs(model, x, y, bs, fab_targeted, ranks, lambda ids: {"target_rank": ids})
 
-    def _fab_runs(
-        self,
-        model: Callable[[Tensor], Tensor],
-        x: Tensor,
-        y: Tensor,
-        bs: int,
-        fab: Callable[..., Any],
-        runs: range,
-        run_arguments: Callable[[Tensor], dict[str, Any]],
-    ) -> tuple[Tensor, Tensor]:
-        """FAB's runs (restarts, or target ranks) through :func:`batched_runs`; ``run_arguments`` gives a batch's
-        rows the arguments of their runs."""
-        logits = self._logits(model, x)
+def apgd_run(
+    adversary: "AutoAttack",
+    model: Callable[[Tensor], Tensor],
+    x: Tensor,
+    y: Tensor,
+    points: Tensor,
+    generator: torch.Generator,
+    n_iter: int,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor]:
+    """One APGD run (x_adv, robust) on rows of the points ``points`` (a point's rows leave the run once one
+    breaks it); for L1 the reference's 3/2/1 x eps schedule (30/30/40 % of the iterations) from a random
+    point, each stage starting from the previous stage's best point (only a break at eps, in the last stage,
+    counts).
 
-        def attack(rows: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
-            result = fab(
-                model,
-                x[rows],
-                y[rows],
-                norm=self.norm,
-                eps=self.eps,
-                n_iter=self.fab.n_iter,
-                logits_clean=logits[rows],
-                **run_arguments(ids),
-            )
-            return result.x_adv, result.robust
-
-        return batched_runs(attack, x, runs, bs)
-
-    def _square(self, model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int) -> tuple[Tensor, Tensor]:
-        result = square_attack(
+    One known difference: the reference re-projects each stage's start as a correction (``x_init +=``),
+    which leaves ~1e-8 residues where coordinates are zeroed, and its initial step sparsity counts them
+    (the start's L0 distance); ours starts exactly sparse, so its first steps may be sparser. Matching it
+    would need the reference's own projection bit for bit (ours agrees to float error only)."""
+    norm, eps = adversary.norm, adversary.eps
+    if norm != "L1":
+        result = apgd(
             model,
             x,
             y,
-            norm=self.norm,
-            eps=self.eps,
-            n_queries=self.square.n_queries,
-            p_init=0.8,
-            generator=self._generator(),
-            batch_size=bs,
+            norm=norm,
+            eps=eps,
+            n_iter=n_iter,
+            random_start=True,
+            generator=generator,
+            exit_broken=points,
+            **kwargs,
         )
-        return torch.where(result.robust.view(-1, *[1] * (x.dim() - 1)), x, result.x_adv), result.robust
-
-    # -------------------------------------------------------------------------------- reference engine
-    def _reference_attack(self, attack: str, x: Tensor, y: Tensor, bs: int) -> Tensor:
-        """One attack of pyautoattack's standard AutoAttack, run by the package on the survivors."""
-        try:
-            from pyautoattack import AutoAttack as ReferenceAutoAttack
-        except ImportError as e:
-            raise RuntimeError(
-                "engine='reference' needs the pyautoattack package (pip install pyautoattack==0.2.0)"
-            ) from e
-        import pyautoattack.checks
-        from pyautoattack.autopgd_base import APGDAttack, APGDAttack_targeted
-
-        # its APGD warns of zero gradients "See flags_doc.md", a file of the reference's repository
-        pyautoattack.checks.checks_doc_path = f"robust-lightning's {reference_checks.DOCS}"
-
-        reference = ReferenceAutoAttack(
-            self.model, norm=self.norm, eps=self.eps, version="standard", seed=self.seed, device=self.device
+        adversary._count_zero_gradients(result, kwargs.get("loss"))
+        return result.x_adv, result.robust
+    stages = [math.ceil(0.3 * n_iter), math.ceil(0.3 * n_iter)]
+    stages.append(n_iter - sum(stages))
+    noise = torch.randn(x.shape, generator=generator, device=generator.device).to(x.device)
+    start = x + l1_projection(x, noise, 3 * eps)
+    for factor, stage_iter in zip((3, 2, 1), stages):
+        start = x + l1_projection(x, start - x, factor * eps)
+        result = apgd(
+            model,
+            x,
+            y,
+            norm="L1",
+            eps=factor * eps,
+            n_iter=stage_iter,
+            x_init=start,
+            generator=generator,
+            exit_broken=points if factor == 1 else None,
+            **kwargs,
         )
-        for name, build in (("apgd", APGDAttack), ("apgd_targeted", APGDAttack_targeted)):
-            settings = getattr(self, name)
-            if settings.n_iter != 100:  # rebuilt: the APGD checkpoint schedule is set in the constructor
-                setattr(
-                    reference,
-                    name,
-                    build(
-                        self.model,
-                        n_iter=settings.n_iter,
-                        eps=self.eps,
-                        norm=self.norm,
-                        seed=self.seed,
-                        device=self.device,
-                        use_largereps=self.norm == "L1",
-                        verbose=False,
-                    ),
-                )
-            getattr(reference, name).n_restarts = settings.n_restarts
-            getattr(reference, name).eot_iter = settings.eot_iter
-        reference.apgd_targeted.n_target_classes = self.apgd_targeted.n_target_classes
-        reference.fab.n_iter, reference.fab.n_target_classes = self.fab.n_iter, self.fab.n_target_classes
-        reference.fab.n_restarts = self.fab.n_restarts  # untargeted FAB's; the reference runs FAB-T once
-        reference.square.n_queries, reference.square.n_restarts = self.square.n_queries, self.square.n_restarts
-        reference.attacks_to_run = [attack]
-        x_adv, _ = reference.run_standard_evaluation(x.to(self.device), y.to(self.device), batch_size=bs)
-        return x_adv.to(x.device)
+        if factor == 3:  # the run's start
+            adversary._count_zero_gradients(result, kwargs.get("loss"))
+        start = result.x_best
+    return result.x_adv, result.robust
+
+
+def run_apgd_ce(
+    adversary: "AutoAttack", model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int
+) -> tuple[Tensor, Tensor]:
+    return _apgd_untargeted(adversary, model, x, y, bs, "ce")
+
+
+def run_apgd_dlr(
+    adversary: "AutoAttack", model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int
+) -> tuple[Tensor, Tensor]:
+    return _apgd_untargeted(adversary, model, x, y, bs, "dlr")
+
+
+def _apgd_untargeted(
+    adversary: "AutoAttack", model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int, loss: str
+) -> tuple[Tensor, Tensor]:
+    generator, settings = seeded_generator(adversary), adversary.apgd
+
+    def attack(rows: Tensor, restarts: Tensor) -> tuple[Tensor, Tensor]:  # each row its own random start
+        return apgd_run(
+            adversary, model, x[rows], y[rows], rows, generator, settings.n_iter, loss=loss, eot_iter=settings.eot_iter
+        )
+
+    return batched_runs(attack, x, range(settings.n_restarts), bs)
+
+
+def run_apgd_t(
+    adversary: "AutoAttack", model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int
+) -> tuple[Tensor, Tensor]:
+    generator, settings = seeded_generator(adversary), adversary.apgd_targeted
+    ranked = clean_logits(model, x).sort(dim=1)[1]  # target of rank r: the r-th highest clean logit
+
+    def attack(rows: Tensor, ranks: Tensor) -> tuple[Tensor, Tensor]:
+        target = ranked[rows, ranked.shape[1] - ranks]
+        return apgd_run(
+            adversary,
+            model,
+            x[rows],
+            y[rows],
+            rows,
+            generator,
+            settings.n_iter,
+            loss="dlr-targeted",
+            y_target=target,
+            eot_iter=settings.eot_iter,
+        )
+
+    return batched_runs(attack, x, range(2, settings.n_target_classes + 2), bs)
+
+
+def run_fab(
+    adversary: "AutoAttack", model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int
+) -> tuple[Tensor, Tensor]:
+    generator = seeded_generator(adversary)
+    restarts = range(adversary.fab.n_restarts)  # restarts after the first start at random points
+    return _fab_runs(
+        adversary,
+        model,
+        x,
+        y,
+        bs,
+        fab_untargeted,
+        restarts,
+        lambda ids: {"random_start": ids > 0, "generator": generator},
+    )
+
+
+def run_fab_t(
+    adversary: "AutoAttack", model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int
+) -> tuple[Tensor, Tensor]:
+    ranks = range(2, adversary.fab.n_target_classes + 2)
+    return _fab_runs(adversary, model, x, y, bs, fab_targeted, ranks, lambda ids: {"target_rank": ids})
+
+
+def _fab_runs(
+    adversary: "AutoAttack",
+    model: Callable[[Tensor], Tensor],
+    x: Tensor,
+    y: Tensor,
+    bs: int,
+    fab: Callable[..., Any],
+    runs: range,
+    run_arguments: Callable[[Tensor], dict[str, Any]],
+) -> tuple[Tensor, Tensor]:
+    """FAB's runs (restarts, or target ranks) through :func:`batched_runs`; ``run_arguments`` gives a batch's
+    rows the arguments of their runs."""
+    logits = clean_logits(model, x)
+
+    def attack(rows: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+        result = fab(
+            model,
+            x[rows],
+            y[rows],
+            norm=adversary.norm,
+            eps=adversary.eps,
+            n_iter=adversary.fab.n_iter,
+            logits_clean=logits[rows],
+            **run_arguments(ids),
+        )
+        return result.x_adv, result.robust
+
+    return batched_runs(attack, x, runs, bs)
+
+
+def run_square(
+    adversary: "AutoAttack", model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, bs: int
+) -> tuple[Tensor, Tensor]:
+    result = square_attack(
+        model,
+        x,
+        y,
+        norm=adversary.norm,
+        eps=adversary.eps,
+        n_queries=adversary.square.n_queries,
+        p_init=0.8,
+        generator=seeded_generator(adversary),
+        batch_size=bs,
+    )
+    return torch.where(result.robust.view(-1, *[1] * (x.dim() - 1)), x, result.x_adv), result.robust
+
+
+# The attacks by the reference's names: the versions (VERSIONS), "custom"'s attacks_to_run, the dispatch of the fast
+# engine, the class counts each needs and the callback's results columns all come from here. A new attack is a
+# runner and a row.
+ATTACKS: dict[str, Attack] = {
+    "apgd-ce": Attack(run_apgd_ce, "apgd"),
+    "apgd-dlr": Attack(run_apgd_dlr, "apgd", min_classes=3),
+    "apgd-t": Attack(run_apgd_t, "apgd_targeted", targeted=True, min_classes=4),
+    "fab": Attack(run_fab, "fab"),
+    "fab-t": Attack(run_fab_t, "fab", targeted=True),
+    "square": Attack(run_square, "square"),
+}
 
 
 def batched_runs(

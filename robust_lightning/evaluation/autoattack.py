@@ -32,19 +32,19 @@ from robust_lightning.atomic import atomic_write_json
 from robust_lightning.attacks import checks as reference_checks
 from robust_lightning.attacks.checks import Check, adaptive_plan
 from robust_lightning.attacks.ensemble import (
+    ATTACKS,
     ENGINES,
     L1_MIN_ITER,
     PRECISIONS,
     VERSIONS,
     AutoAttack,
     EvaluationStopped,
-    folded_batchnorm,
-    folds_batchnorm,
     precision_note,
-    uses_channels_last,
 )
 from robust_lightning.attacks.projections import NORMS
+from robust_lightning.attacks.reference_engine import REFERENCE_ATTACKS
 from robust_lightning.attacks.sanity import sanity_checks
+from robust_lightning.attacks.stand_ins import folded_batchnorm, folds_batchnorm, uses_channels_last
 from robust_lightning.data.contract import evaluation_data
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.base import (
@@ -134,7 +134,10 @@ class AutoAttackEvaluation(Evaluation):
         version: "standard" (APGD-CE, APGD-T, FAB-T, Square), "rand" (APGD-CE and APGD-DLR with 20 EoT passes,
             for randomized models), "plus" (AA+: more attacks and restarts; its untargeted FAB takes a backward
             pass per class at each step), or quick "apgd-t" (40 iterations, 3 targets) or "apgd-ce" (``n_iter``
-            steps).
+            steps), or "custom": the attacks of ``attacks_to_run``.
+        attacks_to_run: with ``version: custom`` only, the attacks to run, in order: names of
+            :data:`~robust_lightning.attacks.ensemble.ATTACKS` ("apgd-ce", "apgd-dlr", "apgd-t", "fab", "fab-t",
+            "square"), with the budgets of the reference's constructor (5 APGD restarts, 9 target classes).
         engine: "fast" (ours) or "reference" (pyautoattack, unchanged).
         precision: "fp32" (default), "tf32" or "bf16"; successes are verified in fp32 either way.
         seed: AutoAttack's seed (reset before every attack on every batch).
@@ -180,6 +183,7 @@ class AutoAttackEvaluation(Evaluation):
         self,
         threat_models: list[dict[str, Any]] = list(DEFAULT_THREAT_MODELS),  # noqa: B006 - a default --print_config shows; read, never mutated
         version: str = "standard",
+        attacks_to_run: list[str] | None = None,
         engine: str = "fast",
         precision: str = "fp32",
         seed: int = 0,
@@ -213,7 +217,7 @@ class AutoAttackEvaluation(Evaluation):
         self._surrogate_model: torch.nn.Module | None = surrogate if given else None
         self.adaptive_notes: dict[str, dict[str, str]] = {}  # per threat model: why an adaptive attack did not run
         for name, value, allowed in (
-            ("version", version, tuple(VERSIONS)),
+            ("version", version, (*VERSIONS, "custom")),
             ("engine", engine, ENGINES),
             ("precision", precision, PRECISIONS),
             ("weights", weights, ("raw", "ema")),
@@ -223,6 +227,8 @@ class AutoAttackEvaluation(Evaluation):
         for name, flag in (("channels_last", channels_last), ("fold_batchnorm", fold_batchnorm)):
             if engine == "reference" and flag:
                 raise UserError(f"AutoAttackEvaluation.{name} applies to the fast engine only")
+        self.attacks_to_run = list(attacks_to_run or [])
+        self.attacks = self._attacks(version, self.attacks_to_run, engine)
         self.threat_models = parse_threat_models(threat_models, "AutoAttackEvaluation", n_iter)
         self.version, self.engine, self.precision, self.seed = version, engine, precision, seed
         self.n_iter, self.batch_size, self.weights, self.fit_images = n_iter, batch_size, weights, fit_images
@@ -242,6 +248,32 @@ class AutoAttackEvaluation(Evaluation):
         self.seconds: dict[str, dict[str, float]] = {}
         self.refuted: dict[str, dict[str, float]] = {}  # claims the fp32 check refuted (AutoAttackReport.refuted)
         self.locks = ExitStack()  # the outcome folders' locks, held from _start until teardown
+
+    @staticmethod
+    def _attacks(version: str, attacks_to_run: list[str], engine: str) -> tuple[str, ...]:
+        """The attacks the evaluation runs, in order: the version's, or with "custom" those of ``attacks_to_run``,
+        each checked."""
+        if version != "custom":
+            if attacks_to_run:
+                raise UserError(
+                    f"AutoAttackEvaluation.attacks_to_run is for version: custom; version {version} sets its attacks"
+                )
+            return VERSIONS[version]
+        if not attacks_to_run:
+            raise UserError(
+                f"AutoAttackEvaluation: version custom needs attacks_to_run, a list of {', '.join(ATTACKS)}"
+            )
+        for attack in attacks_to_run:
+            if attack not in ATTACKS:
+                raise UserError(
+                    f"AutoAttackEvaluation.attacks_to_run: unknown attack {attack!r}; the attacks are "
+                    f"{', '.join(ATTACKS)}"
+                )
+            if engine == "reference" and attack not in REFERENCE_ATTACKS:
+                raise UserError(f"AutoAttackEvaluation.attacks_to_run: the reference engine has no attack {attack!r}")
+        if len(set(attacks_to_run)) != len(attacks_to_run):
+            raise UserError(f"AutoAttackEvaluation.attacks_to_run names an attack twice: {attacks_to_run}")
+        return tuple(attacks_to_run)
 
     # ----------------------------------------------------------------------------------------- set-up
     def _directory(self, threat: ThreatModel) -> Path:
@@ -273,6 +305,7 @@ class AutoAttackEvaluation(Evaluation):
             "norm": threat.norm,
             "eps": threat.eps,
             "version": self.version,
+            **({"attacks_to_run": self.attacks_to_run} if self.attacks_to_run else {}),
             "engine": self.engine,
             "precision": self.precision,
             "seed": self.seed,
@@ -372,6 +405,7 @@ class AutoAttackEvaluation(Evaluation):
                 norm=threat.norm,
                 eps=threat.eps,
                 version=self.version,
+                attacks_to_run=self.attacks_to_run,
                 seed=self.seed,
                 engine=self.engine,
                 device=pl_module.device,
@@ -522,7 +556,7 @@ class AutoAttackEvaluation(Evaluation):
         sections, rows, metrics = {}, [], {}
         for threat in self.threat_models:
             outcomes = read_outcomes(self._directory(threat))
-            summary = summarise(outcomes, VERSIONS[self.version])
+            summary = summarise(outcomes, self.attacks)
             seconds = sum_over_ranks(self.seconds.get(threat.name, {}))
             summary["seconds_this_session"] = {attack: round(value, 2) for attack, value in seconds.items()}
             if self.engine == "fast":
@@ -568,7 +602,7 @@ class AutoAttackEvaluation(Evaluation):
             "adaptive": {"adaptive": self.adaptive, "bpda": self.bpda, "surrogate": self.surrogate},
             "weights": self.weights,
             "weights_sha256": self.weights_hash,
-            "attacks": list(VERSIONS[self.version]),
+            "attacks": list(self.attacks),
             "results_dir": str(self.results_dir.resolve()),
         }
         # the caveats first, then the numbers they qualify
@@ -585,7 +619,7 @@ class AutoAttackEvaluation(Evaluation):
                     f"limit); results.json lists them under keys_not_evaluated where known"
                 )
         lines = [summary_line(name, section) for name, section in sections.items() if section["num_points"]]
-        columns = ["threat_model", "images", "clean", "robust", *VERSIONS[self.version]]
+        columns = ["threat_model", "images", "clean", "robust", *self.attacks]
         self.publish(
             trainer,
             {"threat_models": sections, "conditions": conditions},
