@@ -35,7 +35,7 @@ with collector_paused():  # Lightning imports sooner (robust_lightning/startup.p
         ArgumentParserWithBases,
         did_you_mean,
         int_before_float,
-        moved_options,
+        what_to_write,
     )
     from robust_lightning.data.corrupt_report import CorruptImageReport
     from robust_lightning.data.datamodule import ImageNetDataModule
@@ -384,8 +384,10 @@ def command_line_check() -> Callable[[Sequence[str]], None]:
             check_config_files(args)
             cli.parser.parse_args(list(args))
         except ArgumentError as e:
+            if advice := what_to_write(str(e), args):
+                raise UserError(advice) from None
             parser = cli._subcommand_parsers.get(args[0], cli.parser)  # the keys of the command, for close matches
-            raise UserError("\n".join([str(e), *did_you_mean(str(e), parser), *moved_options(str(e))])) from None
+            raise UserError("\n".join([str(e), *did_you_mean(str(e), parser)])) from None
 
     return check
 
