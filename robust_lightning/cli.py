@@ -17,7 +17,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from robust_lightning.startup import collector_paused, leave_imported_objects_out_of_collections
+from robust_lightning.startup import (
+    collector_paused,
+    leave_imported_objects_out_of_collections,
+    third_party_notices_silenced,
+)
 
 with collector_paused():  # Lightning imports sooner (robust_lightning/startup.py)
     import lightning
@@ -405,7 +409,8 @@ def main(args: Sequence[str] | None = None) -> int:
     shield_forked_children()  # SLURM's requeue signal is for this process, not its DataLoader workers
     _wandb_offline_without_credentials()
     already_open = open_wandb_run()  # a run of the caller's (main called from Python), not this command's
-    code = _run_command(args, from_command_line)
+    with third_party_notices_silenced(args[0]):  # notices that say nothing to a user (robust_lightning/startup.py)
+        code = _run_command(args, from_command_line)
     # The W&B run this command started, finished from Python after the command's last message: W&B prints its
     # closing lines as plain text where the output is no terminal (left to W&B's exit, they carry colour codes). An
     # error that ends with a traceback is left to W&B's exit, which records it (and the traceback) as it did.
