@@ -9,9 +9,12 @@ message with a close match and exit status 2. A tool's options are the parameter
 
 import argparse
 import difflib
+import importlib
+import inspect
 import json
 import os
 import re
+import shlex
 import sys
 import typing
 from collections.abc import Callable, Sequence
@@ -38,6 +41,10 @@ class ArgumentParser(LightningArgumentParser):
             kwargs["prog"] = PROG
         super().__init__(*args, **kwargs)
 
+    def parse_args(self, args: Sequence[str] | None = None, *rest: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        self._given_args = list(sys.argv[1:] if args is None else args)  # for error(): the options as written
+        return super().parse_args(args, *rest, **kwargs)
+
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error:
             super().error(message, ex)
@@ -45,15 +52,13 @@ class ArgumentParser(LightningArgumentParser):
             sys.exit(2)
         parser = getattr(ex, "subcommand_parser", None) or self
         prog = parser.prog.replace(" [options]", "")
-        lines = [f"{prog}: error: {message}", *did_you_mean(message, parser), *moved_options(message)]
-        lines.append(f"options: {prog} --help")
+        advice = what_to_write(message, getattr(self, "_given_args", sys.argv[1:]))
+        if advice:  # the line names what to write: the parser's text and the pointer to --help say no more
+            lines = [f"{prog}: error: {advice}"]
+        else:
+            lines = [f"{prog}: error: {message}", *did_you_mean(message, parser), f"options: {prog} --help"]
         print("\n".join(lines), file=sys.stderr)
         sys.exit(2)
-
-
-# Options that moved into data.source when the data sources became classes (robust_lightning.data.sources).
-_SOURCE_OPTIONS = ("root", "class_map", "val_labels", "train_shards", "val_shards", "train_size", "synthetic")
-_OLD_SOURCE_OPTION = re.compile(rf"data\.(?:{'|'.join(_SOURCE_OPTIONS)})\b|Parser key \"data\.source\"")
 
 
 # Lightning 2.6 types these Trainer options ``float | int | None``: parsed in that order, the 1 a user types for one
@@ -72,16 +77,98 @@ def int_before_float(parser: argparse.ArgumentParser, prefix: str = "trainer.") 
         action._typehint = int | float | None  # type: ignore[attr-defined]  # jsonargparse's ActionTypeHint
 
 
-def moved_options(message: str) -> list[str]:
-    """A line saying how data.source is written now, for a message about its old form (a name such as "folder",
-    or one of its options directly under data)."""
-    if not _OLD_SOURCE_OPTION.search(message):
-        return []
-    return [
-        "data.source names a class with its own options: FolderSource (root, class_map, val_labels), ShardSource "
-        "(train_shards, val_shards, train_size) or SyntheticSource (the options data.synthetic held); e.g. "
-        "--data.source FolderSource --data.source.root DIR, or in a config data.source.class_path and init_args"
-    ]
+def what_to_write(message: str, args: Sequence[str]) -> str | None:
+    """One line in place of a parser's error ``message`` that names the option to write, where the message is about
+    the old form of data.source (given in ``args``, the options as written, or in a config file) or about an option
+    that a class in a config does not take (jsonargparse's "Option 'x' is not accepted"); None for other messages."""
+    return _old_source_form(message, args) or _option_not_accepted(message)
+
+
+def _source_classes() -> dict[str, type]:
+    """The source classes by the name data.source gave them before it named a class ("folder", ...)."""
+    from robust_lightning.data.sources import FolderSource, ShardSource, SyntheticSource  # its imports are many
+
+    return {cls.kind: cls for cls in (FolderSource, ShardSource, SyntheticSource)}
+
+
+def _options(cls: type) -> list[str]:
+    return [name for name in inspect.signature(cls).parameters if name not in ("args", "kwargs")]
+
+
+def _old_source_form(message: str, args: Sequence[str]) -> str | None:
+    """``--data.source folder --data.root D is now written --data.source FolderSource --data.source.root D``: the
+    form data.source had before it named a class with its own options (issue 39). The options it had directly under
+    data belonged to FolderSource or ShardSource; those under data.synthetic to SyntheticSource."""
+    if "data." not in message:
+        return None
+    classes = _source_classes()
+    owner = {name: cls for cls in (classes["shards"], classes["folder"]) for name in _options(cls)}  # root: folder
+
+    def moved(key: str) -> tuple[str, type] | None:  # an old key under data: its new name and class
+        name = key.removeprefix("data.")
+        if name.startswith("synthetic."):
+            return f"data.source.{name.removeprefix('synthetic.')}", classes["synthetic"]
+        return (f"data.source.{name}", owner[name]) if name in owner else None
+
+    old: list[str] = []  # the old form as written, and the new
+    new: list[str] = []
+    tokens = list(args)
+    class_named = any(token.partition("=")[0] == "--data.source" for token in tokens)
+    while tokens:
+        key, equals, value = tokens.pop(0).partition("=")
+        if not key.startswith("--data.") or not (equals or tokens):
+            continue
+        key, value = key.removeprefix("--"), value if equals else tokens.pop(0)
+        if key == "data.source" and value.lower() in classes:
+            old += [f"--{key}", value]
+            new += [f"--{key}", classes[value.lower()].__name__]
+        elif (found := moved(key)) is not None:
+            if not class_named:  # the class the old option belonged to
+                new += ["--data.source", found[1].__name__]
+                class_named = True
+            old += [f"--{key}", value]
+            new += [f"--{found[0]}", value]
+    if old:
+        return f"{shlex.join(old)} is now written {shlex.join(new)} (data.source names a class with its own options)"
+    # the old form in a config file: data.source given a name, or an old key under data
+    if match := re.search(r'Parser key "data\.source":.*?dot import path string: (\w+)', message, re.S):
+        cls = classes.get(match.group(1).lower())
+        if cls is not None:
+            return (
+                f"data.source {match.group(1)} is now written data.source.class_path {cls.__name__}, with its "
+                f"options ({', '.join(_options(cls))}) under data.source.init_args"
+            )
+    for key in re.findall(r"option '(data\.[\w.]+)'", message):
+        if (found := moved(key)) is not None:
+            name, cls = found
+            return (
+                f"{key} is now written {name}: in a config, data.source.class_path {cls.__name__} and "
+                f"data.source.init_args.{name.removeprefix('data.source.')}"
+            )
+    return None
+
+
+_NOT_ACCEPTED = re.compile(
+    r'Parser key "([\w.]+)":.*?Problem with given class_path \'([\w.]+)\':\s*Option \'(\w+)\' is not accepted', re.S
+)
+
+
+def _option_not_accepted(message: str) -> str | None:
+    """``data.source FolderSource takes no option roots; did you mean root?``, for an option that a class named in a
+    config (its class_path) does not take."""
+    match = _NOT_ACCEPTED.search(message)
+    if match is None:
+        return None
+    key, class_path, option = match.groups()
+    try:
+        module, _, name = class_path.rpartition(".")
+        options = _options(getattr(importlib.import_module(module), name))
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return None
+    close = difflib.get_close_matches(option, options, n=3)
+    if close:
+        return f"{key} {name} takes no option {option}; did you mean {', '.join(close)}?"
+    return f"{key} {name} takes no option {option}; its options: {', '.join(options)}"
 
 
 def did_you_mean(message: str, parser: argparse.ArgumentParser) -> list[str]:

@@ -17,7 +17,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from robust_lightning.startup import collector_paused, leave_imported_objects_out_of_collections
+from robust_lightning.startup import (
+    collector_paused,
+    leave_imported_objects_out_of_collections,
+    third_party_notices_silenced,
+)
 
 with collector_paused():  # Lightning imports sooner (robust_lightning/startup.py)
     import lightning
@@ -35,7 +39,7 @@ with collector_paused():  # Lightning imports sooner (robust_lightning/startup.p
         ArgumentParserWithBases,
         did_you_mean,
         int_before_float,
-        moved_options,
+        what_to_write,
     )
     from robust_lightning.data.corrupt_report import CorruptImageReport
     from robust_lightning.data.datamodule import ImageNetDataModule
@@ -384,8 +388,10 @@ def command_line_check() -> Callable[[Sequence[str]], None]:
             check_config_files(args)
             cli.parser.parse_args(list(args))
         except ArgumentError as e:
+            if advice := what_to_write(str(e), args):
+                raise UserError(advice) from None
             parser = cli._subcommand_parsers.get(args[0], cli.parser)  # the keys of the command, for close matches
-            raise UserError("\n".join([str(e), *did_you_mean(str(e), parser), *moved_options(str(e))])) from None
+            raise UserError("\n".join([str(e), *did_you_mean(str(e), parser)])) from None
 
     return check
 
@@ -403,7 +409,8 @@ def main(args: Sequence[str] | None = None) -> int:
     shield_forked_children()  # SLURM's requeue signal is for this process, not its DataLoader workers
     _wandb_offline_without_credentials()
     already_open = open_wandb_run()  # a run of the caller's (main called from Python), not this command's
-    code = _run_command(args, from_command_line)
+    with third_party_notices_silenced(args[0]):  # notices that say nothing to a user (robust_lightning/startup.py)
+        code = _run_command(args, from_command_line)
     # The W&B run this command started, finished from Python after the command's last message: W&B prints its
     # closing lines as plain text where the output is no terminal (left to W&B's exit, they carry colour codes). An
     # error that ends with a traceback is left to W&B's exit, which records it (and the traceback) as it did.

@@ -1,4 +1,6 @@
 """A process's start and exit, kept short: the cyclic garbage collector stays off the objects that imports create.
+Also the third-party notices that every command would print and that say nothing to a user, silenced in one place
+(:func:`third_party_notices_silenced`).
 
 Importing torch, timm and Lightning creates hundreds of thousands of objects (functions, classes, module
 dictionaries). Python's cyclic garbage collector walks over all of them many times while they import, and once
@@ -9,6 +11,8 @@ command, each DDP rank and each SLURM task starts a process, so the savings add 
 
 import atexit
 import gc
+import logging
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -33,3 +37,52 @@ def leave_imported_objects_out_of_collections() -> None:
     """
     gc.freeze()
     atexit.register(gc.freeze)  # atexit functions run before the interpreter's last collections
+
+
+# Third-party warnings that a command would print and that say nothing a user can act on: (the start of the message,
+# a regular expression; its category, subclasses included). Lightning's other warnings tell a user something (the
+# logging interval longer than an epoch, srun not used on a SLURM machine) and are kept.
+SILENCED_WARNINGS: list[tuple[str, type[Warning]]] = [
+    # torch deprecates LeafSpec, which Lightning's own utilities/_pytree.py still uses: for Lightning to change
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
+    # Lightning's default logger without tensorboard installed; the project's loggers are chosen (robust_lightning.
+    # loggers): a missing tensorboard changes nothing
+    (r"Starting from v1\.9\.0, `tensorboardX` has been removed", UserWarning),
+    # advice for the author of an IterableDataset: the project's shard streams split their shards between the
+    # DataLoader workers (data/datasets.py, ShardStream), so each worker's length is the one Lightning counts on
+    (r"Your `IterableDataset` has `__len__` defined", UserWarning),
+]
+# Silenced in the commands that save no checkpoint (all but fit). Lightning warns when a checkpoint restored from
+# another run folder leaves the best-checkpoint bookkeeping behind, which only a fit goes on to use; a fit resumed
+# into a new folder keeps the warning, as its best checkpoint is then chosen afresh.
+SILENCED_WARNINGS_OUTSIDE_FIT: list[tuple[str, type[Warning]]] = [
+    (r"The dirpath has changed from", UserWarning),
+]
+# Lightning's info lines that advertise its cloud services ("💡 Tip: ... try installing litlogger", "...
+# litmodels"), printed by every Trainer: they go to this logger, by rank_zero_info.
+SILENCED_LOG_LINES = ("lightning.pytorch.utilities.rank_zero", "💡 Tip:")
+
+
+class _DropLines(logging.Filter):
+    def __init__(self, start: str):
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.start)
+
+
+@contextmanager
+def third_party_notices_silenced(command: str) -> Iterator[None]:
+    """While a command runs: the warnings of SILENCED_WARNINGS (and, but in fit, SILENCED_WARNINGS_OUTSIDE_FIT) and
+    the log lines of SILENCED_LOG_LINES are not printed; as they were afterwards."""
+    logger_name, start = SILENCED_LOG_LINES
+    logger, dropped = logging.getLogger(logger_name), _DropLines(start)
+    with warnings.catch_warnings():
+        for message, category in SILENCED_WARNINGS + (SILENCED_WARNINGS_OUTSIDE_FIT if command != "fit" else []):
+            warnings.filterwarnings("ignore", message=message, category=category)
+        logger.addFilter(dropped)
+        try:
+            yield
+        finally:
+            logger.removeFilter(dropped)

@@ -317,3 +317,21 @@ def test_a_config_without_a_logger_writes_its_run_directory_under_lightning_logs
     run = tmp_path / "runs" / "lightning_logs" / "version_0"
     assert (run / "results.json").is_file() and (run / "config.yaml").is_file()
     assert list((run / "checkpoints").glob("last.ckpt"))
+
+
+SILENCED = ("💡 Tip", "LeafSpec", "tensorboardX", "has `__len__` defined", "The dirpath has changed")
+
+
+def test_a_short_fit_and_validate_print_none_of_the_silenced_notices(tmp_path):
+    """robust_lightning/startup.py names them; Lightning's warnings that tell a user something stay."""
+    config = tiny_config(tmp_path)
+    fit = run_cli("fit", "--config", str(config))
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    assert "smaller than the logging interval" in fit.stderr  # kept: a user can act on it
+    ckpt = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
+    other = tmp_path / "other"  # another run folder, and Lightning's default logger (tensorboard not installed)
+    args = ["--ckpt_path", str(ckpt), "--trainer.logger", "true", "--trainer.default_root_dir", str(other)]
+    validate = run_cli("validate", "--config", str(config), *args)
+    assert validate.returncode == 0, validate.stderr[-3000:]
+    for output in (fit.stdout + fit.stderr, validate.stdout + validate.stderr):
+        assert not [line for line in output.splitlines() if any(notice in line for notice in SILENCED)]
