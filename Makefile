@@ -45,14 +45,14 @@ quickstart-fresh:
 # The linter and the formatter's check, then mypy (the package's types, at the strictness pyproject.toml's
 # [tool.mypy] states), then the suite: one worker per core, each test file whole on one worker (its module
 # fixtures built once). After the run it prints the seconds of each test file (tests/conftest.py) and
-# --durations the slowest tests. MEASURED_TOTAL
+# --durations the slowest tests.
 test: env
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy robust_lightning
 	$(BIN)/python -m pytest -n auto --dist loadfile --durations=15
 
-# The inner loop: the same checks and the tests not marked slow (tests/conftest.py, SLOW_FILES). MEASURED_FAST
+# The inner loop: the same checks and the tests not marked slow (tests/conftest.py, SLOW_FILES).
 test-fast: env
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
