@@ -20,7 +20,7 @@ import typing
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 import yaml
 from jsonargparse import ActionConfigFile, DefaultHelpFormatter, get_loader
@@ -35,6 +35,10 @@ class ArgumentParser(LightningArgumentParser):
     command ``robust-lightning``, also where it runs as ``python -m robust_lightning`` (argparse would say
     ``__main__.py``), and under srun or torchrun the job's rank 0 alone prints them (every rank parses the same
     config: robust_lightning.errors.print_error)."""
+
+    # The data sources by the names data.source gave them before it named a class ("folder", ...), for the line
+    # that answers an old option. The command (robust_lightning.cli) sets them: this layer does not import data.
+    source_classes: ClassVar[dict[str, type]] = {}
 
     def __init__(self, *args: Any, **kwargs: Any):
         if not args and kwargs.get("prog") is None:  # subcommands' parsers get "robust-lightning [options] fit"
@@ -52,7 +56,7 @@ class ArgumentParser(LightningArgumentParser):
             sys.exit(2)
         parser = getattr(ex, "subcommand_parser", None) or self
         prog = parser.prog.replace(" [options]", "")
-        advice = what_to_write(message, getattr(self, "_given_args", sys.argv[1:]))
+        advice = what_to_write(message, getattr(self, "_given_args", sys.argv[1:]), self.source_classes)
         if advice:  # the line names what to write: the parser's text and the pointer to --help say no more
             lines = [f"{prog}: error: {advice}"]
         else:
@@ -77,31 +81,26 @@ def int_before_float(parser: argparse.ArgumentParser, prefix: str = "trainer.") 
         action._typehint = int | float | None  # type: ignore[attr-defined]  # jsonargparse's ActionTypeHint
 
 
-def what_to_write(message: str, args: Sequence[str]) -> str | None:
+def what_to_write(message: str, args: Sequence[str], source_classes: dict[str, type]) -> str | None:
     """One line in place of a parser's error ``message`` that names the option to write, where the message is about
-    the old form of data.source (given in ``args``, the options as written, or in a config file) or about an option
-    that a class in a config does not take (jsonargparse's "Option 'x' is not accepted"); None for other messages."""
-    return _old_source_form(message, args) or _option_not_accepted(message)
-
-
-def _source_classes() -> dict[str, type]:
-    """The source classes by the name data.source gave them before it named a class ("folder", ...)."""
-    from robust_lightning.data.sources import FolderSource, ShardSource, SyntheticSource  # its imports are many
-
-    return {cls.kind: cls for cls in (FolderSource, ShardSource, SyntheticSource)}
+    the old form of data.source (given in ``args``, the options as written, or in a config file; ``source_classes``:
+    the sources by their old names, ``ArgumentParser.source_classes``) or about an option that a class in a config
+    does not take (jsonargparse's "Option 'x' is not accepted"); None for other messages."""
+    return (_old_source_form(message, args, source_classes) if source_classes else None) or _option_not_accepted(
+        message
+    )
 
 
 def _options(cls: type) -> list[str]:
     return [name for name in inspect.signature(cls).parameters if name not in ("args", "kwargs")]
 
 
-def _old_source_form(message: str, args: Sequence[str]) -> str | None:
+def _old_source_form(message: str, args: Sequence[str], classes: dict[str, type]) -> str | None:
     """``--data.source folder --data.root D is now written --data.source FolderSource --data.source.root D``: the
     form data.source had before it named a class with its own options (issue 39). The options it had directly under
     data belonged to FolderSource or ShardSource; those under data.synthetic to SyntheticSource."""
     if "data." not in message:
         return None
-    classes = _source_classes()
     owner = {name: cls for cls in (classes["shards"], classes["folder"]) for name in _options(cls)}  # root: folder
 
     def moved(key: str) -> tuple[str, type] | None:  # an old key under data: its new name and class

@@ -36,6 +36,7 @@ with collector_paused():  # Lightning imports sooner (robust_lightning/startup.p
 
     import robust_lightning
     from robust_lightning.argument_parsing import (
+        ArgumentParser,
         ArgumentParserWithBases,
         did_you_mean,
         int_before_float,
@@ -43,6 +44,7 @@ with collector_paused():  # Lightning imports sooner (robust_lightning/startup.p
     )
     from robust_lightning.data.corrupt_report import CorruptImageReport
     from robust_lightning.data.datamodule import ImageNetDataModule
+    from robust_lightning.data.sources import FolderSource, ShardSource, SyntheticSource
     from robust_lightning.errors import UserError, print_error, print_rank_error
     from robust_lightning.evaluation.results import PredictionWriter, RunResults
     from robust_lightning.job_signals import JobSignals, JobStopped, shield_forked_children
@@ -70,6 +72,8 @@ with collector_paused():  # Lightning imports sooner (robust_lightning/startup.p
     )
     from robust_lightning.training.throughput import Throughput
 leave_imported_objects_out_of_collections()  # later collections and the exit skip them
+# the sources by the names data.source gave them before it named a class, for the line that answers an old option
+ArgumentParser.source_classes = {cls.kind: cls for cls in (FolderSource, ShardSource, SyntheticSource)}
 
 TRAINER_COMMANDS = {
     "fit": "train a model (optionally warm-started), validating every epoch",
@@ -388,7 +392,7 @@ def command_line_check() -> Callable[[Sequence[str]], None]:
             check_config_files(args)
             cli.parser.parse_args(list(args))
         except ArgumentError as e:
-            if advice := what_to_write(str(e), args):
+            if advice := what_to_write(str(e), args, ArgumentParser.source_classes):
                 raise UserError(advice) from None
             parser = cli._subcommand_parsers.get(args[0], cli.parser)  # the keys of the command, for close matches
             raise UserError("\n".join([str(e), *did_you_mean(str(e), parser)])) from None
