@@ -115,6 +115,18 @@ def _batches(n: int, bs: int | None) -> list[slice]:
     return [slice(i, min(i + step, n)) for i in range(0, n, step)]
 
 
+def _batchwise(
+    x: Tensor, y: Tensor, bs: int | None, attack: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+) -> tuple[Tensor, Tensor]:
+    """``attack(xb, yb) -> (robust, x_adv)`` on each batch of ``bs`` points, the results gathered on the CPU."""
+    robust, x_adv = [], []
+    for part in _batches(len(x), bs):  # each batch's results leave the device before the next batch
+        still, best = attack(x[part], y[part])
+        robust.append(still.float().cpu())
+        x_adv.append(best.cpu())
+    return torch.cat(robust), torch.cat(x_adv)
+
+
 def _classes(model: Model, x: Tensor) -> int:
     with torch.no_grad():
         return int(model(x[:1]).shape[-1])
@@ -138,10 +150,10 @@ def transfer_attack(
     none below 4 classes), on ``surrogate``, against every point that ``model`` classifies correctly. Both the
     highest-loss and the last misclassified iterate of each run are tried on ``model``, which alone decides."""
     started = time.perf_counter()
-    robust, x_adv = [], []
-    targets = min(n_target_classes, _classes(model, x) - 1) if _classes(model, x) >= 4 else 0
-    for part in _batches(len(x), bs):
-        xb, yb = x[part], y[part]
+    classes = _classes(model, x)
+    targets = min(n_target_classes, classes - 1) if classes >= 4 else 0
+
+    def attack(xb: Tensor, yb: Tensor) -> tuple[Tensor, Tensor]:
         still, best = _correct(model, xb, yb), xb.clone()
         with torch.no_grad():
             ranked = model(xb).float().sort(dim=1)[1]
@@ -168,9 +180,10 @@ def transfer_attack(
                 broken = still[todo] & ~_correct(model, candidate, yb[todo])
                 best[todo[broken]] = candidate[broken].detach()
                 still[todo[broken]] = False
-        robust.append(still.float().cpu())
-        x_adv.append(best.cpu())
-    return AdaptiveResult(name, torch.cat(robust), torch.cat(x_adv), time.perf_counter() - started)
+        return still, best
+
+    robust, x_adv = _batchwise(x, y, bs, attack)
+    return AdaptiveResult(name, robust, x_adv, time.perf_counter() - started)
 
 
 def bpda_attack(
@@ -230,9 +243,8 @@ def eot_attack(
     accuracy over the model's draws."""
     started = time.perf_counter()
     losses = ("ce", "dlr") if _classes(model, x) >= 3 else ("ce",)
-    robust, x_adv = [], []
-    for part in _batches(len(x), bs):
-        xb, yb = x[part], y[part]
+
+    def attack(xb: Tensor, yb: Tensor) -> tuple[Tensor, Tensor]:
         share, best = _share_correct(model, xb, yb, draws), xb.clone()
         for loss in losses:
             result = apgd(
@@ -242,9 +254,10 @@ def eot_attack(
             candidate_share = _share_correct(model, candidate, yb, draws)
             lower = candidate_share < share
             best[lower], share = candidate[lower], torch.minimum(share, candidate_share)
-        robust.append(share.cpu())
-        x_adv.append(best.cpu())
-    return AdaptiveResult("eot", torch.cat(robust), torch.cat(x_adv), time.perf_counter() - started)
+        return share, best
+
+    robust, x_adv = _batchwise(x, y, bs, attack)
+    return AdaptiveResult("eot", robust, x_adv, time.perf_counter() - started)
 
 
 def square_from_scratch(
@@ -262,9 +275,8 @@ def square_from_scratch(
     """Square Attack with ``n_restarts`` restarts (seeds ``seed``, ``seed + 1``, ...) on every point the model
     classifies correctly: each restart attacks the points the earlier ones left standing."""
     started = time.perf_counter()
-    robust, x_adv = [], []
-    for part in _batches(len(x), bs):
-        xb, yb = x[part], y[part]
+
+    def attack(xb: Tensor, yb: Tensor) -> tuple[Tensor, Tensor]:
         still, best = _correct(model, xb, yb), xb.clone()
         for restart in range(n_restarts):
             todo = still.nonzero().flatten()
@@ -277,6 +289,7 @@ def square_from_scratch(
             broken = ~result.robust & ~_correct(model, result.x_adv, yb[todo])
             best[todo[broken]] = result.x_adv[broken]
             still[todo[broken]] = False
-        robust.append(still.float().cpu())
-        x_adv.append(best.cpu())
-    return AdaptiveResult("square", torch.cat(robust), torch.cat(x_adv), time.perf_counter() - started)
+        return still, best
+
+    robust, x_adv = _batchwise(x, y, bs, attack)
+    return AdaptiveResult("square", robust, x_adv, time.perf_counter() - started)
