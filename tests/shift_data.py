@@ -93,27 +93,23 @@ def imagenet_c_tree(
     return root
 
 
-def imagenet_c_config(tmp_path: Path, *callback_args: dict) -> Path:
-    """A test run on a 5-image ImageNet val tree with an ImageNetC callback for each ``callback_args``."""
-    make_image_tree(tmp_path / "imagenet" / "val", {WNIDS[0]: 2, WNIDS[1]: 2, WNIDS[2]: 1})
-    callbacks = [
-        {
-            "class_path": "robust_lightning.evaluation.imagenet_c.ImageNetC",
-            "init_args": {"batch_size": 7, "num_workers": 0, **args},
-        }
-        for args in callback_args
-    ]
+def shift_config(tmp_path: Path, name: str, callbacks: list[dict], devices: int = 1, **trainer) -> Path:
+    """``tmp_path/<name>.yaml``: a test run of the tiny 1000-class model on the ImageNet val tree under
+    ``tmp_path/imagenet`` with ``callbacks``, logged by a CSVLogger under ``tmp_path/runs/<name>``; ``trainer``
+    adds Trainer options."""
     config = {
         "seed_everything": 0,
         "trainer": {
             "accelerator": "cpu",
-            "devices": 1,
+            "devices": devices,
             "default_root_dir": str(tmp_path / "runs"),
             "logger": {
                 "class_path": "lightning.pytorch.loggers.CSVLogger",
-                "init_args": {"save_dir": str(tmp_path / "runs"), "name": "c"},
+                "init_args": {"save_dir": str(tmp_path / "runs"), "name": name},
             },
             "callbacks": callbacks,
+            **({"strategy": "ddp"} if devices > 1 else {}),
+            **trainer,
         },
         "model": {"arch": "test_resnet"},
         "data": {
@@ -126,9 +122,22 @@ def imagenet_c_config(tmp_path: Path, *callback_args: dict) -> Path:
             "num_workers": 0,
         },
     }
-    path = tmp_path / "c.yaml"
+    path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def imagenet_c_config(tmp_path: Path, *callback_args: dict) -> Path:
+    """A test run on a 5-image ImageNet val tree with an ImageNetC callback for each ``callback_args``."""
+    make_image_tree(tmp_path / "imagenet" / "val", {WNIDS[0]: 2, WNIDS[1]: 2, WNIDS[2]: 1})
+    callbacks = [
+        {
+            "class_path": "robust_lightning.evaluation.imagenet_c.ImageNetC",
+            "init_args": {"batch_size": 7, "num_workers": 0, **args},
+        }
+        for args in callback_args
+    ]
+    return shift_config(tmp_path, "c", callbacks)
 
 
 def frames_of(seed: int, count: int) -> list[np.ndarray]:

@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
 from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
 
 from helpers import run_command
@@ -33,7 +32,7 @@ from robust_lightning.evaluation.benchmarks import (
     subset_split,
     top1_metrics,
 )
-from shift_data import WNIDS, benchmark_trees, tree, write_favouring_checkpoint
+from shift_data import WNIDS, benchmark_trees, shift_config, tree, write_favouring_checkpoint
 
 
 # --------------------------------------------------------------------------------------------- class lists
@@ -202,39 +201,11 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 def bench_config(tmp_path: Path, roots: dict[str, str], devices: int = 1) -> Path:
-    config = {
-        "seed_everything": 0,
-        "trainer": {
-            "accelerator": "cpu",
-            "devices": devices,
-            "default_root_dir": str(tmp_path / "runs"),
-            "logger": {
-                "class_path": "lightning.pytorch.loggers.CSVLogger",
-                "init_args": {"save_dir": str(tmp_path / "runs"), "name": "bench"},
-            },
-            "callbacks": [
-                {
-                    "class_path": "robust_lightning.evaluation.benchmarks.DistributionShiftBenchmarks",
-                    "init_args": {**roots, "batch_size": 4, "num_workers": 0},
-                }
-            ],
-        },
-        "model": {"arch": "test_resnet"},
-        "data": {
-            "source": {
-                "class_path": "FolderSource",
-                "init_args": {"root": str(tmp_path / "imagenet"), "class_map": "imagenet"},
-            },
-            "image_size": 32,
-            "eval_batch_size": 8,
-            "num_workers": 0,
-        },
+    callback = {
+        "class_path": "robust_lightning.evaluation.benchmarks.DistributionShiftBenchmarks",
+        "init_args": {**roots, "batch_size": 4, "num_workers": 0},
     }
-    if devices > 1:
-        config["trainer"]["strategy"] = "ddp"
-    path = tmp_path / "bench.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return shift_config(tmp_path, "bench", [callback], devices)
 
 
 def direct_metrics(checkpoint: Path, root: str, benchmark: str) -> tuple[float, float]:

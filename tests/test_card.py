@@ -11,7 +11,7 @@ from helpers import REPO
 from robust_lightning.cli import main
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.card import RobustnessCard, paper_rows, percent, render_card
-from shift_data import benchmark_trees, imagenet_c_tree, imagenet_p_tree, write_favouring_checkpoint
+from shift_data import benchmark_trees, imagenet_c_tree, imagenet_p_tree, shift_config, write_favouring_checkpoint
 
 # n_queries: the budget of Square from scratch, which a raised check calls for
 QUICK_ATTACK = {"version": "apgd-ce", "n_iter": 3, "n_queries": 20}
@@ -129,52 +129,25 @@ def test_the_card_runs_every_benchmark_that_has_data(tmp_path, imagenet_checkpoi
     for image in (tmp_path / "imagenet" / "val").glob("*/*"):  # unique file names, as in ImageNet val
         image.rename(image.with_name(f"{image.parent.name}_{image.name}"))
     quick = {"batch_size": 4, "num_workers": 0}
-    config = {
-        "seed_everything": 0,
-        "trainer": {
-            "accelerator": "cpu",
-            "devices": 1,
-            "enable_progress_bar": False,
-            "inference_mode": False,
-            "default_root_dir": str(tmp_path / "runs"),
-            "logger": {
-                "class_path": "lightning.pytorch.loggers.CSVLogger",
-                "init_args": {"save_dir": str(tmp_path / "runs"), "name": "card"},
+    card_callback = {
+        "class_path": "robust_lightning.evaluation.card.RobustnessCard",
+        "init_args": {
+            "datasets": roots,
+            "autoattack": {
+                **QUICK_ATTACK,
+                "threat_models": [{"norm": "Linf", "eps": 4 / 255}, {"norm": "L2", "eps": 0.3}],
             },
-            "callbacks": [
-                {
-                    "class_path": "robust_lightning.evaluation.card.RobustnessCard",
-                    "init_args": {
-                        "datasets": roots,
-                        "autoattack": {
-                            **QUICK_ATTACK,
-                            "threat_models": [{"norm": "Linf", "eps": 4 / 255}, {"norm": "L2", "eps": 0.3}],
-                        },
-                        "benchmarks": quick,
-                        "imagenet_p": {
-                            "batch_size": 2,
-                            "num_workers": 0,
-                            "perturbations": ["brightness", "gaussian_noise"],
-                        },
-                        "imagenet_c": {**quick, "corruptions": ["gaussian_noise", "brightness"], "clean_error": 0.5},
-                        "resolution_sweep": {"resolutions": [32, 48], "attack": "apgd-ce", "n_iter": 2},
-                    },
-                }
-            ],
-        },
-        "model": {"arch": "test_resnet"},
-        "data": {
-            "source": {
-                "class_path": "FolderSource",
-                "init_args": {"root": str(tmp_path / "imagenet"), "class_map": "imagenet"},
+            "benchmarks": quick,
+            "imagenet_p": {
+                "batch_size": 2,
+                "num_workers": 0,
+                "perturbations": ["brightness", "gaussian_noise"],
             },
-            "image_size": 32,
-            "eval_batch_size": 8,
-            "num_workers": 0,
+            "imagenet_c": {**quick, "corruptions": ["gaussian_noise", "brightness"], "clean_error": 0.5},
+            "resolution_sweep": {"resolutions": [32, 48], "attack": "apgd-ce", "n_iter": 2},
         },
     }
-    path = tmp_path / "card.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path = shift_config(tmp_path, "card", [card_callback], enable_progress_bar=False, inference_mode=False)
     assert main(["test", "--config", str(path), "--ckpt_path", str(imagenet_checkpoint)]) == 0
     run = tmp_path / "runs" / "card" / "version_0"
     results = _load(run / "results.json")
