@@ -340,15 +340,17 @@ def cli_arguments() -> dict[str, Any]:
         parser_class=ArgumentParserWithBases,  # config files may extend others (compose_config)
         seed_everything_default=0,
         trainer_defaults={
-            # Interruption before RunResults: an interrupted fit's results.json names the checkpoint it just saved
+            # RankFailureWatch first: its watchdog is then running before any other set-up waits in a collective for
+            # a rank that has failed. Interruption before RunResults: an interrupted fit's results.json names the
+            # checkpoint it just saved.
             "callbacks": [
+                RankFailureWatch(),  # one rank's failure stops the others (robust_lightning.rank_exit)
                 CorruptImageReport(),
                 Interruption(),
                 RunResults(),
                 PredictionWriter(),
                 FitRunDirectory(),
                 Throughput(),
-                RankFailureWatch(),  # one rank's failure stops the others (robust_lightning.rank_exit)
             ],
             # a kill during a save never corrupts last.ckpt
             "plugins": [{"class_path": f"{AtomicCheckpointIO.__module__}.{AtomicCheckpointIO.__name__}"}],
