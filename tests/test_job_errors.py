@@ -24,7 +24,7 @@ from helpers import REPO, run_command, synthetic_source, tiny_config
 from robust_lightning import errors, rank_exit
 from robust_lightning.errors import UserError, job_rank, print_error, print_rank_error
 
-TASKS = 3
+TASKS = 2  # rank 0, which prints, and another, which must not: a third rank would be the second again
 TIMEOUT = 120  # seconds for a command that stops at its config (a few at once on shared cores)
 
 
@@ -97,10 +97,9 @@ def bad_configs(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     return files
 
 
-@pytest.mark.parametrize(
-    "launcher, error",
-    [("srun", "key"), ("srun", "value"), ("srun", "empty"), ("torchrun", "key"), ("torchrun", "value")],
-)
+# each error once and each launcher at least once: which launcher started the processes does not change how the
+# config is parsed, only how the job's rank 0 is found
+@pytest.mark.parametrize("launcher, error", [("srun", "key"), ("srun", "empty"), ("torchrun", "value")])
 def test_an_error_in_the_config_is_printed_once_per_job_naming_robust_lightning(tmp_path, launcher, error):
     config, word = bad_configs(tmp_path)[error]
     runs = run_job(["fit", "--config", str(config)], job_environments(launcher), tmp_path)
@@ -348,8 +347,24 @@ def test_the_ranks_of_a_stopped_job_leave_together():
     """At the end of a stop by SIGTERM no rank leaves before every rank has got there, and rank 0, which holds the
     store, leaves last. Three ranks on a real TCPStore, the second one second late."""
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    jobs = [rank_exit._Job(TCPStore("127.0.0.1", server.port, is_master=False), rank, 3, False) for rank in range(3)]
-    arrived, left = {}, {}
+    arrived, left, said_done = {}, {}, {}
+
+    class NotingStore:
+        """The rank's store, noting when the rank says that it asks the store nothing more: a thread's own time
+        stamp after it returns can come late on a loaded machine, so "rank 0 leaves last" is checked against this."""
+
+        def __init__(self, rank: int):
+            self.rank, self.store = rank, TCPStore("127.0.0.1", server.port, is_master=False)
+
+        def add(self, key: str, amount: int) -> int:
+            if key == rank_exit.DONE and amount:
+                said_done[self.rank] = time.monotonic()
+            return self.store.add(key, amount)
+
+        def __getattr__(self, name: str):
+            return getattr(self.store, name)
+
+    jobs = [rank_exit._Job(NotingStore(rank), rank, 3, False) for rank in range(3)]
 
     def leave(job):
         if job.rank == 1:
@@ -361,5 +376,5 @@ def test_the_ranks_of_a_stopped_job_leave_together():
     with ThreadPoolExecutor(3) as pool:
         list(pool.map(leave, jobs))
     assert min(left.values()) >= arrived[1]
-    assert left[0] == max(left.values())
+    assert sorted(said_done) == [1, 2] and left[0] >= max(said_done.values())
     assert max(left.values()) - arrived[1] < 1.0  # then at once
