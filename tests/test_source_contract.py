@@ -1,6 +1,8 @@
 """A data source is one class (robust_lightning.data.sources): the resume identities of saved outcomes record every
-source's location, so that two datasets of one class do not share outcomes."""
+source's location, so that two datasets of one class do not share outcomes, and nothing outside the sources asks
+which class a source is."""
 
+import ast
 import json
 from types import SimpleNamespace
 
@@ -8,12 +10,14 @@ import pytest
 from PIL import Image
 from torch.utils.data import Dataset
 
+from helpers import REPO
 from robust_lightning.data.datamodule import ImageNetDataModule
-from robust_lightning.data.sources import DataSets, DataSource, SetRequest
+from robust_lightning.data.sources import DataSets, DataSource, FolderSource, SetRequest, ShardSource, SyntheticSource
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.autoattack import AutoAttackEvaluation
 from robust_lightning.evaluation.outcomes import append_record, claim_directory
 from robust_lightning.evaluation.resolution import CLEAN, Cell, ResolutionSweep
+from robust_lightning.official_differences import data_differences
 
 COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255)}
 
@@ -126,3 +130,60 @@ def test_outcomes_saved_before_every_location_was_recorded_still_resume(tmp_path
     else:
         with pytest.raises(UserError, match=r"holds outcomes of a different evaluation \(data_location differ\)"):
             claim_directory(folder, identity, True, "AutoAttackEvaluation")
+
+
+def test_the_official_differences_come_from_the_source(tmp_path):
+    line = "training images read from WebDataset shards"
+    shards = ShardSource(val_shards=str(tmp_path / "val-{000000..000001}.tar"))
+    for source, recorded in ((shards, True), (FolderSource(str(tmp_path)), False), (SyntheticSource(), False)):
+        assert any(line in d for d in data_differences(ImageNetDataModule(source=source))) == recorded
+
+
+SOURCE_CLASSES = (FolderSource, ShardSource, SyntheticSource)
+NAMES = {cls.kind for cls in SOURCE_CLASSES} | {"tensors"}  # "tensors": robust_lightning.evaluate's images
+
+
+def _kind(node: ast.AST) -> bool:
+    """``x.kind``, or a recorded source's name: ``x["source"]``, ``x.get("source")``."""
+    if isinstance(node, ast.Attribute):
+        return node.attr == "kind"
+    key = node.slice if isinstance(node, ast.Subscript) else None
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" and node.args:
+        key = node.args[0]
+    return isinstance(key, ast.Constant) and key.value == "source"
+
+
+def _branches_on_a_source(node: ast.AST) -> bool:
+    """A comparison with a source's name for itself (read from it, or a local ``kind`` against a source's name), or
+    an isinstance test against a source class."""
+    if isinstance(node, ast.Compare):
+        operands = [node.left, *node.comparators]
+        named = {c.value for o in operands for c in [o, *getattr(o, "elts", [])] if isinstance(c, ast.Constant)}
+        local = any(isinstance(o, ast.Name) and o.id == "kind" for o in operands) and bool(named & NAMES)
+        return local or any(_kind(o) for o in operands)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
+        classes = {cls.__name__ for cls in SOURCE_CLASSES}
+        return any(isinstance(n, ast.Name) and n.id in classes for n in ast.walk(node))
+    return False
+
+
+def test_no_module_asks_which_class_a_source_is():
+    """Only the sources' own module may tell them apart: every other module asks a source through its methods."""
+    found = []
+    for path in sorted((REPO / "robust_lightning").rglob("*.py")):
+        if path == REPO / "robust_lightning" / "data" / "sources.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if _branches_on_a_source(node):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []
+
+
+def test_the_check_finds_the_branches_it_is_for():
+    for code in (
+        'source.kind == "folder"',
+        'kind == "shards"',
+        'data.get("source") in ("folder", "shards")',
+        "isinstance(s, ShardSource)",
+    ):
+        assert any(_branches_on_a_source(node) for node in ast.walk(ast.parse(code))), code

@@ -373,6 +373,7 @@ class ImageNetDataModule(LightningDataModule):
             imagenet_val=self.source.imagenet_labels() and not self.holdout,
             subset=self.eval_subset,
             limit=self.eval_limit,
+            val_folder=self.source.val_folder(),
         )
 
     def conditions(self) -> dict[str, Any]:
@@ -391,6 +392,7 @@ class ImageNetDataModule(LightningDataModule):
             **({"canvas_size": self.canvas_size} if self.uses_canvases else {}),
             "differences_from_official_code": self.differences_from_official_code(),
             "eval_split": f"{self.holdout} images held out of train" if self.holdout else "val",
+            "imagenet_val": self.evaluation_source().imagenet_val,
             "eval_subset": self.eval_subset,
             "eval_limit": self.eval_limit,
             "batch_size": self.global_batch.share,

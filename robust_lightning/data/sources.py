@@ -82,9 +82,11 @@ class DataSets:
 
 
 class DataSource:
-    """One storage format of an image classification dataset with a training and a validation split."""
+    """One storage format of an image classification dataset with a training and a validation split.
 
-    kind: ClassVar[str]  # what results.json and error messages call it ("folder", "shards", "synthetic")
+    Code outside this module asks a source only through these methods, never which class it is."""
+
+    kind: ClassVar[str]  # what results.json and messages call it ("folder", "shards", "synthetic"); never tested
 
     def num_classes(self, requested: int | None) -> int:
         """The size of the label space: ``requested`` (data.num_classes) where given, else the source's own."""
@@ -98,12 +100,23 @@ class DataSource:
         raise NotImplementedError
 
     def location(self) -> str | None:
-        """Where the evaluation images are read from, as an evaluation reports it."""
+        """Where the evaluation images are read from: the resume identities of saved outcomes record it, so that
+        two datasets of one class do not share outcomes; evaluations report it."""
         raise NotImplementedError
 
     def imagenet_labels(self) -> bool:
         """Whether the labels follow the standard ImageNet class map (so benchmark class lists apply)."""
         return False
+
+    def val_folder(self) -> str | None:
+        """The validation split as a folder of image files that a benchmark may read by path (the card's default
+        in-distribution images of ImageNet-O), None where the images are not such a folder."""
+        return None
+
+    def differences_from_official_code(self) -> list[str]:
+        """How reading the training images departs from the official code's ImageFolder read in a full random
+        permutation (robust_lightning.official_differences)."""
+        return []
 
     def conditions(self) -> dict[str, Any]:
         """What results.json records about the source."""
@@ -212,6 +225,9 @@ class FolderSource(DataSource):
 
     def imagenet_labels(self) -> bool:
         return self.class_map == "imagenet"
+
+    def val_folder(self) -> str:
+        return str(self.root / "val")
 
     def conditions(self) -> dict[str, Any]:
         return {
@@ -328,6 +344,12 @@ class ShardSource(DataSource):
 
     def location(self) -> str | None:
         return self.val_shards
+
+    def differences_from_official_code(self) -> list[str]:
+        return [
+            "training images read from WebDataset shards, shuffled through a buffer "
+            "(official: ImageFolder with a full random permutation)"
+        ]
 
     def imagenet_labels(self) -> bool:
         # shards carry the labels they were written with; a pattern without a manifest is taken to be ImageNet's
