@@ -1,17 +1,21 @@
-"""A data source is one class (robust_lightning.data.sources): the resume identities of saved outcomes record every
-source's location, so that two datasets of one class do not share outcomes, and nothing outside the sources asks
-which class a source is."""
+"""A data source is one class and its contract is checked (robust_lightning.data.sources): the data module counts
+what a source built against the holdout, evaluation subset and limit it asked for and refuses a source that left one
+out; any sized IterableDataset streams; the resume identities record every source's location; and nothing outside
+the sources asks which class a source is."""
 
 import ast
+import itertools
 import json
 from types import SimpleNamespace
 
 import pytest
 from PIL import Image
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
-from helpers import REPO
+from helpers import REPO, tiny_config
+from robust_lightning.cli import main
 from robust_lightning.data.datamodule import ImageNetDataModule
+from robust_lightning.data.loaders import StreamTrainLoader
 from robust_lightning.data.sources import DataSets, DataSource, FolderSource, SetRequest, ShardSource, SyntheticSource
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.autoattack import AutoAttackEvaluation
@@ -85,8 +89,150 @@ class ListedSource(DataSource):
         return {"images": self.train + self.val}
 
 
+class Stream(IterableDataset):
+    """The given images in order, endless for training: a sized stream that is not a ShardStream."""
+
+    def __init__(self, indices: list[int], transform, endless: bool):
+        self.indices, self.transform, self.endless = indices, transform, endless
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __iter__(self):
+        order = itertools.cycle(self.indices) if self.endless else self.indices
+        return (solid(index, self.transform) for index in order)
+
+
+class StreamSource(ListedSource):
+    kind = "stream"
+
+    def build(self, request: SetRequest) -> DataSets:
+        train, evaluation = self.indices(request)
+        return DataSets(
+            train=Stream(train, request.training, endless=True) if request.needs_train else None,
+            evaluation=Stream(evaluation, request.evaluation, endless=False),
+        )
+
+
 def _data(source: DataSource, **options) -> ImageNetDataModule:
     return ImageNetDataModule(source=source, image_size=16, batch_size=4, num_workers=0, **options)
+
+
+def _evaluated(data: ImageNetDataModule) -> list[str]:
+    return [key for batch in data.val_dataloader() for key in batch["key"]]
+
+
+def _subset_file(tmp_path) -> str:
+    path = tmp_path / "subset.txt"
+    path.write_text("".join(f"{name(i)}\n" for i in (105, 100, 104)))
+    return str(path)
+
+
+def test_a_source_that_applies_the_holdout_the_subset_and_the_limit_is_accepted(tmp_path):
+    held = _data(ListedSource(), holdout=3)
+    held.setup("fit")
+    assert held.sets.training()[1] == 9 and _evaluated(held) == ["9", "10", "11"]
+    listed = _data(ListedSource(), eval_subset=_subset_file(tmp_path))
+    listed.setup("test")
+    assert _evaluated(listed) == ["105", "100", "104"] and listed.expected_eval_image_count() == 3
+    limited = _data(ListedSource(), eval_limit=5)
+    limited.setup("test")
+    assert _evaluated(limited) == ["100", "101", "102", "103", "104"]
+
+
+@pytest.mark.parametrize(
+    ("ignored", "options", "stage", "line"),
+    [
+        (
+            "holdout",
+            {"holdout": 3},
+            "fit",
+            "data.source ListedSource ignored data.holdout 3: it built 8 evaluation images",
+        ),
+        (
+            "subset",
+            {"eval_subset": "SUBSET"},
+            "test",
+            "data.source ListedSource ignored data.eval_subset: it built 8 evaluation images for the 3 listed",
+        ),
+        (
+            "limit",
+            {"eval_limit": 5},
+            "test",
+            "data.source ListedSource ignored data.eval_limit 5: it built 8 evaluation images",
+        ),
+    ],
+)
+def test_a_source_that_ignores_the_holdout_the_subset_or_the_limit_is_refused(tmp_path, ignored, options, stage, line):
+    options = {key: _subset_file(tmp_path) if value == "SUBSET" else value for key, value in options.items()}
+    data = _data(ListedSource(ignores=ignored), **options)
+    with pytest.raises(UserError) as error:
+        data.setup(stage)
+    assert str(error.value) == line
+
+
+def test_the_refusal_is_one_line_of_the_command(tmp_path, capsys):
+    config = tiny_config(
+        tmp_path,
+        **{"data.source": {"class_path": f"{__name__}.ListedSource", "init_args": {"ignores": "limit"}}},
+        **{"model.arch": "test_resnet", "data.num_classes": 3, "data.eval_limit": 5},
+    )
+    assert main(["validate", "--config", str(config)]) == 2
+    refusals = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert refusals == [
+        "robust-lightning: error: data.source ListedSource ignored data.eval_limit 5: it built 8 evaluation images"
+    ]
+
+
+def test_any_sized_iterable_dataset_streams(tmp_path):
+    """Evaluation reads the stream without a sampler (one the map-style path would give it is refused by torch),
+    its length is the count the limit is checked against; training cuts the endless stream into epochs of
+    training images // global batch steps."""
+    data = _data(StreamSource(), eval_limit=5)
+    data.setup("fit")
+    assert _evaluated(data) == ["100", "101", "102", "103", "104"] and data.expected_eval_image_count() == 5
+    train = data.train_dataloader()
+    assert isinstance(train, StreamTrainLoader) and len(train) == 3
+    batches = list(train)
+    assert [batch["draw"] for batch in batches] == [(0, 0), (0, 1), (0, 2)]
+    assert [key for batch in batches for key in batch["key"]] == [str(i) for i in range(12)]
+    sample = data.training_sample("cpu", max_images=6)
+    assert sample.images == 6 and sum(len(batch["label"]) for batch in sample.batches) == 6
+    with pytest.raises(UserError, match="StreamSource ignored data.eval_limit 5: it built 8 evaluation images"):
+        _data(StreamSource(ignores="limit"), eval_limit=5).setup("test")
+
+
+class Unsized(IterableDataset):
+    def __init__(self, stream: Stream):
+        self.stream = stream
+
+    def __iter__(self):
+        return iter(self.stream)
+
+
+class UncountedSource(StreamSource):
+    """A training stream that neither has a length nor reports its images: its steps per epoch are unknown."""
+
+    def build(self, request: SetRequest) -> DataSets:
+        sets = super().build(request)
+        sets.train = Unsized(sets.train)
+        return sets
+
+
+def test_a_training_stream_of_unknown_length_is_refused():
+    with pytest.raises(UserError) as error:
+        _data(UncountedSource()).setup("fit")
+    assert str(error.value) == (
+        "data.source UncountedSource built a training stream that neither reports its images nor has a length"
+    )
+
+
+def test_a_resumed_epoch_of_a_stream_drops_the_batches_it_had_trained():
+    data = _data(StreamSource())
+    data.setup("fit")
+    data.training_position.load_state_dict({"epoch": 0, "micro_batches": 2})
+    batches = list(data.train_dataloader())
+    assert [batch["draw"] for batch in batches] == [(0, 2)] and batches[0]["key"] == ["8", "9", "10", "11"]
 
 
 def _trainer(location: str) -> SimpleNamespace:
