@@ -24,7 +24,7 @@ class TrainingSample(NamedTuple):
 class EvaluationSource:
     """Where a data module's evaluation images come from, as an evaluation reports it (``evaluation_source``)."""
 
-    kind: str  # data.source's name for itself ("folder", "shards", "synthetic"): reported, never tested
+    kind: str  # data.source's name for itself ("folder", "shards", "synthetic"): reported, never branched on
     location: str | None  # where the images are read from (DataSource.location): resume identities record it
     imagenet_val: bool  # ImageNet val with ImageNet's labels: class_map imagenet, no holdout
     subset: str | None = None  # data.eval_subset: the listed images evaluated

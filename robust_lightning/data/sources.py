@@ -110,7 +110,7 @@ class DataSource:
     counts what it built against what was requested and refuses a source that left one out (``check_built``).
     Code outside this module asks a source only through these methods, never which class it is."""
 
-    kind: ClassVar[str]  # what results.json and messages call it ("folder", "shards", "synthetic"); never tested
+    kind: ClassVar[str]  # what results.json and messages call it ("folder", "shards", "synthetic"); never branched on
 
     def num_classes(self, requested: int | None) -> int:
         """The size of the label space: ``requested`` (data.num_classes) where given, else the source's own."""
