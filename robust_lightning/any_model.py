@@ -94,7 +94,7 @@ class GivenImages(LightningDataModule):
         )
 
     def evaluation_source(self) -> EvaluationSource:
-        return EvaluationSource(kind="tensors", location=None, imagenet_val=False)
+        return EvaluationSource(kind="tensors", location=None, imagenet_val=False, own_preprocessing=False)
 
     def expected_eval_images(self) -> tuple[int | None, frozenset[str] | None]:
         return len(self.labels), None
@@ -112,6 +112,7 @@ class GivenImages(LightningDataModule):
     def conditions(self) -> dict[str, Any]:
         return {
             "source": "tensors",
+            "imagenet_val": False,
             "num_images": len(self.labels),
             "image_shape": list(self.images.shape[1:]),
             "preprocessing": "none (the images as given)",

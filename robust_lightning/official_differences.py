@@ -33,12 +33,7 @@ def data_differences(data) -> list[str]:
     """How the training data pipeline of ``data`` (an ImageNetDataModule) departs from Singh et al.'s
     (github.com/nmndeep/revisiting-at: ImageFolder, timm's create_transform with mean 0 / std 1 run per image on
     PIL, 8 GPUs)."""
-    differences = []
-    if data.source.kind == "shards":
-        differences.append(
-            "training images read from WebDataset shards, shuffled through a buffer "
-            "(official: ImageFolder with a full random permutation)"
-        )
+    differences = list(data.source.differences_from_official_code())  # how the source reads its images
     if data.uses_canvases:
         differences.append(
             f"images larger than the {data.canvas_size}-px canvas decoded at reduced scale (JPEG DCT scaling "

@@ -170,7 +170,9 @@ def test_exact_sampler_covers_every_index_once(n, world):
 
 def test_evaluation_source_says_where_the_evaluation_images_come_from(imagenet_tree, val_shards, tmp_path):
     folder = ImageNetDataModule(source=FolderSource(str(imagenet_tree)), eval_subset="robustbench", eval_limit=7)
-    assert folder.evaluation_source() == EvaluationSource("folder", str(imagenet_tree), True, "robustbench", 7)
+    assert folder.evaluation_source() == EvaluationSource(
+        "folder", str(imagenet_tree), True, "robustbench", 7, val_folder=str(imagenet_tree / "val")
+    )
     shards = ImageNetDataModule(source=ShardSource(val_shards=str(val_shards)))
     assert shards.evaluation_source() == EvaluationSource("shards", str(val_shards), True, None, None)
     # not ImageNet val: another label map, a held-out part of train, the built-in set

@@ -177,6 +177,7 @@ def test_a_leaderboard_claim_only_for_the_leaderboards_evaluation(trained, point
     content["test"]["conditions"]["data"] = {
         "source": "shards",
         "eval_split": "val",
+        "imagenet_val": True,
         "eval_subset": "robustbench",
         "eval_limit": None,
         "image_size": 224,

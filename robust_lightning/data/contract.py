@@ -24,11 +24,13 @@ class TrainingSample(NamedTuple):
 class EvaluationSource:
     """Where a data module's evaluation images come from, as an evaluation reports it (``evaluation_source``)."""
 
-    kind: str  # data.source's kind: "folder", "shards" or "synthetic"
-    location: str | None  # the folder root (holding val/), the validation shards, or the synthetic set's root
-    imagenet_val: bool  # ImageNet val with ImageNet's labels: folder or shards, class_map imagenet, no holdout
+    kind: str  # data.source's name for itself ("folder", "shards", "synthetic"): reported, never branched on
+    location: str | None  # where the images are read from (DataSource.location): resume identities record it
+    imagenet_val: bool  # ImageNet val with ImageNet's labels: class_map imagenet, no holdout
     subset: str | None = None  # data.eval_subset: the listed images evaluated
     limit: int | None = None  # data.eval_limit: the first n images evaluated
+    val_folder: str | None = None  # the val split as a folder of image files a benchmark may read by path
+    own_preprocessing: bool = True  # an evaluation may read the images through a transform of its own (not tensors)
 
 
 @runtime_checkable

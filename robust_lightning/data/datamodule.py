@@ -17,14 +17,15 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from robust_lightning.data.batching import GlobalBatch
 from robust_lightning.data.classes import class_map as load_class_map
 from robust_lightning.data.contract import EvaluationSource, TrainingSample
-from robust_lightning.data.datasets import ShardStream, with_transform
-from robust_lightning.data.loaders import EpochLoader, ShardTrainLoader, TrainingPosition, data_loader
+from robust_lightning.data.datasets import with_transform
+from robust_lightning.data.loaders import EpochLoader, StreamTrainLoader, TrainingPosition, data_loader
 from robust_lightning.data.samplers import ExactDistributedSampler, GlobalBatchSampler
 from robust_lightning.data.sources import (
     DataSets,
     DataSource,
     SetRequest,
     SyntheticSource,
+    check_built,
     damaged_shards,
     read_eval_subset,
     training_subset,
@@ -189,24 +190,26 @@ class ImageNetDataModule(LightningDataModule):
         self.training_augmentation.rank = self.rank  # each rank draws its own augmentation
         # validation of fit and validate runs on the held-out part of train when there is one
         on_holdout = self.holdout > 0 and stage in ("fit", "validate")
-        self.sets = self.source.build(
-            SetRequest(
-                training,
-                evaluation,
-                needs_train=stage == "fit" or on_holdout,
-                on_holdout=on_holdout,
-                holdout=self.holdout,
-                subset=None if on_holdout else read_eval_subset(self.eval_subset, self.eval_limit),
-                # the RobustBench subset's models and numbers use ImageNet's labels
-                subset_labels=load_class_map("imagenet") if self.eval_subset == "robustbench" else None,
-                limit=self.eval_limit,
-                read_damaged=self.on_missing_images == "warn",
-                shuffle_buffer=self.shuffle_buffer,
-                seed=self.seed,
-                rank=self.rank,
-                world_size=self.world_size,
-            )
+        request = SetRequest(
+            training,
+            evaluation,
+            needs_train=stage == "fit" or on_holdout,
+            on_holdout=on_holdout,
+            holdout=self.holdout,
+            subset=None if on_holdout else read_eval_subset(self.eval_subset, self.eval_limit),
+            # the RobustBench subset's models and numbers use ImageNet's labels
+            subset_labels=load_class_map("imagenet") if self.eval_subset == "robustbench" else None,
+            limit=self.eval_limit,
+            read_damaged=self.on_missing_images == "warn",
+            shuffle_buffer=self.shuffle_buffer,
+            seed=self.seed,
+            rank=self.rank,
+            world_size=self.world_size,
         )
+        sets = self.source.build(request)
+        # a source that left out the holdout, subset or limit would be evaluated whole under their names
+        check_built(self.source, request, sets)
+        self.sets = sets
 
     @property
     def train_set(self) -> Dataset | None:
@@ -234,13 +237,14 @@ class ImageNetDataModule(LightningDataModule):
             rank=self.rank,
             position=self.training_position,
         )
-        if isinstance(train, ShardStream):  # every rank reads its own shards: distinct images
+        if isinstance(train, IterableDataset):  # a stream reads this rank's share itself: distinct images
             return data_loader(
                 train,
                 batch.share,
-                ShardTrainLoader,
+                StreamTrainLoader,
                 batches_per_epoch=images // batch.images,
                 current_epoch=lambda: self.trainer.current_epoch if self.trainer else 0,
+                seed=self.seed,
                 **options,
             )
         # workers that only decode draw nothing and may persist; workers that crop or augment are seeded per epoch
@@ -261,7 +265,7 @@ class ImageNetDataModule(LightningDataModule):
         dataset = self.eval_set if dataset is None else dataset
         assert dataset is not None  # set up by setup()
         workers = self.num_workers if num_workers is None else num_workers
-        if isinstance(dataset, ShardStream):
+        if isinstance(dataset, IterableDataset):  # a stream reads this rank's share itself
             return data_loader(dataset, batch_size or self.eval_batch_size, num_workers=workers)
         images = len(dataset)  # type: ignore[arg-type]  # a map-style set has a length
         if images < self.world_size:  # a rank with no batch skips the loop and its hooks: the others hang
@@ -298,9 +302,7 @@ class ImageNetDataModule(LightningDataModule):
     def expected_eval_image_count(self) -> int | None:
         """How many images an evaluation epoch over all ranks must read (decodable or not), None where unknown
         (shards given by a pattern without a manifest)."""
-        if self.eval_set is None or isinstance(self.eval_set, IterableDataset):
-            return self.sets.eval_images
-        return len(self.eval_set)  # type: ignore[arg-type]  # a map-style set has a length
+        return self.sets.evaluation_images()
 
     def damaged_eval_shards(self) -> list[str]:
         """The evaluation shards that are missing or damaged, then how to rewrite them (``damaged_shards``)."""
@@ -373,6 +375,7 @@ class ImageNetDataModule(LightningDataModule):
             imagenet_val=self.source.imagenet_labels() and not self.holdout,
             subset=self.eval_subset,
             limit=self.eval_limit,
+            val_folder=self.source.val_folder(),
         )
 
     def conditions(self) -> dict[str, Any]:
@@ -391,6 +394,7 @@ class ImageNetDataModule(LightningDataModule):
             **({"canvas_size": self.canvas_size} if self.uses_canvases else {}),
             "differences_from_official_code": self.differences_from_official_code(),
             "eval_split": f"{self.holdout} images held out of train" if self.holdout else "val",
+            "imagenet_val": self.evaluation_source().imagenet_val,
             "eval_subset": self.eval_subset,
             "eval_limit": self.eval_limit,
             "batch_size": self.global_batch.share,

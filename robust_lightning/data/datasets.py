@@ -211,7 +211,7 @@ class ShardStream(IterableDataset):
     """Decoded samples from one rank's shards, split between the DataLoader workers.
 
     With ``repeat`` (training) the stream is endless: each pass reshuffles the shard order with a seed of
-    (seed, epoch, pass), so workers stay disjoint and epochs differ; ShardTrainLoader cuts it into epochs.
+    (seed, epoch, pass), so workers stay disjoint and epochs differ; StreamTrainLoader cuts it into epochs.
     Without ``repeat`` (evaluation) every shard is read exactly once.
 
     A resumed epoch replays (``Replayed``) the samples of its first ``replay_batches`` batches of ``batch_size``,
@@ -236,7 +236,7 @@ class ShardStream(IterableDataset):
         self.repeat = repeat
         self.shuffle_buffer = shuffle_buffer
         self.seed = seed
-        self.epoch = 0  # set by ShardTrainLoader in the main process before workers start
+        self.epoch = 0  # set by StreamTrainLoader in the main process before workers start
         self.replay_batches, self.batch_size = 0, 1  # likewise, for a resumed epoch
         # an unreadable shard stops the run; data.on_missing_images warn reads on and counts what is missing
         self.handler = stop_at_unreadable_shard

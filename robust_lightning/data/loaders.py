@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from robust_lightning.data.augment import BatchAugment
 from robust_lightning.data.batch import Batch
@@ -163,30 +163,31 @@ class EpochLoader(ResumableLoader):
         yield from with_draws(super().__iter__(), epoch, self.micro_batches)
 
 
-class ShardTrainLoader(ResumableLoader):
-    """An endless ShardStream cut into epochs of a fixed number of optimiser steps, each of ``micro_batches``
-    micro-batches tagged with their augmentation's stream key (``with_draws``).
+class StreamTrainLoader(ResumableLoader):
+    """An endless training stream (a ShardStream, or another IterableDataset reading this rank's share) cut into
+    epochs of a fixed number of optimiser steps, each of ``micro_batches`` micro-batches tagged with their
+    augmentation's stream key (``with_draws``).
 
-    All ranks take the same number of steps (DDP needs it). The epoch is read from the trainer when an
-    epoch starts so the shard order changes every epoch and follows a resumed run.
+    All ranks take the same number of steps (DDP needs it). A ShardStream is told the epoch when it starts, so its
+    shard order changes every epoch and follows a resumed run, and replays the batches a resumed epoch had trained.
+    Another stream keeps its own order; a resumed epoch reads the batches it had trained and drops them.
     """
-
-    dataset: ShardStream
 
     def __init__(
         self,
-        dataset: ShardStream,
+        dataset: IterableDataset,
         batches_per_epoch: int,
         current_epoch,
         *,
         micro_batches: int = 1,
         rank: int = 0,
+        seed: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(dataset, **kwargs)
         self.batches_per_epoch = batches_per_epoch
         self.current_epoch = current_epoch
-        self.micro_batches, self.rank = micro_batches, rank
+        self.micro_batches, self.rank, self.seed = micro_batches, rank, seed
 
     def __len__(self) -> int:
         return self.batches_per_epoch * self.micro_batches
@@ -194,14 +195,19 @@ class ShardTrainLoader(ResumableLoader):
     def __iter__(self):
         # A generator: the epoch is read at the first batch, not when Lightning creates the iterator (a fit
         # resumed from a checkpoint creates it before its epoch counter is restored).
-        epoch = self.dataset.epoch = self.current_epoch()
-        self.dataset.replay_batches = self.position.replay_steps(epoch, self.micro_batches)
-        assert self.batch_size is not None  # built with one
-        self.dataset.batch_size = self.batch_size
+        epoch = self.current_epoch()
+        replay = self.position.replay_steps(epoch, self.micro_batches)
+        if isinstance(self.dataset, ShardStream):  # its workers replay the trained batches' random draws
+            self.dataset.epoch, self.dataset.replay_batches = epoch, replay
+            assert self.batch_size is not None  # built with one
+            self.dataset.batch_size, replay = self.batch_size, 0
         # the workers' seeds come from (seed, epoch, rank), not from the global generator: creating the iterator
         # draws nothing from it, and a resumed run's workers draw what the uninterrupted run's drew
-        self.generator = torch.Generator().manual_seed(draw_seed(self.dataset.seed, epoch, self.rank, 2))
-        yield from with_draws(itertools.islice(super().__iter__(), self.batches_per_epoch), epoch, self.micro_batches)
+        self.generator = torch.Generator().manual_seed(draw_seed(self.seed, epoch, self.rank, 2))
+        batches: Iterable[Any] = itertools.islice(super().__iter__(), self.batches_per_epoch)
+        if replay:  # read and dropped, counted as trained
+            batches = ({"replayed": 1} if index < replay else batch for index, batch in enumerate(batches))
+        yield from with_draws(batches, epoch, self.micro_batches)
 
 
 def data_loader(

@@ -2,7 +2,8 @@
 
 A source turns the data module's request (which splits, which transforms, which evaluation images, which rank)
 into datasets; the data module does everything after that (batches, ranks' loaders, augmentation, reporting). A
-new format, such as an LMDB or a Hugging Face dataset, is one new subclass of ``DataSource``:
+new format, such as an LMDB or a Hugging Face dataset, is one new subclass of ``DataSource``; the data module
+checks what it builds (``check_built``) and nothing else in the project asks which class it is:
 
     data:
       source:
@@ -21,7 +22,7 @@ from typing import Any, ClassVar, TypeGuard
 import torch
 import webdataset as wds
 from braceexpand import braceexpand
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import Dataset, IterableDataset, Subset
 
 from robust_lightning.data.classes import class_map as load_class_map
 from robust_lightning.data.datasets import (
@@ -64,27 +65,52 @@ class SetRequest:
 
 @dataclass
 class DataSets:
-    """What a source builds: this rank's datasets and what is known of them before they are read."""
+    """What a source builds: this rank's datasets and what is known of them before they are read.
+
+    A map-style set is the whole split (the data module shares it out between ranks) and its length is its count.
+    A stream (any ``IterableDataset``) reads this rank's share itself, split between the loader workers (as
+    ShardStream does), and its count over all ranks is ``train_images`` / ``eval_images`` where the source reports
+    it, else its ``len()`` where it has one."""
 
     train: Dataset | None = None
     evaluation: Dataset | None = None
-    train_images: int | None = None  # training images over all ranks (shard streams; a map-style set has len)
+    train_images: int | None = None  # training images over all ranks (streams; a map-style set has len)
     eval_images: int | None = None  # evaluation images over all ranks, where known before reading (streams)
     eval_keys: frozenset[str] | None = None  # the sample keys of a listed subset read from shards
     eval_shard_spec: str | None = None  # the shard directory evaluation reads, to name damaged shards
 
     def training(self) -> tuple[Dataset, int]:
-        """The training set and its images over all ranks (a shard stream's count, a map-style set's length)."""
+        """The training set and its images over all ranks (``check_built`` made sure the count is known)."""
         assert self.train is not None  # built for fit
-        if isinstance(self.train, ShardStream):
-            return self.train, self.train_images or 0
-        return self.train, len(self.train)  # type: ignore[arg-type]  # a map-style set has a length
+        images = images_of(self.train, self.train_images)
+        assert images is not None  # check_built refused a training stream of unknown length
+        return self.train, images
+
+    def evaluation_images(self) -> int | None:
+        """The evaluation images over all ranks, None where they are only known once read (shards given by a
+        pattern without a manifest)."""
+        return None if self.evaluation is None else images_of(self.evaluation, self.eval_images)
+
+
+def images_of(dataset: Dataset, reported: int | None) -> int | None:
+    """A built set's images over all ranks: a map-style set's length; a stream's reported count, else its length
+    where it has one."""
+    if isinstance(dataset, IterableDataset) and reported is not None:
+        return reported
+    try:
+        return len(dataset)  # type: ignore[arg-type]  # a Dataset need not define __len__: a stream may not
+    except TypeError:
+        return None
 
 
 class DataSource:
-    """One storage format of an image classification dataset with a training and a validation split."""
+    """One storage format of an image classification dataset with a training and a validation split.
 
-    kind: ClassVar[str]  # what results.json and error messages call it ("folder", "shards", "synthetic")
+    ``build`` applies all of the request itself: the holdout, the evaluation subset and the limit. The data module
+    counts what it built against what was requested and refuses a source that left one out (``check_built``).
+    Code outside this module asks a source only through these methods, never which class it is."""
+
+    kind: ClassVar[str]  # what results.json and messages call it ("folder", "shards", "synthetic"); never branched on
 
     def num_classes(self, requested: int | None) -> int:
         """The size of the label space: ``requested`` (data.num_classes) where given, else the source's own."""
@@ -98,12 +124,23 @@ class DataSource:
         raise NotImplementedError
 
     def location(self) -> str | None:
-        """Where the evaluation images are read from, as an evaluation reports it."""
+        """Where the evaluation images are read from: the resume identities of saved outcomes record it, so that
+        two datasets of one class do not share outcomes; evaluations report it."""
         raise NotImplementedError
 
     def imagenet_labels(self) -> bool:
         """Whether the labels follow the standard ImageNet class map (so benchmark class lists apply)."""
         return False
+
+    def val_folder(self) -> str | None:
+        """The validation split as a folder of image files that a benchmark may read by path (the card's default
+        in-distribution images of ImageNet-O), None where the images are not such a folder."""
+        return None
+
+    def differences_from_official_code(self) -> list[str]:
+        """How reading the training images departs from the official code's ImageFolder read in a full random
+        permutation (robust_lightning.official_differences)."""
+        return []
 
     def conditions(self) -> dict[str, Any]:
         """What results.json records about the source."""
@@ -212,6 +249,9 @@ class FolderSource(DataSource):
 
     def imagenet_labels(self) -> bool:
         return self.class_map == "imagenet"
+
+    def val_folder(self) -> str:
+        return str(self.root / "val")
 
     def conditions(self) -> dict[str, Any]:
         return {
@@ -329,6 +369,12 @@ class ShardSource(DataSource):
     def location(self) -> str | None:
         return self.val_shards
 
+    def differences_from_official_code(self) -> list[str]:
+        return [
+            "training images read from WebDataset shards, shuffled through a buffer "
+            "(official: ImageFolder with a full random permutation)"
+        ]
+
     def imagenet_labels(self) -> bool:
         # shards carry the labels they were written with; a pattern without a manifest is taken to be ImageNet's
         spec = self.val_shards or self.train_shards
@@ -439,15 +485,45 @@ def read_eval_subset(spec: str | None, limit: int | None) -> list[str] | None:
     return entries[:limit] if limit else entries
 
 
+def check_built(source: DataSource, request: SetRequest, sets: DataSets) -> None:
+    """Refuse what a source built for ``request`` where it left out part of it: a split, the count of a training
+    stream, or the holdout, evaluation subset or limit, told by the evaluation images it built (exactly the
+    holdout; at most the subset's entries or the limit: a listed image missing from shards is found only when they
+    are read, and a split may hold fewer images than the limit). A count known only once read is not checked."""
+    name = f"data.source {type(source).__name__}"
+    if sets.evaluation is None:
+        raise UserError(f"{name} built no evaluation set")
+    if request.needs_train:
+        if sets.train is None:
+            raise UserError(f"{name} built no training set, which {'data.holdout' if request.holdout else 'fit'} needs")
+        if images_of(sets.train, sets.train_images) is None:  # the steps per epoch are counted from it
+            raise UserError(f"{name} built a training stream that neither reports its images nor has a length")
+    images = sets.evaluation_images()
+    if images is None:
+        return
+    if request.on_holdout:
+        if images != request.holdout:
+            raise UserError(f"{name} ignored data.holdout {request.holdout}: it built {images} evaluation images")
+    elif request.subset is not None:
+        if images > len(request.subset):
+            raise UserError(
+                f"{name} ignored data.eval_subset: it built {images} evaluation images for the "
+                f"{len(request.subset)} listed"
+            )
+    elif request.limit is not None and images > request.limit:
+        raise UserError(f"{name} ignored data.eval_limit {request.limit}: it built {images} evaluation images")
+
+
 def training_subset(
     sets: DataSets, fraction: float, max_images: int | None, seed: int
 ) -> tuple[Dataset, int, int, int]:
     """A fixed random subset of a built training set: (dataset, images, round(fraction x training images),
     training images). A map-style set's subset is a seeded permutation's first images; a shard stream reads its
-    shards once in a seeded order (they are shuffled when written) and the first images are kept."""
+    shards once in a seeded order (they are shuffled when written) and the first images are kept; another stream's
+    first images are kept, in its own order."""
     generator = torch.Generator().manual_seed(seed)
     train, total = sets.training()
-    dataset: Dataset
+    dataset: Dataset = train
     if isinstance(train, ShardStream):
         stream = copy.copy(train)
         stream.repeat, stream.seed = False, seed  # one pass: every image at most once
@@ -455,6 +531,6 @@ def training_subset(
         dataset = stream
     subset_images = max(1, round(fraction * total))
     images = min(subset_images, max_images or subset_images)
-    if not isinstance(train, ShardStream):
+    if not isinstance(train, IterableDataset):
         dataset = Subset(train, torch.randperm(total, generator=generator)[:images].tolist())
     return dataset, images, subset_images, total

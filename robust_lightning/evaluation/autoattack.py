@@ -284,15 +284,13 @@ class AutoAttackEvaluation(Evaluation):
         """What the saved outcomes must have been computed with for a re-run to resume from them: the weights
         evaluated (also after fit, where no checkpoint file names them), the images and the attack."""
         source = evaluation_source(trainer)
-        kind, location = (source.kind, source.location) if source else (None, None)
         data = evaluation_data(trainer)
         return {
             "weights_sha256": weights_hash,
             "weights": self.weights,
-            # the images and their preprocessing, under the keys earlier manifests have (so those still resume)
-            "data_source": kind,
-            "data_root": location if kind == "folder" else None,
-            "data_val_shards": location if kind == "shards" else None,
+            # the images and their preprocessing (earlier manifests are read in these keys: in_todays_keys)
+            "data_source": source.kind if source else None,
+            "data_location": source.location if source else None,
             "data_image_size": data_image_size(trainer),
             "data_crop_pct": data.crop_pct if data is not None else None,
             # only where it is not the default, so that manifests written before the option still resume

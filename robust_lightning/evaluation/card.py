@@ -180,15 +180,10 @@ class RobustnessCard(Evaluation):
         num_classes = int(model_setting(pl_module, "num_classes", 1000))
         source = evaluation_source(trainer)
         default_val = None
-        if (
-            source is not None
-            and source.kind == "folder"
-            and source.location is not None
-            and (Path(source.location) / "val").is_dir()
-        ):
-            default_val = str(Path(source.location) / "val")
+        if source is not None and source.val_folder is not None and Path(source.val_folder).is_dir():
+            default_val = source.val_folder
         self._build_parts(num_classes, default_val)
-        if source is not None and source.kind == "tensors":  # robust_lightning.evaluate on images in memory
+        if source is not None and not source.own_preprocessing:  # robust_lightning.evaluate on images in memory
             for name in ("resolution_sweep", "imagenet_c"):
                 if name in self.parts and not (name == "imagenet_c" and self.datasets["imagenet_c"] != "generated"):
                     del self.parts[name]

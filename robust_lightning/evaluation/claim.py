@@ -62,9 +62,14 @@ def leaderboard_differences(results: dict[str, Any]) -> tuple[list[str], dict[st
             f"the fp32 check refuted {linf.get('claims_refuted_in_fp32_this_session')} attack successes",
         ),
         (
-            data.get("source") in ("folder", "shards") and data.get("eval_split", "val") == "val",
-            f"data source {data.get('source')!r} (split {data.get('eval_split')!r}), "
-            "not ImageNet val (folder or shards)",
+            data.get("imagenet_val") is True,  # the data module's word for it, whatever the source's class
+            f"data source {data.get('source')!r} (split {data.get('eval_split')!r}), not ImageNet val"
+            + (
+                ""
+                if "imagenet_val" in data
+                else " as far as results.json says (written before conditions.data.imagenet_val): run the test "
+                "again, AutoAttack resumes from its saved outcomes"
+            ),
         ),
         (data.get("class_map", "imagenet") == "imagenet", f"class map {data.get('class_map')!r}, not 'imagenet'"),
         (

@@ -57,6 +57,20 @@ def append_record(path: Path, record: dict) -> None:
         os.fsync(f.fileno())
 
 
+def in_todays_keys(saved: dict[str, Any], identity: dict[str, Any]) -> dict[str, Any]:
+    """A manifest written before the identities recorded every source's location, in today's keys, so that its
+    outcomes still resume: AutoAttack recorded a folder's root as ``data_root`` and the val shards as
+    ``data_val_shards`` and other sources' location not at all, the resolution sweep neither the source nor its
+    location; what was not recorded matched any location then, and is taken to be this one."""
+    if "data_location" in saved or "data_location" not in identity:
+        return saved
+    saved = dict(saved)
+    root, shards = saved.pop("data_root", None), saved.pop("data_val_shards", None)
+    saved["data_location"] = root or shards or identity["data_location"]
+    saved.setdefault("data_source", identity["data_source"])
+    return saved
+
+
 def claim_directory(
     directory: Path, identity: dict[str, Any], is_global_zero: bool, owner: str, locks: ExitStack | None = None
 ) -> None:
@@ -70,6 +84,8 @@ def claim_directory(
         locks.enter_context(exclusive(directory / LOCK_NAME, f"{owner} outcome folder {directory}"))
     manifest = directory / "manifest.json"
     saved = json.loads(manifest.read_text()) if manifest.is_file() else None
+    if saved is not None:
+        saved = in_todays_keys(saved, identity)
     if saved == identity:
         return
     if saved is not None:

@@ -373,6 +373,9 @@ class ResolutionSweep(Evaluation):
             "crop_pct": self.crop_pct,
             "cell": cell.name,
             "pos_embed_interpolation": self.pos_embed_interpolation,
+            # where the images are read from (manifests from before these keys: in_todays_keys)
+            "data_source": source.kind if source else None,
+            "data_location": source.location if source else None,
             "eval_subset": source.subset if source else None,
             "eval_limit": source.limit if source else None,
         }
