@@ -51,14 +51,17 @@ def evaluation_names() -> list[str]:
 OWN_PREPROCESSING = "generated ImageNet-C and the resolution sweep"
 
 
-class _Items(Dataset):
+_Item = dict[str, Tensor | str]  # an image, its label and its key
+
+
+class _Items(Dataset[_Item]):
     def __init__(self, images: Tensor, labels: Tensor):
         self.images, self.labels = images, labels
 
     def __len__(self) -> int:
         return len(self.labels)
 
-    def __getitem__(self, i: int) -> dict[str, Any]:
+    def __getitem__(self, i: int) -> _Item:
         return {IMAGE: self.images[i], LABEL: self.labels[i], KEY: f"{i:08d}"}  # keys: AutoAttack's outcomes
 
 
@@ -72,12 +75,12 @@ class GivenImages(LightningDataModule):
         self.image_size, self.crop_pct, self.num_workers = images.shape[-1], 1.0, 0
         self.eval_resize = "none (the images as given)"
 
-    def test_dataloader(self) -> DataLoader:
+    def test_dataloader(self) -> DataLoader[_Item]:
         return self.eval_dataloader_with(None)
 
     def eval_dataloader_with(
-        self, transform, batch_size: int | None = None, num_workers: int | None = None
-    ) -> DataLoader:
+        self, transform: object, batch_size: int | None = None, num_workers: int | None = None
+    ) -> DataLoader[_Item]:
         if transform is not None:
             raise UserError(
                 f"this evaluation reads the images at a preprocessing of its own ({OWN_PREPROCESSING}): "
@@ -118,7 +121,7 @@ class GivenImages(LightningDataModule):
         }
 
 
-def _tensors(data: tuple[Tensor, Tensor] | DataLoader) -> tuple[Tensor, Tensor]:
+def _tensors(data: tuple[Tensor, Tensor] | DataLoader[object]) -> tuple[Tensor, Tensor]:
     """(images, labels) of an (x, y) pair or of every batch of a loader of (images, labels), checked."""
     if isinstance(data, (tuple, list)) and len(data) == 2 and all(torch.is_tensor(t) for t in data):
         images, labels = data
@@ -166,9 +169,9 @@ def _num_classes(model: nn.Module, images: Tensor) -> int:
 def _callbacks(
     evaluations: list[str],
     datasets: dict[str, str],
-    threat_models: list[dict] | None,
+    threat_models: list[dict[str, Any]] | None,
     version: str,
-    options: dict[str, dict],
+    options: dict[str, dict[str, Any]],
     adaptive_options: dict[str, Any],
 ) -> list[Evaluation]:
     known = evaluation_names()
@@ -215,7 +218,7 @@ def _callbacks(
 
 def evaluate(
     model: nn.Module,
-    data: tuple[Tensor, Tensor] | DataLoader | str | Path,
+    data: tuple[Tensor, Tensor] | DataLoader[object] | str | Path,
     evaluations: list[str] | None = None,
     *,
     threat_models: list[dict[str, Any]] | None = None,
