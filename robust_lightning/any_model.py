@@ -17,7 +17,7 @@ import tempfile
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from lightning import LightningDataModule, Trainer
@@ -308,6 +308,7 @@ def evaluate(
     evaluations = list(evaluations or ["autoattack"])
     datamodule: ImageNetDataModule | GivenImages
     if isinstance(data, (str, Path)):
+        workers: dict[str, Any] = {} if num_workers is None else {"num_workers": num_workers}
         datamodule = ImageNetDataModule(
             source=FolderSource(str(data), val_labels=val_labels),
             image_size=image_size,
@@ -315,7 +316,7 @@ def evaluate(
             eval_subset=eval_subset,
             eval_limit=eval_limit,
             batch_size=batch_size,
-            **cast(dict[str, Any], {} if num_workers is None else {"num_workers": num_workers}),
+            **workers,
         )
         num_classes = datamodule.num_classes
         found = _num_classes(model, torch.zeros(2, 3, image_size, image_size))
