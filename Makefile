@@ -50,7 +50,7 @@ quickstart-fresh:
 test: env
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy robust_lightning
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -n auto --dist loadfile --durations=15
 
 # The inner loop: the same checks and the tests not marked slow (tests/conftest.py, SLOW_FILES): 1 min 31 s for
@@ -58,7 +58,7 @@ test: env
 test-fast: env
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy robust_lightning
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -n auto --dist loadfile -m "not slow"
 
 clean:

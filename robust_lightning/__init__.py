@@ -2,6 +2,8 @@
 
 __version__ = "0.1.0"
 
+from typing import TYPE_CHECKING
+
 from robust_lightning.startup import collector_paused
 
 with collector_paused():  # torch and timm import sooner (robust_lightning/startup.py)
@@ -16,8 +18,11 @@ with collector_paused():  # torch and timm import sooner (robust_lightning/start
 
 __all__ = ["benchmark", "evaluate", "load_model"]
 
+if TYPE_CHECKING:  # their types; at run time __getattr__ imports them on first use
+    from robust_lightning.any_model import benchmark, evaluate
 
-def __getattr__(name: str):
+
+def __getattr__(name: str) -> object:
     # evaluate and benchmark bring in Lightning and every evaluation: imported on first use, not with the package
     if name in ("evaluate", "benchmark"):
         from robust_lightning import any_model

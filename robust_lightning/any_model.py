@@ -17,7 +17,7 @@ import tempfile
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from lightning import LightningDataModule, Trainer
@@ -51,14 +51,17 @@ def evaluation_names() -> list[str]:
 OWN_PREPROCESSING = "generated ImageNet-C and the resolution sweep"
 
 
-class _Items(Dataset):
+_Item = dict[str, Tensor | str]  # an image, its label and its key
+
+
+class _Items(Dataset[_Item]):
     def __init__(self, images: Tensor, labels: Tensor):
         self.images, self.labels = images, labels
 
     def __len__(self) -> int:
         return len(self.labels)
 
-    def __getitem__(self, i: int) -> dict[str, Any]:
+    def __getitem__(self, i: int) -> _Item:
         return {IMAGE: self.images[i], LABEL: self.labels[i], KEY: f"{i:08d}"}  # keys: AutoAttack's outcomes
 
 
@@ -72,12 +75,12 @@ class GivenImages(LightningDataModule):
         self.image_size, self.crop_pct, self.num_workers = images.shape[-1], 1.0, 0
         self.eval_resize = "none (the images as given)"
 
-    def test_dataloader(self) -> DataLoader:
+    def test_dataloader(self) -> DataLoader[_Item]:
         return self.eval_dataloader_with(None)
 
     def eval_dataloader_with(
-        self, transform, batch_size: int | None = None, num_workers: int | None = None
-    ) -> DataLoader:
+        self, transform: object, batch_size: int | None = None, num_workers: int | None = None
+    ) -> DataLoader[_Item]:
         if transform is not None:
             raise UserError(
                 f"this evaluation reads the images at a preprocessing of its own ({OWN_PREPROCESSING}): "
@@ -119,7 +122,7 @@ class GivenImages(LightningDataModule):
         }
 
 
-def _tensors(data: tuple[Tensor, Tensor] | DataLoader) -> tuple[Tensor, Tensor]:
+def _tensors(data: tuple[Tensor, Tensor] | DataLoader[object]) -> tuple[Tensor, Tensor]:
     """(images, labels) of an (x, y) pair or of every batch of a loader of (images, labels), checked."""
     if isinstance(data, (tuple, list)) and len(data) == 2 and all(torch.is_tensor(t) for t in data):
         images, labels = data
@@ -167,9 +170,9 @@ def _num_classes(model: nn.Module, images: Tensor) -> int:
 def _callbacks(
     evaluations: list[str],
     datasets: dict[str, str],
-    threat_models: list[dict] | None,
+    threat_models: list[dict[str, Any]] | None,
     version: str,
-    options: dict[str, dict],
+    options: dict[str, dict[str, Any]],
     adaptive_options: dict[str, Any],
 ) -> list[Evaluation]:
     known = evaluation_names()
@@ -216,7 +219,7 @@ def _callbacks(
 
 def evaluate(
     model: nn.Module,
-    data: tuple[Tensor, Tensor] | DataLoader | str | Path,
+    data: tuple[Tensor, Tensor] | DataLoader[object] | str | Path,
     evaluations: list[str] | None = None,
     *,
     threat_models: list[dict[str, Any]] | None = None,
@@ -306,6 +309,7 @@ def evaluate(
     evaluations = list(evaluations or ["autoattack"])
     datamodule: ImageNetDataModule | GivenImages
     if isinstance(data, (str, Path)):
+        workers: dict[str, Any] = {} if num_workers is None else {"num_workers": num_workers}
         datamodule = ImageNetDataModule(
             source=FolderSource(str(data), val_labels=val_labels),
             image_size=image_size,
@@ -313,7 +317,7 @@ def evaluate(
             eval_subset=eval_subset,
             eval_limit=eval_limit,
             batch_size=batch_size,
-            **cast(dict[str, Any], {} if num_workers is None else {"num_workers": num_workers}),
+            **workers,
         )
         num_classes = datamodule.num_classes
         found = _num_classes(model, torch.zeros(2, 3, image_size, image_size))

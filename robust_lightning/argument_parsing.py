@@ -295,7 +295,7 @@ def compose_config(path: Path, content: Any = None, _chain: tuple[Path, ...] = (
     names = [bases] if isinstance(bases, str) else bases
     if not isinstance(names, list) or not names or not all(isinstance(name, str) and name for name in names):
         raise UserError(f"config file {path}: {BASES_KEY} names a base config file or a list of them, not {bases!r}")
-    composed: dict = {}
+    composed: dict[str, object] = {}
     for name in names:
         base = path.parent / name
         if not base.is_file():
@@ -305,9 +305,9 @@ def compose_config(path: Path, content: Any = None, _chain: tuple[Path, ...] = (
     return _merge_settings(composed, _nest_dotted_keys(own))
 
 
-def _nest_dotted_keys(settings: dict) -> dict:
+def _nest_dotted_keys(settings: dict[str, object]) -> dict[str, object]:
     """``{"model.arch": x}`` as ``{"model": {"arch": x}}``, merged with the other keys in their order."""
-    nested: dict = {}
+    nested: dict[str, object] = {}
     for key, value in settings.items():
         for part in reversed(str(key).split(".")[1:]):
             value = {part: value}
@@ -315,7 +315,7 @@ def _nest_dotted_keys(settings: dict) -> dict:
     return nested
 
 
-def _merge_settings(earlier: dict, later: dict) -> dict:
+def _merge_settings(earlier: dict[str, object], later: dict[str, object]) -> dict[str, object]:
     merged = dict(earlier)
     for key, value in later.items():
         before = merged.get(key)
@@ -334,7 +334,7 @@ class ArgumentParserWithBases(ArgumentParser):
     """The Trainer commands' parser: a config file that extends others is parsed as its composed settings
     (compose_config), so that ``--print_config`` shows the whole config and messages name the file given."""
 
-    def parse_path(self, path: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
+    def parse_path(self, path: str | os.PathLike[str], *args: Any, **kwargs: Any) -> Any:
         token = _parsed_config_file.set(Path(os.path.abspath(os.fspath(path))))
         try:
             return super().parse_path(path, *args, **kwargs)  # reads the file and hands its text to parse_string

@@ -15,23 +15,27 @@ those permissions with ``give_ordinary_permissions``.
 import json
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Literal, overload
 
 from robust_lightning.errors import UserError
 
 TEMPORARY_MARK = ".tmp-"  # in every temporary name: a stale one left by a killed process is recognisable
 
 
-def temporary_path(path: str | os.PathLike) -> Path:
+def temporary_path(path: str | os.PathLike[str]) -> Path:
     """Where ``atomic_write`` stages ``path``: hidden, beside it, unique per process."""
     path = Path(path)
     return path.with_name(f".{path.name}{TEMPORARY_MARK}{os.getpid()}")
 
 
+@overload
+def atomic_write(path: str | os.PathLike[str], mode: Literal["w"] = "w") -> AbstractContextManager[IO[str]]: ...
+@overload
+def atomic_write(path: str | os.PathLike[str], mode: Literal["wb"]) -> AbstractContextManager[IO[bytes]]: ...
 @contextmanager
-def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
+def atomic_write(path: str | os.PathLike[str], mode: str = "w") -> Iterator[IO[Any]]:
     """``with atomic_write(path) as f: f.write(...)``: ``path`` changes only when the block completes.
     ``mode``: "w" (text) or "wb" (bytes). The parent directory is created if missing."""
     if mode not in ("w", "wb"):
@@ -77,22 +81,22 @@ def umask() -> int:
     return mask
 
 
-def give_ordinary_permissions(path: str | os.PathLike) -> None:
+def give_ordinary_permissions(path: str | os.PathLike[str]) -> None:
     """The permissions ``open(path, "w")`` would have given the file: 0666 less the umask."""
     os.chmod(path, 0o666 & ~umask())
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     with atomic_write(path, "wb") as f:
         f.write(data)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     with atomic_write(path) as f:
         f.write(text)
 
 
-def atomic_write_json(path: str | os.PathLike, content: Any, indent: int | None = 2, **dump_options: Any) -> None:
+def atomic_write_json(path: str | os.PathLike[str], content: Any, indent: int | None = 2, **dump_options: Any) -> None:
     """JSON with a final newline; ``dump_options`` go to ``json.dump`` (e.g. sort_keys, default)."""
     with atomic_write(path) as f:
         json.dump(content, f, indent=indent, **dump_options)

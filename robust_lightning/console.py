@@ -9,9 +9,14 @@ The training display (``robust_lightning.training.progress``) picks its form by 
 
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm as _tqdm
+
+if TYPE_CHECKING:  # types-tqdm's tqdm is generic in what its iterable yields; tqdm's own class is not
+    _Bar = _tqdm[Any]
+else:
+    _Bar = _tqdm
 
 LINE_INTERVAL = 30.0  # seconds: a LineBar writes a line at most this often between its first and its last
 
@@ -25,7 +30,7 @@ def is_terminal(stream: Any = None) -> bool:
         return False
 
 
-class LineBar(_tqdm):
+class LineBar(_Bar):
     """A tqdm bar written as whole lines (no bar, no carriage return, no escape sequence), each the text tqdm shows:
     ``autoattack:  50% 2/4 [00:12<00:12,  6.00s/attack, apgd-t]``. A line at the first step, then at most one every
     ``interval`` seconds, one when the count reaches the total, and at close one for steps not yet written (at
@@ -74,8 +79,10 @@ class LineBar(_tqdm):
         super().close()
 
 
-def tqdm(*args: Any, **kwargs: Any) -> _tqdm:
+def tqdm(*args: Any, **kwargs: Any) -> _Bar:
     """``tqdm.tqdm(*args, **kwargs)`` where its stream (``file``, default standard error) is a terminal, otherwise
     the same bar as whole lines (:class:`LineBar`)."""
     stream = kwargs.get("file") or sys.stderr
-    return (_tqdm if is_terminal(stream) else LineBar)(*args, **kwargs)
+    if is_terminal(stream):
+        return _tqdm(*args, **kwargs)
+    return LineBar(*args, **kwargs)

@@ -49,7 +49,7 @@ def _holder(fd: int) -> str:
 
 
 @contextmanager
-def exclusive(lock_file: str | os.PathLike, what: str) -> Iterator[None]:
+def exclusive(lock_file: str | os.PathLike[str], what: str) -> Iterator[None]:
     """Hold the lock on ``lock_file`` (created with its directory if missing) while the block runs; ``what``
     names the thing it guards in the error message, e.g. "shard directory /data/train"."""
     lock_file = Path(lock_file)

@@ -21,6 +21,7 @@ uses the project's ``CSVLogger`` and ``WandbLogger`` where a config names Lightn
   of a run's attempts hold every row once, in order, and ``wandb sync`` uploads them as one history.
 """
 
+import argparse
 import csv
 import importlib
 import itertools
@@ -34,8 +35,10 @@ from pathlib import Path
 from typing import Any, cast
 
 import yaml
+from jsonargparse import Namespace
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.fabric.utilities.logger import _add_prefix
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger as LightningCSVLogger
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -67,7 +70,7 @@ def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 class SaveConfigToWandb(SaveConfigCallback):
     """LightningCLI's SaveConfigCallback (config.yaml in ``trainer.log_dir``), plus the full config in each W&B run."""
 
-    def setup(self, trainer, pl_module, stage: str) -> None:
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         first = trainer.loggers[0] if trainer.loggers else None
         per_run = isinstance(first, (LightningCSVLogger, TensorBoardLogger))
         if first is not None and not per_run and not self.already_saved:
@@ -80,7 +83,7 @@ class SaveConfigToWandb(SaveConfigCallback):
             )
         super().setup(trainer, pl_module, stage)
 
-    def save_config(self, trainer, pl_module, stage: str) -> None:  # rank zero only
+    def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:  # rank zero only
         wandb_loggers = [logger for logger in trainer.loggers if isinstance(logger, LightningWandbLogger)]
         if not wandb_loggers:
             return
@@ -200,7 +203,7 @@ PROJECT_LOGGERS = {
 }
 
 
-def use_project_loggers(config) -> None:
+def use_project_loggers(config: Namespace) -> None:
     """Lightning's CSVLogger and WandbLogger in a parsed config (``trainer.logger``: one or a list) become the
     project's subclasses, with the same options: old configs and the shipped ones that name Lightning's keep
     working, and continue their logs across attempts."""
@@ -211,7 +214,7 @@ def use_project_loggers(config) -> None:
             logger.class_path = PROJECT_LOGGERS[class_path]
 
 
-def logger_class(logger) -> type | None:
+def logger_class(logger: object) -> type | None:
     """The class a parsed logger entry (``class_path``) names; None for anything else."""
     module, _, name = str(getattr(logger, "class_path", "")).rpartition(".")
     try:
@@ -312,7 +315,7 @@ class WandbLogger(LightningWandbLogger):
     _best: dict[str, float]
     _carried: frozenset[str] = frozenset()  # the scores whose best an earlier attempt logged
 
-    def keep_run_in(self, run_dir: str | os.PathLike) -> None:
+    def keep_run_in(self, run_dir: str | os.PathLike[str]) -> None:
         """Continue the W&B run kept in ``run_dir`` (its id), or keep there the new run started now. The file is
         written once this run logs (a fit refused before it starts leaves its run directory as it was)."""
         from wandb.sdk.lib.runid import generate_id  # noqa: PLC0415 (wandb loads only where it logs)
@@ -337,7 +340,7 @@ class WandbLogger(LightningWandbLogger):
         self._state_written = True
 
     @rank_zero_only
-    def log_hyperparams(self, params) -> None:
+    def log_hyperparams(self, params: dict[str, Any] | argparse.Namespace) -> None:
         super().log_hyperparams(params)
         if self._state is not None and not self._state_written:
             self._save_state()

@@ -4,8 +4,13 @@ every deliberate difference, in one place. results.json records both lists (``co
 choose.
 """
 
+from typing import TYPE_CHECKING
 
-def training_differences(hp, precision: str | None) -> list[str]:
+if TYPE_CHECKING:
+    from lightning.fabric.utilities.data import AttributeDict
+
+
+def training_differences(hp: "AttributeDict", precision: str | None) -> list[str]:
     """How a training recipe (ImageClassifier's hyper-parameters ``hp``, the trainer's ``precision``) departs
     from Singh et al.'s code (github.com/nmndeep/revisiting-at, main.py)."""
     differences = [

@@ -2,6 +2,10 @@
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -10,7 +14,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = Path(os.environ.get("ROBUST_LIGHTNING_DATA", REPO_ROOT / "data"))
 
 
-def run_directory(trainer, every_rank: bool = False) -> Path:
+def run_directory(trainer: "Trainer", every_rank: bool = False) -> Path:
     """Where a run's results.json, plots, predictions and evaluation outcomes go: its first logger's directory
     (version_N of a CSV or TensorBoard logger, another logger's save_dir), trainer.default_root_dir without one.
     The rule of Lightning's ``Trainer.log_dir``, which writes config.yaml there.

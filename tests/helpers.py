@@ -14,8 +14,9 @@ import sys
 import termios
 import threading
 import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 import pytest
@@ -23,13 +24,21 @@ import timm
 import torch
 import torch.nn.functional as F
 import yaml
-from lightning import Callback
+from lightning import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 from PIL import Image
 from torch import nn
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from robust_lightning.cli import main
+from robust_lightning.data.batch import Batch
 from robust_lightning.training.lightning_module import ImageClassifier
+
+if TYPE_CHECKING:
+    from robust_lightning.data.sources import SyntheticSource
+
+Config = dict[str, Any]  # a config (or a part of one) as its YAML file holds it
 
 WNIDS = ("n01440764", "n01443537", "n15075141")  # ImageNet labels 0, 1 and 999
 REPO = Path(__file__).resolve().parents[1]
@@ -52,9 +61,9 @@ def run_command(
     cwd: Path,
     timeout: float,
     terminal: bool = False,
-    env: dict | None = None,
+    env: dict[str, str] | None = None,
     script: Path | None = None,
-) -> subprocess.CompletedProcess:
+) -> subprocess.CompletedProcess[str]:
     """Run ``python -m robust_lightning ARGS`` as a user would (or ``python SCRIPT ARGS``), in a session of its own.
 
     Every process it starts (DDP ranks, loader workers) is in that session: after ``timeout`` seconds all of them
@@ -69,7 +78,7 @@ def run_command(
         "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
         **(env or {}),
     }
-    options = dict(cwd=cwd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    options: dict[str, Any] = dict(cwd=cwd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
     chunks: list[bytes] = []
     if terminal:
         master, slave = os.openpty()
@@ -115,7 +124,7 @@ def write_image(path: Path, seed: int, size: int = 40, fmt: str = "JPEG") -> Non
     Image.fromarray(image).save(path, format=fmt)
 
 
-def make_image_tree(root: Path, per_class: dict[str, int], corrupt: list[str] = ()) -> Path:
+def make_image_tree(root: Path, per_class: dict[str, int], corrupt: Sequence[str] = ()) -> Path:
     """root/<wnid>/<wnid>_<i>.JPEG for each class; names in ``corrupt`` get bytes that are no image."""
     seed = 0
     for wnid, count in per_class.items():
@@ -132,29 +141,39 @@ def make_image_tree(root: Path, per_class: dict[str, int], corrupt: list[str] = 
 class KeyRecorder(Callback):
     """Writes the keys of every sample each rank trained / validated on to <out_dir>/<stage>-rank<r>-e<epoch>.json."""
 
-    def __init__(self, out_dir: str):
+    def __init__(self, out_dir: str) -> None:
         self.out_dir = Path(out_dir)
         self.keys: dict[str, list[str]] = {}
 
-    def _record(self, stage, batch):
+    def _record(self, stage: str, batch: Batch) -> None:
         self.keys.setdefault(stage, []).extend(batch["key"])
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: STEP_OUTPUT, batch: Batch, batch_idx: int
+    ) -> None:
         self._record("train", batch)
 
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+    def on_validation_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: STEP_OUTPUT,
+        batch: Batch,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         if not trainer.sanity_checking:
             self._record("val", batch)
 
-    def _dump(self, trainer, stage):
+    def _dump(self, trainer: Trainer, stage: str) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / f"{stage}-rank{trainer.global_rank}-e{trainer.current_epoch}.json"
         path.write_text(json.dumps(self.keys.pop(stage, [])))
 
-    def on_train_epoch_end(self, trainer, pl_module):
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._dump(trainer, "train")
 
-    def on_validation_epoch_end(self, trainer, pl_module):
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking:
             self._dump(trainer, "val")
 
@@ -163,23 +182,26 @@ class AugmentationRecorder(Callback):
     """Saves each training batch as the model got it (augmented images, labels, soft targets) to
     <out_dir>/rank<r>-e<epoch>-b<batch>.pt."""
 
-    def __init__(self, out_dir: str):
+    def __init__(self, out_dir: str) -> None:
         self.out_dir = Path(out_dir)
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: dict[str, Any], batch_idx: int
+    ) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         kept = {k: batch[k].clone() for k in ("image", "label", "target") if k in batch}
         torch.save(kept, self.out_dir / f"rank{trainer.global_rank}-e{trainer.current_epoch}-b{batch_idx}.pt")
 
 
-class HostReads(TorchDispatchMode):
+# torch's TorchDispatchMode has no annotations: its __init_subclass__ and __init__ are untyped calls
+class HostReads(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Records every op that reads tensor values back to the host (``.item()``, ``bool(t)``, ``nonzero``,
     boolean-mask indexing, ...): on a GPU each would wait for the device's queue to drain. Works on the CPU,
     so the test suite checks the GPU code paths without a GPU. ``calls`` holds (op, where it was called: 3
     frames, or the environment's HOSTREADS_DEPTH)."""
 
     _aten = torch.ops.aten
-    READS: ClassVar = {
+    READS: ClassVar[set[OpOverload]] = {
         _aten._local_scalar_dense.default,
         _aten.nonzero.default,
         _aten.masked_select.default,
@@ -190,18 +212,24 @@ class HostReads(TorchDispatchMode):
         _aten.equal.default,
         _aten.repeat_interleave.Tensor,
     }
-    MASK_INDEXING: ClassVar = {
+    MASK_INDEXING: ClassVar[set[OpOverload]] = {
         _aten.index.Tensor,
         _aten.index_put.default,
         _aten.index_put_.default,
         _aten._index_put_impl_.default,
     }
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
         self.calls: list[tuple[str, str]] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self,
+        func: OpOverload,
+        types: Sequence[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         reads = func in self.READS and not (func is self._aten.repeat_interleave.Tensor and kwargs.get("output_size"))
         if func in self.MASK_INDEXING:  # a boolean mask's nonzero entries become indices on the host
@@ -215,7 +243,7 @@ class HostReads(TorchDispatchMode):
         return "reads back:\n" + "\n".join(f"{op}\n{where}" for op, where in self.calls)
 
 
-def force_device_path(monkeypatch) -> None:
+def force_device_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make the attacks, the batched augmentation and the training step take, on the CPU, the path they take on GPUs
     (where reading values back is not cheap)."""
     for module in (
@@ -228,7 +256,19 @@ def force_device_path(monkeypatch) -> None:
         monkeypatch.setattr(importlib.import_module(module), "host_reads_are_cheap", lambda t: False)
 
 
-def device_path_reads_nothing(attack, monkeypatch) -> list[tuple[str, str]]:
+class AttackOutcome(Protocol):
+    """What an attack of the package returns, as device_path_reads_nothing compares it."""
+
+    @property
+    def x_adv(self) -> torch.Tensor: ...
+
+    @property
+    def robust(self) -> torch.Tensor: ...
+
+
+def device_path_reads_nothing(
+    attack: Callable[[], AttackOutcome], monkeypatch: pytest.MonkeyPatch
+) -> list[tuple[str, str]]:
     """Runs ``attack()`` (returning ``x_adv`` and ``robust``) on the CPU path, then on the device path: the latter
     must read nothing back and give the same result. Returns the CPU path's reads."""
     with HostReads() as cpu_path:
@@ -239,7 +279,8 @@ def device_path_reads_nothing(attack, monkeypatch) -> list[tuple[str, str]]:
     assert device_path.calls == [], device_path.listing()
     torch.testing.assert_close(result.x_adv, expected.x_adv)
     assert torch.equal(result.robust, expected.robust)
-    return cpu_path.calls
+    reads: list[tuple[str, str]] = cpu_path.calls  # the mode's __enter__ is untyped
+    return reads
 
 
 def synthetic_points(n: int, seed: int, classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,7 +321,7 @@ def train_small_cnn() -> nn.Module:
         (grad,) = torch.autograd.grad(F.cross_entropy(model(xb + delta), yb), delta)
         xb = (xb + (delta + 5 / 255 * grad.sign()).clamp(-4 / 255, 4 / 255)).clamp(0, 1).detach()
         optimizer.zero_grad()
-        F.cross_entropy(model(xb), yb).backward()
+        torch.autograd.backward(F.cross_entropy(model(xb), yb))
         optimizer.step()
     model.eval().requires_grad_(False)
     return model
@@ -290,17 +331,17 @@ def train_small_cnn() -> nn.Module:
 SHARED_SYNTHETIC: Path | None = None
 
 
-def synthetic_source(**options) -> dict:
+def synthetic_source(**options: Any) -> Config:
     """data.source for the built-in synthetic dataset with these options, as a config writes it."""
     return {"class_path": "SyntheticSource", "init_args": options}
 
 
-def folder_source(root: Path | str, **options) -> dict:
+def folder_source(root: Path | str, **options: Any) -> Config:
     """data.source for ImageFolder roots, as a config writes it."""
     return {"class_path": "FolderSource", "init_args": {"root": str(root), **options}}
 
 
-def shard_source(**options) -> dict:
+def shard_source(**options: Any) -> Config:
     """data.source for WebDataset shards (train_shards, val_shards, train_size), as a config writes it."""
     return {
         "class_path": "ShardSource",
@@ -308,13 +349,13 @@ def shard_source(**options) -> dict:
     }
 
 
-def tiny_config(tmp_path: Path, synthetic_root: Path | None = None, **overrides) -> Path:
+def tiny_config(tmp_path: Path, synthetic_root: Path | None = None, **overrides: Any) -> Path:
     """A tiny fit/validate/test config in ``tmp_path/tiny.yaml``: dotted ``overrides`` replace its values.
 
     ``synthetic_root`` None: the synthetic dataset these options give, shared by every test that reads the same
     (generated once per worker, in a folder of its own per set of options). A test that changes the files passes a
     folder of its own."""
-    config = {
+    config: Config = {
         "seed_everything": 0,
         "trainer": {
             "accelerator": "cpu",
@@ -347,6 +388,7 @@ def tiny_config(tmp_path: Path, synthetic_root: Path | None = None, **overrides)
     if source["class_path"] == "SyntheticSource":
         synthetic = source["init_args"]
         if synthetic_root is None:  # a folder per set of options: tests with other options never replace it
+            assert SHARED_SYNTHETIC is not None, "tests/conftest.py sets helpers.SHARED_SYNTHETIC"
             options = json.dumps(synthetic, sort_keys=True).encode()
             synthetic_root = SHARED_SYNTHETIC / hashlib.sha256(options).hexdigest()[:12]
         synthetic["root"] = str(synthetic_root)
@@ -384,7 +426,7 @@ def trainer_args(command: str, config: Path | str, options: dict[str, Any] | Non
     return args
 
 
-def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """The installed console entry point in a fresh process, as a user runs it."""
     return subprocess.run(
         [sys.executable, "-m", "robust_lightning", *args],
@@ -399,8 +441,8 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 LINF = {"norm": "Linf", "eps": 4 / 255}
 
 
-def eval_config(tmp_path: Path, synthetic_root: Path, devices: int = 1, **callback) -> Path:
-    config = {
+def eval_config(tmp_path: Path, synthetic_root: Path, devices: int = 1, **callback: Any) -> Path:
+    config: Config = {
         "seed_everything": 0,
         "trainer": {
             "accelerator": "cpu",
@@ -446,31 +488,32 @@ def eval_config(tmp_path: Path, synthetic_root: Path, devices: int = 1, **callba
 TINY_SYNTHETIC = {"num_classes": 4, "train_per_class": 16, "val_per_class": 5, "samples_per_shard": 5, "image_size": 32}
 
 
-def tiny_synthetic(root: Path):
+def tiny_synthetic(root: Path) -> "SyntheticSource":
     from robust_lightning.data.sources import SyntheticSource
 
     return SyntheticSource(**TINY_SYNTHETIC, root=str(root))
 
 
-def run_test(tmp_path, checkpoint, *extra, **callback) -> dict:
+def run_test(tmp_path: Path, checkpoint: tuple[Path, Path], *extra: str, **callback: Any) -> Config:
     ckpt, synthetic_root = checkpoint
     config = eval_config(tmp_path, synthetic_root, **callback)
     assert main(["test", "--config", str(config), "--ckpt_path", str(ckpt), *extra]) == 0
     runs = sorted((tmp_path / "runs" / "aa").glob("version_*/results.json"))
-    return json.loads(runs[-1].read_text())["autoattack"]
+    section: Config = json.loads(runs[-1].read_text())["autoattack"]
+    return section
 
 
 # ------------------------------------------------------------------ the analyses' tiny models and configs
-def tiny(arch: str, **kwargs) -> torch.nn.Module:
+def tiny(arch: str, **kwargs: Any) -> torch.nn.Module:
     torch.manual_seed(0)
     return timm.create_model(arch, num_classes=10, **kwargs).eval()
 
 
-def tiny_vit(**kwargs) -> torch.nn.Module:
+def tiny_vit(**kwargs: Any) -> torch.nn.Module:
     return tiny("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=3, **kwargs)
 
 
-def untrained_checkpoint(tmp_path: Path, arch: str, **kwargs) -> Path:
+def untrained_checkpoint(tmp_path: Path, arch: str, **kwargs: Any) -> Path:
     from lightning import Trainer
 
     from robust_lightning.training.lightning_module import ImageClassifier
@@ -484,9 +527,9 @@ def untrained_checkpoint(tmp_path: Path, arch: str, **kwargs) -> Path:
     return path
 
 
-def shipped_analysis_config(tmp_path: Path, name: str, ckpt: Path, images: int = 8, **init_args) -> dict:
+def shipped_analysis_config(tmp_path: Path, name: str, ckpt: Path, images: int = 8, **init_args: Any) -> Config:
     """configs/analysis/<name>.yaml as shipped, on a tiny checkpoint, small data, into tmp_path."""
-    config = yaml.safe_load((REPO / "configs" / "analysis" / f"{name}.yaml").read_text())
+    config: Config = yaml.safe_load((REPO / "configs" / "analysis" / f"{name}.yaml").read_text())
     config["ckpt_path"] = str(ckpt)
     config["trainer"] |= {"default_root_dir": str(tmp_path / "runs"), "enable_progress_bar": False}
     config["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path / "runs")
@@ -500,18 +543,18 @@ def shipped_analysis_config(tmp_path: Path, name: str, ckpt: Path, images: int =
     return config
 
 
-def run_analysis(tmp_path: Path, config: dict, name: str = "run.yaml") -> tuple[int, dict | None, Path]:
+def run_analysis(tmp_path: Path, config: Config, name: str = "run.yaml") -> tuple[int, Config | None, Path]:
     path = tmp_path / name
     path.write_text(yaml.safe_dump(config))
     status = main(["test", "--config", str(path)])
     runs = sorted((tmp_path / "runs" / config["trainer"]["logger"]["init_args"]["name"]).glob("version_*"))
     written = runs[-1] / "results.json" if runs else None
-    results = json.loads(written.read_text()) if written and written.is_file() else None
+    results: Config | None = json.loads(written.read_text()) if written and written.is_file() else None
     return status, results, runs[-1] if runs else tmp_path
 
 
 # ------------------------------------------------------------------ checkpoints as Lightning writes them
-def write_checkpoint(path: Path, **hparams) -> ImageClassifier:
+def write_checkpoint(path: Path, **hparams: Any) -> ImageClassifier:
     """A training checkpoint as Lightning writes one (state_dict + hyper_parameters), untrained; the EMA copy
     (when there is one) is moved away from the raw weights so that exporting the wrong one shows."""
     torch.manual_seed(0)

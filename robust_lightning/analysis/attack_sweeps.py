@@ -14,20 +14,24 @@ gradients only, [0, 1] box, the model in eval mode); PGD's random start is seede
 """
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning import LightningModule, Trainer
 from torch import Tensor, nn
 
-from robust_lightning.analysis.core import Analysis, model_label, new_figure
+from robust_lightning.analysis.core import AnalysedModule, Analysis, AnalysisResult, Section, model_label, new_figure
 from robust_lightning.attacks import fgsm, pgd
 from robust_lightning.attacks.spatial import spatial_grid_attack
 from robust_lightning.console import tqdm
 from robust_lightning.errors import UserError
 from robust_lightning.models.checkpoints import read_checkpoint
 from robust_lightning.models.weights import load_model
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 ATTACKS = ("fgsm", "pgd")
 
@@ -67,10 +71,11 @@ def attack_batch(
 
 @torch.no_grad()
 def correct(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-    return model(x).argmax(1) == y
+    logits: Tensor = model(x)
+    return logits.argmax(1) == y
 
 
-def _chunks(x: Tensor, y: Tensor, size: int):
+def _chunks(x: Tensor, y: Tensor, size: int) -> Iterator[tuple[int, Tensor, Tensor]]:
     for i, start in enumerate(range(0, len(y), size)):
         yield i, x[start : start + size], y[start : start + size]
 
@@ -126,7 +131,7 @@ class AttackSweep(Analysis):
             out += [("fgsm", "fgsm", 1)] if attack == "fgsm" else [(f"pgd-{s}", "pgd", s) for s in self.steps]
         return out
 
-    def analyse(self, trainer, pl_module):
+    def analyse(self, trainer: Trainer, pl_module: AnalysedModule) -> AnalysisResult:
         model = self.model(pl_module)
         x, y = self.images(trainer, pl_module)
         clean = torch.cat([correct(model, xb, yb) for _, xb, yb in _chunks(x, y, self.batch_size)])
@@ -188,7 +193,7 @@ class AttackSweep(Analysis):
         return section, metrics, self.figure(section) if self.plot else None
 
     @staticmethod
-    def figure(section: dict[str, Any]):
+    def figure(section: Section) -> "Figure":
         """Chen et al.'s Fig. 6: (a, b) "Accuracy (%)" against the perturbation budget "ε" (Linf, [0, 1] pixels;
         gray levels on the top axis, Bhojanapalli et al.'s unit), one line per attack with the model in the legend;
         (c) against the "Attack steps" of PGD at each ε, when several step counts were run."""
@@ -222,7 +227,7 @@ class AttackSweep(Analysis):
 
 
 # ------------------------------------------------------------------------------------------------ transfer
-def checkpoint_label(path: str) -> str:
+def checkpoint_label(path: str | Path) -> str:
     """A short name for a checkpoint: its run directory (runs/<run>/[version_N/]checkpoints/x.ckpt -> <run>),
     plus the file stem unless it is "last"."""
     p = Path(path)
@@ -297,7 +302,7 @@ class TransferMatrix(Analysis):
         self.random_start, self.seed = random_start, seed
         self._others: list[nn.Module] = []
 
-    def on_test_start(self, trainer, pl_module) -> None:
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_test_start(trainer, pl_module)
         # load (and check) every checkpoint before the test loop, so a wrong path fails at once
         ours = pl_module.hparams.get("num_classes")
@@ -311,7 +316,7 @@ class TransferMatrix(Analysis):
                 )
             self._others.append(model)
 
-    def models(self, trainer, pl_module) -> tuple[list[str], list[nn.Module]]:
+    def models(self, trainer: Trainer, pl_module: AnalysedModule) -> tuple[list[str], list[nn.Module]]:
         names, models = list(self.names), list(self._others)
         if self.include_tested_model:
             names.insert(0, checkpoint_label(trainer.ckpt_path) if trainer.ckpt_path else "tested model")
@@ -358,7 +363,7 @@ class TransferMatrix(Analysis):
         bar.close()
         return (clean / len(y)).tolist(), (hits / len(y)).tolist()
 
-    def analyse(self, trainer, pl_module):
+    def analyse(self, trainer: Trainer, pl_module: AnalysedModule) -> AnalysisResult:
         names, models = self.models(trainer, pl_module)
         x, y = self.images(trainer, pl_module)
         clean, accuracy = self.matrix(models, x, y, progress=trainer.is_global_zero)
@@ -391,7 +396,7 @@ class TransferMatrix(Analysis):
         metrics = {f"{src}->{dst}": accuracy[a][b] for a, src in enumerate(names) for b, dst in enumerate(names)}
         return section, metrics, self._plot(names, clean, accuracy) if self.plot else None
 
-    def _plot(self, names: list[str], clean: list[float], accuracy: list[list[float]]):
+    def _plot(self, names: list[str], clean: list[float], accuracy: list[list[float]]) -> "Figure":
         n = len(names)
         figure, ax = new_figure(figsize=(1.4 * n + 3, 1.1 * n + 2))
         table = [[100 * c for c in clean]] + [[100 * a for a in row] for row in accuracy]
@@ -453,7 +458,7 @@ class SpatialRobustness(Analysis):
         )
         self.forward_batch = forward_batch
 
-    def analyse(self, trainer, pl_module):
+    def analyse(self, trainer: Trainer, pl_module: AnalysedModule) -> AnalysisResult:
         model = self.model(pl_module)
         batches = tqdm(
             self.batches(trainer, pl_module),
@@ -516,7 +521,7 @@ class SpatialRobustness(Analysis):
         return section, metrics, self.figure(section) if self.plot else None
 
     @staticmethod
-    def figure(section: dict[str, Any]):
+    def figure(section: Section) -> "Figure":
         figure, (bars, heat, curve) = new_figure(1, 3, figsize=(15, 4.2))
         kinds = ["clean", "translations", "rotations", "full grid"]
         values = [

@@ -19,15 +19,19 @@ import copy
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning import Trainer
 from torch import nn
 
 from robust_lightning.analysis.blocks import BlockMap, find_blocks, replace_module, token_grid
-from robust_lightning.analysis.core import Analysis, model_label, new_figure
+from robust_lightning.analysis.core import AnalysedModule, Analysis, AnalysisResult, Section, model_label, new_figure
 from robust_lightning.console import tqdm
 from robust_lightning.errors import UserError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = [
     "MaskedAttention",
@@ -89,10 +93,11 @@ class MaskedAttention(nn.Module):
         super().__init__()
         self.inner, self.mask = inner, mask
 
-    def forward(self, x, attn_mask=None, is_causal: bool = False):
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
         if x.shape[1] != self.mask.shape[0]:
             raise UserError(f"an attention mask for {self.mask.shape[0]} tokens met {x.shape[1]} tokens")
-        return self.inner(x, attn_mask=self.mask)
+        out: torch.Tensor = self.inner(x, attn_mask=self.mask)
+        return out
 
 
 @contextmanager
@@ -160,7 +165,7 @@ class RestrictedAttention(Analysis):
         self.distances, self.permutations = sorted(float(d) for d in distances), permutations
         self.blocks, self.cls_only, self.seed = blocks, sorted(set(cls_only)), seed
 
-    def check(self, trainer, pl_module) -> None:
+    def check(self, trainer: Trainer, pl_module: AnalysedModule) -> None:
         bmap = find_blocks(pl_module.model.net)
         bmap.require_attention("RestrictedAttention")
         if self.cls_only:
@@ -172,7 +177,7 @@ class RestrictedAttention(Analysis):
                 f"blocks {self.blocks} must fit in them"
             )
 
-    def analyse(self, trainer, pl_module):
+    def analyse(self, trainer: Trainer, pl_module: AnalysedModule) -> AnalysisResult:
         images, labels = self.images(trainer, pl_module)
         model = copy.deepcopy(self.model(pl_module))  # masks wrap modules of this copy only
         net: Any = model.net  # a timm ViT (blocks)
@@ -203,7 +208,7 @@ class RestrictedAttention(Analysis):
             return acc
 
         full = measure({})
-        rows: list[dict[str, Any]] = []
+        rows: list[Section] = []
         for d in self.distances:
             mask = local_mask(grid, prefix, d)
             local = measure({i: mask for i in targets})
@@ -222,7 +227,7 @@ class RestrictedAttention(Analysis):
                     "permuted": permuted,
                 }
             )
-        cls_rows: dict[str, list[Any]] = {"first": [], "last": []}
+        cls_rows: dict[str, list[Section]] = {"first": [], "last": []}
         if self.cls_only:
             only = cls_only_mask(grid, prefix)
             for k in self.cls_only:
@@ -252,7 +257,7 @@ class RestrictedAttention(Analysis):
                 "cls_only": "patch tokens attend only to the prefix tokens in the first / last k blocks",
             },
         }
-        metrics: dict[str, Any] = {"full_accuracy": full}
+        metrics: dict[str, float] = {"full_accuracy": full}
         for row in rows:
             metrics[f"local_{row['distance']}"] = row["local_accuracy"]
             if row["permuted"]:
@@ -263,7 +268,7 @@ class RestrictedAttention(Analysis):
         return section, metrics, self.figure(section) if self.plot else None
 
     @staticmethod
-    def figure(section):
+    def figure(section: Section) -> Figure:
         """Bhojanapalli et al.'s Fig. 9. Left: "Accuracy (%)" against the "Maximum distance (patches)" allowed
         between attending patches, the model's solid line and, dashed, its "random permutation" of the same mask.
         Right: patch tokens attend only to CLS in the first ("Beginning") or last ("End") k blocks, against the

@@ -25,7 +25,7 @@ a part that is itself a residual block, skips it). ``lesioned`` swaps the module
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -36,6 +36,7 @@ from timm.models.resnet import BasicBlock, Bottleneck, ResNet
 from timm.models.vision_transformer import Block as VitBlock
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from robust_lightning.errors import UserError
 from robust_lightning.models.alternet import PreActBottleneck
@@ -193,7 +194,7 @@ class ZeroOutput(nn.Module):
         super().__init__()
         self.inner = inner
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
         return torch.zeros_like(self.inner(*args, **kwargs))
 
 
@@ -218,16 +219,17 @@ class _PreActShortcut(nn.Module):
         super().__init__()
         self.block = block
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         block: Any = self.block  # a PreActBottleneck (shortcut, act, bn1)
-        return block.shortcut(block.act(block.bn1(x)))
+        shortcut: torch.Tensor = block.shortcut(block.act(block.bn1(x)))
+        return shortcut
 
 
 def replace_module(net: nn.Module, path: str, new: nn.Module) -> nn.Module:
     """Put ``new`` at ``path`` (dotted, e.g. "blocks.3.attn"); returns the module that was there."""
     parent_path, _, name = path.rpartition(".")
     parent = net.get_submodule(parent_path) if parent_path else net
-    old = getattr(parent, name)
+    old: nn.Module = getattr(parent, name)
     setattr(parent, name, new)
     return old
 
@@ -321,7 +323,7 @@ class FeatureTap:
             if last_of_stage and unit.stage < len(transitions):
                 for i, layer in enumerate(_layer_list(transitions[unit.stage])):
                     self._add(f"transitions.{unit.stage}.{i}", "transition", layer, "output")
-        self._handles: list = []
+        self._handles: list[RemovableHandle] = []
 
     def _add(self, label: str, kind: str, module: nn.Module, how: str) -> None:
         self.points.append((label, kind))
@@ -345,10 +347,10 @@ class FeatureTap:
                 )
         return self
 
-    def _store_input(self, label):
+    def _store_input(self, label: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
         return lambda module, args: self.features.__setitem__(label, args[0])
 
-    def _store_output(self, label):
+    def _store_output(self, label: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...], torch.Tensor], None]:
         return lambda module, args, out: self.features.__setitem__(label, out)
 
     def __exit__(self, *exc: Any) -> None:
@@ -381,7 +383,7 @@ def attention_probabilities(attn: nn.Module, tokens: torch.Tensor, mask: torch.T
     qkv = timm_attn.qkv(tokens).reshape(batch, n, 3, timm_attn.num_heads, timm_attn.head_dim).permute(2, 0, 3, 1, 4)
     q, k = qkv[0], qkv[1]
     q, k = timm_attn.q_norm(q), timm_attn.k_norm(k)
-    scores = (q * timm_attn.scale) @ k.transpose(-2, -1)
+    scores: torch.Tensor = (q * timm_attn.scale) @ k.transpose(-2, -1)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return scores.softmax(dim=-1)
@@ -393,7 +395,7 @@ def removable_units(net: nn.Module, bmap: BlockMap, probe: torch.Tensor) -> tupl
     Blocks of known types are replaced by their shortcut; any other block is replaced by nn.Identity, which is
     only possible when it keeps the shape of its input (a downsampling block is left in place)."""
     known = (VitBlock, BasicBlock, Bottleneck, ConvNeXtBlock, PreActBottleneck)
-    shapes: dict[str, tuple] = {}
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     handles = []
     for unit in bmap.units:
         for path in unit.paths:

@@ -7,18 +7,55 @@ present) and its scalars to the loggers. Analyses run in one process: they are c
 most of them (lesion, Hessian spectra, ...) are not sums over images that ranks could split.
 """
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol, Self, cast
 
 import torch
+from lightning import LightningModule, Trainer
+from PIL import Image
 from torch import nn
 from torchvision.transforms import v2 as T
 
 from robust_lightning.data.transforms import decode_rgb, eval_resize_size
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.base import Evaluation, check_weights, evaluating
-from robust_lightning.evaluation.base import new_figure as new_figure  # the analyses' figures, as evaluations make them
+from robust_lightning.evaluation.base import new_figure as _new_figure
+from robust_lightning.evaluation.evaluated_module import EvaluatedModule
 from robust_lightning.models.classifier import RobustClassifier
+
+if TYPE_CHECKING:
+    from matplotlib.axis import Axis
+    from matplotlib.figure import Figure
+
+Section = dict[str, Any]  # a results.json section, or a mapping in one: its values are JSON's
+# what an analysis gives: (results.json section, scalar metrics, matplotlib figure or None)
+AnalysisResult = tuple[Section, dict[str, float], "Figure | None"]
+
+
+class AnalysedModule(EvaluatedModule, Protocol):
+    """What an analysis asks of the module it analyses: what an evaluation may (``EvaluatedModule``), and the
+    LightningModule's device and train/eval mode. ImageClassifier provides it."""
+
+    training: bool
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def train(self, mode: bool = True) -> Self: ...
+
+
+def analysed(pl_module: LightningModule) -> AnalysedModule:
+    """The LightningModule a hook is given, as the module an analysis reads: Lightning types it as any
+    LightningModule; the analyses run on ImageClassifier, which provides AnalysedModule (not checked here)."""
+    return cast(AnalysedModule, pl_module)
+
+
+def new_figure(*args: int, **kwargs: Any) -> tuple["Figure", Any]:
+    """The analyses' figures, as evaluations make them: ``plt.subplots(...)`` on the file-only backend, the figure
+    and its axes (one Axes, or an array of them)."""
+    figure_and_axes: tuple[Figure, Any] = _new_figure(*args, **kwargs)
+    return figure_and_axes
+
 
 # How the papers name model families in their legends (Bhojanapalli et al.: "ViT", "ResNet"; Park & Kim: "ViT",
 # "ResNet", "AlterNet"; Chen et al.: "RepLKNet", "ConvNeXt"), matched in this order against the architecture name.
@@ -103,7 +140,7 @@ def resize_difference(resize: str, interpolation: str) -> str | None:
     )
 
 
-def pi_axis(axis) -> None:
+def pi_axis(axis: "Axis") -> None:
     """Tick labels in units of pi ("0.5π"), as Park & Kim's frequency axes."""
     from matplotlib.ticker import FormatStrFormatter  # noqa: PLC0415
 
@@ -148,19 +185,19 @@ class Analysis(Evaluation):
         self.resized: tuple[str, str] | None = None  # (eval_resize, filter) of those images
 
     # ------------------------------------------------------------------------------------------ inputs
-    def setup(self, trainer, pl_module, stage: str) -> None:
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if trainer.world_size > 1:
             raise UserError(f"{type(self).__name__} runs in one process: set trainer.devices 1")
-        self.check(trainer, pl_module)
+        self.check(trainer, analysed(pl_module))
 
-    def check(self, trainer, pl_module) -> None:
+    def check(self, trainer: Trainer, pl_module: AnalysedModule) -> None:
         """Refuse (UserError) a model the analysis does not apply to, before the test loop spends any time."""
 
-    def model(self, pl_module) -> RobustClassifier:
+    def model(self, pl_module: AnalysedModule) -> RobustClassifier:
         """The classifier in eval mode: [0, 1] images in, logits out (its timm network is ``.net``)."""
         return self.network(pl_module).eval()
 
-    def batches(self, trainer, pl_module) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(self, trainer: Trainer, pl_module: AnalysedModule) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(images in [0, 1], labels) on the model's device: the first ``max_images`` evaluation images (fewer
         where the data has fewer). ``images_used`` counts them (the most of any pass, for analyses that pass over
         the images several times)."""
@@ -176,15 +213,18 @@ class Analysis(Evaluation):
             self.images_used = max(self.images_used, seen)
             yield batch["image"], batch["label"]
 
-    def preprocessing(self, trainer):
+    def preprocessing(self, trainer: Trainer) -> Callable[[Image.Image], torch.Tensor] | None:
         """The per-image transform of the analysis's images: None (the data module's own evaluation
         preprocessing) unless ``interpolation`` names a filter."""
         if self.interpolation is None:
             return None
         data = self.check_data(trainer)
-        return eval_preprocessing(data.image_size, data.crop_pct, data.eval_resize, self.interpolation)
+        transform: Callable[[Image.Image], torch.Tensor] = eval_preprocessing(
+            data.image_size, data.crop_pct, data.eval_resize, self.interpolation
+        )
+        return transform
 
-    def images(self, trainer, pl_module) -> tuple[torch.Tensor, torch.Tensor]:
+    def images(self, trainer: Trainer, pl_module: AnalysedModule) -> tuple[torch.Tensor, torch.Tensor]:
         """All of them at once (for analyses that need the whole set, e.g. random masks shared by images)."""
         parts = list(self.batches(trainer, pl_module))
         if not parts:
@@ -201,25 +241,25 @@ class Analysis(Evaluation):
         return correct / max(len(images), 1)
 
     # ----------------------------------------------------------------------------------------- running
-    def analyse(self, trainer, pl_module) -> tuple[dict[str, Any], dict[str, float], Any]:
+    def analyse(self, trainer: Trainer, pl_module: AnalysedModule) -> AnalysisResult:
         """Returns (results.json section, scalar metrics, matplotlib figure or None)."""
         raise NotImplementedError
 
-    def on_test_end(self, trainer, pl_module) -> None:
+    def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.images_used, self.preprocessed, self.resized = 0, None, None
         with evaluating(pl_module), torch.inference_mode(False), torch.enable_grad():
-            section, metrics, figure = self.analyse(trainer, pl_module)
+            section, metrics, figure = self.analyse(trainer, analysed(pl_module))
         self.publish(trainer, section, metrics, figure)
 
     def publish(
         self,
-        trainer,
-        section: dict[str, Any] | None,
+        trainer: Trainer,
+        section: Section | None,
         metrics: dict[str, float] | None,
-        figure=None,
-        tables=None,
-        message=None,
-    ) -> dict[str, Any] | None:
+        figure: "Figure | None" = None,
+        tables: dict[str, tuple[list[str], list[list[Any]]]] | None = None,
+        message: str | list[str] | Callable[[Section], str | list[str]] | None = None,
+    ) -> Section | None:
         """As ``Evaluation.publish``, with the analysis's conditions added and its metrics under ``<name>/``."""
         # "images": those the analysis read (its own count when it gives one, e.g. a dataset of its own);
         # "max_images": the budget it was given (analyses run in one process: no sum over ranks)

@@ -23,14 +23,27 @@ through. Reported: accuracy per band and its drop from the clean accuracy.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning import Trainer
 from timm.data import IMAGENET_DEFAULT_STD
 
-from robust_lightning.analysis.core import Analysis, family_style, model_label, new_figure, pi_axis
+from robust_lightning.analysis.core import (
+    AnalysedModule,
+    Analysis,
+    AnalysisResult,
+    Section,
+    family_style,
+    model_label,
+    new_figure,
+    pi_axis,
+)
 from robust_lightning.console import tqdm
 from robust_lightning.errors import UserError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = [
     "FrequencyNoise",
@@ -73,7 +86,8 @@ def band_edges(width: float) -> list[tuple[float, float]]:
 def band_noise(delta: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Re F^-1(F(delta) * mask) over the last two dimensions (the real part, as Park & Kim's code takes; for a
     mask symmetric under w -> -w the inverse is real anyway)."""
-    return torch.fft.ifft2(torch.fft.fft2(delta) * mask).real
+    real: torch.Tensor = torch.fft.ifft2(torch.fft.fft2(delta) * mask).real
+    return real
 
 
 def _code_half_side(size: int, edge: float) -> int:
@@ -107,7 +121,9 @@ def scaled_to_rms(noise: torch.Tensor, rms: float) -> torch.Tensor:
     return noise * (rms / current.clamp_min(torch.finfo(noise.dtype).tiny))
 
 
-def sign_noise(shape, eps: float, generator: torch.Generator, device: torch.device | str | None = None) -> torch.Tensor:
+def sign_noise(
+    shape: tuple[int, ...], eps: float, generator: torch.Generator, device: torch.device | str | None = None
+) -> torch.Tensor:
     """eps * sign(N(0, 1)) (Park & Kim's ``Random`` attack): +-eps per entry."""
     return eps * torch.randn(shape, generator=generator, device=device).sign()
 
@@ -167,7 +183,7 @@ class FrequencyNoise(Analysis):
 
     def bands(
         self, height: int, width: int, device: torch.device | str | None = None
-    ) -> list[tuple[dict, torch.Tensor]]:
+    ) -> list[tuple[dict[str, float], torch.Tensor]]:
         """[(band description, (H, W) mask)] of the protocol."""
         if self.protocol == "paper":
             edges = band_edges(self.width)
@@ -200,7 +216,7 @@ class FrequencyNoise(Analysis):
         std = torch.tensor(IMAGENET_DEFAULT_STD, device=images.device).view(1, 3, 1, 1)
         return sign_noise(images.shape, self.eps, generator, images.device) * std
 
-    def analyse(self, trainer, pl_module):
+    def analyse(self, trainer: Trainer, pl_module: AnalysedModule) -> AnalysisResult:
         model = self.model(pl_module)
         correct: torch.Tensor | None = None
         bands: Any = None
@@ -297,7 +313,7 @@ class FrequencyNoise(Analysis):
         return section, metrics, self.figure(section) if self.plot else None
 
     @staticmethod
-    def figure(section):
+    def figure(section: Section) -> Figure:
         """Park & Kim's Fig. 2b (and Chen et al.'s Fig. 8): "Δ Accuracy (%)" (noisy minus clean accuracy, so a drop
         is negative) against "Noise frequency" in units of pi, one line per model, the model in the legend."""
         conditions = section["conditions"]

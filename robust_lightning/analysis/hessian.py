@@ -32,19 +32,31 @@ Two ways to run it:
 """
 
 import math
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
+from lightning import LightningModule, Trainer
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from robust_lightning.analysis.core import Analysis, model_label, new_figure
+from robust_lightning.analysis.core import (
+    AnalysedModule,
+    Analysis,
+    AnalysisResult,
+    Section,
+    analysed,
+    model_label,
+    new_figure,
+)
 from robust_lightning.console import tqdm
 from robust_lightning.data.batch import soft_targets
 from robust_lightning.data.contract import evaluation_data
 from robust_lightning.errors import UserError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 MODEL_MODE = "eval (BatchNorm running statistics, no dropout / drop-path), fp32"
 
@@ -61,7 +73,7 @@ def hessian_vector_product(
     sizes = [p.numel() for p in params]
 
     def product(v: Tensor) -> Tensor:
-        parts = v.split(sizes)
+        parts = torch.split(v, sizes)
         hv: list[Tensor | None] = [None] * len(params)
         if live:
             out = torch.autograd.grad(
@@ -165,7 +177,7 @@ def minibatch_spectrum(
 
 
 # ------------------------------------------------------------------------------------------------ the callback
-def training_targets(pl_module, batch: dict[str, Tensor]) -> Tensor:
+def training_targets(pl_module: AnalysedModule, batch: dict[str, Tensor]) -> Tensor:
     """The targets of the training loss, formed as ImageClassifier.training_step forms them: MixUp/CutMix's soft
     targets, else the labels smoothed by the model's label_smoothing (the labels themselves without it)."""
     if "target" in batch:
@@ -231,12 +243,12 @@ class HessianSpectrum(Analysis):
         self.data, self.train_fraction = data, train_fraction
         self.top_k, self.max_iter, self.tol, self.weight_decay = top_k, max_iter, tol, weight_decay
         self.every_n_epochs, self.seed = every_n_epochs, seed
-        self.epochs: dict[int, dict[str, Any]] = {}  # fit: the spectrum of each analysed epoch
+        self.epochs: dict[int, Section] = {}  # fit: the spectrum of each analysed epoch
         self._recorded: list[tuple[Tensor, Tensor]] = []
 
-    def setup(self, trainer, pl_module, stage: str) -> None:
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        self.model_weight_decay(pl_module)  # a missing weight decay is refused before any work
+        self.model_weight_decay(analysed(pl_module))  # a missing weight decay is refused before any work
         if stage == "fit" and self.max_images is None:
             raise UserError(
                 "HessianSpectrum during fit records max_images augmented images of each analysed epoch: set max_images"
@@ -247,7 +259,7 @@ class HessianSpectrum(Analysis):
                 "(robust_lightning.data.datamodule); use data 'eval' for another data module"
             )
 
-    def model_weight_decay(self, pl_module) -> float:
+    def model_weight_decay(self, pl_module: AnalysedModule) -> float:
         """The coefficient of the l2 term: the one set, else the model's training weight decay."""
         if self.weight_decay is not None:
             return self.weight_decay
@@ -260,7 +272,7 @@ class HessianSpectrum(Analysis):
         return float(value)
 
     # ------------------------------------------------------------------------------------------- compute
-    def spectrum(self, model: nn.Module, minibatches, weight_decay: float) -> dict[str, Any]:
+    def spectrum(self, model: nn.Module, minibatches: Iterable[tuple[Tensor, Tensor]], weight_decay: float) -> Section:
         """Top-k eigenvalues of every (images, targets) minibatch, NEP and APE over all of them."""
         was_training = model.training
         model.eval()  # BatchNorm running statistics, no dropout: the loss is a function of the weights only
@@ -307,11 +319,13 @@ class HessianSpectrum(Analysis):
         }
 
     # ------------------------------------------------------------------------------------------ test time
-    def analyse(self, trainer, pl_module):
+    def analyse(self, trainer: Trainer, pl_module: AnalysedModule) -> AnalysisResult:
         model = self.model(pl_module)
         weight_decay = self.model_weight_decay(pl_module)
         if self.data == "train":
-            sample = trainer.datamodule.training_sample(
+            data = evaluation_data(trainer)
+            assert data is not None  # data "train" needs it (setup)
+            sample = data.training_sample(
                 pl_module.device,
                 fraction=self.train_fraction,
                 max_images=self.max_images,
@@ -370,28 +384,29 @@ class HessianSpectrum(Analysis):
         return section, self._metrics(result), figure
 
     # ------------------------------------------------------------------------------------------ fit time
-    def _due(self, trainer) -> bool:
+    def _due(self, trainer: Trainer) -> bool:
         return (trainer.current_epoch + 1) % self.every_n_epochs == 0
 
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._recorded = []
 
-    def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         # keep the first max_images augmented images of an analysed epoch (on the CPU: GPU memory is training's)
         seen = sum(len(t) for _, t in self._recorded)
         if not self._due(trainer) or seen >= self.max_images or not batch["label"].numel():
             return
         take = self.max_images - seen
-        targets = training_targets(pl_module, batch)
+        targets = training_targets(analysed(pl_module), batch)
         self._recorded.append((batch["image"][:take].detach().float().cpu(), targets[:take].detach().cpu()))
 
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self._due(trainer) or not self._recorded:
             return
         was_training = pl_module.training
-        model = self.model(pl_module)  # eval mode (also the EMA copy's); training resumes in train mode below
+        module = analysed(pl_module)
+        model = self.model(module)  # eval mode (also the EMA copy's); training resumes in train mode below
         device = pl_module.device
-        weight_decay = self.model_weight_decay(pl_module)
+        weight_decay = self.model_weight_decay(module)
         images = torch.cat([x for x, _ in self._recorded])
         targets = torch.cat([t for _, t in self._recorded])
         self._recorded = []
@@ -415,10 +430,10 @@ class HessianSpectrum(Analysis):
 
     # ------------------------------------------------------------------------------------------- report
     @staticmethod
-    def _metrics(result: dict[str, Any]) -> dict[str, float]:
+    def _metrics(result: Section) -> dict[str, float]:
         return {k: result[k] for k in ("nep", "ape", "max_eigenvalue")}
 
-    def _plot(self, spectra: dict[str, dict[str, Any]]):
+    def _plot(self, spectra: dict[str, Section]) -> "Figure":
         """Park & Kim's Fig. 4: the density of the eigenvalues ("Max Eigenvalue" against "Density"), one line per
         spectrum with the model (test time) or the epoch (fit time) in the legend, as their Fig. 1b overlays
         training phases; with several epochs the last six are overlaid and NEP / APE are drawn against the epoch."""

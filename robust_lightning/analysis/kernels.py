@@ -24,15 +24,27 @@ No images are needed: the analysis reads the weights only.
 
 import math
 import re
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+from lightning import LightningModule, Trainer
 from torch import Tensor, nn
 
-from robust_lightning.analysis.core import Analysis, model_label, new_figure
+from robust_lightning.analysis.core import (
+    AnalysedModule,
+    Analysis,
+    AnalysisResult,
+    Section,
+    analysed,
+    model_label,
+    new_figure,
+)
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.evaluated_module import model_setting
 from robust_lightning.models.replknet import ReparamLargeKernelConv
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def kernel_distance(weight: Tensor, normalize: bool = False) -> Tensor:
@@ -129,7 +141,7 @@ class KernelAttentionDistance(Analysis):
             raise UserError(f"KernelAttentionDistance.min_kernel_size must be >= 2, got {min_kernel_size}")
         self.min_kernel_size, self.normalize, self.small_kernels = min_kernel_size, normalize, small_kernels
 
-    def layers(self, pl_module) -> list[tuple[str, nn.Conv2d]]:
+    def layers(self, pl_module: AnalysedModule) -> list[tuple[str, nn.Conv2d]]:
         """The measured layers, or a UserError saying why the analysis does not apply to this model."""
         net = getattr(self.model(pl_module), "net", self.model(pl_module))
         found = depthwise_convs(net, self.min_kernel_size, self.small_kernels)
@@ -144,12 +156,12 @@ class KernelAttentionDistance(Analysis):
             )
         return found
 
-    def on_test_start(self, trainer, pl_module) -> None:
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_test_start(trainer, pl_module)
-        self.layers(pl_module)  # fail before the test loop, not after it
+        self.layers(analysed(pl_module))  # fail before the test loop, not after it
 
-    def analyse(self, trainer, pl_module):
-        per_layer: list[dict[str, Any]] = []
+    def analyse(self, trainer: Trainer, pl_module: AnalysedModule) -> AnalysisResult:
+        per_layer: list[Section] = []
         channels: dict[str, torch.Tensor] = {}
         for name, conv in self.layers(pl_module):
             d = kernel_distance(conv.weight, self.normalize)
@@ -170,7 +182,7 @@ class KernelAttentionDistance(Analysis):
                     "sorted": valid.sort().values.tolist(),  # the per-channel curve Chen et al. plot (Fig. 9)
                 }
             )
-        stages: dict[str, Any] = {}
+        stages: dict[str, Section] = {}
         for stage in dict.fromkeys(row["stage"] for row in per_layer):
             values = torch.cat([channels[row["layer"]] for row in per_layer if row["stage"] == stage])
             stages[stage] = {
@@ -202,7 +214,7 @@ class KernelAttentionDistance(Analysis):
         return section, metrics, figure
 
     @staticmethod
-    def figure(section):
+    def figure(section: Section) -> "Figure":
         """Chen et al.'s Fig. 9 (left): the sorted per-channel "Kernel attention distance" against the "Normalized
         channel index" of the first two layers of stage 1 and the last two of stage 3 (of the last stage for a
         model with fewer), one line per layer ("Stage 1, layer 1", ...). Right: the mean (+/- std) over channels of

@@ -15,14 +15,18 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning import Trainer
 
-from robust_lightning.analysis.blocks import find_blocks, lesioned, removable_units
-from robust_lightning.analysis.core import Analysis, model_label, new_figure
+from robust_lightning.analysis.blocks import BlockMap, find_blocks, lesioned, removable_units
+from robust_lightning.analysis.core import AnalysedModule, Analysis, AnalysisResult, Section, model_label, new_figure
 from robust_lightning.console import tqdm
 from robust_lightning.errors import UserError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["LesionStudy", "summary"]
 
@@ -95,11 +99,11 @@ class LesionStudy(Analysis):
             raise UserError(f"LesionStudy.figure must be one of {', '.join(FIGURES)}, got {figure!r}")
         self.figure_layout = figure
 
-    def parts_drawn(self, bmap) -> list[str]:
+    def parts_drawn(self, bmap: BlockMap) -> list[str]:
         """What the random lesions remove: ``random_parts``, or "block" and every part of the model."""
         return self.random_parts if self.random_parts is not None else ["block", *bmap.part_names()]
 
-    def check(self, trainer, pl_module) -> None:
+    def check(self, trainer: Trainer, pl_module: AnalysedModule) -> None:
         bmap = find_blocks(pl_module.model.net)
         parts = bmap.part_names()
         random_parts = self.parts_drawn(bmap)
@@ -126,7 +130,7 @@ class LesionStudy(Analysis):
                 "units to draw from (the first block is always kept)"
             )
 
-    def analyse(self, trainer, pl_module):
+    def analyse(self, trainer: Trainer, pl_module: AnalysedModule) -> AnalysisResult:
         images, labels = self.images(trainer, pl_module)
         model = copy.deepcopy(self.model(pl_module))  # lesions swap modules of this copy only
         net = model.net
@@ -163,14 +167,14 @@ class LesionStudy(Analysis):
         )
         intact = self.accuracy(model, images, labels)
         bar.update()
-        single: dict[str, list[dict]] = {mode: [] for mode in modes}
+        single: dict[str, list[Section]] = {mode: [] for mode in modes}
         for mode, (unit,) in cases:
             with lesioned(net, [unit], mode):
                 single[mode].append(
                     {"unit": unit.name, "stage": unit.stage, "accuracy": self.accuracy(model, images, labels)}
                 )
             bar.update()
-        random: dict[str, dict[str, dict]] = {}  # part -> n -> draws
+        random: dict[str, dict[str, Section]] = {}  # part -> n -> draws
         for part in random_parts:
             for n, chosen in draws:
                 with lesioned(net, chosen, part):
@@ -221,7 +225,7 @@ class LesionStudy(Analysis):
         return section, metrics, self.figure(section) if self.plot else None
 
     @staticmethod
-    def figure(section: dict):
+    def figure(section: Section) -> Figure:
         """lesion.png as the paper of ``conditions.figure`` draws it. Bhojanapalli et al.'s Fig. 8: (top) "Accuracy
         (%)" against the "Removed block" (1 = first), one line per removed part ("Block", "Self-Attention", "MLP");
         (bottom) against the "Number of removed blocks" n, one curve per part of ``random_parts``, mean with

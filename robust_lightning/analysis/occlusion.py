@@ -18,21 +18,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import timm
 import torch
 import torch.nn.functional as F
+from lightning import Trainer
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import nn
 
 from robust_lightning.analysis.blocks import as_map, attention_probabilities, find_blocks
-from robust_lightning.analysis.core import Analysis, model_label, new_figure
+from robust_lightning.analysis.core import AnalysedModule, Analysis, AnalysisResult, Section, model_label, new_figure
 from robust_lightning.analysis.lesion import summary
 from robust_lightning.console import tqdm
 from robust_lightning.errors import UserError
 from robust_lightning.models.checkpoints import read_state_dict
 from robust_lightning.models.classifier import RobustClassifier
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["Occlusion", "cls_attention", "drop_patches", "mass_mask", "random_patch_mask"]
 
@@ -198,15 +202,16 @@ class Occlusion(Analysis):
         self.saliency_head, self.saliency_normalize, self.seed = saliency_head, saliency_normalize, seed
         self._saliency_vit: nn.Module | None = None
 
-    def check(self, trainer, pl_module) -> None:
+    def check(self, trainer: Trainer, pl_module: AnalysedModule) -> None:
         if self.saliency == "attention":
             find_blocks(pl_module.model.net).require_cls(
                 "Occlusion.saliency 'attention' (the model's own CLS attention)"
             )
-            if self.saliency_head is not None and self.saliency_head >= pl_module.model.net.blocks[-1].attn.num_heads:
+            vit: Any = pl_module.model.net  # a timm ViT (it has a CLS token): blocks, their attn
+            if self.saliency_head is not None and self.saliency_head >= vit.blocks[-1].attn.num_heads:
                 raise UserError(
                     f"Occlusion.saliency_head {self.saliency_head}: the model's attention has "
-                    f"{pl_module.model.net.blocks[-1].attn.num_heads} heads"
+                    f"{vit.blocks[-1].attn.num_heads} heads"
                 )
         if self.saliency == "checkpoint" and self._saliency_vit is None:
             assert self.saliency_checkpoint is not None  # saliency "checkpoint" needs one (__init__)
@@ -236,7 +241,7 @@ class Occlusion(Analysis):
             parts.append(to_grid(s.detach(), (images.shape[-2], images.shape[-1]), self.grid))
         return torch.cat(parts)
 
-    def analyse(self, trainer, pl_module):
+    def analyse(self, trainer: Trainer, pl_module: AnalysedModule) -> AnalysisResult:
         images, labels = self.images(trainer, pl_module)
         model = self.model(pl_module)
         generator = torch.Generator().manual_seed(self.seed)
@@ -256,7 +261,7 @@ class Occlusion(Analysis):
                 measure(random_patch_mask(len(images), self.grid, fraction, generator)) for _ in range(self.samples)
             ]
             random[f"{fraction:g}"] = summary(accs)
-        section: dict[str, Any] = {"grid": self.grid, "clean_accuracy": clean, "random": random}
+        section: Section = {"grid": self.grid, "clean_accuracy": clean, "random": random}
         metrics = {"clean_accuracy": clean, **{f"random_{k}": v["mean"] for k, v in random.items()}}
         if with_saliency:
             saliency = self.saliency_maps(model, images)
@@ -284,7 +289,7 @@ class Occlusion(Analysis):
         return section, metrics, self.figure(section) if self.plot else None
 
     @staticmethod
-    def figure(section):
+    def figure(section: Section) -> Figure:
         """Chen et al.'s Fig. 4: (a) random, (b) salient and (c) non-salient drop, "Top-1 accuracy drop (%)" (occluded
         minus clean accuracy: negative, as their Table 5 reports it) against the "Information loss ratio (%)": the
         share of patches dropped at random, or of the saliency mass in the dropped patches. The model is the

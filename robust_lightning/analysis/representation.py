@@ -23,15 +23,30 @@ paper's plots, and the stem (patch embedding) output is the first point.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning import Trainer
+from torch import nn
 
 from robust_lightning.analysis.blocks import BlockMap, FeatureTap, as_map, find_blocks
-from robust_lightning.analysis.core import Analysis, family_style, model_label, new_figure, pi_axis
+from robust_lightning.analysis.core import (
+    AnalysedModule,
+    Analysis,
+    AnalysisResult,
+    Section,
+    family_style,
+    model_label,
+    new_figure,
+    pi_axis,
+)
 from robust_lightning.console import tqdm
 from robust_lightning.errors import UserError
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 __all__ = [
     "CorrelationAccumulator",
@@ -44,6 +59,9 @@ __all__ = [
     "relative_log_amplitude",
     "unbiased_hsic",
 ]
+
+# what _FeatureAnalysis.run hands each batch's features to: (blocks, features in tap order, image (H, W))
+Consumer = Callable[[BlockMap, list[torch.Tensor], tuple[int, int]], None]
 
 LOG_EPS = 1e-6  # added to Fourier amplitudes before the log (as Park & Kim do): dead channels give log(eps) flat
 
@@ -90,11 +108,11 @@ class CorrelationAccumulator:
     ``add`` takes one batch as a list of L tensors; features of the same shape (beyond the batch dimension) are
     correlated, others get NaN."""
 
-    def __init__(self):
-        self.groups: dict[tuple, dict[str, Any]] = {}
+    def __init__(self) -> None:
+        self.groups: dict[tuple[int, ...], dict[str, Any]] = {}
 
     def add(self, features: list[torch.Tensor]) -> None:
-        by_shape: dict[tuple, list[int]] = {}
+        by_shape: dict[tuple[int, ...], list[int]] = {}
         for i, f in enumerate(features):
             by_shape.setdefault(tuple(f.shape[1:]), []).append(i)
         for shape, index in by_shape.items():
@@ -136,7 +154,7 @@ class LinearCKAAccumulator:
 
     MIN_BATCH = 4
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.hsic: torch.Tensor | float = 0.0
         self.batches = 0
 
@@ -165,7 +183,7 @@ def _subsampling(sizes: list[tuple[int, ...]]) -> list[bool]:
     return [i > 0 and math.prod(size) < math.prod(sizes[i - 1]) for i, size in enumerate(sizes)]
 
 
-def depth_axis(ax, points: list[dict], key: str, arch: str | None, colour_by_depth: bool = False) -> None:
+def depth_axis(ax: Axes, points: list[Section], key: str, arch: str | None, colour_by_depth: bool = False) -> None:
     """``point[key]`` against normalised depth as Park & Kim's Figs. 8 and 9: x "Normalized depth" from 0 to 1,
     y "Δ Log amplitude" / "Feature map variance", gray spans ending at each MSA (attention) point and blue
     spans at each subsampling point (their notebooks' ``axvspan(x - 1 / depth, x)``); Fig. 8 colours the curve
@@ -210,13 +228,19 @@ class _FeatureAnalysis(Analysis):
         )
         self.sublayers, self.stem = sublayers, stem
 
-    def check(self, trainer, pl_module) -> None:
+    def check(self, trainer: Trainer, pl_module: AnalysedModule) -> None:
         find_blocks(pl_module.model.net)
 
-    def tap(self, net, bmap: BlockMap) -> FeatureTap:
+    def tap(self, net: nn.Module, bmap: BlockMap) -> FeatureTap:
         return FeatureTap(net, bmap, sublayers=self.sublayers, stem=self.stem)
 
-    def run(self, trainer, pl_module, consume, batches=None) -> tuple[BlockMap, FeatureTap]:
+    def run(
+        self,
+        trainer: Trainer,
+        pl_module: AnalysedModule,
+        consume: Consumer,
+        batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> tuple[BlockMap, FeatureTap]:
         """Hands ``consume`` the tap's features of each batch: ``batches`` (images, labels) when given, else the
         analysis's images batch by batch."""
         model = self.model(pl_module)
@@ -231,7 +255,7 @@ class _FeatureAnalysis(Analysis):
                 total=math.ceil(self.max_images / self.batch_size) if batches is None else len(batches),
             ):
                 model(images)
-                consume(bmap, tap.ordered(), tuple(images.shape[-2:]))
+                consume(bmap, tap.ordered(), (images.shape[-2], images.shape[-1]))
         return bmap, tap
 
 
@@ -272,7 +296,7 @@ class LayerCorrelation(_FeatureAnalysis):
             raise UserError(f"LayerCorrelation: linear CKA needs batch_size >= {LinearCKAAccumulator.MIN_BATCH}")
         self.measure = measure
 
-    def check(self, trainer, pl_module) -> None:
+    def check(self, trainer: Trainer, pl_module: AnalysedModule) -> None:
         bmap = find_blocks(pl_module.model.net)
         if "cls" in self.tokens:
             try:
@@ -280,11 +304,13 @@ class LayerCorrelation(_FeatureAnalysis):
             except UserError as e:
                 raise UserError(f"{e}; set tokens: [all] for the correlation over all positions") from None
 
-    def analyse(self, trainer, pl_module):
-        accumulators: dict[str, Any] = {"cls": CorrelationAccumulator()} if "cls" in self.tokens else {}
+    def analyse(self, trainer: Trainer, pl_module: AnalysedModule) -> AnalysisResult:
+        accumulators: dict[str, CorrelationAccumulator | LinearCKAAccumulator] = (
+            {"cls": CorrelationAccumulator()} if "cls" in self.tokens else {}
+        )
         measures = {"cls": "abs_pearson"}
 
-        def consume(bmap, features, image_hw):
+        def consume(bmap: BlockMap, features: list[torch.Tensor], image_hw: tuple[int, int]) -> None:
             if "all" in self.tokens:
                 if "all" not in accumulators:  # the measure follows from the shapes of the first batch
                     same_shape = len({tuple(f.shape[1:]) for f in features}) == 1
@@ -305,7 +331,7 @@ class LayerCorrelation(_FeatureAnalysis):
 
         bmap, tap = self.run(trainer, pl_module, consume)
         layers = [label for label, _ in tap.points]
-        section: dict[str, Any] = {"family": bmap.family, "layers": layers}
+        section: Section = {"family": bmap.family, "layers": layers}
         metrics: dict[str, float] = {}
         for kind in self.tokens:
             corr = accumulators[kind].matrix(len(layers))
@@ -342,7 +368,7 @@ class LayerCorrelation(_FeatureAnalysis):
         return section, metrics, self.figure(section) if self.plot else None
 
     @staticmethod
-    def figure(section):
+    def figure(section: Section) -> Figure:
         """Bhojanapalli et al.'s Fig. 7 (Figs. 31-33): one heatmap per token set, "All tokens" (left) and "CLS token"
         (right), blocks on both axes (1 = first; E: the patch embedding), white for 0 to dark blue for |ρ| = 1
         (linear CKA for ResNet-like stages, Fig. 33)."""
@@ -435,7 +461,7 @@ class FeatureVariance(_FeatureAnalysis):
             )
         self.protocol, self.points, self.sweeps = protocol, points, sweeps
 
-    def check(self, trainer, pl_module) -> None:
+    def check(self, trainer: Trainer, pl_module: AnalysedModule) -> None:
         bmap = find_blocks(pl_module.model.net)
         if self.points == "chen" and bmap.family not in CHEN_FAMILIES:
             raise UserError(
@@ -444,7 +470,7 @@ class FeatureVariance(_FeatureAnalysis):
                 "set points: blocks"
             )
 
-    def tap(self, net, bmap: BlockMap) -> FeatureTap:
+    def tap(self, net: nn.Module, bmap: BlockMap) -> FeatureTap:
         if self.points == "blocks":
             return super().tap(net, bmap)
         return FeatureTap(net, bmap, sublayers=True, stem=True, layers=bmap.family == "replknet")
@@ -454,7 +480,7 @@ class FeatureVariance(_FeatureAnalysis):
         so there it drops the last ConvFFN (ViT's and ResNet's lists end in the head, which no tap reads)."""
         return self.points == "chen" and bmap.family == "replknet"
 
-    def script_batches(self, trainer, pl_module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def script_batches(self, trainer: Trainer, pl_module: AnalysedModule) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The batches Chen et al.'s script keeps: of each of ``sweeps`` random permutations of the images, the
         last batch. The script seeds torch's global generator with 0 just before drawing its permutations, the
         same draws as a generator seeded with 0."""
@@ -468,12 +494,12 @@ class FeatureVariance(_FeatureAnalysis):
             batches.append((images[index], labels[index]))
         return batches
 
-    def analyse(self, trainer, pl_module):
+    def analyse(self, trainer: Trainer, pl_module: AnalysedModule) -> AnalysisResult:
         totals: list[float] = []
         sizes: list[tuple[int, ...]] = []
         count = [0]
 
-        def consume(bmap, features, image_hw):
+        def consume(bmap: BlockMap, features: list[torch.Tensor], image_hw: tuple[int, int]) -> None:
             maps = [as_map(f, bmap, image_hw) for f in (features[:-1] if self.drops_last(bmap) else features)]
             if self.protocol == "chen":  # one mean map per batch
                 maps = [m.float().mean(dim=0, keepdim=True) for m in maps]
@@ -528,7 +554,7 @@ class FeatureVariance(_FeatureAnalysis):
         return section, metrics, self.figure(section) if self.plot else None
 
     @staticmethod
-    def figure(section):
+    def figure(section: Section) -> Figure:
         """Park & Kim's Fig. 9: "Feature map variance" against "Normalized depth", MSAs gray, subsampling blue."""
         fig, ax = new_figure(figsize=(6.5, 4))
         depth_axis(ax, section["points"], "variance", section["conditions"].get("arch"))
@@ -549,13 +575,13 @@ class FourierFeatures(_FeatureAnalysis):
 
     name = "fourier_features"
 
-    def analyse(self, trainer, pl_module):
+    def analyse(self, trainer: Trainer, pl_module: AnalysedModule) -> AnalysisResult:
         totals: list[torch.Tensor] = []
         frequencies: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
         sizes: list[tuple[int, ...]] = []
         count = [0]
 
-        def consume(bmap, features, image_hw):
+        def consume(bmap: BlockMap, features: list[torch.Tensor], image_hw: tuple[int, int]) -> None:
             for i, f in enumerate(features):
                 maps = as_map(f, bmap, image_hw)
                 _, relative = relative_log_amplitude(maps)
@@ -567,7 +593,7 @@ class FourierFeatures(_FeatureAnalysis):
             count[0] += len(features[0])
 
         bmap, tap = self.run(trainer, pl_module, consume)
-        points = []
+        points: list[Section] = []
         for (label, kind), total, (bins, plotted, true), size, sub in zip(
             tap.points, totals, frequencies, sizes, _subsampling(sizes)
         ):
@@ -586,7 +612,7 @@ class FourierFeatures(_FeatureAnalysis):
                     "high_frequency": curve[-1] if len(curve) > 1 else None,
                 }
             )
-        section = {
+        section: Section = {
             "family": bmap.family,
             "points": points,
             "protocol": {
@@ -617,7 +643,7 @@ class FourierFeatures(_FeatureAnalysis):
         return section, metrics, self.figure(section) if self.plot else None
 
     @staticmethod
-    def figure(section):
+    def figure(section: Section) -> Figure:
         """Park & Kim's Fig. 2a (left: "Δ Log amplitude" against "Frequency", 0.0π to 1.0π, one curve per point
         coloured by "Normalized depth", plasma) and Fig. 8 (right: the value at 1.0π against "Normalized depth",
         MSAs gray, subsampling blue), as their fourier_analysis.ipynb draws them."""

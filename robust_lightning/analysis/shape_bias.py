@@ -22,20 +22,33 @@ label space than ImageNet's 1000 classes does not apply.
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning import LightningModule, Trainer
 from PIL import Image
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 from torchvision.transforms import v2 as T
 
-from robust_lightning.analysis.core import Analysis, model_label, new_figure
+from robust_lightning.analysis.core import (
+    AnalysedModule,
+    Analysis,
+    AnalysisResult,
+    Section,
+    analysed,
+    model_label,
+    new_figure,
+)
 from robust_lightning.data.transforms import BICUBIC, decode_rgb, eval_resize_size
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.base import data_image_size, to_model_input
 from robust_lightning.paths import DATA_DIR
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 MAPPING = DATA_DIR / "cue_conflict_16class_to_imagenet.json"
 NAME = re.compile(r"^([a-z]+)\d+-([a-z]+)\d+\.(png|jpe?g)$", re.IGNORECASE)
@@ -78,8 +91,8 @@ def cue_conflict_images(root: str | Path, categories: list[str]) -> list[tuple[P
     return images
 
 
-class _Stimuli(Dataset):
-    def __init__(self, files: list[Path], transform) -> None:
+class _Stimuli(Dataset[Tensor]):
+    def __init__(self, files: list[Path], transform: Callable[[Image.Image], Tensor]) -> None:
         self.files, self.transform = files, transform
 
     def __len__(self) -> int:
@@ -203,10 +216,10 @@ class ShapeBias(Analysis):
             raise UserError(f"ShapeBias.mapping {path} does not exist; expected a JSON category -> ImageNet indices")
         self.mapping_path, self.mapping = path, load_mapping(path)
 
-    def on_test_start(self, trainer, pl_module) -> None:
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_test_start(trainer, pl_module)
         # fail before the test loop: wrong label space or wrong folder
-        classes = pl_module.hparams.get("num_classes")
+        classes = analysed(pl_module).hparams.get("num_classes")
         if classes is not None and classes != 1000:
             raise UserError(
                 f"ShapeBias does not apply to this model: it has {classes} classes, and the cue-conflict "
@@ -214,7 +227,7 @@ class ShapeBias(Analysis):
             )
         cue_conflict_images(self.root, list(self.mapping))
 
-    def analyse(self, trainer, pl_module):
+    def analyse(self, trainer: Trainer, pl_module: AnalysedModule) -> AnalysisResult:
         categories = list(self.mapping)
         stimuli = cue_conflict_images(self.root, categories)[: self.max_images]
         size = self.image_size or data_image_size(trainer)
@@ -250,7 +263,7 @@ class ShapeBias(Analysis):
         return section, metrics, self.figure(section) if self.plot else None
 
     @staticmethod
-    def figure(section: dict[str, Any]):
+    def figure(section: Section) -> "Figure":
         """Left: Bhojanapalli et al.'s Fig. 6, the model's "Shape accuracy (%)" (stimuli decided by their shape, of
         all of them), the model on the x axis. Right: Geirhos et al.'s view, shape decisions / (shape + texture
         decisions) per shape category."""

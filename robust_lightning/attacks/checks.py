@@ -13,6 +13,7 @@ Where this code departs from the reference, on purpose:
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -40,7 +41,8 @@ class Check:
 
 
 def _unit_rows(logits: Tensor) -> Tensor:
-    return logits / (logits.norm(dim=1, keepdim=True) + 1e-10)
+    norms: Tensor = logits.norm(dim=1, keepdim=True)
+    return logits / (norms + 1e-10)
 
 
 @torch.no_grad()
@@ -130,7 +132,7 @@ def dynamic(model: Callable[[Tensor], Tensor], x: Tensor) -> Check:
     ``_make_grads``): a defence that optimises at inference, which the attacks' gradients do not see through."""
     calls = dict.fromkeys(GRADIENT_FUNCTIONS, 0)
 
-    def count(frame, event, arg):
+    def count(frame: FrameType, event: str, arg: object) -> None:
         if event == "call" and frame.f_code.co_name in calls:
             calls[frame.f_code.co_name] += 1
 

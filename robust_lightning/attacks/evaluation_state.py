@@ -19,7 +19,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 FORMAT = "robust_lightning AutoAttack state 1"
 
@@ -69,7 +69,7 @@ class EvaluationState:
         return state
 
     @classmethod
-    def _from_saved(cls, path: Path, saved: dict) -> Self:
+    def _from_saved(cls, path: Path, saved: dict[str, Any]) -> Self:
         if saved.get("format") == FORMAT:
             return cls(
                 path,

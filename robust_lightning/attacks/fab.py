@@ -256,7 +256,11 @@ def _closest_boundary(model: Model, x: Tensor, y: Tensor, *, norm: str) -> tuple
     rows = torch.arange(len(y), device=y.device)
     margins = z - z[rows, y][:, None]
     slopes = grads - grads[rows, y][:, None]
-    dual = {"Linf": lambda g: g.abs().sum(2), "L2": lambda g: g.norm(dim=2), "L1": lambda g: g.abs().amax(2)}[norm]
+    dual: Callable[[Tensor], Tensor] = {
+        "Linf": lambda g: g.abs().sum(2),
+        "L2": lambda g: g.norm(dim=2),
+        "L1": lambda g: g.abs().amax(2),
+    }[norm]
     distance = margins.abs() / (1e-12 + dual(slopes))
     distance[rows, y] = float("inf")  # the true class has no boundary with itself
     closest = distance.argmin(1)

@@ -39,7 +39,8 @@ AGREEMENT_MIN = (9, 10)  # engines_agree is raised below 9 points in 10 with the
 def unbounded_eps(norm: str, x: Tensor) -> float:
     """A radius whose ball around any image in [0, 1] holds mid-grey: 0.5 per coordinate, in the norm's measure."""
     dims = x[0].numel()
-    return {"Linf": 0.5, "L2": 0.5 * dims**0.5, "L1": 0.5 * dims}[norm]
+    root: float = dims**0.5
+    return {"Linf": 0.5, "L2": 0.5 * root, "L1": 0.5 * dims}[norm]
 
 
 @torch.no_grad()

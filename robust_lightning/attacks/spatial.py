@@ -89,7 +89,8 @@ def sampling_matrices(matrices: Tensor, height: int, width: int) -> Tensor:
     bottom = matrices.new_tensor([0.0, 0.0, 1.0]).expand(len(matrices), 1, 3)
     inverse = torch.linalg.inv(torch.cat([matrices, bottom], 1))
     to_normal = matrices.new_tensor([[2 / width, 0, 1 / width - 1], [0, 2 / height, 1 / height - 1], [0, 0, 1]])
-    return (to_normal @ inverse @ torch.linalg.inv(to_normal))[:, :2]
+    sampling: Tensor = to_normal @ inverse @ torch.linalg.inv(to_normal)
+    return sampling[:, :2]
 
 
 def transform_images(x: Tensor, transforms: Tensor) -> Tensor:

@@ -135,7 +135,7 @@ def _as_generator(generator: torch.Generator | int | None, device: torch.device)
 
 def _p_selection(it: int, p_init: float) -> float:
     """Fraction of pixels in a square at iteration ``it`` (0-based): p_init halves after each breakpoint."""
-    return p_init / 2 ** sum(it > b for b in _P_BREAKPOINTS)
+    return p_init / 2.0 ** sum(it > b for b in _P_BREAKPOINTS)
 
 
 def _square_side(it: int, p_init: float, norm: str, c: int, h: int) -> int:

@@ -40,7 +40,14 @@ from timm.layers import DropPath
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import nn
 
-from robust_lightning.models.timm_api import BlockStage, LinearHeadMixin, pretrained_cfg
+from robust_lightning.models.timm_api import (
+    BlockStage,
+    DeviceDtype,
+    GroupMatcher,
+    LinearHeadMixin,
+    jit_ignore,
+    pretrained_cfg,
+)
 
 __all__ = ["AlterNet", "AlterNetStage", "MSABlock", "PreActBottleneck", "WindowAttention2d", "msa_layout"]
 
@@ -67,7 +74,7 @@ class PreActBottleneck(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        dd: dict[str, Any] = {"device": device, "dtype": dtype}
+        dd: DeviceDtype = {"device": device, "dtype": dtype}
         out_chs = width * EXPANSION
         self.shortcut = None
         if stride != 1 or in_chs != out_chs:
@@ -87,7 +94,8 @@ class PreActBottleneck(nn.Module):
         out = self.conv1(out)
         out = self.conv2(self.act(self.bn2(out)))
         out = self.conv3(self.act(self.bn3(out)))
-        return skip + self.drop_path(out)
+        residual: torch.Tensor = self.drop_path(out)
+        return skip + residual
 
 
 class WindowAttention2d(nn.Module):
@@ -108,7 +116,7 @@ class WindowAttention2d(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        dd: dict[str, Any] = {"device": device, "dtype": dtype}
+        dd: DeviceDtype = {"device": device, "dtype": dtype}
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.window_size = window_size
@@ -158,7 +166,8 @@ class WindowAttention2d(nn.Module):
         # (N * windows, heads, P, d) -> (N, heads*d, H, W)
         out = out.view(n, hp // p, wp // p, self.num_heads, p, p, self.head_dim)
         out = out.permute(0, 3, 6, 1, 4, 2, 5).reshape(n, self.num_heads * self.head_dim, hp, wp)
-        return self.to_out(out[..., :h, :w])
+        projected: torch.Tensor = self.to_out(out[..., :h, :w])
+        return projected
 
 
 class MSABlock(nn.Module):
@@ -175,7 +184,7 @@ class MSABlock(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        dd: dict[str, Any] = {"device": device, "dtype": dtype}
+        dd: DeviceDtype = {"device": device, "dtype": dtype}
         width = chs // EXPANSION
         self.norm1 = nn.BatchNorm2d(chs, **dd)
         self.act = nn.GELU()
@@ -186,7 +195,8 @@ class MSABlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.norm2(self.conv(self.act(self.norm1(x))))
-        return x + self.drop_path(self.attn(out))
+        residual: torch.Tensor = self.drop_path(self.attn(out))
+        return x + residual
 
 
 class AlterNetStage(BlockStage):
@@ -203,7 +213,7 @@ class AlterNetStage(BlockStage):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        dd: dict[str, Any] = {"device": device, "dtype": dtype}
+        dd: DeviceDtype = {"device": device, "dtype": dtype}
         blocks: list[nn.Module] = []
         for i, msa in enumerate(is_msa):
             if msa:  # never first in a stage (msa_layout), so input and output shapes agree
@@ -235,7 +245,7 @@ class AlterNet(LinearHeadMixin, nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        dd: dict[str, Any] = {"device": device, "dtype": dtype}
+        dd: DeviceDtype = {"device": device, "dtype": dtype}
         if not len(num_blocks) == len(num_msa) == len(widths) == len(num_heads):
             raise ValueError("num_blocks, num_msa, widths and num_heads need one entry per stage")
         if global_pool not in ("avg", ""):
@@ -277,11 +287,11 @@ class AlterNet(LinearHeadMixin, nn.Module):
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(in_chs, num_classes, **dd) if num_classes > 0 else nn.Identity()
 
-    @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
+    @jit_ignore
+    def group_matcher(self, coarse: bool = False) -> GroupMatcher:
         return dict(stem=r"^stem", blocks=[(r"^stages\.(\d+)\.blocks\.(\d+)", None), (r"^norm", (99999,))])
 
-    @torch.jit.ignore
+    @jit_ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         for stage in self.stages:
             # a plain attribute of the stage: nn.Module.__setattr__ is typed for tensors and modules only
@@ -289,7 +299,8 @@ class AlterNet(LinearHeadMixin, nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Unpooled features (N, C, H/32, W/32) after the final BN-ReLU."""
-        return self.act(self.norm(self.stages(self.stem(x))))
+        features: torch.Tensor = self.act(self.norm(self.stages(self.stem(x))))
+        return features
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         if self.global_pool == "avg":

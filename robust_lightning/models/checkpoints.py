@@ -29,8 +29,10 @@ import io
 import json
 import pickle
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import safetensors
@@ -63,7 +65,7 @@ class CheckpointWeights:
     normalize: dict[str, torch.Tensor]  # {'mean': (1,C,1,1), 'std': ...} or {} when the checkpoint has none
     path: str
     has_ema: bool = False  # the checkpoint also holds EMA weights (ema.module.*)
-    hyper_parameters: dict = field(default_factory=dict)  # of a Lightning checkpoint or timm folder, else {}
+    hyper_parameters: dict[str, Any] = field(default_factory=dict)  # of a Lightning checkpoint or timm folder, else {}
 
 
 def _strip_prefixes(key: str) -> str:
@@ -92,7 +94,7 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _numpy_scalar_safe_globals() -> list:
+def _numpy_scalar_safe_globals() -> list[Callable[..., object] | tuple[Callable[..., object], str]]:
     scalar = np._core.multiarray.scalar  # type: ignore[attr-defined]  # numpy 2's private module: not in its stubs
     dtype_classes = sorted({type(np.dtype(code)) for code in "?bBhHiIlLqQefdgFDG"}, key=str)
     return [
@@ -152,11 +154,13 @@ def _pick_state_dict(obj: object, path: Path, prefer_ema: bool) -> dict[str, tor
     if not isinstance(obj, dict):
         raise UserError(f"checkpoint {path} holds a {type(obj).__name__}; expected a dict of tensors")
     if prefer_ema and isinstance(obj.get("state_dict_ema"), dict):
-        return obj["state_dict_ema"]
+        ema: dict[str, torch.Tensor] = obj["state_dict_ema"]
+        return ema
     # Lightning and timm train checkpoints; DeiT/ConvNeXt releases; revisiting-at's full_model_N.pth
     for key in ("state_dict", "model", "model_state_dict"):
         if isinstance(obj.get(key), dict):
-            return obj[key]
+            found: dict[str, torch.Tensor] = obj[key]
+            return found
     if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
         return obj
     raise UserError(
@@ -189,7 +193,7 @@ def require_checkpoint_file(path: str | Path, expected: str = CHECKPOINT_KINDS) 
         raise UserError(f"checkpoint {path} is empty (0 bytes); expected {expected}")
 
 
-def read_lightning_checkpoint(path: str | Path) -> dict:
+def read_lightning_checkpoint(path: str | Path) -> dict[str, Any]:
     """The hyper-parameters of a Lightning checkpoint (``--ckpt_path``), checked before Lightning reads it.
 
     The file is memory-mapped (``torch.load(mmap=True, weights_only=True)``), so the check reads the

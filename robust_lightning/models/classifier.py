@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Sequence
+from typing import Any
 
 import timm
 import torch
@@ -41,7 +42,9 @@ class InputNormalization(nn.Module):
         return (x - self.mean) / self.std
 
     def extra_repr(self) -> str:
-        fmt = lambda t: "(" + ", ".join(f"{v:.4g}" for v in t.flatten().tolist()) + ")"  # noqa: E731
+        def fmt(t: torch.Tensor) -> str:
+            return "(" + ", ".join(f"{v:.4g}" for v in t.flatten().tolist()) + ")"
+
         return f"mean={fmt(self.mean)}, std={fmt(self.std)}"
 
 
@@ -62,7 +65,8 @@ class RobustClassifier(nn.Module):
         self.net = net
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(self.normalize(x))
+        logits: torch.Tensor = self.net(self.normalize(x))
+        return logits
 
 
 def _unknown_arch_error(arch: str) -> UserError:
@@ -81,7 +85,7 @@ def build_classifier(
     image_size: int | None = None,
     mean: Sequence[float] | None = None,
     std: Sequence[float] | None = None,
-    arch_kwargs: dict | None = None,
+    arch_kwargs: dict[str, Any] | None = None,
 ) -> RobustClassifier:
     """Create ``timm.create_model(arch, pretrained=False, num_classes=num_classes, **arch_kwargs)`` and wrap it.
 
@@ -104,7 +108,7 @@ def build_classifier(
     if not timm.is_model(arch):
         raise _unknown_arch_error(arch)
 
-    def create(**extra):
+    def create(**extra: Any) -> nn.Module:
         try:
             return timm.create_model(arch, pretrained=False, num_classes=num_classes, **arch_kwargs, **extra)
         except RuntimeError as e:

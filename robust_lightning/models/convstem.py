@@ -37,7 +37,7 @@ from timm.models.vision_transformer import VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as vit_filter_fn
 from torch import nn
 
-from robust_lightning.models.timm_api import pretrained_cfg
+from robust_lightning.models.timm_api import DeviceDtype, PretrainedCfgDict, pretrained_cfg
 
 __all__ = [
     "CONVSTEM_PATCHSTEM_PAIRS",
@@ -103,7 +103,7 @@ class ConvStem(nn.Sequential):
                 f"ConvStem needs one stride and kernel size per conv, got channels={channels} "
                 f"strides={strides} kernel_sizes={kernel_sizes}"
             )
-        dd: dict[str, Any] = {"device": device, "dtype": dtype}
+        dd: DeviceDtype = {"device": device, "dtype": dtype}
         layers: list[nn.Module] = []
         prev = in_chans
         for ch, stride, kernel in zip(channels, strides, kernel_sizes):
@@ -172,7 +172,7 @@ class ConvNeXtConvStem(ConvNeXt):
 _convnext_cfg = partial(pretrained_cfg, first_conv="stem.0", classifier="head.fc", paper_ids="arXiv:2303.01870")
 
 
-def _vit_cfg(**kwargs):
+def _vit_cfg(**kwargs: Any) -> PretrainedCfgDict:
     return {
         "url": "",
         "num_classes": 1000,
@@ -310,14 +310,18 @@ class ConvStemPatchEmbed(PatchEmbed):
             dtype=self.proj.weight.dtype,
         )
 
-    def set_input_size(self, img_size=None, patch_size=None):
+    def set_input_size(
+        self, img_size: int | tuple[int, int] | None = None, patch_size: int | tuple[int, int] | None = None
+    ) -> None:
         # PatchEmbed would resample a 16x16 kernel here; the ConvStem has a fixed reduction of 16.
         if patch_size is not None and tuple(to_2tuple(patch_size)) != self.patch_size:
             raise ValueError("the patch size of a ConvStem ViT is fixed by its stem and cannot be changed")
         super().set_input_size(img_size=img_size)
 
 
-def _create_vit_convstem(variant: str, pretrained: bool, stem: dict | None = None, **kwargs: Any) -> VisionTransformer:
+def _create_vit_convstem(
+    variant: str, pretrained: bool, stem: Mapping[str, tuple[int, ...]] | None = None, **kwargs: Any
+) -> VisionTransformer:
     """``stem``: ConvStemPatchEmbed's stem_channels / stem_strides / stem_kernels (default: the paper's ViT stem)."""
     # deit3 checkpoints store layer scale as gamma_1/gamma_2; the ViT filter maps them (timm's _create_deit does too)
     # and resamples pos_embed to the model's grid when loading via timm's pretrained mechanism.
@@ -414,7 +418,9 @@ def _register_stem_ablations() -> None:
         _register(name, vit_entrypoint, _vit_cfg(), "vit_small_patch16_224", "patch_embed.proj.")
 
 
-def _register(name: str, entrypoint: Callable[..., nn.Module], cfg: dict, patchstem: str, stem_prefix: str) -> None:
+def _register(
+    name: str, entrypoint: Callable[..., nn.Module], cfg: PretrainedCfgDict, patchstem: str, stem_prefix: str
+) -> None:
     entrypoint.__name__ = entrypoint.__qualname__ = name
     entrypoint.__doc__ = f"Singh et al. App. B stem ablation {name} (robust_lightning.models.convstem)."
     default_cfgs.update(generate_default_cfgs({name: cfg}))

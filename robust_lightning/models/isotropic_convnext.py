@@ -26,7 +26,7 @@ from timm.models.convnext import ConvNeXtBlock
 from torch import nn
 
 from robust_lightning.models.convstem import VIT_STEM_CHANNELS, ConvStem
-from robust_lightning.models.timm_api import LinearHeadMixin, pretrained_cfg
+from robust_lightning.models.timm_api import DeviceDtype, GroupMatcher, LinearHeadMixin, jit_ignore, pretrained_cfg
 
 __all__ = ["IsotropicConvNeXt"]
 
@@ -51,7 +51,7 @@ class IsotropicConvNeXt(LinearHeadMixin, nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        dd: dict[str, Any] = {"device": device, "dtype": dtype}
+        dd: DeviceDtype = {"device": device, "dtype": dtype}
         if stem_type not in ("patch", "convstem"):
             raise ValueError(f"stem_type must be 'patch' or 'convstem', got {stem_type!r}")
         if global_pool not in ("avg", ""):
@@ -95,12 +95,12 @@ class IsotropicConvNeXt(LinearHeadMixin, nn.Module):
             self.head.weight.data.mul_(head_init_scale)
             self.head.bias.data.mul_(head_init_scale)
 
-    @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
+    @jit_ignore
+    def group_matcher(self, coarse: bool = False) -> GroupMatcher:
         # parameter groups for timm's layer-wise lr decay: stem, one group per block, then the final norm
         return dict(stem=r"^stem", blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
 
-    @torch.jit.ignore
+    @jit_ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.grad_checkpointing = enable
 
@@ -108,8 +108,10 @@ class IsotropicConvNeXt(LinearHeadMixin, nn.Module):
         """Unpooled features (N, dim, H/16, W/16), like timm's forward_features."""
         x = self.stem(x)
         if self.grad_checkpointing and not torch.jit.is_scripting():
-            return checkpoint_seq(self.blocks, x)
-        return self.blocks(x)
+            features: torch.Tensor = checkpoint_seq(self.blocks, x)
+        else:
+            features = self.blocks(x)
+        return features
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         if self.global_pool == "avg":
@@ -122,7 +124,7 @@ class IsotropicConvNeXt(LinearHeadMixin, nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
-def checkpoint_filter_fn(state_dict: dict, model: nn.Module) -> dict:
+def checkpoint_filter_fn(state_dict: dict[str, Any], model: nn.Module) -> dict[str, Any]:
     """Map Liu et al.'s isotropic checkpoints (facebookresearch/ConvNeXt) to this module's names."""
     state_dict = state_dict.get("model", state_dict)
     out = {}

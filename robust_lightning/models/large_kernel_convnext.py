@@ -14,6 +14,7 @@ No pretrained weights are registered, so nothing here downloads.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -50,7 +51,11 @@ default_cfgs = generate_default_cfgs(
 
 
 def _create(
-    variant: str, pretrained: bool, kernel_size: int | tuple[int, ...], model_args: dict, kwargs: dict
+    variant: str,
+    pretrained: bool,
+    kernel_size: int | tuple[int, ...],
+    model_args: Mapping[str, tuple[int, ...]],
+    kwargs: dict[str, Any],
 ) -> ConvNeXt:
     if "kernel_sizes" in kwargs:
         raise ValueError(f"{variant} takes kernel_size, not kernel_sizes")

@@ -43,7 +43,14 @@ from timm.layers import DropPath
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import nn
 
-from robust_lightning.models.timm_api import BlockStage, LinearHeadMixin, pretrained_cfg
+from robust_lightning.models.timm_api import (
+    BlockStage,
+    DeviceDtype,
+    GroupMatcher,
+    LinearHeadMixin,
+    jit_ignore,
+    pretrained_cfg,
+)
 
 __all__ = ["ConvFFN", "RepLKBlock", "RepLKNet", "RepLKNetStage", "ReparamLargeKernelConv", "reparameterize"]
 
@@ -52,9 +59,19 @@ class ConvBN(nn.Sequential):
     """Conv2d (no bias) -> BatchNorm2d [-> ReLU]; submodule names ``conv``, ``bn``, ``nonlinear`` as in the
     reference, so checkpoint keys match."""
 
-    def __init__(self, in_chs, out_chs, kernel_size, stride=1, groups=1, relu=False, device=None, dtype=None):
+    def __init__(
+        self,
+        in_chs: int,
+        out_chs: int,
+        kernel_size: int,
+        stride: int = 1,
+        groups: int = 1,
+        relu: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
-        dd: dict[str, Any] = {"device": device, "dtype": dtype}
+        dd: DeviceDtype = {"device": device, "dtype": dtype}
         self.conv = nn.Conv2d(in_chs, out_chs, kernel_size, stride, kernel_size // 2, groups=groups, bias=False, **dd)
         self.bn = nn.BatchNorm2d(out_chs, **dd)
         if relu:
@@ -86,7 +103,7 @@ class ReparamLargeKernelConv(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        dd: dict[str, Any] = {"device": device, "dtype": dtype}
+        dd: DeviceDtype = {"device": device, "dtype": dtype}
         if kernel_size % 2 == 0 or (small_kernel is not None and (small_kernel % 2 == 0 or small_kernel > kernel_size)):
             raise ValueError(f"kernels must be odd with small <= large, got {kernel_size} and {small_kernel}")
         self.channels = channels
@@ -106,9 +123,10 @@ class ReparamLargeKernelConv(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lkb_reparam is not None:
-            return self.lkb_reparam(x)
+            merged: torch.Tensor = self.lkb_reparam(x)
+            return merged
         assert self.lkb_origin is not None  # the training form
-        out = self.lkb_origin(x)
+        out: torch.Tensor = self.lkb_origin(x)
         if self.small_conv is not None:
             out = out + self.small_conv(x)
         return out
@@ -167,7 +185,7 @@ class RepLKBlock(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        dd: dict[str, Any] = {"device": device, "dtype": dtype}
+        dd: DeviceDtype = {"device": device, "dtype": dtype}
         self.prelkb_bn = nn.BatchNorm2d(channels, **dd)
         self.pw1 = ConvBN(channels, dw_channels, 1, relu=True, **dd)
         self.large_kernel = ReparamLargeKernelConv(dw_channels, kernel_size, small_kernel, small_kernel_merged, **dd)
@@ -178,7 +196,8 @@ class RepLKBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.pw1(self.prelkb_bn(x))
         out = self.pw2(self.lk_nonlinear(self.large_kernel(out)))
-        return x + self.drop_path(out)
+        residual: torch.Tensor = self.drop_path(out)
+        return x + residual
 
 
 class ConvFFN(nn.Module):
@@ -193,7 +212,7 @@ class ConvFFN(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        dd: dict[str, Any] = {"device": device, "dtype": dtype}
+        dd: DeviceDtype = {"device": device, "dtype": dtype}
         self.preffn_bn = nn.BatchNorm2d(channels, **dd)
         self.pw1 = ConvBN(channels, hidden_channels, 1, **dd)
         self.nonlinear = nn.GELU()
@@ -201,7 +220,8 @@ class ConvFFN(nn.Module):
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.drop_path(self.pw2(self.nonlinear(self.pw1(self.preffn_bn(x)))))
+        residual: torch.Tensor = self.drop_path(self.pw2(self.nonlinear(self.pw1(self.preffn_bn(x)))))
+        return x + residual
 
 
 class RepLKNetStage(BlockStage):
@@ -220,7 +240,7 @@ class RepLKNetStage(BlockStage):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        dd: dict[str, Any] = {"device": device, "dtype": dtype}
+        dd: DeviceDtype = {"device": device, "dtype": dtype}
         blocks: list[nn.Module] = []
         for i in range(num_layers):
             blocks.append(
@@ -259,7 +279,7 @@ class RepLKNet(LinearHeadMixin, nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        dd: dict[str, Any] = {"device": device, "dtype": dtype}
+        dd: DeviceDtype = {"device": device, "dtype": dtype}
         if not len(large_kernel_sizes) == len(layers) == len(channels):
             raise ValueError("large_kernel_sizes, layers and channels need one entry per stage")
         if global_pool not in ("avg", ""):
@@ -308,14 +328,14 @@ class RepLKNet(LinearHeadMixin, nn.Module):
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(channels[-1], num_classes, **dd) if num_classes > 0 else nn.Identity()
 
-    @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
+    @jit_ignore
+    def group_matcher(self, coarse: bool = False) -> GroupMatcher:
         # stage i and the transition after it form one group for layer-wise lr decay
         return dict(
             stem=r"^stem", blocks=[(r"^stages\.(\d+)", None), (r"^transitions\.(\d+)", None), (r"^norm", (99999,))]
         )
 
-    @torch.jit.ignore
+    @jit_ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         for stage in self.stages:
             # a plain attribute of the stage: nn.Module.__setattr__ is typed for tensors and modules only
@@ -332,7 +352,8 @@ class RepLKNet(LinearHeadMixin, nn.Module):
             x = stage(x)
             if i < len(self.transitions):
                 x = self.transitions[i](x)
-        return self.norm(x)
+        features: torch.Tensor = self.norm(x)
+        return features
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         if self.global_pool == "avg":

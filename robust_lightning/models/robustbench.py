@@ -16,12 +16,17 @@ from __future__ import annotations
 import csv
 import difflib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
+from typing import TYPE_CHECKING
 
 from robust_lightning.errors import UserError
 from robust_lightning.paths import DATA_DIR
+
+if TYPE_CHECKING:
+    import torch
+    from PIL import Image
 
 __all__ = [
     "PREFIX",
@@ -61,7 +66,7 @@ class Preprocessing:
         assert self.resize is not None, f"{self.name} keeps the image's own size"  # every entry resizes or crops
         return self.resize if isinstance(self.resize, int) else self.resize[0]
 
-    def transform(self):
+    def transform(self) -> Callable[[Image.Image], torch.Tensor]:
         """The torchvision transform: PIL image -> float tensor in [0, 1]."""
         from torchvision import transforms as T
 
@@ -70,7 +75,8 @@ class Preprocessing:
             steps.append(T.Resize(self.resize, interpolation=T.InterpolationMode(self.interpolation)))
         if self.crop is not None:
             steps.append(T.CenterCrop(self.crop))
-        return T.Compose([*steps, T.ToTensor()])
+        transform: Callable[[Image.Image], torch.Tensor] = T.Compose([*steps, T.ToTensor()])
+        return transform
 
     def describe(self) -> str:
         parts = []

@@ -1,14 +1,38 @@
 """Pieces of timm's model API shared by the project's own architectures."""
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypedDict, TypeVar
 
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import checkpoint_seq
 from torch import nn
 
+# timm's pretrained_cfg as a mapping (generate_default_cfgs turns it into a PretrainedCfg): values of many types
+PretrainedCfgDict = dict[str, Any]
 
-def pretrained_cfg(*, first_conv: str, classifier: str, paper_ids: str, **overrides: Any) -> dict:
+
+class DeviceDtype(TypedDict):
+    """The factory arguments of a module's parameters, passed on to each layer: ``**dd``."""
+
+    device: torch.device | str | None
+    dtype: torch.dtype | None
+
+
+# group_matcher's answer, for timm's layer-wise lr decay: a group's name -> its pattern, or (pattern, ordinal) pairs
+GroupMatcher = dict[str, str | list[tuple[str, tuple[int, ...] | None]]]
+
+_Method = TypeVar("_Method", bound=Callable[..., object])
+
+
+def jit_ignore(method: _Method) -> _Method:
+    """``@torch.jit.ignore`` (TorchScript leaves the method to Python) with the method's own type: torch's
+    decorator is untyped."""
+    ignored: _Method = torch.jit.ignore(method)  # type: ignore[no-untyped-call]  # torch leaves it untyped
+    return ignored
+
+
+def pretrained_cfg(*, first_conv: str, classifier: str, paper_ids: str, **overrides: Any) -> PretrainedCfgDict:
     """timm's pretrained_cfg for an architecture registered here: ImageNet-1k at 224 px, crop 0.875, bicubic,
     ImageNet mean/std, a 7 x 7 final map; ``overrides`` change any of these. No URL: nothing may download,
     weights come from local files."""
@@ -36,7 +60,7 @@ class LinearHeadMixin:
     norm: nn.Module
     num_features: int
 
-    @torch.jit.ignore
+    @jit_ignore
     def get_classifier(self) -> nn.Module:
         return self.head
 
@@ -64,5 +88,7 @@ class BlockStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.grad_checkpointing and not torch.jit.is_scripting():
-            return checkpoint_seq(self.blocks, x)
-        return self.blocks(x)
+            out: torch.Tensor = checkpoint_seq(self.blocks, x)
+        else:
+            out = self.blocks(x)
+        return out

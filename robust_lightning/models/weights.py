@@ -95,7 +95,8 @@ def _adapt_foreign_layout(
             sd = {(stem_prefix + k[len(nested) :] if k.startswith(nested) else k): v for k, v in sd.items()}
             notes.append("ConvStem keys mapped from the revisiting-at layout")
     if isinstance(net, ConvNeXt) and any(k.startswith("downsample_layers.") for k in sd):
-        sd = convnext_filter_fn(sd, net)  # facebookresearch/ConvNeXt names -> timm
+        # facebookresearch/ConvNeXt names -> timm (timm's filter has no annotations)
+        sd = convnext_filter_fn(sd, net)  # type: ignore[no-untyped-call]
         notes.append("keys mapped from the facebookresearch/ConvNeXt layout")
     elif isinstance(net, VisionTransformer) and any(re.search(r"\.gamma_[12]$", k) for k in sd):
         sd = {re.sub(r"\.gamma_([12])$", r".ls\1.gamma", k): v for k, v in sd.items()}  # DeiT-III release
@@ -121,7 +122,9 @@ def _resample_pos_embed(net: nn.Module, src: torch.Tensor, notes: list[str]) -> 
     side = math.isqrt(src.shape[1] - num_prefix)
     if side * side != src.shape[1] - num_prefix:
         return src
-    out = resample_abs_pos_embed(src, new_size=list(grid), old_size=[side, side], num_prefix_tokens=num_prefix)
+    out: torch.Tensor = resample_abs_pos_embed(
+        src, new_size=list(grid), old_size=[side, side], num_prefix_tokens=num_prefix
+    )
     notes.append(f"pos_embed resampled from a {side}x{side} to a {grid[0]}x{grid[1]} grid")
     return out
 
@@ -272,7 +275,7 @@ def robustbench_weights_path(model_name: str, model_dir: str | Path, dataset: An
             f"(data/robustbench_imagenet_linf.csv), not {dataset!r}, {threat_model!r}"
         )
     robustbench_entry(PREFIX + model_name)  # an unknown name: the closest entries
-    path = Path(model_dir) / dataset / threat_model / f"{model_name}.pt"
+    path: Path = Path(model_dir) / dataset / threat_model / f"{model_name}.pt"
     if not path.is_file():
         raise UserError(
             f"{path} does not exist. RobustBench's load_model would download {model_name} there; "
@@ -296,7 +299,7 @@ def load_model(
     image_size: int | None = None,
     mean: tuple[float, float, float] | None = None,
     std: tuple[float, float, float] | None = None,
-    arch_kwargs: dict | None = None,
+    arch_kwargs: dict[str, Any] | None = None,
     norm: str | None = None,
 ) -> RobustClassifier:
     """The model of ``checkpoint`` in eval mode, taking images in [0, 1] (its normaliser inside).

@@ -14,6 +14,7 @@ given an earlier job's run directory.
 
 import os
 
+from jsonargparse import Namespace
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -26,7 +27,7 @@ def restart_count() -> int | None:
     return int(count) if count is not None and count.isdigit() else None
 
 
-def continue_slurm_restart(subcommand: str, config) -> bool:
+def continue_slurm_restart(subcommand: str, config: Namespace) -> bool:
     """A fit without ckpt_path that SLURM restarted, or that Lightning would resume from an hpc checkpoint by itself,
     goes on as ``--ckpt_path last`` (``config.ckpt_path``), whose choice of checkpoint is by training step
     (robust_lightning.training.run_directory.resume_checkpoint). Returns whether it does."""

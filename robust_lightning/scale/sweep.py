@@ -66,7 +66,8 @@ def cell_status(cell_dir: Path) -> dict[str, Any]:
 
 def cell_state(cell_dir: Path) -> str:
     """done | failed | interrupted | running | missing."""
-    return cell_status(cell_dir).get("status", "missing")
+    status: str = cell_status(cell_dir).get("status", "missing")
+    return status
 
 
 # --------------------------------------------------------------------------------------------- the queue

@@ -172,7 +172,7 @@ def _cli_value(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def _logger_spec(sweep: Sweep, bundles: list[dict]) -> Any:
+def _logger_spec(sweep: Sweep, bundles: list[dict[str, Any]]) -> Any:
     """trainer.logger as the cell's configs and overrides leave it (the last one that sets it wins)."""
     logger: Any = None
     for config in sweep.configs + [c for b in bundles for c in b.get("configs", [])]:

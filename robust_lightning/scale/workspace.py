@@ -11,9 +11,13 @@ it and needs no network.
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from robust_lightning.argument_parsing import run_tool
 from robust_lightning.errors import UserError
+
+if TYPE_CHECKING:
+    from wandb_workspaces.workspaces import Workspace
 
 # (section, [(panel title, [keys])]) for line plots; the tables are logged as W&B tables
 CURVES = [
@@ -53,7 +57,7 @@ TABLES = (
 )
 
 
-def build_workspace(entity: str, project: str, name: str):
+def build_workspace(entity: str, project: str, name: str) -> "Workspace":
     """The workspace as a wandb_workspaces object (nothing is sent). wandb-workspaces is the optional extra
     ``workspace``: imported here, so that the rest of the package runs without it."""
     try:
@@ -80,7 +84,7 @@ def build_workspace(entity: str, project: str, name: str):
     return ws.Workspace(entity=entity, project=project, name=name, sections=sections)
 
 
-def describe(workspace) -> dict:
+def describe(workspace: "Workspace") -> dict[str, list[object]]:
     """Sections and what their panels show, as a plain mapping (what --dry_run prints)."""
     return {
         section.name: [getattr(panel, "y", None) or getattr(panel, "table_name", None) for panel in section.panels]
@@ -111,8 +115,9 @@ def workspace(
 
     try:
         entity = entity or wandb.Api().default_entity
-        # None (no default entity) goes on to wandb_workspaces, which refuses it, as before
-        saved = build_workspace(entity, project, name).save()  # type: ignore[arg-type]
+        # None (no default entity) goes on to wandb_workspaces, which refuses it, as before; Workspace.save has
+        # no annotations
+        saved = build_workspace(entity, project, name).save()  # type: ignore[arg-type, no-untyped-call]
     except UserError:  # wandb-workspaces missing: its own message
         raise
     except Exception as e:  # no credentials, no network, an unknown project: the library's own message
