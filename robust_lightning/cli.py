@@ -26,9 +26,10 @@ from robust_lightning.startup import (
 with collector_paused():  # Lightning imports sooner (robust_lightning/startup.py)
     import lightning
     import yaml
-    from lightning.pytorch import Trainer
+    from jsonargparse import Namespace
+    from lightning.pytorch import Callback, Trainer
     from lightning.pytorch.callbacks import ProgressBar
-    from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+    from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
     from lightning.pytorch.strategies import DDPStrategy
     from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
@@ -145,7 +146,7 @@ LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")  # resolved by the Tr
 class RobustLightningCLI(LightningCLI):
     model_overrides: dict[str, Any] = {}  # noqa: RUF012 (a default none; each run sets its own)
 
-    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         """Check --ckpt_path before LightningCLI reads it, and keep the model settings that apply over it."""
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
@@ -158,7 +159,7 @@ class RobustLightningCLI(LightningCLI):
         named = {m.group(1) for token in argv if (m := re.match(r"--model\.(\w+)", str(token)))}
         self.model_overrides = model_settings_over_checkpoint(subcommand, str(ckpt_path), config.model.as_dict(), named)
 
-    def apply_model_settings(self, config) -> None:
+    def apply_model_settings(self, config: Namespace) -> None:
         """Settings over the checkpoint's (LightningCLI has parsed its hyper-parameters in by now); without a
         checkpoint, a missing or empty model.init_from is reported before any data is read."""
         for key, value in self.model_overrides.items():
@@ -191,7 +192,7 @@ class RobustLightningCLI(LightningCLI):
         ckpt_path = config.get("ckpt_path")
         note_resumed_checkpoint(None if str(ckpt_path) in LIGHTNING_CKPT_NAMES else ckpt_path)
 
-    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Any:
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         """The project's progress display unless the config names one or turns it off: Lightning's own bar reads
         the logged values after every step, a wait for the GPU each (robust_lightning.training.progress). A W&B
         logger keeps its run in the run directory of the first logger, so every attempt of a fit logs to one run."""
@@ -377,7 +378,7 @@ def command_line_check() -> Callable[[Sequence[str]], None]:
     the close matches of a misspelt key where main() would exit with them. One parser serves every call."""
 
     class ParserOnly(RobustLightningCLI):
-        def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:  # called once it is built
+        def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:  # called once it is built
             raise _ParserReady(self)
 
     options = cli_arguments()
@@ -429,7 +430,7 @@ def main(args: Sequence[str] | None = None) -> int:
 # main's state: the command's Trainer, once built. Until then every process of a job meets the same errors (the
 # same command line, config and environment), which its rank 0 alone reports; from then on an error may be a rank's
 # own (a file it reads), which print_rank_error reports once per job without losing a rank's own.
-_command_state: dict[str, Any] = {"trainer": None}
+_command_state: dict[str, Trainer | None] = {"trainer": None}
 
 
 def _report_error(message: str) -> None:

@@ -27,12 +27,12 @@ images' device; MixUp/CutMix's per-batch draws from a NumPy-style random stream 
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, Protocol, TypedDict
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from timm.data.mixup import mixup_target
+from timm.data.mixup import mixup_target  # unannotated in timm: its two calls ignore no-untyped-call
 from torch import Tensor
 
 from robust_lightning.devices import host_reads_are_cheap
@@ -70,12 +70,21 @@ SCHEMES = ("basic", "3aug", "deit3", "heavy")
 # (github.com/facebookresearch/deit, augment.py new_data_aug_generator and main.py).
 COLOR_JITTER = {"3aug": 0.4, "deit3": 0.3}
 
+
+class AugmentationFill(TypedDict):
+    """RandAugment's fill colour (``mean``) and RandomErasing's noise (``mean``, ``std``, ``clamp``)."""
+
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    clamp: bool
+
+
 # RandAugment's fill colour and RandomErasing's noise (data.augmentation_fill), as timm derives them from the
 # mean/std its transform is built with.  'imagenet': timm's ImageNet defaults (fill = the mean colour, noise
 # mean + std * N(0, 1), clamped to [0, 1] here).  'official': Singh et al.'s code builds timm's transform with
 # mean 0 / std 1 (github.com/nmndeep/revisiting-at, dataset_convnext_like.py), so its fill is black and its
 # erasing noise N(0, 1) per pixel and channel in [0, 1] space, never clamped (timm's _get_pixels).
-AUGMENTATION_FILLS: dict[str, dict[str, Any]] = {
+AUGMENTATION_FILLS: dict[str, AugmentationFill] = {
     "imagenet": {"mean": IMAGENET_MEAN, "std": IMAGENET_STD, "clamp": True},
     "official": {"mean": (0.0, 0.0, 0.0), "std": (1.0, 1.0, 1.0), "clamp": False},
 }
@@ -159,7 +168,7 @@ def _check_batch(images: Tensor, floating: bool = True) -> None:
 def _grayscale(x: Tensor) -> Tensor:
     """Pillow's RGB -> L: (19595 R + 38470 G + 7471 B + 2^15) >> 16; exact in float32 (sums < 2^24)."""
     # Python-number weights (no host-to-device copy); integer products and sums < 2^24: exact in any order.
-    r, g, b = x.split(1, dim=1)
+    r, g, b = torch.split(x, 1, dim=1)
     return torch.floor((r * _LUMA_FIXED[0] + g * _LUMA_FIXED[1] + b * _LUMA_FIXED[2] + 32768.0) / 65536.0)
 
 
@@ -330,7 +339,17 @@ def _affine(x: Tensor, matrices: Tensor, fill: Tensor, interpolation: tuple[str,
 
 
 # ------------------------------------------------------------------------------------------ RandAugment
-def parse_rand_augment(spec: str) -> dict:
+class RandAugmentOptions(TypedDict):
+    """RandAugment's options that a timm spec sets (``parse_rand_augment``)."""
+
+    num_ops: int
+    magnitude: float
+    magnitude_std: float
+    magnitude_max: float
+    prob: float
+
+
+def parse_rand_augment(spec: str) -> RandAugmentOptions:
     """Parse a timm RandAugment spec ('rand-m9-mstd0.5-inc1', '-n2', '-p0.5', '-mmax9') into RandAugment kwargs.
 
     Sections and defaults follow timm.data.auto_augment.rand_augment_transform: m = magnitude (10),
@@ -341,7 +360,9 @@ def parse_rand_augment(spec: str) -> dict:
     sections = spec.split("-")
     if sections[0] != "rand":
         raise ValueError(f"RandAugment spec must start with 'rand', got {spec!r}")
-    kwargs = dict(num_ops=2, magnitude=_LEVEL_DENOM, magnitude_std=0.0, magnitude_max=_LEVEL_DENOM, prob=0.5)
+    kwargs = RandAugmentOptions(
+        num_ops=2, magnitude=_LEVEL_DENOM, magnitude_std=0.0, magnitude_max=_LEVEL_DENOM, prob=0.5
+    )
     increasing = False
     for section in sections[1:]:
         if section.startswith("t"):  # timm: 't<name>' selects another op set
@@ -436,7 +457,7 @@ class RandAugment(torch.nn.Module):
         )
 
     def sample_magnitudes(
-        self, shape, generator: torch.Generator | None = None, device: torch.device | str | None = None
+        self, shape: tuple[int, ...], generator: torch.Generator | None = None, device: torch.device | str | None = None
     ) -> Tensor:
         """Magnitudes as timm draws them: N(M, std) (U(0, M) for an infinite std), clipped to [0, mmax]."""
         if self.magnitude_std == math.inf:
@@ -555,8 +576,9 @@ class RandAugment(torch.nn.Module):
         c = torch.where(is_rot, cx - cos * cx + sin * cy, pick("TranslateXRel", translate * w))
         f = torch.where(is_rot, cy - sin * cx - cos * cy, pick("TranslateYRel", translate * h))
         matrices = torch.stack([a, b, c, d, e, f], dim=1).view(n, 2, 3)
-        interpolation = cast(
-            tuple[str, str], tuple(self.interpolation if axis in moves else "nearest" for axis in "xy")
+        interpolation = (
+            self.interpolation if "x" in moves else "nearest",
+            self.interpolation if "y" in moves else "nearest",
         )
         return _affine(x, matrices, _device_copy(self.fill, x.device), interpolation)
 
@@ -609,7 +631,12 @@ class RandomErasing(torch.nn.Module):
         )
 
     def boxes(
-        self, n: int, height: int, width: int, generator=None, device: torch.device | str | None = None
+        self,
+        n: int,
+        height: int,
+        width: int,
+        generator: torch.Generator | None = None,
+        device: torch.device | str | None = None,
     ) -> Tensor:
         """(n, 4) int boxes (top, left, h, w) per image; h = w = 0 where the image is not erased."""
         shape = (n, self.attempts)
@@ -746,6 +773,16 @@ class ThreeAugment(torch.nn.Module):
 
 
 # ------------------------------------------------------------------------------------------ MixUp/CutMix
+class MixRandom(Protocol):
+    """The per-batch draws of MixUp/CutMix: a NumPy RandomState, or NumPy's global one (the module np.random)."""
+
+    def rand(self) -> float: ...
+
+    def beta(self, a: float, b: float) -> float: ...
+
+    def randint(self, low: int, high: int) -> int: ...
+
+
 class MixUpCutMix:
     """MixUp or CutMix of a whole batch with the semantics of timm's Mixup(mode="batch") (timm.data.mixup:
     prob 1, correct_lam=True, no cutmix_minmax), its per-batch draws taken from an explicit random stream.
@@ -781,27 +818,29 @@ class MixUpCutMix:
         self.mixup_alpha, self.cutmix_alpha, self.switch_prob = mixup_alpha, cutmix_alpha, switch_prob
         self.label_smoothing, self.num_classes = label_smoothing, num_classes
 
-    def sample(self, height: int, width: int, rng=None) -> tuple[float, tuple[int, int, int, int] | None]:
+    def sample(
+        self, height: int, width: int, rng: np.random.RandomState | None = None
+    ) -> tuple[float, tuple[int, int, int, int] | None]:
         """lam and the CutMix box (top, bottom, left, right) as Python numbers (None: MixUp), drawn in timm's
         order: Mixup._params_per_batch, then (CutMix with lam < 1 only) rand_bbox's centre row and column."""
-        rng = np.random if rng is None else rng
-        rng.rand()  # timm's draw against prob (1 here: always mixes), kept to stay on timm's stream
+        draws: MixRandom = np.random if rng is None else rng
+        draws.rand()  # timm's draw against prob (1 here: always mixes), kept to stay on timm's stream
         if self.mixup_alpha > 0 and self.cutmix_alpha > 0:
-            use_cutmix = rng.rand() < self.switch_prob
+            use_cutmix = draws.rand() < self.switch_prob
         else:
             use_cutmix = self.cutmix_alpha > 0
         alpha = self.cutmix_alpha if use_cutmix else self.mixup_alpha
-        lam = float(rng.beta(alpha, alpha))
+        lam = float(draws.beta(alpha, alpha))
         if not use_cutmix or lam == 1.0:  # timm's _mix_batch draws no box for lam == 1
             return lam, None
         ratio = math.sqrt(1 - lam)
         cut_h, cut_w = int(height * ratio), int(width * ratio)
-        cy, cx = int(rng.randint(0, height)), int(rng.randint(0, width))
+        cy, cx = int(draws.randint(0, height)), int(draws.randint(0, width))
         top, bottom = max(cy - cut_h // 2, 0), min(cy + (cut_h + 1) // 2, height)
         left, right = max(cx - cut_w // 2, 0), min(cx + (cut_w + 1) // 2, width)
         return 1.0 - (bottom - top) * (right - left) / float(height * width), (top, bottom, left, right)
 
-    def __call__(self, x: Tensor, labels: Tensor, rng=None) -> tuple[Tensor, Tensor]:
+    def __call__(self, x: Tensor, labels: Tensor, rng: np.random.RandomState | None = None) -> tuple[Tensor, Tensor]:
         """Mixes the (even) batch `x` in place and returns it with the soft targets (B, num_classes)."""
         if x.shape[0] % 2:
             raise ValueError(f"MixUp/CutMix pairs image i with image B - 1 - i: needs an even batch, got {x.shape[0]}")
@@ -812,7 +851,7 @@ class MixUpCutMix:
         elif lam != 1.0:
             flipped = x.flip(0).mul_(1.0 - lam)  # timm's arithmetic: x * lam + flipped x * (1 - lam)
             x.mul_(lam).add_(flipped)
-        return x, mixup_target(labels, self.num_classes, lam, self.label_smoothing)
+        return x, mixup_target(labels, self.num_classes, lam, self.label_smoothing)  # type: ignore[no-untyped-call]
 
 
 # ---------------------------------------------------------------------------------------- BatchAugment
@@ -897,7 +936,11 @@ class BatchAugment(torch.nn.Module):
         )
 
     def forward(
-        self, images: Tensor, labels: Tensor, generator: torch.Generator | None = None, mix_rng=None
+        self,
+        images: Tensor,
+        labels: Tensor,
+        generator: torch.Generator | None = None,
+        mix_rng: np.random.RandomState | None = None,
     ) -> tuple[Tensor, Tensor]:
         """`generator` (on the images' device) feeds the per-sample draws, `mix_rng` MixUp/CutMix's per-batch
         draws (see MixUpCutMix; default NumPy's global generator, as timm)."""
@@ -918,13 +961,14 @@ class BatchAugment(torch.nn.Module):
             return x, labels
         return self._mix(x, labels, mix_rng)
 
-    def _mix(self, x: Tensor, labels: Tensor, rng) -> tuple[Tensor, Tensor]:
+    def _mix(self, x: Tensor, labels: Tensor, rng: np.random.RandomState | None) -> tuple[Tensor, Tensor]:
         assert self.mixup is not None  # called with mixing on
         n = x.shape[0]
         if n % 2 == 0:
             return self.mixup(x, labels, rng)  # mixes x in place (x is this module's own tensor)
         # lam = 1: the odd one out gets the smoothed one-hot target of an unmixed timm sample.
-        last = mixup_target(labels[n - 1 :], self.num_classes, 1.0, self.mixup.label_smoothing)
+        smoothing = self.mixup.label_smoothing
+        last = mixup_target(labels[n - 1 :], self.num_classes, 1.0, smoothing)  # type: ignore[no-untyped-call]
         if n == 1:
             return x, last
         _, targets = self.mixup(x[: n - 1], labels[: n - 1], rng)  # mixes that view of x in place

@@ -34,6 +34,16 @@ class Batch(TypedDict, total=False):
     geometry: torch.Tensor
 
 
+class PredictedBatch(TypedDict):
+    """What ``predict`` makes of a batch (``ImageClassifier.predict_step``), as the prediction writer writes it:
+    the batch's keys and labels, with each image's top-5 classes and their probabilities (N x 5 each)."""
+
+    key: list[str]
+    label: torch.Tensor
+    top5: torch.Tensor
+    top5_prob: torch.Tensor
+
+
 def soft_targets(labels: torch.Tensor, num_classes: int, smoothing: float) -> torch.Tensor:
     """Label-smoothed one-hot targets, the same values timm's Mixup gives an unmixed image."""
     off = smoothing / num_classes

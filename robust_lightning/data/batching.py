@@ -5,7 +5,9 @@ the model and the throughput monitor read it (``global_batch_of``) instead of de
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
+
+import lightning.pytorch as pl
 
 from robust_lightning.data.samplers import rank_share
 from robust_lightning.errors import UserError
@@ -75,7 +77,7 @@ class GlobalBatch:
             )
         return passes
 
-    def accumulate_in(self, trainer: Any) -> None:
+    def accumulate_in(self, trainer: pl.Trainer) -> None:
         """Make ``trainer`` accumulate the gradients of a step's micro-batches: Lightning's loop reads its
         accumulate_grad_batches, while the model reads ``micro_batches`` here. The trainer's own setting would
         multiply a global batch fixed here, so it is refused then; without a fixed global batch it would be replaced
@@ -103,7 +105,7 @@ class HasGlobalBatch(Protocol):
     global_batch: GlobalBatch
 
 
-def global_batch_of(trainer: Any) -> GlobalBatch | None:
+def global_batch_of(trainer: pl.Trainer) -> GlobalBatch | None:
     """The global batch of ``trainer``'s data module, or None for a data module that does not set one."""
     datamodule = getattr(trainer, "datamodule", None)
     return datamodule.global_batch if isinstance(datamodule, HasGlobalBatch) else None

@@ -6,8 +6,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
+
+from robust_lightning.data.transforms import ImageTransform
 
 
 class TrainingSample(NamedTuple):
@@ -59,8 +62,8 @@ class EvaluationData(Protocol):
     def evaluation_source(self) -> EvaluationSource: ...
 
     def eval_dataloader_with(
-        self, transform, batch_size: int | None = None, num_workers: int | None = None
-    ) -> DataLoader: ...
+        self, transform: ImageTransform | None, batch_size: int | None = None, num_workers: int | None = None
+    ) -> DataLoader[object]: ...
 
     def expected_eval_images(self) -> tuple[int | None, frozenset[str] | None]: ...
 
@@ -76,7 +79,7 @@ class EvaluationData(Protocol):
     def conditions(self) -> dict[str, Any]: ...
 
 
-def evaluation_data(trainer: Any) -> EvaluationData | None:
+def evaluation_data(trainer: pl.Trainer) -> EvaluationData | None:
     """The trainer's data module where it provides ``EvaluationData`` (ImageNetDataModule, the Python API's
     images), None for another data module or none."""
     data = getattr(trainer, "datamodule", None)

@@ -3,34 +3,51 @@ evaluation epochs that read fewer images than the evaluation set holds (a trunca
 
 import logging
 from collections import defaultdict
-from typing import Any
+from typing import Protocol, runtime_checkable
 
+import lightning.pytorch as pl
 import torch
 from lightning import Callback
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 
 from robust_lightning.errors import UserError
+from robust_lightning.trainer_attributes import datamodule_of
 
 log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class CountsEvaluationImages(Protocol):
+    """A data module that knows how many images an evaluation epoch reads (ImageNetDataModule)."""
+
+    def expected_eval_image_count(self) -> int | None: ...
+
+
+@runtime_checkable
+class NamesDamagedShards(Protocol):
+    """A data module that names the evaluation shards it found damaged (ImageNetDataModule)."""
+
+    def damaged_eval_shards(self) -> list[str]: ...
 
 
 class CorruptImageReport(Callback):
     """Counts the ``corrupt`` entries of each batch (see data.datamodule.collate) and reports them at the end
     of every epoch as ``<stage>/corrupt_images`` (summed over ranks) plus a warning naming the files."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.epoch_names: dict[str, list[str]] = defaultdict(list)
         self.totals: dict[str, int] = defaultdict(int)  # over the whole run, for results.json
         self.epoch_read: dict[str, int] = defaultdict(int)  # images of this epoch, decodable or not
         self.image_counts: dict[str, dict[str, int]] = {}  # last evaluation epoch per stage, for results.json
 
-    def _collect(self, stage: str, batch: Any) -> None:
+    def _collect(self, stage: str, batch: object) -> None:
         if isinstance(batch, dict):
             self.epoch_read[stage] += len(batch.get("key", ())) + len(batch.get("corrupt", ()))
         if isinstance(batch, dict) and batch.get("corrupt"):
             self.epoch_names[stage].extend(batch["corrupt"])
 
-    def _report(self, trainer, pl_module, stage: str) -> None:
+    def _report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         names = self.epoch_names.pop(stage, [])
         count = trainer.strategy.reduce(torch.tensor(float(len(names)), device=pl_module.device), reduce_op="sum")
         self.totals[stage] += int(count.item())
@@ -48,11 +65,13 @@ class CorruptImageReport(Callback):
         if stage in ("val", "test"):
             self._check_complete(trainer, pl_module, stage, int(read.item()), int(count.item()))
 
-    def _check_complete(self, trainer, pl_module, stage: str, read: int, corrupt: int) -> None:
+    def _check_complete(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str, read: int, corrupt: int
+    ) -> None:
         """Compare the images read over all ranks with the evaluation set's size; data.on_missing_images decides
         whether a shortfall stops the run or is reported."""
-        data = trainer.datamodule
-        expected = data.expected_eval_image_count() if hasattr(data, "expected_eval_image_count") else None
+        data = datamodule_of(trainer)
+        expected = data.expected_eval_image_count() if isinstance(data, CountsEvaluationImages) else None
         limit = trainer.limit_val_batches if stage == "val" else trainer.limit_test_batches
         if expected is None or not (isinstance(limit, float) and limit == 1.0):  # unknown, or cut on purpose
             return
@@ -62,7 +81,7 @@ class CorruptImageReport(Callback):
         pl_module.log(f"{stage}/missing_images", float(missing))
         if not missing:
             return
-        damaged = data.damaged_eval_shards() if hasattr(data, "damaged_eval_shards") else []
+        damaged = data.damaged_eval_shards() if isinstance(data, NamesDamagedShards) else []
         message = (
             f"{stage}: read {read} of the {expected} evaluation images ({missing} missing, {corrupt} of those "
             f"read undecodable)" + (f"; damaged shards: {', '.join(damaged)}" if damaged else "")
@@ -73,28 +92,54 @@ class CorruptImageReport(Callback):
             )
         rank_zero_warn(f"\n{message}; the metrics are of the images read (data.on_missing_images warn)")
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: object, batch_idx: int
+    ) -> None:
         self._collect("train", batch)
 
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: STEP_OUTPUT,
+        batch: object,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         if not trainer.sanity_checking:
             self._collect("val", batch)
 
-    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+    def on_test_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: STEP_OUTPUT,
+        batch: object,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         self._collect("test", batch)
 
-    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+    def on_predict_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: object,
+        batch: object,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         self._collect("predict", batch)
 
-    def on_train_epoch_end(self, trainer, pl_module):
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._report(trainer, pl_module, "train")
 
-    def on_validation_epoch_end(self, trainer, pl_module):
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
             self._report(trainer, pl_module, "val")
 
-    def on_test_epoch_end(self, trainer, pl_module):
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._report(trainer, pl_module, "test")
 
-    def on_predict_epoch_end(self, trainer, pl_module):
+    def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._report(trainer, pl_module, "predict")

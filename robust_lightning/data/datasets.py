@@ -11,9 +11,10 @@ import itertools
 import os
 import random
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import webdataset as wds
 from PIL import Image
@@ -23,8 +24,8 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extensi
 
 from robust_lightning.data.classes import VAL_LABELS_FORMATS, label_flat_folder
 from robust_lightning.data.samplers import ReplayIndex, ShardShare
-from robust_lightning.data.shards import MANIFEST_NAME, repair_hint
-from robust_lightning.data.transforms import draw_without_decoding
+from robust_lightning.data.shards import MANIFEST_NAME, Sample, repair_hint
+from robust_lightning.data.transforms import ImageTransform, draw_without_decoding
 from robust_lightning.errors import UserError
 
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
@@ -53,19 +54,26 @@ class Replayed:
     key: str
 
 
-class ReplayableSubset(Subset):
+# A decoded image's sample fields: "image" (and "geometry" for canvases), "label", "key"
+Decoded = dict[str, Any]
+# What a dataset here gives for one index or stream position (the collate function's input)
+Item = Decoded | Corrupt | Replayed
+DatasetT = TypeVar("DatasetT")
+
+
+class ReplayableSubset(Subset[Item]):
     """A Subset (the training images left beside a holdout) that passes a ReplayIndex on as one; torch's Subset
     would hand the dataset a plain index."""
 
-    def __getitem__(self, index):
+    def __getitem__(self, index: int) -> Item:
         inner = self.indices[index]
         return self.dataset[ReplayIndex(inner) if isinstance(index, ReplayIndex) else inner]
 
-    def __getitems__(self, indices: list) -> list:
+    def __getitems__(self, indices: list[int]) -> list[Item]:
         return [self[index] for index in indices]
 
 
-def transform_bytes(transform, data: bytes) -> dict[str, Any]:
+def transform_bytes(transform: ImageTransform, data: bytes) -> Decoded:
     """Decode and transform one encoded image into sample fields ("image", and "geometry" for canvases)."""
     out = transform(Image.open(io.BytesIO(data)))
     return out if isinstance(out, dict) else {"image": out}
@@ -80,7 +88,11 @@ class LabelledImageFolder(ImageFolder):
     ``file_wnids`` then maps each file name to it."""
 
     def __init__(
-        self, root: str | Path, class_to_label: dict[str, int], transform, labels_file: str | None = None
+        self,
+        root: str | Path,
+        class_to_label: dict[str, int],
+        transform: ImageTransform,
+        labels_file: str | None = None,
     ) -> None:
         self.class_to_label, self.labels_file = class_to_label, labels_file
         self.file_wnids: dict[str, str] | None = None
@@ -138,15 +150,18 @@ class LabelledImageFolder(ImageFolder):
         self,
         directory: str,
         class_to_idx: dict[str, int],
-        extensions=None,
-        is_valid_file=None,
+        extensions: tuple[str, ...] | None = None,
+        is_valid_file: Callable[[str], bool] | None = None,
         allow_empty: bool = False,
     ) -> list[tuple[str, int]]:
         if self.file_wnids is None:
-            return super().make_dataset(directory, class_to_idx, extensions, is_valid_file, allow_empty)
+            found: list[tuple[str, int]] = super().make_dataset(
+                directory, class_to_idx, extensions, is_valid_file, allow_empty
+            )
+            return found
         return [(os.path.join(directory, name), class_to_idx[wnid]) for name, wnid in self.file_wnids.items()]
 
-    def __getitem__(self, index: int) -> dict | Corrupt | Replayed:
+    def __getitem__(self, index: int) -> Item:
         path, label = self.samples[index]
         try:
             with open(path, "rb") as f:
@@ -167,7 +182,7 @@ class ListedImages:
     folders: dict[str, str]
     labels: dict[str, int] | None
 
-    def check(self, sample: dict, label: int) -> None:
+    def check(self, sample: Sample, label: int) -> None:
         """A shard sample of another class than listed, or labelled by another map, is an error, not a skip:
         it means the shards do not hold the listed images or their labels are not the subset's."""
         key, where = sample["__key__"], sample.get("__url__", "?")
@@ -207,7 +222,7 @@ def stop_at_unreadable_shard(exn: Exception) -> bool:
     ) from exn
 
 
-class ShardStream(IterableDataset):
+class ShardStream(IterableDataset[Item]):
     """Decoded samples from one rank's shards, split between the DataLoader workers.
 
     With ``repeat`` (training) the stream is endless: each pass reshuffles the shard order with a seed of
@@ -221,7 +236,7 @@ class ShardStream(IterableDataset):
     def __init__(
         self,
         urls: list[str] | ShardShare,
-        transform,
+        transform: ImageTransform,
         *,
         repeat: bool,
         shuffle_buffer: int = 0,
@@ -241,7 +256,7 @@ class ShardStream(IterableDataset):
         # an unreadable shard stops the run; data.on_missing_images warn reads on and counts what is missing
         self.handler = stop_at_unreadable_shard
 
-    def _worker_urls(self, worker: int, num_workers: int):
+    def _worker_urls(self, worker: int, num_workers: int) -> Iterator[dict[str, str]]:
         for repetition in itertools.count():
             order = list(self.urls)
             if self.repeat:
@@ -253,7 +268,7 @@ class ShardStream(IterableDataset):
             if not self.repeat:
                 return
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Item]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
         samples = wds.tarfile_samples(self._worker_urls(worker, num_workers), handler=self.handler)
@@ -275,7 +290,7 @@ class ShardStream(IterableDataset):
                 yield decoded
 
     @staticmethod
-    def _fields(sample: dict) -> tuple[str, str, int] | Corrupt:
+    def _fields(sample: Sample) -> tuple[str, str, int] | Corrupt:
         """(where, image field, label) of a shard sample, or why it is unusable."""
         where = f"{sample.get('__url__', '?')}:{sample.get('__key__', '?')}"
         field = next((f for f in IMAGE_FIELDS if f in sample), None)
@@ -286,7 +301,7 @@ class ShardStream(IterableDataset):
         except (KeyError, ValueError):
             return Corrupt(where, "missing or invalid 'cls' label")
 
-    def decode(self, sample: dict) -> dict | Corrupt:
+    def decode(self, sample: Sample) -> Decoded | Corrupt:
         checked = self._fields(sample)
         if isinstance(checked, Corrupt):
             return checked
@@ -297,7 +312,7 @@ class ShardStream(IterableDataset):
             return Corrupt(where, f"{type(e).__name__}: {e}")
         return {**fields, "label": label, "key": sample.get("__key__", "?")}
 
-    def replay(self, sample: dict) -> Replayed | Corrupt:
+    def replay(self, sample: Sample) -> Replayed | Corrupt:
         """A sample the resumed epoch had trained on: its transform's draws from its header (see ``Replayed``)."""
         checked = self._fields(sample)
         if isinstance(checked, Corrupt):
@@ -317,11 +332,11 @@ class HoldoutStream(ShardStream):
     are ranks, so each (rank, worker) reads all of its shards and keeps every n-th sample: exact and disjoint.
     """
 
-    def __init__(self, urls: list[str], transform, *, limit: int, rank: int, world_size: int) -> None:
+    def __init__(self, urls: list[str], transform: ImageTransform, *, limit: int, rank: int, world_size: int) -> None:
         super().__init__(urls, transform, repeat=False)
         self.limit, self.rank, self.world_size = limit, rank, world_size
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Item]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
         readers = self.world_size * num_workers
@@ -332,11 +347,11 @@ class HoldoutStream(ShardStream):
                 yield self.decode(sample)
 
 
-def with_transform(dataset: Any, transform: Any) -> Any:
+def with_transform(dataset: DatasetT, transform: ImageTransform | None) -> DatasetT:
     """A copy of a dataset (an image folder, a subset of one, a shard stream) whose images go through another
     per-image transform; the dataset itself is left as it is."""
     dataset = copy.copy(dataset)
-    inner = dataset
+    inner: Any = dataset  # the dataset whose transform is swapped: an image folder or a shard stream
     if isinstance(dataset, Subset):  # a folder subset or limit: swap the transform of a copy of the folder
         inner = dataset.dataset = copy.copy(dataset.dataset)
     inner.transform = transform

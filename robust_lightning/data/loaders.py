@@ -9,16 +9,16 @@ so that the draws of every later image are the interrupted attempt's, and the ba
 """
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from robust_lightning.data.augment import BatchAugment
 from robust_lightning.data.batch import Batch
-from robust_lightning.data.datasets import Corrupt, HoldoutStream, Replayed, ShardStream
+from robust_lightning.data.datasets import Corrupt, HoldoutStream, Item, Replayed, ShardStream
 from robust_lightning.data.samplers import GlobalBatchSampler
 from robust_lightning.job_signals import ignore_job_signals
 
@@ -62,7 +62,7 @@ def with_draws(batches: Iterable[Batch], epoch: int, micro_batches: int) -> Iter
             yield part
 
 
-def collate(items: list[dict | Corrupt], augment: BatchAugment | None = None) -> Batch:
+def collate(items: list[Item], augment: BatchAugment | None = None) -> Batch:
     """Batch the good samples; report the corrupt ones by name instead of failing the batch.
 
     Image and label travel in one sample, so dropping a sample can never shift labels. ``augment`` (per-image
@@ -75,7 +75,7 @@ def collate(items: list[dict | Corrupt], augment: BatchAugment | None = None) ->
         if augment is not None:  # its draws depend on the batch size alone
             augment(torch.zeros(replayed, 3, 8, 8, dtype=torch.uint8), torch.zeros(replayed, dtype=torch.long))
         return cast(Batch, {"replayed": replayed})  # a replayed batch's marker, which with_draws passes on
-    good = [item for item in items if not isinstance(item, Corrupt)]
+    good = [item for item in items if not isinstance(item, (Corrupt, Replayed))]  # none replayed here
     bad = [f"{item.key} ({item.reason})" for item in items if isinstance(item, Corrupt)]
     images = torch.stack([item["image"] for item in good]) if good else torch.empty(0, dtype=torch.uint8)
     labels = torch.tensor([item["label"] for item in good], dtype=torch.long)
@@ -95,7 +95,7 @@ class TrainingPosition:
     epoch by replaying the steps trained before: ``replay_steps``, once, and only in the epoch the position is of.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.epoch, self.micro_batches = 0, 0
         self._resume: tuple[int, int] | None = None
 
@@ -115,7 +115,7 @@ class TrainingPosition:
         return resume[1] // micro_batches if resume is not None and resume[0] == epoch else 0
 
 
-class ResumableLoader(DataLoader):
+class ResumableLoader(DataLoader[Item]):
     """A training loader whose position in its epoch is checkpoint state (``TrainingPosition``).
 
     Lightning saves and restores the state of a loader that has ``state_dict``/``load_state_dict``, and warns that
@@ -124,7 +124,7 @@ class ResumableLoader(DataLoader):
     prevents (it builds the loader first): the data module's own checkpoint state, restored before any loader is
     built, carries the same position, and whichever restores it first sets it (the same value)."""
 
-    def __init__(self, dataset, *, position: TrainingPosition | None = None, **kwargs: Any) -> None:
+    def __init__(self, dataset: Dataset[Item], *, position: TrainingPosition | None = None, **kwargs: Any) -> None:
         super().__init__(dataset, **kwargs)
         self.position = position or TrainingPosition()
 
@@ -148,14 +148,14 @@ class EpochLoader(ResumableLoader):
 
     sampler: GlobalBatchSampler  # the sampler it is built with
 
-    def __init__(self, dataset, *, micro_batches: int = 1, rank: int = 0, **kwargs: Any) -> None:
+    def __init__(self, dataset: Dataset[Item], *, micro_batches: int = 1, rank: int = 0, **kwargs: Any) -> None:
         super().__init__(dataset, **kwargs)
         self.micro_batches, self.rank = micro_batches, rank
 
     def __len__(self) -> int:
         return super().__len__() * self.micro_batches
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Batch]:  # type: ignore[override]  # batches, not the dataset's items
         epoch = self.sampler.epoch
         self.sampler.replay_steps = self.position.replay_steps(epoch, self.micro_batches)
         if not self.persistent_workers:
@@ -175,9 +175,9 @@ class StreamTrainLoader(ResumableLoader):
 
     def __init__(
         self,
-        dataset: IterableDataset,
+        dataset: IterableDataset[Any],
         batches_per_epoch: int,
-        current_epoch,
+        current_epoch: Callable[[], int],
         *,
         micro_batches: int = 1,
         rank: int = 0,
@@ -192,7 +192,7 @@ class StreamTrainLoader(ResumableLoader):
     def __len__(self) -> int:
         return self.batches_per_epoch * self.micro_batches
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Batch]:  # type: ignore[override]  # batches, not the dataset's items
         # A generator: the epoch is read at the first batch, not when Lightning creates the iterator (a fit
         # resumed from a checkpoint creates it before its epoch counter is restored).
         epoch = self.current_epoch()
@@ -211,8 +211,13 @@ class StreamTrainLoader(ResumableLoader):
 
 
 def data_loader(
-    dataset: Any, batch_size: int, loader_cls: type[DataLoader] = DataLoader, *, num_workers: int, **kwargs: Any
-) -> DataLoader:
+    dataset: Dataset[Item],
+    batch_size: int,
+    loader_cls: type[DataLoader[Item]] = DataLoader,
+    *,
+    num_workers: int,
+    **kwargs: Any,
+) -> DataLoader[Item]:
     """A loader of the data module's datasets: no more workers than a shard stream can keep busy, the project's
     collate function, loader workers that leave the job's signals to the training process, pinned memory on GPUs."""
     if type(dataset) is ShardStream:  # more workers than shards would sit idle

@@ -7,7 +7,7 @@ it splits (``GlobalBatchSampler``); evaluation takes each image exactly once ove
 (``ExactDistributedSampler``).
 """
 
-from collections.abc import Sized
+from collections.abc import Iterator, Sized
 from typing import NamedTuple, cast
 
 import torch
@@ -25,7 +25,7 @@ class ReplayIndex(int):
     sampler yields these for the steps that a resumed epoch had already trained."""
 
 
-class GlobalBatchSampler(DistributedSampler):
+class GlobalBatchSampler(DistributedSampler[int]):
     """Training indices of this rank, one global batch of distinct images per step, however unevenly it splits.
 
     Every epoch draws the permutation torch's DistributedSampler draws (seed + epoch, the same on all ranks)
@@ -38,13 +38,13 @@ class GlobalBatchSampler(DistributedSampler):
     them instead of loading them (robust_lightning.data.datasets.Replayed).
     """
 
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, global_batch: int, seed: int = 0):
+    def __init__(self, dataset: Dataset[object], num_replicas: int, rank: int, global_batch: int, seed: int = 0):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
         self.global_batch = global_batch
         self.steps = len(cast(Sized, dataset)) // global_batch
         self.replay_steps = 0  # set by the training loader when it resumes an epoch
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         order = torch.randperm(
             len(cast(Sized, self.dataset)), generator=torch.Generator().manual_seed(self.seed + self.epoch)
         )
@@ -56,7 +56,7 @@ class GlobalBatchSampler(DistributedSampler):
         return self.steps * rank_share(self.global_batch, self.num_replicas, self.rank)
 
 
-class ExactDistributedSampler(DistributedSampler):
+class ExactDistributedSampler(DistributedSampler[int]):
     """Each index exactly once across ranks, without the padding of torch's DistributedSampler.
 
     Rank r takes indices r, r + world_size, ...: ``rank_share(len(cast(Sized, dataset)), world_size, r)`` of them, none
@@ -67,10 +67,10 @@ class ExactDistributedSampler(DistributedSampler):
     Being a DistributedSampler also keeps Lightning from swapping in its padded one.
     """
 
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int):
+    def __init__(self, dataset: Dataset[object], num_replicas: int, rank: int):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         return iter(range(self.rank, len(cast(Sized, self.dataset)), self.num_replicas))
 
     def __len__(self) -> int:

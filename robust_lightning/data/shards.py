@@ -23,10 +23,10 @@ import re
 import sys
 import textwrap
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import webdataset as wds
@@ -52,6 +52,12 @@ IMAGE_EXTENSIONS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp
 # under the extension of its real format.
 PIL_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
 
+# A shard sample (``__key__``, the image bytes under their extension, ``cls``, ``wnid``), and the JSON objects of a
+# shard directory (a shard's stats, the manifest, the converter's plan): their fields are named where they are
+# written (write_shard, write_manifest, _make_plan).
+Sample = dict[str, Any]
+JSONObject = dict[str, Any]
+
 
 def _version() -> str:
     from robust_lightning import __version__
@@ -68,11 +74,11 @@ def shard_name(prefix: str, index: int) -> str:
     return f"{prefix}-{index:06d}.tar"
 
 
-def write_json_atomic(path: str | Path, obj, indent: int | None = 1) -> None:
+def write_json_atomic(path: str | Path, obj: object, indent: int | None = 1) -> None:
     atomic_write_json(path, obj, indent=indent)
 
 
-def write_shard(path: str | Path, samples: Iterable[dict]) -> dict:
+def write_shard(path: str | Path, samples: Iterable[Sample]) -> JSONObject:
     """Write ``samples`` into the tar file ``path`` atomically; return the shard's stats.
 
     Each sample is a dict with ``__key__`` (no dots or slashes), the encoded image bytes under ``jpg``, ``png``
@@ -104,14 +110,14 @@ def write_shard(path: str | Path, samples: Iterable[dict]) -> dict:
 
 def write_manifest(
     out: str | Path,
-    shard_stats: list[dict],
+    shard_stats: list[JSONObject],
     *,
     class_map: str,
     labels: dict[str, int],
     source: str,
-    skipped: Iterable[dict] = (),
-    options: dict | None = None,
-) -> dict:
+    skipped: Iterable[dict[str, str]] = (),
+    options: JSONObject | None = None,
+) -> JSONObject:
     """Write ``out/manifest.json`` atomically from the per-shard stats of :func:`write_shard`; return it.
 
     ``class_map`` is the spec string the labels came from, ``labels`` the resolved folder name -> label map,
@@ -145,7 +151,7 @@ def write_manifest(
 # --------------------------------------------------------------------------------------------------------------
 
 
-def read_manifest(directory: str | Path) -> dict | None:
+def read_manifest(directory: str | Path) -> JSONObject | None:
     """The manifest of a shard directory, or None if it has none."""
     path = Path(directory) / MANIFEST_NAME
     if not path.is_file():
@@ -290,7 +296,7 @@ def _make_plan(
     seed: int,
     verify: bool,
     val_labels: str | None,
-) -> tuple[dict, dict[str, str]]:
+) -> tuple[JSONObject, dict[str, str]]:
     """The conversion plan (saved to compare on resume) and the sample key of each file."""
     labels = resolve_class_map(class_map, src)
     files = _scan_image_folder(src, val_labels)
@@ -330,7 +336,7 @@ def _make_plan(
     return plan, keys
 
 
-def _wnid(plan: dict, rel: str) -> str:
+def _wnid(plan: JSONObject, rel: str) -> str:
     """The class folder name of a planned file: its first folder, or its entry in a flat folder's labels."""
     return plan["wnids"][rel] if "wnids" in plan else rel.split("/", 1)[0]
 
@@ -348,18 +354,19 @@ def _clear_output(out: Path, prefixes: set[str]) -> None:
         (out / name).unlink(missing_ok=True)
 
 
-def _prepare_output(out: Path, plan: dict, overwrite: bool) -> None:
+def _prepare_output(out: Path, plan: JSONObject, overwrite: bool) -> None:
     """Create ``out`` and save the plan there, or check that it matches the saved one (resume)."""
     out.mkdir(parents=True, exist_ok=True)
     plan_path = out / PLAN_NAME
-    old = None
+    old: JSONObject | None = None
     if plan_path.is_file():
         try:
             old = json.loads(plan_path.read_text())
         except json.JSONDecodeError:
             old = {}
     if overwrite:
-        _clear_output(out, {plan["prefix"], (old or {}).get("prefix", plan["prefix"])})
+        prefix: str = plan["prefix"]
+        _clear_output(out, {prefix, (old or {}).get("prefix", prefix)})
         old = None
     if old is not None:
         if old == plan:
@@ -380,7 +387,7 @@ def _prepare_output(out: Path, plan: dict, overwrite: bool) -> None:
     write_json_atomic(plan_path, plan, indent=None)  # compact: ImageNet train lists 1.28M files
 
 
-def _read_source_sample(path: Path, key: str, label: int, wnid: str, verify: bool) -> tuple[dict | None, str | None]:
+def _read_source_sample(path: Path, key: str, label: int, wnid: str, verify: bool) -> tuple[Sample | None, str | None]:
     """The sample for one source file, or (None, reason) if it cannot be read or (with verify) decoded."""
     try:
         data = path.read_bytes()
@@ -399,13 +406,19 @@ def _read_source_sample(path: Path, key: str, label: int, wnid: str, verify: boo
 
 
 def _convert_shard(
-    src: Path, out: Path, prefix: str, index: int, entries: list[tuple[str, str, str]], labels: dict, verify: bool
-) -> dict:
+    src: Path,
+    out: Path,
+    prefix: str,
+    index: int,
+    entries: list[tuple[str, str, str]],
+    labels: dict[str, int],
+    verify: bool,
+) -> JSONObject:
     """Worker task: write one shard of ``entries`` (relative path, sample key, class folder name), then its stats
     file (the stats file marks the shard as done)."""
     skipped = []
 
-    def samples():
+    def samples() -> Iterator[Sample]:
         for rel, key, wnid in entries:
             sample, reason = _read_source_sample(src / rel, key, labels[wnid], wnid, verify)
             if sample is None:
@@ -423,14 +436,15 @@ def _stats_path(out: Path, prefix: str, index: int) -> Path:
     return (out / shard_name(prefix, index)).with_suffix(".json")
 
 
-def _read_json(path: Path) -> dict | None:
+def _read_json(path: Path) -> JSONObject | None:
     try:
-        return json.loads(path.read_text())
+        content: JSONObject | None = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
+    return content
 
 
-def _shard_state(out: Path, prefix: str, index: int, listed: dict | None) -> tuple[dict | None, str | None]:
+def _shard_state(out: Path, prefix: str, index: int, listed: JSONObject | None) -> tuple[JSONObject | None, str | None]:
     """(the stats of a finished, intact shard, or None if it has to be written; why a shard recorded as finished
     (by its stats file, or ``listed`` in the manifest) is written again, or None)."""
     tar = out / shard_name(prefix, index)
@@ -462,7 +476,7 @@ def convert_image_folder(
     workers: int | None = os.cpu_count(),
     progress: bool = True,
     overwrite: bool = False,
-) -> dict:
+) -> JSONObject:
     """Convert an ImageFolder tree ``src/<class folder>/<images>`` into WebDataset shards in ``out``; with
     ``val_labels`` (see ``robust_lightning.data.classes.read_val_labels``), a flat folder of images.
 
@@ -506,8 +520,8 @@ def convert_image_folder(
 
 
 def _convert(
-    src: Path, out: Path, plan: dict, keys: dict[str, str], *, overwrite: bool, workers: int, progress: bool
-) -> dict:
+    src: Path, out: Path, plan: JSONObject, keys: dict[str, str], *, overwrite: bool, workers: int, progress: bool
+) -> JSONObject:
     """The shards of ``plan`` that ``out`` lacks or holds damaged, then the manifest (under the directory's lock)."""
     prefix, verify, class_map = plan["prefix"], plan["verify"], plan["class_map"]
     _prepare_output(out, plan, overwrite)
@@ -515,7 +529,7 @@ def _convert(
     num_shards = len(plan["shards"])
     listed = {s["file"]: s for s in (_read_json(out / MANIFEST_NAME) or {}).get("shards", [])}
     states = [_shard_state(out, prefix, i, listed.get(shard_name(prefix, i))) for i in range(num_shards)]
-    stats: list[dict | None] = [state for state, _ in states]
+    stats: list[JSONObject | None] = [state for state, _ in states]
     damaged = [f"{shard_name(prefix, i)} ({why})" for i, (_, why) in enumerate(states) if why]
     todo = [i for i in range(num_shards) if stats[i] is None]
     args = [
@@ -542,7 +556,7 @@ def _convert(
     if damaged:
         print(f"Rewrote {len(damaged)} missing or damaged shard(s) of {out}: {', '.join(damaged)}", flush=True)
 
-    done = cast(list[dict], stats)  # every shard's stats: the pool finished them all
+    done = cast(list[JSONObject], stats)  # every shard's stats: the pool finished them all
     skipped = [item for s in done for item in s["skipped"]]
     options = {name: plan[name] for name in CONVERSION_OPTIONS if name in plan}
     return write_manifest(

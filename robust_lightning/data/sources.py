@@ -379,7 +379,8 @@ class ShardSource(DataSource):
         # shards carry the labels they were written with; a pattern without a manifest is taken to be ImageNet's
         spec = self.val_shards or self.train_shards
         manifest = read_manifest(spec) if is_shard_dir(spec) else None
-        return (manifest or {}).get("class_map", "imagenet") == "imagenet"
+        class_map: str = (manifest or {}).get("class_map", "imagenet")
+        return class_map == "imagenet"
 
     def conditions(self) -> dict[str, Any]:
         return {"train_shards": self.train_shards, "val_shards": self.val_shards}
@@ -417,7 +418,8 @@ class SyntheticSource(DataSource):
         self.root = Path(root) if root else DATA_DIR / "synthetic"
 
     def num_classes(self, requested: int | None) -> int:
-        return self.options["num_classes"]  # the written set's, whatever data.num_classes says
+        classes: int = self.options["num_classes"]  # the written set's, whatever data.num_classes says
+        return classes
 
     def prepare(self) -> None:
         ensure_synthetic_dataset(self.root, **self.options)

@@ -24,7 +24,15 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from robust_lightning.console import tqdm
-from robust_lightning.data.shards import MANIFEST_NAME, shard_name, write_json_atomic, write_manifest, write_shard
+from robust_lightning.data.shards import (
+    MANIFEST_NAME,
+    JSONObject,
+    Sample,
+    shard_name,
+    write_json_atomic,
+    write_manifest,
+    write_shard,
+)
 from robust_lightning.errors import UserError
 from robust_lightning.paths import DATA_DIR
 
@@ -210,7 +218,7 @@ def render_image(label: int, size: int, rng: np.random.Generator) -> Image.Image
     return out
 
 
-def synthetic_sample(seed: int, split: str, index: int, *, num_classes: int, image_size: int) -> dict:
+def synthetic_sample(seed: int, split: str, index: int, *, num_classes: int, image_size: int) -> Sample:
     """The WebDataset sample ``index`` of ``split``: a pure function of its arguments."""
     rng = np.random.default_rng([seed, SPLIT_IDS[split], index])
     label = index % num_classes  # balanced, and classes interleave in every shard
@@ -232,14 +240,14 @@ def synthetic_sample(seed: int, split: str, index: int, *, num_classes: int, ima
 
 def _write_synthetic_shard(
     out: Path, split: str, shard: int, start: int, stop: int, seed: int, num_classes: int, image_size: int
-) -> dict:
+) -> JSONObject:
     samples = (
         synthetic_sample(seed, split, i, num_classes=num_classes, image_size=image_size) for i in range(start, stop)
     )
     return write_shard(out / shard_name(split, shard), samples)
 
 
-def _is_complete(root: Path, params: dict) -> bool:
+def _is_complete(root: Path, params: JSONObject) -> bool:
     # params.json is written last, after both splits are in place: its presence marks a finished dataset.
     try:
         saved = json.loads((root / PARAMS_NAME).read_text())
@@ -248,7 +256,7 @@ def _is_complete(root: Path, params: dict) -> bool:
     return saved == params and all((root / split / MANIFEST_NAME).is_file() for split in SPLIT_IDS)
 
 
-def _generate(out: Path, params: dict, progress: bool, workers: int) -> None:
+def _generate(out: Path, params: JSONObject, progress: bool, workers: int) -> None:
     """Write both splits (shards + manifests) into ``out``."""
     per_class = {"train": params["train_per_class"], "val": params["val_per_class"]}
     per_shard = params["samples_per_shard"]
@@ -269,7 +277,7 @@ def _generate(out: Path, params: dict, progress: bool, workers: int) -> None:
                     params["image_size"],
                 )
             )
-    stats: dict[tuple[str, int], dict] = {}
+    stats: dict[tuple[str, int], JSONObject] = {}
     with tqdm(total=len(tasks), desc="synthetic dataset", unit="shard", disable=not progress) as bar:
         if workers <= 1:
             for task in tasks:

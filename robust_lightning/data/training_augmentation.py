@@ -53,7 +53,9 @@ class TrainingAugmentation:
         """The loaders' collate function: with the workers' part of the augmentation where they have one."""
         return partial(collate, augment=self.worker) if self.worker else collate
 
-    def streams(self, draw: tuple[int, int] | None, device: torch.device) -> tuple[torch.Generator | None, Any]:
+    def streams(
+        self, draw: tuple[int, int] | None, device: torch.device
+    ) -> tuple[torch.Generator | None, np.random.RandomState | None]:
         """The random streams of one training batch's augmentation on ``device``: a torch generator for the
         per-image draws (crop box, flip, RandAugment ops and magnitudes, erasing boxes and noise) and a NumPy
         RandomState for the batch's MixUp/CutMix draws (weight, switch, box), both functions of (data.seed, epoch,
@@ -68,7 +70,7 @@ class TrainingAugmentation:
         generator.manual_seed(draw_seed(self.seed, epoch, index, self.rank, 0))
         return generator, np.random.RandomState(np.random.MT19937(draw_seed(self.seed, epoch, index, self.rank, 1)))
 
-    def on_device(self, batch: dict, augment: bool) -> dict:
+    def on_device(self, batch: dict[str, Any], augment: bool) -> dict[str, Any]:
         """uint8 crossed to the device: crop training canvases, augment (``augment``: training batches) and
         scale to [0, 1] there."""
         generator, mix_rng = self.streams(batch.get("draw"), batch["image"].device)
@@ -85,7 +87,9 @@ class TrainingAugmentation:
             batch["image"] = batch["image"].float().div_(255)
         return batch
 
-    def batches(self, loader: Iterable[dict], images: int, device: torch.device | str, seed: int) -> Iterator[dict]:
+    def batches(
+        self, loader: Iterable[dict[str, Any]], images: int, device: torch.device | str, seed: int
+    ) -> Iterator[dict[str, Any]]:
         """The first ``images`` images of ``loader``, moved to ``device`` and augmented as in training, drawing
         from streams keyed by ``seed`` that no training epoch uses."""
         seen = 0

@@ -9,6 +9,7 @@ every model takes [0, 1] images and carries its own normaliser.
 """
 
 import math
+from collections.abc import Callable
 
 import torch
 from PIL import Image
@@ -16,6 +17,9 @@ from torchvision.transforms import v2 as T
 from torchvision.transforms.v2.functional import pil_to_tensor
 
 BICUBIC = T.InterpolationMode.BICUBIC
+
+# a per-image transform: a lazily opened image in, its uint8 tensor out, or its sample fields (CanvasDecode)
+ImageTransform = Callable[[Image.Image], torch.Tensor | dict[str, torch.Tensor]]
 
 
 def decode_rgb(image: Image.Image) -> Image.Image:
@@ -101,7 +105,7 @@ class CanvasDecode:
         return {"image": canvas, "geometry": geometry}
 
 
-def draw_without_decoding(transform, image: Image.Image) -> None:
+def draw_without_decoding(transform: ImageTransform, image: Image.Image) -> None:
     """Make the random draws ``transform`` makes for ``image``, without decoding its pixels (``image`` opened
     lazily: its size is in its header).
 

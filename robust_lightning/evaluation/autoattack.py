@@ -545,7 +545,7 @@ class AutoAttackEvaluation(Evaluation):
         trainer,
         pl_module,
         expected: int | None = None,
-        expected_keys: frozenset | None = None,
+        expected_keys: frozenset[str] | None = None,
     ) -> None:
         """Summarise every saved outcome into results.json and the loggers. ``expected``: the evaluation set's
         size, so that images that never arrived (missing from shards, unreadable, cut by limit_test_batches)

@@ -15,18 +15,21 @@ WandbLogger, the plot and any tables to W&B), and one console line.
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning import Callback
 from lightning.pytorch.loggers import WandbLogger
 from torch import nn
+from torch.utils.data import DataLoader
 
 from robust_lightning.console import tqdm
 from robust_lightning.data.batch import IMAGE, KEY, LABEL
-from robust_lightning.data.contract import EvaluationSource, evaluation_data
+from robust_lightning.data.contract import EvaluationData, EvaluationSource, evaluation_data
 from robust_lightning.data.samplers import rank_share
+from robust_lightning.data.transforms import ImageTransform
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.evaluated_module import EvaluatedModule, model_setting
 from robust_lightning.evaluation.results import ResultsFile
@@ -34,8 +37,19 @@ from robust_lightning.job_signals import agree_to_stop, stop_requested
 from robust_lightning.models.classifier import RobustClassifier
 from robust_lightning.paths import run_directory
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 WEIGHTS = ("raw", "ema")
 T = TypeVar("T")
+
+
+class OnDevice(Protocol):
+    """What the evaluation batches ask of a module: the device to put the images on (a LightningModule, or an
+    analysis' view of one)."""
+
+    @property
+    def device(self) -> torch.device: ...
 
 
 # ------------------------------------------------------------------------------------------------ pieces
@@ -50,12 +64,12 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def gather_objects(value: Any) -> list[Any]:
+def gather_objects(value: T) -> list[T]:
     """Every rank's ``value`` (picklable), in rank order, on every rank; ``[value]`` in one process.
     A collective under DDP: every rank calls it."""
     if not distributed():
         return [value]
-    everyone = [None] * dist.get_world_size()
+    everyone: list[Any] = [None] * dist.get_world_size()  # each rank's value, once gathered
     dist.all_gather_object(everyone, value)
     return everyone
 
@@ -69,7 +83,7 @@ def sum_over_ranks(per_key: Mapping[str, float]) -> dict[str, float]:
     return total
 
 
-def outcomes_parent(trainer) -> Path:
+def outcomes_parent(trainer: pl.Trainer) -> Path:
     """Where an evaluation keeps its per-image outcomes unless told: ``trainer.default_root_dir``, or its ``runs/``
     where that is the working directory (Lightning's default when it is unset), so that outcomes never land in the
     root of the working directory (a repository checkout) unless asked."""
@@ -77,7 +91,7 @@ def outcomes_parent(trainer) -> Path:
     return root / "runs" if root.resolve() == Path.cwd().resolve() else root
 
 
-def barrier(trainer) -> None:
+def barrier(trainer: pl.Trainer) -> None:
     """Wait for every rank (e.g. until all their outcomes are on disk); nothing in one process."""
     trainer.strategy.barrier()
 
@@ -134,11 +148,12 @@ class Evaluation(Callback):
         if self.weights == "ema":
             if pl_module.ema is None:
                 raise UserError(f"{type(self).__name__}.weights 'ema' needs a model trained with model.ema_decay")
-            return pl_module.ema.module
+            averaged: RobustClassifier = pl_module.ema.module
+            return averaged
         return pl_module.model
 
     # ----------------------------------------------------------------------------------------- the data
-    def check_data(self, trainer):
+    def check_data(self, trainer: pl.Trainer) -> EvaluationData:
         """The data module, if it can give the evaluation images (else a UserError, before any work)."""
         data = evaluation_data(trainer)
         if data is None:
@@ -150,19 +165,19 @@ class Evaluation(Callback):
 
     def eval_loader(
         self,
-        trainer,
-        transform: Callable | None = None,
+        trainer: pl.Trainer,
+        transform: ImageTransform | None = None,
         batch_size: int | None = None,
         num_workers: int | None = None,
-    ):
+    ) -> DataLoader[object]:
         """This rank's evaluation images through ``transform`` (default None: the data's own preprocessing)."""
         return self.check_data(trainer).eval_dataloader_with(transform, batch_size, num_workers)
 
     def eval_batches(
         self,
-        trainer,
-        pl_module,
-        transform: Callable | None = None,
+        trainer: pl.Trainer,
+        pl_module: OnDevice,
+        transform: ImageTransform | None = None,
         limit: int | None = None,
         batch_size: int | None = None,
         num_workers: int | None = None,
@@ -179,10 +194,10 @@ class Evaluation(Callback):
 
     def _share_of_batches(
         self,
-        trainer,
-        pl_module,
+        trainer: pl.Trainer,
+        pl_module: OnDevice,
         share: int | None,
-        transform: Callable | None,
+        transform: ImageTransform | None,
         batch_size: int | None,
         num_workers: int | None,
         progress: str | None,
@@ -208,17 +223,17 @@ class Evaluation(Callback):
 
     # ---------------------------------------------------------------------------------------- publishing
     @staticmethod
-    def run_dir(trainer) -> Path:
+    def run_dir(trainer: pl.Trainer) -> Path:
         """Where results.json and the plots go. A collective under DDP (every rank calls it)."""
         return run_directory(trainer, every_rank=True)
 
     def publish(
         self,
-        trainer,
+        trainer: pl.Trainer,
         section: dict[str, Any] | None,
         metrics: dict[str, float] | None,
-        figure=None,
-        tables: dict[str, tuple[list[str], list[list]]] | None = None,
+        figure: "Figure | None" = None,
+        tables: dict[str, tuple[list[str], list[list[Any]]]] | None = None,
         message: str | list[str] | Callable[[dict[str, Any]], str | list[str]] | None = None,
     ) -> dict[str, Any] | None:
         """Publish one result. Every rank calls it; only global rank zero writes (elsewhere the arguments may
@@ -265,14 +280,14 @@ class Evaluation(Callback):
         return section
 
 
-def _close(figure) -> None:
+def _close(figure: "Figure | None") -> None:
     if figure is not None:
         import matplotlib.pyplot as plt  # noqa: PLC0415 (slow to import; only when there is a figure)
 
         plt.close(figure)
 
 
-def new_figure(*args, **kwargs):
+def new_figure(*args: Any, **kwargs: Any) -> tuple["Figure", Any]:
     """A matplotlib figure on the file-only backend (compute nodes have no display): ``plt.subplots(...)``."""
     import matplotlib  # noqa: PLC0415 (slow to import; only when plotting)
 
@@ -282,20 +297,20 @@ def new_figure(*args, **kwargs):
     return plt.subplots(*args, **kwargs)
 
 
-def data_image_size(trainer) -> int | None:
+def data_image_size(trainer: pl.Trainer) -> int | None:
     """The data module's evaluation crop (``EvaluationData.image_size``), None for a data module without one."""
     data = evaluation_data(trainer)
     return data.image_size if data is not None else None
 
 
-def evaluation_source(trainer) -> EvaluationSource | None:
+def evaluation_source(trainer: pl.Trainer) -> EvaluationSource | None:
     """Where the data module's evaluation images come from (``EvaluationData.evaluation_source``), None for a
     data module that does not say."""
     data = evaluation_data(trainer)
     return data.evaluation_source() if data is not None else None
 
 
-def evaluation_resolution(trainer, pl_module, override: int | None) -> int:
+def evaluation_resolution(trainer: pl.Trainer, pl_module: object, override: int | None) -> int:
     """The resolution an evaluation runs at: the override, else the model's, else the data's, else 224."""
     model_size = model_setting(pl_module, "image_size")
     return int(override or model_size or data_image_size(trainer) or 224)

@@ -33,16 +33,17 @@ reported as skipped, with the reason, in results.json.
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 
 from robust_lightning.data.classes import class_map
-from robust_lightning.data.transforms import eval_resize_size, eval_transform
+from robust_lightning.data.transforms import ImageTransform, eval_resize_size, eval_transform
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.base import Evaluation, evaluating, evaluation_resolution
 from robust_lightning.evaluation.calibration import (
@@ -162,7 +163,7 @@ def _class_folders(root: Path, expected: str) -> list[Path]:
     return folders
 
 
-def _check_known(root: Path, folders: list[Path], known, expected: str) -> None:
+def _check_known(root: Path, folders: list[Path], known: Container[str], expected: str) -> None:
     unknown = [f.name for f in folders if f.name not in known]
     if unknown:
         raise UserError(
@@ -446,7 +447,7 @@ class DistributionShiftBenchmarks(Evaluation):
         self.skipped: list[dict[str, str]] = []
 
     # ------------------------------------------------------------------------------------------- set-up
-    def on_test_start(self, trainer, pl_module) -> None:
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Check every layout before any work: one wrong path fails the run at once, not hours in."""
         self.splits, self.skipped = {}, []
         for name, benchmark in self.benchmarks.items():
@@ -458,7 +459,7 @@ class DistributionShiftBenchmarks(Evaluation):
                 self.splits[name] = benchmark.splits(root, *(self.roots[need] for need in benchmark.needs))
         self.resolution = evaluation_resolution(trainer, pl_module, self.image_size)
 
-    def _preprocessing(self, benchmark: ShiftBenchmark) -> tuple[Callable, str]:
+    def _preprocessing(self, benchmark: ShiftBenchmark) -> tuple[ImageTransform, str]:
         r = self.resolution
         if benchmark.as_released:
             note = "none (224 x 224 as released)" if r == 224 else f"resize to {r} x {r} (bicubic)"
@@ -469,17 +470,17 @@ class DistributionShiftBenchmarks(Evaluation):
     # ------------------------------------------------------------------------------------------ running
     def _predict(
         self,
-        trainer,
-        pl_module,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
         split: Split,
-        transform: Callable,
+        transform: ImageTransform,
         classes: tuple[int, ...] | None,
-    ):
+    ) -> Predictions:
         return predict_split(
             trainer, pl_module, split, transform, classes, batch_size=self.batch_size, num_workers=self.num_workers
         )
 
-    def _run(self, trainer, pl_module, name: str) -> dict[str, Any]:
+    def _run(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> dict[str, Any]:
         benchmark = self.benchmarks[name]
         transform, note = self._preprocessing(benchmark)
         classes = benchmark.classes() if benchmark.classes is not None else None
@@ -496,7 +497,7 @@ class DistributionShiftBenchmarks(Evaluation):
         section["corrupt_images"] = [image for p in predictions.values() for image in p.corrupt]
         return section
 
-    def on_test_end(self, trainer, pl_module) -> None:
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         with evaluating(pl_module):
             sections = {name: self._run(trainer, pl_module, name) for name in self.splits}
         metrics = flat_metrics(sections, self.benchmarks)

@@ -34,7 +34,8 @@ def calibration_bins(confidence: torch.Tensor, correct: torch.Tensor, bins: int 
 
 def ece_from_bins(sums: torch.Tensor) -> float:
     correct, confidence, count = sums
-    return ((correct - confidence).abs().sum() / count.sum()).item()
+    ece: float = ((correct - confidence).abs().sum() / count.sum()).item()
+    return ece
 
 
 def expected_calibration_error(confidence: torch.Tensor, correct: torch.Tensor, bins: int = ECE_BINS) -> float:
@@ -58,7 +59,8 @@ def rms_calibration_error(confidence: torch.Tensor, correct: torch.Tensor, bin_s
     for lo, hi in itertools.pairwise(edges[:-1]):  # every bin but the last, as the reference's loop
         gap = confidence[lo:hi].mean() - correct[lo:hi].mean()
         total += (hi - lo) / count * gap.item() ** 2
-    return total**0.5
+    rms: float = total**0.5
+    return rms
 
 
 class CalibrationError(Metric):

@@ -119,7 +119,8 @@ class RobustnessCard(Evaluation):
     # ------------------------------------------------------------------------------------------- parts
     def _part(self, name: str, cls, **kwargs: Any) -> Evaluation:
         try:
-            return cls(**kwargs)
+            part: Evaluation = cls(**kwargs)
+            return part
         except TypeError as e:  # an unknown or missing setting: name the part, not a frame deep inside
             raise UserError(f"RobustnessCard.{name}: {e}") from None
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from functools import cache
 from io import BytesIO
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cv2
 import numpy as np
@@ -40,6 +40,9 @@ from skimage.filters import gaussian
 
 from robust_lightning.errors import UserError
 from robust_lightning.paths import DATA_DIR
+
+if TYPE_CHECKING:
+    import torch
 
 RNG = int | np.random.Generator | np.random.RandomState | None
 MIN_SIZE = 32
@@ -97,16 +100,24 @@ def random_state(rng: RNG) -> np.random.RandomState:
 
 def _to_uint8(x: np.ndarray) -> np.ndarray:
     """[0, 255] floats to uint8 by truncation, as the original's ``np.uint8(img)`` before saving."""
-    return np.clip(x, 0, 255).astype(np.uint8)
+    truncated: np.ndarray = np.clip(x, 0, 255).astype(np.uint8)
+    return truncated
 
 
 def _unit(image: np.ndarray) -> np.ndarray:
-    return image / 255.0  # float64 in [0, 1], the original's working scale
+    unit: np.ndarray = image / 255.0  # float64 in [0, 1], the original's working scale
+    return unit
+
+
+def _gaussian(x: np.ndarray, sigma: float, **options: str | int) -> np.ndarray:
+    """skimage's gaussian filter, which skimage leaves unannotated."""
+    smoothed: np.ndarray = gaussian(x, sigma=sigma, **options)  # type: ignore[no-untyped-call]  # (docstring)
+    return smoothed
 
 
 def _blur(x: np.ndarray, sigma: float) -> np.ndarray:
     """skimage's gaussian over the two spatial axes (the original's ``multichannel=True``)."""
-    return gaussian(x, sigma=sigma, channel_axis=-1)
+    return _gaussian(x, sigma, channel_axis=-1)
 
 
 def _clipped_zoom(x: np.ndarray, factor: float) -> np.ndarray:
@@ -180,7 +191,8 @@ def _plasma_fractal(size: int, decay: float, rng: np.random.RandomState) -> np.n
         step //= 2
         wibble /= decay
     height -= height.min()
-    return height / height.max()
+    normalised: np.ndarray = height / height.max()
+    return normalised
 
 
 def _shuffle_pixels(x: np.ndarray, delta: int, rng: np.random.RandomState) -> np.ndarray:
@@ -403,7 +415,7 @@ def spatter(image: np.ndarray, severity: int = 1, rng: RNG = None) -> np.ndarray
     at all (only possible on small images) leaves the image as it is, where the original divided by zero."""
     loc, scale, sigma, threshold, intensity, mud = PARAMETERS["spatter"][severity - 1]
     x = image.astype(np.float32) / 255.0
-    liquid = gaussian(random_state(rng).normal(size=x.shape[:2], loc=loc, scale=scale), sigma=sigma)
+    liquid = _gaussian(random_state(rng).normal(size=x.shape[:2], loc=loc, scale=scale), sigma)
     liquid[liquid < threshold] = 0
     if not mud:
         liquid = (np.clip(liquid, 0, 1) * 255).astype(np.uint8)
@@ -418,7 +430,7 @@ def spatter(image: np.ndarray, severity: int = 1, rng: RNG = None) -> np.ndarray
         mask *= intensity
         tint = (np.array([175, 238, 238]) / 255.0).astype(np.float32)
         return _to_uint8(np.clip(x + mask[..., None] * tint, 0, 1) * 255)
-    mask = gaussian(np.where(liquid > threshold, 1, 0).astype(np.float32), sigma=intensity)
+    mask = _gaussian(np.where(liquid > threshold, 1, 0).astype(np.float32), intensity)
     mask[mask < 0.8] = 0
     mask = mask[..., None]
     colour = (np.array([63, 42, 20]) / 255.0).astype(np.float32) * mask
@@ -470,7 +482,7 @@ def elastic_transform(image: np.ndarray, severity: int = 1, rng: RNG = None) -> 
     moved = anchors + state.uniform(-jitter, jitter, size=anchors.shape).astype(np.float32)
     x = cv2.warpAffine(x, cv2.getAffineTransform(anchors, moved), shape[::-1], borderMode=cv2.BORDER_REFLECT_101)
     dx, dy = (
-        (gaussian(state.uniform(-1, 1, size=shape), sigma, mode="reflect", truncate=3) * alpha).astype(np.float32)
+        (_gaussian(state.uniform(-1, 1, size=shape), sigma, mode="reflect", truncate=3) * alpha).astype(np.float32)
         for _ in range(2)
     )
     rows = np.arange(shape[0])[:, None, None] + dy[..., None]
@@ -573,7 +585,7 @@ def image_seed(seed: int, corruption: str, severity: int, pixels: np.ndarray) ->
     return np.random.RandomState(np.random.MT19937(np.random.SeedSequence(entropy)))
 
 
-def release_transform(resolution: int, crop_pct: float = 0.875):
+def release_transform(resolution: int, crop_pct: float = 0.875) -> Callable[[Image.Image], "torch.Tensor"]:
     """The released ImageNet-C's preprocessing: torchvision ``Resize(256)`` with its default (bilinear, on PIL
     images) and ``CenterCrop(224)`` (create_c/make_imagenet_c.py of hendrycks/robustness), at resolution r:
     shorter side to floor(r / crop_pct), centre crop r. Not the bicubic resize of our clean evaluation."""
@@ -583,7 +595,10 @@ def release_transform(resolution: int, crop_pct: float = 0.875):
     from robust_lightning.data.transforms import decode_rgb, eval_resize_size  # noqa: PLC0415
 
     resize = T.Resize(eval_resize_size(resolution, crop_pct), interpolation=T.InterpolationMode.BILINEAR)
-    return T.Compose([decode_rgb, resize, T.CenterCrop(resolution), T.PILToTensor()])
+    preprocess: Callable[[Image.Image], torch.Tensor] = T.Compose(
+        [decode_rgb, resize, T.CenterCrop(resolution), T.PILToTensor()]
+    )
+    return preprocess
 
 
 class CorruptedEvalTransform:
@@ -609,7 +624,7 @@ class CorruptedEvalTransform:
         self.frost_dir = str(frost_directory(frost_dir)) if corruption == "frost" else None
         self.preprocess = release_transform(resolution, crop_pct)
 
-    def __call__(self, image: Image.Image):
+    def __call__(self, image: Image.Image) -> "torch.Tensor":
         import torch  # noqa: PLC0415 (see __init__)
 
         clean = np.ascontiguousarray(self.preprocess(image).permute(1, 2, 0).numpy())  # decodes; r x r x 3 uint8

@@ -33,20 +33,20 @@ class EvaluatedModule(Protocol):
     def conditions(self) -> dict[str, Any]: ...
 
 
-def model_setting(pl_module: Any, key: str, default: Any = None) -> Any:
+def model_setting(pl_module: object, key: str, default: Any = None) -> Any:
     """A setting of the evaluated module (``hparams[key]``), ``default`` where it has none: a module of another
     kind, or one that a test builds with only the settings it needs."""
     hparams = getattr(pl_module, "hparams", None) or {}
     return hparams.get(key, default)
 
 
-def network_runner(pl_module: Any, network: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+def network_runner(pl_module: object, network: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """``network`` as the module runs it (``run_network``), or the bare network for a module without a runner."""
     run = getattr(pl_module, "run_network", None)
     return partial(run, network) if run is not None else network
 
 
-def model_conditions(pl_module: Any) -> dict[str, Any] | str:
+def model_conditions(pl_module: object) -> dict[str, Any] | str:
     """What results.json records about the model: its ``conditions()``, or its type for a module without them."""
     conditions = getattr(pl_module, "conditions", None)
     return conditions() if conditions is not None else type(pl_module).__name__

@@ -539,7 +539,7 @@ class ImageNetC(Evaluation):
 
     # ---------------------------------------------------------------------------------------- generated
     @torch.no_grad()
-    def _predict_generated(self, trainer, pl_module, corruption: str) -> tuple[list, list[str], int | None]:
+    def _predict_generated(self, trainer, pl_module, corruption: str) -> tuple[list[Any], list[str], int | None]:
         """(key, label, predictions per severity, confidences per severity) of this rank's readable images, the
         unreadable ones, and how many images the evaluation set holds (None where unknown)."""
         transform = CorruptedEvalTransform(

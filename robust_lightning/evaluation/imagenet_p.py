@@ -45,8 +45,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import lightning.pytorch as pl
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
@@ -56,8 +57,11 @@ from robust_lightning.data.classes import class_map
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.base import Evaluation, evaluating, evaluation_resolution, new_figure, to_model_input
 from robust_lightning.evaluation.benchmarks import IMAGE_SUFFIXES, choose
-from robust_lightning.evaluation.prediction import ExactSize, run_exactly_once
+from robust_lightning.evaluation.prediction import ExactSize, Loaded, Unreadable, run_exactly_once
 from robust_lightning.paths import DATA_DIR
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 TEST = (
     "gaussian_noise",
@@ -171,7 +175,7 @@ def perturbation_summary(scores: dict[str, dict[str, float | None]], difficulty:
 
 
 # ---------------------------------------------------------------------------------------------------- layout
-def _natural_key(name: str) -> list:
+def _natural_key(name: str) -> list[int | str]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
@@ -252,16 +256,16 @@ def read_frames(path: str) -> list[Image.Image]:
     return frames
 
 
-class SequenceList(Dataset):
+class SequenceList(Dataset[Loaded]):
     """One item per sequence: its frames as a (frames, 3, H, W) uint8 tensor, or the reason it is unreadable."""
 
-    def __init__(self, paths: list[str], transform: Callable):
+    def __init__(self, paths: list[str], transform: Callable[[Image.Image], torch.Tensor]):
         self.paths, self.transform = paths, transform
 
     def __len__(self) -> int:
         return len(self.paths)
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
+    def __getitem__(self, index: int) -> Loaded:
         path = self.paths[index]
         try:
             images = read_frames(path)
@@ -274,7 +278,7 @@ class SequenceList(Dataset):
         return {"frames": frames, "index": index, "size": size}
 
 
-def collate_sequences(items: list[dict[str, Any]]) -> dict[str, Any]:
+def collate_sequences(items: list[Loaded]) -> Loaded:
     """Like prediction.collate_readable, but sequences differ in length (translate has 41 frames, a damaged video
     fewer): their frames are concatenated, with the length of each."""
     good = [item for item in items if "frames" in item]
@@ -285,6 +289,10 @@ def collate_sequences(items: list[dict[str, Any]]) -> dict[str, Any]:
         "size": [item["size"] for item in good],
         CORRUPT: [(item["index"], item[CORRUPT]) for item in items if CORRUPT in item],
     }
+
+
+# A scored sequence: (index, flip probability, top-5 distance, frames, frame size)
+Scored = tuple[int, float, float, int, tuple[int, int]]
 
 
 @dataclass
@@ -300,11 +308,11 @@ class SequenceScores:
 
 
 def score_sequences(
-    trainer,
-    pl_module,
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
     paths: list[str],
     rules: list[tuple[bool, int]],
-    transform: Callable,
+    transform: Callable[[Image.Image], torch.Tensor],
     *,
     batch_size: int,
     num_workers: int,
@@ -312,14 +320,15 @@ def score_sequences(
     """Flip probability and top-5 distance of every readable sequence, over all ranks, each exactly once.
     ``rules[i]``: (compare with the first frame, step) of sequence i. ``batch_size`` counts sequences."""
 
-    def step(batch: dict[str, Any]) -> tuple[list, list]:
+    def step(batch: Loaded) -> tuple[list[Scored], list[Unreadable]]:
         if batch["frames"] is None:
             return [], []
-        rows, too_short = [], []
+        rows: list[Scored] = []
+        too_short: list[Unreadable] = []
         with trainer.precision_plugin.test_step_context():
-            logits = pl_module(to_model_input(batch["frames"], pl_module.device))
+            logits: torch.Tensor = pl_module(to_model_input(batch["frames"], pl_module.device))
         for index, length, size, sequence in zip(
-            batch["index"], batch["length"], batch["size"], logits.split(batch["length"])
+            batch["index"], batch["length"], batch["size"], torch.split(logits, batch["length"])
         ):
             first_frame, step = rules[index]
             if not first_frame and length <= step:
@@ -400,7 +409,7 @@ class ImageNetP(Evaluation):
         """(compare with the first frame, step) of a perturbation's sequences."""
         return (True, 1) if perturbation in NOISE else (False, self.difficulty)
 
-    def on_test_start(self, trainer, pl_module) -> None:
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Check the whole layout before any work: a wrong root fails the run at once, not hours in."""
         self.sequences = imagenet_p_sequences(self.root, self.perturbations, self.difficulty, self.max_videos)
         videos = any(Path(s).suffix.lower() in VIDEO_SUFFIXES for paths in self.sequences.values() for s in paths)
@@ -410,7 +419,7 @@ class ImageNetP(Evaluation):
             )
         self.resolution = evaluation_resolution(trainer, pl_module, self.image_size)
 
-    def on_test_end(self, trainer, pl_module) -> None:
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # one dataset over every perturbation: one loader, one gather; perturbation_of maps a sequence back
         paths = [s for p in self.perturbations for s in self.sequences[p]]
         perturbation_of = [p for p in self.perturbations for _ in self.sequences[p]]
@@ -449,9 +458,11 @@ class ImageNetP(Evaluation):
             f"imagenet_p: {partial}mFR {mfr}, {partial}mT5D (unnormalised) {mt5d}",
         )
 
-    def _section(self, trainer, paths, perturbation_of, scores: SequenceScores) -> dict[str, Any]:
+    def _section(
+        self, trainer: pl.Trainer, paths: list[str], perturbation_of: list[str], scores: SequenceScores
+    ) -> dict[str, Any]:
         of = [perturbation_of[i] for i in scores.index.tolist()]
-        corrupt: dict[str, list[Any]] = {p: [] for p in self.perturbations}
+        corrupt: dict[str, list[str]] = {p: [] for p in self.perturbations}
         for index, reason in scores.corrupt:
             corrupt[perturbation_of[index]].append(reason)
         alexnet = alexnet_flip_probabilities()
@@ -518,7 +529,7 @@ class ImageNetP(Evaluation):
         }
 
     @staticmethod
-    def _plot(section: dict[str, Any]):
+    def _plot(section: dict[str, Any]) -> "Figure":
         names = list(section["perturbations"])
         values = section["perturbations"]
         x = torch.arange(len(names)).numpy()

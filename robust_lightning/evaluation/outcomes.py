@@ -45,7 +45,7 @@ def read_outcomes(directory: Path) -> dict[str, dict[str, Any]]:
     return outcomes
 
 
-def append_record(path: Path, record: dict) -> None:
+def append_record(path: Path, record: dict[str, Any]) -> None:
     """Append one batch's outcomes as a JSON line, on disk (fsynced) before the next batch starts."""
     with open(path, "a+b") as f:  # appends go to the end whatever the read position
         if f.seek(0, os.SEEK_END):

@@ -8,8 +8,9 @@ trainer's precision.
 
 from collections.abc import Callable, Sized
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
+import lightning.pytorch as pl
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, default_collate
@@ -18,8 +19,13 @@ from torchvision.transforms import v2 as T
 from robust_lightning.console import tqdm
 from robust_lightning.data.batch import CORRUPT, IMAGE, LABEL
 from robust_lightning.data.samplers import ExactDistributedSampler
-from robust_lightning.data.transforms import BICUBIC, decode_rgb
+from robust_lightning.data.transforms import BICUBIC, ImageTransform, decode_rgb
 from robust_lightning.evaluation.base import gather_objects, to_model_input, until_stopped
+
+# A row of the prediction loop: the item's dataset index, then what ``step`` measured of it
+Row = TypeVar("Row", bound=tuple[int, *tuple[object, ...]])
+Unreadable = tuple[int, str]  # (dataset index, reason) of an item that could not be read or scored
+Loaded = dict[str, Any]  # an item, or a batch, of the loop's dataset (fields of the dataset's own choosing)
 
 
 @dataclass
@@ -30,16 +36,16 @@ class Split:
     samples: list[tuple[str, int]]
 
 
-class ImageList(Dataset):
+class ImageList(Dataset[Loaded]):
     """(path, label) pairs -> {image, label, index}, or {corrupt: reason, index} for a file that cannot be read."""
 
-    def __init__(self, samples: list[tuple[str, int]], transform: Callable):
+    def __init__(self, samples: list[tuple[str, int]], transform: ImageTransform):
         self.samples, self.transform = samples, transform
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
+    def __getitem__(self, index: int) -> Loaded:
         path, label = self.samples[index]
         try:
             image = self.transform(Image.open(path))
@@ -48,10 +54,10 @@ class ImageList(Dataset):
         return {IMAGE: image, LABEL: label, "index": index}
 
 
-def collate_readable(items: list[dict[str, Any]]) -> dict[str, Any]:
+def collate_readable(items: list[Loaded]) -> Loaded:
     """Batch the readable images; carry (index, reason) of the unreadable ones."""
     good = [item for item in items if IMAGE in item]
-    batch = default_collate(good) if good else {}
+    batch: Loaded = default_collate(good) if good else {}
     batch[CORRUPT] = [(item["index"], item[CORRUPT]) for item in items if CORRUPT in item]
     return batch
 
@@ -68,21 +74,22 @@ class ExactSize:
         image = decode_rgb(image)
         if image.size != (self.size, self.size):
             image = self.resize(image)
-        return T.functional.pil_to_tensor(image)
+        pixels: torch.Tensor = T.functional.pil_to_tensor(image)  # torchvision: untyped here
+        return pixels
 
 
 @torch.no_grad()
 def run_exactly_once(
-    trainer,
-    dataset: Dataset,
-    collate_fn: Callable,
-    step: Callable[[dict], tuple[list, list]],
+    trainer: pl.Trainer,
+    dataset: Dataset[Loaded],
+    collate_fn: Callable[[list[Loaded]], Loaded],
+    step: Callable[[Loaded], tuple[list[Row], list[Unreadable]]],
     *,
     batch_size: int,
     num_workers: int,
     desc: str,
     what: str = "images",
-) -> tuple[list, list]:
+) -> tuple[list[Row], list[Unreadable]]:
     """Run ``step`` on every batch of this rank's share of ``dataset`` and gather every rank's results.
 
     ``collate_fn`` puts (index, reason) of unreadable items under ``corrupt``; ``step(batch)`` returns (rows,
@@ -91,7 +98,8 @@ def run_exactly_once(
     Ranks split the items without padding (``ExactDistributedSampler``; a rank may get none)."""
     sampler = ExactDistributedSampler(dataset, trainer.world_size, trainer.global_rank)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, collate_fn=collate_fn)
-    rows, corrupt = [], []
+    rows: list[Row] = []
+    corrupt: list[Unreadable] = []
     for batch in until_stopped(tqdm(loader, desc=desc, disable=not trainer.is_global_zero, leave=False)):
         corrupt += batch[CORRUPT]
         more_rows, more_corrupt = step(batch)
@@ -126,10 +134,10 @@ class Predictions:
 
 
 def predict_split(
-    trainer,
-    pl_module,
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
     split: Split,
-    transform: Callable,
+    transform: ImageTransform,
     classes: tuple[int, ...] | None,
     *,
     batch_size: int,
@@ -138,11 +146,12 @@ def predict_split(
     """Predictions for every readable image of ``split``, over all ranks, each image exactly once.
     ``classes``: logit indices the softmax and argmax are restricted to (prediction = position in them)."""
 
-    def step(batch: dict[str, Any]) -> tuple[list, list]:
+    def step(batch: Loaded) -> tuple[list[tuple[int, int, int, float]], list[Unreadable]]:
         if IMAGE not in batch:
             return [], []
         with trainer.precision_plugin.test_step_context():
-            prediction, confidence = predict(pl_module(to_model_input(batch[IMAGE], pl_module.device)), classes)
+            logits: torch.Tensor = pl_module(to_model_input(batch[IMAGE], pl_module.device))
+            prediction, confidence = predict(logits, classes)
         return list(zip(batch["index"].tolist(), batch[LABEL].tolist(), prediction.tolist(), confidence.tolist())), []
 
     rows, corrupt = run_exactly_once(

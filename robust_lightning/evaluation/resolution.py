@@ -193,7 +193,9 @@ def network_at(network: nn.Module, resolution: int, pos_embed_interpolation: str
     return resized
 
 
-def check_runs_at(model: Callable, resolution: int, device: torch.device, arch: str) -> None:
+def check_runs_at(
+    model: Callable[[torch.Tensor], torch.Tensor], resolution: int, device: torch.device, arch: str
+) -> None:
     """One forward of a blank image: a model that cannot run at this size fails here, before any work."""
     try:
         with torch.no_grad():
@@ -348,7 +350,7 @@ class ResolutionSweep(Evaluation):
         self.locks.close()
 
     # ------------------------------------------------------------------------------------------- set-up
-    def _model(self, pl_module, network: nn.Module) -> Callable:
+    def _model(self, pl_module, network: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         return network_runner(pl_module, network)  # the module's own runner applies channels_last
 
     def cells(self, resolution: int) -> list[Cell]:

@@ -14,10 +14,12 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+import lightning.pytorch as pl
 import torch
 from lightning import Callback
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
@@ -25,11 +27,13 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import robust_lightning
 from robust_lightning.atomic import atomic_write_json
+from robust_lightning.data.batch import PredictedBatch
 from robust_lightning.data.contract import evaluation_data
 from robust_lightning.data.corrupt_report import CorruptImageReport
 from robust_lightning.evaluation.evaluated_module import model_conditions
 from robust_lightning.job_signals import JobStopped
 from robust_lightning.paths import run_directory
+from robust_lightning.trainer_attributes import callbacks_of
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +50,7 @@ class ResultsFile:
 
     _writers: ClassVar[dict[Path, "ResultsFile"]] = {}
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path) -> None:
         self.path = path
         self._sections: dict[str, Any] = {}
         self._seen: tuple[int, int] | None = None  # (mtime_ns, size) of the file as this writer last saw it
@@ -152,13 +156,13 @@ class FitSummary(Protocol):
 class RunResults(Callback):
     """Writes the run's metrics and conditions to ``<run dir>/results.json`` and prints a summary."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.started = time.time()
 
-    def setup(self, trainer, pl_module, stage: str) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.started = time.time()
 
-    def _conditions(self, trainer, pl_module) -> dict[str, Any]:
+    def _conditions(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         data = evaluation_data(trainer)
         return {
             "command": " ".join(sys.argv),
@@ -174,8 +178,8 @@ class RunResults(Callback):
 
     def _write(
         self,
-        trainer,
-        pl_module,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
         section: str,
         extra: dict[str, Any],
         run_dir: Path | None = None,
@@ -199,14 +203,15 @@ class RunResults(Callback):
             "seconds": round(time.time() - self.started, 1),
             "conditions": self._conditions(trainer, pl_module),
         }
-        corrupt = next((cb.totals for cb in trainer.callbacks if isinstance(cb, CorruptImageReport)), None)
+        callbacks = callbacks_of(trainer)
+        corrupt = next((cb.totals for cb in callbacks if isinstance(cb, CorruptImageReport)), None)
         if corrupt:
             payload["corrupt_images"] = dict(corrupt)
         if section == "fit":  # e.g. images/s per device, step time, data-wait share (training.throughput)
-            for callback in trainer.callbacks:
+            for callback in callbacks:
                 if isinstance(callback, FitSummary) and (summary := callback.summary()):
                     payload[callback.summary_key] = summary
-        counts = next((cb.image_counts for cb in trainer.callbacks if isinstance(cb, CorruptImageReport)), None)
+        counts = next((cb.image_counts for cb in callbacks if isinstance(cb, CorruptImageReport)), None)
         if counts:  # expected, read, corrupt and missing images of the last evaluation epoch
             payload["eval_image_counts"] = dict(counts)
         results.write({section: payload})
@@ -218,14 +223,14 @@ class RunResults(Callback):
         )
         print(f"\n{section} {ended}: {shown or 'no metrics logged yet'}\nresults: {results.path.resolve()}", flush=True)
 
-    def _checkpoint(self, path: str | None) -> dict[str, Any] | None:
+    def _checkpoint(self, path: str | Path | None) -> dict[str, str] | None:
         if not path or not Path(path).is_file():
             return None
         return {"path": str(Path(path).resolve()), "sha256": file_sha256(path)}
 
-    def on_fit_end(self, trainer, pl_module) -> None:
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         checkpoint = trainer.checkpoint_callback
-        extra = {"epochs": trainer.current_epoch, "steps": trainer.global_step}
+        extra: dict[str, object] = {"epochs": trainer.current_epoch, "steps": trainer.global_step}
         if isinstance(checkpoint, ModelCheckpoint):
             extra["best_checkpoint"] = self._checkpoint(checkpoint.best_model_path)
             extra["best_score"] = None if checkpoint.best_model_score is None else float(checkpoint.best_model_score)
@@ -233,7 +238,7 @@ class RunResults(Callback):
             extra["last_checkpoint"] = self._checkpoint(checkpoint.last_model_path)
         self._write(trainer, pl_module, "fit", extra)
 
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """An interrupted fit (SIGTERM, Ctrl-C) still leaves its results.json: what it reached, marked interrupted."""
         interrupted = isinstance(exception, SIGTERMException) or (
             isinstance(exception, KeyboardInterrupt) and trainer.world_size == 1
@@ -263,25 +268,34 @@ class RunResults(Callback):
                 },
             )
 
-    def on_validation_end(self, trainer, pl_module) -> None:
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn == "validate":
             self._write(trainer, pl_module, "validate", {"checkpoint": self._checkpoint(trainer.ckpt_path)})
 
-    def on_test_end(self, trainer, pl_module) -> None:
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._write(trainer, pl_module, "test", {"checkpoint": self._checkpoint(trainer.ckpt_path)})
 
 
 class PredictionWriter(BasePredictionWriter):
     """Writes ``predict`` output as CSV, one file per rank: key, label, top-5 classes and probabilities."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__(write_interval="batch")
 
     @staticmethod
-    def run_dir(trainer) -> Path:
+    def run_dir(trainer: pl.Trainer) -> Path:
         return run_directory(trainer)  # no collective: ranks may predict different batch counts
 
-    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+    def write_on_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        prediction: PredictedBatch,
+        batch_indices: Sequence[int] | None,
+        batch: object,
+        batch_idx: int,
+        dataloader_idx: int,
+    ) -> None:
         run_dir = self.run_dir(trainer)
         path = run_dir / f"predictions-rank{trainer.global_rank}.csv"
         new = batch_idx == 0
@@ -298,7 +312,7 @@ class PredictionWriter(BasePredictionWriter):
             ):
                 writer.writerow([key, label, " ".join(map(str, top)), " ".join(f"{p:.5f}" for p in prob)])
 
-    def on_predict_end(self, trainer, pl_module):
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
             # a line of its own: a progress bar may still hold the current one
             print(f"\npredictions: {self.run_dir(trainer).resolve()}/predictions-rank*.csv", flush=True)

@@ -31,17 +31,20 @@ import io
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 
 from robust_lightning.atomic import atomic_write_bytes
 from robust_lightning.paths import run_directory
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         if "://" in str(path):
             return super().save_checkpoint(checkpoint, path, storage_options)
         if storage_options is not None:
@@ -51,12 +54,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         atomic_write_bytes(path, buffer.getvalue())
 
 
-def validation_or_epoch_end_follows(trainer) -> bool:
+def validation_or_epoch_end_follows(trainer: pl.Trainer) -> bool:
     """Whether the training step that just ended is followed by a validation or by its epoch's end, where
     Lightning's resume from a checkpoint of this point would skip them (it counts a step checkpointed at its end as
     done, epoch-end work included)."""
-    loop = trainer.fit_loop.epoch_loop
-    return bool(loop._num_ready_batches_reached() or loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
+    loop, fetcher = trainer.fit_loop.epoch_loop, trainer.fit_loop._data_fetcher
+    assert fetcher is not None  # the fit loop's for the epoch a training step is in (the loop asserts the same)
+    return bool(loop._num_ready_batches_reached() or loop._should_check_val_fx(fetcher))
 
 
 class LatestCheckpoint(ModelCheckpoint):
@@ -68,7 +72,7 @@ class LatestCheckpoint(ModelCheckpoint):
     _resume_every: int = 0  # every_n_train_steps as configured: the steps between two last.ckpt
     _configured: tuple[int, int] | None = None  # every_n_train_steps and every_n_epochs as configured (state_key)
 
-    def setup(self, trainer, pl_module, stage: str) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         if self._configured is None:
             self._configured = (self._every_n_train_steps, self._every_n_epochs)
@@ -77,7 +81,9 @@ class LatestCheckpoint(ModelCheckpoint):
                 if self._train_time_interval is None:
                     self._every_n_epochs = 1
 
-    def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
+    ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         every = self._resume_every
         if (
@@ -97,18 +103,19 @@ class LatestCheckpoint(ModelCheckpoint):
         finally:
             self.save_last = save_last
 
-    def _ModelCheckpoint__warn_if_dir_not_empty(self, dirpath) -> None:
+    def _ModelCheckpoint__warn_if_dir_not_empty(self, dirpath: _PATH) -> None:
         """Lightning's check of the folder at the setup of a fit (global rank zero). Only checkpoints count, the
         files a save can replace; whether they are this run's is known once the fit has restored its checkpoint,
         so they are judged at the start of training (``on_train_start``)."""
         if "://" in str(dirpath):  # remote: Lightning's own check
             # Lightning's private check, by its mangled name (mypy does not mangle it)
-            return super()._ModelCheckpoint__warn_if_dir_not_empty(dirpath)  # type: ignore[misc]
+            super()._ModelCheckpoint__warn_if_dir_not_empty(dirpath)  # type: ignore[misc]
+            return
         folder = Path(dirpath)
         if self.save_top_k != 0 and folder.is_dir() and any(not p.name.startswith(".") for p in folder.glob("*.ckpt")):
             self._unjudged = folder
 
-    def on_train_start(self, trainer, pl_module) -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         folder, self._unjudged = self._unjudged, None
         if folder is None or not trainer.is_global_zero:
@@ -133,17 +140,17 @@ class LatestCheckpoint(ModelCheckpoint):
             train_time_interval=self._train_time_interval,
         ).replace(type(self).__qualname__, ModelCheckpoint.__qualname__, 1)
 
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_epoch_end(trainer, pl_module)
         if self._should_save_on_train_epoch_end(trainer):
             self._save_last_if_behind(trainer)
 
-    def on_validation_end(self, trainer, pl_module) -> None:
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
         if not self._should_save_on_train_epoch_end(trainer):
             self._save_last_if_behind(trainer)
 
-    def _save_last_if_behind(self, trainer) -> None:
+    def _save_last_if_behind(self, trainer: pl.Trainer) -> None:
         # skipped when a checkpoint (and with it last.ckpt) was saved at this step, in sanity checks and outside fit
         if self.save_last and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))

@@ -30,10 +30,12 @@ def _same(a: Any, b: Any) -> bool:
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if type(a) in (int, float) and type(b) in (int, float):
         return math.isclose(a, b, rel_tol=1e-6)
-    return a == b
+    return bool(a == b)
 
 
-def model_settings_over_checkpoint(subcommand: str, ckpt_path: str, model: dict, named: set[str]) -> dict:
+def model_settings_over_checkpoint(
+    subcommand: str, ckpt_path: str, model: dict[str, Any], named: set[str]
+) -> dict[str, Any]:
     """The model settings given on the command line or in a config that differ from the checkpoint's and apply
     over them; a UserError for one the checkpoint decides. A setting counts as given when it is named on the
     command line or differs from ImageClassifier's default."""

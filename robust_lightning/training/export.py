@@ -14,6 +14,7 @@ Two forms:
 
 import json
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, cast
 
@@ -33,7 +34,7 @@ EVAL_INTERPOLATION = "bicubic"
 RELEASE_FIELDS = ("tag", "license", "hf_hub_id", "url", "paper_ids", "paper_name", "origin_url", "notes")
 
 
-def _restore(checkpoint: str | Path, ema: bool) -> tuple[RobustClassifier, dict]:
+def _restore(checkpoint: str | Path, ema: bool) -> tuple[RobustClassifier, dict[str, Any]]:
     """The classifier of a training checkpoint (its EMA weights with ``ema``) and the checkpoint's hparams."""
     from robust_lightning.training.lightning_module import ImageClassifier
 
@@ -111,7 +112,7 @@ def export_timm_folder(checkpoint: str | Path, out_dir: str | Path, ema: bool = 
     return out_dir
 
 
-def results_naming(checkpoint: Path) -> list[tuple[Path, dict]]:
+def results_naming(checkpoint: Path) -> list[tuple[Path, dict[str, Any]]]:
     """The results.json files of the runs around ``checkpoint`` (its folder and the folder above, and the run
     directories in each: the recipes' runs/at/<recipe>/version_N beside best.ckpt, the quickstart's
     runs/quickstart/version_N beside checkpoints/) whose sections name this very file by its sha256: the fit that
@@ -135,7 +136,7 @@ def results_naming(checkpoint: Path) -> list[tuple[Path, dict]]:
     return found
 
 
-def _values(values) -> str:
+def _values(values: Iterable[float]) -> str:
     return "[" + ", ".join(f"{value:.4g}" for value in values) + "]"
 
 
@@ -144,7 +145,11 @@ def _percent(value: float) -> str:
 
 
 def model_card(
-    checkpoint: Path, hparams: dict[str, Any], ema: bool, data_config: dict[str, Any], results: list[tuple[Path, dict]]
+    checkpoint: Path,
+    hparams: dict[str, Any],
+    ema: bool,
+    data_config: dict[str, Any],
+    results: list[tuple[Path, dict[str, Any]]],
 ) -> str:
     """README.md of an exported folder: what the weights are, how to feed them, how they were trained and
     what was measured on them (only numbers a results.json holds, each with where it came from)."""

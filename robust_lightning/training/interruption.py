@@ -33,10 +33,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 from lightning import Callback
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 
 from robust_lightning.errors import user_command
 from robust_lightning.job_signals import (
@@ -49,7 +51,7 @@ from robust_lightning.job_signals import (
 )
 from robust_lightning.loggers import end_wandb_before_job_signal, hold_wandb_rows, send_held_wandb_rows
 from robust_lightning.training.checkpoint_io import validation_or_epoch_end_follows
-from robust_lightning.training.random_state import random_states
+from robust_lightning.training.random_state import RandomStates, random_states
 
 __all__ = ["EXIT_SIGTERM", "Interruption", "resume_command"]
 
@@ -72,7 +74,7 @@ def resume_command(argv: list[str]) -> str:
     return user_command(*kept, "--ckpt_path", "last")
 
 
-def requeue_signal(trainer) -> int | None:
+def requeue_signal(trainer: pl.Trainer) -> int | None:
     """The signal on which SLURM asks for a requeue (``#SBATCH --signal``); None where Lightning would not requeue
     (not SLURM, or auto-requeue off)."""
     environment = trainer._accelerator_connector.cluster_environment
@@ -81,9 +83,19 @@ def requeue_signal(trainer) -> int | None:
     return None
 
 
-def _evaluation_loop(trainer) -> Any:
-    """The loop of the validation, test or prediction in progress."""
-    return trainer.predict_loop if trainer.predicting else trainer._evaluation_loop
+def _at_last_batch(trainer: pl.Trainer) -> bool:
+    """Whether the batch that just ended is the last of the validation, test or prediction in progress."""
+    if trainer.predicting:  # the prediction loop sets is_last_batch on a progress that does not declare it
+        last: bool = trainer.predict_loop.batch_progress.is_last_batch  # type: ignore[attr-defined]
+        return last
+    return trainer._evaluation_loop.batch_progress.is_last_batch
+
+
+def _command(trainer: pl.Trainer) -> str:
+    """The running command: fit, validate, test or predict."""
+    fn = trainer.state.fn
+    assert fn is not None  # set by each command before its first hook
+    return fn.value
 
 
 class Interruption(Callback):
@@ -94,11 +106,11 @@ class Interruption(Callback):
         self._deferred: JobStopped | None = None  # a stop agreed at a step end, acted on at the next boundary
         # at the start of a validation inside a fit: its progress (Lightning's counters) and the random states,
         # which a stop inside it saves, so that the resumed fit runs it again from its start
-        self._validation_start: tuple[dict[str, Any], dict[str, Any]] | None = None
+        self._validation_start: tuple[dict[str, Any], RandomStates] | None = None
         self._saving_validation_start = False
 
     # ------------------------------------------------------------------------------------------ the signals
-    def setup(self, trainer, pl_module, stage: str) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         def pass_on(signum: int) -> None:  # to the ranks Lightning's launcher started, as its own handler does
             if trainer.strategy.launcher is not None:
                 trainer.strategy.launcher.kill(signum)
@@ -110,7 +122,7 @@ class Interruption(Callback):
         if requeue is not None:
             rank_zero_info(
                 f"SLURM's requeue signal ({signal.Signals(requeue).name}) and SIGTERM stop this "
-                f"{trainer.state.fn.value} at its next batch boundary"
+                f"{_command(trainer)} at its next batch boundary"
             )
         # Lightning registers handlers of its own after the setup hooks (Trainer._run), which would act inside the
         # handler: its SIGTERM handler broadcasts (under DDP a collective wherever each rank was) and its requeue
@@ -123,19 +135,21 @@ class Interruption(Callback):
             register()
             JobSignals.take(requeue, pass_on)
 
-        trainer._signal_connector.register_signal_handlers = register_then_take
+        trainer._signal_connector.register_signal_handlers = register_then_take  # type: ignore[method-assign]  # above
 
-    def on_validation_start(self, trainer, pl_module) -> None:
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn == "fit" and not trainer.sanity_checking:
             progress = trainer.fit_loop.epoch_loop.val_loop.batch_progress.state_dict()
             self._validation_start = (copy.deepcopy(progress), random_states())
             self._act_on_deferred_stop("validation")
 
-    def teardown(self, trainer, pl_module, stage: str) -> None:
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         JobSignals.give_back()
 
     # ---------------------------------------------------------------------------------------------- training
-    def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: object, batch_idx: int
+    ) -> None:
         loop = trainer.fit_loop.epoch_loop
         if loop._should_accumulate():  # the step is not over: its gradient is in part on the device only
             return
@@ -155,15 +169,15 @@ class Interruption(Callback):
             stop.where = where
             raise stop
 
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._act_on_deferred_stop("epoch start")
 
-    def on_train_end(self, trainer, pl_module) -> None:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # the last epoch's end is over; the end-of-fit evaluations have not started
         self._act_on_deferred_stop("training end")
 
     # ----------------------------------------------------------------------------- validation, test, predict
-    def _stop_at_batch(self, trainer, pl_module, last: bool) -> None:
+    def _stop_at_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, last: bool) -> None:
         """At a batch boundary of a validation, test or prediction: stop where a signal was noted (here or on
         another rank), and at the last batch agree with the other ranks whether to."""
         if trainer.sanity_checking:
@@ -177,28 +191,60 @@ class Interruption(Callback):
             if stop is not None:
                 raise stop
 
-    def on_validation_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0):
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         self._stop_at_batch(trainer, pl_module, last=False)
 
-    def on_test_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0):
+    def on_test_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         self._stop_at_batch(trainer, pl_module, last=False)
 
-    def on_predict_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0):
+    def on_predict_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         self._stop_at_batch(trainer, pl_module, last=False)
 
     # The agreement at the last batch comes after the batch's work, that of the config's callbacks included (they
     # come first in the trainer's list): an evaluation that cut its last batch short on a signal never publishes.
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int, dataloader_idx: int = 0):
-        self._stop_at_batch(trainer, pl_module, last=_evaluation_loop(trainer).batch_progress.is_last_batch)
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: STEP_OUTPUT,
+        batch: object,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._stop_at_batch(trainer, pl_module, last=_at_last_batch(trainer))
 
-    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int, dataloader_idx: int = 0):
-        self._stop_at_batch(trainer, pl_module, last=_evaluation_loop(trainer).batch_progress.is_last_batch)
+    def on_test_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: STEP_OUTPUT,
+        batch: object,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._stop_at_batch(trainer, pl_module, last=_at_last_batch(trainer))
 
-    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int, dataloader_idx: int = 0):
-        self._stop_at_batch(trainer, pl_module, last=_evaluation_loop(trainer).batch_progress.is_last_batch)
+    def on_predict_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: object,
+        batch: object,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._stop_at_batch(trainer, pl_module, last=_at_last_batch(trainer))
 
     # ------------------------------------------------------------------------------------------- the stop
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         """A stop inside a validation saves the state of that validation's start: its progress as Lightning's
         counters have it when a restart is to run a validation from its first batch, and the random states drawn
         from there (the module keeps the states it finds here)."""
@@ -214,7 +260,7 @@ class Interruption(Callback):
 
     # The signals are given back when the command ends (the command line, robust_lightning.evaluate): a signal
     # that comes while a stopped fit saves its checkpoint is noted, not fatal.
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if isinstance(exception, JobStopped):
             if trainer.state.fn == "fit" and exception.where != "sanity check":
                 self._save_stop(trainer, exception)
@@ -228,7 +274,7 @@ class Interruption(Callback):
             self._save_last(trainer)
             self._say_what_happens_next(trainer, exception)
 
-    def _save_stop(self, trainer, stop: JobStopped) -> None:
+    def _save_stop(self, trainer: pl.Trainer, stop: JobStopped) -> None:
         """The checkpoint a stopped fit resumes from, of its last trained step; every rank calls it (a save is a
         collective). A stop at a step's end logs that step's row first, to metrics.csv at once and to W&B after
         the save."""
@@ -244,7 +290,7 @@ class Interruption(Callback):
         finally:
             send_held_wandb_rows(held)
 
-    def _save_last(self, trainer) -> str | None:
+    def _save_last(self, trainer: pl.Trainer) -> str | None:
         """last.ckpt of this point, through the checkpoint callback (which then knows it); an hpc checkpoint where
         the run keeps no last.ckpt."""
         checkpoint = trainer.checkpoint_callback
@@ -257,7 +303,7 @@ class Interruption(Callback):
             checkpoint.save_last = save_last
         return checkpoint.last_model_path
 
-    def _save_hpc(self, trainer) -> str:
+    def _save_hpc(self, trainer: pl.Trainer) -> str:
         """``hpc_ckpt_N.ckpt`` in ``trainer.default_root_dir`` (Lightning's name for a requeue's checkpoint),
         replacing the earlier ones: a requeue a day would otherwise keep a copy of the run for each."""
         path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
@@ -268,11 +314,11 @@ class Interruption(Callback):
                     older.unlink(missing_ok=True)
         return str(path)
 
-    def _say_what_happens_next(self, trainer, exception: BaseException) -> None:
+    def _say_what_happens_next(self, trainer: pl.Trainer, exception: BaseException) -> None:
         stopped = f"at epoch {trainer.current_epoch}, step {trainer.global_step}"
         if isinstance(exception, JobStopped) and exception.requeued:
             rank_zero_info(
-                f"\n{trainer.state.fn.value} stopped {stopped} for SLURM's requeue of the job\nSLURM restarts the job, "
+                f"\n{_command(trainer)} stopped {stopped} for SLURM's requeue of the job\nSLURM restarts the job, "
                 f"which resumes {'from ' + exception.checkpoint if exception.checkpoint else 'it'}: nothing to run (a "
                 "resume of your own would start a second copy of the run)"
             )
@@ -289,7 +335,7 @@ class Interruption(Callback):
         )
 
     @staticmethod
-    def _last_saved(trainer) -> str | None:
+    def _last_saved(trainer: pl.Trainer) -> str | None:
         checkpoint = trainer.checkpoint_callback
         if isinstance(checkpoint, ModelCheckpoint) and checkpoint._last_global_step_saved == trainer.global_step:
             return checkpoint.last_model_path or None

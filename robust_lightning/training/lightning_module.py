@@ -7,8 +7,10 @@ score that ModelCheckpoint keeps the best of (``val/select_acc``).
 """
 
 import copy
+import operator
 import warnings
-from functools import partial
+from collections.abc import Callable
+from functools import partial, reduce
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
@@ -16,18 +18,20 @@ import torch.nn.functional as F
 from lightning import LightningModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.parsing import AttributeDict
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from timm.layers import DropPath
 from timm.models.convnext import ConvNeXt
 from timm.optim import create_optimizer_v2
 from timm.utils import ModelEmaV3
 from torch import nn
+from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics import MeanMetric, MetricCollection, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from robust_lightning.attacks import apgd, fgsm, pgd
-from robust_lightning.data.batch import Batch, soft_targets
+from robust_lightning.data.batch import Batch, PredictedBatch, soft_targets
 from robust_lightning.data.batching import global_batch_of
 from robust_lightning.devices import host_reads_are_cheap
 from robust_lightning.errors import UserError
@@ -42,7 +46,7 @@ from robust_lightning.models.isotropic_convnext import IsotropicConvNeXt
 from robust_lightning.models.robustbench import is_robustbench_arch, preprocessing_mismatch, resolve_arch
 from robust_lightning.models.weights import WarmStartReport, adopt_normalizer, load_pretrained
 from robust_lightning.official_differences import training_differences
-from robust_lightning.training.random_state import random_states, set_random_states
+from robust_lightning.training.random_state import RandomStates, random_states, set_random_states
 from robust_lightning.training.schedule import warmup_cosine
 
 ATTACKS = ("none", "apgd", "pgd", "fgsm", "fgsm_rs")
@@ -169,7 +173,7 @@ class ImageClassifier(LightningModule):
         image_size: int | None = None,
         mean: tuple[float, float, float] | None = None,
         std: tuple[float, float, float] | None = None,
-        arch_kwargs: dict | None = None,
+        arch_kwargs: dict[str, Any] | None = None,
         init_from: str | None = None,
         init_from_ema: bool = False,
         new_head: bool = False,
@@ -236,7 +240,7 @@ class ImageClassifier(LightningModule):
         self._step_images: int | None = None  # images of this rank the current optimiser step saw so far
         self._step_totals: torch.Tensor | None = None  # the step's images and loss sums on this rank (device)
         # set by on_load_checkpoint, applied by on_train_start: (this rank's states, every rank's or None)
-        self._resumed_random_states: tuple[Any, list[Any] | None] | None = None
+        self._resumed_random_states: tuple[RandomStates, list[RandomStates] | None] | None = None
         self._resumed_train_metrics: tuple[Any, list[Any] | None] | None = None  # the same for the accuracies
         self.warm_start_report: WarmStartReport | None = None
         self.weights_from_checkpoint = False  # set by on_load_checkpoint: init_from is then never read
@@ -300,7 +304,7 @@ class ImageClassifier(LightningModule):
             if self.ema is not None:
                 self.ema.module.normalize = copy.deepcopy(self.model.normalize)
         if self.ema is not None:  # the average starts from the warm-start weights, not the random init
-            self.ema.set(self.model)
+            self.ema.set(self.model)  # type: ignore[no-untyped-call]  # timm's, unannotated
 
     # After any checkpoint restore (Lightning restores modules before these hooks) and before the first batch.
     def on_fit_start(self) -> None:
@@ -328,7 +332,7 @@ class ImageClassifier(LightningModule):
             if mismatch:
                 rank_zero_warn(mismatch)
 
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Lightning saves no random state; a resumed fit needs it to draw the same attacks and drop paths. Nor does
         it save the training accuracies of the epoch so far (torchmetrics states), which the epoch's end logs: a
         fit resumed in the middle of an epoch logs them over the whole epoch all the same. Under DDP every rank saves
@@ -387,7 +391,7 @@ class ImageClassifier(LightningModule):
             self._restore_train_metrics(*self._resumed_train_metrics)
             self._resumed_train_metrics = None
 
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse a checkpoint of another architecture with one clear message instead of a state_dict traceback."""
         if checkpoint.get("random_states") is not None:  # for on_train_start
             self._resumed_random_states = (checkpoint["random_states"], checkpoint.get("random_states_of_ranks"))
@@ -428,7 +432,9 @@ class ImageClassifier(LightningModule):
             images = images.contiguous(memory_format=torch.channels_last)
         return self._any_batch(model, model, images)
 
-    def _any_batch(self, model: nn.Module, forward, images: torch.Tensor) -> torch.Tensor:
+    def _any_batch(
+        self, model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor
+    ) -> torch.Tensor:
         """``forward(images)``, where a compiled ``model`` compiles each kind of pass once for every batch size.
 
         The batch sizes of a run change (a smaller micro-batch or validation batch, the validation attack's
@@ -467,12 +473,14 @@ class ImageClassifier(LightningModule):
 
     def current_eps(self) -> float:
         hp = self.hparams
-        if hp.eps_warmup_epochs <= 0 or self._trainer is None:
-            return hp.attack_eps
+        eps: float = hp.attack_eps
+        warmup_epochs: float = hp.eps_warmup_epochs
+        if warmup_epochs <= 0 or self._trainer is None:
+            return eps
         steps_per_epoch = self.trainer.estimated_stepping_batches / max(1, self.trainer.max_epochs or 1)
-        return hp.attack_eps * min(1.0, (self.trainer.global_step + 1) / (hp.eps_warmup_epochs * steps_per_epoch))
+        return eps * min(1.0, (self.trainer.global_step + 1) / (warmup_epochs * steps_per_epoch))
 
-    def training_step(self, batch: Batch, batch_idx: int):
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor | None:
         images, labels = batch["image"], batch["label"]
         shares_a_step = self._shares_a_step()
         if batch_idx % self._micro_batches() == 0:
@@ -480,7 +488,8 @@ class ImageClassifier(LightningModule):
         if labels.numel() == 0:  # every image of this batch was corrupt (reported by CorruptImageReport)
             # alone, the step is skipped; sharing one (other ranks, micro-batches), a zero loss over every
             # parameter keeps this rank in DDP's gradient all-reduce
-            return sum(p.sum() for p in self.model.parameters() if p.requires_grad) * 0.0 if shares_a_step else None
+            trainable = (p.sum() for p in self.model.parameters() if p.requires_grad)
+            return reduce(operator.add, trainable) * 0.0 if shares_a_step else None
         hp = self.hparams
         # soft targets: MixUp/CutMix made them already (batch["target"]), else smoothed one-hot labels
         targets = batch.get("target")
@@ -538,7 +547,7 @@ class ImageClassifier(LightningModule):
         self._step_images += images
         return images * self.trainer.world_size * self._micro_batches() / self._step_nominal
 
-    def on_before_optimizer_step(self, optimizer) -> None:
+    def on_before_optimizer_step(self, optimizer: Optimizer) -> None:
         """Sum the step's images and losses over the ranks (the step's one all-reduce), rescale the gradient to
         that of the mean loss over the images the step saw (see ``global_batch_weight``), and log the step's mean
         losses over all of them: the same figures on any number of ranks and micro-batches."""
@@ -566,7 +575,9 @@ class ImageClassifier(LightningModule):
             self.log("train/eps", torch.tensor(self.current_eps()))
         self._step_images = self._step_totals = None
 
-    def adversarial_loss(self, images, targets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def adversarial_loss(
+        self, images: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Attack the (augmented, mixed) batch in eval mode, then the loss of the update in train mode.
 
         Returns (logits on the adversarial batch, the update's loss, clean logits). The clean logits come free
@@ -579,10 +590,11 @@ class ImageClassifier(LightningModule):
             if hp.attack == "apgd":
                 last_forward = None
                 if self.reuse_forward:
-
-                    def last_forward(x):  # train mode = eval mode for this model; keeps the parameter graph
+                    # train mode = eval mode for this model; keeps the parameter graph
+                    def last_forward(x: torch.Tensor) -> torch.Tensor:
                         self.model.train()
-                        return self(x)
+                        logits: torch.Tensor = self(x)
+                        return logits
 
                 result = apgd(
                     partial(self._run_for_attack, self.model),
@@ -613,7 +625,9 @@ class ImageClassifier(LightningModule):
             logits = self(x_adv)
         return logits, F.cross_entropy(logits, targets), start_logits
 
-    def _with_best_iterates(self, logits: torch.Tensor, x_adv: torch.Tensor, best_is_last: torch.Tensor):
+    def _with_best_iterates(
+        self, logits: torch.Tensor, x_adv: torch.Tensor, best_is_last: torch.Tensor
+    ) -> torch.Tensor:
         """The update's logits: those of the attack's last forward, except for the points whose highest-loss
         iterate is an earlier one, which get a forward of their own.
 
@@ -634,7 +648,7 @@ class ImageClassifier(LightningModule):
             return logits.index_put((redo[:count],), self(x_adv[redo])[:count].to(logits.dtype))
         return logits.index_put((redo,), self(x_adv[redo]).to(logits.dtype))
 
-    def _simple_attack(self, images, targets, eps) -> torch.Tensor:
+    def _simple_attack(self, images: torch.Tensor, targets: torch.Tensor, eps: float) -> torch.Tensor:
         hp = self.hparams
         forward = partial(self._run_for_attack, self.model)
         if hp.attack == "pgd":
@@ -670,7 +684,7 @@ class ImageClassifier(LightningModule):
         )
         self.train_metrics.reset()
 
-    def configure_optimizers(self):
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         hp = self.hparams
         # timm's rule: create_optimizer_v2 spares biases, 1-D tensors, no_weight_decay()
         params: nn.Module | list[dict[str, Any]] = self.model.net
@@ -763,7 +777,7 @@ class ImageClassifier(LightningModule):
     def on_test_epoch_end(self) -> None:
         self._eval_epoch_end("test")
 
-    def predict_step(self, batch: Batch, batch_idx: int) -> dict:
+    def predict_step(self, batch: Batch, batch_idx: int) -> PredictedBatch:
         probs = self(batch["image"]).float().softmax(-1)
         top = probs.topk(min(5, probs.shape[-1]), dim=-1)
         return {"key": batch["key"], "label": batch["label"], "top5": top.indices, "top5_prob": top.values}
@@ -774,7 +788,7 @@ class ImageClassifier(LightningModule):
         trainer = self._trainer
         return training_differences(self.hparams, None if trainer is None else str(trainer.precision))
 
-    def conditions(self) -> dict:
+    def conditions(self) -> dict[str, Any]:
         """What results.json records about the model and the recipe."""
         hp = self.hparams
         training = {"attack": hp.attack}

@@ -4,19 +4,42 @@ would have drawn: augmentation (torch, and NumPy for timm's MixUp/CutMix), the a
 torch.load(weights_only=True)."""
 
 import random
-from typing import cast
+from typing import NotRequired, TypedDict, cast
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 
-def random_states() -> dict:
+class NumpyState(TypedDict):
+    """NumPy's global state (its legacy tuple), with the key as a tensor."""
+
+    kind: str
+    keys: torch.Tensor
+    position: int
+    has_gauss: int
+    cached_gaussian: float
+
+
+class RandomStates(TypedDict):
+    """The states ``random_states`` saves: torch's (CPU, and CUDA where this process uses it), NumPy's and Python's
+    ``random`` (its ``getstate()`` tuple in three parts)."""
+
+    torch: torch.Tensor
+    numpy: NumpyState
+    python: list[int]
+    python_version: int
+    python_gauss: float | None
+    cuda: NotRequired[torch.Tensor]
+
+
+def random_states() -> RandomStates:
     """The current states of torch (CPU, and this process's CUDA device), NumPy and Python ``random``."""
     # the legacy tuple (get_state's default; its dict form only with legacy=False)
     kind, keys, position, has_gauss, cached_gaussian = cast(
-        tuple[str, np.ndarray, int, int, float], np.random.get_state()
+        tuple[str, npt.NDArray[np.uint32], int, int, float], np.random.get_state()
     )
-    states = {
+    states: RandomStates = {
         "torch": torch.get_rng_state(),
         "numpy": {
             "kind": kind,
@@ -29,12 +52,13 @@ def random_states() -> dict:
         "python_version": random.getstate()[0],
         "python_gauss": random.getstate()[2],
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    # is_initialized: unannotated in torch
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         states["cuda"] = torch.cuda.get_rng_state()
     return states
 
 
-def set_random_states(states: dict) -> None:
+def set_random_states(states: RandomStates) -> None:
     """Restore what ``random_states`` saved (the CUDA state only where this process uses CUDA)."""
     torch.set_rng_state(states["torch"].cpu())
     n = states["numpy"]

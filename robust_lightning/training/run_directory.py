@@ -29,7 +29,9 @@ from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
+from jsonargparse import Namespace
 from lightning import Callback
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -49,7 +51,7 @@ FIT_MARKER = ".fit"  # in a fit's run directory: {"checkpoint_dirpath": ...}
 OWNER_MARKER = ".run_directory"  # in a checkpoint directory outside its run: {"run_directory": ...}
 
 
-def _read_json(path: Path) -> dict | None:
+def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         content = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -73,7 +75,7 @@ def _inside(path: Path, directory: Path) -> bool:
 class _CommandRecord:
     """What the command in progress made, which it takes back when it is refused (``discard_refused_run``)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.directories: set[str] = set()  # the folders this process made since the command began (real paths)
         self.files: list[Path] = []  # the files it added to folders that were there before it
         self.folders: list[Path] = []  # its run folders, noted where it stopped (rank zero)
@@ -87,13 +89,13 @@ _command: _CommandRecord | None = None
 _audit_hook_added = False
 
 
-def _real_path(path: str | os.PathLike) -> str:
+def _real_path(path: str | os.PathLike[str]) -> str:
     """``path`` with the folders above it resolved (the last part as named: it may not exist yet)."""
     path = os.path.abspath(path)
     return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
 
 
-def _note_made_folder(event: str, args: tuple) -> None:
+def _note_made_folder(event: str, args: tuple[Any, ...]) -> None:
     """Audit hook (``sys.addaudithook``): the folders this process makes while a command runs, by whichever code
     (the loggers, Lightning's config saving, the locks). It runs before the folder is made: one that is there
     already (``os.makedirs(exist_ok=True)`` calls mkdir all the same) is not noted."""
@@ -130,7 +132,7 @@ def _note_added_file(path: Path) -> None:
         _command.files.append(path)
 
 
-def _run_folders(trainer) -> list[Path]:
+def _run_folders(trainer: pl.Trainer) -> list[Path]:
     """The folders a command writes its run into: its run directory, every CSV or TensorBoard logger's version
     folder, the checkpoint directory."""
     folders = [run_directory(trainer)]
@@ -141,7 +143,7 @@ def _run_folders(trainer) -> list[Path]:
     return folders
 
 
-def _wandb_folders(trainer) -> list[Path]:
+def _wandb_folders(trainer: pl.Trainer) -> list[Path]:
     """The folders of the W&B runs the trainer's loggers started (``<save_dir>/wandb/offline-run-...``)."""
     folders = []
     for logger in trainer.loggers:
@@ -200,12 +202,12 @@ class FitRunDirectory(Callback):
     Every Trainer command of the command line has one: it keeps the record of what a refused command takes back
     (``discard_refused_run``)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._locks = ExitStack()
         self._logged_rows: int | None = None  # of the checkpoint the fit resumes from
         _begin_command()
 
-    def setup(self, trainer, pl_module, stage: str) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         run_dir = run_directory(trainer, every_rank=True).resolve()
@@ -255,7 +257,7 @@ class FitRunDirectory(Callback):
                 f"would overwrite them: {advice}"
             )
 
-    def teardown(self, trainer, pl_module, stage: str) -> None:
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         global _command
         self._locks.close()
         _command = None  # the command ended: nothing to take back
@@ -264,31 +266,41 @@ class FitRunDirectory(Callback):
         if _command is not None:
             _command.begun = True
 
-    def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
-        self._begin_work()
-
-    def on_validation_batch_start(
-        self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int
     ) -> None:
         self._begin_work()
 
-    def on_test_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         self._begin_work()
 
-    def on_predict_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_test_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         self._begin_work()
 
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+    def on_predict_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._begin_work()
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         for logger in trainer.loggers:
             if isinstance(logger, ContinuedCSVLogger):
                 rows = logger.checkpoint_saved()
                 if logger is trainer.loggers[0] and rows is not None:  # the run's log (rank zero writes the file)
                     checkpoint[LOGGED_ROWS] = rows
 
-    def on_load_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         self._logged_rows = checkpoint.get(LOGGED_ROWS)
 
-    def on_fit_start(self, trainer, pl_module) -> None:
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A resumed fit first sends W&B the rows of the run's log up to its checkpoint that the earlier attempts'
         W&B records lack (robust_lightning.loggers.WandbLogger.send_rows_it_lacks), even where it has nothing left to
         train (a fit stopped in its end-of-fit evaluation)."""
@@ -300,7 +312,7 @@ class FitRunDirectory(Callback):
             if isinstance(logger, ContinuedWandbLogger):
                 logger.send_rows_it_lacks(Path(first.experiment.metrics_file_path), rows)
 
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._locks.close()
         if _command is not None:  # for discard_refused_run, should the command end refused
             _command.exception = exception
@@ -314,7 +326,7 @@ class FitRunDirectory(Callback):
 HPC_CHECKPOINT = "hpc_ckpt_"  # what Lightning looks for in a file's name (_CheckpointConnector._hpc_resume_path)
 
 
-def _hpc_files(default_root_dir: str | os.PathLike | None) -> list[Path]:
+def _hpc_files(default_root_dir: str | os.PathLike[str] | None) -> list[Path]:
     """The files named ``*hpc_ckpt_*`` in ``trainer.default_root_dir`` (the working directory when unset), where
     Lightning writes a fit's checkpoint at SLURM's requeue. A remote folder (``s3://...``) is taken to hold none."""
     root = str(default_root_dir or os.getcwd())
@@ -323,7 +335,7 @@ def _hpc_files(default_root_dir: str | os.PathLike | None) -> list[Path]:
     return sorted(entry for entry in Path(root).iterdir() if HPC_CHECKPOINT in entry.name)
 
 
-def hpc_checkpoints(default_root_dir: str | os.PathLike | None) -> list[Path]:
+def hpc_checkpoints(default_root_dir: str | os.PathLike[str] | None) -> list[Path]:
     """The hpc checkpoints Lightning, given no ckpt_path, resumes a fit from by itself (the one numbered highest):
     those of ``default_root_dir`` under srun (its SLURM environment detected), none elsewhere. The same condition as
     Lightning 2.6's ``_CheckpointConnector._parse_ckpt_path``."""
@@ -336,7 +348,9 @@ def _checkpoint_folders(checkpoint: dict[str, Any]) -> set[Path]:
     return {Path(s["dirpath"]).resolve() for s in states.values() if isinstance(s, dict) and s.get("dirpath")}
 
 
-def resume_checkpoint(checkpoints: Path, default_root_dir: str | os.PathLike | None) -> tuple[Path | None, str, str]:
+def resume_checkpoint(
+    checkpoints: Path, default_root_dir: str | os.PathLike[str] | None
+) -> tuple[Path | None, str, str]:
     """The checkpoint a resume of a run starts from: the one furthest in training.
 
     The candidates are every checkpoint of the run's checkpoint folder and the hpc checkpoints that Lightning writes
@@ -376,7 +390,7 @@ def resume_checkpoint(checkpoints: Path, default_root_dir: str | os.PathLike | N
     return chosen, why, notes
 
 
-def continue_in_latest_run_directory(config) -> None:
+def continue_in_latest_run_directory(config: Namespace) -> None:
     """``fit --ckpt_path last`` continues a run in its own directory, whatever the moment it stopped.
 
     The run-directory logger (the first; CSV or TensorBoard) without an explicit version takes the newest

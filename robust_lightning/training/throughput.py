@@ -17,12 +17,14 @@ after its last logging step are left out. results.json's fit section holds the s
 """
 
 import time
-from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning import Callback
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 
 from robust_lightning.data.batching import global_batch_of
+from robust_lightning.trainer_attributes import log_every_n_steps
 
 
 def _synchronize(device: torch.device) -> None:
@@ -37,24 +39,24 @@ class Throughput(Callback):
 
     summary_key = "throughput"  # where results.json's fit section holds the summary (evaluation.results)
 
-    def __init__(self):
+    def __init__(self) -> None:
         # the window and the run's totals are set by on_train_start, before any batch
         self._window: dict[str, float] = {}
         self._run: dict[str, float] | None = None
         self._first: dict[str, float] | None = None
-        self._batch_end = None
+        self._batch_end: float | None = None
         self._step_images = 0  # this rank's images of the step in progress
 
     @staticmethod
     def _zero() -> dict[str, float]:
         return {"images": 0, "job_images": 0, "steps": 0, "wait": 0.0, "seconds": 0.0}
 
-    def on_train_start(self, trainer, pl_module) -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._run = self._zero()
         self._first = None
         self._open_window()  # a fit resumed mid-epoch starts without on_train_epoch_start
 
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # a window never spans validation or checkpointing: the previous epoch's unfinished one is dropped
         self._open_window()
 
@@ -62,12 +64,16 @@ class Throughput(Callback):
         self._window = self._zero()
         self._window_start = self._batch_end = time.perf_counter()  # the first batch's wait counts from here
 
-    def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int
+    ) -> None:
         if self._batch_end is not None:
             self._window["wait"] += time.perf_counter() - self._batch_end
         self._step_before = trainer.global_step
 
-    def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: object, batch_idx: int
+    ) -> None:
         images = len(batch["label"]) if isinstance(batch, dict) and "label" in batch else 0
         self._window["images"] += images
         self._step_images += images
@@ -79,11 +85,11 @@ class Throughput(Callback):
                 global_batch.images if global_batch else self._step_images * trainer.world_size
             )
             self._step_images = 0
-        if stepped and trainer.global_step % max(1, trainer.log_every_n_steps) == 0:
+        if stepped and trainer.global_step % max(1, log_every_n_steps(trainer)) == 0:
             self._close_window(trainer, pl_module)
         self._batch_end = time.perf_counter()
 
-    def _close_window(self, trainer, pl_module) -> None:
+    def _close_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
             _synchronize(pl_module.device)  # the interval's work is done: its time is exact
         now = time.perf_counter()
