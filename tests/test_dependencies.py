@@ -77,10 +77,13 @@ def imported_modules(folder: str, module_level: bool = False) -> set[str]:
 
 def module_statements(tree: ast.Module):
     """The nodes a module runs when imported: its statements, and those inside its if / try / with blocks, but
-    nothing inside a function or class body."""
+    nothing inside a function or class body, nor an ``if TYPE_CHECKING:`` block (read by type checkers only)."""
     stack = list(tree.body)
     while stack:
         node = stack.pop()
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            stack.extend(node.orelse)
+            continue
         yield node
         if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Lambda):
             stack.extend(ast.iter_child_nodes(node))

@@ -165,40 +165,34 @@ def test_atomic_writes_replace_whole_files_and_leave_nothing_on_failure(tmp_path
 
 
 def test_evaluations_ask_the_data_module_only_what_evaluation_data_lists():
-    """Every use of trainer.datamodule in evaluation/ and analysis/ (an attribute of it, of a name bound to it, or
-    getattr/hasattr on it) is one of EvaluationData's members: the data module's other settings are its own."""
+    """Evaluations and analyses reach the data module only through ``evaluation_data(trainer)``, whose type is
+    EvaluationData (mypy then allows only its members): no use of trainer.datamodule or datamodule_of in
+    evaluation/ and analysis/, and no getattr/hasattr on what evaluation_data returns."""
     import ast  # noqa: PLC0415
 
-    from robust_lightning.data.contract import EvaluationData  # noqa: PLC0415
-
-    allowed = set(EvaluationData.__annotations__) | {n for n in vars(EvaluationData) if not n.startswith("_")}
-
-    def is_datamodule(node, names) -> bool:
-        return (isinstance(node, ast.Attribute) and node.attr == "datamodule") or (
-            isinstance(node, ast.Name) and node.id in names
-        )
-
-    used = []
+    direct, through_the_contract = [], 0
     for path in sorted((REPO / "robust_lightning").glob("*/*.py")):
         if path.parent.name not in ("evaluation", "analysis"):
             continue
         tree = ast.parse(path.read_text())
-        names = {
+        data_names = {
             target.id
             for node in ast.walk(tree)
-            if isinstance(node, ast.Assign) and is_datamodule(node.value, set())
+            if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Call)
+            and getattr(node.value.func, "id", None) == "evaluation_data"
             for target in node.targets
             if isinstance(target, ast.Name)
         }
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and node.attr != "datamodule" and is_datamodule(node.value, names):
-                used.append((path.name, node.attr))
-            if (
-                isinstance(node, ast.Call)
-                and getattr(node.func, "id", None) in ("getattr", "hasattr")
-                and is_datamodule(node.args[0], names)
-            ):
-                name = node.args[1]
-                used.append((path.name, name.value if isinstance(name, ast.Constant) else "<a computed name>"))
-    assert used, "the check found no use at all: it is not looking where the evaluations are"
-    assert not [use for use in used if use[1] not in allowed], allowed
+            if isinstance(node, ast.Attribute) and node.attr == "datamodule":
+                direct.append((path.name, node.lineno, "trainer.datamodule"))
+            if isinstance(node, ast.Call):
+                called = getattr(node.func, "id", None)
+                through_the_contract += called == "evaluation_data"
+                if called == "datamodule_of":
+                    direct.append((path.name, node.lineno, "datamodule_of"))
+                if called in ("getattr", "hasattr") and getattr(node.args[0], "id", None) in data_names:
+                    direct.append((path.name, node.lineno, f"{called} on evaluation_data's result"))
+    assert through_the_contract, "the check found no use at all: it is not looking where the evaluations are"
+    assert direct == []
