@@ -12,8 +12,8 @@ for name in list(os.environ):
 # No network and no W&B in tests.
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# The cores shared among pytest-xdist's workers (`make test` runs one per core), at most 2 threads each: more
-# threads than cores make torch's CPU kernels wait for each other. OMP_NUM_THREADS: the processes tests start.
+# The cores shared among pytest-xdist's workers (`make test` runs one more than the cores), at most 2 threads each:
+# more threads than cores make torch's CPU kernels wait for each other. OMP_NUM_THREADS: the processes tests start.
 # Set, not defaulted: xdist's controller process loads this file too, without the worker count, and its workers
 # inherit its environment (a default would leave them its 2 threads on 2 shared cores: steps 10 times slower).
 THREADS = max(1, min(2, (os.cpu_count() or 2) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
