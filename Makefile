@@ -48,9 +48,9 @@ quickstart-fresh:
 # many Python processes, and where PYTHONDONTWRITEBYTECODE is set each would compile it again (0.4 s of CPU a
 # process on this machine). The suite runs one worker more than there are cores, each test file whole on one worker
 # (its module fixtures built once): many tests wait on the processes they start, which leaves a core idle. After
-# the run it prints the seconds of each test file (tests/conftest.py) and --durations the slowest tests. Measured on
-# this 2-core machine, 2026-11-29: 12 min 43 s for 1772 tests with three workers (13 min 40 s for 1757 tests with
-# two, in the last fresh-clone CI run before), over the 7 minutes aimed at (issue 46).
+# the run it prints the seconds of each test file (tests/conftest.py) and --durations the slowest tests. Measured in
+# fresh-clone CI runs on this 2-core machine, 2026-11-29: 13 min 6 s for 1772 tests with three workers (13 min 40 s
+# for 1757 tests with two, the run before), over the 7 minutes aimed at (issue 46).
 test: env
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
