@@ -115,6 +115,9 @@ class StreamSource(ListedSource):
 
 
 def _data(source: DataSource, **options) -> ImageNetDataModule:
+    # No loader workers: these tests count what a source builds, and the test's Stream does not split itself between
+    # workers (a real stream must; docs/training.md). Loaders with workers, a user's default, read the built-in
+    # sources in tests/test_data_sources.py and the end-to-end tests.
     return ImageNetDataModule(source=source, image_size=16, batch_size=4, num_workers=0, **options)
 
 
