@@ -75,6 +75,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _first_job_id() -> int:
+    """Lightning's SLURM environment takes a job's DDP port from its id (15000 plus the id's last four digits), so
+    two clusters on one host, one per pytest-xdist worker, would start their jobs on the same port. Each worker's
+    cluster numbers its jobs from its own thousand."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    return 1000 * (1 + worker % 9)
+
+
 def _die_with_parent() -> None:
     """Runs in the daemon before exec: it gets SIGTERM when the test process dies, even without a teardown."""
     import ctypes
@@ -145,6 +153,7 @@ class SlurmCluster:
                     "SlurmdParameters=config_overrides",
                     "ReturnToService=2",
                     "JobRequeue=1",
+                    f"FirstJobId={_first_job_id()}",
                     "KillWait=5",
                     "MinJobAge=600",
                     "SlurmctldTimeout=30",
