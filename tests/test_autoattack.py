@@ -39,8 +39,12 @@ def points():
 
 
 def evaluate(model, points, norm, engine, **kwargs):
+    """The standard version with a quarter of its iterations and a third of Square's queries, in both engines:
+    these tests compare the engines on equal settings (the protocol's own settings are compared with the
+    reference's in test_the_standard_versions_settings_are_the_references)."""
     x, y = points
-    adversary = AutoAttack(model, norm=norm, eps=EPS[norm], seed=0, engine=engine, n_queries=300, **kwargs)
+    adversary = AutoAttack(model, norm=norm, eps=EPS[norm], seed=0, engine=engine, n_iter=25, n_queries=100, **kwargs)
+    adversary.fab.n_iter = 25
     return adversary.evaluate(x, y, bs=32)
 
 
@@ -637,6 +641,22 @@ def test_fra31_readme_calls_run_unchanged(trained, points, capsys):
         AutoAttack(trained, attacks_to_run=["apgd-ce"])
     with pytest.raises(ValueError, match="attacks_to_run .* or attacks .*, not both"):
         AutoAttack(trained, version="custom", attacks_to_run=["apgd-ce"], attacks=["apgd-ce"])
+
+
+@pytest.mark.parametrize("norm", ["Linf", "L2", "L1"])
+def test_the_standard_versions_settings_are_the_references(trained, norm):
+    pyautoattack = pytest.importorskip("pyautoattack")
+
+    def settings(adversary) -> tuple:
+        apgd, targeted, fab = adversary.apgd, adversary.apgd_targeted, adversary.fab
+        return (
+            list(adversary.attacks_to_run),
+            (apgd.n_restarts, apgd.n_iter, targeted.n_target_classes, targeted.n_iter),
+            (fab.n_restarts, fab.n_target_classes, fab.n_iter, adversary.square.n_queries),
+        )
+
+    theirs = pyautoattack.AutoAttack(trained, norm=norm, eps=EPS[norm], version="standard", device="cpu")
+    assert settings(AutoAttack(trained, norm=norm, eps=EPS[norm], version="standard")) == settings(theirs)
 
 
 def test_custom_starts_from_the_reference_constructors_budgets(trained):
