@@ -7,35 +7,71 @@ dictionaries). Python's cyclic garbage collector walks over all of them many tim
 more while the process exits. None of these objects is garbage: modules live as long as the process. Skipping
 that walking makes a process start and exit markedly sooner (benchmarks/RESULTS.md, "Start and exit"). Each
 command, each DDP rank and each SLURM task starts a process, so the savings add up in sweeps and tests.
+
+In the robust-lightning command the collector stays off from the package's imports to the end of the command's
+(:func:`started_as_command`). Switching it on in between would make it walk every object imported so far once more,
+which took about a tenth of a process's start (benchmarks/RESULTS.md, "Start and exit").
 """
 
 import atexit
 import gc
 import logging
+import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+
+# Whether the collector was on before a command's imports turned it off; the command turns it on again once they are
+# done (leave_imported_objects_out_of_collections).
+_on_after_command_imports = False
+
+
+def started_as_command() -> bool:
+    """Whether this process is the robust-lightning command: the console script, or ``python -m robust_lightning``
+    (``-m robust_lightning.__main__`` as Lightning's launcher starts the other DDP ranks). A library user's process,
+    a test's or a sweep's own Python code is not."""
+    if Path(sys.argv[0]).name == "robust-lightning":
+        return True
+    options = iter(getattr(sys, "orig_argv", [])[1:])
+    for option in options:  # the interpreter's options, up to what it runs
+        if option.startswith("-m"):  # "-m module" or "-mmodule"
+            return (option[2:] or next(options, None)) in ("robust_lightning", "robust_lightning.__main__")
+        if option in ("-W", "-X"):  # options whose value is the next word
+            next(options, None)
+        elif option.startswith("-c") or not option.startswith("-"):
+            return False
+    return False
 
 
 @contextmanager
 def collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector off for a block of imports, then back as it was."""
+    """The cyclic garbage collector off for a block of imports, then back as it was; in the command, off until the
+    command's imports are done."""
+    global _on_after_command_imports
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        if was_enabled:
+        if was_enabled and started_as_command():
+            _on_after_command_imports = True
+        elif was_enabled:
             gc.enable()
 
 
 def leave_imported_objects_out_of_collections() -> None:
     """For a command, once its imports are done: every object alive now is left out of later collections
-    (``gc.freeze``), and the objects alive at exit are left out of the exit's.
+    (``gc.freeze``), and the objects alive at exit are left out of the exit's. The collector is then on again if
+    it was before the command's imports.
 
     Not for library use: a caller's own objects alive now would never be collected if they became garbage.
     """
+    global _on_after_command_imports
     gc.freeze()
+    if _on_after_command_imports:
+        _on_after_command_imports = False
+        gc.enable()
     atexit.register(gc.freeze)  # atexit functions run before the interpreter's last collections
 
 

@@ -6,6 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+from helpers import REPO
+from robust_lightning import startup
 from robust_lightning.startup import collector_paused
 
 # in a fresh interpreter: the collector's state after importing the package, then after importing the command
@@ -41,3 +45,46 @@ def test_a_collector_the_caller_turned_off_stays_off():
         assert gc.isenabled()
     finally:
         (gc.enable if was_enabled else gc.disable)()
+
+
+# Loaded by the interpreter before the command (sitecustomize on PYTHONPATH): notes how many objects were frozen each
+# time the collector is switched on again, and prints that list at exit.
+NOTE_ENABLES = """
+import atexit, gc, json, sys
+frozen_at_enable = []
+enable = gc.enable
+gc.enable = lambda: (frozen_at_enable.append(gc.get_freeze_count()), enable())[1]
+atexit.register(lambda: print("enables: " + json.dumps(frozen_at_enable), file=sys.stderr))
+"""
+
+
+def test_the_command_keeps_the_collector_off_until_its_imports_are_frozen(tmp_path):
+    """Switched on between the package's imports and the command's, the collector would walk every object imported
+    so far: in the command it first comes back on after the freeze."""
+    (tmp_path / "sitecustomize.py").write_text(NOTE_ENABLES)
+    env = {"PYTHONPATH": f"{tmp_path}:{REPO}", "PATH": ""}
+    result = subprocess.run(
+        [sys.executable, "-m", "robust_lightning", "--version"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    enables = json.loads(result.stderr.split("enables: ")[-1])
+    assert enables and enables[0] > 100_000, enables
+
+
+@pytest.mark.parametrize(
+    "argv, command",
+    [
+        (["python", "-m", "robust_lightning", "fit"], True),
+        (["python", "-u", "-m", "robust_lightning.__main__", "fit"], True),  # Lightning's launcher, other ranks
+        (["python", "-W", "ignore", "-mrobust_lightning"], True),
+        (["/venv/bin/robust-lightning", "fit"], True),  # the console script
+        (["python", "-m", "pytest", "tests"], False),
+        (["python", "-c", "import robust_lightning", "-m", "robust_lightning"], False),
+        (["python", "sweep.py", "-m", "robust_lightning"], False),
+    ],
+)
+def test_the_command_is_told_from_other_processes_by_its_command_line(monkeypatch, argv, command):
+    script = argv[0] if argv[0].endswith("robust-lightning") else argv[-1]
+    monkeypatch.setattr(sys, "argv", [script])
+    monkeypatch.setattr(sys, "orig_argv", argv)
+    assert startup.started_as_command() is command
