@@ -88,12 +88,11 @@ def test_kill_9_mid_epoch_then_ckpt_path_last_resumes_the_same_run(tmp_path):
     assert any(k.startswith("ema.") for k in final["state_dict"])  # EMA weights travel with the checkpoint
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-def test_sigterm_stops_a_fit_with_a_checkpoint_a_message_and_a_failing_status(tmp_path, devices):
-    """SIGTERM mid-epoch (a scheduler pre-empting the job): the fit stops at the next step (under DDP, every rank at
-    the same step, however the signals' arrival is spread over the ranks), writes last.ckpt there and results.json
-    marked interrupted, says how to
-    resume and exits 143, not 0. The resume command it prints then finishes the run."""
+def test_sigterm_stops_a_fit_with_a_checkpoint_a_message_and_a_failing_status(tmp_path):
+    """SIGTERM mid-epoch (a scheduler pre-empting the job): the fit stops at the next step, writes last.ckpt there
+    and results.json marked interrupted, says how to resume and exits 143, not 0. The resume command it prints then
+    finishes the run. The same under DDP, every rank stopping at the same step however the signals' arrival is
+    spread over the ranks, is tests/test_preemption_ddp.py's first test."""
     record = tmp_path / "batches.jsonl"
     pace = {"class_path": "slurm_cluster.Pace", "init_args": {"record": str(record), "seconds": 0.3}}
     config = tiny_config(
@@ -102,8 +101,6 @@ def test_sigterm_stops_a_fit_with_a_checkpoint_a_message_and_a_failing_status(tm
             "trainer.max_epochs": 2,
             "trainer.limit_train_batches": STEPS_PER_EPOCH,
             "trainer.callbacks": [pace],
-            "trainer.devices": devices,
-            "trainer.strategy": "ddp" if devices > 1 else "auto",
             "data.batch_size": 2,
             "data.source.init_args.train_per_class": STEPS_PER_EPOCH,
             # a user's defaults, which tiny_config turns off: the progress bar (here its line-per-N-steps form, as in a
@@ -138,12 +135,7 @@ def test_sigterm_stops_a_fit_with_a_checkpoint_a_message_and_a_failing_status(tm
     trained = len(record.read_text().splitlines())
     fit = json.loads((run / "results.json").read_text())["fit"]
     assert fit["interrupted"] == "SIGTERM" and 3 <= fit["steps"] <= trained < STEPS_PER_EPOCH  # within epoch 0
-    if devices == 1:  # one process: last.ckpt at the step it stopped (under DDP a save is a collective, see
-        # training/interruption.py: the run resumes from its last checkpoint)
-        assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == fit["steps"]
-
-    if devices > 1:  # a DDP fit's resume is tested in test_ddp_commands.py
-        return
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == fit["steps"]
     resumed = subprocess.run(
         [sys.executable, "-m", "robust_lightning", "fit", "--config", str(config), "--ckpt_path", "last"],
         cwd=tmp_path,
