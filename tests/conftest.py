@@ -83,30 +83,30 @@ def autoattack_checkpoint(tmp_path_factory):
     return path, synthetic_root
 
 
-# The longest test files (their summed test times, measured in a `make test` run on the 2-core CI machine,
+# The longest test files (their summed test times, measured in a full run with three workers on this 2-core machine,
 # 2026-11-29) start first, longest first, so that none of them runs alone at the end of `make test` while the other
 # workers have nothing left (pytest-xdist's --dist loadfile hands out files in collection order).
 LONGEST_FILES = (
-    "test_autoattack.py",
     "test_job_errors.py",
-    "test_stop_anywhere.py",
     "test_continue_stopped_job.py",
-    "test_ddp.py",
-    "test_preemption.py",
+    "test_stop_anywhere.py",
     "test_evaluation_stops.py",
     "test_cli.py",
+    "test_autoattack.py",
+    "test_ddp.py",
     "test_slurm.py",
-    "test_ddp_commands.py",
+    "test_preemption.py",
     "test_gpu_suite.py",
     "test_preemption_ddp.py",
+    "test_ddp_commands.py",
+    "test_slurm_rank_failure.py",
+    "test_adaptive_attacks.py",
     "test_resume_mid_epoch.py",
     "test_slurm_requeue_ddp.py",
-    "test_adaptive_attacks.py",
     "test_log_continuity.py",
-    "test_slurm_rank_failure.py",
-    "test_torchrun.py",
     "test_writers.py",
-    "test_slurm_restart.py",
+    "test_evaluate.py",
+    "test_torchrun.py",
 )
 
 
