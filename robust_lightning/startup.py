@@ -23,8 +23,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 # Whether the collector was on before a command's imports turned it off; the command turns it on again once they are
-# done (leave_imported_objects_out_of_collections).
+# done (leave_imported_objects_out_of_collections). After that, a pause is an ordinary one again.
 _on_after_command_imports = False
+_command_imports_done = False
 
 
 def started_as_command() -> bool:
@@ -54,7 +55,7 @@ def collector_paused() -> Iterator[None]:
     try:
         yield
     finally:
-        if was_enabled and started_as_command():
+        if was_enabled and started_as_command() and not _command_imports_done:
             _on_after_command_imports = True
         elif was_enabled:
             gc.enable()
@@ -67,8 +68,9 @@ def leave_imported_objects_out_of_collections() -> None:
 
     Not for library use: a caller's own objects alive now would never be collected if they became garbage.
     """
-    global _on_after_command_imports
+    global _on_after_command_imports, _command_imports_done
     gc.freeze()
+    _command_imports_done = True
     if _on_after_command_imports:
         _on_after_command_imports = False
         gc.enable()

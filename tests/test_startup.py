@@ -88,3 +88,24 @@ def test_the_command_is_told_from_other_processes_by_its_command_line(monkeypatc
     monkeypatch.setattr(sys, "argv", [script])
     monkeypatch.setattr(sys, "orig_argv", argv)
     assert startup.started_as_command() is command
+
+
+def test_in_the_command_a_pause_after_the_freeze_is_an_ordinary_one(monkeypatch):
+    """The command's imports keep the collector off until the freeze; a pause after it turns it back on."""
+    monkeypatch.setattr(startup, "started_as_command", lambda: True)
+    monkeypatch.setattr(startup, "_on_after_command_imports", False)
+    monkeypatch.setattr(startup, "_command_imports_done", False)
+    monkeypatch.setattr(gc, "freeze", lambda: None)  # this test's process keeps its collections
+    was_enabled = gc.isenabled()
+    try:
+        gc.enable()
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # between the package's imports and the command's
+        startup.leave_imported_objects_out_of_collections()
+        assert gc.isenabled()
+        with collector_paused():
+            assert not gc.isenabled()
+        assert gc.isenabled()
+    finally:
+        (gc.enable if was_enabled else gc.disable)()
