@@ -97,6 +97,7 @@ def run_command(
         timed_out = False
     except subprocess.TimeoutExpired:
         timed_out = True
+        stacks = stacks_of_session(process.pid)
     finally:
         with contextlib.suppress(ProcessLookupError):  # after a timeout, or a rank or worker left behind
             os.killpg(process.pid, signal.SIGKILL)
@@ -108,9 +109,26 @@ def run_command(
         output = stdout if terminal else "".join(part or "" for part in process.communicate())
         pytest.fail(
             f"{' '.join(command[1:])} did not end within {timeout:.0f} s (killed with every "
-            f"process it started):\n{output[-3000:]}"
+            f"process it started):\n{output[-3000:]}\n\nwhere its processes were:\n{stacks}"
         )
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def stacks_of_session(session: int) -> str:
+    """Where each Python process of a session is (py-spy's dump of its threads), for the message of a command that
+    hung: the stack of each process, or why there is none."""
+    listed = subprocess.run(["ps", "-o", "pid=,args=", "-s", str(session)], capture_output=True, text=True)
+    spy = Path(sys.executable).with_name("py-spy")
+    dumps = []
+    for line in listed.stdout.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        try:
+            dump = subprocess.run([str(spy), "dump", "--pid", pid], capture_output=True, text=True, timeout=30)
+            stack = dump.stdout or dump.stderr
+        except (OSError, subprocess.TimeoutExpired) as e:
+            stack = f"no stack: {e}"
+        dumps.append(f"--- {pid} {args[:200]}\n{stack.strip()}")
+    return "\n".join(dumps) or "no process of the session was left"
 
 
 def write_image(path: Path, seed: int, size: int = 40, fmt: str = "JPEG") -> None:

@@ -28,6 +28,7 @@ NOT_IMPORTED = {
     "mypy": "the type checker `make test` runs after the linter (a command, not a module)",
     "types-pyyaml": "stubs mypy reads for yaml (never imported)",
     "types-tqdm": "stubs mypy reads for tqdm (never imported)",
+    "py-spy": "a command: helpers.run_command prints the stacks of a command that runs past its time limit",
 }
 
 
