@@ -33,16 +33,20 @@ def subset_images(root, count: int) -> list[tuple[str, int]]:
 
 
 class Brightness(nn.Module):
-    """Class ``bright`` where an image's mean is above 0.5, class ``dark`` below: a margin of 200 x |mean - 0.5|."""
+    """Class ``bright`` where an image's mean is above 0.5, class ``dark`` below: a margin of 200 x |mean - 0.5|.
+
+    Each class scores -100 x (mean - centre)^2: 1 for bright, 0 for dark, 2 and beyond for the others. A model that
+    only scaled one direction by (mean - 0.5) would leave AutoAttack's targeted DLR loss, a ratio of logit
+    differences, constant: its zero gradients would call for Square from scratch, which this test is not about."""
 
     def __init__(self, bright: int, dark: int):
         super().__init__()
-        direction = torch.zeros(1000)
-        direction[bright], direction[dark] = 100.0, -100.0
-        self.register_buffer("direction", direction)
+        centres = 2 + torch.arange(1000) / 1000
+        centres[bright], centres[dark] = 1.0, 0.0
+        self.register_buffer("centres", centres)
 
     def forward(self, x):
-        return (x.mean((1, 2, 3)) - 0.5)[:, None] * self.direction
+        return -100 * (x.mean((1, 2, 3))[:, None] - self.centres) ** 2
 
 
 def test_benchmark_takes_robustbenchs_call_and_returns_clean_and_robust_accuracy(tmp_path, monkeypatch, capsys):

@@ -86,7 +86,8 @@ def test_unbounded_radii_reach_mid_grey_from_any_image():
 
 def test_the_autoattack_evaluation_records_the_sanity_checks_beside_the_references(tmp_path):
     """robust_lightning.evaluate (the AutoAttack callback) on the linear model: the sanity checks on the first
-    batch, with their figures, none raised; reversed gradients everywhere: unbounded raised."""
+    batch, with their figures, none raised; reversed gradients everywhere: unbounded raised. (Not the adaptive
+    attacks that a raised check calls for: tests/test_adaptive_attacks.py runs them.)"""
     import robust_lightning
 
     x = points()
@@ -99,7 +100,7 @@ def test_the_autoattack_evaluation_records_the_sanity_checks_beside_the_referenc
             (x, y),
             threat_models=[{"norm": "Linf", "eps": EPS}],
             version="apgd-ce",
-            options={"autoattack": {"n_iter": 5, "sanity_points": 16}},
+            options={"autoattack": {"n_iter": 5, "sanity_points": 16, "adaptive": "none"}},
             out_dir=tmp_path / str(radius),
             accelerator="cpu",
         )
