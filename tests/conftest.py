@@ -110,8 +110,9 @@ LONGEST_FILES = (
 )
 
 
-# The test files marked slow: those whose tests took 15 s or more in all (the per-file times the suite prints, on two
-# busy cores). Most start processes (DDP ranks, SLURM jobs, the command) or run attacks against the reference.
+# The test files marked slow: those whose tests took 15 s or more in all when this list was made (the per-file times
+# the suite prints, on two busy cores); some have become faster since. Most start processes (DDP ranks, SLURM jobs,
+# the command) or run attacks against the reference.
 # `make test-fast` (-m "not slow") leaves them out for the inner loop; `make test` and CI run them.
 SLOW_FILES = (
     "test_adaptive_attacks.py",
