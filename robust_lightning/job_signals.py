@@ -32,6 +32,10 @@ tell its workers to stop, is then kept alive by the error's traceback until the 
 ignored every SIGTERM kept the exiting process waiting for ever. So a loader worker blocks SIGTERM and a thread of
 its own takes each one: from its parent it ends the worker (status 0, as torch's own handler does); from anyone
 else (the scheduler) it is dropped.
+
+Before Python 3.12, a process that called :func:`shield_forked_children` also makes each fork wait for a thread
+that holds the interpreter's runtime lock: a child forked while another thread held that lock waits for it forever
+(CPython gh-112275).
 """
 
 import atexit
@@ -41,6 +45,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from contextlib import suppress
@@ -87,7 +92,15 @@ def end_on_parent_sigterm() -> None:
 
 
 def shield_forked_children() -> None:
-    os.register_at_fork(after_in_child=ignore_job_signals)
+    hooks: dict[str, Callable[[], object]] = {"after_in_child": ignore_job_signals}
+    if sys.version_info < (3, 12):
+        # CPython gh-112275: before 3.12, a forked child takes the interpreter's runtime lock (HEAD_LOCK) before it
+        # reinitialises it, so it hangs forever if another thread held that lock at the fork. Gloo's threads take
+        # it without the GIL each time they release a tensor that Python created. sys._current_frames takes and
+        # releases it, so the fork waits for a thread that holds it now. A thread can still take it between then
+        # and the fork: this narrows the window without closing it (benchmarks/fork_race.py measures both).
+        hooks["before"] = sys._current_frames
+    os.register_at_fork(**hooks)
     atexit.register(_end_daemonic_children)
 
 
