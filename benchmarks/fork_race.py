@@ -83,7 +83,7 @@ def main() -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         runs = [
             subprocess.Popen(
-                [sys.executable, __file__, "--one", str(29500 + 10 * wait + i), str(args.seconds), str(int(wait))],
+                [sys.executable, __file__, "--one", str(29740 + 10 * wait + i), str(args.seconds), str(int(wait))],
                 stdout=subprocess.PIPE,
                 text=True,
                 env=env,
