@@ -20,6 +20,7 @@ from robust_lightning.data.augment import BatchAugment
 from robust_lightning.data.batch import Batch
 from robust_lightning.data.datasets import Corrupt, HoldoutStream, Item, Replayed, ShardStream
 from robust_lightning.data.samplers import GlobalBatchSampler
+from robust_lightning.data.worker_start import StartCheckedLoader
 from robust_lightning.job_signals import ignore_job_signals
 
 
@@ -115,7 +116,7 @@ class TrainingPosition:
         return resume[1] // micro_batches if resume is not None and resume[0] == epoch else 0
 
 
-class ResumableLoader(DataLoader[Item]):
+class ResumableLoader(StartCheckedLoader):
     """A training loader whose position in its epoch is checkpoint state (``TrainingPosition``).
 
     Lightning saves and restores the state of a loader that has ``state_dict``/``load_state_dict``, and warns that
@@ -213,13 +214,14 @@ class StreamTrainLoader(ResumableLoader):
 def data_loader(
     dataset: Dataset[Item],
     batch_size: int,
-    loader_cls: type[DataLoader[Item]] = DataLoader,
+    loader_cls: type[DataLoader[Item]] = StartCheckedLoader,
     *,
     num_workers: int,
     **kwargs: Any,
 ) -> DataLoader[Item]:
     """A loader of the data module's datasets: no more workers than a shard stream can keep busy, the project's
-    collate function, loader workers that leave the job's signals to the training process, pinned memory on GPUs."""
+    collate function, loader workers that leave the job's signals to the training process and that are started
+    again where one never started (robust_lightning/data/worker_start.py), pinned memory on GPUs."""
     if type(dataset) is ShardStream:  # more workers than shards would sit idle
         num_workers = min(num_workers, len(dataset.urls))
     elif isinstance(dataset, HoldoutStream):  # each worker reads every held-out shard: keep the I/O small
