@@ -12,6 +12,7 @@ in the fork runs no Python signal handler) and started again, with the random st
 so that the batches and their draws are those of a start that went well.
 """
 
+import multiprocessing
 import os
 import select
 import time
@@ -53,8 +54,11 @@ class StartCheckedLoader(DataLoader[Any]):
             self.worker_init_fn = WorkerStarted(self.worker_init_fn)
 
     def _forks_workers(self) -> bool:
-        context = self.multiprocessing_context or torch.multiprocessing
-        return self.num_workers > 0 and context.get_start_method() == "fork"
+        context = self.multiprocessing_context
+        # allow_none: asking the default context its method would fix it, and a later set_start_method would fail
+        default = torch.multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+        method = context.get_start_method() if context is not None else default
+        return self.num_workers > 0 and method == "fork"
 
     def _get_iterator(self) -> Any:
         if not self._forks_workers():
