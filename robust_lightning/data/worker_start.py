@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
-from torch.utils.data import dataloader as torch_dataloader
 
 ATTEMPTS = 3  # starts of an iterator's workers before the loader gives up
 
@@ -111,10 +110,8 @@ def _starts(read: int, expected: int, limit: float) -> int:
 
 
 def _kill_workers(iterator: Any) -> None:
-    """Kill the workers of a multi-process iterator and shut it down. Torch's SIGCHLD watch is told first, or it
-    would take the kill for a worker's failure."""
-    if not isinstance(iterator, torch_dataloader._MultiProcessingDataLoaderIter):
-        return
+    """Kill the workers of a multi-process iterator (torch's _MultiProcessingDataLoaderIter) and shut it down.
+    Torch's SIGCHLD watch is told first, or it would take the kill for a worker's failure."""
     if iterator._worker_pids_set:
         torch._C._remove_worker_pids(id(iterator))  # what torch's _shutdown_workers calls for it
         iterator._worker_pids_set = False
