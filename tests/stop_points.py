@@ -14,6 +14,7 @@ from pathlib import Path
 from lightning import Callback
 
 from robust_lightning.evaluation.autoattack import AutoAttackEvaluation
+from robust_lightning.evaluation.imagenet_p import ImageNetP
 
 
 def parent_of(pid: int) -> int | None:
@@ -105,3 +106,19 @@ class AutoAttackStoppedAt(AutoAttackEvaluation):
         self.batches += 1
         if self.batches == self.after:
             self.once.fire(trainer, f"autoattack:{self.after}")
+
+
+class ImageNetPStoppedAt(ImageNetP):
+    """The ImageNet-P evaluation, signalling the job once in its first forward pass (on rank zero) when ``marks`` is
+    given: while its loader workers are decoding the next sequences."""
+
+    def __init__(self, marks: str | None = None, signal_name: str = "SIGTERM", **options) -> None:
+        super().__init__(**options)
+        self.once = _Once(marks, signal_name)
+
+    def on_test_end(self, trainer, pl_module) -> None:
+        hook = pl_module.register_forward_pre_hook(lambda module, inputs: self.once.fire(trainer, "imagenet_p"))
+        try:
+            super().on_test_end(trainer, pl_module)
+        finally:
+            hook.remove()

@@ -17,7 +17,7 @@ import yaml
 from lightning.pytorch.loggers import WandbLogger
 from PIL import Image
 
-from helpers import REPO, make_image_tree
+from helpers import REPO, make_image_tree, run_command
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.imagenet_p import (
     ALL,
@@ -416,7 +416,9 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 def cli_config(tmp_path: Path, root: Path) -> Path:
-    """configs/eval/imagenet_p.yaml pointed at the tiny replicas, on the CPU."""
+    """configs/eval/imagenet_p.yaml pointed at the tiny replicas, on the CPU, for a run in the test's process: without
+    loader workers (they would be forks of the test process) and progress bars. The SIGTERM test below runs the
+    config's workers and bars in a process of its own."""
     make_image_tree(tmp_path / "imagenet" / "val", {WNIDS[0]: 2, WNIDS[1]: 1})
     config = yaml.safe_load((REPO / "configs" / "eval" / "imagenet_p.yaml").read_text())
     config["trainer"].update(
@@ -461,6 +463,52 @@ def test_cli_run_with_the_eval_config_writes_the_imagenet_p_section(tmp_path, ch
         "imagenet_p/brightness/fr",
         "imagenet_p/gaussian_noise/t5d",
     } <= set(logged)
+
+
+def test_sigterm_to_every_process_stops_imagenet_p_and_the_same_command_then_finishes(tmp_path, checkpoint):
+    """With the config's loader workers and progress bars, which the in-process run above switches off: SIGTERM to
+    every process of the command in ImageNet-P's first forward pass, its decoding workers included as SLURM
+    signals a job step, stops the command with status 143 and no traceback, and no results.json is written.
+    The same command again writes the section with the numbers of the run without workers."""
+    from robust_lightning.cli import main
+
+    root = tmp_path / "imagenet-p"
+    imagenet_p_tree(root)
+    alone = cli_config(tmp_path / "alone", root)
+    assert main(["test", "--config", str(alone), "--ckpt_path", str(checkpoint)]) == 0
+    [alone_results] = (tmp_path / "alone" / "runs" / "p").glob("version_*/results.json")
+    expected = json.loads(alone_results.read_text())["imagenet_p"]["perturbations"]
+
+    config = yaml.safe_load(alone.read_text())
+    shipped = yaml.safe_load((REPO / "configs" / "eval" / "imagenet_p.yaml").read_text())
+    config["trainer"]["enable_progress_bar"] = True
+    config["trainer"]["default_root_dir"] = str(tmp_path / "stopped")
+    config["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path / "stopped")
+    config["data"]["num_workers"] = shipped["data"]["num_workers"]
+    [callback] = config["trainer"]["callbacks"]
+    callback["class_path"] = "stop_points.ImageNetPStoppedAt"
+    callback["init_args"].update(
+        marks=str(tmp_path / "marks"), num_workers=shipped["trainer"]["callbacks"][0]["init_args"]["num_workers"]
+    )
+    assert callback["init_args"]["num_workers"] > 1 and config["data"]["num_workers"] > 1
+    path = tmp_path / "stopped.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = ["test", "--config", str(path), "--ckpt_path", str(checkpoint)]
+
+    stopped = run_command(command, cwd=tmp_path, timeout=180)
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 143, output[-3000:]
+    assert "Traceback" not in output and "killed by signal" not in output, output[-3000:]
+    assert (tmp_path / "marks" / "imagenet_p").exists()
+    assert not list((tmp_path / "stopped" / "p").glob("version_*/results.json"))
+
+    again = run_command(command, cwd=tmp_path, timeout=180)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    [results] = (tmp_path / "stopped" / "p").glob("version_*/results.json")
+    section = json.loads(results.read_text())["imagenet_p"]
+    for perturbation, values in expected.items():
+        for key in ("num_sequences", "num_frames", "fp", "t5d"):
+            assert section["perturbations"][perturbation][key] == pytest.approx(values[key], abs=1e-12), key
 
 
 def test_cli_fails_at_test_start_on_a_bad_root(tmp_path, checkpoint, capsys):

@@ -30,7 +30,7 @@ import torch
 from lightning import LightningModule, Trainer
 from PIL import Image
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import Dataset, default_collate
 from torchvision.transforms import v2 as T
 
 from robust_lightning.analysis.core import (
@@ -42,9 +42,10 @@ from robust_lightning.analysis.core import (
     model_label,
     new_figure,
 )
+from robust_lightning.data.loaders import data_loader
 from robust_lightning.data.transforms import BICUBIC, decode_rgb, eval_resize_size
 from robust_lightning.errors import UserError
-from robust_lightning.evaluation.base import data_image_size, to_model_input
+from robust_lightning.evaluation.base import data_image_size, to_model_input, until_stopped
 from robust_lightning.paths import DATA_DIR
 
 if TYPE_CHECKING:
@@ -134,14 +135,16 @@ def decisions(
 ) -> list[str]:
     """The 16-class decision of the model for each file."""
     names = list(mapping)
-    loader = DataLoader(
+    # the data module's loaders: workers that leave the job's signals to this process, and restarted where one
+    # never started
+    loader = data_loader(
         _Stimuli(files, stimulus_transform(image_size, crop_pct)),
-        batch_size=batch_size,
+        batch_size,
         num_workers=num_workers,
         collate_fn=default_collate,
     )
     out = []
-    for images in loader:
+    for images in until_stopped(loader):  # SIGTERM or SLURM's requeue signal: stop at the next batch
         logits = model(to_model_input(images, device))
         if logits.shape[1] != 1000:
             raise UserError(f"ShapeBias needs a model with ImageNet's 1000 classes; this one has {logits.shape[1]}")

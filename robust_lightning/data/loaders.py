@@ -10,7 +10,7 @@ so that the draws of every later image are the interrupted attempt's, and the ba
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -211,17 +211,21 @@ class StreamTrainLoader(ResumableLoader):
         yield from with_draws(batches, epoch, self.micro_batches)
 
 
+LoadedItem = TypeVar("LoadedItem")
+
+
 def data_loader(
-    dataset: Dataset[Item],
+    dataset: Dataset[LoadedItem],
     batch_size: int,
-    loader_cls: type[DataLoader[Item]] = StartCheckedLoader,
+    loader_cls: type[DataLoader[Any]] = StartCheckedLoader,
     *,
     num_workers: int,
     **kwargs: Any,
-) -> DataLoader[Item]:
-    """A loader of the data module's datasets: no more workers than a shard stream can keep busy, the project's
-    collate function, loader workers that leave the job's signals to the training process and that are started
-    again where one never started (robust_lightning/data/worker_start.py), pinned memory on GPUs."""
+) -> DataLoader[LoadedItem]:
+    """A loader of the data module's datasets, and of the evaluations' own: no more workers than a shard stream can
+    keep busy, the project's collate function, loader workers that leave the job's signals to the training process
+    and that are started again where one never started (robust_lightning/data/worker_start.py), pinned memory on
+    GPUs."""
     if type(dataset) is ShardStream:  # more workers than shards would sit idle
         num_workers = min(num_workers, len(dataset.urls))
     elif isinstance(dataset, HoldoutStream):  # each worker reads every held-out shard: keep the I/O small

@@ -13,11 +13,12 @@ from typing import Any, TypeVar, cast
 import lightning.pytorch as pl
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import Dataset, default_collate
 from torchvision.transforms import v2 as T
 
 from robust_lightning.console import tqdm
 from robust_lightning.data.batch import CORRUPT, IMAGE, LABEL
+from robust_lightning.data.loaders import data_loader
 from robust_lightning.data.samplers import ExactDistributedSampler
 from robust_lightning.data.transforms import BICUBIC, ImageTransform, decode_rgb
 from robust_lightning.evaluation.base import gather_objects, to_model_input, until_stopped
@@ -97,7 +98,9 @@ def run_exactly_once(
     unreadable) of all ranks, sorted by index, on every rank, having checked each index came exactly once.
     Ranks split the items without padding (``ExactDistributedSampler``; a rank may get none)."""
     sampler = ExactDistributedSampler(dataset, trainer.world_size, trainer.global_rank)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, collate_fn=collate_fn)
+    # the data module's loaders: workers that leave the job's signals to this process, and restarted where one
+    # never started
+    loader = data_loader(dataset, batch_size, num_workers=num_workers, sampler=sampler, collate_fn=collate_fn)
     rows: list[Row] = []
     corrupt: list[Unreadable] = []
     for batch in until_stopped(tqdm(loader, desc=desc, disable=not trainer.is_global_zero, leave=False)):
