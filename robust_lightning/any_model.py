@@ -292,9 +292,10 @@ def evaluate(
             at its own budget.
 
     SIGTERM (a scheduler's pre-emption or time limit, ``timeout``) stops the evaluation at its next batch, or
-    between two attacks of AutoAttack, and raises ``robust_lightning.job_signals.JobStopped``, a ``SystemExit`` with
-    the status 143: a script ends as a process ended by SIGTERM, and the same call with the same ``out_dir`` goes on
-    with the outcomes kept (none are kept without ``out_dir``). No partial result is returned or written.
+    between two attacks of AutoAttack or inside one (``AutoAttack.stop_point``), and raises
+    ``robust_lightning.job_signals.JobStopped``, a ``SystemExit`` with the status 143: a script ends as a process
+    ended by SIGTERM does, and the same call with the same ``out_dir`` goes on with the outcomes kept (none are kept
+    without ``out_dir``). No partial result is returned or written.
     """
     if not isinstance(model, nn.Module):
         raise UserError(f"model must be a torch nn.Module, got {type(model).__name__}")

@@ -333,6 +333,37 @@ def test_the_fast_engine_reads_back_between_runs_not_per_iteration(trained, poin
     assert reads[0] == reads[1] > 0
 
 
+@pytest.mark.parametrize("attack, asked", [("apgd-t", 3), ("square", 2)])
+def test_a_stop_inside_an_attack_resumes_to_the_report_of_the_evaluation_left_alone(
+    trained, points, tmp_path, attack, asked
+):
+    """A job's stop is asked inside the fast engine's attacks too: between APGD-T's target classes (the third time
+    it is asked in APGD-T: after its first runs) and every STOP_CHECK_PASSES passes of Square (the second time:
+    at pass 50). The evaluation stops there with the attacks before it kept in the state file, and the same call
+    again runs that attack from its start and ends with the report of the evaluation left alone."""
+    x, y = points
+    attacks = ["apgd-ce", "apgd-t", "square"]
+    settings = {"norm": "Linf", "eps": EPS["Linf"], "version": "custom", "attacks_to_run": attacks}
+    settings.update(n_iter=10, n_queries=200)
+    alone = AutoAttack(trained, **settings).evaluate(x, y, bs=48)
+    state = tmp_path / "state.json"
+    asked_in_the_attack = []
+
+    def stop() -> bool:
+        finished = json.loads(state.read_text())["run_attacks"] if state.exists() else []
+        if attacks[len(finished)] == attack:
+            asked_in_the_attack.append(True)
+        return len(asked_in_the_attack) == asked
+
+    with pytest.raises(ensemble.EvaluationStopped, match="inside an attack"):
+        AutoAttack(trained, **settings).evaluate(x, y, bs=48, state_path=state, stop=stop)
+    assert json.loads(state.read_text())["run_attacks"] == attacks[: attacks.index(attack)]
+    resumed = AutoAttack(trained, **settings).evaluate(x, y, bs=48, state_path=state)
+    assert 0 < alone.robust.sum() < alone.clean.sum()  # some points broken, some not: the comparison says something
+    assert torch.equal(resumed.robust, alone.robust) and resumed.broken_by == alone.broken_by
+    assert resumed.robust_after == alone.robust_after
+
+
 def test_batched_runs_keep_the_sequential_semantics():
     """Runs batched up to bs rows give each point what one run at a time would: the earliest run that breaks
     it, and no run on a point already broken by an earlier batch."""

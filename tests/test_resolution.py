@@ -31,6 +31,7 @@ from robust_lightning.evaluation.resolution import (
     network_at,
     scaled_eps,
 )
+from robust_lightning.job_signals import JobSignals, JobStopped
 from robust_lightning.training.lightning_module import ImageClassifier
 
 LINF = {"norm": "Linf", "eps": 4 / 255}
@@ -283,9 +284,9 @@ def test_radii_are_scaled_with_resolution_and_recorded(tmp_path, tree, cnn_check
     used = set()
     original = AutoAttack.evaluate
 
-    def spy(self, x, y, bs=250, progress=None):
+    def spy(self, x, y, bs=250, **options):
         used.add((x.shape[-1], self.norm, self.eps))
-        return original(self, x, y, bs=bs, progress=progress)
+        return original(self, x, y, bs=bs, **options)
 
     monkeypatch.setattr(AutoAttack, "evaluate", spy)
     threats = [LINF, {"norm": "L2", "eps": 0.5}, {"norm": "L1", "eps": 3.0}]
@@ -344,11 +345,11 @@ def test_resume_skips_finished_cells_and_refuses_another_checkpoint(tmp_path, tr
     original = AutoAttack.evaluate
     interrupt = {"at": 2}  # kill the first run at its 2nd attack at 24 px
 
-    def spy(self, x, y, bs=250, progress=None):
+    def spy(self, x, y, bs=250, **options):
         calls.append((x.shape[-1], len(x)))
         if sum(r == 24 for r, _ in calls) == interrupt["at"]:
             raise RuntimeError("interrupted")
-        return original(self, x, y, bs=bs, progress=progress)
+        return original(self, x, y, bs=bs, **options)
 
     monkeypatch.setattr(AutoAttack, "evaluate", spy)
     options = dict(resolutions=[16, 24], threat_models=[LINF], attack="apgd-ce", n_iter=2, batch_size=4)
@@ -381,13 +382,47 @@ def test_resume_skips_finished_cells_and_refuses_another_checkpoint(tmp_path, tr
     assert calls == []
 
 
+def test_a_stop_inside_an_attack_ends_the_sweep_at_that_batch_and_the_same_run_finishes_it(
+    tmp_path, tree, cnn_checkpoints, monkeypatch
+):
+    """A job's signal noted while a robust cell's attack runs (SIGTERM in the middle of AutoAttack) stops that
+    attack at its next stop point and the sweep at its batch: the command ends with JobStopped, the batches before
+    it kept and that batch not recorded. The same sweep again evaluates only the images left, and ends with the
+    figures of the sweep left alone."""
+    calls: list[int] = []
+    signal_at = {"call": 0}  # 0: no signal
+    original = AutoAttack.evaluate
+
+    def spy(self, x, y, bs=250, **options):
+        calls.append(len(x))
+        if len(calls) == signal_at["call"]:
+            monkeypatch.setattr(JobSignals, "sigterm", True)  # what the SIGTERM handler notes
+        return original(self, x, y, bs=bs, **options)
+
+    monkeypatch.setattr(AutoAttack, "evaluate", spy)
+    options = dict(resolutions=[16], threat_models=[LINF], attack="apgd-ce", n_iter=2, batch_size=4)
+    alone, _ = run_sweep(tmp_path / "alone", tree, cnn_checkpoints[0], **options)
+    calls.clear()
+    signal_at["call"] = 2
+    with pytest.raises(JobStopped):
+        run_sweep(tmp_path, tree, cnn_checkpoints[0], **options)
+    assert calls == [4, 4]
+    assert len(read_outcomes(tmp_path / "outcomes" / "16px" / "Linf-4_255")) == 4  # the first batch's, not the second's
+    monkeypatch.setattr(JobSignals, "sigterm", False)
+    calls.clear()
+    signal_at["call"] = 0
+    section, _ = run_sweep(tmp_path, tree, cnn_checkpoints[0], **options)
+    assert calls == [4, 4]  # the second and third batches
+    assert section["resolutions"] == alone["resolutions"]
+
+
 def test_a_run_on_more_images_only_evaluates_the_new_ones(tmp_path, tree, cnn_checkpoints, monkeypatch):
     calls: list[int] = []
     original = AutoAttack.evaluate
 
-    def spy(self, x, y, bs=250, progress=None):
+    def spy(self, x, y, bs=250, **options):
         calls.append(len(x))
-        return original(self, x, y, bs=bs, progress=progress)
+        return original(self, x, y, bs=bs, **options)
 
     monkeypatch.setattr(AutoAttack, "evaluate", spy)
     options = dict(resolutions=[16], threat_models=[LINF], attack="apgd-ce", n_iter=2, batch_size=4)

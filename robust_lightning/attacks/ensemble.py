@@ -205,11 +205,16 @@ def numerics(precision: str, device: torch.device) -> Iterator[None]:
 
 
 L1_MIN_ITER = 3  # one iteration for each stage of the L1 eps schedule
+# Square asks the evaluation's stop every this many passes: one pass is one forward of the live points, and 5000 of
+# them on a large model outlast a scheduler's grace period (SLURM's KillWait after SIGTERM)
+STOP_CHECK_PASSES = 50
 
 
 class EvaluationStopped(Exception):
-    """An evaluation given ``stop`` stopped between two attacks because ``stop()`` said so; its state file
-    (``state_path``) holds every attack it finished, and the same call again runs only the others."""
+    """An evaluation given ``stop`` stopped because ``stop()`` said so, between two attacks or inside one (between
+    its restarts or target classes, or every ``STOP_CHECK_PASSES`` passes of Square); its state file
+    (``state_path``) holds every attack it finished, and the same call again runs only the others, an attack cut
+    short from its start."""
 
 
 class AutoAttack:
@@ -336,6 +341,7 @@ class AutoAttack:
         self.seed = int(time.time()) if seed is None else int(seed)
         self.verbose, self.log_path, self.is_tf_model = verbose, log_path, is_tf_model
         self.engine, self.precision, self.checks = engine, precision, checks
+        self._stop: Callable[[], bool] | None = None  # the running evaluation's (evaluate's stop)
         adaptive_plan((), adaptive, bool(bpda), True)  # a bad name is refused here, before any attack
         self.adaptive, self.bpda, self.stand_ins = adaptive, tuple(bpda), dict(stand_ins or {})
         self.surrogate, self.eot_draws = surrogate, eot_draws
@@ -496,8 +502,9 @@ class AutoAttack:
         reference's resume file (:mod:`robust_lightning.attacks.evaluation_state`): the attacks already run are
         skipped, and the points they broke stay broken (their ``x_adv`` is the clean image, as in the
         reference; ``broken_by`` names the attack, or says "before the resume" for a reference's state file, which
-        does not record it). ``stop``: asked before each attack and each adaptive attack (a job's stop signal);
-        where it says so, :class:`EvaluationStopped` is raised, the attacks run so far kept in ``state_path``.
+        does not record it). ``stop``: a job's stop signal, asked before each attack and each adaptive attack,
+        and inside the fast engine's attacks (:meth:`stop_point`); where it says so, :class:`EvaluationStopped`
+        is raised, the attacks finished so far kept in ``state_path``.
         ``checked_elsewhere``: checks of the model made outside this call (the evaluation callback's sanity
         checks, or the checks of an earlier batch), which decide the adaptive attacks too.
 
@@ -516,7 +523,17 @@ class AutoAttack:
         state = None
         if state_path is not None:
             state = EvaluationState.open(state_path, self.attacks, len(x), self.norm, self.eps)
-        return self._evaluate(x.float(), y.long(), bs, progress, progress_bar, state, stop, checked_elsewhere)
+        self._stop = stop
+        try:
+            return self._evaluate(x.float(), y.long(), bs, progress, progress_bar, state, checked_elsewhere)
+        finally:
+            self._stop = None
+
+    def stop_point(self) -> None:
+        """Raise :class:`EvaluationStopped` where the running evaluation's ``stop`` says so: the fast engine's
+        attacks call it between their runs and inside Square, so that a stop does not wait for a whole attack."""
+        if self._stop is not None and self._stop():
+            raise EvaluationStopped("stopped inside an attack; it runs again from its start")
 
     @staticmethod
     def _batch_size(bs: int | None, batch_size: int | None) -> int:
@@ -537,7 +554,6 @@ class AutoAttack:
         progress: Callable[[str], None] | None,
         progress_bar: bool,
         state: EvaluationState | None,
-        stop: Callable[[], bool] | None = None,
         checked_elsewhere: Sequence[Check] = (),
     ) -> AutoAttackReport:
         started = time.perf_counter()
@@ -584,7 +600,7 @@ class AutoAttack:
                 if state is not None and attack in state.run_attacks:
                     robust_after[attack] = state.robust_accuracy_after.get(attack, robust_after[attack])
                 continue
-            if stop is not None and stop():
+            if self._stop is not None and self._stop():
                 raise EvaluationStopped(f"stopped before {attack}; {len(robust_after)} attacks done")
             started = time.perf_counter()
             survivors = robust.nonzero().flatten()
@@ -634,7 +650,7 @@ class AutoAttack:
         plan, notes = adaptive_plan(raised, self.adaptive, bool(self.bpda), can_transfer)
         adaptive = {}
         for name in plan:
-            if stop is not None and stop():
+            if self._stop is not None and self._stop():
                 raise EvaluationStopped(f"stopped before the adaptive attack {name}")
             adaptive[name] = self._adaptive_attack(name, x, y, bs)
             seconds[f"adaptive_{name}"] = adaptive[name].seconds  # apart from a standard attack of the same name
@@ -911,7 +927,7 @@ def _apgd_untargeted(
             adversary, model, x[rows], y[rows], rows, generator, settings.n_iter, loss=loss, eot_iter=settings.eot_iter
         )
 
-    return batched_runs(attack, x, range(settings.n_restarts), bs)
+    return batched_runs(attack, x, range(settings.n_restarts), bs, adversary.stop_point)
 
 
 def run_apgd_t(
@@ -935,7 +951,7 @@ def run_apgd_t(
             eot_iter=settings.eot_iter,
         )
 
-    return batched_runs(attack, x, range(2, settings.n_target_classes + 2), bs)
+    return batched_runs(attack, x, range(2, settings.n_target_classes + 2), bs, adversary.stop_point)
 
 
 def run_fab(
@@ -989,7 +1005,7 @@ def _fab_runs(
         )
         return result.x_adv, result.robust
 
-    return batched_runs(attack, x, runs, bs)
+    return batched_runs(attack, x, runs, bs, adversary.stop_point)
 
 
 def run_square(
@@ -1005,6 +1021,8 @@ def run_square(
         p_init=0.8,
         generator=seeded_generator(adversary),
         batch_size=bs,
+        stop_point=adversary.stop_point,
+        stop_check_passes=STOP_CHECK_PASSES,
     )
     return torch.where(result.robust.view(-1, *[1] * (x.dim() - 1)), x, result.x_adv), result.robust
 
@@ -1023,7 +1041,11 @@ ATTACKS: dict[str, Attack] = {
 
 
 def batched_runs(
-    attack: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], x: Tensor, runs: range, bs: int
+    attack: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
+    x: Tensor,
+    runs: range,
+    bs: int,
+    stop_point: Callable[[], None] = lambda: None,
 ) -> tuple[Tensor, Tensor]:
     """Attack runs one after the other (restarts, or target ranks) on the points not broken yet; the
     adversarial images (``x`` where no run succeeded) and the robust flags.
@@ -1033,10 +1055,12 @@ def batched_runs(
     broken in one run is not attacked in the later ones. While few points are left, consecutive runs are
     batched: each survivor is repeated once per run, up to ``bs`` rows, so a small survivor set still fills
     the device's batch. A point broken in several runs of one batch keeps the earliest run's image.
+    ``stop_point()`` is called before each batch of runs (it raises to stop).
     """
     x_adv, robust = x.clone(), torch.ones(len(x), dtype=torch.bool, device=x.device)
     pending = list(runs)
     while pending:
+        stop_point()
         todo = robust.nonzero().flatten()
         if not len(todo):
             break

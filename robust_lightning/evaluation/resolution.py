@@ -55,7 +55,15 @@ from timm.layers import PatchEmbed
 from torch import nn
 
 from robust_lightning.atomic import atomic_write_json
-from robust_lightning.attacks.ensemble import ENGINES, PRECISIONS, VERSIONS, AutoAttack, numerics, precision_note
+from robust_lightning.attacks.ensemble import (
+    ENGINES,
+    PRECISIONS,
+    VERSIONS,
+    AutoAttack,
+    EvaluationStopped,
+    numerics,
+    precision_note,
+)
 from robust_lightning.data.samplers import rank_share
 from robust_lightning.data.transforms import eval_resize_size, eval_transform
 from robust_lightning.errors import UserError
@@ -73,6 +81,7 @@ from robust_lightning.evaluation.base import (
 from robust_lightning.evaluation.evaluated_module import model_setting, network_runner
 from robust_lightning.evaluation.outcomes import append_record, cell_seconds, claim_directory, read_outcomes, summarise
 from robust_lightning.evaluation.results import weights_sha256
+from robust_lightning.job_signals import stop_requested
 
 __all__ = [
     "DEFAULT_RESOLUTIONS",
@@ -471,7 +480,10 @@ class ResolutionSweep(Evaluation):
             for cell in todo:
                 index = [i for i, key in enumerate(keys) if key not in done[cell.name]]
                 if index:
-                    record = self._evaluate(model, cell, images, labels, keys, index, pl_module.device)
+                    try:
+                        record = self._evaluate(model, cell, images, labels, keys, index, pl_module.device)
+                    except EvaluationStopped:  # a job's stop inside the attack: the next batch boundary ends the sweep
+                        break
                     append_record(cell.directory / f"rank{trainer.global_rank}.jsonl", record)
                     done[cell.name].update(record["key"])
         self._complete(trainer, todo, seen)
@@ -503,7 +515,7 @@ class ResolutionSweep(Evaluation):
                 n_iter=self.n_iter,
             )
             with torch.enable_grad():
-                report = adversary.evaluate(x, y, bs=bs)
+                report = adversary.evaluate(x, y, bs=bs, stop=stop_requested)
             clean, robust = report.clean.tolist(), report.robust.tolist()
             broken_by, seconds = report.broken_by, report.seconds
         return {
