@@ -22,7 +22,15 @@ import torch
 from lightning import LightningModule, Trainer
 from torch import Tensor, nn
 
-from robust_lightning.analysis.core import AnalysedModule, Analysis, AnalysisResult, Section, model_label, new_figure
+from robust_lightning.analysis.core import (
+    AnalysedModule,
+    Analysis,
+    AnalysisResult,
+    Section,
+    model_label,
+    new_figure,
+    stop_point,
+)
 from robust_lightning.attacks import fgsm, pgd
 from robust_lightning.attacks.spatial import spatial_grid_attack
 from robust_lightning.console import tqdm
@@ -470,7 +478,15 @@ class SpatialRobustness(Analysis):
         )
         results = [
             spatial_grid_attack(
-                model, xb, yb, self.translations, self.max_shift, self.rotations, self.max_angle, self.forward_batch
+                model,
+                xb,
+                yb,
+                self.translations,
+                self.max_shift,
+                self.rotations,
+                self.max_angle,
+                self.forward_batch,
+                stop_point,
             )
             for xb, yb in batches
         ]

@@ -21,6 +21,7 @@ from robust_lightning.errors import UserError
 from robust_lightning.evaluation.base import Evaluation, check_weights, evaluating
 from robust_lightning.evaluation.base import new_figure as _new_figure
 from robust_lightning.evaluation.evaluated_module import EvaluatedModule
+from robust_lightning.job_signals import agree_to_stop, stop_requested
 from robust_lightning.models.classifier import RobustClassifier
 
 if TYPE_CHECKING:
@@ -48,6 +49,15 @@ def analysed(pl_module: LightningModule) -> AnalysedModule:
     """The LightningModule a hook is given, as the module an analysis reads: Lightning types it as any
     LightningModule; the analyses run on ImageClassifier, which provides AnalysedModule (not checked here)."""
     return cast(AnalysedModule, pl_module)
+
+
+def stop_point() -> None:
+    """Raise :class:`~robust_lightning.job_signals.JobStopped` where a job's signal was noted (SIGTERM, SLURM's
+    requeue signal). Analyses run in one process (``Analysis.setup`` refuses more), so a stop needs no agreement
+    with other ranks and can come inside an analysis's own loops, not only between its batches of images: a long
+    computation on a large model would otherwise outlast a scheduler's grace period. Nothing is published."""
+    if stop_requested() and (stop := agree_to_stop("evaluation")) is not None:
+        raise stop
 
 
 def new_figure(*args: int, **kwargs: Any) -> tuple["Figure", Any]:
@@ -233,7 +243,9 @@ class Analysis(Evaluation):
 
     @torch.no_grad()
     def accuracy(self, model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:
-        """Top-1 accuracy of ``model`` on ``images`` ([0, 1], on the model's device), ``batch_size`` at a time."""
+        """Top-1 accuracy of ``model`` on ``images`` ([0, 1], on the model's device), ``batch_size`` at a time. A
+        job's signal stops it first (:func:`stop_point`): analyses such as LesionStudy call it many times."""
+        stop_point()
         correct = 0
         for start in range(0, len(images), self.batch_size):
             logits = model(images[start : start + self.batch_size])

@@ -54,6 +54,7 @@ from robust_lightning.console import tqdm
 from robust_lightning.data.batch import soft_targets
 from robust_lightning.data.contract import evaluation_data
 from robust_lightning.errors import UserError
+from robust_lightning.evaluation.base import until_stopped
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -332,8 +333,9 @@ class HessianSpectrum(Analysis):
                 batch_size=self.batch_size,
                 seed=self.seed,
             )
+            # a job's signal stops it at the next minibatch, as self.batches does: the paper's protocol runs for hours
             minibatches: Iterator[tuple[Tensor, Tensor]] = (
-                (b["image"], training_targets(pl_module, b)) for b in sample.batches
+                (b["image"], training_targets(pl_module, b)) for b in until_stopped(sample.batches)
             )
             total = math.ceil(sample.images / self.batch_size)
         else:

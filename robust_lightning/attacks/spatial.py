@@ -12,6 +12,7 @@ counter-clockwise on screen, about the image centre; the rotation is applied fir
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -116,12 +117,14 @@ def spatial_grid_attack(
     rotations: int = 31,
     max_angle: float = 30.0,
     batch_size: int = 512,
+    stop_point: Callable[[], None] = lambda: None,
 ) -> SpatialResult:
     """Classify every image under every transform of :func:`spatial_grid` and keep the worst case per image.
 
     ``model`` maps [0, 1] images to logits (in eval mode: the attack leaves the mode alone); ``x`` (B, C, H, W)
     in [0, 1], ``y`` (B,) int64 labels. Shifts are in pixels of ``x`` (scale them for images smaller than the
-    papers' 224 px). ``batch_size`` caps the transformed images per forward pass.
+    papers' 224 px). ``batch_size`` caps the transformed images per forward pass. ``stop_point()`` is called
+    before each forward pass; it raises to stop the attack (a job's stop signal).
     """
     if x.dim() != 4 or y.shape != x.shape[:1]:
         raise ValueError(f"expected images (B, C, H, W) and labels (B,), got {tuple(x.shape)} and {tuple(y.shape)}")
@@ -133,6 +136,7 @@ def spatial_grid_attack(
     correct = torch.empty(n_images * n_transforms, dtype=torch.bool, device=x.device)
     # (image, transform) pairs in image-major order, batch_size pairs per forward pass
     for start in range(0, n_images * n_transforms, batch_size):
+        stop_point()
         pairs = torch.arange(start, min(start + batch_size, n_images * n_transforms))
         images, labels = x[pairs // n_transforms], y[pairs // n_transforms]
         logits = model(transform_images(images, grid[pairs % n_transforms])).float()

@@ -1,0 +1,69 @@
+"""A job's signal stops an analysis inside its own loops, not only between its batches of images: LesionStudy
+before its next pass over the images, HessianSpectrum on training images before its next minibatch, and the
+spatial attack before its next forward pass. A long analysis of a large model would otherwise outlast a scheduler's
+grace period after SIGTERM. The command ends with status 143 and publishes nothing, as a stopped evaluation does.
+
+The commands run in the test's process, and the signal is the flag that the command's SIGTERM handler sets
+(robust_lightning.job_signals.JobSignals); tests/test_evaluation_stops.py sends real signals to commands."""
+
+import pytest
+import torch
+
+from helpers import run_analysis, shipped_analysis_config, untrained_checkpoint
+from robust_lightning.analysis import hessian
+from robust_lightning.analysis.core import Analysis
+from robust_lightning.attacks.spatial import spatial_grid_attack
+from robust_lightning.job_signals import JobSignals
+
+
+def signal_at_call(monkeypatch, owner, name: str, call: int) -> list[int]:
+    """Make ``owner.name``'s ``call``-th call note a SIGTERM first. Returns the list its calls are counted in."""
+    original, calls = getattr(owner, name), []
+
+    def noting(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            monkeypatch.setattr(JobSignals, "sigterm", True)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, noting)
+    return calls
+
+
+def test_lesion_study_stops_before_its_next_pass_over_the_images(tmp_path, monkeypatch):
+    checkpoint = untrained_checkpoint(tmp_path, "test_resnet")
+    config = shipped_analysis_config(tmp_path, "lesion_bhojanapalli_fig8", checkpoint, random_counts=[1], samples=2)
+    passes = signal_at_call(monkeypatch, Analysis, "accuracy", 3)
+    status, results, _ = run_analysis(tmp_path, config)
+    assert status == 143 and results is None
+    assert len(passes) == 3  # the intact model, one lesion, then the stop before the third pass
+
+
+def test_hessian_spectrum_on_training_images_stops_before_its_next_minibatch(tmp_path, monkeypatch):
+    checkpoint = untrained_checkpoint(tmp_path, "test_resnet")
+    config = shipped_analysis_config(tmp_path, "hessian_parkkim_fig4", checkpoint, batch_size=4, max_iter=5)
+    assert config["trainer"]["callbacks"][0]["init_args"]["data"] == "train"
+    minibatches = signal_at_call(monkeypatch, hessian, "training_targets", 1)
+    status, results, _ = run_analysis(tmp_path, config)
+    assert status == 143 and results is None
+    assert len(minibatches) == 1  # the first minibatch's spectrum, then the stop before the second
+
+
+def test_the_spatial_attack_asks_to_stop_before_each_forward_pass():
+    x, y = torch.rand(2, 3, 8, 8), torch.tensor([0, 1])
+    forward_passes, asked = [], []
+
+    def model(images):
+        forward_passes.append(len(images))
+        return torch.zeros(len(images), 2)
+
+    def stop_point():
+        asked.append(1)
+        if len(asked) == 3:
+            raise RuntimeError("stopped")
+
+    with pytest.raises(RuntimeError, match="stopped"):
+        spatial_grid_attack(
+            model, x, y, translations=3, max_shift=1, rotations=3, max_angle=10, batch_size=4, stop_point=stop_point
+        )
+    assert forward_passes == [4, 4]  # of the 18 transformed images, 4 a pass
