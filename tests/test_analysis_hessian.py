@@ -237,6 +237,7 @@ def run_test(tmp_path: Path, data: ImageNetDataModule, hessian: HessianSpectrum,
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=CSVLogger(tmp_path, name="test"),
+        default_root_dir=tmp_path,  # where the minibatches are saved (not the working directory's runs/)
         callbacks=[hessian],
     )
     trainer.test(module, datamodule=data, verbose=False)

@@ -39,14 +39,59 @@ def test_lesion_study_stops_before_its_next_pass_over_the_images(tmp_path, monke
     assert len(passes) == 3  # the intact model, one lesion, then the stop before the third pass
 
 
-def test_hessian_spectrum_on_training_images_stops_before_its_next_minibatch(tmp_path, monkeypatch):
-    checkpoint = untrained_checkpoint(tmp_path, "test_resnet")
-    config = shipped_analysis_config(tmp_path, "hessian_parkkim_fig4", checkpoint, batch_size=4, max_iter=5)
+def hessian_config(tmp_path, checkpoint, **init_args):
+    """configs/analysis/hessian_parkkim_fig4.yaml (the paper's protocol on training images) in three minibatches."""
+    config = shipped_analysis_config(
+        tmp_path, "hessian_parkkim_fig4", checkpoint, images=12, batch_size=4, max_iter=5, train_fraction=1.0
+    )
+    config["trainer"]["callbacks"][0]["init_args"] |= init_args
+    config["data"]["source"]["init_args"]["train_per_class"] = 4
     assert config["trainer"]["callbacks"][0]["init_args"]["data"] == "train"
-    minibatches = signal_at_call(monkeypatch, hessian, "training_targets", 1)
+    return config
+
+
+def test_hessian_spectrum_stops_before_its_next_minibatch_and_resumes_to_the_spectrum_left_alone(
+    tmp_path, monkeypatch, capsys
+):
+    """Stopped after its second minibatch, the paper's protocol keeps the two minibatches' eigenvalues; the same
+    command computes only the third and publishes the spectrum of the run left alone. A larger max_images computes
+    only the minibatches it adds, a smaller one only its shorter last minibatch. Other settings are refused the
+    folder."""
+    checkpoint = untrained_checkpoint(tmp_path, "test_resnet")
+    (tmp_path / "alone").mkdir()
+    status, alone, _ = run_analysis(tmp_path / "alone", hessian_config(tmp_path / "alone", checkpoint))
+    assert status == 0 and len(alone["hessian"]["minibatches"]) == 3
+
+    config = hessian_config(tmp_path, checkpoint)
+    minibatches = signal_at_call(monkeypatch, hessian, "training_targets", 2)
     status, results, _ = run_analysis(tmp_path, config)
     assert status == 143 and results is None
-    assert len(minibatches) == 1  # the first minibatch's spectrum, then the stop before the second
+    assert len(minibatches) == 2  # the stop came before the third minibatch was read
+    folder = tmp_path / "runs" / "hessian"
+    assert sorted(hessian.read_minibatches(folder)) == [0, 1]
+
+    monkeypatch.setattr(JobSignals, "sigterm", False)
+    computed = signal_at_call(monkeypatch, hessian, "minibatch_spectrum", 0)
+    status, results, _ = run_analysis(tmp_path, config)
+    assert status == 0 and len(computed) == 1  # the third minibatch only
+    section = results["hessian"]
+    assert section["minibatches"] == alone["hessian"]["minibatches"] and section["nep"] == alone["hessian"]["nep"]
+    assert section["conditions"]["results_dir"] == str(folder.resolve())
+
+    # another cap goes on from the saved minibatches: the first ones are the same whatever the cap
+    computed.clear()
+    status, results, _ = run_analysis(tmp_path, hessian_config(tmp_path, checkpoint, max_images=16), "more.yaml")
+    assert status == 0 and len(computed) == 1  # the fourth minibatch only
+    assert results["hessian"]["minibatches"][:3] == alone["hessian"]["minibatches"]
+    computed.clear()
+    status, results, _ = run_analysis(tmp_path, hessian_config(tmp_path, checkpoint, max_images=6), "fewer.yaml")
+    assert status == 0 and len(computed) == 1  # the second minibatch again, of 2 images now
+    assert results["hessian"]["minibatches"][0] == alone["hessian"]["minibatches"][0]
+
+    capsys.readouterr()
+    status, _, _ = run_analysis(tmp_path, hessian_config(tmp_path, checkpoint, top_k=3), "other.yaml")
+    error = capsys.readouterr().err
+    assert status == 2 and "top_k" in error and "HessianSpectrum.results_dir" in error and "Traceback" not in error
 
 
 def test_the_spatial_attack_asks_to_stop_before_each_forward_pass():

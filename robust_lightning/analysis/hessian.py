@@ -29,15 +29,27 @@ Two ways to run it:
 - during ``fit``, every ``every_n_epochs`` epochs: on the first max_images augmented training images of the
   epoch, with the weights at the end of the epoch. results.json section "hessian" then holds the spectrum of
   every such epoch.
+
+At test time the paper's protocol runs for hours on a large model (thousands of minibatches, each up to
+top_k x max_iter Hessian-vector products), longer than many jobs may run. So each minibatch's eigenvalues are
+appended to ``<results_dir>/minibatches.jsonl`` (fsynced) as soon as they are computed, and the same command run
+again, e.g. by a requeued job, computes only the minibatches not saved there. Minibatch i is the same in every run
+(the training sample's draws are keyed by batch index, and its power iterations start from seed + i), so the
+resumed spectrum is the one of a run left alone, and a run with a larger max_images goes on from a smaller one's.
+A folder holding the minibatches of another checkpoint or setting is refused.
 """
 
+import json
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import ExitStack
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
 from lightning import LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -54,12 +66,30 @@ from robust_lightning.console import tqdm
 from robust_lightning.data.batch import soft_targets
 from robust_lightning.data.contract import evaluation_data
 from robust_lightning.errors import UserError
-from robust_lightning.evaluation.base import until_stopped
+from robust_lightning.evaluation.base import evaluation_source, outcomes_parent, until_stopped
+from robust_lightning.evaluation.outcomes import append_record, claim_directory
+from robust_lightning.evaluation.results import weights_sha256
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 MODEL_MODE = "eval (BatchNorm running statistics, no dropout / drop-path), fp32"
+RECORDS = "minibatches.jsonl"  # a JSON line per minibatch: {"minibatch", "eigenvalues", "iterations", "images"}
+
+
+def read_minibatches(directory: Path) -> dict[int, dict[str, Any]]:
+    """The minibatch spectra saved in ``directory``: index -> record, the last one saved where a minibatch was
+    computed again. A line cut short by a kill is skipped, and its minibatch is computed again."""
+    path = directory / RECORDS
+    records: dict[int, dict[str, Any]] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            records[record["minibatch"]] = record
+    return records
 
 
 # ------------------------------------------------------------------------------------------------ the method
@@ -208,6 +238,8 @@ class HessianSpectrum(Analysis):
             to every eigenvalue. None: the model's training weight decay (its hparam weight_decay), as the paper.
         every_n_epochs: during fit, compute the spectrum at the end of every n-th epoch (n, 2n, ...).
         seed: seed of the training subset and of the power iterations' random start vectors.
+        results_dir: at test time, the folder of the per-minibatch spectra that a re-run resumes from (default
+            ``<trainer.default_root_dir>/hessian``, or ``runs/hessian`` where that is the working directory).
         weights, plot: see Analysis.
     """
 
@@ -225,6 +257,7 @@ class HessianSpectrum(Analysis):
         weight_decay: float | None = None,
         every_n_epochs: int = 1,
         seed: int = 0,
+        results_dir: str | None = None,
         weights: str = "raw",
         plot: bool = True,
     ):
@@ -244,6 +277,8 @@ class HessianSpectrum(Analysis):
         self.data, self.train_fraction = data, train_fraction
         self.top_k, self.max_iter, self.tol, self.weight_decay = top_k, max_iter, tol, weight_decay
         self.every_n_epochs, self.seed = every_n_epochs, seed
+        self.results_root = Path(results_dir) if results_dir else None  # as configured
+        self.locks = ExitStack()  # the records folder's lock, held from the claim until teardown
         self.epochs: dict[int, Section] = {}  # fit: the spectrum of each analysed epoch
         self._recorded: list[tuple[Tensor, Tensor]] = []
 
@@ -272,27 +307,49 @@ class HessianSpectrum(Analysis):
             )
         return float(value)
 
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.locks.close()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self.locks.close()
+
     # ------------------------------------------------------------------------------------------- compute
-    def spectrum(self, model: nn.Module, minibatches: Iterable[tuple[Tensor, Tensor]], weight_decay: float) -> Section:
-        """Top-k eigenvalues of every (images, targets) minibatch, NEP and APE over all of them."""
+    def spectrum(
+        self,
+        model: nn.Module,
+        minibatches: Iterable[tuple[Tensor, Tensor]],
+        weight_decay: float,
+        records: Path | None = None,
+    ) -> Section:
+        """Top-k eigenvalues of every (images, targets) minibatch, NEP and APE over all of them. ``records``: the
+        folder whose saved minibatches are taken as they are and to which each one computed is appended. A saved
+        minibatch of another size (the last one of a run with a smaller max_images) is computed again."""
+        saved = read_minibatches(records) if records is not None else {}
+        if saved:
+            rank_zero_info(f"hessian: resuming, {len(saved)} minibatches already computed in {records}")
         was_training = model.training
         model.eval()  # BatchNorm running statistics, no dropout: the loss is a function of the weights only
         eigenvalues, iterations, images = [], [], 0
         try:
             for i, (x, targets) in enumerate(minibatches):
-                values, steps = minibatch_spectrum(
-                    model,
-                    x,
-                    targets,
-                    top_k=self.top_k,
-                    max_iter=self.max_iter,
-                    tol=self.tol,
-                    weight_decay=weight_decay,
-                    seed=self.seed + i,
-                )
-                eigenvalues.append(values)
-                iterations.append(steps)
-                images += len(x)
+                record = saved.get(i)
+                if record is None or record["images"] != len(x):
+                    values, steps = minibatch_spectrum(
+                        model,
+                        x,
+                        targets,
+                        top_k=self.top_k,
+                        max_iter=self.max_iter,
+                        tol=self.tol,
+                        weight_decay=weight_decay,
+                        seed=self.seed + i,
+                    )
+                    record = {"minibatch": i, "eigenvalues": values, "iterations": steps, "images": len(x)}
+                    if records is not None:
+                        append_record(records / RECORDS, record)
+                eigenvalues.append(record["eigenvalues"])
+                iterations.append(record["iterations"])
+                images += record["images"]
         finally:
             model.train(was_training)
         if not eigenvalues:
@@ -343,7 +400,9 @@ class HessianSpectrum(Analysis):
         bar = tqdm(
             minibatches, total=total, desc="hessian", unit="minibatch", leave=False, disable=not trainer.is_global_zero
         )
-        result = self.spectrum(model, bar, weight_decay)
+        images = sample.transform if self.data == "train" else None
+        records = self._records_folder(trainer, pl_module, weight_decay, images)
+        result = self.spectrum(model, bar, weight_decay, records)
         if self.data == "train":
             complete = sample.images == sample.subset_images
             comparability = {
@@ -379,11 +438,55 @@ class HessianSpectrum(Analysis):
         section = {
             **result,
             **comparability,
-            "conditions": {**self._conditions(model, described, weight_decay), "images": result["images"]},
+            "conditions": {
+                **self._conditions(model, described, weight_decay),
+                "images": result["images"],
+                "results_dir": str(records.resolve()),
+            },
         }
         section["conditions"]["arch"] = pl_module.hparams.get("arch")
         figure = self._plot({model_label(section["conditions"]["arch"]): result}) if self.plot else None
         return section, self._metrics(result), figure
+
+    def _records_folder(
+        self, trainer: Trainer, pl_module: AnalysedModule, weight_decay: float, transform: dict[str, Any] | None
+    ) -> Path:
+        """The folder of this test's per-minibatch spectra, claimed for its checkpoint and settings (not the run's
+        versioned log folder: a re-run of the same command must find them). ``transform``: the training sample's
+        (data "train")."""
+        folder = self.results_root or outcomes_parent(trainer) / "hessian"
+        source, data = evaluation_source(trainer), evaluation_data(trainer)
+        identity: dict[str, Any] = {
+            "weights_sha256": weights_sha256(self.network(pl_module)),
+            "weights": self.weights,
+            "data": self.data,
+            "data_source": source.kind if source else None,
+            "data_location": source.location if source else None,
+            # not max_images: minibatch i is the same whatever the cap, and a larger cap resumes a smaller one's
+            "minibatch_size": self.batch_size,
+            "top_k": self.top_k,
+            "max_iter": self.max_iter,
+            "tol": self.tol,
+            "weight_decay": weight_decay,
+            "seed": self.seed,
+        }
+        if transform is not None:  # the training sample's subset and augmentation, and the loss's targets
+            identity |= {
+                "train_fraction": self.train_fraction,
+                **transform,
+                "label_smoothing": pl_module.hparams.get("label_smoothing") or 0.0,
+            }
+        else:  # the evaluation images and their preprocessing
+            identity |= {
+                "image_size": data.image_size if data is not None else None,
+                "crop_pct": data.crop_pct if data is not None else None,
+                "eval_resize": data.eval_resize if data is not None else None,
+                "interpolation": self.interpolation,
+                "eval_subset": source.subset if source else None,
+                "eval_limit": source.limit if source else None,
+            }
+        claim_directory(folder, identity, True, "HessianSpectrum", self.locks, read_minibatches)
+        return folder
 
     # ------------------------------------------------------------------------------------------ fit time
     def _due(self, trainer: Trainer) -> bool:

@@ -344,6 +344,7 @@ class ImageNetDataModule(LightningDataModule):
             "crop_scale": list(data.crop_scale),
             "image_size": data.image_size,
             "mixup_cutmix": data.augmentation == "heavy",
+            "augmentation_seed": data.seed,  # with the sample's seed, the key of its augmentation draws
         }
         return TrainingSample(
             data.training_augmentation.batches(loader, images, device, seed), images, subset_images, total, transform

@@ -11,6 +11,7 @@ every rank and session, each key once.
 
 import json
 import os
+from collections.abc import Callable, Sized
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -72,13 +73,19 @@ def in_todays_keys(saved: dict[str, Any], identity: dict[str, Any]) -> dict[str,
 
 
 def claim_directory(
-    directory: Path, identity: dict[str, Any], is_global_zero: bool, owner: str, locks: ExitStack | None = None
+    directory: Path,
+    identity: dict[str, Any],
+    is_global_zero: bool,
+    owner: str,
+    locks: ExitStack | None = None,
+    saved_records: Callable[[Path], Sized] = read_outcomes,
 ) -> None:
     """Refuse to mix outcomes of another checkpoint or setting into ``directory``; record ours (replacing the
     manifest of another evaluation that saved no image's outcome there).
     ``owner``: the callback whose ``results_dir`` the error message tells the user to change. ``locks``: where
     global rank zero keeps the directory's lock until the caller closes it when its evaluation ends; another
-    evaluation into the directory meanwhile stops at once with a message naming this one."""
+    evaluation into the directory meanwhile stops at once with a message naming this one. ``saved_records``: what
+    the directory holds (default: per-image outcomes; HessianSpectrum's: per-minibatch spectra)."""
     directory.mkdir(parents=True, exist_ok=True)
     if is_global_zero and locks is not None:
         locks.enter_context(exclusive(directory / LOCK_NAME, f"{owner} outcome folder {directory}"))
@@ -90,7 +97,7 @@ def claim_directory(
         return
     if saved is not None:
         changed = sorted(k for k in identity if saved.get(k) != identity[k])
-        if read_outcomes(directory):
+        if saved_records(directory):
             raise UserError(
                 f"{directory} holds outcomes of a different evaluation ({', '.join(changed)} differ); set "
                 f"{owner}.results_dir to a new directory, or delete it to start over"
