@@ -9,12 +9,14 @@ past it."""
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 from lightning import Callback
 
 from robust_lightning.evaluation.autoattack import AutoAttackEvaluation
 from robust_lightning.evaluation.imagenet_p import ImageNetP
+from robust_lightning.job_signals import JobSignals
 
 
 def parent_of(pid: int) -> int | None:
@@ -122,3 +124,27 @@ class ImageNetPStoppedAt(ImageNetP):
             super().on_test_end(trainer, pl_module)
         finally:
             hook.remove()
+
+
+class StopLocalSweepAt(Callback):
+    """Stops the local sweep that runs this cell once (``marks``), at the start of validation batch ``batch``, as
+    a user does: SIGTERM to the sweep's process (``kill``), or SIGINT to the process group (Ctrl-C in the
+    terminal, which reaches the cell too). Then it waits for the signal to reach this process (SIGTERM passed on
+    by the sweep); SIGINT raises KeyboardInterrupt here."""
+
+    def __init__(self, marks: str, signal_name: str, batch: int = 1) -> None:
+        self.marks, self.signum, self.batch = Path(marks), signal.Signals[signal_name], batch
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        mark = self.marks / "stopped"
+        if batch_idx != self.batch or mark.exists():
+            return
+        self.marks.mkdir(parents=True, exist_ok=True)
+        mark.write_text(self.signum.name)
+        if self.signum == signal.SIGTERM:
+            os.kill(os.getppid(), signal.SIGTERM)
+        else:
+            os.killpg(0, self.signum)
+        deadline = time.monotonic() + 60
+        while not JobSignals.noted() and time.monotonic() < deadline:
+            time.sleep(0.05)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import REPO
+from helpers import REPO, run_command
 from robust_lightning.cli import main
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.results import ResultsFile
@@ -503,3 +503,34 @@ def test_local_sweep_runs_each_cell_through_the_cell_command(tmp_path, capsys):
     assert states == {"init_from=none": "done", "init_from=missing": "failed"}
     done = json.loads((next(c for c in cells if "=none__" in c.name) / "results.json").read_text())
     assert done["validate"]["metrics"]["val/num_images"] == 4
+
+
+@pytest.mark.parametrize("signal_name, status", [("SIGTERM", EXIT_SIGTERM), ("SIGINT", 128 + signal.SIGINT)])
+def test_a_stopped_local_sweep_waits_for_its_cell_and_the_same_command_finishes(tmp_path, signal_name, status):
+    """SIGTERM to a local sweep (``kill``) is passed on to the cell it runs; Ctrl-C (SIGINT to the process group)
+    reaches the cell from the terminal. Either way the sweep waits for the cell to stop and record its state,
+    starts no other cell and exits with the signal's status, without a traceback. Before, Ctrl-C made the sweep kill
+    the cell a quarter of a second later, in the middle of its stop, and SIGTERM ended the sweep at once with the
+    cell left running. The same sweep command then runs the cells not done."""
+    config = tmp_path / "validate.yaml"
+    stop = {
+        "class_path": "stop_points.StopLocalSweepAt",
+        "init_args": {"marks": str(tmp_path / "marks"), "signal_name": signal_name},
+    }
+    trainer = {"accelerator": "cpu", "devices": 1, "limit_val_batches": 3, "callbacks": [stop]}
+    source = {"num_classes": 4, "train_per_class": 1, "val_per_class": 1, "image_size": 32}
+    data = {"source": {"class_path": "SyntheticSource", "init_args": {**source, "root": str(tmp_path / "synthetic")}}}
+    data |= {"image_size": 32, "batch_size": 1, "eval_batch_size": 1}
+    config.write_text(yaml.safe_dump({"trainer": trainer, "model": {"arch": "test_resnet"}, "data": data}))
+    path = write_sweep(tmp_path, command="validate", configs=[str(config)], args={}, grid={"seed_everything": [0, 1]})
+
+    stopped = run_command(["sweep", "--config", str(path), "--local"], cwd=tmp_path, timeout=240)
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode == status, output[-3000:]
+    assert f"sweep stopped by {signal_name} in cell" in output and "Traceback" not in output, output[-3000:]
+    states = sorted(cell_state(cell) for cell in (tmp_path / "out" / "cells").iterdir())
+    assert states == ["interrupted"], states  # the first cell recorded its stop; the second never started
+
+    again = run_command(["sweep", "--config", str(path), "--local"], cwd=tmp_path, timeout=240)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert [cell_state(cell) for cell in (tmp_path / "out" / "cells").iterdir()] == ["done", "done"]

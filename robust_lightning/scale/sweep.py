@@ -36,6 +36,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -332,19 +333,53 @@ def sweep_main(argv: list[str], command_check: Callable[[], Callable[[list[str]]
 def _run_local(sweep: Sweep, cells: list[Cell], manifest: Path, summary: str) -> int:
     print(summary, flush=True)
     failed = 0
+    report = user_command("report", str(sweep.output_dir))
     for index, cell in enumerate(cells):
         log = sweep.output_dir / "logs" / f"local_{manifest.stem}_{index}.out"
         print(f"[{index + 1}/{len(cells)}] {cell.id} (log: {log})", flush=True)
         with open(log, "a") as f:
             command = [sys.executable, "-m", "robust_lightning", "cell", str(manifest), "--index", str(index)]
-            code = subprocess.run(
+            cell_process = subprocess.Popen(
                 command,
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 cwd=sweep.workdir,
                 env={**os.environ, "RL_SWEEP_LOG": str(log)},
-            ).returncode
+            )
+            code, stopped_by = wait_passing_on_sigterm(cell_process)
         failed += code != 0
-    report = user_command("report", str(sweep.output_dir))
+        if stopped_by is not None:
+            name = signal.Signals(stopped_by).name
+            print(
+                f"sweep stopped by {name} in cell {cell.id}, which saved its state and ended (status {code}); "
+                f"{len(cells) - index - 1} cells not started. The same sweep command runs the cells not done.\n"
+                f"report: {report}",
+                flush=True,
+            )
+            return 128 + stopped_by  # as a process ended by that signal
     print(f"{len(cells) - failed} of {len(cells)} cells succeeded\nreport: {report}")
     return 1 if failed else 0
+
+
+def wait_passing_on_sigterm(process: subprocess.Popen[bytes]) -> tuple[int, int | None]:
+    """Wait for a cell to end; returns its exit status and the signal that stopped the sweep meanwhile, if any.
+
+    SIGTERM to the sweep (``kill``, or a scheduler's, which the cell gets too) is passed on to the cell, which
+    stops at its next batch boundary and saves its state, as any command does. Ctrl-C reaches the cell from the
+    terminal itself. Either way the sweep waits for the cell to end and then starts no other cell: Python's
+    ``subprocess.run`` would kill the cell with SIGKILL a quarter of a second after Ctrl-C, in the middle of its
+    save."""
+    stopped_by: list[int] = []
+
+    def note(signum: int, frame: object) -> None:
+        stopped_by.append(signum)
+        if signum == signal.SIGTERM and process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+
+    previous = {signum: signal.signal(signum, note) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = process.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return code, stopped_by[0] if stopped_by else None

@@ -11,11 +11,14 @@ listed by ``robust-lightning report``.
 import json
 import os
 import re
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from robust_lightning.argument_parsing import run_tool
@@ -71,6 +74,15 @@ def run_cell(manifest_path: str, index: int, run: Callable[[list[str]], int]) ->
     shield_forked_children()
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+    # Ctrl-C: Lightning ends the command with status 1, as an error would; the cell is interrupted, not failed
+    ctrl_c: list[int] = []
+
+    def note_ctrl_c(signum: int, frame: FrameType | None) -> None:
+        ctrl_c.append(signum)
+        raise KeyboardInterrupt
+
+    in_main_thread = threading.current_thread() is threading.main_thread()  # where Python takes signals
+    previous = signal.signal(signal.SIGINT, note_ctrl_c) if in_main_thread else None
     try:
         code = run(argv)
     except SIGTERMException:  # SLURM stopping the job (time limit, requeue, scancel): a retry resumes it
@@ -79,10 +91,18 @@ def run_cell(manifest_path: str, index: int, run: Callable[[list[str]], int]) ->
     except SystemExit as e:  # the argument parser's exit, or Lightning's after Ctrl-C
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
     except BaseException as e:
-        mark("failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
+        if ctrl_c or isinstance(e, KeyboardInterrupt):
+            mark("interrupted", error="SIGINT (Ctrl-C)")
+        else:
+            mark("failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     if code == 0:
         mark("done", exit_code=0)
+    elif ctrl_c:
+        mark("interrupted", exit_code=code, error="SIGINT (Ctrl-C)")
     elif code == EXIT_SIGTERM:  # the command line's status for a run stopped by SIGTERM
         mark("interrupted", exit_code=code, error="SIGTERM")
     else:
