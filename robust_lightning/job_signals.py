@@ -39,6 +39,7 @@ that holds the interpreter's runtime lock: a child forked while another thread h
 """
 
 import atexit
+import ctypes
 import logging
 import multiprocessing
 import os
@@ -102,6 +103,19 @@ def shield_forked_children() -> None:
         hooks["before"] = sys._current_frames
     os.register_at_fork(**hooks)
     atexit.register(_end_daemonic_children)
+
+
+def end_with_parent(parent: int) -> None:
+    """A process pool worker's initializer (``initargs=(os.getpid(),)``): the kernel kills the worker when its
+    parent ends. A parent ended by a signal (``kill``) leaves its pool's workers behind otherwise, and they wait
+    for work for ever, holding what they inherited: the synthetic dataset's lock, so that the next command that
+    needs the dataset waits for ever too. Linux's prctl(PR_SET_PDEATHSIG); elsewhere it does nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent ended before the call
+        os._exit(1)
 
 
 def _end_daemonic_children() -> None:

@@ -10,9 +10,11 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
+from robust_lightning.data import shards
 from robust_lightning.data.shards import convert_image_folder, read_manifest, shard_urls, shards_main
 from robust_lightning.data.sources import ShardSource
 from robust_lightning.errors import UserError
+from robust_lightning.job_signals import end_with_parent
 
 WNIDS = {"n01440764": 0, "n01443537": 1, "n15075141": 999}
 
@@ -377,3 +379,20 @@ def test_errors_about_damaged_shards_name_the_command_that_repairs_them(tree, tm
         f"{src.resolve()} again, with the same options$",
     ):
         shard_urls(out)
+
+
+def test_the_conversion_pool_workers_end_with_the_conversion(tree, tmp_path, monkeypatch):
+    """The pool's workers are started with end_with_parent (tests/test_synthetic.py kills a generation with such
+    workers), and the conversion runs as before with it."""
+    pools = []
+
+    class Recorded(shards.ProcessPoolExecutor):
+        def __init__(self, *args, **kwargs):
+            pools.append(kwargs)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(shards, "ProcessPoolExecutor", Recorded)
+    src, files, _ = tree
+    convert_image_folder(src, tmp_path / "shards", samples_per_shard=3, workers=2, progress=False)
+    assert [(pool["initializer"], pool["initargs"]) for pool in pools] == [(end_with_parent, (os.getpid(),))]
+    assert sum(len(shard) for shard in _read_shards(tmp_path / "shards")) == len(files)

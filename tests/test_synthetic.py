@@ -1,7 +1,15 @@
 """The built-in synthetic shapes dataset."""
 
+import contextlib
+import fcntl
 import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -189,3 +197,63 @@ def test_classes_are_shapes_not_colours(small, one_thread):
         cnn_acc = (net(val_x).argmax(1) == val_y).float().mean().item()
     print(f"CNN val accuracy {cnn_acc:.2f}, mean-colour {colour_acc:.2f}")
     assert cnn_acc > 0.45, f"CNN val accuracy {cnn_acc:.2f}, mean-colour {colour_acc:.2f}"
+
+
+GENERATE = textwrap.dedent(
+    """
+    # ensure_synthetic_dataset with two pool workers whose shards take longer than the test waits
+    import os, sys, time
+    from pathlib import Path
+    from robust_lightning.data import synthetic
+    from robust_lightning.job_signals import shield_forked_children
+
+    shield_forked_children()  # as every command does: its children ignore the job's SIGTERM
+    started = Path(sys.argv[2])
+
+    def slow_shard(*args):
+        (started / str(os.getpid())).write_text("")
+        time.sleep(120)
+
+    synthetic._write_synthetic_shard = slow_shard  # the forked workers run it too
+    synthetic.ensure_synthetic_dataset(
+        sys.argv[1], num_classes=2, train_per_class=4, val_per_class=2, image_size=16, samples_per_shard=2, workers=2
+    )
+    """
+)
+
+
+def ended(pid: int) -> bool:
+    """Whether a process is gone or a zombie (an orphan's new parent may not reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
+def test_a_killed_generation_takes_its_pool_workers_with_it_and_frees_the_lock(tmp_path):
+    """``kill`` of a command that generates the synthetic dataset ends its pool workers too. Before, they ignored
+    the signal (as every child of a command does) and outlived their parent, waiting for work for ever and holding
+    the dataset's lock, so that the next command that needed the dataset waited for ever too."""
+    script, started, root = tmp_path / "generate.py", tmp_path / "started", tmp_path / "data"
+    script.write_text(GENERATE)
+    started.mkdir()
+    process = subprocess.Popen([sys.executable, str(script), str(root), str(started)], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(started.iterdir())) < 2 and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        workers = [int(path.name) for path in started.iterdir()]
+        assert len(workers) == 2, f"the generation ended with status {process.poll()} before its workers started"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == -signal.SIGTERM
+        deadline = time.monotonic() + 30
+        while not all(ended(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(ended(pid) for pid in workers)
+        with open(root / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError while a worker holds it
+    finally:
+        for pid in [process.pid, *[int(path.name) for path in started.iterdir()]]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -34,6 +34,7 @@ from robust_lightning.data.shards import (
     write_shard,
 )
 from robust_lightning.errors import UserError
+from robust_lightning.job_signals import end_with_parent
 from robust_lightning.paths import DATA_DIR
 
 # Bump when the drawing code changes, so existing datasets are regenerated.
@@ -284,7 +285,9 @@ def _generate(out: Path, params: JSONObject, progress: bool, workers: int) -> No
                 stats[task[1], task[2]] = _write_synthetic_shard(*task)
                 bar.update()
         else:
-            with ProcessPoolExecutor(max_workers=min(workers, len(tasks))) as pool:
+            with ProcessPoolExecutor(
+                max_workers=min(workers, len(tasks)), initializer=end_with_parent, initargs=(os.getpid(),)
+            ) as pool:
                 futures = {pool.submit(_write_synthetic_shard, *task): (task[1], task[2]) for task in tasks}
                 for future in as_completed(futures):
                     stats[futures[future]] = future.result()
