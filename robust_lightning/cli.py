@@ -452,6 +452,7 @@ def _run_command(args: list[str], from_command_line: bool) -> int:
             raise UserError(
                 f"unknown command {args[0]!r}; expected one of: {', '.join([*TRAINER_COMMANDS, *TOOL_COMMANDS])}"
             )
+        JobSignals.start_slurm_command()  # SLURM's requeue signal during the set-up is acted on, not fatal
         # args None: LightningCLI reads sys.argv itself
         RobustLightningCLI(**cli_arguments(), args=None if from_command_line else args)
     except SIGTERMException as e:  # a SystemExit without a code: the process would exit 0 as if the run had finished

@@ -33,6 +33,9 @@ ignored every SIGTERM kept the exiting process waiting for ever. So a loader wor
 its own takes each one: from its parent it ends the worker (status 0, as torch's own handler does); from anyone
 else (the scheduler) it is dropped.
 
+The command line notes SLURM's requeue signal from the start of a Trainer command, before its set-up
+(:meth:`JobSignals.start_slurm_command`): its default action would end the process at once, without the requeue.
+
 Before Python 3.12, a process that called :func:`shield_forked_children` also makes each fork wait for a thread
 that holds the interpreter's runtime lock: a child forked while another thread held that lock waits for it forever
 (CPython gh-112275).
@@ -55,6 +58,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -174,15 +178,19 @@ class JobSignals:
 
     sigterm = False  # SIGTERM came
     requeue = False  # SLURM's requeue signal came
+    started = False  # a command is running: start_command was called, give_back not yet
     told_others = False  # the store holds this process's stop
     generation = 0  # which command of the process the store's key is for (every rank runs the same commands)
     _previous: dict[int, Any] = {}  # noqa: RUF012 (the process's one state)
 
     @classmethod
-    def take(cls, requeue_signal: int | None, on_sigterm: Callable[[int], None] | None = None) -> None:
-        """Note SIGTERM and the requeue signal (None: not on SLURM, or auto-requeue off) from now on, in the main
-        thread. ``on_sigterm`` also runs in the handler (to pass the signal to the processes this one started).
-        Taking them again keeps what was noted; :meth:`give_back` restores the handlers found first."""
+    def take(
+        cls, requeue_signal: int | None, on_sigterm: Callable[[int], None] | None = None, sigterm: bool = True
+    ) -> None:
+        """Note SIGTERM (unless ``sigterm`` is False) and the requeue signal (None: not on SLURM, or auto-requeue
+        off) from now on, in the main thread. ``on_sigterm`` also runs in the handler (to pass the signal to the
+        processes this one started). Taking them again keeps what was noted; :meth:`give_back` restores the
+        handlers found first."""
         if threading.current_thread() is not threading.main_thread():
             return
 
@@ -196,7 +204,7 @@ class JobSignals:
             cls.requeue = True
             log.info("received SLURM's requeue signal: stopping at the next batch boundary")
 
-        for signum, handler in ((signal.SIGTERM, note_sigterm), (requeue_signal, note_requeue)):
+        for signum, handler in ((signal.SIGTERM if sigterm else None, note_sigterm), (requeue_signal, note_requeue)):
             if signum is None:
                 continue
             cls._previous.setdefault(signum, signal.getsignal(signum))
@@ -212,12 +220,35 @@ class JobSignals:
         for signum, handler in cls._previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         cls._previous = {}
+        cls.started = False
 
     @classmethod
     def start_command(cls) -> None:
         """A new command of this process: nothing noted yet, and a store key of its own."""
         cls.sigterm = cls.requeue = cls.told_others = False
+        cls.started = True
         cls.generation += 1
+
+    @classmethod
+    def start_slurm_command(cls) -> None:
+        """A command line's command starts: on SLURM, SLURM's requeue signal (SIGUSR1, as ``#SBATCH
+        --signal=SIGUSR1@90`` sends it) is noted from now on, before the command's set-up (building the model,
+        listing the data), which may take minutes. Its default action would end the process at once, without the
+        requeue. The command acts on it at its first batch boundary. SIGTERM keeps its default action until then:
+        there is nothing to save yet, and a set-up that went on could outlast the scheduler's grace period."""
+        cls.start_command()
+        if SLURMEnvironment.detect():
+            cls.take(signal.SIGUSR1, sigterm=False)
+
+    @classmethod
+    def not_the_requeue_signal(cls, signum: int) -> None:
+        """``signum``, noted as SLURM's requeue signal since :meth:`start_slurm_command`, is not this command's
+        (auto-requeue off, or another signal configured): its earlier handler is back, and its note is dropped."""
+        if threading.current_thread() is not threading.main_thread() or signum not in cls._previous:
+            return
+        previous = cls._previous.pop(signum)
+        signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        cls.requeue = False
 
     @classmethod
     def noted(cls) -> bool:

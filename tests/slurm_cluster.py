@@ -346,6 +346,17 @@ class SignalMidStep(Callback):
             os.kill(os.getpid(), self.signum)
 
 
+class SignalInSetup(Callback):
+    """Sends ``signal_name`` to this process in the command's set-up: in this callback's setup hook, which runs
+    before those of the callbacks the command line adds (Interruption's among them)."""
+
+    def __init__(self, signal_name: str = "SIGUSR1"):
+        self.signum = signal.Signals[signal_name]
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        os.kill(os.getpid(), self.signum)
+
+
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # kill PID: cancel the jobs and stop the daemons
     cluster = SlurmCluster(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp/rl-slurm"))

@@ -275,6 +275,28 @@ def test_a_slurm_requeue_stops_the_fit_at_its_step_and_says_slurm_resumes(tmp_pa
     assert [json.loads(line)["step"] for line in record.read_text().splitlines()] == [4, 5, 6, 7]
 
 
+def test_a_slurm_requeue_signal_in_the_set_up_is_acted_on_at_the_first_step(tmp_path):
+    """SLURM's requeue signal before the fit's own handlers are in place (in a callback's set-up, as it could land
+    while the data is listed): its default action would end the process with status 138 and no requeue. The
+    command line notes it from the start, so the fit stops after its first step, writes hpc_ckpt_1.ckpt and asks
+    scontrol to requeue the job."""
+    record = tmp_path / "batches.jsonl"
+    callbacks = [
+        {"class_path": "slurm_cluster.Pace", "init_args": {"record": str(record), "seconds": 0}},
+        {"class_path": "slurm_cluster.SignalInSetup"},
+    ]
+    overrides = {"trainer.max_epochs": 1, "trainer.limit_train_batches": 4, "model.arch": "test_resnet"}
+    config = tiny_config(tmp_path, **overrides, **{"trainer.callbacks": callbacks})
+    first = run_command(["fit", "--config", str(config)], cwd=tmp_path, timeout=300, env=fake_slurm_job(tmp_path))
+    output = first.stdout + first.stderr
+    assert first.returncode == 143, output[-3000:]
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    hpc = tmp_path / "runs" / "hpc_ckpt_1.ckpt"
+    assert torch.load(hpc, map_location="cpu", weights_only=True)["global_step"] == 1
+    assert [json.loads(line)["step"] for line in record.read_text().splitlines()] == [1]
+    assert "stopped for SLURM's requeue (exit status 143)" in output and "Traceback" not in output
+
+
 def test_a_refused_slurm_requeue_stops_the_fit_with_last_ckpt_and_the_command_that_resumes_it(tmp_path):
     """SLURM's requeue signal in step 3, and ``scontrol requeue`` fails. The fit stops there all the same (its time
     limit is near, and its W&B run is finished), warns that the requeue failed, writes last.ckpt of step 3 beside

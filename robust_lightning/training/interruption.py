@@ -115,9 +115,12 @@ class Interruption(Callback):
             if trainer.strategy.launcher is not None:
                 trainer.strategy.launcher.kill(signum)
 
-        JobSignals.start_command()
+        if not JobSignals.started:  # the command line starts its commands earlier (JobSignals.start_slurm_command)
+            JobSignals.start_command()
         self._deferred, self._validation_start = None, None
         requeue = requeue_signal(trainer)
+        if requeue != signal.SIGUSR1:
+            JobSignals.not_the_requeue_signal(signal.SIGUSR1)
         JobSignals.take(requeue, pass_on)
         if requeue is not None:
             rank_zero_info(
