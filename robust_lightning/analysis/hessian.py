@@ -400,8 +400,8 @@ class HessianSpectrum(Analysis):
         bar = tqdm(
             minibatches, total=total, desc="hessian", unit="minibatch", leave=False, disable=not trainer.is_global_zero
         )
-        images = sample.transform if self.data == "train" else None
-        records = self._records_folder(trainer, pl_module, weight_decay, images)
+        transform = sample.transform if self.data == "train" else None
+        records = self._records_folder(trainer, pl_module, weight_decay, transform)
         result = self.spectrum(model, bar, weight_decay, records)
         if self.data == "train":
             complete = sample.images == sample.subset_images

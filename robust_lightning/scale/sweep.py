@@ -351,7 +351,7 @@ def _run_local(sweep: Sweep, cells: list[Cell], manifest: Path, summary: str) ->
         if stopped_by is not None:
             name = signal.Signals(stopped_by).name
             print(
-                f"sweep stopped by {name} in cell {cell.id}, which saved its state and ended (status {code}); "
+                f"sweep stopped by {name} in cell {cell.id}, which ended with status {code}; "
                 f"{len(cells) - index - 1} cells not started. The same sweep command runs the cells not done.\n"
                 f"report: {report}",
                 flush=True,
@@ -381,5 +381,5 @@ def wait_passing_on_sigterm(process: subprocess.Popen[bytes]) -> tuple[int, int 
         code = process.wait()
     finally:
         for signum, handler in previous.items():
-            signal.signal(signum, handler)
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
     return code, stopped_by[0] if stopped_by else None
