@@ -58,7 +58,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -237,7 +236,8 @@ class JobSignals:
         requeue. The command acts on it at its first batch boundary. SIGTERM keeps its default action until then:
         there is nothing to save yet, and a set-up that went on could outlast the scheduler's grace period."""
         cls.start_command()
-        if SLURMEnvironment.detect():
+        # SLURMEnvironment.detect()'s rule, without the warning about srun that it prints outside SLURM
+        if "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
             cls.take(signal.SIGUSR1, sigterm=False)
 
     @classmethod

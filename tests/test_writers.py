@@ -88,7 +88,7 @@ def test_forked_workers_do_not_keep_a_lock(tmp_path):
     """)
     try:
         _wait_for_holder(lock_file, holder)
-        while not worker_pid.exists():
+        while not (worker_pid.exists() and worker_pid.read_text()):  # written, not only created
             time.sleep(0.05)
     finally:
         holder.send_signal(signal.SIGKILL)
