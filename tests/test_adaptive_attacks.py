@@ -173,6 +173,29 @@ def test_a_stop_before_the_adaptive_attacks_resumes_to_the_same_report(net, poin
     assert torch.equal(resumed.robust, alone.robust) and torch.equal(resumed.reported, alone.reported)
 
 
+def test_a_stop_inside_an_adaptive_attack_resumes_to_the_same_report(net, points, tmp_path):
+    """A job's stop is asked inside the adaptive attacks too: here the fourth time it is asked after the standard
+    attacks (before Square from scratch, before its batch, before its first restart, then at Square's 50th pass).
+    The evaluation stops there, and the same call with the state file ends with the report left alone."""
+    x, y = points[0][:60], points[1][:60]
+    settings = {"norm": "Linf", "eps": EPS, "version": "custom", "attacks_to_run": ["apgd-ce"], "n_iter": N_ITER}
+    settings.update(n_queries=200, adaptive=["square"])
+    alone = AutoAttack(net, **settings).evaluate(x, y, bs=60)
+    state = tmp_path / "state.json"
+    asked_after_the_standard_attacks = []
+
+    def stop() -> bool:
+        if state.exists() and json.loads(state.read_text())["run_attacks"] == ["apgd-ce"]:
+            asked_after_the_standard_attacks.append(True)
+        return len(asked_after_the_standard_attacks) == 4
+
+    with pytest.raises(EvaluationStopped, match="inside an attack"):
+        AutoAttack(net, **settings).evaluate(x, y, bs=60, state_path=state, stop=stop)
+    resumed = AutoAttack(net, **settings).evaluate(x, y, bs=60, state_path=state)
+    assert 0 < alone.adaptive["square"].robust.sum() < alone.clean.sum()  # a comparison that says something
+    assert torch.equal(resumed.robust, alone.robust) and torch.equal(resumed.reported, alone.reported)
+
+
 def test_the_test_command_runs_a_requested_adaptive_attack_and_resumes_it(tmp_path, autoattack_checkpoint):
     """``robust-lightning test`` with ``adaptive: [square]`` on the tiny AutoAttack checkpoint: Square from scratch
     runs on every image beside AutoAttack, and an evaluation cut after two batches and run again ends with the

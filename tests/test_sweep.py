@@ -511,7 +511,7 @@ def test_a_stopped_local_sweep_waits_for_its_cell_and_the_same_command_finishes(
     reaches the cell from the terminal. Either way the sweep waits for the cell to stop and record its state,
     starts no other cell and exits with the signal's status, without a traceback. Before, Ctrl-C made the sweep kill
     the cell a quarter of a second later, in the middle of its stop, and SIGTERM ended the sweep at once with the
-    cell left running. The same sweep command then runs the cells not done."""
+    cell left running. The same sweep command then runs the cells not done (checked after Ctrl-C)."""
     config = tmp_path / "validate.yaml"
     stop = {
         "class_path": "stop_points.StopLocalSweepAt",
@@ -531,6 +531,7 @@ def test_a_stopped_local_sweep_waits_for_its_cell_and_the_same_command_finishes(
     states = sorted(cell_state(cell) for cell in (tmp_path / "out" / "cells").iterdir())
     assert states == ["interrupted"], states  # the first cell recorded its stop; the second never started
 
-    again = run_command(["sweep", "--config", str(path), "--local"], cwd=tmp_path, timeout=240)
-    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
-    assert [cell_state(cell) for cell in (tmp_path / "out" / "cells").iterdir()] == ["done", "done"]
+    if signal_name == "SIGINT":  # the re-run does not depend on the signal: once is enough
+        again = run_command(["sweep", "--config", str(path), "--local"], cwd=tmp_path, timeout=240)
+        assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+        assert [cell_state(cell) for cell in (tmp_path / "out" / "cells").iterdir()] == ["done", "done"]

@@ -34,6 +34,7 @@ from .apgd import apgd, predicted_correct
 from .square import square_attack
 
 Model = Callable[[Tensor], Tensor]
+StopPoint = Callable[[], None]  # called between an attack's parts; it raises to stop (a job's stop signal)
 
 
 @dataclass
@@ -116,11 +117,17 @@ def _batches(n: int, bs: int | None) -> list[slice]:
 
 
 def _batchwise(
-    x: Tensor, y: Tensor, bs: int | None, attack: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+    x: Tensor,
+    y: Tensor,
+    bs: int | None,
+    attack: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
+    stop_point: StopPoint,
 ) -> tuple[Tensor, Tensor]:
-    """``attack(xb, yb) -> (robust, x_adv)`` on each batch of ``bs`` points, the results gathered on the CPU."""
+    """``attack(xb, yb) -> (robust, x_adv)`` on each batch of ``bs`` points, the results gathered on the CPU;
+    ``stop_point()`` before each batch."""
     robust, x_adv = [], []
     for part in _batches(len(x), bs):  # each batch's results leave the device before the next batch
+        stop_point()
         still, best = attack(x[part], y[part])
         robust.append(still.float().cpu())
         x_adv.append(best.cpu())
@@ -145,10 +152,12 @@ def transfer_attack(
     seed: int = 0,
     bs: int | None = None,
     name: str = "transfer",
+    stop_point: StopPoint = lambda: None,
 ) -> AdaptiveResult:
     """APGD-CE, then APGD-T (targeted DLR at the ``n_target_classes`` highest other classes, as many as there are;
     none below 4 classes), on ``surrogate``, against every point that ``model`` classifies correctly. Both the
-    highest-loss and the last misclassified iterate of each run are tried on ``model``, which alone decides."""
+    highest-loss and the last misclassified iterate of each run are tried on ``model``, which alone decides.
+    ``stop_point()`` is called before each batch and each run; it raises to stop (a job's stop signal)."""
     started = time.perf_counter()
     classes = _classes(model, x)
     targets = min(n_target_classes, classes - 1) if classes >= 4 else 0
@@ -160,6 +169,7 @@ def transfer_attack(
         runs: list[dict[str, Any]] = [{"loss": "ce"}]
         runs += [{"loss": "dlr-targeted", "y_target": ranked[:, -rank]} for rank in range(2, targets + 2)]
         for run in runs:
+            stop_point()
             todo = still.nonzero().flatten()
             if not len(todo):
                 break
@@ -182,7 +192,7 @@ def transfer_attack(
                 still[todo[broken]] = False
         return still, best
 
-    robust, x_adv = _batchwise(x, y, bs, attack)
+    robust, x_adv = _batchwise(x, y, bs, attack, stop_point)
     return AdaptiveResult(name, robust, x_adv, time.perf_counter() - started)
 
 
@@ -199,6 +209,7 @@ def bpda_attack(
     n_target_classes: int = 9,
     seed: int = 0,
     bs: int | None = None,
+    stop_point: StopPoint = lambda: None,
 ) -> AdaptiveResult:
     """BPDA: :func:`transfer_attack` from the straight-through copy of ``model`` (:func:`straight_through`), whose
     forward is the model's own."""
@@ -215,6 +226,7 @@ def bpda_attack(
         seed=seed,
         bs=bs,
         name="bpda",
+        stop_point=stop_point,
     )
 
 
@@ -236,17 +248,19 @@ def eot_attack(
     n_iter: int = 100,
     seed: int = 0,
     bs: int | None = None,
+    stop_point: StopPoint = lambda: None,
 ) -> AdaptiveResult:
     """EoT against a randomized model: APGD-CE and APGD-DLR (with 3 classes or more) with the gradient averaged
     over ``eot_iter`` passes per iterate; each point's figure is the share of ``draws`` passes that classify its
     worst candidate correctly (the clean image, and each run's highest-loss iterate), the expected robust
-    accuracy over the model's draws."""
+    accuracy over the model's draws. ``stop_point()`` is called before each batch and each run."""
     started = time.perf_counter()
     losses = ("ce", "dlr") if _classes(model, x) >= 3 else ("ce",)
 
     def attack(xb: Tensor, yb: Tensor) -> tuple[Tensor, Tensor]:
         share, best = _share_correct(model, xb, yb, draws), xb.clone()
         for loss in losses:
+            stop_point()
             result = apgd(
                 model, xb, yb, norm=norm, eps=eps, n_iter=n_iter, loss=loss, eot_iter=eot_iter, generator=seed
             )
@@ -256,7 +270,7 @@ def eot_attack(
             best[lower], share = candidate[lower], torch.minimum(share, candidate_share)
         return share, best
 
-    robust, x_adv = _batchwise(x, y, bs, attack)
+    robust, x_adv = _batchwise(x, y, bs, attack, stop_point)
     return AdaptiveResult("eot", robust, x_adv, time.perf_counter() - started)
 
 
@@ -271,25 +285,35 @@ def square_from_scratch(
     n_restarts: int = 5,
     seed: int = 0,
     bs: int | None = None,
+    stop_point: StopPoint = lambda: None,
 ) -> AdaptiveResult:
     """Square Attack with ``n_restarts`` restarts (seeds ``seed``, ``seed + 1``, ...) on every point the model
-    classifies correctly: each restart attacks the points the earlier ones left standing."""
+    classifies correctly: each restart attacks the points the earlier ones left standing. ``stop_point()`` is
+    called before each batch and each restart, and every 50 passes of Square."""
     started = time.perf_counter()
 
     def attack(xb: Tensor, yb: Tensor) -> tuple[Tensor, Tensor]:
         still, best = _correct(model, xb, yb), xb.clone()
         for restart in range(n_restarts):
+            stop_point()
             todo = still.nonzero().flatten()
             if not len(todo):
                 break
             generator = torch.Generator(device=xb.device).manual_seed(seed + restart)
             result = square_attack(
-                model, xb[todo], yb[todo], norm=norm, eps=eps, n_queries=n_queries, generator=generator
+                model,
+                xb[todo],
+                yb[todo],
+                norm=norm,
+                eps=eps,
+                n_queries=n_queries,
+                generator=generator,
+                stop_point=stop_point,
             )
             broken = ~result.robust & ~_correct(model, result.x_adv, yb[todo])
             best[todo[broken]] = result.x_adv[broken]
             still[todo[broken]] = False
         return still, best
 
-    robust, x_adv = _batchwise(x, y, bs, attack)
+    robust, x_adv = _batchwise(x, y, bs, attack, stop_point)
     return AdaptiveResult("square", robust, x_adv, time.perf_counter() - started)

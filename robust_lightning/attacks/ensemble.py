@@ -503,8 +503,8 @@ class AutoAttack:
         skipped, and the points they broke stay broken (their ``x_adv`` is the clean image, as in the
         reference; ``broken_by`` names the attack, or says "before the resume" for a reference's state file, which
         does not record it). ``stop``: a job's stop signal, asked before each attack and each adaptive attack,
-        and inside the fast engine's attacks (:meth:`stop_point`); where it says so, :class:`EvaluationStopped`
-        is raised, the attacks finished so far kept in ``state_path``.
+        and inside the fast engine's attacks and the adaptive ones (:meth:`stop_point`); where it says so,
+        :class:`EvaluationStopped` is raised, the attacks finished so far kept in ``state_path``.
         ``checked_elsewhere``: checks of the model made outside this call (the evaluation callback's sanity
         checks, or the checks of an earlier batch), which decide the adaptive attacks too.
 
@@ -531,7 +531,8 @@ class AutoAttack:
 
     def stop_point(self) -> None:
         """Raise :class:`EvaluationStopped` where the running evaluation's ``stop`` says so: the fast engine's
-        attacks call it between their runs and inside Square, so that a stop does not wait for a whole attack."""
+        attacks and the adaptive attacks call it between their runs or batches and inside Square, so that a stop
+        does not wait for a whole attack."""
         if self._stop is not None and self._stop():
             raise EvaluationStopped("stopped inside an attack; it runs again from its start")
 
@@ -718,21 +719,23 @@ class AutoAttack:
             if name == "bpda":
                 return bpda_attack(
                     model, x, y, parts=self.bpda, stand_ins=self.stand_ins, norm=norm, eps=eps, n_iter=n_iter,
-                    n_target_classes=targets, seed=seed, bs=bs,
+                    n_target_classes=targets, seed=seed, bs=bs, stop_point=self.stop_point,
                 )  # fmt: skip
             if name == "transfer":
                 surrogate = self.surrogate or without_parts(model, self.bpda, self.stand_ins)
                 return transfer_attack(
                     model, surrogate, x, y, norm=norm, eps=eps, n_iter=n_iter, n_target_classes=targets, seed=seed,
-                    bs=bs,
+                    bs=bs, stop_point=self.stop_point,
                 )  # fmt: skip
             if name == "eot":
                 return eot_attack(
-                    model, x, y, norm=norm, eps=eps, draws=self.eot_draws, n_iter=n_iter, seed=seed, bs=bs
-                )
+                    model, x, y, norm=norm, eps=eps, draws=self.eot_draws, n_iter=n_iter, seed=seed, bs=bs,
+                    stop_point=self.stop_point,
+                )  # fmt: skip
             return square_from_scratch(
-                model, x, y, norm=norm, eps=eps, n_queries=self.square.n_queries, seed=seed, bs=bs
-            )
+                model, x, y, norm=norm, eps=eps, n_queries=self.square.n_queries, seed=seed, bs=bs,
+                stop_point=self.stop_point,
+            )  # fmt: skip
 
     @staticmethod
     def _restored_flags(state: EvaluationState, clean: Tensor) -> Tensor:
