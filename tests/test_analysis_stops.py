@@ -4,7 +4,10 @@ spatial attack before its next forward pass. A long analysis of a large model wo
 grace period after SIGTERM. The command ends with status 143 and publishes nothing, as a stopped evaluation does.
 
 The commands run in the test's process, and the signal is the flag that the command's SIGTERM handler sets
-(robust_lightning.job_signals.JobSignals); tests/test_evaluation_stops.py sends real signals to commands."""
+(robust_lightning.job_signals.JobSignals); tests/test_evaluation_stops.py sends real signals to commands. The
+shipped configs run without loader workers and progress bars here (helpers.shipped_analysis_config), as in the other
+in-process analysis tests: the stop inside an analysis does not pass through them, and tests/test_imagenet_p.py
+sends a real SIGTERM to an evaluation's loader workers."""
 
 import pytest
 import torch
