@@ -4,6 +4,7 @@ safeguard, and the Lightning callback (results, resume, DDP)."""
 import copy
 import dataclasses
 import json
+import traceback
 from pathlib import Path
 
 import pytest
@@ -333,18 +334,22 @@ def test_the_fast_engine_reads_back_between_runs_not_per_iteration(trained, poin
     assert reads[0] == reads[1] > 0
 
 
-@pytest.mark.parametrize("attack, asked", [("apgd-t", 3), ("square", 2)])
+@pytest.mark.parametrize(
+    "attack, asked, n_iter, where",
+    [("apgd-ce", 3, 30, "apgd"), ("apgd-t", 3, 10, "batched_runs"), ("square", 2, 10, "square_attack")],
+)
 def test_a_stop_inside_an_attack_resumes_to_the_report_of_the_evaluation_left_alone(
-    trained, points, tmp_path, attack, asked
+    trained, points, tmp_path, attack, asked, n_iter, where
 ):
-    """A job's stop is asked inside the fast engine's attacks too: between APGD-T's target classes (the third time
-    it is asked in APGD-T: after its first runs) and every STOP_CHECK_PASSES passes of Square (the second time:
-    at pass 50). The evaluation stops there with the attacks before it kept in the state file, and the same call
-    again runs that attack from its start and ends with the report of the evaluation left alone."""
+    """A job's stop is asked inside the fast engine's attacks too: every 10 iterations of an APGD run (APGD-CE: the
+    third time it is asked, at its first run's 10th iteration), between APGD-T's target classes (the third time:
+    after its first runs) and every STOP_CHECK_PASSES passes of Square (the second time: at pass 50). The evaluation
+    stops there with the attacks before it kept in the state file, and the same call again runs that attack from
+    its start and ends with the report of the evaluation left alone."""
     x, y = points
     attacks = ["apgd-ce", "apgd-t", "square"]
     settings = {"norm": "Linf", "eps": EPS["Linf"], "version": "custom", "attacks_to_run": attacks}
-    settings.update(n_iter=10, n_queries=200)
+    settings.update(n_iter=n_iter, n_queries=200)
     alone = AutoAttack(trained, **settings).evaluate(x, y, bs=48)
     state = tmp_path / "state.json"
     asked_in_the_attack = []
@@ -355,8 +360,9 @@ def test_a_stop_inside_an_attack_resumes_to_the_report_of_the_evaluation_left_al
             asked_in_the_attack.append(True)
         return len(asked_in_the_attack) == asked
 
-    with pytest.raises(ensemble.EvaluationStopped, match="inside an attack"):
+    with pytest.raises(ensemble.EvaluationStopped, match="inside an attack") as stopped:
         AutoAttack(trained, **settings).evaluate(x, y, bs=48, state_path=state, stop=stop)
+    assert [frame.name for frame in traceback.extract_tb(stopped.value.__traceback__)][-2] == where
     assert json.loads(state.read_text())["run_attacks"] == attacks[: attacks.index(attack)]
     resumed = AutoAttack(trained, **settings).evaluate(x, y, bs=48, state_path=state)
     assert 0 < alone.robust.sum() < alone.clean.sum()  # some points broken, some not: the comparison says something

@@ -185,6 +185,7 @@ def transfer_attack(
                 y_target=None if y_target is None else y_target[todo],
                 random_start=True,
                 generator=seed,
+                stop_point=stop_point,
             )
             for candidate in (result.x_adv, result.x_best):
                 broken = still[todo] & ~_correct(model, candidate, yb[todo])
@@ -262,8 +263,9 @@ def eot_attack(
         for loss in losses:
             stop_point()
             result = apgd(
-                model, xb, yb, norm=norm, eps=eps, n_iter=n_iter, loss=loss, eot_iter=eot_iter, generator=seed
-            )
+                model, xb, yb, norm=norm, eps=eps, n_iter=n_iter, loss=loss, eot_iter=eot_iter, generator=seed,
+                stop_point=stop_point,
+            )  # fmt: skip
             candidate = result.x_best.detach()
             candidate_share = _share_correct(model, candidate, yb, draws)
             lower = candidate_share < share

@@ -42,6 +42,7 @@ from .projections import (
 LOSSES = ("ce", "dlr", "dlr-targeted")
 
 Model = Callable[[Tensor], Tensor]
+STOP_CHECK_ITERATIONS = 10  # how often a run asks its stop_point
 
 
 @dataclass
@@ -244,6 +245,7 @@ def apgd(
     last_forward: Model | None = None,
     exit_broken: Tensor | None = None,
     eot_iter: int = 1,
+    stop_point: Callable[[], None] = lambda: None,
 ) -> APGDResult:
     """Run one APGD attack of ``n_iter`` steps on the batch ``x`` (values in [0, 1]) with labels ``y``.
 
@@ -278,6 +280,8 @@ def apgd(
         eot_iter: forward/backward passes whose input gradients are averaged at each iterate (Expectation over
             Transformation, for randomized models: AutoAttack's "rand" version takes 20); see
             :func:`input_gradient`.
+        stop_point: called every ``STOP_CHECK_ITERATIONS`` iterations; it raises to stop the attack (an evaluation's
+            job signal: one run on a large model can outlast a scheduler's grace period).
 
     The last iterate only needs its loss (no further step follows), so it gets a forward without the input
     gradient: n_iter + 1 forwards and n_iter input-gradient backwards in all.
@@ -361,6 +365,8 @@ def apgd(
     since_check = 0
     exited = []  # (rows, x_best, loss_best, x_best_adv, logits, improved, robust) of the rows that left
     for i in range(n_iter):
+        if i and i % STOP_CHECK_ITERATIONS == 0:
+            stop_point()
         # --- step: projected (sparse) ascent step, then momentum for Linf/L2 (none at the first step)
         momentum = s.x_adv - s.x_adv_old
         s.x_adv_old = s.x_adv

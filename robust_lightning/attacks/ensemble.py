@@ -212,7 +212,8 @@ STOP_CHECK_PASSES = 50
 
 class EvaluationStopped(Exception):
     """An evaluation given ``stop`` stopped because ``stop()`` said so, between two attacks or inside one (between
-    its restarts or target classes, or every ``STOP_CHECK_PASSES`` passes of Square); its state file
+    its restarts or target classes, every 10 iterations of an APGD run, or every ``STOP_CHECK_PASSES`` passes of
+    Square); its state file
     (``state_path``) holds every attack it finished, and the same call again runs only the others, an attack cut
     short from its start."""
 
@@ -531,8 +532,8 @@ class AutoAttack:
 
     def stop_point(self) -> None:
         """Raise :class:`EvaluationStopped` where the running evaluation's ``stop`` says so: the fast engine's
-        attacks and the adaptive attacks call it between their runs or batches and inside Square, so that a stop
-        does not wait for a whole attack."""
+        attacks and the adaptive attacks call it between their runs or batches, every 10 iterations of APGD and
+        every 50 passes of Square, so that a stop does not wait for a whole attack."""
         if self._stop is not None and self._stop():
             raise EvaluationStopped("stopped inside an attack; it runs again from its start")
 
@@ -880,6 +881,7 @@ def apgd_run(
             random_start=True,
             generator=generator,
             exit_broken=points,
+            stop_point=adversary.stop_point,
             **kwargs,
         )
         adversary._count_zero_gradients(result, kwargs.get("loss"))
@@ -900,6 +902,7 @@ def apgd_run(
             x_init=start,
             generator=generator,
             exit_broken=points if factor == 1 else None,
+            stop_point=adversary.stop_point,
             **kwargs,
         )
         if factor == 3:  # the run's start
