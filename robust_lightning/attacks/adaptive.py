@@ -30,11 +30,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .apgd import apgd, predicted_correct
+from .apgd import StopPoint, apgd, predicted_correct
 from .square import square_attack
 
 Model = Callable[[Tensor], Tensor]
-StopPoint = Callable[[], None]  # called between an attack's parts; it raises to stop (a job's stop signal)
 
 
 @dataclass

@@ -42,6 +42,7 @@ from .projections import (
 LOSSES = ("ce", "dlr", "dlr-targeted")
 
 Model = Callable[[Tensor], Tensor]
+StopPoint = Callable[[], None]  # called inside an attack where it may stop; it raises to stop (a job's stop signal)
 STOP_CHECK_ITERATIONS = 10  # how often a run asks its stop_point
 
 
@@ -245,7 +246,7 @@ def apgd(
     last_forward: Model | None = None,
     exit_broken: Tensor | None = None,
     eot_iter: int = 1,
-    stop_point: Callable[[], None] = lambda: None,
+    stop_point: StopPoint = lambda: None,
 ) -> APGDResult:
     """Run one APGD attack of ``n_iter`` steps on the batch ``x`` (values in [0, 1]) with labels ``y``.
 

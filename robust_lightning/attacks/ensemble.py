@@ -68,7 +68,7 @@ from robust_lightning.console import tqdm
 from . import checks as reference_checks
 from . import reference_engine
 from .adaptive import AdaptiveResult, bpda_attack, eot_attack, square_from_scratch, transfer_attack, without_parts
-from .apgd import apgd
+from .apgd import StopPoint, apgd
 from .checks import Check, adaptive_plan
 from .evaluation_state import EvaluationState
 from .fab import fab_targeted, fab_untargeted
@@ -205,14 +205,11 @@ def numerics(precision: str, device: torch.device) -> Iterator[None]:
 
 
 L1_MIN_ITER = 3  # one iteration for each stage of the L1 eps schedule
-# Square asks the evaluation's stop every this many passes: one pass is one forward of the live points, and 5000 of
-# them on a large model outlast a scheduler's grace period (SLURM's KillWait after SIGTERM)
-STOP_CHECK_PASSES = 50
 
 
 class EvaluationStopped(Exception):
     """An evaluation given ``stop`` stopped because ``stop()`` said so, between two attacks or inside one (between
-    its restarts or target classes, every 10 iterations of an APGD run, or every ``STOP_CHECK_PASSES`` passes of
+    its restarts or target classes, every 10 iterations of an APGD run, or every 50 passes of
     Square); its state file
     (``state_path``) holds every attack it finished, and the same call again runs only the others, an attack cut
     short from its start."""
@@ -1028,7 +1025,6 @@ def run_square(
         generator=seeded_generator(adversary),
         batch_size=bs,
         stop_point=adversary.stop_point,
-        stop_check_passes=STOP_CHECK_PASSES,
     )
     return torch.where(result.robust.view(-1, *[1] * (x.dim() - 1)), x, result.x_adv), result.robust
 
@@ -1051,7 +1047,7 @@ def batched_runs(
     x: Tensor,
     runs: range,
     bs: int,
-    stop_point: Callable[[], None] = lambda: None,
+    stop_point: StopPoint = lambda: None,
 ) -> tuple[Tensor, Tensor]:
     """Attack runs one after the other (restarts, or target ranks) on the points not broken yet; the
     adversarial images (``x`` where no run succeeded) and the robust flags.

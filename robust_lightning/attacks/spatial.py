@@ -12,14 +12,13 @@ counter-clockwise on screen, about the image centre; the rotation is applied fir
 """
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .apgd import Model
+from .apgd import Model, StopPoint
 
 
 @dataclass
@@ -117,7 +116,7 @@ def spatial_grid_attack(
     rotations: int = 31,
     max_angle: float = 30.0,
     batch_size: int = 512,
-    stop_point: Callable[[], None] = lambda: None,
+    stop_point: StopPoint = lambda: None,
 ) -> SpatialResult:
     """Classify every image under every transform of :func:`spatial_grid` and keep the worst case per image.
 

@@ -49,7 +49,7 @@ iterates are computed as ``x + delta + correction`` (see :func:`_l1_to_ball`).
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -58,8 +58,12 @@ from torch import Tensor
 
 from robust_lightning.devices import host_reads_are_cheap
 
-from .apgd import Model
+from .apgd import Model, StopPoint
 from .projections import check_count, check_threat_model, l1_projection
+
+# a stop is asked every this many passes: one pass is a forward of the live points, and 5000 of them on a large
+# model outlast a scheduler's grace period (SLURM's KillWait after SIGTERM)
+STOP_CHECK_PASSES = 50
 
 # Iteration indices after which p halves (the reference's schedule for 10000 queries; AutoAttack uses it
 # unrescaled with 5000 queries, i.e. ``resc_schedule=False``).
@@ -352,8 +356,7 @@ def square_attack(
     generator: torch.Generator | int | None = None,
     logits_clean: Tensor | None = None,
     batch_size: int | None = None,
-    stop_point: Callable[[], None] = lambda: None,
-    stop_check_passes: int = 50,
+    stop_point: StopPoint = lambda: None,
 ) -> SquareResult:
     """Untargeted Square Attack with the margin loss on the batch ``x`` (B, C, H, H), values in [0, 1].
 
@@ -369,7 +372,7 @@ def square_attack(
         batch_size: rows a forward pass may take (default: ``len(x)``). While fewer points are left, each
             evaluates its next ``batch_size // points left`` iterations in one pass (see the module
             docstring); 1 evaluates one iteration per point per pass.
-        stop_point: called every ``stop_check_passes`` passes; it raises to stop the attack (a job's stop signal).
+        stop_point: called every ``STOP_CHECK_PASSES`` passes; it raises to stop the attack (a job's stop signal).
 
     Points misclassified at ``x`` are not attacked: ``robust`` False, ``queries`` 0, ``x_adv = x``.
     """
@@ -419,7 +422,7 @@ def square_attack(
         passes, spare = 0, 0  # spare: reads allowed besides those after passes 1, 2, 4, 8, ...
         least_done, least_done_at = 0, 0  # every live point had spent >= least_done iterations at pass least_done_at
         while True:
-            if passes and passes % stop_check_passes == 0:
+            if passes and passes % STOP_CHECK_PASSES == 0:
                 stop_point()
             retire = fooled | (done == n_queries)
             # Passes since the last read, and iterations per point in each of them (the batch is unchanged since).
