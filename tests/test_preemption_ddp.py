@@ -279,7 +279,9 @@ def test_a_slurm_requeue_signal_in_the_set_up_is_acted_on_at_the_first_step(tmp_
     """SLURM's requeue signal before the fit's own handlers are in place (in a callback's set-up, as it could land
     while the data is listed): its default action would end the process with status 138 and no requeue. The
     command line notes it from the start, so the fit stops after its first step, writes hpc_ckpt_1.ckpt and asks
-    scontrol to requeue the job."""
+    scontrol to requeue the job; the job's restart trains the other steps once each, as the fit left alone trains
+    steps 1-4. tiny_config's bar off and no loader workers: as in the requeue test above, the stop's path does not
+    depend on them (tests/test_slurm_restart.py compares a requeued fit's weights with them on)."""
     record = tmp_path / "batches.jsonl"
     callbacks = [
         {"class_path": "slurm_cluster.Pace", "init_args": {"record": str(record), "seconds": 0}},
@@ -287,7 +289,8 @@ def test_a_slurm_requeue_signal_in_the_set_up_is_acted_on_at_the_first_step(tmp_
     ]
     overrides = {"trainer.max_epochs": 1, "trainer.limit_train_batches": 4, "model.arch": "test_resnet"}
     config = tiny_config(tmp_path, **overrides, **{"trainer.callbacks": callbacks})
-    first = run_command(["fit", "--config", str(config)], cwd=tmp_path, timeout=300, env=fake_slurm_job(tmp_path))
+    slurm = fake_slurm_job(tmp_path)
+    first = run_command(["fit", "--config", str(config)], cwd=tmp_path, timeout=300, env=slurm)
     output = first.stdout + first.stderr
     assert first.returncode == 143, output[-3000:]
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
@@ -295,6 +298,16 @@ def test_a_slurm_requeue_signal_in_the_set_up_is_acted_on_at_the_first_step(tmp_
     assert torch.load(hpc, map_location="cpu", weights_only=True)["global_step"] == 1
     assert [json.loads(line)["step"] for line in record.read_text().splitlines()] == [1]
     assert "stopped for SLURM's requeue (exit status 143)" in output and "Traceback" not in output
+
+    record.unlink()
+    restart = run_command(
+        ["fit", "--config", str(config), "--trainer.callbacks", json.dumps(callbacks[:1])],
+        cwd=tmp_path,
+        timeout=300,
+        env=slurm,
+    )
+    assert restart.returncode == 0, restart.stderr[-3000:]
+    assert [json.loads(line)["step"] for line in record.read_text().splitlines()] == [2, 3, 4]
 
 
 def test_a_refused_slurm_requeue_stops_the_fit_with_last_ckpt_and_the_command_that_resumes_it(tmp_path):

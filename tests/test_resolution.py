@@ -388,7 +388,9 @@ def test_a_stop_inside_an_attack_ends_the_sweep_at_that_batch_and_the_same_run_f
     """A job's signal noted while a robust cell's attack runs (SIGTERM in the middle of AutoAttack) stops that
     attack at its next stop point and the sweep at its batch: the command ends with JobStopped, the batches before
     it kept and that batch not recorded. The same sweep again evaluates only the images left, and ends with the
-    figures of the sweep left alone."""
+    figures of the sweep left alone. In the test's process, as the file's other sweeps (run_sweep: no progress bar
+    or loader workers, which the stop inside an attack does not pass through); the signal is the flag that the
+    command's SIGTERM handler sets. tests/test_evaluation_stops.py sends real signals to commands."""
     calls: list[int] = []
     signal_at = {"call": 0}  # 0: no signal
     original = AutoAttack.evaluate
