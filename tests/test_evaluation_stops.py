@@ -14,7 +14,8 @@ from helpers import eval_config, run_command, tiny_config, untrained_checkpoint
 SCRIPT = textwrap.dedent(
     """
     # robust_lightning.evaluate on 12 points in batches of 4; with a marker file's path, the model sends this process
-    # SIGTERM in its first pass over the second batch, once
+    # SIGTERM once: in its first pass over the second batch, or, with SANITY_POINTS set, in its first pass inside
+    # an APGD run of the sanity checks (on the first batch, before its attacks)
     import json, os, signal, sys
     from pathlib import Path
     import torch
@@ -26,6 +27,16 @@ SCRIPT = textwrap.dedent(
     x = torch.rand(12, 3, 16, 16, generator=generator)
     y = torch.randint(0, 10, (12,), generator=generator)
     calls = [0]  # the attack runs copies of the model: the count is the process's
+    sanity_points = int(os.environ.get("SANITY_POINTS", "0"))
+
+    def signal_here(inputs):
+        if not sanity_points:
+            return any(torch.equal(image, x[4]) for image in x_in(inputs))
+        callers, frame = set(), sys._getframe()
+        while frame is not None:
+            callers.add(frame.f_code.co_name)
+            frame = frame.f_back
+        return {"_apgd_robust", "apgd"} <= callers
 
     class Net(nn.Module):
         def __init__(self):
@@ -36,7 +47,7 @@ SCRIPT = textwrap.dedent(
 
         def forward(self, inputs):
             calls[0] += 1
-            if marker is not None and not marker.exists() and any(torch.equal(image, x[4]) for image in x_in(inputs)):
+            if marker is not None and not marker.exists() and signal_here(inputs):
                 marker.write_text(str(calls[0]))
                 os.kill(os.getpid(), signal.SIGTERM)
             return self.body(inputs)
@@ -45,20 +56,27 @@ SCRIPT = textwrap.dedent(
         return inputs.detach().contiguous()
 
     net = Net()
-    results = robust_lightning.evaluate(
-        net, (x, y), ["autoattack"], threat_models=[{"norm": "Linf", "eps": 8 / 255}], version="apgd-ce",
-        batch_size=4, out_dir=out_dir, options={"autoattack": {"n_iter": 10, "sanity_points": 0}},
-    )
-    print("forward passes", calls[0])
+    try:
+        results = robust_lightning.evaluate(
+            net, (x, y), ["autoattack"], threat_models=[{"norm": "Linf", "eps": 8 / 255}], version="apgd-ce",
+            batch_size=4, out_dir=out_dir, options={"autoattack": {"n_iter": 10, "sanity_points": sanity_points}},
+        )
+    finally:
+        print("\\nforward passes", calls[0], flush=True)  # after the bar; flushed, as a stopped script ends by SIGTERM
     print("RESULT " + json.dumps(results["autoattack"]["threat_models"]))
     """
 )
 
 
-def evaluate(tmp_path: Path, out_dir: Path, *marker: Path):
+def evaluate(tmp_path: Path, out_dir: Path, *marker: Path, sanity_points: int = 0):
     script = tmp_path / "evaluate.py"
     script.write_text(SCRIPT)
-    return run_command([str(out_dir), *map(str, marker)], cwd=tmp_path, timeout=240, script=script)
+    env = {"SANITY_POINTS": str(sanity_points)}
+    return run_command([str(out_dir), *map(str, marker)], cwd=tmp_path, timeout=240, env=env, script=script)
+
+
+def forward_passes(done) -> int:
+    return int(next(line for line in done.stdout.splitlines() if line.startswith("forward passes ")).split()[-1])
 
 
 def result_of(done) -> dict:
@@ -89,6 +107,30 @@ def test_evaluate_stops_at_the_next_batch_on_sigterm_and_the_same_call_goes_on(t
     resumed = evaluate(tmp_path, out_dir, marker)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming, 4 images already done" in resumed.stdout + resumed.stderr
+    assert result_of(resumed) == result_of(alone)
+
+
+def test_a_stop_inside_the_sanity_checks_ends_them_at_the_next_apgd_run_and_the_same_call_goes_on(tmp_path):
+    """The sanity checks of the first batch (about a hundred passes of APGD over sanity_points images, on a large
+    model minutes) ask for a stop before each APGD run: SIGTERM in the first APGD run ends the call after that run,
+    not after the checks; nothing of the batch is kept, and the same call again runs the checks from their start
+    and ends with the numbers and checks of the evaluation left alone."""
+    alone = evaluate(tmp_path, tmp_path / "alone", sanity_points=8)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    passes_alone = forward_passes(alone)
+
+    out_dir, marker = tmp_path / "stopped", tmp_path / "signalled"
+    stopped = evaluate(tmp_path, out_dir, marker, sanity_points=8)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr and "RESULT" not in stopped.stdout
+    # the rest of one 10-iteration APGD run after the signal, then the stop: not the rest of the checks and attacks
+    signalled_at = int(marker.read_text())
+    assert forward_passes(stopped) - signalled_at <= 12 and passes_alone - signalled_at > 100
+    [threat] = list((out_dir / "autoattack").iterdir())
+    assert not (threat / "rank0.jsonl").exists() and not (threat / "checks.json").exists()
+
+    resumed = evaluate(tmp_path, out_dir, marker, sanity_points=8)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert result_of(resumed) == result_of(alone)
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .apgd import Model, apgd, input_gradient, predicted_correct
+from .apgd import Model, StopPoint, apgd, input_gradient, predicted_correct
 from .checks import Check
 from .projections import normalize, project
 from .simple import fgsm
@@ -48,12 +48,26 @@ def _correct(model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor) -> Tensor:
     return predicted_correct(model(x), y)
 
 
-def _apgd_robust(model: Model, x: Tensor, y: Tensor, norm: str, eps: float, n_iter: int, seed: int) -> Tensor:
+def _apgd_robust(
+    model: Model, x: Tensor, y: Tensor, norm: str, eps: float, n_iter: int, seed: int, stop_point: StopPoint
+) -> Tensor:
     """Per point: correctly classified on the clean image and on every iterate of APGD-CE and of APGD-DLR (random
-    start; DLR with three classes or more)."""
+    start; DLR with three classes or more). ``stop_point()`` is called before each run and inside it."""
     robust = _correct(model, x, y)
     for loss in ("ce", "dlr") if _classes(model, x) >= 3 else ("ce",):
-        run = apgd(model, x, y, norm=norm, eps=eps, n_iter=n_iter, loss=loss, random_start=True, generator=seed)
+        stop_point()
+        run = apgd(
+            model,
+            x,
+            y,
+            norm=norm,
+            eps=eps,
+            n_iter=n_iter,
+            loss=loss,
+            random_start=True,
+            generator=seed,
+            stop_point=stop_point,
+        )
         robust &= run.robust
     return robust
 
@@ -104,9 +118,11 @@ def eps_monotonic(accuracies: dict[float, float]) -> Check:
     )
 
 
-def unbounded(model: Model, x: Tensor, y: Tensor, norm: str, n_iter: int, seed: int) -> Check:
+def unbounded(
+    model: Model, x: Tensor, y: Tensor, norm: str, n_iter: int, seed: int, stop_point: StopPoint = lambda: None
+) -> Check:
     radius = unbounded_eps(norm, x)
-    left = _share(_apgd_robust(model, x, y, norm, radius, n_iter, seed))
+    left = _share(_apgd_robust(model, x, y, norm, radius, n_iter, seed, stop_point))
     return Check(
         "unbounded",
         left > 0,
@@ -186,14 +202,25 @@ def engines_agree(
 
 
 def sanity_checks(
-    model: Model, x: Tensor, y: Tensor, norm: str, eps: float, n_iter: int = 10, seed: int = 0
+    model: Model,
+    x: Tensor,
+    y: Tensor,
+    norm: str,
+    eps: float,
+    n_iter: int = 10,
+    seed: int = 0,
+    stop_point: StopPoint = lambda: None,
 ) -> list[Check]:
     """Every check above on the points ``x`` (in [0, 1]) with labels ``y``, with ``n_iter``-step APGD-CE and
-    APGD-DLR."""
-    accuracies = {m: _share(_apgd_robust(model, x, y, norm, m * eps, n_iter, seed)) for m in EPS_MULTIPLIERS}
-    return [
+    APGD-DLR. ``stop_point()`` is called before each APGD run (and inside a long one) and before the engines'
+    comparison; it raises to stop the checks (a job's stop signal), which then run again from their start."""
+    accuracies = {
+        m: _share(_apgd_robust(model, x, y, norm, m * eps, n_iter, seed, stop_point)) for m in EPS_MULTIPLIERS
+    }
+    checks = [
         eps_monotonic(accuracies),
-        unbounded(model, x, y, norm, n_iter, seed),
+        unbounded(model, x, y, norm, n_iter, seed, stop_point),
         iterative_vs_one_step(model, x, y, norm, eps, accuracies[1.0]),
-        engines_agree(model, x, y, norm, eps, n_iter, seed, randomized_outputs(model, x)),
     ]
+    stop_point()
+    return [*checks, engines_agree(model, x, y, norm, eps, n_iter, seed, randomized_outputs(model, x))]

@@ -108,6 +108,12 @@ CHECKS_FILE = "checks.json"  # in a threat model's outcome folder: the checks of
 WEIGHTS_HASH_PREFIX = 16  # hex digits of the weights' sha256 naming a fit's outcome folder (the manifest has all)
 
 
+def _stop_sanity_checks() -> None:
+    """The sanity checks' stop point: a job's stop signal ends them, and they run again from their start."""
+    if stop_requested():
+        raise EvaluationStopped("stopped inside the sanity checks; they run again from their start")
+
+
 def parse_threat_models(items, owner: str, n_iter: int | None) -> list[ThreatModel]:
     """Threat models from a config list of {norm, eps} (or ThreatModel), checked; ``owner`` names the setting."""
     threats = [ThreatModel(t.norm, float(t.eps)) if isinstance(t, ThreatModel) else ThreatModel(**t) for t in items]
@@ -396,7 +402,10 @@ class AutoAttackEvaluation(Evaluation):
             index = torch.tensor(todo, device=images.device)
             # the first batch's sanity checks come before its attacks, whose adaptive part they help decide; a later
             # batch's adaptive attacks are those the first batch's checks called for
-            sane = self._sanity_checks(trainer, pl_module, threat, images[index], labels[index]) if first else []
+            try:
+                sane = self._sanity_checks(trainer, pl_module, threat, images[index], labels[index]) if first else []
+            except EvaluationStopped:
+                return
             earlier = [Check(name, **record) for name, record in self.model_checks[threat.name].items()]
             adversary = AutoAttack(
                 self.network(pl_module),
@@ -505,6 +514,7 @@ class AutoAttackEvaluation(Evaluation):
                 threat.norm,
                 threat.eps,
                 seed=self.seed,
+                stop_point=_stop_sanity_checks,
             )
         spent = self.seconds[threat.name]
         spent["sanity_checks"] = spent.get("sanity_checks", 0.0) + time.perf_counter() - started
