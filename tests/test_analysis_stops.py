@@ -5,9 +5,11 @@ grace period after SIGTERM. The command ends with status 143 and publishes nothi
 
 The commands run in the test's process, and the signal is the flag that the command's SIGTERM handler sets
 (robust_lightning.job_signals.JobSignals); tests/test_evaluation_stops.py sends real signals to commands. The
-shipped configs run without loader workers and progress bars here (helpers.shipped_analysis_config), as in the other
-in-process analysis tests: the stop inside an analysis does not pass through them, and tests/test_imagenet_p.py
-sends a real SIGTERM to an evaluation's loader workers."""
+shipped configs run without loader workers and the trainer's progress bar here (helpers.shipped_analysis_config), as
+in the other in-process analysis tests: the stop inside an analysis does not pass through them, and
+tests/test_imagenet_p.py sends a real SIGTERM to an evaluation's loader workers. The analyses' own bars are on."""
+
+import gc
 
 import pytest
 import torch
@@ -33,13 +35,19 @@ def signal_at_call(monkeypatch, owner, name: str, call: int) -> list[int]:
     return calls
 
 
-def test_lesion_study_stops_before_its_next_pass_over_the_images(tmp_path, monkeypatch):
+def test_lesion_study_stops_before_its_next_pass_over_the_images(tmp_path, monkeypatch, capsys):
+    """The analysis's own progress bar (on: it follows the rank, not the trainer's bar) is closed before the stop
+    message, with the count it reached, so that a log file does not end with a bar line written at exit."""
     checkpoint = untrained_checkpoint(tmp_path, "test_resnet")
     config = shipped_analysis_config(tmp_path, "lesion_bhojanapalli_fig8", checkpoint, random_counts=[1], samples=2)
     passes = signal_at_call(monkeypatch, Analysis, "accuracy", 3)
     status, results, _ = run_analysis(tmp_path, config)
     assert status == 143 and results is None
     assert len(passes) == 3  # the intact model, one lesion, then the stop before the third pass
+    gc.collect()  # a bar left open would write its line when it is collected
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-1].startswith("robust-lightning: test interrupted by SIGTERM (exit status 143)")
+    assert lines[-2].startswith("lesion: ") and " 2/7 " in lines[-2]
 
 
 def hessian_config(tmp_path, checkpoint, **init_args):

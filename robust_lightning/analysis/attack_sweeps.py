@@ -144,41 +144,40 @@ class AttackSweep(Analysis):
         x, y = self.images(trainer, pl_module)
         clean = torch.cat([correct(model, xb, yb) for _, xb, yb in _chunks(x, y, self.batch_size)])
         curves: dict[str, Any] = {}
-        bar = tqdm(
+        with tqdm(
             total=len(self.curves()) * len(self.eps),
             desc="attack sweep",
             unit="point",
             leave=False,
             disable=not trainer.is_global_zero,
-        )
-        for label, attack, steps in self.curves():
-            accuracy = []
-            for eps in self.eps:
-                bar.set_postfix_str(f"{label} eps {eps:.4g}")
-                hits = [
-                    correct(
-                        model,
-                        attack_batch(
-                            model, xb, yb, attack, eps, steps, self.relative_step, self.random_start, self.seed + i
-                        ),
-                        yb,
-                    )
-                    for i, xb, yb in _chunks(x, y, self.batch_size)
-                ]
-                accuracy.append(float(torch.cat(hits).float().mean()))
-                bar.update()
-            curves[label] = {
-                "attack": attack,
-                "steps": steps,
-                "eps": self.eps,
-                "accuracy": accuracy,
-                **(
-                    {"step_size": _step_text(self.relative_step, steps), "random_start": self.random_start}
-                    if attack == "pgd"
-                    else {}
-                ),
-            }
-        bar.close()
+        ) as bar:
+            for label, attack, steps in self.curves():
+                accuracy = []
+                for eps in self.eps:
+                    bar.set_postfix_str(f"{label} eps {eps:.4g}")
+                    hits = [
+                        correct(
+                            model,
+                            attack_batch(
+                                model, xb, yb, attack, eps, steps, self.relative_step, self.random_start, self.seed + i
+                            ),
+                            yb,
+                        )
+                        for i, xb, yb in _chunks(x, y, self.batch_size)
+                    ]
+                    accuracy.append(float(torch.cat(hits).float().mean()))
+                    bar.update()
+                curves[label] = {
+                    "attack": attack,
+                    "steps": steps,
+                    "eps": self.eps,
+                    "accuracy": accuracy,
+                    **(
+                        {"step_size": _step_text(self.relative_step, steps), "random_start": self.random_start}
+                        if attack == "pgd"
+                        else {}
+                    ),
+                }
         section = {
             "clean_accuracy": float(clean.float().mean()),
             "num_images": len(y),
@@ -343,32 +342,31 @@ class TransferMatrix(Analysis):
         n = len(models)
         clean = torch.zeros(n)
         hits = torch.zeros(n, n)
-        bar = tqdm(
+        with tqdm(
             total=math.ceil(len(y) / self.batch_size) * n,
             desc="transfer matrix",
             unit="attack",
             leave=False,
             disable=not progress,
-        )
-        for i, xb, yb in _chunks(x, y, self.batch_size):
-            for b, target in enumerate(models):
-                clean[b] += correct(target, xb, yb).sum().item()
-            for a, source in enumerate(models):
-                x_adv = attack_batch(
-                    source,
-                    xb,
-                    yb,
-                    self.attack,
-                    self.eps,
-                    self.steps,
-                    self.relative_step,
-                    self.random_start,
-                    self.seed + i,
-                )
+        ) as bar:
+            for i, xb, yb in _chunks(x, y, self.batch_size):
                 for b, target in enumerate(models):
-                    hits[a, b] += correct(target, x_adv, yb).sum().item()
-                bar.update()
-        bar.close()
+                    clean[b] += correct(target, xb, yb).sum().item()
+                for a, source in enumerate(models):
+                    x_adv = attack_batch(
+                        source,
+                        xb,
+                        yb,
+                        self.attack,
+                        self.eps,
+                        self.steps,
+                        self.relative_step,
+                        self.random_start,
+                        self.seed + i,
+                    )
+                    for b, target in enumerate(models):
+                        hits[a, b] += correct(target, x_adv, yb).sum().item()
+                    bar.update()
         return (clean / len(y)).tolist(), (hits / len(y)).tolist()
 
     def analyse(self, trainer: Trainer, pl_module: AnalysedModule) -> AnalysisResult:

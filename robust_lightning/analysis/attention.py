@@ -199,41 +199,40 @@ class RestrictedAttention(Analysis):
             + sum(1 + self.permutations * (not local_mask(grid, prefix, d).all()) for d in self.distances)
             + 2 * len(self.cls_only)
         )
-        bar = tqdm(total=total, desc="restricted attention", disable=not trainer.is_global_zero, leave=False)
+        with tqdm(total=total, desc="restricted attention", disable=not trainer.is_global_zero, leave=False) as bar:
 
-        def measure(masks: dict[int, torch.Tensor]) -> float:
-            with masked(net, bmap, masks):
-                acc = self.accuracy(model, images, labels)
-            bar.update()
-            return acc
+            def measure(masks: dict[int, torch.Tensor]) -> float:
+                with masked(net, bmap, masks):
+                    acc = self.accuracy(model, images, labels)
+                bar.update()
+                return acc
 
-        full = measure({})
-        rows: list[Section] = []
-        for d in self.distances:
-            mask = local_mask(grid, prefix, d)
-            local = measure({i: mask for i in targets})
-            # a mask that allows every pair is its own permutation: nothing to compare
-            permuted = None
-            if self.permutations and not mask.all():
-                permuted = {"accuracy": measure({i: permuted_mask(mask, prefix, permutation) for i in targets})}
-            pairs = allowed_patch_pairs(mask, prefix)
-            rows.append(
-                {
-                    "distance": _distance_key(d),
-                    "allowed_pairs": int(mask.sum()),
-                    "allowed_patch_pairs": pairs,
-                    "allowed_fraction": pairs / patches**2,
-                    "local_accuracy": local,
-                    "permuted": permuted,
-                }
-            )
-        cls_rows: dict[str, list[Section]] = {"first": [], "last": []}
-        if self.cls_only:
-            only = cls_only_mask(grid, prefix)
-            for k in self.cls_only:
-                cls_rows["first"].append({"k": k, "accuracy": measure({i: only for i in range(k)})})
-                cls_rows["last"].append({"k": k, "accuracy": measure({i: only for i in range(depth - k, depth)})})
-        bar.close()
+            full = measure({})
+            rows: list[Section] = []
+            for d in self.distances:
+                mask = local_mask(grid, prefix, d)
+                local = measure({i: mask for i in targets})
+                # a mask that allows every pair is its own permutation: nothing to compare
+                permuted = None
+                if self.permutations and not mask.all():
+                    permuted = {"accuracy": measure({i: permuted_mask(mask, prefix, permutation) for i in targets})}
+                pairs = allowed_patch_pairs(mask, prefix)
+                rows.append(
+                    {
+                        "distance": _distance_key(d),
+                        "allowed_pairs": int(mask.sum()),
+                        "allowed_patch_pairs": pairs,
+                        "allowed_fraction": pairs / patches**2,
+                        "local_accuracy": local,
+                        "permuted": permuted,
+                    }
+                )
+            cls_rows: dict[str, list[Section]] = {"first": [], "last": []}
+            if self.cls_only:
+                only = cls_only_mask(grid, prefix)
+                for k in self.cls_only:
+                    cls_rows["first"].append({"k": k, "accuracy": measure({i: only for i in range(k)})})
+                    cls_rows["last"].append({"k": k, "accuracy": measure({i: only for i in range(depth - k, depth)})})
         section = {
             "family": bmap.family,
             "grid": list(grid),

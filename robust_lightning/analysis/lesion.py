@@ -159,31 +159,30 @@ class LesionStudy(Analysis):
             for n in self.random_counts
             for _ in range(self.samples)
         ]
-        bar = tqdm(
+        with tqdm(
             total=1 + len(cases) + len(draws) * len(random_parts),
             desc="lesion",
             disable=not trainer.is_global_zero,
             leave=False,
-        )
-        intact = self.accuracy(model, images, labels)
-        bar.update()
-        single: dict[str, list[Section]] = {mode: [] for mode in modes}
-        for mode, (unit,) in cases:
-            with lesioned(net, [unit], mode):
-                single[mode].append(
-                    {"unit": unit.name, "stage": unit.stage, "accuracy": self.accuracy(model, images, labels)}
-                )
+        ) as bar:
+            intact = self.accuracy(model, images, labels)
             bar.update()
-        random: dict[str, dict[str, Section]] = {}  # part -> n -> draws
-        for part in random_parts:
-            for n, chosen in draws:
-                with lesioned(net, chosen, part):
-                    acc = self.accuracy(model, images, labels)
-                entry = random.setdefault(part, {}).setdefault(str(n), {"accuracies": [], "removed": []})
-                entry["accuracies"].append(acc)
-                entry["removed"].append([u.name for u in chosen])
+            single: dict[str, list[Section]] = {mode: [] for mode in modes}
+            for mode, (unit,) in cases:
+                with lesioned(net, [unit], mode):
+                    single[mode].append(
+                        {"unit": unit.name, "stage": unit.stage, "accuracy": self.accuracy(model, images, labels)}
+                    )
                 bar.update()
-        bar.close()
+            random: dict[str, dict[str, Section]] = {}  # part -> n -> draws
+            for part in random_parts:
+                for n, chosen in draws:
+                    with lesioned(net, chosen, part):
+                        acc = self.accuracy(model, images, labels)
+                    entry = random.setdefault(part, {}).setdefault(str(n), {"accuracies": [], "removed": []})
+                    entry["accuracies"].append(acc)
+                    entry["removed"].append([u.name for u in chosen])
+                    bar.update()
         random = {
             part: {n: {**summary(e["accuracies"]), "removed": e["removed"]} for n, e in by_n.items()}
             for part, by_n in random.items()

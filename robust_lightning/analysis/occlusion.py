@@ -247,32 +247,31 @@ class Occlusion(Analysis):
         generator = torch.Generator().manual_seed(self.seed)
         with_saliency = self.saliency != "none"
         total = len(self.drop_fractions) * self.samples + (2 * len(self.lambdas) + 1 if with_saliency else 0)
-        bar = tqdm(total=total, desc="occlusion", disable=not trainer.is_global_zero, leave=False)
+        with tqdm(total=total, desc="occlusion", disable=not trainer.is_global_zero, leave=False) as bar:
 
-        def measure(dropped: torch.Tensor) -> float:
-            acc = self.accuracy(model, drop_patches(images, dropped.to(images.device)), labels)
-            bar.update()
-            return acc
+            def measure(dropped: torch.Tensor) -> float:
+                acc = self.accuracy(model, drop_patches(images, dropped.to(images.device)), labels)
+                bar.update()
+                return acc
 
-        clean = self.accuracy(model, images, labels)
-        random = {}
-        for fraction in self.drop_fractions:
-            accs = [
-                measure(random_patch_mask(len(images), self.grid, fraction, generator)) for _ in range(self.samples)
-            ]
-            random[f"{fraction:g}"] = summary(accs)
-        section: Section = {"grid": self.grid, "clean_accuracy": clean, "random": random}
-        metrics = {"clean_accuracy": clean, **{f"random_{k}": v["mean"] for k, v in random.items()}}
-        if with_saliency:
-            saliency = self.saliency_maps(model, images)
-            bar.update()
-            salient = {f"{lam:g}": measure(mass_mask(saliency, lam, salient=True)) for lam in self.lambdas}
-            non_salient = {f"{lam:g}": measure(mass_mask(saliency, lam, salient=False)) for lam in self.lambdas}
-            section |= {"salient": salient, "non_salient": non_salient}
-            metrics |= {f"salient_{k}": v for k, v in salient.items()} | {
-                f"non_salient_{k}": v for k, v in non_salient.items()
-            }
-        bar.close()
+            clean = self.accuracy(model, images, labels)
+            random = {}
+            for fraction in self.drop_fractions:
+                accs = [
+                    measure(random_patch_mask(len(images), self.grid, fraction, generator)) for _ in range(self.samples)
+                ]
+                random[f"{fraction:g}"] = summary(accs)
+            section: Section = {"grid": self.grid, "clean_accuracy": clean, "random": random}
+            metrics = {"clean_accuracy": clean, **{f"random_{k}": v["mean"] for k, v in random.items()}}
+            if with_saliency:
+                saliency = self.saliency_maps(model, images)
+                bar.update()
+                salient = {f"{lam:g}": measure(mass_mask(saliency, lam, salient=True)) for lam in self.lambdas}
+                non_salient = {f"{lam:g}": measure(mass_mask(saliency, lam, salient=False)) for lam in self.lambdas}
+                section |= {"salient": salient, "non_salient": non_salient}
+                metrics |= {f"salient_{k}": v for k, v in salient.items()} | {
+                    f"non_salient_{k}": v for k, v in non_salient.items()
+                }
         section["conditions"] = {
             "arch": pl_module.hparams.get("arch"),
             "samples": self.samples,
