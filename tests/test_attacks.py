@@ -559,6 +559,32 @@ def test_attacks_leave_parameters_and_mode_alone(training):
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
 
 
+@pytest.mark.parametrize("eot_iter, n_iter, asks", [(1, 30, [10, 20]), (5, 7, [2, 4, 6]), (20, 4, [1, 2, 3])])
+def test_apgd_asks_its_stop_point_every_10_gradient_passes(eot_iter, n_iter, asks):
+    """Every 10 iterations of a plain run, and every iteration of EoT's 20 passes per iterate: a stop does not wait
+    for 200 gradient passes of a randomized model. The ask raises to stop, so the run ends there."""
+    model = make_model()
+    x, y = make_batch(model, n=4)
+    calls, asked = [], []  # a mark per forward pass; the passes made at each ask
+    counted = lambda inputs: calls.append(1) or model(inputs)  # noqa: E731
+
+    def stop_point() -> None:
+        asked.append(len(calls))
+
+    apgd(counted, x, y, norm="Linf", eps=EPS["Linf"], n_iter=n_iter, eot_iter=eot_iter, stop_point=stop_point)
+    # each iteration before the ask is eot_iter gradient passes, after the start's eot_iter
+    assert asked == [eot_iter * (1 + i) for i in asks]
+
+    class Stopped(Exception):
+        pass
+
+    def stop_at_first_ask() -> None:
+        raise Stopped
+
+    with pytest.raises(Stopped):
+        apgd(model, x, y, norm="Linf", eps=EPS["Linf"], n_iter=n_iter, eot_iter=eot_iter, stop_point=stop_at_first_ask)
+
+
 @pytest.mark.parametrize("norm", ["Linf", "L2", "L1"])
 def test_apgd_device_path_never_reads_back(norm, monkeypatch):
     """The path GPUs take reads no value back to the host, in the set-up or any iteration (checked op by op on

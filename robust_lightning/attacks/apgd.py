@@ -43,7 +43,7 @@ LOSSES = ("ce", "dlr", "dlr-targeted")
 
 Model = Callable[[Tensor], Tensor]
 StopPoint = Callable[[], None]  # called inside an attack where it may stop; it raises to stop (a job's stop signal)
-STOP_CHECK_ITERATIONS = 10  # how often a run asks its stop_point
+STOP_CHECK_GRADIENT_PASSES = 10  # a run asks its stop_point every this many passes (iterations times eot_iter)
 
 
 @dataclass
@@ -281,8 +281,9 @@ def apgd(
         eot_iter: forward/backward passes whose input gradients are averaged at each iterate (Expectation over
             Transformation, for randomized models: AutoAttack's "rand" version takes 20); see
             :func:`input_gradient`.
-        stop_point: called every ``STOP_CHECK_ITERATIONS`` iterations; it raises to stop the attack (an evaluation's
-            job signal: one run on a large model can outlast a scheduler's grace period).
+        stop_point: called every ``STOP_CHECK_GRADIENT_PASSES`` gradient passes: every 10 iterations, or every
+            iteration where ``eot_iter`` is 10 or more; it raises to stop the attack (an evaluation's job signal:
+            one run on a large model can outlast a scheduler's grace period).
 
     The last iterate only needs its loss (no further step follows), so it gets a forward without the input
     gradient: n_iter + 1 forwards and n_iter input-gradient backwards in all.
@@ -364,9 +365,10 @@ def apgd(
         sparsity_old=sparsity_old,
     )
     since_check = 0
+    stop_check_every = max(1, STOP_CHECK_GRADIENT_PASSES // eot_iter)  # iterations
     exited = []  # (rows, x_best, loss_best, x_best_adv, logits, improved, robust) of the rows that left
     for i in range(n_iter):
-        if i and i % STOP_CHECK_ITERATIONS == 0:
+        if i and i % stop_check_every == 0:
             stop_point()
         # --- step: projected (sparse) ascent step, then momentum for Linf/L2 (none at the first step)
         momentum = s.x_adv - s.x_adv_old

@@ -209,7 +209,7 @@ L1_MIN_ITER = 3  # one iteration for each stage of the L1 eps schedule
 
 class EvaluationStopped(Exception):
     """An evaluation given ``stop`` stopped because ``stop()`` said so, between two attacks or inside one (between
-    its restarts or target classes, every 10 iterations of an APGD run, or every 50 passes of
+    its restarts or target classes, every 10 gradient passes of an APGD run, or every 50 passes of
     Square); its state file
     (``state_path``) holds every attack it finished, and the same call again runs only the others, an attack cut
     short from its start."""
@@ -529,7 +529,7 @@ class AutoAttack:
 
     def stop_point(self) -> None:
         """Raise :class:`EvaluationStopped` where the running evaluation's ``stop`` says so: the fast engine's
-        attacks and the adaptive attacks call it between their runs or batches, every 10 iterations of APGD and
+        attacks and the adaptive attacks call it between their runs or batches, every 10 gradient passes of APGD and
         every 50 passes of Square, so that a stop does not wait for a whole attack."""
         if self._stop is not None and self._stop():
             raise EvaluationStopped("stopped inside an attack; it runs again from its start")
