@@ -1,6 +1,7 @@
 """A job's signal stops an analysis inside its own loops, not only between its batches of images: LesionStudy
-before its next pass over the images, HessianSpectrum on training images before its next minibatch, and the
-spatial attack before its next forward pass. A long analysis of a large model would otherwise outlast a scheduler's
+before its next pass over the images, HessianSpectrum on training images before its next minibatch, the attack
+sweeps and the transfer matrix before their next batch's attack, and the spatial attack before its next forward
+pass. A long analysis of a large model would otherwise outlast a scheduler's
 grace period after SIGTERM. The command ends with status 143 and publishes nothing, as a stopped evaluation does.
 
 The commands run in the test's process, and the signal is the flag that the command's SIGTERM handler sets
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from helpers import run_analysis, shipped_analysis_config, untrained_checkpoint
-from robust_lightning.analysis import hessian
+from robust_lightning.analysis import attack_sweeps, hessian
 from robust_lightning.analysis.core import Analysis
 from robust_lightning.attacks.spatial import spatial_grid_attack
 from robust_lightning.job_signals import JobSignals
@@ -48,6 +49,19 @@ def test_lesion_study_stops_before_its_next_pass_over_the_images(tmp_path, monke
     lines = capsys.readouterr().err.splitlines()
     assert lines[-1].startswith("robust-lightning: test interrupted by SIGTERM (exit status 143)")
     assert lines[-2].startswith("lesion: ") and " 2/7 " in lines[-2]
+
+
+@pytest.mark.parametrize("analysis", ["pgd_sweep_chen", "transfer_matrix"])
+def test_the_attack_sweeps_stop_before_their_next_attack(tmp_path, monkeypatch, analysis):
+    """An attack sweep runs every curve and radius on the same images, and the transfer matrix every source model's
+    attack: after the images are read, a stop comes before the next batch's attack."""
+    checkpoint = untrained_checkpoint(tmp_path, "test_resnet")
+    own = {"checkpoints": [str(checkpoint)], "steps": 2} if analysis == "transfer_matrix" else {"steps": [1, 2]}
+    config = shipped_analysis_config(tmp_path, analysis, checkpoint, images=4, batch_size=2, **own)
+    attacks = signal_at_call(monkeypatch, attack_sweeps, "attack_batch", 3)
+    status, results, _ = run_analysis(tmp_path, config)
+    assert status == 143 and results is None
+    assert len(attacks) == 3  # of 2 batches x 2 models, or 2 step counts x 5 radii x 2 batches
 
 
 def hessian_config(tmp_path, checkpoint, **init_args):

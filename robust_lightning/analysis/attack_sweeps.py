@@ -66,7 +66,9 @@ def attack_batch(
     random_start: bool = False,
     seed: int = 0,
 ) -> Tensor:
-    """Linf adversarial examples of one batch; eps 0 returns the images unchanged."""
+    """Linf adversarial examples of one batch; eps 0 returns the images unchanged. A job's signal stops the
+    analysis here, before the attack: a sweep or a matrix runs many of them on the same images."""
+    stop_point()
     if eps == 0:
         return x
     if attack == "fgsm":
