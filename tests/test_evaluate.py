@@ -16,6 +16,8 @@ from helpers import REPO, WNIDS, synthetic_points, train_small_cnn, write_image
 from robust_lightning.attacks import AutoAttack
 from robust_lightning.cli import main
 from robust_lightning.errors import UserError
+from robust_lightning.evaluation.autoattack import AutoAttackEvaluation
+from robust_lightning.job_signals import JobSignals, JobStopped
 
 LINF = [{"norm": "Linf", "eps": 10 / 255}]
 QUICK = {"version": "apgd-ce", "options": {"autoattack": {"n_iter": 5}}}
@@ -312,3 +314,34 @@ def test_two_devices_split_the_images_and_return_the_same_result(trained, points
         assert record["robust"] == direct.robust.tolist() and record["clean"] == direct.clean.tolist()
         robust += record["robust"]
     assert section["num_points"] == 24 and section["robust_accuracy"] == pytest.approx(sum(robust) / 24)
+
+
+def test_a_stopped_card_frees_its_outcome_folders_for_the_next_call_in_the_same_process(
+    trained, points, tmp_path, monkeypatch
+):
+    """A notebook keeps the last exception, and with its traceback the stopped call's callbacks. Lightning calls
+    on_exception on a stop, not teardown, and the card passes it on to its parts, which free their outcome folders:
+    the next call in the same process goes on from the kept outcomes to the numbers of a call left alone."""
+    x, y = points
+    # of the card's parts, tensors of 10 classes feed only AutoAttack; the sanity checks are another test's
+    options = {"autoattack": {"n_iter": 5, "sanity_points": 0}}
+    settings = {"threat_models": LINF, "batch_size": 12, "version": "apgd-ce", "options": options}
+    alone = robust_lightning.evaluate(trained, (x, y), ["card"], out_dir=tmp_path / "alone", **settings)
+    original = AutoAttackEvaluation.on_test_batch_end
+
+    def stop_after_the_batch(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        monkeypatch.setattr(JobSignals, "sigterm", True)  # what the SIGTERM handler notes
+
+    monkeypatch.setattr(AutoAttackEvaluation, "on_test_batch_end", stop_after_the_batch)
+    with pytest.raises(JobStopped) as stopped:  # kept, with its traceback, as a notebook keeps it
+        robust_lightning.evaluate(trained, (x, y), ["card"], out_dir=tmp_path / "stopped", **settings)
+    monkeypatch.setattr(AutoAttackEvaluation, "on_test_batch_end", original)
+    monkeypatch.setattr(JobSignals, "sigterm", False)
+    again = robust_lightning.evaluate(trained, (x, y), ["card"], out_dir=tmp_path / "stopped", **settings)
+    assert stopped.value is not None
+    sections = [result["autoattack"]["threat_models"]["Linf-10_255"] for result in (alone, again)]
+    for section in sections:
+        section.pop("seconds_this_session")
+        section.pop("claims_refuted_in_fp32_this_session", None)
+    assert sections[0] == sections[1] and sections[0]["num_points"] == 24

@@ -210,6 +210,7 @@ class RobustnessCard(Evaluation):
     on_test_batch_end = _forward("on_test_batch_end")
     on_test_epoch_end = _forward("on_test_epoch_end")
     teardown = _forward("teardown")
+    on_exception = _forward("on_exception")  # a stop or an error: the parts free their outcome folders
     del _forward
 
     def on_test_end(self, trainer, pl_module) -> None:
