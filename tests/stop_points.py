@@ -14,6 +14,7 @@ from pathlib import Path
 
 from lightning import Callback
 
+from robust_lightning.analysis.hessian import HessianSpectrum
 from robust_lightning.evaluation.autoattack import AutoAttackEvaluation
 from robust_lightning.evaluation.imagenet_p import ImageNetP
 from robust_lightning.job_signals import JobSignals
@@ -77,12 +78,18 @@ class _Once:
 
 
 class StopAt(Callback):
-    """Signals the job once at each of ``points``: "validation:<epoch>:<batch>" (the start of that validation
-    batch), "save:<epoch>" (in the first checkpoint's save of that epoch: the epoch-end one after its validation).
-    ``marks``: the folder recording the points that fired (None: none fire, the run left alone)."""
+    """Signals the job once at each of ``points``: "step:<global step>" (the start of that training step),
+    "validation:<epoch>:<batch>" (the start of that validation batch), "save:<epoch>" (in the first checkpoint's
+    save of that epoch: the epoch-end one after its validation). ``marks``: the folder recording the points that
+    fired (None: none fire, the run left alone)."""
 
     def __init__(self, points: list[str], marks: str | None = None, signal_name: str = "SIGTERM") -> None:
         self.points, self.once = set(points), _Once(marks, signal_name)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        point = f"step:{trainer.global_step}"
+        if point in self.points:
+            self.once.fire(trainer, point)
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
         point = f"validation:{trainer.current_epoch}:{batch_idx}"
@@ -124,6 +131,28 @@ class ImageNetPStoppedAt(ImageNetP):
             super().on_test_end(trainer, pl_module)
         finally:
             hook.remove()
+
+
+class HessianSpectrumStoppedAt(HessianSpectrum):
+    """HessianSpectrum during a fit, signalling the job once (``marks``) when the spectrum of the first analysed
+    epoch takes its second minibatch: after one minibatch's eigenvalues, before the next one's."""
+
+    def __init__(self, marks: str | None = None, signal_name: str = "SIGTERM", **options) -> None:
+        super().__init__(**options)
+        self.once = _Once(marks, signal_name)
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self.trainer = trainer
+
+    def spectrum(self, model, minibatches, weight_decay, records=None):
+        def signalled():
+            for i, minibatch in enumerate(minibatches):
+                if i == 1:
+                    self.once.fire(self.trainer, "hessian")
+                yield minibatch
+
+        return super().spectrum(model, signalled(), weight_decay, records)
 
 
 class StopLocalSweepAt(Callback):

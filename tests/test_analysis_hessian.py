@@ -2,6 +2,7 @@
 protocol at test time (augmented training images, 10% of the training set, the model's weight decay), and the
 callback during fit."""
 
+import csv
 import io
 import json
 import math
@@ -19,6 +20,7 @@ from PIL import Image
 from torch import nn
 from torch.func import functional_call
 
+from helpers import run_command, tiny_config
 from robust_lightning.analysis import hessian as hessian_module
 from robust_lightning.analysis.hessian import (
     HessianSpectrum,
@@ -62,6 +64,34 @@ def test_top_eigenvalue_of_a_quadratic_loss_is_the_largest_of_its_matrix():
     )
     assert values[0] == pytest.approx(7.0, rel=1e-6)
     assert steps[0] < 500  # converged, not cut off
+
+
+def test_the_power_iterations_ask_their_stop_point_every_10_products_across_eigenvalues():
+    """One minibatch is up to top_k x max_iter Hessian-vector products (500 with the paper's settings, minutes on a
+    large model): the stop point is asked every 10 of them, counted across the eigenvalues, and raises to stop."""
+    loss = Quadratic(rotated([7.0, 2.0, 1.0, 0.5, -0.3]))
+    products = []
+    product = hessian_vector_product(loss(), list(loss.parameters()))
+
+    def hvp(v):
+        products.append(1)
+        return product(v)
+
+    asked = []
+    settings = {"top_k": 3, "max_iter": 8, "tol": 1e-12, "dtype": torch.float64}
+    top_eigenvalues(hvp, 5, **settings, stop_point=lambda: asked.append(len(products)))
+    assert len(products) == 24 and asked == [10, 20]
+
+    class Stopped(Exception):
+        pass
+
+    def stop():
+        raise Stopped
+
+    products.clear()
+    with pytest.raises(Stopped):
+        top_eigenvalues(hvp, 5, **settings, stop_point=stop)
+    assert len(products) == 10
 
 
 def test_deflation_finds_negative_eigenvalues_and_nep_ape_count_them():
@@ -170,6 +200,56 @@ def test_the_callback_writes_a_spectrum_per_epoch_during_fit(tmp_path):
         assert 0.0 <= spectrum["nep"] <= 1.0
     assert "augmented training images" in section["conditions"]["data"]
     assert (run / "hessian.png").is_file() and section["plot"].endswith("hessian.png")
+
+
+def test_a_fit_stopped_inside_the_hessian_spectrum_resumes_to_the_fit_left_alone(tmp_path):
+    """SIGTERM to the job between two minibatches of the first epoch's spectrum: the fit stops at once (exit 143),
+    before another step changes the weights, and its checkpoint keeps the epoch's images. The resumed fit
+    (``--ckpt_path last``) computes that spectrum first and ends with the weights, the spectra of both epochs and
+    the logged Hessian figures of the fit left alone."""
+    spectra, weights, logged = {}, {}, {}
+    for name in ("alone", "stopped"):
+        folder = tmp_path / name
+        folder.mkdir()
+        marks = {"marks": str(folder / "marks")} if name == "stopped" else {}
+        callback = {
+            "class_path": "stop_points.HessianSpectrumStoppedAt",
+            "init_args": {"top_k": 2, "max_iter": 4, "max_images": 8, "batch_size": 4, **marks},
+        }
+        config = tiny_config(
+            folder,
+            **{
+                "trainer.max_epochs": 2,
+                "trainer.limit_train_batches": 2,
+                "trainer.limit_val_batches": 1,
+                "trainer.callbacks": [callback],
+                "model.arch": "test_resnet",
+            },
+        )
+        command = ["fit", "--config", str(config)]
+        done = run_command(command, cwd=folder, timeout=240)
+        run = folder / "runs" / "tiny" / "version_0"
+        if name == "stopped":
+            assert done.returncode == 143, done.stderr[-3000:]
+            assert "Traceback" not in done.stdout + done.stderr
+            saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+            assert saved["global_step"] == 2  # the first epoch's two steps, none after the spectrum
+            [state] = [v for k, v in saved["callbacks"].items() if k.startswith("HessianSpectrumStoppedAt")]
+            assert state["pending"]["epoch"] == 0 and len(state["pending"]["images"]) == 8
+            done = run_command([*command, "--ckpt_path", "last"], cwd=folder, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        section = json.loads((run / "results.json").read_text())["hessian"]
+        section["conditions"].pop("checkpoint")  # the resumed fit names the checkpoint it resumed from
+        assert Path(section.pop("plot")) == run / "hessian.png"
+        spectra[name] = section
+        weights[name] = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+        rows = [row for path in sorted(run.glob("metrics*.csv")) for row in csv.DictReader(path.open())]
+        logged[name] = sorted((row["step"], row["hessian/nep"]) for row in rows if row.get("hessian/nep"))
+    assert set(spectra["alone"]["epochs"]) == {"0", "1"}
+    assert spectra["stopped"] == spectra["alone"]
+    assert weights["stopped"].keys() == weights["alone"].keys()
+    assert all(torch.equal(weights["stopped"][k], weights["alone"][k]) for k in weights["alone"])
+    assert len(logged["alone"]) == 2 and logged["stopped"] == logged["alone"]
 
 
 # ------------------------------------------------------------------------------- the paper's protocol at test time

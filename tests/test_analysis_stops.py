@@ -88,10 +88,10 @@ def test_hessian_spectrum_stops_before_its_next_minibatch_and_resumes_to_the_spe
     assert status == 0 and len(alone["hessian"]["minibatches"]) == 3
 
     config = hessian_config(tmp_path, checkpoint)
-    minibatches = signal_at_call(monkeypatch, hessian, "training_targets", 2)
+    minibatches = signal_at_call(monkeypatch, hessian, "training_targets", 3)
     status, results, _ = run_analysis(tmp_path, config)
     assert status == 143 and results is None
-    assert len(minibatches) == 2  # the stop came before the third minibatch was read
+    assert len(minibatches) == 3  # the signal came as the third minibatch was read, the stop before its spectrum
     folder = tmp_path / "runs" / "hessian"
     assert sorted(hessian.read_minibatches(folder)) == [0, 1]
 

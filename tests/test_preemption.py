@@ -256,3 +256,40 @@ def test_a_requeue_replaces_the_checkpoint_of_the_previous_requeue(tmp_path):
     assert torch.load(tmp_path / "runs" / "hpc_ckpt_2.ckpt", weights_only=True)["global_step"] == 4
     assert (tmp_path / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt").is_file()
     assert [json.loads(line)["step"] for line in record.read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_a_stop_in_an_epochs_last_step_without_validation_resumes_at_the_next_epoch_as_the_fit_left_alone(tmp_path):
+    """SIGTERM in the last step of an epoch that no validation follows: the fit stops at the next epoch's start
+    (a checkpoint written at the step's end would resume past the epoch's end). The resumed fit trains every step
+    of that epoch and ends with the weights and the metrics.csv rows of the fit left alone."""
+    weights, rows = {}, {}
+    for name in ("alone", "stopped"):
+        folder = tmp_path / name
+        folder.mkdir()
+        marks = {"marks": str(folder / "marks")} if name == "stopped" else {}
+        config = tiny_config(
+            folder,
+            **{
+                "trainer.max_epochs": 2,
+                "trainer.limit_train_batches": 2,
+                "trainer.limit_val_batches": 0,
+                "trainer.callbacks": [
+                    {"class_path": "stop_points.StopAt", "init_args": {"points": ["step:1"], **marks}}
+                ],
+                "model.arch": "test_resnet",
+            },
+        )
+        command = ["fit", "--config", str(config)]
+        done = run_command(command, cwd=folder, timeout=240)
+        run = folder / "runs" / "tiny" / "version_0"
+        if name == "stopped":
+            assert done.returncode == 143, done.stderr[-3000:]
+            assert "fit interrupted by SIGTERM at epoch 1, step 2;" in done.stdout + done.stderr
+            done = run_command([*command, "--ckpt_path", "last"], cwd=folder, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert json.loads((run / "results.json").read_text())["fit"]["steps"] == 4
+        weights[name] = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+        logged = sorted(run.glob("metrics*.csv"))  # the stopped run's first attempt is metrics.part1.csv
+        rows[name] = sorted({line for path in logged for line in path.read_text().splitlines()[1:]})
+    assert all(torch.equal(weights["stopped"][k], weights["alone"][k]) for k in weights["alone"])
+    assert rows["stopped"] == rows["alone"] and len(rows["alone"]) == 2

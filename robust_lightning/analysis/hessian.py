@@ -30,6 +30,12 @@ Two ways to run it:
   epoch, with the weights at the end of the epoch. results.json section "hessian" then holds the spectrum of
   every such epoch.
 
+A job's signal stops the computation at its next minibatch, or within one every 10 Hessian-vector products. At
+test time the command then stops. During a fit the epoch's images stay in the callback's state, and the fit stops
+at the start of the next epoch (or at its end), with the weights the spectrum needs, so the checkpoint it writes
+holds both. The resumed fit computes that spectrum first, and it keeps the spectra of earlier epochs, so its
+results are those of the fit left alone.
+
 At test time the paper's protocol runs for hours on a large model (thousands of minibatches, each up to
 top_k x max_iter Hessian-vector products), longer than many jobs may run. So each minibatch's eigenvalues are
 appended to ``<results_dir>/minibatches.jsonl`` (fsynced) as soon as they are computed, and the same command run
@@ -61,6 +67,7 @@ from robust_lightning.analysis.core import (
     analysed,
     model_label,
     new_figure,
+    stop_point,
 )
 from robust_lightning.console import tqdm
 from robust_lightning.data.batch import soft_targets
@@ -69,12 +76,14 @@ from robust_lightning.errors import UserError
 from robust_lightning.evaluation.base import evaluation_source, outcomes_parent, until_stopped
 from robust_lightning.evaluation.outcomes import append_record, claim_directory
 from robust_lightning.evaluation.results import weights_sha256
+from robust_lightning.job_signals import JobStopped, agree_to_stop
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 MODEL_MODE = "eval (BatchNorm running statistics, no dropout / drop-path), fp32"
 RECORDS = "minibatches.jsonl"  # a JSON line per minibatch: {"minibatch", "eigenvalues", "iterations", "images"}
+STOP_CHECK_PRODUCTS = 10  # Hessian-vector products between two asks of the stop point
 
 
 def read_minibatches(directory: Path) -> dict[int, dict[str, Any]]:
@@ -130,17 +139,23 @@ def top_eigenvalues(
     generator: torch.Generator | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    stop_point: Callable[[], None] = lambda: None,
 ) -> tuple[list[float], list[int]]:
     """The ``top_k`` eigenvalues of largest magnitude of the symmetric operator ``hvp`` (on vectors of size
     ``dim``), by power iteration with deflation, in the order found. Each one stops when the Rayleigh quotient
-    changes by less than ``tol`` (relative) or after ``max_iter`` products. Returns (eigenvalues, iterations)."""
+    changes by less than ``tol`` (relative) or after ``max_iter`` products. ``stop_point()`` is called every
+    ``STOP_CHECK_PRODUCTS`` products and raises to stop (a job's signal). Returns (eigenvalues, iterations)."""
     values: list[float] = []
     iterations: list[int] = []
     vectors: list[Tensor] = []
+    products = 0
     for _ in range(top_k):
         v = torch.randn(dim, generator=generator, dtype=dtype).to(device)
         value, steps = None, 0
         for steps in range(1, max_iter + 1):  # noqa: B007 - read after the loop: the iterations it took
+            if products and products % STOP_CHECK_PRODUCTS == 0:
+                stop_point()
+            products += 1
             for u in vectors:  # deflation: stay orthogonal to the eigenvectors found so far
                 v = v - torch.dot(u, v) * u
             v = v / v.norm().clamp_min(1e-12)
@@ -184,10 +199,12 @@ def minibatch_spectrum(
     tol: float = 1e-3,
     weight_decay: float = 0.0,
     seed: int = 0,
+    stop_point: Callable[[], None] = lambda: None,
 ) -> tuple[list[float], list[int]]:
     """Top-k Hessian eigenvalues of the cross-entropy of ``model`` on one minibatch (hard labels or soft
     targets), with respect to all its parameters: in fp32, without autocast and with the math attention kernel.
-    The model's mode is left alone; parameters that do not require gradients (EMA weights) are included too."""
+    The model's mode is left alone; parameters that do not require gradients (EMA weights) are included too.
+    ``stop_point``: see :func:`top_eigenvalues`."""
     params = list(model.parameters())
     flags = [p.requires_grad for p in params]
     device = images.device
@@ -199,9 +216,8 @@ def minibatch_spectrum(
             loss = F.cross_entropy(model(images.to(params[0].dtype)), targets)
             hvp = hessian_vector_product(loss, params, weight_decay)
             generator = torch.Generator().manual_seed(seed)
-            return top_eigenvalues(
-                hvp, sum(p.numel() for p in params), top_k, max_iter, tol, generator, device, params[0].dtype
-            )
+            dim = sum(p.numel() for p in params)
+            return top_eigenvalues(hvp, dim, top_k, max_iter, tol, generator, device, params[0].dtype, stop_point)
     finally:
         for p, flag in zip(params, flags):
             p.requires_grad_(flag)
@@ -281,6 +297,8 @@ class HessianSpectrum(Analysis):
         self.locks = ExitStack()  # the records folder's lock, held from the claim until teardown
         self.epochs: dict[int, Section] = {}  # fit: the spectrum of each analysed epoch
         self._recorded: list[tuple[Tensor, Tensor]] = []
+        # fit: (epoch, images, targets) of an analysed epoch whose spectrum a stop cut short; saved with the fit
+        self._pending: tuple[int, Tensor, Tensor] | None = None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -334,6 +352,7 @@ class HessianSpectrum(Analysis):
             for i, (x, targets) in enumerate(minibatches):
                 record = saved.get(i)
                 if record is None or record["images"] != len(x):
+                    stop_point()
                     values, steps = minibatch_spectrum(
                         model,
                         x,
@@ -343,6 +362,7 @@ class HessianSpectrum(Analysis):
                         tol=self.tol,
                         weight_decay=weight_decay,
                         seed=self.seed + i,
+                        stop_point=stop_point,
                     )
                     record = {"minibatch": i, "eigenvalues": values, "iterations": steps, "images": len(x)}
                     if records is not None:
@@ -492,8 +512,45 @@ class HessianSpectrum(Analysis):
     def _due(self, trainer: Trainer) -> bool:
         return (trainer.current_epoch + 1) % self.every_n_epochs == 0
 
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(name=self.name, every_n_epochs=self.every_n_epochs)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The spectra of the epochs analysed so far, and the images of one a stop cut short, so that a resumed
+        fit publishes every epoch's spectrum."""
+        pending = self._pending
+        return {
+            "epochs": {str(epoch): section for epoch, section in self.epochs.items()},
+            "pending": None if pending is None else {"epoch": pending[0], "images": pending[1], "targets": pending[2]},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.epochs = {int(epoch): section for epoch, section in state_dict.get("epochs", {}).items()}
+        pending = state_dict.get("pending")
+        self._pending = None if pending is None else (pending["epoch"], pending["images"], pending["targets"])
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # a resumed fit starts where the stop came: the weights are those the cut-short spectrum needs
+        if self._pending is not None:
+            self._fit_spectrum(trainer, pl_module)
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._pending is not None:  # a fit resumed after its last epoch runs no training hooks
+            self._fit_spectrum(trainer, pl_module)
+
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._stop_where_cut_short("epoch start")
         self._recorded = []
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._stop_where_cut_short("training end")
+
+    def _stop_where_cut_short(self, where: str) -> None:
+        """A stop that cut the last epoch's spectrum short stops the fit here, before another step changes the
+        weights (robust_lightning.training.interruption would act after the next step)."""
+        if self._pending is not None and (stop := agree_to_stop(where)) is not None:
+            raise stop
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         # keep the first max_images augmented images of an analysed epoch (on the CPU: GPU memory is training's)
@@ -507,14 +564,26 @@ class HessianSpectrum(Analysis):
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self._due(trainer) or not self._recorded:
             return
+        images = torch.cat([x for x, _ in self._recorded])
+        targets = torch.cat([t for _, t in self._recorded])
+        self._recorded = []
+        self._pending = (trainer.current_epoch, images, targets)
+        try:
+            self._fit_spectrum(trainer, pl_module)
+        except JobStopped:
+            # a checkpoint written inside the epoch's end would resume past it: the fit stops at the next
+            # epoch's start (_stop_where_cut_short), the images kept in the state it saves
+            return
+
+    def _fit_spectrum(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The spectrum of the pending epoch's images with the current weights, published with the earlier ones."""
+        assert self._pending is not None
+        epoch, images, targets = self._pending
         was_training = pl_module.training
         module = analysed(pl_module)
         model = self.model(module)  # eval mode (also the EMA copy's); training resumes in train mode below
         device = pl_module.device
         weight_decay = self.model_weight_decay(module)
-        images = torch.cat([x for x, _ in self._recorded])
-        targets = torch.cat([t for _, t in self._recorded])
-        self._recorded = []
         minibatches = (
             (images[i : i + self.batch_size].to(device), targets[i : i + self.batch_size].to(device))
             for i in range(0, len(images), self.batch_size)
@@ -523,14 +592,15 @@ class HessianSpectrum(Analysis):
             result = self.spectrum(model, minibatches, weight_decay)
         finally:
             pl_module.train(was_training)
-        self.epochs[trainer.current_epoch] = result
+        self._pending = None
+        self.epochs[epoch] = result
         section = {
-            "epochs": {str(e): r for e, r in self.epochs.items()},
-            "last_epoch": trainer.current_epoch,
+            "epochs": {str(e): r for e, r in sorted(self.epochs.items())},
+            "last_epoch": max(self.epochs),
             **{k: result[k] for k in ("nep", "ape", "max_eigenvalue", "min_eigenvalue")},
             "conditions": self._conditions(model, "augmented training images of the epoch (rank 0)", weight_decay),
         }
-        figure = self._plot({f"epoch {e}": r for e, r in self.epochs.items()}) if self.plot else None
+        figure = self._plot({f"epoch {e}": r for e, r in sorted(self.epochs.items())}) if self.plot else None
         self.publish(trainer, section, self._metrics(result), figure)
 
     # ------------------------------------------------------------------------------------------- report

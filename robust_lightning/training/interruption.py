@@ -91,6 +91,22 @@ def _at_last_batch(trainer: pl.Trainer) -> bool:
     return trainer._evaluation_loop.batch_progress.is_last_batch
 
 
+def _epoch_loop_as_started(fit_loop: dict[str, Any]) -> None:
+    """The fit loop's saved state at an epoch's start, with the epoch loop's counters of this epoch at zero, as its
+    run resets them (``reset_on_run``). In on_train_epoch_start they still count the previous epoch's batches, and
+    a fit resumed from them would take this epoch's batches as done and skip them."""
+    for key in ("epoch_loop.batch_progress", "epoch_loop.scheduler_progress"):
+        progress = fit_loop[key]
+        progress["current"] = dict.fromkeys(progress["current"], 0)
+        if "is_last_batch" in progress:
+            progress["is_last_batch"] = False
+    optimizer = fit_loop["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]
+    for part in optimizer.values():
+        part["current"] = dict.fromkeys(part["current"], 0)
+    validation = fit_loop["epoch_loop.val_loop.batch_progress"]
+    validation["total"] = dict.fromkeys(validation["total"], 0)  # counts the validations of one epoch
+
+
 def _command(trainer: pl.Trainer) -> str:
     """The running command: fit, validate, test or predict."""
     fn = trainer.state.fn
@@ -108,6 +124,7 @@ class Interruption(Callback):
         # which a stop inside it saves, so that the resumed fit runs it again from its start
         self._validation_start: tuple[dict[str, Any], RandomStates] | None = None
         self._saving_validation_start = False
+        self._saving_epoch_start = False
 
     # ------------------------------------------------------------------------------------------ the signals
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -250,7 +267,10 @@ class Interruption(Callback):
     ) -> None:
         """A stop inside a validation saves the state of that validation's start: its progress as Lightning's
         counters have it when a restart is to run a validation from its first batch, and the random states drawn
-        from there (the module keeps the states it finds here)."""
+        from there (the module keeps the states it finds here). A stop at an epoch's start saves the epoch loop's
+        counters as that epoch's run starts them."""
+        if self._saving_epoch_start:
+            _epoch_loop_as_started(checkpoint["loops"]["fit_loop"])
         if not self._saving_validation_start or self._validation_start is None:
             return
         progress, states = copy.deepcopy(self._validation_start)
@@ -286,10 +306,11 @@ class Interruption(Callback):
             if stop.where == "step":  # Lightning logs a step's row after the hooks of its end, where it stopped
                 trainer._logger_connector.update_train_step_metrics()
             self._saving_validation_start = stop.where == "validation"
+            self._saving_epoch_start = stop.where == "epoch start"
             try:
                 stop.checkpoint = self._save_hpc(trainer) if stop.requeue else self._save_last(trainer)
             finally:
-                self._saving_validation_start = False
+                self._saving_validation_start = self._saving_epoch_start = False
         finally:
             send_held_wandb_rows(held)
 
