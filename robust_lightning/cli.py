@@ -431,6 +431,7 @@ def main(args: Sequence[str] | None = None) -> int:
 # same command line, config and environment), which its rank 0 alone reports; from then on an error may be a rank's
 # own (a file it reads), which print_rank_error reports once per job without losing a rank's own.
 _command_state: dict[str, Trainer | None] = {"trainer": None}
+EXIT_CTRL_C = 128 + 2  # the shell's status for a process ended by SIGINT
 
 
 def _report_error(message: str) -> None:
@@ -447,7 +448,11 @@ def _run_command(args: list[str], from_command_line: bool) -> int:
     try:
         check_config_files(args)
         if args[0] in TOOL_COMMANDS:
-            return TOOL_COMMANDS[args[0]][1](args[1:])
+            try:
+                return TOOL_COMMANDS[args[0]][1](args[1:])
+            except KeyboardInterrupt:  # Ctrl-C: one line, not Python's traceback from wherever it landed
+                print(f"robust-lightning: {args[0]} interrupted by Ctrl-C (exit status {EXIT_CTRL_C})", file=sys.stderr)
+                return EXIT_CTRL_C
         if args[0] not in TRAINER_COMMANDS:
             raise UserError(
                 f"unknown command {args[0]!r}; expected one of: {', '.join([*TRAINER_COMMANDS, *TOOL_COMMANDS])}"

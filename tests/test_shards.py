@@ -10,6 +10,7 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
+from robust_lightning.cli import main
 from robust_lightning.data import shards
 from robust_lightning.data.shards import convert_image_folder, read_manifest, shard_urls, shards_main
 from robust_lightning.data.sources import ShardSource
@@ -396,3 +397,33 @@ def test_the_conversion_pool_workers_end_with_the_conversion(tree, tmp_path, mon
     convert_image_folder(src, tmp_path / "shards", samples_per_shard=3, workers=2, progress=False)
     assert [(pool["initializer"], pool["initargs"]) for pool in pools] == [(end_with_parent, (os.getpid(),))]
     assert sum(len(shard) for shard in _read_shards(tmp_path / "shards")) == len(files)
+
+
+def test_ctrl_c_in_a_conversion_is_one_line_and_the_same_command_goes_on(tree, tmp_path, monkeypatch, capsys):
+    """Ctrl-C in ``robust-lightning shards`` (KeyboardInterrupt in the main process, here at the third shard)
+    ends it with status 130 and one line, not Python's traceback; the same command then writes the shards left and
+    the manifest of a conversion left alone."""
+    src, _, _ = tree
+    options = ["--samples_per_shard", "2", "--workers", "1"]
+    assert main(["shards", str(src), str(tmp_path / "alone"), *options]) == 0
+    convert, converted = shards._convert_shard, []
+
+    def interrupted(*args):
+        if len(converted) == 2:
+            raise KeyboardInterrupt
+        converted.append(args[3])
+        return convert(*args)
+
+    monkeypatch.setattr(shards, "_convert_shard", interrupted)
+    capsys.readouterr()
+    assert main(["shards", str(src), str(tmp_path / "out"), *options]) == 130
+    error = capsys.readouterr().err
+    assert error.strip().splitlines()[-1] == "robust-lightning: shards interrupted by Ctrl-C (exit status 130)"
+    assert "Traceback" not in error and not (tmp_path / "out" / "manifest.json").exists()
+    monkeypatch.setattr(shards, "_convert_shard", convert)
+    assert main(["shards", str(src), str(tmp_path / "out"), *options]) == 0
+    manifests = [json.loads((tmp_path / name / "manifest.json").read_text()) for name in ("alone", "out")]
+    for manifest in manifests:
+        manifest.pop("created", None)
+        manifest["source"] = Path(manifest["source"]).name
+    assert manifests[0] == manifests[1]

@@ -401,7 +401,9 @@ def _read_source_sample(path: Path, key: str, label: int, wnid: str, verify: boo
                 fmt = image.format
                 image.convert("RGB")  # decodes every pixel: catches truncated and corrupt files
         except Exception as e:  # PIL raises many types (OSError, SyntaxError, ValueError, DecompressionBomb...)
-            return None, f"cannot decode: {type(e).__name__}: {e}"
+            # without PIL's name for the in-memory buffer, whose address would change the manifest on every run
+            message = re.sub(r"\s*<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "", str(e))
+            return None, f"cannot decode: {type(e).__name__}: {message}"
         ext = PIL_FORMATS.get(fmt, ext) if fmt is not None else ext
     return {"__key__": key, ext: data, "cls": label, "wnid": wnid}, None
 
