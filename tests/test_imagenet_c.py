@@ -34,6 +34,7 @@ from robust_lightning.evaluation.imagenet_c import (
     imagenet_c_cells,
     images_short_of_the_benchmark,
 )
+from robust_lightning.job_signals import JobSignals, JobStopped
 from robust_lightning.paths import DATA_DIR
 from shift_data import imagenet_c_config, imagenet_c_tree, write_square
 
@@ -202,7 +203,9 @@ class Recorder(torch.nn.Module):
         return logits
 
 
-def run_callback(tmp_path: Path, root: Path, model_size: int, **settings) -> tuple[Recorder, dict]:
+def run_callback(
+    tmp_path: Path, root: Path, model_size: int, model: Recorder | None = None, **settings
+) -> tuple[Recorder, dict]:
     settings = {"corruptions": ["brightness"], "severities": [2], **settings}
     callback = ImageNetC(root=str(root), clean_error=0.1, batch_size=3, num_workers=0, plot=False, **settings)
     trainer = SimpleNamespace(
@@ -210,7 +213,9 @@ def run_callback(tmp_path: Path, root: Path, model_size: int, **settings) -> tup
         global_rank=0,
         is_global_zero=True,
         log_dir=str(tmp_path / "run"),
-        default_root_dir=None,
+        default_root_dir=str(tmp_path),  # where the prediction rows are kept (tmp_path/predictions)
+        precision="32-true",
+        strategy=SimpleNamespace(barrier=lambda: None),
         loggers=[],
         global_step=0,
         ckpt_path=None,
@@ -218,7 +223,7 @@ def run_callback(tmp_path: Path, root: Path, model_size: int, **settings) -> tup
         datamodule=None,
         precision_plugin=SimpleNamespace(test_step_context=nullcontext),
     )
-    model = Recorder(model_size)
+    model = model or Recorder(model_size)
     callback.on_test_start(trainer, model)
     callback.on_test_end(trainer, model)
     return model, json.loads((tmp_path / "run" / "results.json").read_text())["imagenet_c"]
@@ -236,6 +241,42 @@ def test_images_at_model_resolution_reach_the_model_as_decoded(tmp_path):
     assert seen.shape == (4, 3, 32, 32) and torch.equal(seen, decoded)  # no resize, no crop
     assert section["preprocessing"] == "none (decoded as released)"
     assert section["corruptions"]["brightness"]["acc1"] == {"2": 0.5}  # class 0 predicted: 2 of 4 right
+
+
+class StoppedAt(Recorder):
+    """Predicts from the pixels (another class per image), and notes a job's stop in its ``stop_at``-th pass."""
+
+    def __init__(self, image_size: int, stop_at: int | None = None):
+        super().__init__(image_size)
+        self.stop_at = stop_at
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        self.inputs.append(images.clone())
+        if len(self.inputs) == self.stop_at:
+            JobSignals.sigterm = True
+        logits = torch.zeros(len(images), 1000)
+        logits[:, 1] = images.float().mean((1, 2, 3)) - 0.5  # class 1 for bright images, else class 0
+        return logits
+
+
+def test_a_stopped_run_keeps_its_batches_and_the_same_run_goes_on_to_the_numbers_left_alone(tmp_path, monkeypatch):
+    """A job's signal in the second of three batches: the run stops after it, with the rows of both batches saved;
+    the same run again predicts only the third batch's images and publishes the section of the run left alone.
+    Run once more, it predicts nothing."""
+    root = imagenet_c_tree(tmp_path / "c", corruptions=("brightness", "contrast"))  # 8 images, batches of 3
+    settings = {"corruptions": ["brightness", "contrast"]}
+    alone, alone_section = run_callback(tmp_path / "alone", root, 32, model=StoppedAt(32), **settings)
+    assert len(torch.cat(alone.inputs)) == 8
+
+    monkeypatch.setattr(JobSignals, "sigterm", False)
+    with pytest.raises(JobStopped):
+        run_callback(tmp_path / "stopped", root, 32, model=StoppedAt(32, stop_at=2), **settings)
+    monkeypatch.setattr(JobSignals, "sigterm", False)
+    resumed, section = run_callback(tmp_path / "stopped", root, 32, model=StoppedAt(32), **settings)
+    assert len(torch.cat(resumed.inputs)) == 2  # the third batch only
+    assert section == alone_section and 0 < section["mean_acc1"] < 1
+    again, _ = run_callback(tmp_path / "stopped", root, 32, model=StoppedAt(32), **settings)
+    assert again.inputs == []
 
 
 def test_images_are_resized_only_for_another_model_resolution(tmp_path):

@@ -213,7 +213,9 @@ def fake_trainer(run_dir: Path, world_size: int = 1, rank: int = 0, loggers=()) 
         global_rank=rank,
         is_global_zero=rank == 0,
         log_dir=str(run_dir),
-        default_root_dir=None,
+        default_root_dir=str(run_dir),  # where the prediction rows are kept (run_dir/predictions)
+        precision="32-true",
+        strategy=SimpleNamespace(barrier=lambda: None),
         loggers=list(loggers),
         global_step=0,
         ckpt_path=None,

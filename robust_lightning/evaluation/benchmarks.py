@@ -58,7 +58,10 @@ from robust_lightning.evaluation.prediction import (  # noqa: F401 (predict)
     Split,
     predict,
     predict_split,
+    rows_folder,
+    samples_digest,
 )
+from robust_lightning.evaluation.results import weights_sha256
 from robust_lightning.paths import DATA_DIR
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
@@ -473,19 +476,31 @@ class DistributionShiftBenchmarks(Evaluation):
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
         split: Split,
-        transform: ImageTransform,
+        preprocessing: tuple[ImageTransform, str],
         classes: tuple[int, ...] | None,
+        weights_hash: str,
     ) -> Predictions:
+        transform, note = preprocessing
+        settings = {"images": samples_digest(split.samples), "preprocessing": note, "classes": classes}
         return predict_split(
-            trainer, pl_module, split, transform, classes, batch_size=self.batch_size, num_workers=self.num_workers
+            trainer,
+            pl_module,
+            split,
+            transform,
+            classes,
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            records=rows_folder(trainer, split.name, weights_hash, settings),
         )
 
-    def _run(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> dict[str, Any]:
+    def _run(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str, weights_hash: str) -> dict[str, Any]:
         benchmark = self.benchmarks[name]
-        transform, note = self._preprocessing(benchmark)
+        preprocessing = self._preprocessing(benchmark)
+        note = preprocessing[1]
         classes = benchmark.classes() if benchmark.classes is not None else None
         predictions = {
-            split.name: self._predict(trainer, pl_module, split, transform, classes) for split in self.splits[name]
+            split.name: self._predict(trainer, pl_module, split, preprocessing, classes, weights_hash)
+            for split in self.splits[name]
         }
         given = {key: str(Path(root).resolve()) for key in (name, *benchmark.needs) if (root := self.roots[key])}
         section: dict[str, Any] = {
@@ -498,8 +513,9 @@ class DistributionShiftBenchmarks(Evaluation):
         return section
 
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        weights_hash = weights_sha256(pl_module)  # once: it reads every weight
         with evaluating(pl_module):
-            sections = {name: self._run(trainer, pl_module, name) for name in self.splits}
+            sections = {name: self._run(trainer, pl_module, name, weights_hash) for name in self.splits}
         metrics = flat_metrics(sections, self.benchmarks)
         # one table: benchmark, metric (e.g. mixed_rand/acc1)
         rows = [key.removeprefix("benchmarks/").split("/", 1) + [value] for key, value in metrics.items()]

@@ -62,7 +62,8 @@ from robust_lightning.evaluation.corruptions import (
     CorruptedEvalTransform,
     frost_directory,
 )
-from robust_lightning.evaluation.prediction import ExactSize, Split, predict, predict_split
+from robust_lightning.evaluation.prediction import ExactSize, Split, predict, predict_split, rows_folder, samples_digest
+from robust_lightning.evaluation.results import weights_sha256
 from robust_lightning.paths import DATA_DIR
 
 STANDARD = (
@@ -488,6 +489,7 @@ class ImageNetC(Evaluation):
         keys = list(self.cells)
         samples = [s for key in keys for s in self.cells[key]]
         cell_of = torch.tensor([k for k, key in enumerate(keys) for _ in self.cells[key]])
+        settings = {"images": samples_digest(samples), "image_size": self.resolution}
         predictions = predict_split(
             trainer,
             pl_module,
@@ -496,6 +498,7 @@ class ImageNetC(Evaluation):
             None,
             batch_size=self.batch_size,
             num_workers=self._workers(trainer),
+            records=rows_folder(trainer, "imagenet_c", weights_sha256(pl_module), settings),
         )
         cell_of = cell_of[predictions.index]  # unreadable images are skipped (and named in the results)
         if not trainer.is_global_zero:

@@ -57,7 +57,15 @@ from robust_lightning.data.classes import class_map
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.base import Evaluation, evaluating, evaluation_resolution, new_figure, to_model_input
 from robust_lightning.evaluation.benchmarks import IMAGE_SUFFIXES, choose
-from robust_lightning.evaluation.prediction import ExactSize, Loaded, Unreadable, run_exactly_once
+from robust_lightning.evaluation.prediction import (
+    ExactSize,
+    Loaded,
+    Unreadable,
+    rows_folder,
+    run_exactly_once,
+    samples_digest,
+)
+from robust_lightning.evaluation.results import weights_sha256
 from robust_lightning.paths import DATA_DIR
 
 if TYPE_CHECKING:
@@ -316,6 +324,7 @@ def score_sequences(
     *,
     batch_size: int,
     num_workers: int,
+    records: Path | None = None,
 ) -> SequenceScores:
     """Flip probability and top-5 distance of every readable sequence, over all ranks, each exactly once.
     ``rules[i]``: (compare with the first frame, step) of sequence i. ``batch_size`` counts sequences."""
@@ -346,6 +355,7 @@ def score_sequences(
         num_workers=num_workers,
         desc="imagenet_p",
         what="sequences",
+        records=records,
     )
     columns = list(zip(*rows)) if rows else [(), (), (), (), ()]
     return SequenceScores(
@@ -423,15 +433,19 @@ class ImageNetP(Evaluation):
         # one dataset over every perturbation: one loader, one gather; perturbation_of maps a sequence back
         paths = [s for p in self.perturbations for s in self.sequences[p]]
         perturbation_of = [p for p in self.perturbations for _ in self.sequences[p]]
+        rules = [self._comparison(p) for p in perturbation_of]
+        settings: dict[str, object] = {"sequences": samples_digest([(path, 0) for path in paths])}
+        settings |= {"rules": rules, "image_size": self.resolution}
         with evaluating(pl_module):
             scores = score_sequences(
                 trainer,
                 pl_module,
                 paths,
-                [self._comparison(p) for p in perturbation_of],
+                rules,
                 ExactSize(self.resolution),
                 batch_size=self.batch_size,
                 num_workers=self.num_workers,
+                records=rows_folder(trainer, "imagenet_p", weights_sha256(pl_module), settings),
             )
         if not trainer.is_global_zero:
             self.publish(trainer, None, None)  # the run directory is agreed over all ranks
