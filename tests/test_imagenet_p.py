@@ -471,7 +471,8 @@ def test_sigterm_to_every_process_stops_imagenet_p_and_the_same_command_then_fin
     """With the config's loader workers and progress bars, which the in-process run above switches off: SIGTERM to
     every process of the command in ImageNet-P's first forward pass, its decoding workers included as SLURM
     signals a job step, stops the command with status 143 and no traceback, and no results.json is written.
-    The same command again writes the section with the numbers of the run without workers."""
+    The same command again, on two ranks, goes on from the sequences the stopped run predicted and writes the
+    section with the numbers of the run without workers."""
     from robust_lightning.cli import main
 
     root = tmp_path / "imagenet-p"
@@ -504,8 +505,9 @@ def test_sigterm_to_every_process_stops_imagenet_p_and_the_same_command_then_fin
     assert (tmp_path / "marks" / "imagenet_p").exists()
     assert not list((tmp_path / "stopped" / "p").glob("version_*/results.json"))
 
-    again = run_command(command, cwd=tmp_path, timeout=180)
+    again = run_command([*command, "--trainer.devices", "2", "--trainer.strategy", "ddp"], cwd=tmp_path, timeout=180)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert "imagenet_p: resuming, " in again.stdout + again.stderr  # the stopped run's first batch is kept
     [results] = (tmp_path / "stopped" / "p").glob("version_*/results.json")
     section = json.loads(results.read_text())["imagenet_p"]
     for perturbation, values in expected.items():
