@@ -371,9 +371,15 @@ def evaluate(
         )
         try:
             trainer.test(module, datamodule=datamodule)
-        except JobStopped:
+        except JobStopped as stop:
             then = f"the same call with out_dir={out_dir} goes on" if out_dir is not None else "nothing is kept"
-            print(f"robust_lightning: evaluate stopped by SIGTERM; {then}", file=sys.stderr)
+            if stop.requeued:
+                stopped, then = "for SLURM's requeue", f"the requeued job runs the script again, and {then}"
+            elif stop.requeue:
+                stopped = "by SLURM's requeue signal, but the requeue failed"
+            else:
+                stopped = "by SIGTERM"
+            print(f"robust_lightning: evaluate stopped {stopped}; {then}", file=sys.stderr)
             raise
         finally:
             JobSignals.give_back()

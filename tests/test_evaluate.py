@@ -18,6 +18,7 @@ from robust_lightning.cli import main
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.autoattack import AutoAttackEvaluation
 from robust_lightning.job_signals import JobSignals, JobStopped
+from robust_lightning.training import interruption
 
 LINF = [{"norm": "Linf", "eps": 10 / 255}]
 QUICK = {"version": "apgd-ce", "options": {"autoattack": {"n_iter": 5}}}
@@ -345,3 +346,33 @@ def test_a_stopped_card_frees_its_outcome_folders_for_the_next_call_in_the_same_
         section.pop("seconds_this_session")
         section.pop("claims_refuted_in_fp32_this_session", None)
     assert sections[0] == sections[1] and sections[0]["num_points"] == 24
+
+
+@pytest.mark.parametrize("taken", [True, False])
+def test_a_stop_by_slurms_requeue_signal_is_named_so(trained, points, tmp_path, monkeypatch, capsys, taken):
+    """SLURM's requeue signal stops evaluate as SIGTERM does, and its message says what happens next: the requeued
+    job runs the script again, or the requeue failed. ``scontrol`` is stood in for (no SLURM here)."""
+    x, y = points
+    monkeypatch.setattr(interruption, "requeue_this_job", lambda signum, then: taken)
+
+    class NotingTheSignal(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = trained
+
+        def forward(self, images):
+            monkeypatch.setattr(JobSignals, "requeue", True)  # what the requeue signal's handler notes
+            return self.net(images)
+
+    with pytest.raises(JobStopped):
+        robust_lightning.evaluate(
+            NotingTheSignal(), (x, y), threat_models=LINF, out_dir=tmp_path, batch_size=12, **QUICK
+        )
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    if taken:
+        assert message == (
+            "robust_lightning: evaluate stopped for SLURM's requeue; the requeued job runs the script again, and "
+            f"the same call with out_dir={tmp_path} goes on"
+        )
+    else:
+        assert message.startswith("robust_lightning: evaluate stopped by SLURM's requeue signal, but the requeue")
