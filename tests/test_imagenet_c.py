@@ -497,6 +497,45 @@ def test_generated_cli_run_writes_its_section(tmp_path, checkpoint):
     assert {"imagenet_c/mce_partial", "imagenet_c/frost/acc1", "imagenet_c/contrast/5/acc1"} <= set(logged)
 
 
+def test_a_stopped_generated_run_goes_on_with_the_corruptions_left(tmp_path, checkpoint, monkeypatch):
+    """The generated corruptions' rows are kept once gathered, corruption by corruption: a stop in the second
+    corruption (fog) ends the run (status 143); the same command computes only the second and third, and writes
+    the section of the run left alone."""
+    from robust_lightning.cli import main
+
+    settings = {"source": "generated", "corruptions": ["gaussian_noise", "contrast", "fog"], "severities": [1, 5]}
+    settings |= {"seed": 3, "batch_size": 3}
+    predict, computed = ImageNetC._predict_generated, []
+
+    def stopping_in(corruption):
+        def counted(self, trainer, pl_module, c):
+            computed.append(c)
+            if c == corruption:
+                JobSignals.sigterm = True  # what the SIGTERM handler notes
+            return predict(self, trainer, pl_module, c)
+
+        return counted
+
+    sections = {}
+    for name in ("alone", "stopped"):
+        config = imagenet_c_config(tmp_path / name, settings)
+        command = ["test", "--config", str(config), "--ckpt_path", str(checkpoint)]
+        if name == "stopped":
+            monkeypatch.setattr(ImageNetC, "_predict_generated", stopping_in("fog"))
+            assert main(command) == 143
+            monkeypatch.setattr(JobSignals, "sigterm", False)
+            computed.clear()
+        monkeypatch.setattr(ImageNetC, "_predict_generated", stopping_in(None))
+        assert main(command) == 0
+        results = next((tmp_path / name / "runs" / "c").glob("version_*/results.json"))
+        section = json.loads(results.read_text())["imagenet_c"]
+        section.pop("plot")
+        sections[name] = json.loads(json.dumps(section).replace(str(tmp_path / name), "<test folder>"))
+    # in the benchmark's order (noise, weather, digital): gaussian_noise's rows were kept by the stopped run
+    assert computed == ["fog", "contrast"]
+    assert sections["stopped"] == sections["alone"]
+
+
 def test_generated_checks_before_any_work(tmp_path):
     for kwargs, message in (
         ({"source": "generated", "seed": -1}, "seed must be a non-negative integer"),

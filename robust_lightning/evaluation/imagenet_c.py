@@ -29,6 +29,7 @@ metrics are the same code, and the results.json section says how the images were
 """
 
 import csv
+import json
 from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
@@ -38,6 +39,7 @@ import torch
 from PIL import Image
 from torch.utils.data import IterableDataset
 
+from robust_lightning.atomic import atomic_write_json
 from robust_lightning.console import tqdm
 from robust_lightning.data.classes import class_map
 from robust_lightning.data.contract import EvaluationSource, evaluation_data
@@ -565,15 +567,45 @@ class ImageNetC(Evaluation):
             )
         return rows, corrupt, _known_size(loader.dataset)
 
+    def _corruption_rows(self, trainer, pl_module, corruption: str, folder: Path | None) -> dict[str, Any]:
+        """Every rank's rows of one corruption ({"rows", "corrupt", "expected"}), as saved in ``folder`` by an
+        earlier run (rank zero writes them once gathered) or predicted now. Every rank reads the file before the
+        gather after which rank zero writes it, so the ranks agree on which corruptions they predict."""
+        saved = folder / f"{corruption}.json" if folder is not None else None
+        if saved is not None and saved.is_file():
+            return dict(json.loads(saved.read_text()))
+        rows, corrupt, expected = self._predict_generated(trainer, pl_module, corruption)
+        parts = gather_objects((rows, corrupt))
+        gathered = {
+            "rows": sorted(row for part in parts for row in part[0]),
+            "corrupt": sorted(reason for part in parts for reason in part[1]),
+            "expected": expected,
+        }
+        if saved is not None and trainer.is_global_zero:
+            atomic_write_json(saved, gathered)
+        return gathered
+
     def _generated(self, trainer, pl_module) -> dict[str, Any] | None:
-        mine = {c: self._predict_generated(trainer, pl_module, c) for c in self.corruptions}
-        expected = mine[self.corruptions[0]][2]
-        parts = gather_objects(mine)
+        source = evaluation_source(trainer)
+        settings = {
+            "images": source.location if source else None,
+            "subset": source.subset if source else None,
+            "limit": source.limit if source else None,
+            "corruptions_implementation": IMPLEMENTATION,
+            **{name: getattr(self, name) for name in ("severities", "seed", "resolution", "crop_pct", "textures")},
+        }
+        # a corruption's rows are kept once predicted, where the images have a location to tell them apart: a
+        # stopped run goes on with the corruptions left
+        folder = None
+        if source is not None and source.location is not None:
+            folder = rows_folder(trainer, "imagenet_c_generated", weights_sha256(pl_module), settings)
+        per = {c: self._corruption_rows(trainer, pl_module, c, folder) for c in self.corruptions}
         if not trainer.is_global_zero:
             return None
-        rows = {c: sorted(row for part in parts for row in part[c][0]) for c in self.corruptions}
-        corrupt = sorted({reason for part in parts for c in self.corruptions for reason in part[c][1]})
-        counts = {len(rows[c]) + sum(len(part[c][1]) for part in parts) for c in self.corruptions}
+        rows = {c: per[c]["rows"] for c in self.corruptions}
+        corrupt = sorted({reason for c in self.corruptions for reason in per[c]["corrupt"]})
+        counts = {len(per[c]["rows"]) + len(per[c]["corrupt"]) for c in self.corruptions}
+        expected = per[self.corruptions[0]]["expected"]
         assert len(counts) == 1 and expected in (None, *counts), "images lost or counted twice across ranks"
         keys = [(c, s) for c in self.corruptions for s in self.severities]
         cell_of, target, prediction, confidence = [], [], [], []
