@@ -531,6 +531,30 @@ def tiny_vit(**kwargs: Any) -> torch.nn.Module:
     return tiny("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=3, **kwargs)
 
 
+def two_epoch_fit(
+    folder: Path,
+    callback: dict[str, Any],
+    stopped: Callable[[subprocess.CompletedProcess[str], Path], None] | None = None,
+    **overrides: Any,
+) -> Path:
+    """A fit of test_resnet for two epochs of two steps in ``folder`` (tiny_config with ``overrides``), with
+    ``callback``. With ``stopped``, the fit must end with status 143 and no traceback, ``stopped(result, run)``
+    checks the stop, and the same command with ``--ckpt_path last`` finishes it. Returns the run directory."""
+    folder.mkdir()
+    options = {"trainer.max_epochs": 2, "trainer.limit_train_batches": 2, "model.arch": "test_resnet"}
+    config = tiny_config(folder, **{**options, "trainer.callbacks": [callback], **overrides})
+    command = ["fit", "--config", str(config)]
+    done = run_command(command, cwd=folder, timeout=240)
+    run = folder / "runs" / "tiny" / "version_0"
+    if stopped is not None:
+        assert done.returncode == 143, done.stderr[-3000:]
+        assert "Traceback" not in done.stdout + done.stderr
+        stopped(done, run)
+        done = run_command([*command, "--ckpt_path", "last"], cwd=folder, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run
+
+
 def untrained_checkpoint(tmp_path: Path, arch: str, **kwargs: Any) -> Path:
     from lightning import Trainer
 

@@ -20,7 +20,7 @@ from PIL import Image
 from torch import nn
 from torch.func import functional_call
 
-from helpers import run_command, tiny_config
+from helpers import two_epoch_fit
 from robust_lightning.analysis import hessian as hessian_module
 from robust_lightning.analysis.hessian import (
     HessianSpectrum,
@@ -208,36 +208,21 @@ def test_a_fit_stopped_inside_the_hessian_spectrum_resumes_to_the_fit_left_alone
     (``--ckpt_path last``) computes that spectrum first and ends with the weights, the spectra of both epochs and
     the logged Hessian figures of the fit left alone."""
     spectra, weights, logged = {}, {}, {}
+
+    def stopped_in_the_spectrum(done, run: Path) -> None:
+        saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+        assert saved["global_step"] == 2  # the first epoch's two steps, none after the spectrum
+        [state] = [v for k, v in saved["callbacks"].items() if k.startswith("HessianSpectrumStoppedAt")]
+        assert state["pending"]["epoch"] == 0 and len(state["pending"]["images"]) == 8
+
     for name in ("alone", "stopped"):
-        folder = tmp_path / name
-        folder.mkdir()
-        marks = {"marks": str(folder / "marks")} if name == "stopped" else {}
+        marks = {"marks": str(tmp_path / name / "marks")} if name == "stopped" else {}
         callback = {
             "class_path": "stop_points.HessianSpectrumStoppedAt",
             "init_args": {"top_k": 2, "max_iter": 4, "max_images": 8, "batch_size": 4, **marks},
         }
-        config = tiny_config(
-            folder,
-            **{
-                "trainer.max_epochs": 2,
-                "trainer.limit_train_batches": 2,
-                "trainer.limit_val_batches": 1,
-                "trainer.callbacks": [callback],
-                "model.arch": "test_resnet",
-            },
-        )
-        command = ["fit", "--config", str(config)]
-        done = run_command(command, cwd=folder, timeout=240)
-        run = folder / "runs" / "tiny" / "version_0"
-        if name == "stopped":
-            assert done.returncode == 143, done.stderr[-3000:]
-            assert "Traceback" not in done.stdout + done.stderr
-            saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
-            assert saved["global_step"] == 2  # the first epoch's two steps, none after the spectrum
-            [state] = [v for k, v in saved["callbacks"].items() if k.startswith("HessianSpectrumStoppedAt")]
-            assert state["pending"]["epoch"] == 0 and len(state["pending"]["images"]) == 8
-            done = run_command([*command, "--ckpt_path", "last"], cwd=folder, timeout=240)
-        assert done.returncode == 0, done.stderr[-3000:]
+        stopped = stopped_in_the_spectrum if name == "stopped" else None
+        run = two_epoch_fit(tmp_path / name, callback, stopped, **{"trainer.limit_val_batches": 1})
         section = json.loads((run / "results.json").read_text())["hessian"]
         section["conditions"].pop("checkpoint")  # the resumed fit names the checkpoint it resumed from
         assert Path(section.pop("plot")) == run / "hessian.png"

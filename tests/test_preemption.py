@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, fake_slurm_job, run_command, tiny_config
+from helpers import REPO, fake_slurm_job, run_command, tiny_config, two_epoch_fit
 from robust_lightning.training.checkpoint_io import AtomicCheckpointIO, atomic_write_bytes
 
 STEPS_PER_EPOCH = 12
@@ -263,30 +263,15 @@ def test_a_stop_in_an_epochs_last_step_without_validation_resumes_at_the_next_ep
     (a checkpoint written at the step's end would resume past the epoch's end). The resumed fit trains every step
     of that epoch and ends with the weights and the metrics.csv rows of the fit left alone."""
     weights, rows = {}, {}
+
+    def stopped_at_the_epochs_start(done, run: Path) -> None:
+        assert "fit interrupted by SIGTERM at epoch 1, step 2;" in done.stdout + done.stderr
+
     for name in ("alone", "stopped"):
-        folder = tmp_path / name
-        folder.mkdir()
-        marks = {"marks": str(folder / "marks")} if name == "stopped" else {}
-        config = tiny_config(
-            folder,
-            **{
-                "trainer.max_epochs": 2,
-                "trainer.limit_train_batches": 2,
-                "trainer.limit_val_batches": 0,
-                "trainer.callbacks": [
-                    {"class_path": "stop_points.StopAt", "init_args": {"points": ["step:1"], **marks}}
-                ],
-                "model.arch": "test_resnet",
-            },
-        )
-        command = ["fit", "--config", str(config)]
-        done = run_command(command, cwd=folder, timeout=240)
-        run = folder / "runs" / "tiny" / "version_0"
-        if name == "stopped":
-            assert done.returncode == 143, done.stderr[-3000:]
-            assert "fit interrupted by SIGTERM at epoch 1, step 2;" in done.stdout + done.stderr
-            done = run_command([*command, "--ckpt_path", "last"], cwd=folder, timeout=240)
-        assert done.returncode == 0, done.stderr[-3000:]
+        marks = {"marks": str(tmp_path / name / "marks")} if name == "stopped" else {}
+        callback = {"class_path": "stop_points.StopAt", "init_args": {"points": ["step:1"], **marks}}
+        stopped = stopped_at_the_epochs_start if name == "stopped" else None
+        run = two_epoch_fit(tmp_path / name, callback, stopped, **{"trainer.limit_val_batches": 0})
         assert json.loads((run / "results.json").read_text())["fit"]["steps"] == 4
         weights[name] = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
         logged = sorted(run.glob("metrics*.csv"))  # the stopped run's first attempt is metrics.part1.csv
