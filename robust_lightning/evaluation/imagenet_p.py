@@ -434,8 +434,9 @@ class ImageNetP(Evaluation):
         paths = [s for p in self.perturbations for s in self.sequences[p]]
         perturbation_of = [p for p in self.perturbations for _ in self.sequences[p]]
         rules = [self._comparison(p) for p in perturbation_of]
-        settings: dict[str, object] = {"sequences": samples_digest([(path, 0) for path in paths])}
-        settings |= {"rules": rules, "image_size": self.resolution}
+        # the sequences and how each is compared (with the first frame or the previous one, and the step)
+        sequences = samples_digest((path, *rule) for path, rule in zip(paths, rules))
+        settings = {"sequences": sequences, "image_size": self.resolution}
         with evaluating(pl_module):
             scores = score_sequences(
                 trainer,

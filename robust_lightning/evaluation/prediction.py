@@ -14,7 +14,7 @@ benchmark's images and settings), so the same evaluation finds it and another on
 
 import hashlib
 import json
-from collections.abc import Callable, Sized
+from collections.abc import Callable, Iterable, Sequence, Sized
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,11 +129,12 @@ def rows_folder(trainer: pl.Trainer, benchmark: str, weights_hash: str, settings
     return folder
 
 
-def samples_digest(samples: list[tuple[str, int]]) -> str:
-    """sha256 of a list of (path, label): which images a benchmark's rows are of."""
+def samples_digest(samples: Iterable[Sequence[object]]) -> str:
+    """sha256 of a list of items such as (path, label), a tab-separated line each: which images a benchmark's
+    rows are of, and how they are read."""
     digest = hashlib.sha256()
-    for path, label in samples:
-        digest.update(f"{path}\t{label}\n".encode())
+    for sample in samples:
+        digest.update(("\t".join(map(str, sample)) + "\n").encode())
     return digest.hexdigest()
 
 
