@@ -2,7 +2,6 @@
 protocol at test time (augmented training images, 10% of the training set, the model's weight decay), and the
 callback during fit."""
 
-import csv
 import io
 import json
 import math
@@ -20,7 +19,6 @@ from PIL import Image
 from torch import nn
 from torch.func import functional_call
 
-from helpers import two_epoch_fit
 from robust_lightning.analysis import hessian as hessian_module
 from robust_lightning.analysis.hessian import (
     HessianSpectrum,
@@ -200,41 +198,6 @@ def test_the_callback_writes_a_spectrum_per_epoch_during_fit(tmp_path):
         assert 0.0 <= spectrum["nep"] <= 1.0
     assert "augmented training images" in section["conditions"]["data"]
     assert (run / "hessian.png").is_file() and section["plot"].endswith("hessian.png")
-
-
-def test_a_fit_stopped_inside_the_hessian_spectrum_resumes_to_the_fit_left_alone(tmp_path):
-    """SIGTERM to the job between two minibatches of the first epoch's spectrum: the fit stops at once (exit 143),
-    before another step changes the weights, and its checkpoint keeps the epoch's images. The resumed fit
-    (``--ckpt_path last``) computes that spectrum first and ends with the weights, the spectra of both epochs and
-    the logged Hessian figures of the fit left alone."""
-    spectra, weights, logged = {}, {}, {}
-
-    def stopped_in_the_spectrum(done, run: Path) -> None:
-        saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
-        assert saved["global_step"] == 2  # the first epoch's two steps, none after the spectrum
-        [state] = [v for k, v in saved["callbacks"].items() if k.startswith("HessianSpectrumStoppedAt")]
-        assert state["pending"]["epoch"] == 0 and len(state["pending"]["images"]) == 8
-
-    for name in ("alone", "stopped"):
-        marks = {"marks": str(tmp_path / name / "marks")} if name == "stopped" else {}
-        callback = {
-            "class_path": "stop_points.HessianSpectrumStoppedAt",
-            "init_args": {"top_k": 2, "max_iter": 4, "max_images": 8, "batch_size": 4, **marks},
-        }
-        stopped = stopped_in_the_spectrum if name == "stopped" else None
-        run = two_epoch_fit(tmp_path / name, callback, stopped, **{"trainer.limit_val_batches": 1})
-        section = json.loads((run / "results.json").read_text())["hessian"]
-        section["conditions"].pop("checkpoint")  # the resumed fit names the checkpoint it resumed from
-        assert Path(section.pop("plot")) == run / "hessian.png"
-        spectra[name] = section
-        weights[name] = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
-        rows = [row for path in sorted(run.glob("metrics*.csv")) for row in csv.DictReader(path.open())]
-        logged[name] = sorted((row["step"], row["hessian/nep"]) for row in rows if row.get("hessian/nep"))
-    assert set(spectra["alone"]["epochs"]) == {"0", "1"}
-    assert spectra["stopped"] == spectra["alone"]
-    assert weights["stopped"].keys() == weights["alone"].keys()
-    assert all(torch.equal(weights["stopped"][k], weights["alone"][k]) for k in weights["alone"])
-    assert len(logged["alone"]) == 2 and logged["stopped"] == logged["alone"]
 
 
 # ------------------------------------------------------------------------------- the paper's protocol at test time

@@ -8,7 +8,10 @@ end-of-fit AutoAttack. Each attempt exits 143 without a traceback, and the next 
 command (``--ckpt_path last``). The last attempt ends with the weights of the fit left alone bit for bit, its
 metrics.csv rows, its results.json numbers, and one W&B run whose record files hold every row once, in order, with
 the history's ``_step`` continuous across the attempts. Each command runs under a hard time limit that kills every
-process it started."""
+process it started.
+
+The last test stops a one-process fit inside the spectrum that HessianSpectrum computes at an epoch's end (the
+analysis runs in one process only), and compares it with the same fit left alone."""
 
 import csv
 import json
@@ -18,7 +21,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import run_command
+from helpers import run_command, two_epoch_fit
 from robust_lightning.data.synthetic import ensure_synthetic_dataset
 from robust_lightning.loggers import WANDB_RUN_FILE
 from robust_lightning.wandb_records import history_rows, read_records, run_record_files
@@ -199,3 +202,38 @@ def test_one_wandb_run_holds_every_row_once_in_order(runs):
     wanted = [signature(row) for row in expected if any(not k.startswith(("_", "perf/", "trainer/")) for k in row)]
     assert kept == wanted
     assert any("the earlier attempts did not record" in a.stdout + a.stderr for a in attempts[1:])
+
+
+def test_a_fit_stopped_inside_the_hessian_spectrum_resumes_to_the_fit_left_alone(tmp_path):
+    """SIGTERM to the job between two minibatches of the first epoch's spectrum: the fit stops at once (exit 143),
+    before another step changes the weights, and its checkpoint keeps the epoch's images. The resumed fit
+    (``--ckpt_path last``) computes that spectrum first and ends with the weights, the spectra of both epochs and
+    the logged Hessian figures of the fit left alone."""
+    spectra, weights, logged = {}, {}, {}
+
+    def stopped_in_the_spectrum(done, run: Path) -> None:
+        saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+        assert saved["global_step"] == 2  # the first epoch's two steps, none after the spectrum
+        [state] = [v for k, v in saved["callbacks"].items() if k.startswith("HessianSpectrumStoppedAt")]
+        assert state["pending"]["epoch"] == 0 and len(state["pending"]["images"]) == 8
+
+    for name in ("alone", "stopped"):
+        marks = {"marks": str(tmp_path / name / "marks")} if name == "stopped" else {}
+        callback = {
+            "class_path": "stop_points.HessianSpectrumStoppedAt",
+            "init_args": {"top_k": 2, "max_iter": 4, "max_images": 8, "batch_size": 4, **marks},
+        }
+        stopped = stopped_in_the_spectrum if name == "stopped" else None
+        run = two_epoch_fit(tmp_path / name, callback, stopped, **{"trainer.limit_val_batches": 1})
+        section = json.loads((run / "results.json").read_text())["hessian"]
+        section["conditions"].pop("checkpoint")  # the resumed fit names the checkpoint it resumed from
+        assert Path(section.pop("plot")) == run / "hessian.png"
+        spectra[name] = section
+        weights[name] = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+        rows = [row for path in sorted(run.glob("metrics*.csv")) for row in csv.DictReader(path.open())]
+        logged[name] = sorted((row["step"], row["hessian/nep"]) for row in rows if row.get("hessian/nep"))
+    assert set(spectra["alone"]["epochs"]) == {"0", "1"}
+    assert spectra["stopped"] == spectra["alone"]
+    assert weights["stopped"].keys() == weights["alone"].keys()
+    assert all(torch.equal(weights["stopped"][k], weights["alone"][k]) for k in weights["alone"])
+    assert len(logged["alone"]) == 2 and logged["stopped"] == logged["alone"]
