@@ -207,7 +207,11 @@ class FakeWandb(WandbLogger):
         self.images[key] = images
 
 
-def fake_trainer(run_dir: Path, world_size: int = 1, rank: int = 0, loggers=()) -> SimpleNamespace:
+def fake_trainer(
+    run_dir: Path, world_size: int = 1, rank: int = 0, loggers=(), barrier=lambda: None
+) -> SimpleNamespace:
+    """``barrier``: the strategy's, which the ranks of the thread test below must really wait in: the prediction
+    loop's ranks all read the saved rows before any rank adds its own."""
     return SimpleNamespace(
         world_size=world_size,
         global_rank=rank,
@@ -215,7 +219,7 @@ def fake_trainer(run_dir: Path, world_size: int = 1, rank: int = 0, loggers=()) 
         log_dir=str(run_dir),
         default_root_dir=str(run_dir),  # where the prediction rows are kept (run_dir/predictions)
         precision="32-true",
-        strategy=SimpleNamespace(barrier=lambda: None),
+        strategy=SimpleNamespace(barrier=barrier),
         loggers=list(loggers),
         global_step=0,
         ckpt_path=None,
@@ -373,7 +377,7 @@ def test_ddp_splits_sequences_over_ranks_and_gathers_each_once(tmp_path, monkeyp
                 plot=False,
                 perturbations=["gaussian_noise", "brightness", "speckle_noise"],
             )
-            trainer = fake_trainer(tmp_path / "ddp", world_size=2, rank=r)
+            trainer = fake_trainer(tmp_path / "ddp", world_size=2, rank=r, barrier=barrier.wait)
             callback.on_test_start(trainer, models[r])
             callback.on_test_end(trainer, models[r])
         except Exception as e:  # re-raised in the test's thread
