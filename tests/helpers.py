@@ -539,9 +539,12 @@ def two_epoch_fit(
 ) -> Path:
     """A fit of test_resnet for two epochs of two steps in ``folder`` (tiny_config with ``overrides``), with
     ``callback``. With ``stopped``, the fit must end with status 143 and no traceback, ``stopped(result, run)``
-    checks the stop, and the same command with ``--ckpt_path last`` finishes it. Returns the run directory."""
+    checks the stop, and the same command with ``--ckpt_path last`` finishes it. Returns the run directory.
+    A user's progress bar (its line form: the output is a pipe) and a loader worker are on, which tiny_config
+    turns off; W&B is not (tests/test_stop_anywhere.py's DDP fit checks its rows across stops)."""
     folder.mkdir()
     options = {"trainer.max_epochs": 2, "trainer.limit_train_batches": 2, "model.arch": "test_resnet"}
+    options |= {"trainer.enable_progress_bar": True, "data.num_workers": 1}
     config = tiny_config(folder, **{**options, "trainer.callbacks": [callback], **overrides})
     command = ["fit", "--config", str(config)]
     done = run_command(command, cwd=folder, timeout=240)

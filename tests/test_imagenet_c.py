@@ -262,7 +262,9 @@ class StoppedAt(Recorder):
 def test_a_stopped_run_keeps_its_batches_and_the_same_run_goes_on_to_the_numbers_left_alone(tmp_path, monkeypatch):
     """A job's signal in the second of three batches: the run stops after it, with the rows of both batches saved;
     the same run again predicts only the third batch's images and publishes the section of the run left alone.
-    Run once more, it predicts nothing."""
+    Run once more, it predicts nothing. The callback runs with a stand-in trainer and without loader workers: what
+    is kept does not depend on them, and tests/test_imagenet_p.py's SIGTERM test runs the same prediction loop
+    with the config's workers and bars, resuming on two ranks."""
     root = imagenet_c_tree(tmp_path / "c", corruptions=("brightness", "contrast"))  # 8 images, batches of 3
     settings = {"corruptions": ["brightness", "contrast"]}
     alone, alone_section = run_callback(tmp_path / "alone", root, 32, model=StoppedAt(32), **settings)
@@ -500,7 +502,9 @@ def test_generated_cli_run_writes_its_section(tmp_path, checkpoint):
 def test_a_stopped_generated_run_goes_on_with_the_corruptions_left(tmp_path, checkpoint, monkeypatch):
     """The generated corruptions' rows are kept once gathered, corruption by corruption: a stop in the second
     corruption (fog) ends the run (status 143); the same command computes only the second and third, and writes
-    the section of the run left alone."""
+    the section of the run left alone. In the test's process, so the signal is the flag its handler sets, and
+    without loader workers (forks of the test process): a corruption's rows are kept after its gather, whatever
+    read the images."""
     from robust_lightning.cli import main
 
     settings = {"source": "generated", "corruptions": ["gaussian_noise", "contrast", "fog"], "severities": [1, 5]}

@@ -223,6 +223,18 @@ def test_sigterm_under_ddp_saves_the_stop_step_and_the_resumed_fit_ends_as_the_w
         assert torch.equal(got[name], value), name
 
 
+def _restart_job(
+    config: Path, callbacks: list[dict], cwd: Path, slurm: dict[str, str], record: Path
+) -> subprocess.CompletedProcess[str]:
+    """The requeued job's restart: the same command (with ``callbacks``, the signalling one left out), which must
+    finish; ``record`` is emptied first, so that it then lists the steps the restart trained."""
+    record.unlink()
+    command = ["fit", "--config", str(config), "--trainer.callbacks", json.dumps(callbacks)]
+    restart = run_command(command, cwd=cwd, timeout=300, env=slurm)
+    assert restart.returncode == 0, restart.stderr[-3000:]
+    return restart
+
+
 def test_a_slurm_requeue_stops_the_fit_at_its_step_and_says_slurm_resumes(tmp_path):
     """SLURM's requeue signal in step 3: the fit writes hpc_ckpt_1.ckpt of step 3 (the checkpoint SLURM's restart
     resumes from), asks scontrol to requeue the job and stops there, with exit status 143 (SLURM ends a requeued job
@@ -263,14 +275,7 @@ def test_a_slurm_requeue_stops_the_fit_at_its_step_and_says_slurm_resumes(tmp_pa
     assert f"stopped for SLURM's requeue (exit status 143); SLURM resumes the requeued job from {hpc}" in output
     assert "--ckpt_path" not in output
 
-    record.unlink()
-    restart = run_command(
-        ["fit", "--config", str(config), "--trainer.callbacks", json.dumps(callbacks[:1])],
-        cwd=tmp_path,
-        timeout=300,
-        env=slurm,
-    )
-    assert restart.returncode == 0, restart.stderr[-3000:]
+    restart = _restart_job(config, callbacks[:1], tmp_path, slurm, record)
     assert f"Restored all states from the checkpoint at {hpc}" in restart.stdout + restart.stderr
     assert [json.loads(line)["step"] for line in record.read_text().splitlines()] == [4, 5, 6, 7]
 
@@ -299,14 +304,7 @@ def test_a_slurm_requeue_signal_in_the_set_up_is_acted_on_at_the_first_step(tmp_
     assert [json.loads(line)["step"] for line in record.read_text().splitlines()] == [1]
     assert "stopped for SLURM's requeue (exit status 143)" in output and "Traceback" not in output
 
-    record.unlink()
-    restart = run_command(
-        ["fit", "--config", str(config), "--trainer.callbacks", json.dumps(callbacks[:1])],
-        cwd=tmp_path,
-        timeout=300,
-        env=slurm,
-    )
-    assert restart.returncode == 0, restart.stderr[-3000:]
+    _restart_job(config, callbacks[:1], tmp_path, slurm, record)
     assert [json.loads(line)["step"] for line in record.read_text().splitlines()] == [2, 3, 4]
 
 

@@ -476,11 +476,12 @@ class DistributionShiftBenchmarks(Evaluation):
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
         split: Split,
-        preprocessing: tuple[ImageTransform, str],
+        transform: ImageTransform,
+        note: str,
         classes: tuple[int, ...] | None,
         weights_hash: str,
     ) -> Predictions:
-        transform, note = preprocessing
+        """``note``: the preprocessing as results.json names it, which the prediction folder's identity records."""
         settings = {"images": samples_digest(split.samples), "preprocessing": note, "classes": classes}
         return predict_split(
             trainer,
@@ -495,11 +496,10 @@ class DistributionShiftBenchmarks(Evaluation):
 
     def _run(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str, weights_hash: str) -> dict[str, Any]:
         benchmark = self.benchmarks[name]
-        preprocessing = self._preprocessing(benchmark)
-        note = preprocessing[1]
+        transform, note = self._preprocessing(benchmark)
         classes = benchmark.classes() if benchmark.classes is not None else None
         predictions = {
-            split.name: self._predict(trainer, pl_module, split, preprocessing, classes, weights_hash)
+            split.name: self._predict(trainer, pl_module, split, transform, note, classes, weights_hash)
             for split in self.splits[name]
         }
         given = {key: str(Path(root).resolve()) for key in (name, *benchmark.needs) if (root := self.roots[key])}
