@@ -10,10 +10,12 @@ import inspect
 import netrc
 import os
 import re
+import signal
 import sys
 import traceback
 from argparse import ArgumentError
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +50,14 @@ with collector_paused():  # Lightning imports sooner (robust_lightning/startup.p
     from robust_lightning.data.sources import FolderSource, ShardSource, SyntheticSource
     from robust_lightning.errors import UserError, print_error, print_rank_error
     from robust_lightning.evaluation.results import PredictionWriter, RunResults
-    from robust_lightning.job_signals import JobSignals, JobStopped, shield_forked_children
+    from robust_lightning.job_signals import (
+        JobSignals,
+        JobStopped,
+        ToolStopped,
+        requeue_this_job,
+        shield_forked_children,
+        tool_stops_on_job_signals,
+    )
     from robust_lightning.loggers import (
         SaveConfigToWandb,
         WandbLogger,
@@ -434,6 +443,22 @@ _command_state: dict[str, Trainer | None] = {"trainer": None}
 EXIT_CTRL_C = 128 + 2  # the shell's status for a process ended by SIGINT
 
 
+# A sweep passes a stop on to the cell it runs locally; a cell runs a Trainer command, which notes the signals.
+TOOLS_TAKING_THEIR_OWN_SIGNALS = ("sweep", "cell")
+
+
+def _tool_stopped(command: str, signum: int) -> int:
+    """The line of a tool command stopped by a job's signal; on SLURM's requeue signal, the job is requeued first."""
+    if signum == signal.SIGTERM:
+        stopped = "stopped by SIGTERM"
+    elif requeue_this_job(signum, then="the requeued job runs the same command again"):
+        stopped = "stopped for SLURM's requeue; the requeued job runs the same command again"
+    else:
+        stopped = "stopped by SLURM's requeue signal, but the requeue failed"
+    print(f"robust-lightning: {command} {stopped} (exit status {EXIT_SIGTERM})", file=sys.stderr)
+    return EXIT_SIGTERM
+
+
 def _report_error(message: str) -> None:
     trainer = _command_state["trainer"]
     if trainer is None:
@@ -449,10 +474,13 @@ def _run_command(args: list[str], from_command_line: bool) -> int:
         check_config_files(args)
         if args[0] in TOOL_COMMANDS:
             try:
-                return TOOL_COMMANDS[args[0]][1](args[1:])
+                with nullcontext() if args[0] in TOOLS_TAKING_THEIR_OWN_SIGNALS else tool_stops_on_job_signals():
+                    return TOOL_COMMANDS[args[0]][1](args[1:])
             except KeyboardInterrupt:  # Ctrl-C: one line, not Python's traceback from wherever it landed
                 print(f"robust-lightning: {args[0]} interrupted by Ctrl-C (exit status {EXIT_CTRL_C})", file=sys.stderr)
                 return EXIT_CTRL_C
+            except ToolStopped as tool_stop:
+                return _tool_stopped(args[0], tool_stop.signum)
         if args[0] not in TRAINER_COMMANDS:
             raise UserError(
                 f"unknown command {args[0]!r}; expected one of: {', '.join([*TRAINER_COMMANDS, *TOOL_COMMANDS])}"

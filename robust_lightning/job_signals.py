@@ -51,8 +51,8 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
-from contextlib import suppress
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from types import FrameType
 from typing import Any
 
@@ -236,8 +236,7 @@ class JobSignals:
         requeue. The command acts on it at its first batch boundary. SIGTERM keeps its default action until then:
         there is nothing to save yet, and a set-up that went on could outlast the scheduler's grace period."""
         cls.start_command()
-        # SLURMEnvironment.detect()'s rule, without the warning about srun that it prints outside SLURM
-        if "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        if on_slurm():
             cls.take(signal.SIGUSR1, sigterm=False)
 
     @classmethod
@@ -253,6 +252,47 @@ class JobSignals:
     @classmethod
     def noted(cls) -> bool:
         return cls.sigterm or cls.requeue
+
+
+def on_slurm() -> bool:
+    """Whether this process is a SLURM job's (or job step's) task, by SLURMEnvironment.detect()'s rule, without the
+    warning about srun that Lightning prints outside SLURM."""
+    return "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+
+
+class ToolStopped(BaseException):
+    """A tool command (``shards``, ``export``, ...) stopped by SIGTERM or, on SLURM, by SLURM's requeue signal.
+    These commands have no batch boundary to wait for: the exception is raised wherever the process is, as Ctrl-C
+    raises KeyboardInterrupt, so that the command's clean-ups run (what they write is atomic or resumable). A
+    BaseException, so that no ``except Exception`` takes it for an error."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def tool_stops_on_job_signals() -> Iterator[None]:
+    """Within the block, SIGTERM and (on SLURM) SLURM's requeue signal raise :class:`ToolStopped`. Their default
+    actions would end the process at once, without its clean-ups; the requeue signal's would not requeue the job
+    either. A second signal during the clean-ups is ignored. Outside the main thread, nothing changes (Python sets
+    handlers there only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signums = [signal.SIGTERM, *([signal.SIGUSR1] if on_slurm() else [])]
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        for other in signums:
+            signal.signal(other, signal.SIG_IGN)
+        raise ToolStopped(signum)
+
+    previous = {signum: signal.signal(signum, stop) for signum in signums}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
 def _store() -> Any:

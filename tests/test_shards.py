@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
+from helpers import fake_slurm_job
 from robust_lightning.cli import main
 from robust_lightning.data import shards
 from robust_lightning.data.shards import convert_image_folder, read_manifest, shard_urls, shards_main
@@ -399,27 +401,55 @@ def test_the_conversion_pool_workers_end_with_the_conversion(tree, tmp_path, mon
     assert sum(len(shard) for shard in _read_shards(tmp_path / "shards")) == len(files)
 
 
-def test_ctrl_c_in_a_conversion_is_one_line_and_the_same_command_goes_on(tree, tmp_path, monkeypatch, capsys):
-    """Ctrl-C in ``robust-lightning shards`` (KeyboardInterrupt in the main process, here at the third shard)
-    ends it with status 130 and one line, not Python's traceback; the same command then writes the shards left and
-    the manifest of a conversion left alone."""
+def _interrupt(how: str) -> None:
+    if how == "Ctrl-C":
+        raise KeyboardInterrupt
+    os.kill(os.getpid(), signal.SIGTERM if how == "SIGTERM" else signal.SIGUSR1)
+
+
+@pytest.mark.parametrize(
+    "how, status, line",
+    [
+        ("Ctrl-C", 130, "shards interrupted by Ctrl-C (exit status 130)"),
+        ("SIGTERM", 143, "shards stopped by SIGTERM (exit status 143)"),
+        (
+            "SLURM",
+            143,
+            "shards stopped for SLURM's requeue; the requeued job runs the same command again (exit status 143)",
+        ),
+    ],
+)
+def test_a_conversion_stopped_by_ctrl_c_or_a_jobs_signal_says_so_in_one_line_and_the_same_command_goes_on(
+    tree, tmp_path, monkeypatch, capsys, how, status, line
+):
+    """Ctrl-C, SIGTERM or (in a SLURM job) SLURM's requeue signal at the third shard of ``robust-lightning shards``
+    (the signal sent to this process: the command runs in it) ends it with one line, not Python's traceback, and
+    the signals' handlers are given back. SLURM's requeue signal requeues the job (``scontrol`` is stood in for).
+    The same command then writes the shards left and the manifest of a conversion left alone."""
     src, _, _ = tree
     options = ["--samples_per_shard", "2", "--workers", "1"]
     assert main(["shards", str(src), str(tmp_path / "alone"), *options]) == 0
+    if how == "SLURM":
+        for name, value in fake_slurm_job(tmp_path).items():
+            monkeypatch.setenv(name, value)
     convert, converted = shards._convert_shard, []
 
     def interrupted(*args):
         if len(converted) == 2:
-            raise KeyboardInterrupt
+            _interrupt(how)
         converted.append(args[3])
         return convert(*args)
 
     monkeypatch.setattr(shards, "_convert_shard", interrupted)
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
     capsys.readouterr()
-    assert main(["shards", str(src), str(tmp_path / "out"), *options]) == 130
+    assert main(["shards", str(src), str(tmp_path / "out"), *options]) == status
     error = capsys.readouterr().err
-    assert error.strip().splitlines()[-1] == "robust-lightning: shards interrupted by Ctrl-C (exit status 130)"
+    assert error.strip().splitlines()[-1] == f"robust-lightning: {line}"
     assert "Traceback" not in error and not (tmp_path / "out" / "manifest.json").exists()
+    assert len(converted) == 2 and {signum: signal.getsignal(signum) for signum in handlers} == handlers
+    if how == "SLURM":
+        assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
     monkeypatch.setattr(shards, "_convert_shard", convert)
     assert main(["shards", str(src), str(tmp_path / "out"), *options]) == 0
     manifests = [json.loads((tmp_path / name / "manifest.json").read_text()) for name in ("alone", "out")]
