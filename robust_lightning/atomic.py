@@ -14,6 +14,7 @@ those permissions with ``give_ordinary_permissions``.
 
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
@@ -57,11 +58,46 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "w") -> Iterator[IO[A
         if isinstance(e, OSError):  # read-only, full, not a folder, ...: one message, the target left as it was
             raise UserError(f"cannot write {path}: {e.strerror or e}") from e
         raise
-    directory = os.open(path.parent, os.O_RDONLY)
+    _fsync_folder(path.parent)
+
+
+def _fsync_folder(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY)
     try:
-        os.fsync(directory)
+        os.fsync(descriptor)
     finally:
-        os.close(directory)
+        os.close(descriptor)
+
+
+@contextmanager
+def atomic_folder_files(folder: str | os.PathLike[str]) -> Iterator[Path]:
+    """``with atomic_folder_files(folder) as staging:`` files written into ``staging`` (code of others may write
+    them) replace their namesakes in ``folder`` only when the block completes; other files of ``folder`` stay.
+
+    ``staging`` is a hidden folder beside ``folder`` (``.<name>.tmp-<pid>``), so each file moves in by one rename.
+    Each file is whole, never half-written. A kill between two of the renames (a matter of microseconds) leaves
+    ``folder`` holding the new files moved so far beside the older ones. A ``kill -9`` during the block leaves the
+    staging folder behind; the next call of the same process id removes it."""
+    folder = Path(folder)
+    staging = temporary_path(folder)
+    try:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        yield staging
+        folder.mkdir(parents=True, exist_ok=True)
+        staged = sorted(staging.iterdir())
+        for path in staged:  # the bytes on the disk before any file takes its place
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        for path in staged:
+            os.replace(path, folder / path.name)
+        _fsync_folder(folder)
+    except BaseException as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise UserError(f"cannot write into {folder}: {e.strerror or e}") from e
+        raise
+    staging.rmdir()
 
 
 def umask() -> int:

@@ -3,6 +3,7 @@ loads it with timm.create_model("local-dir:...") and gives our model's logits on
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -184,3 +185,61 @@ def test_the_folder_has_a_model_card_with_the_numbers_measured_on_that_checkpoin
     assert main(["export", str(alone), str(tmp_path / "alone")]) == 0
     card = (tmp_path / "alone" / "README.md").read_text()
     assert "takes [0, 1] images as they are" in card and "no numbers are reported here" in card
+
+
+def test_an_export_cut_short_leaves_the_earlier_export_in_the_folder_as_it_was(tmp_path, monkeypatch, capsys):
+    """A second export into the same folder, stopped by Ctrl-C or SIGTERM (sent to this process: the command runs
+    in it) half-way through writing the weights, or failing on a full disk: the folder holds the first export byte
+    for byte (a user's own file in it too) and nothing of the second, and no staging folder is left beside it. The
+    same command then replaces the files with the second export's."""
+    import safetensors.torch
+
+    write_checkpoint(tmp_path / "first.ckpt", arch="test_resnet", image_size=32)
+    module = write_checkpoint(tmp_path / "second.ckpt", arch="test_resnet", image_size=32)
+    with torch.no_grad():  # other weights than the first checkpoint's
+        for parameter in module.parameters():
+            parameter.add_(0.1)
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, tmp_path / "second.ckpt")
+    folder = tmp_path / "exported"
+    assert main(["export", str(tmp_path / "first.ckpt"), str(folder)]) == 0
+    (folder / "notes.txt").write_text("mine")
+    first = {path.name: path.read_bytes() for path in folder.iterdir()}
+    write_whole_file = safetensors.torch.save_file
+
+    def cut_short(stop):
+        def save_file(tensors, filename, metadata=None):
+            Path(filename).write_bytes(safetensors.torch.save(tensors, metadata=metadata)[:100])
+            stop()
+
+        return save_file
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+
+    def sigterm():
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def full_disk():
+        raise OSError(28, "No space left on device")
+
+    for stop, status, message in [
+        (ctrl_c, 130, "export interrupted by Ctrl-C"),
+        (sigterm, 143, "export stopped by SIGTERM"),
+        (full_disk, 2, f"cannot write into {folder}: No space left on device"),
+    ]:
+        monkeypatch.setattr(safetensors.torch, "save_file", cut_short(stop))
+        assert main(["export", str(tmp_path / "second.ckpt"), str(folder)]) == status
+        assert message in capsys.readouterr().err
+        assert {path.name: path.read_bytes() for path in folder.iterdir()} == first
+        assert sorted(path.name for path in tmp_path.iterdir()) == ["exported", "first.ckpt", "second.ckpt"]
+
+    monkeypatch.setattr(safetensors.torch, "save_file", write_whole_file)
+    assert main(["export", str(tmp_path / "second.ckpt"), str(folder)]) == 0
+    from robust_lightning.atomic import umask
+
+    second = module.model.net.state_dict()
+    exported = safetensors.torch.load_file(folder / "model.safetensors")
+    assert exported.keys() == second.keys() and all(torch.equal(exported[k], second[k]) for k in second)
+    assert (folder / "notes.txt").read_text() == "mine"
+    assert (folder / "config.json").read_bytes() == first["config.json"]  # the same architecture
+    assert (folder / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask()

@@ -22,7 +22,7 @@ import safetensors
 from timm.models import model_entrypoint, save_for_hf
 
 from robust_lightning.argument_parsing import run_tool
-from robust_lightning.atomic import atomic_write_json, atomic_write_text, give_ordinary_permissions
+from robust_lightning.atomic import atomic_folder_files, give_ordinary_permissions
 from robust_lightning.errors import UserError
 from robust_lightning.models.checkpoints import read_checkpoint, save_net_weights
 from robust_lightning.models.classifier import InputNormalization, RobustClassifier
@@ -94,21 +94,21 @@ def export_timm_folder(checkpoint: str | Path, out_dir: str | Path, ema: bool = 
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"{out_dir} exists and is not a directory")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        save_for_hf(net, str(out_dir), safe_serialization=True, data_config=data_config)
-    except (OSError, safetensors.SafetensorError) as e:  # a full or read-only disk: no half-written weights left
-        (out_dir / "model.safetensors").unlink(missing_ok=True)
-        raise UserError(f"cannot write the timm model folder {out_dir}: {e}") from e
-    give_ordinary_permissions(out_dir / "model.safetensors")  # created 0600 by safetensors' save_file
-    # timm copies the fields of its own release of the architecture (tag, license, ...): not these weights'
-    config_path = out_dir / "config.json"
-    config = json.loads(config_path.read_text())
-    for key in RELEASE_FIELDS:
-        config["pretrained_cfg"].pop(key, None)
-    atomic_write_json(config_path, config)
     card = model_card(Path(checkpoint), hparams, ema, data_config, results_naming(Path(checkpoint)))
-    atomic_write_text(out_dir / "README.md", card)
+    # The files go into the folder together when all are written: a kill or a full disk part-way leaves an earlier
+    # export there as it was, never weights that are half-written or from another export than its config.json.
+    with atomic_folder_files(out_dir) as staging:
+        try:
+            save_for_hf(net, str(staging), safe_serialization=True, data_config=data_config)
+        except safetensors.SafetensorError as e:
+            raise UserError(f"cannot write the timm model folder {out_dir}: {e}") from e
+        give_ordinary_permissions(staging / "model.safetensors")  # created 0600 by safetensors' save_file
+        # timm copies the fields of its own release of the architecture (tag, license, ...): not these weights'
+        config = json.loads((staging / "config.json").read_text())
+        for key in RELEASE_FIELDS:
+            config["pretrained_cfg"].pop(key, None)
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (staging / "README.md").write_text(card)
     return out_dir
 
 
