@@ -78,7 +78,7 @@ def atomic_folder_files(folder: str | os.PathLike[str]) -> Iterator[Path]:
     Each file is whole, never half-written. A kill between two of the renames (a matter of microseconds) leaves
     ``folder`` holding the new files moved so far beside the older ones. A ``kill -9`` during the block leaves the
     staging folder behind; the next call of the same process id removes it."""
-    folder = Path(folder)
+    folder = Path(os.path.abspath(folder))  # "." has no name to stage beside
     staging = temporary_path(folder)
     try:
         shutil.rmtree(staging, ignore_errors=True)

@@ -11,7 +11,7 @@ from lightning import Trainer
 from lightning.pytorch.loggers import CSVLogger
 
 from helpers import REPO
-from robust_lightning.atomic import atomic_write_json, atomic_write_text, temporary_path
+from robust_lightning.atomic import atomic_folder_files, atomic_write_json, atomic_write_text, temporary_path
 from robust_lightning.data.datamodule import ImageNetDataModule
 from robust_lightning.data.samplers import rank_share
 from robust_lightning.data.sources import SyntheticSource
@@ -162,6 +162,27 @@ def test_atomic_writes_replace_whole_files_and_leave_nothing_on_failure(tmp_path
     assert not temporary_path(path).exists() and sorted(p.name for p in path.parent.iterdir()) == ["results.json"]
     atomic_write_text(path, "x")
     assert path.read_text() == "x"
+
+
+def test_a_folders_files_move_in_together_when_their_block_completes(tmp_path, monkeypatch):
+    """atomic_folder_files: the staged files replace their namesakes only at the block's end (other files stay),
+    an error in the block leaves the folder as it was and no staging folder, and "." is a folder like another."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / "a.txt").write_text("old a")
+    (folder / "keep.txt").write_text("kept")
+    with pytest.raises(RuntimeError), atomic_folder_files(folder) as staging:
+        (staging / "a.txt").write_text("new a")
+        raise RuntimeError
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert {p.name: p.read_text() for p in folder.iterdir()} == {"a.txt": "old a", "keep.txt": "kept"}
+    monkeypatch.chdir(folder)
+    with atomic_folder_files(".") as staging:
+        (staging / "a.txt").write_text("new a")
+        (staging / "b.txt").write_text("new b")
+        assert (folder / "a.txt").read_text() == "old a" and staging.parent == tmp_path
+    assert {p.name: p.read_text() for p in folder.iterdir()} == {"a.txt": "new a", "b.txt": "new b", "keep.txt": "kept"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_evaluations_ask_the_data_module_only_what_evaluation_data_lists():
