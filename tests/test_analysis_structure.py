@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from PIL import Image
 
 from helpers import REPO, run_analysis, shipped_analysis_config, tiny, tiny_vit, untrained_checkpoint
 from robust_lightning.analysis.attention import (
@@ -240,6 +241,10 @@ def test_the_shipped_configs_run_on_tiny_checkpoints(tmp_path, capsys):
     assert drawn["3"]["samples"] == 2 and len(drawn["3"]["removed"][0]) == 3
     assert 0 <= drawn["1"]["min"] <= drawn["1"]["mean"] <= drawn["1"]["max"] <= 1
     assert (run_dir / "lesion.png").stat().st_size > 1000 and lesion["plot"].endswith("lesion.png")
+    with Image.open(run_dir / "lesion.png") as plot:  # a whole PNG (written beside it, then renamed)
+        assert plot.format == "PNG" and plot.size[0] > 100
+        plot.load()
+    assert sorted(p.name for p in run_dir.glob(".*")) == []  # no staged file left
 
     # a ViT-only config on the ConvNet: one clear message, exit status 2, no traceback
     config = shipped_analysis_config(tmp_path, "restricted_attention_bhojanapalli", resnet)

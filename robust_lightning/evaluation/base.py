@@ -25,6 +25,7 @@ from lightning.pytorch.loggers import WandbLogger
 from torch import nn
 from torch.utils.data import DataLoader
 
+from robust_lightning.atomic import atomic_write
 from robust_lightning.console import tqdm
 from robust_lightning.data.batch import IMAGE, KEY, LABEL
 from robust_lightning.data.contract import EvaluationData, EvaluationSource, evaluation_data
@@ -255,7 +256,8 @@ class Evaluation(Callback):
         if figure is not None:
             path = run_dir / (self.plot_file or f"{self.name}.png")
             run_dir.mkdir(parents=True, exist_ok=True)
-            figure.savefig(path, dpi=100, bbox_inches="tight")
+            with atomic_write(path, "wb") as f:  # a kill mid-save never leaves a half-written plot
+                figure.savefig(f, format=path.suffix.removeprefix(".") or "png", dpi=100, bbox_inches="tight")
             _close(figure)
             section["plot"] = str(path.resolve())
         results = ResultsFile.of(run_dir)
