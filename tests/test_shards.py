@@ -1,9 +1,13 @@
 """ImageFolder -> WebDataset shards converter and the shard/manifest helpers."""
 
+import contextlib
 import io
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +16,7 @@ import webdataset as wds
 from PIL import Image
 
 from helpers import fake_slurm_job
+from robust_lightning.atomic import TEMPORARY_MARK
 from robust_lightning.cli import main
 from robust_lightning.data import shards
 from robust_lightning.data.shards import convert_image_folder, read_manifest, shard_urls, shards_main
@@ -20,6 +25,7 @@ from robust_lightning.errors import UserError
 from robust_lightning.job_signals import end_with_parent
 
 WNIDS = {"n01440764": 0, "n01443537": 1, "n15075141": 999}
+WNIDS_LIST = list(WNIDS)
 
 
 def _image_bytes(fmt: str, seed: int) -> bytes:
@@ -457,3 +463,46 @@ def test_a_conversion_stopped_by_ctrl_c_or_a_jobs_signal_says_so_in_one_line_and
         manifest.pop("created", None)
         manifest["source"] = Path(manifest["source"]).name
     assert manifests[0] == manifests[1]
+
+
+@pytest.mark.slow  # a command's own process: its imports take seconds
+def test_sigterm_to_every_process_of_a_pooled_conversion_stops_it_and_the_same_command_goes_on(tmp_path):
+    """SIGTERM to every process of ``robust-lightning shards --workers 2``, as a scheduler sends it, soon after its
+    first shard: the command exits 143 with one line and no traceback, its pool's workers end with it, and no
+    temporary file is left. The same command then writes the shards left and the manifest of a conversion left
+    alone (those two run in this process)."""
+    src = tmp_path / "train"
+    for index in range(400):  # one image a shard: a conversion that outlasts the test's reaction by far
+        (src / WNIDS_LIST[index % 2]).mkdir(parents=True, exist_ok=True)
+        (src / WNIDS_LIST[index % 2] / f"{index}.JPEG").write_bytes(_image_bytes("JPEG", index))
+    options = ["--samples_per_shard", "1", "--workers", "2"]
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "robust_lightning", "shards", str(src), str(out), *options]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not list(out.glob("train-*.json")) and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # the first shard's stats file: the pool is converting
+        os.killpg(process.pid, signal.SIGTERM)
+        _, error = process.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 143, error[-3000:]
+    assert error.strip().splitlines()[-1] == "robust-lightning: shards stopped by SIGTERM (exit status 143)"
+    assert "Traceback" not in error
+    left = subprocess.run(["ps", "-o", "pid=", "-s", str(process.pid)], capture_output=True, text=True).stdout
+    assert left.split() == []  # the pool's workers ended with the command
+    written = sorted(out.glob("*.tar"))
+    assert 0 < len(written) < 400 and not (out / "manifest.json").exists()
+    assert [path.name for path in out.iterdir() if TEMPORARY_MARK in path.name] == []
+
+    assert main(["shards", str(src), str(out), *options]) == 0
+    assert main(["shards", str(src), str(tmp_path / "alone"), *options]) == 0
+    manifests = [json.loads((tmp_path / name / "manifest.json").read_text()) for name in ("alone", "out")]
+    for manifest in manifests:
+        manifest.pop("created", None)
+        manifest["source"] = Path(manifest["source"]).name
+    assert manifests[0] == manifests[1] and len(manifests[0]["shards"]) == 400
