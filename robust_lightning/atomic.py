@@ -74,30 +74,42 @@ def atomic_folder_files(folder: str | os.PathLike[str]) -> Iterator[Path]:
     """``with atomic_folder_files(folder) as staging:`` files written into ``staging`` (code of others may write
     them) replace their namesakes in ``folder`` only when the block completes; other files of ``folder`` stay.
 
-    ``staging`` is a hidden folder beside ``folder`` (``.<name>.tmp-<pid>``), so each file moves in by one rename.
-    Each file is whole, never half-written. A kill between two of the renames (a matter of microseconds) leaves
-    ``folder`` holding the new files moved so far beside the older ones. A ``kill -9`` during the block leaves the
-    staging folder behind; the next call of the same process id removes it."""
-    folder = Path(os.path.abspath(folder))  # "." has no name to stage beside
-    staging = temporary_path(folder)
+    ``staging`` is a hidden folder inside ``folder`` (``.staging.tmp-<pid>``): on the same filesystem whatever
+    ``folder`` is (a symlink, a mount point), and writable wherever ``folder`` is. Each file moves in by one rename.
+    Once the first has moved, the others follow even if a stop (Ctrl-C, a tool command's SIGTERM) comes in between,
+    so the folder never holds the files of two writes; only a process killed outright in those microseconds
+    (``kill -9``, a crash) can leave it so. A process killed outright during the block leaves the staging folder
+    behind; the next call of the same process id removes it."""
+    folder = Path(os.path.abspath(folder))
+    staging = temporary_path(folder / "staging")
     try:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        yield staging
         folder.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        yield staging
         staged = sorted(staging.iterdir())
         for path in staged:  # the bytes on the disk before any file takes its place
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
-        for path in staged:
-            os.replace(path, folder / path.name)
-        _fsync_folder(folder)
     except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(e, OSError):
             raise UserError(f"cannot write into {folder}: {e.strerror or e}") from e
         raise
-    staging.rmdir()
+    try:
+        for path in staged:
+            os.replace(path, folder / path.name)
+    except OSError as e:  # a folder where a file goes, say: the files moved so far stay, the others are dropped
+        raise UserError(f"cannot write into {folder}: {e.strerror or e}") from e
+    except BaseException:  # a stop between two renames: the files not yet moved follow
+        for path in staged:
+            if path.exists():
+                with suppress(OSError):
+                    os.replace(path, folder / path.name)
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    _fsync_folder(folder)
 
 
 def umask() -> int:

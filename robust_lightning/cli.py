@@ -475,12 +475,13 @@ def _run_command(args: list[str], from_command_line: bool) -> int:
         if args[0] in TOOL_COMMANDS:
             try:
                 with nullcontext() if args[0] in TOOLS_TAKING_THEIR_OWN_SIGNALS else tool_stops_on_job_signals():
-                    return TOOL_COMMANDS[args[0]][1](args[1:])
+                    try:
+                        return TOOL_COMMANDS[args[0]][1](args[1:])
+                    except ToolStopped as tool_stop:  # in the block: SLURM's SIGTERM after the requeue is ignored
+                        return _tool_stopped(args[0], tool_stop.signum)
             except KeyboardInterrupt:  # Ctrl-C: one line, not Python's traceback from wherever it landed
                 print(f"robust-lightning: {args[0]} interrupted by Ctrl-C (exit status {EXIT_CTRL_C})", file=sys.stderr)
                 return EXIT_CTRL_C
-            except ToolStopped as tool_stop:
-                return _tool_stopped(args[0], tool_stop.signum)
         if args[0] not in TRAINER_COMMANDS:
             raise UserError(
                 f"unknown command {args[0]!r}; expected one of: {', '.join([*TRAINER_COMMANDS, *TOOL_COMMANDS])}"

@@ -52,6 +52,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager, suppress
 from types import FrameType
 from typing import Any
@@ -275,14 +276,22 @@ class ToolStopped(BaseException):
 def tool_stops_on_job_signals() -> Iterator[None]:
     """Within the block, SIGTERM and (on SLURM) SLURM's requeue signal raise :class:`ToolStopped`. Their default
     actions would end the process at once, without its clean-ups; the requeue signal's would not requeue the job
-    either. A second signal during the clean-ups is ignored. Outside the main thread, nothing changes (Python sets
-    handlers there only)."""
+    either. After the first, both are ignored until the block ends, so that the clean-ups and whatever the block
+    does about the stop (a requeue, after which SLURM sends SIGTERM) finish. A signal that comes while the block's
+    end gives the earlier handlers back goes to the earlier handler. Outside the main thread, nothing changes
+    (Python sets handlers there only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     signums = [signal.SIGTERM, *([signal.SIGUSR1] if on_slurm() else [])]
+    ended = False
 
     def stop(signum: int, frame: FrameType | None) -> None:
+        if ended:
+            earlier = previous[signal.Signals(signum)]
+            signal.signal(signum, earlier if earlier is not None else signal.SIG_DFL)
+            signal.raise_signal(signum)
+            return
         for other in signums:
             signal.signal(other, signal.SIG_IGN)
         raise ToolStopped(signum)
@@ -291,8 +300,19 @@ def tool_stops_on_job_signals() -> Iterator[None]:
     try:
         yield
     finally:
+        ended = True
         for signum, handler in previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+def process_pool(max_workers: int) -> ProcessPoolExecutor:
+    """A process pool whose workers end with this process (:func:`end_with_parent`) and leave the job's signals to
+    it. On Linux its workers are forked, as Python before 3.14 forks them by default: a forked worker ignores the
+    job's signals after :func:`shield_forked_children`, and its parent is this process (a forkserver's are not)."""
+    context = multiprocessing.get_context("fork") if sys.platform.startswith("linux") else None
+    return ProcessPoolExecutor(
+        max_workers=max_workers, mp_context=context, initializer=end_with_parent, initargs=(os.getpid(),)
+    )
 
 
 def _store() -> Any:

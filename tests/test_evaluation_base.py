@@ -2,6 +2,7 @@
 the example evaluation of docs/contributing.md run through a Trainer on synthetic data."""
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -180,9 +181,29 @@ def test_a_folders_files_move_in_together_when_their_block_completes(tmp_path, m
     with atomic_folder_files(".") as staging:
         (staging / "a.txt").write_text("new a")
         (staging / "b.txt").write_text("new b")
-        assert (folder / "a.txt").read_text() == "old a" and staging.parent == tmp_path
+        assert (folder / "a.txt").read_text() == "old a" and staging.parent == folder
+        assert staging.name.startswith(".")  # hidden
     assert {p.name: p.read_text() for p in folder.iterdir()} == {"a.txt": "new a", "b.txt": "new b", "keep.txt": "kept"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+    # Ctrl-C right after the first rename: the other file follows all the same, so no write is left half-done
+    replace, renames = os.replace, []
+
+    def interrupted_after_the_first(source, target):
+        replace(source, target)
+        renames.append(target)
+        if len(renames) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", interrupted_after_the_first)
+    with pytest.raises(KeyboardInterrupt), atomic_folder_files(folder) as staging:
+        (staging / "a.txt").write_text("third a")
+        (staging / "b.txt").write_text("third b")
+    assert {p.name: p.read_text() for p in folder.iterdir()} == {
+        "a.txt": "third a",
+        "b.txt": "third b",
+        "keep.txt": "kept",
+    }
 
 
 def test_evaluations_ask_the_data_module_only_what_evaluation_data_lists():

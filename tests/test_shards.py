@@ -16,6 +16,7 @@ import webdataset as wds
 from PIL import Image
 
 from helpers import fake_slurm_job
+from robust_lightning import job_signals
 from robust_lightning.atomic import TEMPORARY_MARK
 from robust_lightning.cli import main
 from robust_lightning.data import shards
@@ -391,19 +392,21 @@ def test_errors_about_damaged_shards_name_the_command_that_repairs_them(tree, tm
 
 
 def test_the_conversion_pool_workers_end_with_the_conversion(tree, tmp_path, monkeypatch):
-    """The pool's workers are started with end_with_parent (tests/test_synthetic.py kills a generation with such
-    workers), and the conversion runs as before with it."""
+    """The pool's workers are forked and started with end_with_parent (tests/test_synthetic.py kills a generation
+    with such workers), and the conversion runs as before with them."""
     pools = []
 
-    class Recorded(shards.ProcessPoolExecutor):
+    class Recorded(job_signals.ProcessPoolExecutor):
         def __init__(self, *args, **kwargs):
             pools.append(kwargs)
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(shards, "ProcessPoolExecutor", Recorded)
+    monkeypatch.setattr(job_signals, "ProcessPoolExecutor", Recorded)
     src, files, _ = tree
     convert_image_folder(src, tmp_path / "shards", samples_per_shard=3, workers=2, progress=False)
     assert [(pool["initializer"], pool["initargs"]) for pool in pools] == [(end_with_parent, (os.getpid(),))]
+    # forked, as Python 3.14's default on Linux (forkserver) would not: they ignore the job's signals as forks do
+    assert [pool["mp_context"].get_start_method() for pool in pools] == ["fork"]
     assert sum(len(shard) for shard in _read_shards(tmp_path / "shards")) == len(files)
 
 
@@ -430,7 +433,8 @@ def test_a_conversion_stopped_by_ctrl_c_or_a_jobs_signal_says_so_in_one_line_and
 ):
     """Ctrl-C, SIGTERM or (in a SLURM job) SLURM's requeue signal at the third shard of ``robust-lightning shards``
     (the signal sent to this process: the command runs in it) ends it with one line, not Python's traceback, and
-    the signals' handlers are given back. SLURM's requeue signal requeues the job (``scontrol`` is stood in for).
+    the signals' handlers are given back. SLURM's requeue signal requeues the job (``scontrol`` is stood in for),
+    and the SIGTERM with which SLURM then ends the job's processes does not cut the command's line short.
     The same command then writes the shards left and the manifest of a conversion left alone."""
     src, _, _ = tree
     options = ["--samples_per_shard", "2", "--workers", "1"]
@@ -438,6 +442,8 @@ def test_a_conversion_stopped_by_ctrl_c_or_a_jobs_signal_says_so_in_one_line_and
     if how == "SLURM":
         for name, value in fake_slurm_job(tmp_path).items():
             monkeypatch.setenv(name, value)
+        scontrol = tmp_path / "bin" / "scontrol"  # SLURM ends a requeued job's processes with SIGTERM
+        scontrol.write_text(scontrol.read_text() + "kill -TERM $PPID\n")
     convert, converted = shards._convert_shard, []
 
     def interrupted(*args):
@@ -465,14 +471,34 @@ def test_a_conversion_stopped_by_ctrl_c_or_a_jobs_signal_says_so_in_one_line_and
     assert manifests[0] == manifests[1]
 
 
+def test_a_signal_that_comes_as_a_tool_commands_handlers_are_given_back_goes_to_the_earlier_handler():
+    """A tool command's block ended, and SIGTERM comes while its handlers are given back (its own handler still in
+    place): the signal goes to the handler from before the command (here a Python caller's), which stays in place,
+    instead of being taken for a stop of the command that has ended."""
+    received = []
+
+    def callers_handler(signum, frame):
+        received.append(signum)
+
+    before = signal.signal(signal.SIGTERM, callers_handler)
+    try:
+        with job_signals.tool_stops_on_job_signals():
+            stop = signal.getsignal(signal.SIGTERM)
+        assert callable(stop) and stop is not callers_handler
+        stop(signal.SIGTERM, None)  # as the handler runs when the signal comes in the block's end
+        assert received == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is callers_handler
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 @pytest.mark.slow  # a command's own process: its imports take seconds
 def test_sigterm_to_every_process_of_a_pooled_conversion_stops_it_and_the_same_command_goes_on(tmp_path):
     """SIGTERM to every process of ``robust-lightning shards --workers 2``, as a scheduler sends it, soon after its
     first shard: the command exits 143 with one line and no traceback, its pool's workers end with it, and no
-    temporary file is left. The same command then writes the shards left and the manifest of a conversion left
-    alone (those two run in this process)."""
-    src = tmp_path / "train"
-    for index in range(400):  # one image a shard: a conversion that outlasts the test's reaction by far
+    temporary file is left. The same command (run in this process) then writes the shards left, each image in them
+    once. The parametrized test above compares such a finish with a conversion left alone."""
+    src, images = tmp_path / "train", 1000  # one image a shard: a conversion that outlasts the test's reaction
+    for index in range(images):
         (src / WNIDS_LIST[index % 2]).mkdir(parents=True, exist_ok=True)
         (src / WNIDS_LIST[index % 2] / f"{index}.JPEG").write_bytes(_image_bytes("JPEG", index))
     options = ["--samples_per_shard", "1", "--workers", "2"]
@@ -485,6 +511,8 @@ def test_sigterm_to_every_process_of_a_pooled_conversion_stops_it_and_the_same_c
         deadline = time.monotonic() + 120
         while not list(out.glob("train-*.json")) and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)  # the first shard's stats file: the pool is converting
+        if process.poll() is not None:
+            pytest.fail(f"the conversion ended (status {process.returncode}) before the test could stop it")
         os.killpg(process.pid, signal.SIGTERM)
         _, error = process.communicate(timeout=120)
     finally:
@@ -496,13 +524,9 @@ def test_sigterm_to_every_process_of_a_pooled_conversion_stops_it_and_the_same_c
     left = subprocess.run(["ps", "-o", "pid=", "-s", str(process.pid)], capture_output=True, text=True).stdout
     assert left.split() == []  # the pool's workers ended with the command
     written = sorted(out.glob("*.tar"))
-    assert 0 < len(written) < 400 and not (out / "manifest.json").exists()
+    assert 0 < len(written) < images and not (out / "manifest.json").exists()
     assert [path.name for path in out.iterdir() if TEMPORARY_MARK in path.name] == []
 
     assert main(["shards", str(src), str(out), *options]) == 0
-    assert main(["shards", str(src), str(tmp_path / "alone"), *options]) == 0
-    manifests = [json.loads((tmp_path / name / "manifest.json").read_text()) for name in ("alone", "out")]
-    for manifest in manifests:
-        manifest.pop("created", None)
-        manifest["source"] = Path(manifest["source"]).name
-    assert manifests[0] == manifests[1] and len(manifests[0]["shards"]) == 400
+    keys = [sample["__key__"] for shard in _read_shards(out) for sample in shard]
+    assert len(keys) == len(set(keys)) == images and len(read_manifest(out)["shards"]) == images

@@ -24,7 +24,7 @@ import sys
 import textwrap
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from pathlib import Path
 from typing import Any, cast
 
@@ -37,7 +37,7 @@ from robust_lightning.console import tqdm
 from robust_lightning.data.classes import VAL_LABELS_FORMATS, label_flat_folder
 from robust_lightning.data.classes import class_map as resolve_class_map
 from robust_lightning.errors import UserError, user_command
-from robust_lightning.job_signals import end_with_parent
+from robust_lightning.job_signals import process_pool
 from robust_lightning.locking import LOCK_NAME, exclusive
 
 MANIFEST_FORMAT = "robust-lightning-shards/1"
@@ -547,9 +547,7 @@ def _convert(
                 stats[a[3]] = _convert_shard(*a)
                 bar.update()
         else:
-            with ProcessPoolExecutor(
-                max_workers=min(workers, len(todo)), initializer=end_with_parent, initargs=(os.getpid(),)
-            ) as pool:
+            with process_pool(min(workers, len(todo))) as pool:
                 futures = {pool.submit(_convert_shard, *a): a[3] for a in args}
                 try:
                     for future in as_completed(futures):

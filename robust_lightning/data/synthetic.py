@@ -17,7 +17,7 @@ import json
 import math
 import os
 import shutil
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +34,7 @@ from robust_lightning.data.shards import (
     write_shard,
 )
 from robust_lightning.errors import UserError
-from robust_lightning.job_signals import end_with_parent
+from robust_lightning.job_signals import process_pool
 from robust_lightning.paths import DATA_DIR
 
 # Bump when the drawing code changes, so existing datasets are regenerated.
@@ -285,9 +285,7 @@ def _generate(out: Path, params: JSONObject, progress: bool, workers: int) -> No
                 stats[task[1], task[2]] = _write_synthetic_shard(*task)
                 bar.update()
         else:
-            with ProcessPoolExecutor(
-                max_workers=min(workers, len(tasks)), initializer=end_with_parent, initargs=(os.getpid(),)
-            ) as pool:
+            with process_pool(min(workers, len(tasks))) as pool:
                 futures = {pool.submit(_write_synthetic_shard, *task): (task[1], task[2]) for task in tasks}
                 for future in as_completed(futures):
                     stats[futures[future]] = future.result()
