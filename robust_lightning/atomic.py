@@ -82,8 +82,8 @@ def atomic_folder_files(folder: str | os.PathLike[str]) -> Iterator[Path]:
     behind; the next call of the same process id removes it."""
     folder = Path(os.path.abspath(folder))
     staging = temporary_path(folder / "staging")
+    folder.mkdir(parents=True, exist_ok=True)  # its OSError names the part of the path that cannot be made
     try:
-        folder.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         yield staging
