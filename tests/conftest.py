@@ -111,8 +111,8 @@ LONGEST_FILES = (
 
 
 # The test files marked slow: those whose tests took 15 s or more in all when this list was made (the per-file times
-# the suite prints, on two busy cores); some have become faster since. Most start processes (DDP ranks, SLURM jobs,
-# the command) or run attacks against the reference.
+# the suite prints, on two busy cores); some have become faster since, and some others slower. test_sweep.py came in
+# later, at 62 s. Most start processes (DDP ranks, SLURM jobs, the command) or run attacks against the reference.
 # `make test-fast` (-m "not slow") leaves them out for the inner loop; `make test` and CI run them.
 SLOW_FILES = (
     "test_adaptive_attacks.py",
@@ -161,6 +161,7 @@ SLOW_FILES = (
     "test_slurm_requeue_ddp.py",
     "test_slurm_restart.py",
     "test_stop_anywhere.py",
+    "test_sweep.py",
     "test_synthetic.py",
     "test_torchrun.py",
     "test_uneven_batch.py",
