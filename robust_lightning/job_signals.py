@@ -36,6 +36,12 @@ else (the scheduler) it is dropped.
 The command line notes SLURM's requeue signal from the start of a Trainer command, before its set-up
 (:meth:`JobSignals.start_slurm_command`): its default action would end the process at once, without the requeue.
 
+The other commands (``shards``, ``export``, ``report``, ...) have no batch boundary to stop at. Within
+:func:`tool_stops_on_job_signals`, SIGTERM and SLURM's requeue signal raise :class:`ToolStopped` wherever the
+process is, as Ctrl-C raises KeyboardInterrupt, so their clean-ups run; the command line then requeues the job on
+the requeue signal. Their pools' workers are forked (:func:`process_pool`), so they ignore both signals as the
+loader workers do, and end with the command.
+
 Before Python 3.12, a process that called :func:`shield_forked_children` also makes each fork wait for a thread
 that holds the interpreter's runtime lock: a child forked while another thread held that lock waits for it forever
 (CPython gh-112275).
