@@ -190,8 +190,8 @@ def test_the_folder_has_a_model_card_with_the_numbers_measured_on_that_checkpoin
 def test_an_export_cut_short_leaves_the_earlier_export_in_the_folder_as_it_was(tmp_path, monkeypatch, capsys):
     """A second export into the same folder, stopped by Ctrl-C or SIGTERM (sent to this process: the command runs
     in it) half-way through writing the weights, or failing on a full disk: the folder holds the first export byte
-    for byte (a user's own file in it too) and nothing of the second, and no staging folder is left beside it. The
-    same command then replaces the files with the second export's."""
+    for byte (a user's own file in it too) and nothing of the second, and no staging folder is left in it or beside
+    it. The same command then replaces the files with the second export's."""
     import safetensors.torch
 
     write_checkpoint(tmp_path / "first.ckpt", arch="test_resnet", image_size=32)
