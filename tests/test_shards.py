@@ -437,6 +437,8 @@ def test_a_conversion_stopped_by_ctrl_c_or_a_jobs_signal_says_so_in_one_line_and
     and the SIGTERM with which SLURM then ends the job's processes does not cut the command's line short.
     The same command then writes the shards left and the manifest of a conversion left alone."""
     src, _, _ = tree
+    # --workers 1: the shards are converted in this process, where the stop can land at the third; the test below
+    # stops a conversion with a pool of workers, in a process of its own
     options = ["--samples_per_shard", "2", "--workers", "1"]
     assert main(["shards", str(src), str(tmp_path / "alone"), *options]) == 0
     if how == "SLURM":
@@ -495,8 +497,8 @@ def test_a_signal_that_comes_as_a_tool_commands_handlers_are_given_back_goes_to_
 def test_sigterm_to_every_process_of_a_pooled_conversion_stops_it_and_the_same_command_goes_on(tmp_path):
     """SIGTERM to every process of ``robust-lightning shards --workers 2``, as a scheduler sends it, soon after its
     first shard: the command exits 143 with one line and no traceback, its pool's workers end with it, and no
-    temporary file is left. The same command (run in this process) then writes the shards left, each image in them
-    once. The parametrized test above compares such a finish with a conversion left alone."""
+    temporary file is left. The same command (run in this process) then writes the shards left, and the manifest
+    of a conversion left alone, each image in the shards once."""
     src, images = tmp_path / "train", 1000  # one image a shard: a conversion that outlasts the test's reaction
     for index in range(images):
         (src / WNIDS_LIST[index % 2]).mkdir(parents=True, exist_ok=True)
@@ -530,3 +532,9 @@ def test_sigterm_to_every_process_of_a_pooled_conversion_stops_it_and_the_same_c
     assert main(["shards", str(src), str(out), *options]) == 0
     keys = [sample["__key__"] for shard in _read_shards(out) for sample in shard]
     assert len(keys) == len(set(keys)) == images and len(read_manifest(out)["shards"]) == images
+    assert main(["shards", str(src), str(tmp_path / "alone"), *options]) == 0
+    manifests = [json.loads((tmp_path / name / "manifest.json").read_text()) for name in ("alone", "out")]
+    for manifest in manifests:
+        manifest.pop("created", None)
+        manifest["source"] = Path(manifest["source"]).name
+    assert manifests[0] == manifests[1]
