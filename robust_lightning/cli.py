@@ -432,7 +432,7 @@ def main(args: Sequence[str] | None = None) -> int:
     # error that ends with a traceback is left to W&B's exit, which records it (and the traceback) as it did.
     finish_wandb_run(code, already_open)
     if code == EXIT_SIGTERM:  # every rank has done its writing before any exits 143 (srun --kill-on-bad-exit)
-        leave_together(_command_state["trainer"])
+        leave_together(_command_state["trainer"], process_exits=from_command_line)
     return code
 
 

@@ -27,13 +27,16 @@ A stop by SIGTERM or by SLURM's requeue ends every rank with exit status 143, wh
 ``--kill-on-bad-exit``, the first rank to exit makes SLURM send the others SIGTERM, then SIGKILL after its
 ``KillWait`` (SLURM's src/slurmd/slurmstepd/req.c, ``SIG_TERM_KILL``). After the collective checkpoint, rank 0
 still writes ``results.json`` and ends the W&B run. So the ranks leave together (:func:`leave_together`): each
-waits at the end of the command until every rank has got there.
+waits at the end of the command until every rank has got there. Rank 0 holds the store and leaves it last, so the
+first other rank to exit still brings srun's SIGTERM to the ranks that are ending their process. A process that
+exits 143 of itself from there ignores that SIGTERM, which would only cut its clean-up at exit short.
 """
 
 import atexit
 import contextlib
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
@@ -250,12 +253,15 @@ def stopped_by_other_rank(trainer: Trainer | None) -> bool:
     return True
 
 
-def leave_together(trainer: Trainer | None) -> None:
+def leave_together(trainer: Trainer | None, process_exits: bool) -> None:
     """At the end of a command stopped by SIGTERM (exit status 143): wait until every rank has got here, at most
-    ``LEAVE_WAIT`` seconds, so that no rank exits while another still writes. No collective: the store counts."""
+    ``LEAVE_WAIT`` seconds, so that no rank exits while another still writes. No collective: the store counts.
+    Where the process exits next (``process_exits``), SIGTERM is then ignored: another rank's exit may bring it."""
     job = _job_of(trainer)
     if job is not None:
         _leave_together(job)
+        if process_exits:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _leave_together(job: _Job) -> None:
