@@ -21,6 +21,8 @@ from pathlib import Path
 
 from lightning import Callback
 
+from robust_lightning.job_signals import JobSignals
+
 PACKAGES = ("slurmctld", "slurmd", "munge")
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "sinfo", "scontrol", "scancel")
 FINISHED = {
@@ -310,26 +312,40 @@ class SlurmCluster:
             time.sleep(1)
 
 
+HOLD_LIMIT = 120  # seconds that Pace holds a job for a test's signal before it fails the job
+
+
 class Pace(Callback):
     """Slows training down to ``seconds`` per batch, and a validation to ``validation_seconds`` per batch (so a
     test can signal a job mid-run), and appends every trained batch (SLURM attempt, epoch, global step) and every
-    validation batch started (with "validation": its index) to the file ``record``."""
+    validation batch started (with "validation": its index) to the file ``record`` where it paces or holds one.
 
-    def __init__(self, record: str, seconds: float = 0.5, validation_seconds: float = 0.0):
-        self.record, self.seconds, self.validation_seconds = record, seconds, validation_seconds
+    With ``hold_at`` (a record's point, such as ``{"step": 2}`` or ``{"validation": 0}``), each rank of the first
+    attempt stops there, after the record, until the test's signal has reached it. So the signal lands at that point
+    however slowly scancel, slurmctld and slurmstepd pass it on, and the command's own check for it comes next (the
+    config's callbacks run before the command's)."""
 
-    def _note(self, trainer, **more) -> None:
+    def __init__(self, record: str, seconds: float = 0.5, validation_seconds: float = 0.0, hold_at: dict | None = None):
+        self.record, self.seconds, self.validation_seconds, self.hold_at = record, seconds, validation_seconds, hold_at
+
+    def _note(self, trainer, **point) -> None:
+        attempt = int(os.environ.get("SLURM_RESTART_COUNT", 0))
         if trainer.is_global_zero:
             with open(self.record, "a") as f:
-                attempt = int(os.environ.get("SLURM_RESTART_COUNT", 0))
-                f.write(json.dumps({"attempt": attempt, "epoch": trainer.current_epoch, **more}) + "\n")
+                f.write(json.dumps({"attempt": attempt, "epoch": trainer.current_epoch, **point}) + "\n")
+        if point == self.hold_at and attempt == 0:
+            deadline = time.monotonic() + HOLD_LIMIT
+            while not JobSignals.noted():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"Pace held the job at {point} for {HOLD_LIMIT} s, and no signal came")
+                time.sleep(0.05)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         time.sleep(self.seconds)
         self._note(trainer, step=trainer.global_step)
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
-        if not trainer.sanity_checking and self.validation_seconds:
+        if not trainer.sanity_checking and (self.validation_seconds or "validation" in (self.hold_at or {})):
             self._note(trainer, validation=batch_idx)
             time.sleep(self.validation_seconds)
 

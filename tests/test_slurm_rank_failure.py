@@ -112,7 +112,11 @@ def test_one_task_s_error_is_the_job_s_one_error(cluster, tmp_path):  # noqa: F8
 
 def test_a_stop_by_sigterm_ends_every_task_whole(cluster, tmp_path):  # noqa: F811
     steps = tmp_path / "steps.jsonl"
-    pace = {"class_path": "slurm_cluster.Pace", "init_args": {"record": str(steps), "seconds": 0.5}}
+    # both tasks hold at step 2 until the signal has reached them: the fit stops there, mid-epoch
+    pace = {
+        "class_path": "slurm_cluster.Pace",
+        "init_args": {"record": str(steps), "seconds": 0, "hold_at": {"step": 2}},
+    }
     slow_init = {"seconds": KILL_WAIT + 3, "at_exit": KILL_WAIT / 2}
     slow = {"class_path": f"{__name__}.SlowAtTheStop", "init_args": slow_init}
 
@@ -127,7 +131,7 @@ def test_a_stop_by_sigterm_ends_every_task_whole(cluster, tmp_path):  # noqa: F8
     record, log, run_dir, _ = run_job(cluster, tmp_path, [pace, slow], while_running=stop_after_two_steps)
     assert record["ExitCode"].startswith("143:") or record["JobState"] == "FAILED", record
     stop = json.loads(steps.read_text().splitlines()[-1])["step"]
-    assert stop < 4, log[-3000:]  # stopped mid-epoch
+    assert stop == 2, log[-3000:]
     assert f"fit interrupted by SIGTERM at epoch 0, step {stop}" in log, log[-3000:]
     assert "interrupted by SIGTERM (exit status 143)" in log, log[-3000:]
     fit = json.loads((run_dir / "results.json").read_text())["fit"]

@@ -26,7 +26,6 @@ pytestmark = pytest.mark.slurm
 
 TIME_LIMIT = 420  # seconds for the whole test, both jobs and SLURM's requeue included
 EPOCHS, STEPS_PER_EPOCH = 2, 8  # 32 training images in global batches of 4 (2 per task)
-VALIDATION_PACE = 1.0  # seconds per validation batch of the requeued job, so that the signal lands in a validation
 SYNTHETIC = {
     "num_classes": 4,
     "train_per_class": 8,
@@ -36,10 +35,11 @@ SYNTHETIC = {
 }
 
 
-def fit_config(directory: Path, data: Path, record: Path, seconds: float) -> Path:
+def fit_config(directory: Path, data: Path, record: Path, hold_at: dict | None) -> Path:
     """A tiny APGD-AT fit with EMA, a robust selection at each validation, a checkpoint every 3 steps, and
-    slurm_cluster.Pace recording each trained step (SLURM attempt, global step) and validation batch, and sleeping
-    ``seconds`` in each validation batch; the same computation whatever ``seconds``."""
+    slurm_cluster.Pace recording each trained step (SLURM attempt, global step) and, with ``hold_at``, each validation
+    batch, holding the first attempt's tasks at ``hold_at`` until the test's signal has reached them; the same
+    computation whatever ``hold_at``."""
     config = {
         "seed_everything": 0,
         "trainer": {
@@ -52,7 +52,7 @@ def fit_config(directory: Path, data: Path, record: Path, seconds: float) -> Pat
             "callbacks": [
                 {
                     "class_path": "slurm_cluster.Pace",
-                    "init_args": {"record": str(record), "seconds": 0, "validation_seconds": seconds},
+                    "init_args": {"record": str(record), "seconds": 0, "hold_at": hold_at},
                 }
             ],
         },
@@ -119,11 +119,12 @@ def requeued(cluster, tmp_path_factory):  # noqa: F811 - the fixture imported ab
     }
     jobs = []
     try:
-        for directory, seconds in ((alone_dir, 0.0), (requeued_dir, VALIDATION_PACE)):
+        # the requeued job's signal lands at the start of its first validation's first batch
+        for directory, hold_at in ((alone_dir, None), (requeued_dir, {"validation": 0})):
             directory.mkdir()
             wandb_dirs = {f"WANDB_{kind}_DIR": str(directory / f"wandb-{kind.lower()}") for kind in ("CONFIG", "CACHE")}
             # the template's defaults: RUN_DIR and the log named after the job, in the submission directory
-            config = fit_config(directory, data, directory / "steps.jsonl", seconds)
+            config = fit_config(directory, data, directory / "steps.jsonl", hold_at)
             jobs.append(submit_training(cluster, config, None, tasks=2, cwd=directory, env={**env, **wandb_dirs}))
         alone, job = jobs
         name = cluster.job(job)["JobName"]  # the template's #SBATCH --job-name
