@@ -377,4 +377,4 @@ def test_the_ranks_of_a_stopped_job_leave_together():
         list(pool.map(leave, jobs))
     assert min(left.values()) >= arrived[1]
     assert sorted(said_done) == [1, 2] and left[0] >= max(said_done.values())
-    assert max(left.values()) - arrived[1] < 1.0  # then at once
+    assert max(left.values()) - arrived[1] < 5.0  # then at once, not after LEAVE_WAIT (60 s); a loaded machine is slow

@@ -21,7 +21,7 @@ def test_a_killed_process_folder_is_removed_by_the_next_process(tmp_path):
     host = socket.gethostname()
     other_host = tmp_path / process_folder_name(f"{host}-elsewhere", 999_999_999)  # a shared temporary directory
     other_host.mkdir()
-    killed = _python(tmp_path, 120)
+    killed = _python(tmp_path, 3600)  # killed below; it must not end of itself while the test runs
     try:
         assert killed.stdout.readline() == "ready\n"
         folder = tmp_path / process_folder_name(host, killed.pid)
