@@ -28,8 +28,9 @@ A stop by SIGTERM or by SLURM's requeue ends every rank with exit status 143, wh
 ``KillWait`` (SLURM's src/slurmd/slurmstepd/req.c, ``SIG_TERM_KILL``). After the collective checkpoint, rank 0
 still writes ``results.json`` and ends the W&B run. So the ranks leave together (:func:`leave_together`): each
 waits at the end of the command until every rank has got there. Rank 0 holds the store and leaves it last, so the
-first other rank to exit still brings srun's SIGTERM to the ranks that are ending their process. A process that
-exits 143 of itself from there ignores that SIGTERM, which would only cut its clean-up at exit short.
+first other rank to exit still brings srun's SIGTERM to the ranks that wait or are ending their process. A rank
+ignores SIGTERM from the start of that wait: its command is done and it exits 143 of itself, and the signal could
+only cut its clean-up at exit short.
 """
 
 import atexit
@@ -256,12 +257,13 @@ def stopped_by_other_rank(trainer: Trainer | None) -> bool:
 def leave_together(trainer: Trainer | None, process_exits: bool) -> None:
     """At the end of a command stopped by SIGTERM (exit status 143): wait until every rank has got here, at most
     ``LEAVE_WAIT`` seconds, so that no rank exits while another still writes. No collective: the store counts.
-    Where the process exits next (``process_exits``), SIGTERM is then ignored: another rank's exit may bring it."""
+    Where the process exits next (``process_exits``), SIGTERM is ignored from here: another rank's exit may bring
+    it while rank 0 still waits for the store's last users or ends its process."""
     job = _job_of(trainer)
     if job is not None:
-        _leave_together(job)
         if process_exits:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _leave_together(job)
 
 
 def _leave_together(job: _Job) -> None:
