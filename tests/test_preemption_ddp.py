@@ -284,28 +284,49 @@ def test_a_slurm_requeue_signal_in_the_set_up_is_acted_on_at_the_first_step(tmp_
     """SLURM's requeue signal before the fit's own handlers are in place (in a callback's set-up, as it could land
     while the data is listed): its default action would end the process with status 138 and no requeue. The
     command line notes it from the start, so the fit stops after its first step, writes hpc_ckpt_1.ckpt and asks
-    scontrol to requeue the job; the job's restart trains the other steps once each, as the fit left alone trains
-    steps 1-4. tiny_config's bar off and no loader workers: as in the requeue test above, the stop's path does not
-    depend on them (tests/test_slurm_restart.py compares a requeued fit's weights with them on)."""
-    record = tmp_path / "batches.jsonl"
-    callbacks = [
-        {"class_path": "slurm_cluster.Pace", "init_args": {"record": str(record), "seconds": 0}},
-        {"class_path": "slurm_cluster.SignalInSetup"},
-    ]
+    scontrol to requeue the job; the job's restart trains the other steps once each. After each step the weights
+    are those of the same fit left alone, bit for bit. tiny_config's bar off and no loader workers: as in the
+    requeue test above, the stop's path does not depend on them (tests/test_slurm_restart.py compares a requeued
+    fit's weights with them on)."""
+    whole_dir, requeued_dir = tmp_path / "whole", tmp_path / "requeued"
     overrides = {"trainer.max_epochs": 1, "trainer.limit_train_batches": 4, "model.arch": "test_resnet"}
-    config = tiny_config(tmp_path, **overrides, **{"trainer.callbacks": callbacks})
-    slurm = fake_slurm_job(tmp_path)
-    first = run_command(["fit", "--config", str(config)], cwd=tmp_path, timeout=300, env=slurm)
+    configs, records = {}, {}
+    for directory in (whole_dir, requeued_dir):
+        directory.mkdir()
+        records[directory] = directory / "steps.jsonl"
+        step_record = {"class_path": "test_preemption_ddp.StepRecord", "init_args": {"record": str(records[directory])}}
+        signal_in_setup = [{"class_path": "slurm_cluster.SignalInSetup"}] if directory == requeued_dir else []
+        callbacks = [step_record, *signal_in_setup]
+        configs[directory] = tiny_config(directory, **overrides, **{"trainer.callbacks": callbacks})
+
+    # the fit left alone, in the same SLURM job's environment, beside the requeued one
+    whole_env = fake_slurm_job(whole_dir)
+    whole = _InBackground(
+        lambda: run_command(["fit", "--config", str(configs[whole_dir])], cwd=whole_dir, timeout=300, env=whole_env)
+    )
+    try:
+        slurm = fake_slurm_job(requeued_dir)
+        first = run_command(["fit", "--config", str(configs[requeued_dir])], cwd=requeued_dir, timeout=300, env=slurm)
+    finally:  # the fit left alone ends, or is killed at its time limit, within the test
+        whole.join()
+    finished = whole.result()
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    reference = {r["step"]: r["digest"] for r in _records(records[whole_dir])}
+    assert sorted(reference) == [1, 2, 3, 4]
+
     output = first.stdout + first.stderr
     assert first.returncode == 143, output[-3000:]
-    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
-    hpc = tmp_path / "runs" / "hpc_ckpt_1.ckpt"
-    assert torch.load(hpc, map_location="cpu", weights_only=True)["global_step"] == 1
-    assert [json.loads(line)["step"] for line in record.read_text().splitlines()] == [1]
+    assert (requeued_dir / "scontrol.log").read_text() == "requeue 4242\n"
+    hpc = requeued_dir / "runs" / "hpc_ckpt_1.ckpt"
+    saved = torch.load(hpc, map_location="cpu", weights_only=True)
+    assert saved["global_step"] == 1 and digest(saved["state_dict"]) == reference[1]
+    assert [(r["step"], r["digest"]) for r in _records(records[requeued_dir])] == [(1, reference[1])]
     assert "stopped for SLURM's requeue (exit status 143)" in output and "Traceback" not in output
 
-    _restart_job(config, callbacks[:1], tmp_path, slurm, record)
-    assert [json.loads(line)["step"] for line in record.read_text().splitlines()] == [2, 3, 4]
+    step_record = yaml.safe_load(configs[requeued_dir].read_text())["trainer"]["callbacks"][:1]
+    _restart_job(configs[requeued_dir], step_record, requeued_dir, slurm, records[requeued_dir])
+    later = _records(records[requeued_dir])
+    assert [(r["step"], r["digest"]) for r in later] == [(step, reference[step]) for step in (2, 3, 4)]
 
 
 def test_a_refused_slurm_requeue_stops_the_fit_with_last_ckpt_and_the_command_that_resumes_it(tmp_path):
