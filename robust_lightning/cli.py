@@ -432,7 +432,7 @@ def main(args: Sequence[str] | None = None) -> int:
     # error that ends with a traceback is left to W&B's exit, which records it (and the traceback) as it did.
     finish_wandb_run(code, already_open)
     if code == EXIT_SIGTERM:  # every rank has done its writing before any exits 143 (srun --kill-on-bad-exit)
-        leave_together(_command_state["trainer"], process_exits=from_command_line)
+        leave_together(_command_state["trainer"])
     return code
 
 
@@ -470,11 +470,13 @@ def _report_error(message: str) -> None:
 
 def _run_command(args: list[str], from_command_line: bool) -> int:
     _command_state["trainer"] = None
+    signal_stopped = False  # by a job's signal; a command line's process then only exits, with SIGTERM ignored
     try:
         check_config_files(args)
         if args[0] in TOOL_COMMANDS:
             try:
-                with nullcontext() if args[0] in TOOLS_TAKING_THEIR_OWN_SIGNALS else tool_stops_on_job_signals():
+                tool_signals = tool_stops_on_job_signals(process_exits=from_command_line)
+                with nullcontext() if args[0] in TOOLS_TAKING_THEIR_OWN_SIGNALS else tool_signals:
                     try:
                         return TOOL_COMMANDS[args[0]][1](args[1:])
                     except ToolStopped as tool_stop:  # in the block: SLURM's SIGTERM after the requeue is ignored
@@ -490,6 +492,7 @@ def _run_command(args: list[str], from_command_line: bool) -> int:
         # args None: LightningCLI reads sys.argv itself
         RobustLightningCLI(**cli_arguments(), args=None if from_command_line else args)
     except SIGTERMException as e:  # a SystemExit without a code: the process would exit 0 as if the run had finished
+        signal_stopped = True
         if rank_zero_only.rank == 0:  # type: ignore[attr-defined]  # the rank Lightning sets on the function
             stop = e if isinstance(e, JobStopped) else None  # Lightning's own has none of the stop's facts
             if stop is not None and stop.requeued:
@@ -524,7 +527,8 @@ def _run_command(args: list[str], from_command_line: bool) -> int:
         failed_here(trainer)
         raise
     finally:
-        JobSignals.give_back()  # the handlers the command found (kept through a stopped fit's last save)
+        # the handlers the command found (kept through a stopped fit's last save); after a stop, ignored_until_exit
+        JobSignals.give_back(then_ignored=signal_stopped and from_command_line)
     return 0
 
 

@@ -219,12 +219,18 @@ class JobSignals:
             signal.siginterrupt(signum, False)
 
     @classmethod
-    def give_back(cls) -> None:
-        """The handlers found before :meth:`take`; what was noted stays noted."""
+    def give_back(cls, then_ignored: bool = False) -> None:
+        """The handlers found before :meth:`take`; what was noted stays noted. With ``then_ignored``, SIGTERM and
+        the signals taken are ignored instead (:func:`ignored_until_exit`)."""
         if threading.current_thread() is not threading.main_thread():
             return
         for signum, handler in cls._previous.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+            if not then_ignored:
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+            elif signum != signal.SIGTERM:
+                signal.signal(signum, signal.SIG_IGN)
+        if then_ignored:
+            ignored_until_exit()
         cls._previous = {}
         cls.started = False
 
@@ -278,21 +284,31 @@ class ToolStopped(BaseException):
         self.signum = signum
 
 
+def ignored_until_exit() -> None:
+    """SIGTERM is ignored from now on, in a process that only exits: its command was stopped by a job's signal
+    and has done its work. A SIGTERM that follows would cut short what is left (the end of the W&B run, the wait
+    for the other ranks, the clean-ups at exit) and turn the exit status 143 into a death by signal. SLURM sends
+    one after a requeue, and srun sends one to the tasks left once one has exited."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 @contextmanager
-def tool_stops_on_job_signals() -> Iterator[None]:
+def tool_stops_on_job_signals(process_exits: bool = False) -> Iterator[None]:
     """Within the block, SIGTERM and (on SLURM) SLURM's requeue signal raise :class:`ToolStopped`. Their default
     actions would end the process at once, without its clean-ups; the requeue signal's would not requeue the job
     either. After the first, both are ignored until the block ends, so that the clean-ups and whatever the block
-    does about the stop (a requeue, after which SLURM sends SIGTERM) finish. A signal that comes while the block's
-    end gives the earlier handlers back goes to the earlier handler. Outside the main thread, nothing changes
-    (Python sets handlers there only)."""
+    does about the stop (a requeue, after which SLURM sends SIGTERM) finish. Where the process exits after the
+    block (``process_exits``), a stopped block leaves them ignored (:func:`ignored_until_exit`). Otherwise a
+    signal that comes while the block's end gives the earlier handlers back goes to the earlier handler. Outside
+    the main thread, nothing changes (Python sets handlers there only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     signums = [signal.SIGTERM, *([signal.SIGUSR1] if on_slurm() else [])]
-    ended = False
+    ended = stopped = False
 
     def stop(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopped
         if ended:
             earlier = previous[signal.Signals(signum)]
             signal.signal(signum, earlier if earlier is not None else signal.SIG_DFL)
@@ -300,6 +316,7 @@ def tool_stops_on_job_signals() -> Iterator[None]:
             return
         for other in signums:
             signal.signal(other, signal.SIG_IGN)
+        stopped = True
         raise ToolStopped(signum)
 
     previous = {signum: signal.signal(signum, stop) for signum in signums}
@@ -307,8 +324,9 @@ def tool_stops_on_job_signals() -> Iterator[None]:
         yield
     finally:
         ended = True
-        for signum, handler in previous.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        if not (stopped and process_exits):  # else the signals stay ignored, as stop() left them
+            for signum, handler in previous.items():
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
 def process_pool(max_workers: int) -> ProcessPoolExecutor:

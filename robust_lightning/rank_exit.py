@@ -28,16 +28,15 @@ A stop by SIGTERM or by SLURM's requeue ends every rank with exit status 143, wh
 ``KillWait`` (SLURM's src/slurmd/slurmstepd/req.c, ``SIG_TERM_KILL``). After the collective checkpoint, rank 0
 still writes ``results.json`` and ends the W&B run. So the ranks leave together (:func:`leave_together`): each
 waits at the end of the command until every rank has got there. Rank 0 holds the store and leaves it last, so the
-first other rank to exit still brings srun's SIGTERM to the ranks that wait or are ending their process. A rank
-ignores SIGTERM from the start of that wait: its command is done and it exits 143 of itself, and the signal could
-only cut its clean-up at exit short.
+first other rank to exit still brings srun's SIGTERM to the ranks that wait or are ending their process. They
+ignore it: a command line's process ignores SIGTERM once its command has stopped
+(:func:`robust_lightning.job_signals.ignored_until_exit`).
 """
 
 import atexit
 import contextlib
 import multiprocessing
 import os
-import signal
 import sys
 import threading
 import time
@@ -254,15 +253,11 @@ def stopped_by_other_rank(trainer: Trainer | None) -> bool:
     return True
 
 
-def leave_together(trainer: Trainer | None, process_exits: bool) -> None:
+def leave_together(trainer: Trainer | None) -> None:
     """At the end of a command stopped by SIGTERM (exit status 143): wait until every rank has got here, at most
-    ``LEAVE_WAIT`` seconds, so that no rank exits while another still writes. No collective: the store counts.
-    Where the process exits next (``process_exits``), SIGTERM is ignored from here: another rank's exit may bring
-    it while rank 0 still waits for the store's last users or ends its process."""
+    ``LEAVE_WAIT`` seconds, so that no rank exits while another still writes. No collective: the store counts."""
     job = _job_of(trainer)
     if job is not None:
-        if process_exits:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _leave_together(job)
 
 

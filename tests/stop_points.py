@@ -13,7 +13,9 @@ import time
 from pathlib import Path
 
 from lightning import Callback
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from robust_lightning import cli
 from robust_lightning.analysis.hessian import HessianSpectrum
 from robust_lightning.evaluation.autoattack import AutoAttackEvaluation
 from robust_lightning.evaluation.imagenet_p import ImageNetP
@@ -100,6 +102,27 @@ class StopAt(Callback):
         point = f"save:{trainer.current_epoch}"
         if point in self.points:
             self.once.fire(trainer, point)
+
+
+class SignalAgainAtTheEnd(Callback):
+    """After the first stop of the run's attempts (``marks``), signals the job once more while rank zero ends its
+    W&B run, after the command has returned, as SLURM signals a job it requeues and srun the tasks left once one
+    has exited. The hook into the command line is a stand-in for that moment: the callback wraps
+    ``robust_lightning.cli.finish_wandb_run`` in rank zero's process."""
+
+    def __init__(self, marks: str | None = None, signal_name: str = "SIGTERM") -> None:
+        self.once = _Once(marks, signal_name)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if not isinstance(exception, SIGTERMException) or not trainer.is_global_zero:
+            return
+        finish = cli.finish_wandb_run
+
+        def signalled_first(*args, **kwargs):
+            self.once.fire(trainer, "again")
+            return finish(*args, **kwargs)
+
+        cli.finish_wandb_run = signalled_first
 
 
 class AutoAttackStoppedAt(AutoAttackEvaluation):

@@ -493,6 +493,22 @@ def test_a_signal_that_comes_as_a_tool_commands_handlers_are_given_back_goes_to_
         signal.signal(signal.SIGTERM, before)
 
 
+@pytest.mark.parametrize("stopped", [False, True])
+def test_a_command_line_tool_stopped_by_a_signal_leaves_sigterm_ignored_until_its_process_exits(stopped):
+    """From the command line (the process exits after the command), a tool command stopped by a job's signal leaves
+    SIGTERM ignored: SLURM sends one after a requeue, and it would end the process before its exit with status 143.
+    A command that was not stopped gives the earlier handler back."""
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with contextlib.suppress(job_signals.ToolStopped):
+            with job_signals.tool_stops_on_job_signals(process_exits=True):
+                if stopped:
+                    signal.raise_signal(signal.SIGTERM)
+        assert signal.getsignal(signal.SIGTERM) == (signal.SIG_IGN if stopped else signal.SIG_DFL)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 @pytest.mark.slow  # a command's own process: its imports take seconds
 def test_sigterm_to_every_process_of_a_pooled_conversion_stops_it_and_the_same_command_goes_on(tmp_path):
     """SIGTERM to every process of ``robust-lightning shards --workers 2``, as a scheduler sends it, soon after its

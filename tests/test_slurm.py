@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import REPO, synthetic_source
+from helpers import REPO, WNIDS, make_image_tree, synthetic_source, write_image
 from robust_lightning.cli import main
 from slurm_cluster import ClusterUnavailable, SlurmCluster
 
@@ -267,6 +267,68 @@ def test_sigusr1_requeues_and_resumes_from_the_checkpoint(slurm_env, tmp_path):
     assert saved == 7 and second == list(range(8, 16))
     fit = json.loads((run_dir / "results.json").read_text())["fit"]
     assert fit["steps"] == 15 and fit["epochs"] == 3
+
+
+def test_sigusr1_requeues_a_shards_conversion_and_the_requeued_job_finishes_it(slurm_env, tmp_path):
+    """`robust-lightning shards` in a batch job submitted with --requeue, stopped by SLURM's requeue signal in its
+    last shard: it requeues the job with the real scontrol, prints its one line although SLURM then sends SIGTERM to
+    the job's processes, and exits 143. The requeued job runs the same command, which keeps the shard the first
+    attempt finished and ends with the manifest of a conversion left alone."""
+    cluster = slurm_env
+    src = make_image_tree(tmp_path / "src", {wnid: 2 for wnid in WNIDS[:2]})  # 4 images, 2 shards of 2
+    # The last image is a named pipe at first: reading it waits until the test writes it, so the first attempt is
+    # still converting the last shard when the signal comes, however slowly it arrives.
+    held = src / WNIDS[1] / f"{WNIDS[1]}_1.JPEG"
+    held.unlink()
+    os.mkfifo(held)
+    out, log = tmp_path / "out", tmp_path / "shards.out"
+    options = ["--samples_per_shard", "2", "--shuffle", "false", "--workers", "1"]
+    script = tmp_path / "shards.sbatch"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --requeue\n#SBATCH --open-mode=append\n"
+        f'srun "{sys.executable}" -m robust_lightning shards {src} {out} {" ".join(options)}\n'
+    )
+    submitted = cluster.run("sbatch", "--parsable", "--time=10", f"--output={log}", str(script), cwd=tmp_path)
+    job = submitted.stdout.strip().split(";")[0]
+    # the first shard (the prefix is SRC's name), and its stats file, which marks it finished
+    first_shard = [out / "src-000000.tar", out / "src-000000.json"]
+    try:
+        deadline = time.time() + 180
+        while not first_shard[1].is_file():
+            state = cluster.job(job).get("JobState")
+            assert time.time() < deadline and state in ("PENDING", "RUNNING"), (
+                log.read_text() if log.is_file() else state
+            )
+            time.sleep(0.2)
+        first_written = [path.stat().st_mtime_ns for path in first_shard]
+        # what SLURM sends 90 s before the time limit with #SBATCH --signal=SIGUSR1@90
+        cluster.run("scancel", "--signal=USR1", job)
+        while cluster.job(job).get("Restarts") != "1" or cluster.job(job).get("JobState") != "PENDING":
+            assert time.time() < deadline, f"{cluster.job(job)}\n{log.read_text()[-3000:]}"
+            time.sleep(0.5)
+        held.unlink()
+        write_image(held, seed=3)  # the image make_image_tree wrote there
+        # SLURM holds a requeued batch job for about two minutes (BeginTime); let it start now
+        cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+        final = cluster.wait(job, timeout=180)[0]
+    finally:
+        cluster.run("scancel", "--full", job, check=False)
+    output = log.read_text()  # both attempts (open-mode=append)
+    assert final["JobState"] == "COMPLETED" and final["Restarts"] == "1", output[-3000:]
+    ours = [line for line in output.splitlines() if line.startswith("robust-lightning")]
+    stopped = "shards stopped for SLURM's requeue; the requeued job runs the same command again (exit status 143)"
+    assert ours == [f"robust-lightning: {stopped}"], output[-3000:]
+    assert "Traceback" not in output and output.count(f"Requeued SLURM job: {job}") == 1, output[-3000:]
+    # SLURM's SIGTERM to the requeued job's processes did not end the command's process: it exited 143 itself
+    # (the batch shell may say that srun was "Terminated": SLURM signals srun and the shell too)
+    assert "task 0: Exited with exit code 143" in output, output[-3000:]
+    assert [path.stat().st_mtime_ns for path in first_shard] == first_written  # the requeued job kept it
+
+    assert main(["shards", str(src), str(tmp_path / "alone"), *options]) == 0
+    manifests = [json.loads((folder / "manifest.json").read_text()) for folder in (out, tmp_path / "alone")]
+    for manifest in manifests:
+        manifest.pop("created", None)
+    assert manifests[0] == manifests[1]
 
 
 def test_eval_array_template_gives_each_checkpoint_its_directory(slurm_env, tiny_checkpoint, tmp_path):

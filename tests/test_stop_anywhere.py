@@ -4,11 +4,12 @@ One 2-rank DDP fit (gloo on the CPU) with a user's defaults: the progress displa
 logging offline, the end-of-fit AutoAttack evaluation. It is stopped three times by SIGTERM to every process of the
 job, W&B's service process included, as a scheduler stops a job: in the checkpoint's save at the end of the first
 epoch's validation, in the middle of the second epoch's validation (the selection attack included), and in the
-end-of-fit AutoAttack. Each attempt exits 143 without a traceback, and the next one continues with the documented
-command (``--ckpt_path last``). The last attempt ends with the weights of the fit left alone bit for bit, its
-metrics.csv rows, its results.json numbers, and one W&B run whose record files hold every row once, in order, with
-the history's ``_step`` continuous across the attempts. Each command runs under a hard time limit that kills every
-process it started.
+end-of-fit AutoAttack. The first stop gets a second SIGTERM to every process while rank zero ends its W&B run, as
+SLURM sends one after a requeue and srun once a task has exited. Each attempt exits 143 without a traceback, and the
+next one continues with the documented command (``--ckpt_path last``). The last attempt ends with the weights of
+the fit left alone bit for bit, its metrics.csv rows, its results.json numbers, and one W&B run whose record files
+hold every row once, in order, with the history's ``_step`` continuous across the attempts. Each command runs under
+a hard time limit that kills every process it started.
 
 The last test stops a one-process fit inside the spectrum that HessianSpectrum computes at an epoch's end (the
 analysis runs in one process only), and compares it with the same fit left alone."""
@@ -56,6 +57,7 @@ def fit_config(directory: Path, data: Path, marks: Path | None) -> Path:
             ],
             "callbacks": [
                 {"class_path": "stop_points.StopAt", "init_args": {"points": STOPS, **stop_options}},
+                {"class_path": "stop_points.SignalAgainAtTheEnd", "init_args": stop_options},
                 {
                     "class_path": "stop_points.AutoAttackStoppedAt",
                     "init_args": {
@@ -135,8 +137,11 @@ def rows_of(run: Path) -> list[dict[str, str]]:
 
 
 def test_every_stop_exits_143_without_a_traceback_and_the_last_attempt_finishes(runs):
-    _, _, attempts = runs
+    _, stopped, attempts = runs
     assert [a.returncode for a in attempts] == [143] * len(STOPS) + [0], attempts[-1].stderr[-3000:]
+    # every stop point fired, the second SIGTERM at the first stop's end too
+    assert sorted(mark.name for mark in (stopped.parents[2] / "marks").iterdir()) == sorted([*STOPS, "again"])
+    assert (stopped.parents[2] / "marks" / "again").read_text() == (stopped.parents[2] / "marks" / STOPS[0]).read_text()
     for attempt in attempts:
         output = attempt.stdout + attempt.stderr
         assert "Traceback" not in output and "Exception ignored" not in output, output[-3000:]
