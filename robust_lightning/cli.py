@@ -16,8 +16,9 @@ import traceback
 from argparse import ArgumentError
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from robust_lightning.startup import (
     collector_paused,
@@ -132,7 +133,8 @@ def _workspace(argv: list[str]) -> int:
 def _cell(argv: list[str]) -> int:
     from robust_lightning.scale.task import cell_main
 
-    return cell_main(argv, run=main)
+    # the cell's command runs in this process, which exits after it as the cell's does
+    return cell_main(argv, run=partial(main, process_exits=_command_state["process_exits"]))
 
 
 TOOL_COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
@@ -412,8 +414,13 @@ def command_line_check() -> Callable[[Sequence[str]], None]:
     return check
 
 
-def main(args: Sequence[str] | None = None) -> int:
+def main(args: Sequence[str] | None = None, process_exits: bool | None = None) -> int:
+    """Runs the command ``args`` (None: the command line's). ``process_exits``: whether the process exits when main
+    returns (None: where main reads the command line); after a stop by a job's signal it then ignores SIGTERM."""
     from_command_line = args is None
+    if process_exits is None:
+        process_exits = from_command_line
+    _command_state["process_exits"] = process_exits
     args = list(sys.argv[1:] if args is None else args)
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
@@ -426,7 +433,7 @@ def main(args: Sequence[str] | None = None) -> int:
     _wandb_offline_without_credentials()
     already_open = open_wandb_run()  # a run of the caller's (main called from Python), not this command's
     with third_party_notices_silenced(args[0]):  # notices that say nothing to a user (robust_lightning/startup.py)
-        code = _run_command(args, from_command_line)
+        code = _run_command(args, from_command_line, process_exits)
     # The W&B run this command started, finished from Python after the command's last message: W&B prints its
     # closing lines as plain text where the output is no terminal (left to W&B's exit, they carry colour codes). An
     # error that ends with a traceback is left to W&B's exit, which records it (and the traceback) as it did.
@@ -438,8 +445,14 @@ def main(args: Sequence[str] | None = None) -> int:
 
 # main's state: the command's Trainer, once built. Until then every process of a job meets the same errors (the
 # same command line, config and environment), which its rank 0 alone reports; from then on an error may be a rank's
-# own (a file it reads), which print_rank_error reports once per job without losing a rank's own.
-_command_state: dict[str, Trainer | None] = {"trainer": None}
+# own (a file it reads), which print_rank_error reports once per job without losing a rank's own. And whether the
+# process exits when main returns, which the command that a sweep's cell runs in the same process inherits.
+class _CommandState(TypedDict):
+    trainer: Trainer | None
+    process_exits: bool
+
+
+_command_state: _CommandState = {"trainer": None, "process_exits": False}
 EXIT_CTRL_C = 128 + 2  # the shell's status for a process ended by SIGINT
 
 
@@ -468,14 +481,14 @@ def _report_error(message: str) -> None:
         print_rank_error(message, trainer.global_rank, trainer.world_size, Path(trainer.default_root_dir))
 
 
-def _run_command(args: list[str], from_command_line: bool) -> int:
+def _run_command(args: list[str], from_command_line: bool, process_exits: bool) -> int:
     _command_state["trainer"] = None
-    signal_stopped = False  # by a job's signal; a command line's process then only exits, with SIGTERM ignored
+    signal_stopped = False  # by a job's signal; a process that exits after it then ignores SIGTERM
     try:
         check_config_files(args)
         if args[0] in TOOL_COMMANDS:
             try:
-                tool_signals = tool_stops_on_job_signals(process_exits=from_command_line)
+                tool_signals = tool_stops_on_job_signals(process_exits=process_exits)
                 with nullcontext() if args[0] in TOOLS_TAKING_THEIR_OWN_SIGNALS else tool_signals:
                     try:
                         return TOOL_COMMANDS[args[0]][1](args[1:])
@@ -527,8 +540,9 @@ def _run_command(args: list[str], from_command_line: bool) -> int:
         failed_here(trainer)
         raise
     finally:
-        # the handlers the command found (kept through a stopped fit's last save); after a stop, ignored_until_exit
-        JobSignals.give_back(then_ignored=signal_stopped and from_command_line)
+        # The handlers the command found (kept through a stopped fit's last save). After a stop, or an error while
+        # one was under way, a process that exits now ignores SIGTERM (ignored_until_exit).
+        JobSignals.give_back(then_ignored=process_exits and (signal_stopped or JobSignals.noted()))
     return 0
 
 

@@ -498,7 +498,8 @@ def test_a_command_line_tool_stopped_by_a_signal_leaves_sigterm_ignored_until_it
     """From the command line (the process exits after the command), a tool command stopped by a job's signal leaves
     SIGTERM ignored: SLURM sends one after a requeue, and it would end the process before its exit with status 143.
     A command that was not stopped gives the earlier handler back."""
-    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}  # SIGUSR1 on SLURM
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         with contextlib.suppress(job_signals.ToolStopped):
             with job_signals.tool_stops_on_job_signals(process_exits=True):
@@ -506,7 +507,8 @@ def test_a_command_line_tool_stopped_by_a_signal_leaves_sigterm_ignored_until_it
                     signal.raise_signal(signal.SIGTERM)
         assert signal.getsignal(signal.SIGTERM) == (signal.SIG_IGN if stopped else signal.SIG_DFL)
     finally:
-        signal.signal(signal.SIGTERM, before)
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 @pytest.mark.slow  # a command's own process: its imports take seconds

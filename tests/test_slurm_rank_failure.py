@@ -4,8 +4,8 @@ cluster of tests/test_slurm.py (gloo, CPU, a loader worker per task):
 - One task's error is the job's one error. The other task ends soon after, without a traceback, and the job fails.
 - A stop by SIGTERM ends every task whole. Rank 0 writes results.json and says what happens next, here slowly, as on
   a busy shared filesystem, and no task exits 143 before it is done: srun would kill it after SLURM's KillWait.
-  Rank 0 also ends its process slowly, as a busy machine does, so that srun signals it once rank 1 has exited; it
-  still exits 143 of itself."""
+  Rank 0 also ends its process slowly, as a busy machine does, until srun has signalled it once rank 1 has exited;
+  it still exits 143 of itself."""
 
 import atexit
 import json
@@ -28,17 +28,27 @@ KILL_WAIT = 5  # the test cluster's KillWait: seconds from srun's SIGTERM to its
 
 
 class SlowAtTheStop(Callback):
-    """Rank 0 takes ``seconds`` over a stop before its results are written (the config's callbacks come first), and
-    ``at_exit`` seconds at its process's exit, after the command has returned."""
+    """Rank 0 takes ``seconds`` over a stop before its results are written (the config's callbacks come first). At
+    its process's exit, after the command has returned, it waits until srun has signalled the step."""
 
-    def __init__(self, seconds: float, at_exit: float):
+    def __init__(self, seconds: float):
         self.seconds = seconds
-        self.at_exit = at_exit
 
     def on_exception(self, trainer, pl_module, exception):
         if trainer.is_global_zero:
-            atexit.register(time.sleep, self.at_exit)
+            atexit.register(until_srun_signals_the_step)
             time.sleep(self.seconds)
+
+
+def until_srun_signals_the_step() -> None:
+    """Waits until srun says in the job's log that it signals the step, at most 3 s, then 1 s more for the signal to
+    arrive: less than KILL_WAIT in all, after which srun would kill the task."""
+    environ = os.environ
+    log = Path(environ["SLURM_SUBMIT_DIR"]) / f"slurm-{environ['SLURM_JOB_NAME']}-{environ['SLURM_JOB_ID']}.out"
+    deadline = time.monotonic() + 3
+    while "Terminating" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1)
 
 
 def fit_config(directory: Path, callbacks: list[dict]) -> Path:
@@ -117,8 +127,7 @@ def test_a_stop_by_sigterm_ends_every_task_whole(cluster, tmp_path):  # noqa: F8
         "class_path": "slurm_cluster.Pace",
         "init_args": {"record": str(steps), "seconds": 0, "hold_at": {"step": 2}},
     }
-    slow_init = {"seconds": KILL_WAIT + 3, "at_exit": KILL_WAIT / 2}
-    slow = {"class_path": f"{__name__}.SlowAtTheStop", "init_args": slow_init}
+    slow = {"class_path": f"{__name__}.SlowAtTheStop", "init_args": {"seconds": KILL_WAIT + 3}}
 
     def stop_after_two_steps(job: str) -> None:
         deadline = time.time() + TIME_LIMIT
@@ -140,4 +149,5 @@ def test_a_stop_by_sigterm_ends_every_task_whole(cluster, tmp_path):  # noqa: F8
     # exit 143 of themselves
     exits = sorted(re.findall(r"tasks? ([0-9-]+): Exited with exit code (\d+)", log))
     assert exits == [("0", "143"), ("1", "143")], log[-3000:]
-    assert log.index("interrupted by SIGTERM (exit status 143)") < log.index("Terminating StepId"), log[-3000:]
+    assert "Terminating" in log, log[-3000:]
+    assert log.index("interrupted by SIGTERM (exit status 143)") < log.index("Terminating"), log[-3000:]

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import REPO, run_command
+from helpers import REPO, run_command, tiny_config
+from robust_lightning import cli
 from robust_lightning.cli import main
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.results import ResultsFile
@@ -356,6 +357,53 @@ def make_finished_sweep(tmp_path: Path, monkeypatch) -> tuple[Path, list[str]]:
     (out_dir / "logs" / "77_2.out").write_text("".join(f"line {i}\n" for i in range(40)) + "CUDA out of memory\n")
     mark(out_dir / "cells" / "image_size=128__old", "done", test=test)
     return out_dir, cells
+
+
+@pytest.mark.parametrize("process_exits", [True, False])
+def test_a_cell_stopped_by_sigterm_leaves_sigterm_ignored_where_its_process_exits(tmp_path, monkeypatch, process_exits):
+    """`robust-lightning cell` runs the cell's command in its own process, which exits after it. Stopped by SIGTERM,
+    that command leaves SIGTERM ignored, as a command line's own command does: a second one (srun's, once another
+    task of the array's step has exited) would end the process before it has recorded the cell and exited 143.
+    Called from Python (``main(args)``), it gives the earlier handler back. The fit runs in this process, where the
+    signal can land in its first step."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    for name in ("SLURM_PROCID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(os, "register_at_fork", lambda **hook: None)  # keep this process's forks as they are
+    signal_in_step = {"class_path": "slurm_cluster.SignalMidStep", "init_args": {"step": 1, "signal_name": "SIGTERM"}}
+    overrides = {"model.arch": "test_resnet", "trainer.limit_train_batches": 2, "trainer.callbacks": [signal_in_step]}
+    config = tiny_config(tmp_path, **overrides)
+    cell = {
+        "id": "c",
+        "labels": {},
+        "values": {},
+        "dir": str(tmp_path / "cell"),
+        "argv": ["fit", "--config", str(config)],
+    }
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(
+        json.dumps({"sweep": "s", "workdir": str(tmp_path), "log_pattern": "", "wandb": None, "cells": [cell]})
+    )
+    # SIGTERM's handling where the cell's command ends its W&B run after its stop, where the cell records the stop,
+    # and where the cell command ends its own W&B run
+    finish, write, seen = cli.finish_wandb_run, ResultsFile.write, []
+
+    def noting(what, call):
+        return lambda *a: (seen.append((what, signal.getsignal(signal.SIGTERM))), call(*a))[1]
+
+    monkeypatch.setattr(cli, "finish_wandb_run", noting("finish W&B", finish))
+    monkeypatch.setattr(ResultsFile, "write", noting("write results", write))
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert main(["cell", str(manifest), "--index", "0"], process_exits=process_exits) == EXIT_SIGTERM
+        after = signal.getsignal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert cell_state(tmp_path / "cell") == "interrupted"
+    expected = signal.SIG_IGN if process_exits else before
+    assert seen[-3:] == [("finish W&B", expected), ("write results", expected), ("finish W&B", expected)], seen
+    assert after == expected
 
 
 def test_report_merges_every_cell_once_and_lists_the_missing(tmp_path, monkeypatch, capsys):
