@@ -133,7 +133,7 @@ def _workspace(argv: list[str]) -> int:
 def _cell(argv: list[str]) -> int:
     from robust_lightning.scale.task import cell_main
 
-    # the cell's command runs in this process, which exits after it as the cell's does
+    # The cell runs its command in this process, which exits after it where `cell` came from the command line.
     return cell_main(argv, run=partial(main, process_exits=_command_state["process_exits"]))
 
 
