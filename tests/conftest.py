@@ -44,6 +44,17 @@ def shared_synthetic_data(tmp_path_factory):
     return helpers.SHARED_SYNTHETIC
 
 
+@pytest.fixture(autouse=True)
+def no_job_signal_noted():
+    """Each test starts with no job signal noted, as a new process does. A test that stops a command in this process
+    leaves its note behind (JobSignals keeps it for the rest of the process), and analyses and evaluations that a
+    later test runs without the command line would stop at once."""
+    yield
+    from robust_lightning.job_signals import JobSignals
+
+    JobSignals.sigterm = JobSignals.requeue = JobSignals.told_others = False
+
+
 @pytest.fixture(scope="session")
 def trained():
     """helpers.train_small_cnn's model, trained once per test process for the attack tests that only run it."""
