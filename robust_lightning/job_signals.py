@@ -225,12 +225,10 @@ class JobSignals:
         if threading.current_thread() is not threading.main_thread():
             return
         for signum, handler in cls._previous.items():
-            if not then_ignored:
-                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-            elif signum != signal.SIGTERM:
-                signal.signal(signum, signal.SIG_IGN)
+            earlier = handler if handler is not None else signal.SIG_DFL
+            signal.signal(signum, signal.SIG_IGN if then_ignored else earlier)
         if then_ignored:
-            ignored_until_exit()
+            ignored_until_exit()  # SIGTERM too where the command had not taken it
         cls._previous = {}
         cls.started = False
 

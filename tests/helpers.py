@@ -415,6 +415,14 @@ def tiny_config(tmp_path: Path, synthetic_root: Path | None = None, **overrides:
     return path
 
 
+def conversion_manifest(out: Path) -> dict[str, Any]:
+    """The manifest of the shards in ``out`` without its time of writing: two conversions of the same source with
+    the same options have equal ones."""
+    manifest: dict[str, Any] = json.loads((out / "manifest.json").read_text())
+    manifest.pop("created", None)
+    return manifest
+
+
 def fake_slurm_job(tmp_path: Path) -> dict[str, str]:
     """The environment SLURM gives a one-task batch job (Lightning then requeues it on SIGUSR1 and resumes it from its
     hpc checkpoint), with an ``scontrol`` that records the requeue in tmp_path/scontrol.log instead of asking a

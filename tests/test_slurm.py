@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import REPO, WNIDS, make_image_tree, synthetic_source, write_image
+from helpers import REPO, WNIDS, conversion_manifest, make_image_tree, synthetic_source, write_image
 from robust_lightning.cli import main
 from slurm_cluster import FINISHED, ClusterUnavailable, SlurmCluster
 
@@ -326,10 +326,7 @@ def test_sigusr1_requeues_a_shards_conversion_and_the_requeued_job_finishes_it(s
     assert [path.stat().st_mtime_ns for path in first_shard] == first_written  # the requeued job kept it
 
     assert main(["shards", str(src), str(tmp_path / "alone"), *options]) == 0
-    manifests = [json.loads((folder / "manifest.json").read_text()) for folder in (out, tmp_path / "alone")]
-    for manifest in manifests:
-        manifest.pop("created", None)
-    assert manifests[0] == manifests[1]
+    assert conversion_manifest(out) == conversion_manifest(tmp_path / "alone")
 
 
 def test_eval_array_template_gives_each_checkpoint_its_directory(slurm_env, tiny_checkpoint, tmp_path):
