@@ -283,6 +283,8 @@ def test_sigusr1_requeues_a_shards_conversion_and_the_requeued_job_finishes_it(s
     held.unlink()
     os.mkfifo(held)
     out, log = tmp_path / "out", tmp_path / "shards.out"
+    # --workers 1: the command's own process reads the pipe, where the signal interrupts the wait; a pool's worker
+    # would wait for the pipe as the pool's shutdown waits for it (tests/test_shards.py stops a pooled conversion)
     options = ["--samples_per_shard", "2", "--shuffle", "false", "--workers", "1"]
     script = tmp_path / "shards.sbatch"
     script.write_text(

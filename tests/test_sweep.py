@@ -365,7 +365,8 @@ def test_a_cell_stopped_by_sigterm_leaves_sigterm_ignored_where_its_process_exit
     that command leaves SIGTERM ignored, as a command line's own command does: a second one (srun's, once another
     task of the array's step has exited) would end the process before it has recorded the cell and exited 143.
     Called from Python (``main(args)``), it gives the earlier handler back. The fit runs in this process, where the
-    signal can land in its first step."""
+    signal can land in its first step. tiny_config's bar off and no loader workers: the handling checked comes after
+    the command, which they do not reach; tests/test_stop_anywhere.py checks it with a user's defaults on 2 ranks."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     for name in ("SLURM_PROCID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE"):
