@@ -204,7 +204,8 @@ def steps_section(sizes: Sizes, device, workdir: Path, record) -> None:
     from at_step import alternating_times
 
     ceiling = bf16_ceiling(device, sizes.ceiling_size)
-    record("bf16_ceiling_tflops", round(ceiling, 1))
+    # three significant figures: a CPU without bf16 units (the smoke run) reaches a few hundredths of a TFLOP/s
+    record("bf16_ceiling_tflops", float(f"{ceiling:.3g}"))
     for arch in sizes.models:
         steps, reused = training_steps(arch, sizes, device, {"clean": CLEAN, "at": AT})
         if "convnext" in arch:  # does letting cuDNN pick its algorithms per shape help the convolutions?
