@@ -6,6 +6,7 @@ A config names the callback (tests/ is on the command's PYTHONPATH in tests/help
 point fires once across a run's attempts: a file in ``marks`` records that it fired, so the resumed attempt runs
 past it."""
 
+import errno
 import os
 import signal
 import subprocess
@@ -102,6 +103,15 @@ class StopAt(Callback):
         point = f"save:{trainer.current_epoch}"
         if point in self.points:
             self.once.fire(trainer, point)
+
+
+class SaveFailsAfterASignal(Callback):
+    """Every checkpoint save after a job's signal was noted fails as on a full disk: an error while the stop is
+    under way."""
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        if JobSignals.noted():
+            raise OSError(errno.ENOSPC, "No space left on device", trainer.default_root_dir)
 
 
 class SignalAgainAtTheEnd(Callback):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from helpers import REPO, fake_slurm_job, run_command, tiny_config, two_epoch_fit
+from robust_lightning.cli import main
 from robust_lightning.training.checkpoint_io import AtomicCheckpointIO, atomic_write_bytes
 
 STEPS_PER_EPOCH = 12
@@ -147,6 +148,35 @@ def test_sigterm_stops_a_fit_with_a_checkpoint_a_message_and_a_failing_status(tm
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     fit = json.loads((run / "results.json").read_text())["fit"]
     assert fit["epochs"] == 2 and "interrupted" not in fit
+
+
+@pytest.mark.parametrize("process_exits", [True, False])
+def test_an_error_in_a_stops_save_is_reported_and_leaves_sigterm_ignored_where_the_process_exits(
+    tmp_path, monkeypatch, capsys, process_exits
+):
+    """SIGTERM comes in a step, and the stop's checkpoint save fails (a full disk). The command reports the error
+    in one line and exits 2. Where its process exits after it, SIGTERM stays ignored, as after a stop: the job is
+    being stopped, and the scheduler's next SIGTERM would end the process before its exit. Called from Python
+    (``main(args)``), it gives the earlier handler back. The fit runs in this process, where the handler can be
+    read after the command; tiny_config's bar off and no loader workers, as the error comes in the save."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(os, "register_at_fork", lambda **hook: None)  # keep this process's forks as they are
+    callbacks = [
+        {"class_path": "slurm_cluster.SignalMidStep", "init_args": {"step": 1, "signal_name": "SIGTERM"}},
+        {"class_path": "stop_points.SaveFailsAfterASignal"},
+    ]
+    config = tiny_config(
+        tmp_path, **{"model.arch": "test_resnet", "trainer.limit_train_batches": 2, "trainer.callbacks": callbacks}
+    )
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        code = main(["fit", "--config", str(config)], process_exits=process_exits)
+        after = signal.getsignal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    errors = capsys.readouterr().err
+    assert code == 2 and "No space left on device" in errors and "Traceback" not in errors, errors
+    assert after == (signal.SIG_IGN if process_exits else before)
 
 
 def test_the_slurm_requeue_signal_mid_step_checkpoints_at_the_end_of_that_step(tmp_path):
