@@ -543,11 +543,13 @@ def two_epoch_fit(
     folder: Path,
     callback: dict[str, Any],
     stopped: Callable[[subprocess.CompletedProcess[str], Path], None] | None = None,
+    stop_status: int = 143,
     **overrides: Any,
 ) -> Path:
     """A fit of test_resnet for two epochs of two steps in ``folder`` (tiny_config with ``overrides``), with
-    ``callback``. With ``stopped``, the fit must end with status 143 and no traceback, ``stopped(result, run)``
-    checks the stop, and the same command with ``--ckpt_path last`` finishes it. Returns the run directory.
+    ``callback``. With ``stopped``, the fit must end with ``stop_status`` (143: SIGTERM's, 1: Ctrl-C's) and no
+    traceback, ``stopped(result, run)`` checks the stop, and the same command with ``--ckpt_path last`` finishes
+    it. Returns the run directory.
     A user's progress bar (its line form: the output is a pipe) and a loader worker are on, which tiny_config
     turns off; W&B is not (tests/test_stop_anywhere.py's DDP fit checks its rows across stops)."""
     folder.mkdir()
@@ -558,7 +560,7 @@ def two_epoch_fit(
     done = run_command(command, cwd=folder, timeout=240)
     run = folder / "runs" / "tiny" / "version_0"
     if stopped is not None:
-        assert done.returncode == 143, done.stderr[-3000:]
+        assert done.returncode == stop_status, done.stderr[-3000:]
         assert "Traceback" not in done.stdout + done.stderr
         stopped(done, run)
         done = run_command([*command, "--ckpt_path", "last"], cwd=folder, timeout=240)

@@ -308,3 +308,31 @@ def test_a_stop_in_an_epochs_last_step_without_validation_resumes_at_the_next_ep
         rows[name] = sorted({line for path in logged for line in path.read_text().splitlines()[1:]})
     assert all(torch.equal(weights["stopped"][k], weights["alone"][k]) for k in weights["alone"])
     assert rows["stopped"] == rows["alone"] and len(rows["alone"]) == 2
+
+
+def test_ctrl_c_in_a_validation_resumes_that_validation_whole_as_the_fit_left_alone(tmp_path):
+    """Ctrl-C (SIGINT to the fit's processes, as a terminal sends it) at the second of the first epoch's four
+    validation batches. The fit writes last.ckpt of that validation's start, as a stop by SIGTERM does, so the
+    resumed fit (``--ckpt_path last``) runs the validation from its first batch. It ends with the metrics.csv rows
+    and the weights of the fit left alone. Before, the checkpoint was of the batch it stopped at, and the resumed
+    fit logged no validation row for that epoch."""
+    weights, rows = {}, {}
+
+    def stopped_in_the_validation(done, run: Path) -> None:
+        saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+        progress = saved["loops"]["fit_loop"]["epoch_loop.val_loop.batch_progress"]["current"]
+        assert (saved["global_step"], progress["ready"], progress["processed"]) == (2, 1, 0), progress
+
+    for name in ("alone", "stopped"):
+        marks = {"marks": str(tmp_path / name / "marks")} if name == "stopped" else {}
+        callback = {
+            "class_path": "stop_points.StopAt",
+            "init_args": {"points": ["validation:0:1"], "signal_name": "SIGINT", **marks},
+        }
+        stopped = stopped_in_the_validation if name == "stopped" else None
+        run = two_epoch_fit(tmp_path / name, callback, stopped, stop_status=1, **{"data.eval_batch_size": 4})
+        weights[name] = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+        logged = sorted(run.glob("metrics*.csv"))  # the stopped run's first attempt is metrics.part1.csv
+        rows[name] = sorted({line for path in logged for line in path.read_text().splitlines()[1:]})
+    assert all(torch.equal(weights["stopped"][k], weights["alone"][k]) for k in weights["alone"])
+    assert rows["stopped"] == rows["alone"] and len(rows["alone"]) == 4, rows

@@ -293,8 +293,14 @@ class Interruption(Callback):
                 exception.requeued = requeue_this_job(requeue_signal(trainer) or 0, then)
             self._say_what_happens_next(trainer, exception)
         elif isinstance(exception, KeyboardInterrupt) and trainer.state.fn == "fit" and trainer.world_size == 1:
-            # Ctrl-C stops the process wherever it was; under DDP each rank stops on its own (no collective save)
-            self._save_last(trainer)
+            # Ctrl-C stops the process wherever it was; under DDP each rank stops on its own (no collective save).
+            # Inside a validation, the checkpoint is of its start, as a stop's: one of the batch it stopped at
+            # resumes the validation past its first batches, and that epoch's validation metrics went unlogged.
+            self._saving_validation_start = trainer.validating and not trainer.sanity_checking
+            try:
+                self._save_last(trainer)
+            finally:
+                self._saving_validation_start = False
             self._say_what_happens_next(trainer, exception)
 
     def _save_stop(self, trainer: pl.Trainer, stop: JobStopped) -> None:
