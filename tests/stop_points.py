@@ -6,7 +6,9 @@ A config names the callback (tests/ is on the command's PYTHONPATH in tests/help
 point fires once across a run's attempts: a file in ``marks`` records that it fired, so the resumed attempt runs
 past it."""
 
+import ctypes
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -112,6 +114,47 @@ class SaveFailsAfterASignal(Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         if JobSignals.noted():
             raise OSError(errno.ENOSPC, "No space left on device", trainer.default_root_dir)
+
+
+class _SigAction(ctypes.Structure):
+    """Linux's struct sigaction as glibc lays it out (x86-64 and arm64)."""
+
+    _fields_ = [
+        ("handler", ctypes.c_void_p),
+        ("mask", ctypes.c_ulong * (1024 // (8 * ctypes.sizeof(ctypes.c_ulong)))),
+        ("flags", ctypes.c_int),
+        ("restorer", ctypes.c_void_p),
+    ]
+
+
+SA_RESTART = 0x10000000
+
+
+def restarts_interrupted_calls(signum: int) -> bool:
+    """Whether ``signum``'s handler has SA_RESTART: a system call it interrupts (a collective's socket read)
+    restarts instead of failing with EINTR."""
+    action = _SigAction()
+    if ctypes.CDLL(None, use_errno=True).sigaction(signum, None, ctypes.byref(action)) != 0:
+        raise OSError(ctypes.get_errno(), "sigaction")
+    return bool(action.flags & SA_RESTART)
+
+
+class RecordRestartFlags(Callback):
+    """Records in the JSON file ``out`` whether SIGTERM's handler restarts interrupted system calls in training
+    and in the end-of-fit evaluations' hook (on_fit_end)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = Path(out)
+
+    def _record(self, where: str) -> None:
+        seen = json.loads(self.out.read_text()) if self.out.exists() else {}
+        self.out.write_text(json.dumps({**seen, where: restarts_interrupted_calls(signal.SIGTERM)}))
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._record("training")
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self._record("fit end")
 
 
 class SignalAgainAtTheEnd(Callback):

@@ -179,6 +179,23 @@ def test_an_error_in_a_stops_save_is_reported_and_leaves_sigterm_ignored_where_t
     assert after == (signal.SIG_IGN if process_exits else before)
 
 
+def test_the_end_of_fit_evaluations_run_with_interrupted_system_calls_restarted(tmp_path, monkeypatch):
+    """SIGTERM's handler restarts the system calls it interrupts (SA_RESTART) in the end-of-fit evaluations too
+    (AutoAttack's and the Hessian spectrum's on_fit_end), whose collectives under DDP would otherwise fail on the
+    rank the signal lands in. Lightning's teardown, which comes before them, puts the handlers back without it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(os, "register_at_fork", lambda **hook: None)  # keep this process's forks as they are
+    record = tmp_path / "restarts.json"
+    callbacks = [{"class_path": "stop_points.RecordRestartFlags", "init_args": {"out": str(record)}}]
+    overrides = {"model.arch": "test_resnet", "trainer.limit_train_batches": 1, "trainer.callbacks": callbacks}
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert main(["fit", "--config", str(tiny_config(tmp_path, **overrides))], process_exits=False) == 0
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert json.loads(record.read_text()) == {"training": True, "fit end": True}
+
+
 def test_the_slurm_requeue_signal_mid_step_checkpoints_at_the_end_of_that_step(tmp_path):
     """SLURM's requeue signal (SIGUSR1) lands in the middle of a training step. The hpc checkpoint is written at the
     end of that step (Lightning writes it inside the signal handler: half a step, whose batch the resumed run would

@@ -149,13 +149,21 @@ class Interruption(Callback):
         # handler saves half a step. This command's handlers take their place at once. Lightning's registration
         # stays: it records every handler of the process, which its teardown restores (a DataLoader's SIGCHLD
         # handler among them, which would otherwise fail the exit of a command whose loader workers are killed).
-        register = trainer._signal_connector.register_signal_handlers
+        # Lightning's teardown, before on_fit_end, puts this command's handlers back with signal.signal, which
+        # drops their restart of interrupted system calls: the end-of-fit evaluations' collectives need it.
+        connector = trainer._signal_connector
+        register, teardown = connector.register_signal_handlers, connector.teardown
 
         def register_then_take() -> None:
             register()
             JobSignals.take(requeue, pass_on)
 
-        trainer._signal_connector.register_signal_handlers = register_then_take  # type: ignore[method-assign]  # above
+        def teardown_then_take() -> None:
+            teardown()
+            JobSignals.take(requeue, pass_on)
+
+        connector.register_signal_handlers = register_then_take  # type: ignore[method-assign]  # above
+        connector.teardown = teardown_then_take  # type: ignore[method-assign]  # above
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn == "fit" and not trainer.sanity_checking:
