@@ -416,7 +416,7 @@ def command_line_check() -> Callable[[Sequence[str]], None]:
 
 def main(args: Sequence[str] | None = None, process_exits: bool | None = None) -> int:
     """Runs the command ``args`` (None: the command line's). ``process_exits``: whether the process exits when main
-    returns (None: where main reads the command line); after a stop by a job's signal it then ignores SIGTERM."""
+    returns (None: where main reads the command line); it then ignores SIGTERM from the command's end."""
     from_command_line = args is None
     if process_exits is None:
         process_exits = from_command_line
@@ -483,7 +483,6 @@ def _report_error(message: str) -> None:
 
 def _run_command(args: list[str], from_command_line: bool, process_exits: bool) -> int:
     _command_state["trainer"] = None
-    signal_stopped = False  # by a job's signal; a process that exits after it then ignores SIGTERM
     try:
         check_config_files(args)
         if args[0] in TOOL_COMMANDS:
@@ -505,7 +504,6 @@ def _run_command(args: list[str], from_command_line: bool, process_exits: bool) 
         # args None: LightningCLI reads sys.argv itself
         RobustLightningCLI(**cli_arguments(), args=None if from_command_line else args)
     except SIGTERMException as e:  # a SystemExit without a code: the process would exit 0 as if the run had finished
-        signal_stopped = True
         if rank_zero_only.rank == 0:  # type: ignore[attr-defined]  # the rank Lightning sets on the function
             stop = e if isinstance(e, JobStopped) else None  # Lightning's own has none of the stop's facts
             if stop is not None and stop.requeued:
@@ -540,9 +538,12 @@ def _run_command(args: list[str], from_command_line: bool, process_exits: bool) 
         failed_here(trainer)
         raise
     finally:
-        # The handlers the command found (kept through a stopped fit's last save). After a stop, or an error while
-        # one was under way, a process that exits now ignores SIGTERM (ignored_until_exit).
-        JobSignals.give_back(then_ignored=process_exits and (signal_stopped or JobSignals.noted()))
+        # The handlers the command found (kept through a stopped fit's last save and a finished fit's teardown). A
+        # process that exits now ignores SIGTERM and SLURM's requeue signal whatever the command's end
+        # (ignored_until_exit): after a stop, a second signal would cut short what is left; after a finish, a
+        # signal would leave its W&B run or a sweep's record of the cell unfinished, and a finished job needs no
+        # requeue.
+        JobSignals.give_back(then_ignored=process_exits)
     return 0
 
 

@@ -283,10 +283,10 @@ class ToolStopped(BaseException):
 
 
 def ignored_until_exit() -> None:
-    """SIGTERM is ignored from now on, in a process that only exits: its command was stopped by a job's signal
-    and has done its work. A SIGTERM that follows would cut short what is left (the end of the W&B run, the wait
-    for the other ranks, the clean-ups at exit) and turn the exit status 143 into a death by signal. SLURM sends
-    one after a requeue, and srun sends one to the tasks left once one has exited."""
+    """SIGTERM is ignored from now on, in a process that only exits: its command has ended. A SIGTERM then would
+    cut short what is left (the end of the W&B run, a sweep's record of the cell, the wait for the other ranks,
+    the clean-ups at exit) and, after a stop, turn the exit status 143 into a death by signal. SLURM sends one
+    after a requeue, and srun sends one to the tasks left once one has exited."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
@@ -296,17 +296,16 @@ def tool_stops_on_job_signals(process_exits: bool = False) -> Iterator[None]:
     actions would end the process at once, without its clean-ups; the requeue signal's would not requeue the job
     either. After the first, both are ignored until the block ends, so that the clean-ups and whatever the block
     does about the stop (a requeue, after which SLURM sends SIGTERM) finish. Where the process exits after the
-    block (``process_exits``), a stopped block leaves them ignored (:func:`ignored_until_exit`). Otherwise a
-    signal that comes while the block's end gives the earlier handlers back goes to the earlier handler. Outside
-    the main thread, nothing changes (Python sets handlers there only)."""
+    block (``process_exits``), the block leaves them ignored, stopped or not (:func:`ignored_until_exit`).
+    Otherwise a signal that comes while the block's end gives the earlier handlers back goes to the earlier
+    handler. Outside the main thread, nothing changes (Python sets handlers there only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     signums = [signal.SIGTERM, *([signal.SIGUSR1] if on_slurm() else [])]
-    ended = stopped = False
+    ended = False
 
     def stop(signum: int, frame: FrameType | None) -> None:
-        nonlocal stopped
         if ended:
             earlier = previous[signal.Signals(signum)]
             signal.signal(signum, earlier if earlier is not None else signal.SIG_DFL)
@@ -314,7 +313,6 @@ def tool_stops_on_job_signals(process_exits: bool = False) -> Iterator[None]:
             return
         for other in signums:
             signal.signal(other, signal.SIG_IGN)
-        stopped = True
         raise ToolStopped(signum)
 
     previous = {signum: signal.signal(signum, stop) for signum in signums}
@@ -322,8 +320,10 @@ def tool_stops_on_job_signals(process_exits: bool = False) -> Iterator[None]:
         yield
     finally:
         ended = True
-        if not (stopped and process_exits):  # else the signals stay ignored, as stop() left them
-            for signum, handler in previous.items():
+        for signum, handler in previous.items():
+            if process_exits:
+                signal.signal(signum, signal.SIG_IGN)
+            else:
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 

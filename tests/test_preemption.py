@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from helpers import REPO, fake_slurm_job, run_command, tiny_config, two_epoch_fit
+from robust_lightning import cli
 from robust_lightning.cli import main
+from robust_lightning.loggers import CSVLogger
 from robust_lightning.training.checkpoint_io import AtomicCheckpointIO, atomic_write_bytes
 
 STEPS_PER_EPOCH = 12
@@ -194,6 +196,35 @@ def test_the_end_of_fit_evaluations_run_with_interrupted_system_calls_restarted(
     finally:
         signal.signal(signal.SIGTERM, before)
     assert json.loads(record.read_text()) == {"training": True, "fit end": True}
+
+
+@pytest.mark.parametrize("process_exits", [True, False])
+def test_a_finished_fit_notes_sigterm_until_its_end_and_then_ignores_it_where_the_process_exits(
+    tmp_path, monkeypatch, process_exits
+):
+    """A fit that finished: SIGTERM is still noted (not fatal) while Lightning finalises its loggers, after the
+    callbacks' teardown, and where the process exits after the command it is ignored while the command line ends
+    the W&B run. A signal there would leave the W&B run unfinished, and a sweep's cell recorded as running. Called
+    from Python (``main(args)``), the earlier handler is back by then. Before, the handlers were given back at
+    the callbacks' teardown, and SIGTERM's default action was in place for both."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(os, "register_at_fork", lambda **hook: None)  # keep this process's forks as they are
+    finalize, finish, seen = CSVLogger.finalize, cli.finish_wandb_run, {}
+
+    def noting(what, call):
+        return lambda *a, **k: (seen.setdefault(what, signal.getsignal(signal.SIGTERM)), call(*a, **k))[1]
+
+    monkeypatch.setattr(CSVLogger, "finalize", noting("finalize loggers", finalize))
+    monkeypatch.setattr(cli, "finish_wandb_run", noting("finish W&B", finish))
+    config = tiny_config(tmp_path, **{"model.arch": "test_resnet", "trainer.limit_train_batches": 1})
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert main(["fit", "--config", str(config)], process_exits=process_exits) == 0
+        after = signal.getsignal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert callable(seen["finalize loggers"]) and seen["finalize loggers"] is not before  # the command's handler
+    assert seen["finish W&B"] == after == (signal.SIG_IGN if process_exits else before)
 
 
 def test_the_slurm_requeue_signal_mid_step_checkpoints_at_the_end_of_that_step(tmp_path):

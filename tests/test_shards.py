@@ -490,18 +490,19 @@ def test_a_signal_that_comes_as_a_tool_commands_handlers_are_given_back_goes_to_
 
 
 @pytest.mark.parametrize("stopped", [False, True])
-def test_a_command_line_tool_stopped_by_a_signal_leaves_sigterm_ignored_until_its_process_exits(stopped):
-    """From the command line (the process exits after the command), a tool command stopped by a job's signal leaves
-    SIGTERM ignored: SLURM sends one after a requeue, and it would end the process before its exit with status 143.
-    A command that was not stopped gives the earlier handler back."""
+@pytest.mark.parametrize("process_exits", [False, True])
+def test_a_command_line_tool_leaves_sigterm_ignored_until_its_process_exits(stopped, process_exits):
+    """From the command line (the process exits after the command), a tool command leaves SIGTERM ignored, stopped
+    by a job's signal or not: SLURM sends one after a requeue, and it would end the process before its exit with
+    status 143. Called from Python, the command gives the earlier handler back."""
     before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}  # SIGUSR1 on SLURM
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         with contextlib.suppress(job_signals.ToolStopped):
-            with job_signals.tool_stops_on_job_signals(process_exits=True):
+            with job_signals.tool_stops_on_job_signals(process_exits=process_exits):
                 if stopped:
                     signal.raise_signal(signal.SIGTERM)
-        assert signal.getsignal(signal.SIGTERM) == (signal.SIG_IGN if stopped else signal.SIG_DFL)
+        assert signal.getsignal(signal.SIGTERM) == (signal.SIG_IGN if process_exits else signal.SIG_DFL)
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)

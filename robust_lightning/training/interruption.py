@@ -125,6 +125,7 @@ class Interruption(Callback):
         self._validation_start: tuple[dict[str, Any], RandomStates] | None = None
         self._saving_validation_start = False
         self._saving_epoch_start = False
+        self._gives_back = True  # the signals, at teardown (setup)
 
     # ------------------------------------------------------------------------------------------ the signals
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -132,7 +133,10 @@ class Interruption(Callback):
             if trainer.strategy.launcher is not None:
                 trainer.strategy.launcher.kill(signum)
 
-        if not JobSignals.started:  # the command line starts its commands earlier (JobSignals.start_slurm_command)
+        # The command line starts its commands earlier (JobSignals.start_slurm_command) and gives the handlers back
+        # once the command has ended, robust_lightning.evaluate once its test has; a Trainer of the caller's here.
+        self._gives_back = not JobSignals.started
+        if self._gives_back:
             JobSignals.start_command()
         self._deferred, self._validation_start = None, None
         requeue = requeue_signal(trainer)
@@ -172,7 +176,8 @@ class Interruption(Callback):
             self._act_on_deferred_stop("validation")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        JobSignals.give_back()
+        if self._gives_back:
+            JobSignals.give_back()
 
     # ---------------------------------------------------------------------------------------------- training
     def on_train_batch_end(
