@@ -440,6 +440,8 @@ def main(args: Sequence[str] | None = None, process_exits: bool | None = None) -
     finish_wandb_run(code, already_open)
     if code == EXIT_SIGTERM:  # every rank has done its writing before any exits 143 (srun --kill-on-bad-exit)
         leave_together(_command_state["trainer"])
+        # once: a command around this one (a sweep's cell, which returns this status) finds no Trainer of its own
+        _command_state["trainer"] = None
     return code
 
 

@@ -395,6 +395,9 @@ def test_a_cell_stopped_by_sigterm_leaves_sigterm_ignored_where_its_process_exit
 
     monkeypatch.setattr(cli, "finish_wandb_run", noting("finish W&B", finish))
     monkeypatch.setattr(ResultsFile, "write", noting("write results", write))
+    # the ranks leave together once, at the end of the cell's command; `cell` then finds no Trainer (nothing to do)
+    left_together = []
+    monkeypatch.setattr(cli, "leave_together", lambda trainer: left_together.append(trainer))
     before = signal.getsignal(signal.SIGTERM)
     try:
         assert main(["cell", str(manifest), "--index", "0"], process_exits=process_exits) == EXIT_SIGTERM
@@ -402,6 +405,7 @@ def test_a_cell_stopped_by_sigterm_leaves_sigterm_ignored_where_its_process_exit
     finally:
         signal.signal(signal.SIGTERM, before)
     assert cell_state(tmp_path / "cell") == "interrupted"
+    assert [trainer is not None for trainer in left_together] == [True, False]
     expected = signal.SIG_IGN if process_exits else before
     assert seen[-3:] == [("finish W&B", expected), ("write results", expected), ("finish W&B", expected)], seen
     assert after == expected
