@@ -371,16 +371,23 @@ def test_ctrl_c_in_a_validation_resumes_that_validation_whole_as_the_fit_left_al
         progress = saved["loops"]["fit_loop"]["epoch_loop.val_loop.batch_progress"]["current"]
         assert (saved["global_step"], progress["ready"], progress["processed"]) == (2, 1, 0), progress
 
-    for name in ("alone", "stopped"):
-        marks = {"marks": str(tmp_path / name / "marks")} if name == "stopped" else {}
-        callback = {
-            "class_path": "stop_points.StopAt",
-            "init_args": {"points": ["validation:0:1"], "signal_name": "SIGINT", **marks},
-        }
-        stopped = stopped_in_the_validation if name == "stopped" else None
-        run = two_epoch_fit(tmp_path / name, callback, stopped, stop_status=1, **{"data.eval_batch_size": 4})
-        weights[name] = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
-        logged = sorted(run.glob("metrics*.csv"))  # the stopped run's first attempt is metrics.part1.csv
-        rows[name] = sorted({line for path in logged for line in path.read_text().splitlines()[1:]})
+    # The fit takes SIGINT, as a terminal's foreground command does. Where this suite runs as a background job of
+    # a shell, SIGINT is ignored here, and the commands started from here would inherit that (a handler of this
+    # process's is not inherited: the command starts with SIGINT's default, and Python raises KeyboardInterrupt).
+    taken = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        for name in ("alone", "stopped"):
+            marks = {"marks": str(tmp_path / name / "marks")} if name == "stopped" else {}
+            callback = {
+                "class_path": "stop_points.StopAt",
+                "init_args": {"points": ["validation:0:1"], "signal_name": "SIGINT", **marks},
+            }
+            stopped = stopped_in_the_validation if name == "stopped" else None
+            run = two_epoch_fit(tmp_path / name, callback, stopped, stop_status=1, **{"data.eval_batch_size": 4})
+            weights[name] = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+            logged = sorted(run.glob("metrics*.csv"))  # the stopped run's first attempt is metrics.part1.csv
+            rows[name] = sorted({line for path in logged for line in path.read_text().splitlines()[1:]})
+    finally:
+        signal.signal(signal.SIGINT, taken)
     assert all(torch.equal(weights["stopped"][k], weights["alone"][k]) for k in weights["alone"])
     assert rows["stopped"] == rows["alone"] and len(rows["alone"]) == 4, rows
