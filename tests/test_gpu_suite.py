@@ -89,7 +89,8 @@ def test_the_steps_count_more_work_for_the_adversarial_step(smoke):
         # on the CPU, models without BatchNorm reuse the attack's last forward: 7 passes, not 8
         assert (figures["clean_passes"], figures["at_passes"]) == (3, 7)
         assert figures["at_step_s"] > 0 and figures["clean_step_s"] > 0
-        assert figures["at_images_per_s"] == pytest.approx(4 / figures["at_step_s"], rel=0.01)
+        # the figure is rounded to 0.1 image/s: on a slow CPU (4 images/s) that is more than 1%
+        assert figures["at_images_per_s"] == pytest.approx(4 / figures["at_step_s"], rel=0.01, abs=0.06)
     assert "at_cudnn_benchmark_over_at" in steps["convnext_atto_convstem"]  # ConvNeXt only
     assert "at_cudnn_benchmark_over_at" not in steps["test_vit"]
 
