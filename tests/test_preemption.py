@@ -184,7 +184,9 @@ def test_an_error_in_a_stops_save_is_reported_and_leaves_sigterm_ignored_where_t
 def test_the_end_of_fit_evaluations_run_with_interrupted_system_calls_restarted(tmp_path, monkeypatch):
     """SIGTERM's handler restarts the system calls it interrupts (SA_RESTART) in the end-of-fit evaluations too
     (AutoAttack's and the Hessian spectrum's on_fit_end), whose collectives under DDP would otherwise fail on the
-    rank the signal lands in. Lightning's teardown, which comes before them, puts the handlers back without it."""
+    rank the signal lands in. Lightning's teardown, which comes before them, puts the handlers back without it.
+    In this process, where the flags can be read; tiny_config's bar off and no loader workers, which the handlers
+    do not depend on."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(os, "register_at_fork", lambda **hook: None)  # keep this process's forks as they are
     record = tmp_path / "restarts.json"
@@ -206,7 +208,8 @@ def test_a_finished_fit_notes_sigterm_until_its_end_and_then_ignores_it_where_th
     callbacks' teardown, and where the process exits after the command it is ignored while the command line ends
     the W&B run. A signal there would leave the W&B run unfinished, and a sweep's cell recorded as running. Called
     from Python (``main(args)``), the earlier handler is back by then. Before, the handlers were given back at
-    the callbacks' teardown, and SIGTERM's default action was in place for both."""
+    the callbacks' teardown, and SIGTERM's default action was in place for both. In this process, where the
+    handlers can be read; tiny_config's bar off and no loader workers, which end before the moments checked."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(os, "register_at_fork", lambda **hook: None)  # keep this process's forks as they are
     finalize, finish, seen = CSVLogger.finalize, cli.finish_wandb_run, {}
