@@ -39,8 +39,9 @@ The command line notes SLURM's requeue signal from the start of a Trainer comman
 The other commands (``shards``, ``export``, ``report``, ...) have no batch boundary to stop at. Within
 :func:`tool_stops_on_job_signals`, SIGTERM and SLURM's requeue signal raise :class:`ToolStopped` wherever the
 process is, as Ctrl-C raises KeyboardInterrupt, so their clean-ups run; the command line then requeues the job on
-the requeue signal. Their pools' workers are forked (:func:`process_pool`), so they ignore both signals as the
-loader workers do, and end with the command.
+the requeue signal. While a process pool works for them (:func:`pool_map`), these signals and Ctrl-C are noted
+instead, and raised between two of its results. Their pools' workers are forked (:func:`process_pool`), so they
+ignore both signals as the loader workers do, and end with the command.
 
 Before Python 3.12, a process that called :func:`shield_forked_children` also makes each fork wait for a thread
 that holds the interpreter's runtime lock: a child forked while another thread held that lock waits for it forever
@@ -58,10 +59,10 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from contextlib import contextmanager, suppress
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -69,6 +70,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 log = logging.getLogger(__name__)
+
+Result = TypeVar("Result")
 
 
 def ignore_job_signals(worker_id: int | None = None) -> None:
@@ -313,6 +316,9 @@ def tool_stops_on_job_signals(process_exits: bool = False) -> Iterator[None]:
             return
         for other in signums:
             signal.signal(other, signal.SIG_IGN)
+        if _noted_in_pool is not None:
+            _noted_in_pool.append(signum)  # raised by pool_map at its next result
+            return
         raise ToolStopped(signum)
 
     previous = {signum: signal.signal(signum, stop) for signum in signums}
@@ -325,6 +331,58 @@ def tool_stops_on_job_signals(process_exits: bool = False) -> Iterator[None]:
                 signal.signal(signum, signal.SIG_IGN)
             else:
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+# Within pool_map: the tool's stop and Ctrl-C noted there, which it raises between two results. None elsewhere.
+_noted_in_pool: list[int] | None = None
+
+
+def pool_map(
+    function: Callable[..., Result], tasks: list[tuple[Any, ...]], workers: int, done: Callable[[], object]
+) -> list[Result]:
+    """``function(*task)`` for each task, in the tasks' order, from a :func:`process_pool` of at most ``workers``
+    processes; ``done`` is called as each task finishes.
+
+    While the pool runs, a tool command's stop (:func:`tool_stops_on_job_signals`) and Ctrl-C are noted, then
+    raised between two results. Raised wherever they land, they could land inside concurrent.futures' own code: its
+    wait takes every future's lock in turn, an exception there leaves some of them held, and the pool's shutdown
+    then waits for ever for its management thread, which needs one of those locks to cancel or finish a future."""
+    global _noted_in_pool
+    if threading.current_thread() is not threading.main_thread() or _noted_in_pool is not None:
+        raise RuntimeError("pool_map runs in the main thread, one at a time")
+    _noted_in_pool = noted = []
+    takes_ctrl_c = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if takes_ctrl_c:
+        signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
+    results: dict[int, Result] = {}
+    try:
+        with process_pool(min(workers, len(tasks))) as pool:
+            futures = {pool.submit(function, *task): index for index, task in enumerate(tasks)}
+            pending = set(futures)
+            try:
+                while pending:
+                    # The timeout lets a noted signal out while a long task runs.
+                    finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                    for future in finished:
+                        results[futures[future]] = future.result()  # a task's error is raised here
+                        done()
+                    _raise_noted(noted)
+            except BaseException:
+                pool.shutdown(cancel_futures=True)
+                raise
+        _raise_noted(noted)  # noted during the pool's shutdown
+    finally:
+        _noted_in_pool = None
+        if takes_ctrl_c:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    return [results[index] for index in range(len(tasks))]
+
+
+def _raise_noted(noted: list[int]) -> None:
+    if noted:
+        if noted[0] == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise ToolStopped(noted[0])
 
 
 def process_pool(max_workers: int) -> ProcessPoolExecutor:

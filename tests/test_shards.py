@@ -1,5 +1,6 @@
 """ImageFolder -> WebDataset shards converter and the shard/manifest helpers."""
 
+import concurrent.futures
 import contextlib
 import io
 import json
@@ -506,6 +507,56 @@ def test_a_command_line_tool_leaves_sigterm_ignored_until_its_process_exits(stop
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
+
+
+# Run as `python -c SCRIPT SIGNAL shards ...`: concurrent.futures' wait takes the futures' locks one by one, and the
+# signal lands halfway through, where a stop raised at once left them held and the pool's shutdown waited for ever.
+_SIGNAL_INSIDE_THE_POOLS_WAIT = """
+import concurrent.futures._base as futures_base, signal, sys
+from robust_lightning.cli import main
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C's handler, whatever the suite inherited
+signum = getattr(signal, sys.argv[1])
+
+def enter(self):
+    for index, future in enumerate(self.futures):
+        future._condition.acquire()
+        if index == len(self.futures) // 2:
+            signal.raise_signal(signum)
+
+futures_base._AcquireFutures.__enter__ = enter
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow  # a command's own process: its imports take seconds
+@pytest.mark.parametrize(
+    "how, status, line",
+    [
+        ("SIGTERM", 143, "shards stopped by SIGTERM (exit status 143)"),
+        ("SIGINT", 130, "shards interrupted by Ctrl-C (exit status 130)"),
+    ],
+)
+def test_a_signal_inside_the_pools_own_wait_stops_a_pooled_conversion(tree, tmp_path, how, status, line):
+    """SIGTERM or Ctrl-C that lands inside concurrent.futures' wait, while it holds some of the futures' locks,
+    stops ``robust-lightning shards --workers 2`` with its one line, as anywhere else. Raised there, the stop left
+    the locks held, and the command hung in its pool's shutdown (seen once in a CI run of the test below)."""
+    if not hasattr(concurrent.futures._base, "_AcquireFutures"):
+        pytest.skip("this Python's concurrent.futures takes the futures' locks otherwise")
+    src, _, _ = tree
+    options = ["--samples_per_shard", "1", "--workers", "2"]
+    command = [sys.executable, "-c", _SIGNAL_INSIDE_THE_POOLS_WAIT, how, "shards", str(src), str(tmp_path / "out")]
+    process = subprocess.Popen(
+        [*command, *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        _, error = process.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == status, error[-3000:]
+    assert error.strip().splitlines()[-1] == f"robust-lightning: {line}"
+    assert "Traceback" not in error and not (tmp_path / "out" / "manifest.json").exists()
 
 
 @pytest.mark.slow  # a command's own process: its imports take seconds

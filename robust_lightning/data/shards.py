@@ -24,7 +24,6 @@ import sys
 import textwrap
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from concurrent.futures import as_completed
 from pathlib import Path
 from typing import Any, cast
 
@@ -37,7 +36,7 @@ from robust_lightning.console import tqdm
 from robust_lightning.data.classes import VAL_LABELS_FORMATS, label_flat_folder
 from robust_lightning.data.classes import class_map as resolve_class_map
 from robust_lightning.errors import UserError, user_command
-from robust_lightning.job_signals import process_pool
+from robust_lightning.job_signals import pool_map
 from robust_lightning.locking import LOCK_NAME, exclusive
 
 MANIFEST_FORMAT = "robust-lightning-shards/1"
@@ -547,15 +546,8 @@ def _convert(
                 stats[a[3]] = _convert_shard(*a)
                 bar.update()
         else:
-            with process_pool(min(workers, len(todo))) as pool:
-                futures = {pool.submit(_convert_shard, *a): a[3] for a in args}
-                try:
-                    for future in as_completed(futures):
-                        stats[futures[future]] = future.result()
-                        bar.update()
-                except BaseException:
-                    pool.shutdown(cancel_futures=True)
-                    raise
+            for a, shard_stats in zip(args, pool_map(_convert_shard, args, workers, bar.update)):
+                stats[a[3]] = shard_stats
     if damaged:
         print(f"Rewrote {len(damaged)} missing or damaged shard(s) of {out}: {', '.join(damaged)}", flush=True)
 

@@ -17,7 +17,6 @@ import json
 import math
 import os
 import shutil
-from concurrent.futures import as_completed
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +33,7 @@ from robust_lightning.data.shards import (
     write_shard,
 )
 from robust_lightning.errors import UserError
-from robust_lightning.job_signals import process_pool
+from robust_lightning.job_signals import pool_map
 from robust_lightning.paths import DATA_DIR
 
 # Bump when the drawing code changes, so existing datasets are regenerated.
@@ -285,11 +284,8 @@ def _generate(out: Path, params: JSONObject, progress: bool, workers: int) -> No
                 stats[task[1], task[2]] = _write_synthetic_shard(*task)
                 bar.update()
         else:
-            with process_pool(min(workers, len(tasks))) as pool:
-                futures = {pool.submit(_write_synthetic_shard, *task): (task[1], task[2]) for task in tasks}
-                for future in as_completed(futures):
-                    stats[futures[future]] = future.result()
-                    bar.update()
+            for task, shard_stats in zip(tasks, pool_map(_write_synthetic_shard, tasks, workers, bar.update)):
+                stats[task[1], task[2]] = shard_stats
 
     names = synthetic_class_names(params["num_classes"])
     for split in SPLIT_IDS:
