@@ -378,7 +378,7 @@ def evaluate(
             elif stop.requeue:
                 stopped = "by SLURM's requeue signal, but the requeue failed"
             else:
-                stopped = "by SIGTERM"
+                stopped = "by Ctrl-C" if stop.ctrl_c else "by SIGTERM"
             print(f"robust_lightning: evaluate stopped {stopped}; {then}", file=sys.stderr)
             raise
         finally:

@@ -52,6 +52,7 @@ with collector_paused():  # Lightning imports sooner (robust_lightning/startup.p
     from robust_lightning.errors import UserError, print_error, print_rank_error
     from robust_lightning.evaluation.results import PredictionWriter, RunResults
     from robust_lightning.job_signals import (
+        EXIT_CTRL_C,
         JobSignals,
         JobStopped,
         ToolStopped,
@@ -438,7 +439,8 @@ def main(args: Sequence[str] | None = None, process_exits: bool | None = None) -
     # closing lines as plain text where the output is no terminal (left to W&B's exit, they carry colour codes). An
     # error that ends with a traceback is left to W&B's exit, which records it (and the traceback) as it did.
     finish_wandb_run(code, already_open)
-    if code == EXIT_SIGTERM:  # every rank has done its writing before any exits 143 (srun --kill-on-bad-exit)
+    # every rank has done its writing before any exits 143 or 130 (srun --kill-on-bad-exit)
+    if code in (EXIT_SIGTERM, EXIT_CTRL_C):
         leave_together(_command_state["trainer"])
         # once: a command around this one (a sweep's cell, which returns this status) finds no Trainer of its own
         _command_state["trainer"] = None
@@ -455,7 +457,6 @@ class _CommandState(TypedDict):
 
 
 _command_state: _CommandState = {"trainer": None, "process_exits": False}
-EXIT_CTRL_C = 128 + 2  # the shell's status for a process ended by SIGINT
 
 
 # A sweep passes a stop on to the cell it runs locally; a cell runs a Trainer command, which notes the signals.
@@ -516,12 +517,12 @@ def _run_command(args: list[str], from_command_line: bool, process_exits: bool) 
                     else ("the requeued job runs it again")
                 )
             else:
-                stopped = "interrupted by SIGTERM"
+                stopped = "interrupted by Ctrl-C" if stop is not None and stop.ctrl_c else "interrupted by SIGTERM"
                 if stop is not None and stop.requeue:
                     stopped = "stopped by SLURM's requeue signal, but the requeue failed"
                 then = "the same command resumes it (fit: with --ckpt_path last)" + slurm_restart_note()
-            print(f"robust-lightning: {args[0]} {stopped} (exit status {EXIT_SIGTERM}); {then}", file=sys.stderr)
-        return EXIT_SIGTERM
+            print(f"robust-lightning: {args[0]} {stopped} (exit status {e.code}); {then}", file=sys.stderr)
+        return e.code if isinstance(e.code, int) else EXIT_SIGTERM
     except OSError as e:  # a file or folder that cannot be written or read (read-only, full, not a folder)
         discard_refused_run(e)  # the run folders a refused command made
         _report_error(describe_os_error(e))

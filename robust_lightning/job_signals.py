@@ -12,6 +12,10 @@ and each loop ends with one small collective at which the ranks agree whether to
 rank that has its own share of batches left joins that agreement at its next batch boundary, or at its last
 batch. Every rank then raises :class:`JobStopped`, whose exit status is 143, the shell's for SIGTERM.
 
+The first Ctrl-C is noted in the same way, and stops the command with the status 130, the shell's for SIGINT; a
+second one raises KeyboardInterrupt wherever it lands. Forked children ignore Ctrl-C: a terminal sends it to every
+process of the command, and the training process decides when its workers end.
+
 Processes started by srun: SLURM delivers the requeue signal (``--signal=SIGUSR1@90``,
 ``scancel --signal=USR1``) and the stop signal (SIGTERM: pre-emption, time limit, scancel) to every process of the
 job step, forked DataLoader workers included. A forked worker inherits Lightning's handlers and runs them itself:
@@ -66,7 +70,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 log = logging.getLogger(__name__)
@@ -75,11 +79,14 @@ Result = TypeVar("Result")
 
 
 def ignore_job_signals(worker_id: int | None = None) -> None:
-    """Ignore SLURM's requeue and stop signals in this process, a forked child. Given a worker id (as a
-    DataLoader's ``worker_init_fn``), the worker still ends on a SIGTERM that its parent sends."""
+    """Ignore SLURM's requeue and stop signals, and Ctrl-C, in this process, a forked child: its parent stops at
+    its next batch boundary, and a loader worker that ended on Ctrl-C would fail the batches fetched until then.
+    Given a worker id (as a DataLoader's ``worker_init_fn``), the worker still ends on a SIGTERM that its parent
+    sends."""
     try:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     except ValueError:  # forked from a thread other than the main one: Python cannot set handlers there
         pass
     if worker_id is not None:
@@ -164,19 +171,20 @@ def requeue_this_job(signum: int, then: str) -> bool:
 
 # ------------------------------------------------------------------------------------- stopping at a batch boundary
 EXIT_SIGTERM = 128 + 15  # the shell's status for a process ended by SIGTERM
+EXIT_CTRL_C = 128 + 2  # the shell's status for a process ended by SIGINT
 
 
 class JobStopped(SIGTERMException):
-    """A command stopped at a batch boundary by SIGTERM or SLURM's requeue signal. It is Lightning's
-    ``SIGTERMException``, a ``SystemExit``, with the status 143: a script that calls the Python API ends as a
-    command stopped by SIGTERM does. ``requeue`` says whether SLURM asked for a requeue; ``where`` names the work it
-    stopped (a training step, a validation, an evaluation), for the message and the checkpoint. What the stop did
-    is added by whoever handles it: ``requeued`` (SLURM took the requeue) and ``checkpoint`` (the file the run
-    resumes from)."""
+    """A command stopped at a batch boundary by SIGTERM, SLURM's requeue signal or Ctrl-C. It is Lightning's
+    ``SIGTERMException``, a ``SystemExit``, with the status 143 (130 for Ctrl-C alone): a script that calls the
+    Python API ends as a command stopped by the signal does. ``requeue`` says whether SLURM asked for a requeue,
+    ``ctrl_c`` whether Ctrl-C was the only signal; ``where`` names the work it stopped (a training step, a
+    validation, an evaluation), for the message and the checkpoint. What the stop did is added by whoever handles
+    it: ``requeued`` (SLURM took the requeue) and ``checkpoint`` (the file the run resumes from)."""
 
-    def __init__(self, requeue: bool, where: str) -> None:
-        SystemExit.__init__(self, EXIT_SIGTERM)
-        self.requeue, self.where = requeue, where
+    def __init__(self, requeue: bool, where: str, ctrl_c: bool = False) -> None:
+        SystemExit.__init__(self, EXIT_CTRL_C if ctrl_c else EXIT_SIGTERM)
+        self.requeue, self.where, self.ctrl_c = requeue, where, ctrl_c
         self.requeued = False
         self.checkpoint: str | None = None
 
@@ -187,6 +195,7 @@ class JobSignals:
 
     sigterm = False  # SIGTERM came
     requeue = False  # SLURM's requeue signal came
+    ctrl_c = False  # SIGINT came (Ctrl-C)
     started = False  # a command is running: start_command was called, give_back not yet
     told_others = False  # the store holds this process's stop
     generation = 0  # which command of the process the store's key is for (every rank runs the same commands)
@@ -199,7 +208,12 @@ class JobSignals:
         """Note SIGTERM (unless ``sigterm`` is False) and the requeue signal (None: not on SLURM, or auto-requeue
         off) from now on, in the main thread. ``on_sigterm`` also runs in the handler (to pass the signal to the
         processes this one started). Taking them again keeps what was noted; :meth:`give_back` restores the
-        handlers found first."""
+        handlers found first.
+
+        With SIGTERM, the first Ctrl-C is noted too, unless the process ignores SIGINT. Raised where it lands, as
+        Python does, it could cut a training step anywhere: between the optimizer's step and the loop's count of
+        it, for one. A checkpoint saved there resumes another run than the one left alone. The first Ctrl-C gives
+        SIGINT's earlier handler back, so a second one stops the command at once."""
         if threading.current_thread() is not threading.main_thread():
             return
 
@@ -213,7 +227,19 @@ class JobSignals:
             cls.requeue = True
             log.info("received SLURM's requeue signal: stopping at the next batch boundary")
 
-        for signum, handler in ((signal.SIGTERM if sigterm else None, note_sigterm), (requeue_signal, note_requeue)):
+        def note_ctrl_c(signum: int, frame: FrameType | None) -> None:
+            cls.ctrl_c = True
+            earlier = cls._previous.get(signal.SIGINT)
+            signal.signal(signal.SIGINT, earlier if earlier is not None else signal.default_int_handler)
+            if getattr(rank_zero_only, "rank", 0) == 0:  # written unbuffered: the handler may cut a write to stderr
+                os.write(2, b"\nCtrl-C: stopping at the next batch boundary (Ctrl-C again stops at once)\n")
+
+        takes_ctrl_c = sigterm and not cls.ctrl_c and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+        for signum, handler in (
+            (signal.SIGTERM if sigterm else None, note_sigterm),
+            (requeue_signal, note_requeue),
+            (signal.SIGINT if takes_ctrl_c else None, note_ctrl_c),
+        ):
             if signum is None:
                 continue
             cls._previous.setdefault(signum, signal.getsignal(signum))
@@ -224,12 +250,13 @@ class JobSignals:
     @classmethod
     def give_back(cls, then_ignored: bool = False) -> None:
         """The handlers found before :meth:`take`; what was noted stays noted. With ``then_ignored``, SIGTERM and
-        the signals taken are ignored instead (:func:`ignored_until_exit`)."""
+        the signals taken are ignored instead (:func:`ignored_until_exit`), except Ctrl-C: a user can always end
+        the process."""
         if threading.current_thread() is not threading.main_thread():
             return
         for signum, handler in cls._previous.items():
             earlier = handler if handler is not None else signal.SIG_DFL
-            signal.signal(signum, signal.SIG_IGN if then_ignored else earlier)
+            signal.signal(signum, signal.SIG_IGN if then_ignored and signum != signal.SIGINT else earlier)
         if then_ignored:
             ignored_until_exit()  # SIGTERM too where the command had not taken it
         cls._previous = {}
@@ -238,7 +265,7 @@ class JobSignals:
     @classmethod
     def start_command(cls) -> None:
         """A new command of this process: nothing noted yet, and a store key of its own."""
-        cls.sigterm = cls.requeue = cls.told_others = False
+        cls.sigterm = cls.requeue = cls.ctrl_c = cls.told_others = False
         cls.started = True
         cls.generation += 1
 
@@ -265,7 +292,7 @@ class JobSignals:
 
     @classmethod
     def noted(cls) -> bool:
-        return cls.sigterm or cls.requeue
+        return cls.sigterm or cls.requeue or cls.ctrl_c
 
 
 def on_slurm() -> bool:
@@ -433,13 +460,14 @@ def agree_to_stop(where: str) -> JobStopped | None:
     """The stop that every rank agrees on at this point, or None to go on. Under DDP a collective: each rank calls
     it once at the end of a loop (or at a batch boundary where it stops), and the largest of the ranks' notes
     decides, so they all stop at the same point. ``where`` names the work that stops (see :class:`JobStopped`)."""
-    sigterm, requeue = JobSignals.sigterm, JobSignals.requeue
+    sigterm, requeue, ctrl_c = JobSignals.sigterm, JobSignals.requeue, JobSignals.ctrl_c
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         # NCCL reduces tensors on this process's GPU only
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        flags = torch.tensor([int(sigterm), int(requeue)], device=device)
+        flags = torch.tensor([int(sigterm), int(requeue), int(ctrl_c)], device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        sigterm, requeue = (bool(flag) for flag in flags.tolist())
-    if not (sigterm or requeue):
+        sigterm, requeue, ctrl_c = (bool(flag) for flag in flags.tolist())
+    if not (sigterm or requeue or ctrl_c):
         return None
-    return JobStopped(requeue=requeue, where=where)
+    # a job's signal wins over Ctrl-C: SLURM's requeue must be done, and SLURM reads 143 as a stop
+    return JobStopped(requeue=requeue, where=where, ctrl_c=not (sigterm or requeue))

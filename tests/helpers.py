@@ -547,7 +547,7 @@ def two_epoch_fit(
     **overrides: Any,
 ) -> Path:
     """A fit of test_resnet for two epochs of two steps in ``folder`` (tiny_config with ``overrides``), with
-    ``callback``. With ``stopped``, the fit must end with ``stop_status`` (143: SIGTERM's, 1: Ctrl-C's) and no
+    ``callback``. With ``stopped``, the fit must end with ``stop_status`` (143: SIGTERM's, 130: Ctrl-C's) and no
     traceback, ``stopped(result, run)`` checks the stop, and the same command with ``--ckpt_path last`` finishes
     it. Returns the run directory.
     A user's progress bar (its line form: the output is a pipe) and a loader worker are on, which tiny_config

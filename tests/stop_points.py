@@ -96,6 +96,11 @@ class StopAt(Callback):
         if point in self.points:
             self.once.fire(trainer, point)
 
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        point = f"step_end:{trainer.global_step}"
+        if point in self.points:
+            self.once.fire(trainer, point)
+
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
         point = f"validation:{trainer.current_epoch}:{batch_idx}"
         if not trainer.sanity_checking and point in self.points:

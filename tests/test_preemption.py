@@ -361,19 +361,37 @@ def test_a_stop_in_an_epochs_last_step_without_validation_resumes_at_the_next_ep
     assert rows["stopped"] == rows["alone"] and len(rows["alone"]) == 2
 
 
-def test_ctrl_c_in_a_validation_resumes_that_validation_whole_as_the_fit_left_alone(tmp_path):
-    """Ctrl-C (SIGINT to the fit's processes, as a terminal sends it) at the second of the first epoch's four
-    validation batches. The fit writes last.ckpt of that validation's start, as a stop by SIGTERM does, so the
-    resumed fit (``--ckpt_path last``) runs the validation from its first batch. It ends with the metrics.csv rows
-    and the weights of the fit left alone. Before, the checkpoint was of the batch it stopped at, and the resumed
-    fit logged no validation row for that epoch."""
+def _ctrl_c_stopped_in_a_step(done, run: Path) -> None:
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    progress = saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]
+    # saved at the step's end, as a stop by SIGTERM: processed, to be counted completed on resume (Lightning's rule)
+    assert (saved["global_step"], progress["ready"], progress["processed"]) == (1, 1, 1), progress
+    assert "Ctrl-C: stopping at the next batch boundary (Ctrl-C again stops at once)" in done.stderr
+    assert "fit interrupted by SIGINT (Ctrl-C) at epoch 0, step 1; checkpoint of this step:" in done.stderr
+    last_line = done.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("robust-lightning: fit interrupted by Ctrl-C (exit status 130)")
+
+
+def _ctrl_c_stopped_in_a_validation(done, run: Path) -> None:
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    progress = saved["loops"]["fit_loop"]["epoch_loop.val_loop.batch_progress"]["current"]
+    assert (saved["global_step"], progress["ready"], progress["processed"]) == (2, 1, 0), progress
+
+
+@pytest.mark.parametrize(
+    "point, stopped",
+    [("step:0", _ctrl_c_stopped_in_a_step), ("validation:0:1", _ctrl_c_stopped_in_a_validation)],
+)
+def test_ctrl_c_stops_at_the_next_batch_boundary_and_the_resumed_fit_ends_as_the_fit_left_alone(
+    tmp_path, point, stopped
+):
+    """Ctrl-C (SIGINT to the fit's processes, as a terminal sends it) at the start of the first training step, or
+    at the second of the first epoch's four validation batches, stops the fit as SIGTERM does: at the step's end
+    with last.ckpt of that step, or with last.ckpt of the validation's start, and the exit status 130. The resumed
+    fit (``--ckpt_path last``) ends with the metrics.csv rows and the weights of the fit left alone. Before, Ctrl-C
+    saved the state where it landed: inside a step, the resumed fit logged its rows one step late and ended with
+    other weights; inside a validation, it logged no validation row for that epoch."""
     weights, rows = {}, {}
-
-    def stopped_in_the_validation(done, run: Path) -> None:
-        saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
-        progress = saved["loops"]["fit_loop"]["epoch_loop.val_loop.batch_progress"]["current"]
-        assert (saved["global_step"], progress["ready"], progress["processed"]) == (2, 1, 0), progress
-
     # The fit takes SIGINT, as a terminal's foreground command does. Where this suite runs as a background job of
     # a shell, SIGINT is ignored here, and the commands started from here would inherit that (a handler of this
     # process's is not inherited: the command starts with SIGINT's default, and Python raises KeyboardInterrupt).
@@ -383,10 +401,10 @@ def test_ctrl_c_in_a_validation_resumes_that_validation_whole_as_the_fit_left_al
             marks = {"marks": str(tmp_path / name / "marks")} if name == "stopped" else {}
             callback = {
                 "class_path": "stop_points.StopAt",
-                "init_args": {"points": ["validation:0:1"], "signal_name": "SIGINT", **marks},
+                "init_args": {"points": [point], "signal_name": "SIGINT", **marks},
             }
-            stopped = stopped_in_the_validation if name == "stopped" else None
-            run = two_epoch_fit(tmp_path / name, callback, stopped, stop_status=1, **{"data.eval_batch_size": 4})
+            check = stopped if name == "stopped" else None
+            run = two_epoch_fit(tmp_path / name, callback, check, stop_status=130, **{"data.eval_batch_size": 4})
             weights[name] = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
             logged = sorted(run.glob("metrics*.csv"))  # the stopped run's first attempt is metrics.part1.csv
             rows[name] = sorted({line for path in logged for line in path.read_text().splitlines()[1:]})
@@ -394,3 +412,20 @@ def test_ctrl_c_in_a_validation_resumes_that_validation_whole_as_the_fit_left_al
         signal.signal(signal.SIGINT, taken)
     assert all(torch.equal(weights["stopped"][k], weights["alone"][k]) for k in weights["alone"])
     assert rows["stopped"] == rows["alone"] and len(rows["alone"]) == 4, rows
+
+
+def test_a_second_ctrl_c_stops_the_fit_at_once_without_a_checkpoint_of_where_it_landed(tmp_path):
+    """A second Ctrl-C, at the end of the step the first stopped at, stops the fit at once, as Lightning stops it
+    (status 1). It writes no checkpoint of that point (the fit has none before its first epoch's end), and says so."""
+    taken = signal.signal(signal.SIGINT, signal.default_int_handler)  # as above
+    try:
+        marks = {"marks": str(tmp_path / "marks"), "signal_name": "SIGINT"}
+        callback = {"class_path": "stop_points.StopAt", "init_args": {"points": ["step:0", "step_end:1"], **marks}}
+        options = {"trainer.max_epochs": 2, "trainer.limit_train_batches": 2, "model.arch": "test_resnet"}
+        config = tiny_config(tmp_path, **options, **{"trainer.callbacks": [callback], "data.num_workers": 1})
+        done = run_command(["fit", "--config", str(config)], cwd=tmp_path, timeout=240)
+    finally:
+        signal.signal(signal.SIGINT, taken)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "fit interrupted by SIGINT (Ctrl-C) at epoch 0, step 1; no checkpoint of this step" in done.stderr
+    assert not (tmp_path / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt").exists()

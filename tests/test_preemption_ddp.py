@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import yaml
 from lightning import Callback
@@ -122,9 +123,10 @@ def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
 
 
-def _signal_mid_epoch(config: Path, cwd: Path, record: Path) -> str:
-    """Runs the fit in a session of its own, sends SIGTERM to every process of it (as SLURM and schedulers do) once
-    it trained 2 steps, and returns its output. A hang is killed, every rank with it, and fails the test."""
+def _signal_mid_epoch(config: Path, cwd: Path, record: Path, signum: int = signal.SIGTERM) -> str:
+    """Runs the fit in a session of its own, sends ``signum`` to every process of it (as SLURM and schedulers send
+    SIGTERM, and a terminal Ctrl-C) once it trained 2 steps, and returns its output. A hang is killed, every rank
+    with it, and fails the test."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     process = subprocess.Popen(
         [sys.executable, "-m", "robust_lightning", "fit", "--config", str(config)],
@@ -141,19 +143,23 @@ def _signal_mid_epoch(config: Path, cwd: Path, record: Path) -> str:
             assert process.poll() is None, process.communicate()[0][-3000:]
             assert time.time() < deadline, "the fit trained no 2 steps within 240 s"
             time.sleep(0.05)
-        os.killpg(process.pid, signal.SIGTERM)
+        os.killpg(process.pid, signum)
         output = process.communicate(timeout=120)[0]  # a hang: TimeoutExpired, and every rank killed below
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 143, output[-3000:]
+    assert process.returncode == (130 if signum == signal.SIGINT else 143), output[-3000:]
     return output
 
 
-def test_sigterm_under_ddp_saves_the_stop_step_and_the_resumed_fit_ends_as_the_whole_one(tmp_path):
-    """SIGTERM to every process of a 2-rank fit (gloo, CPU, a loader worker per rank) mid-epoch. The ranks stop at
-    the step they agree on, save a checkpoint of that step together and exit 143; ``--ckpt_path last`` continues
-    from that step, and the fit ends with the weights of the fit left alone, bit for bit.
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
+def test_sigterm_or_ctrl_c_under_ddp_saves_the_stop_step_and_the_resumed_fit_ends_as_the_whole_one(
+    tmp_path, signal_name
+):
+    """SIGTERM, or Ctrl-C (SIGINT, as a terminal sends it), to every process of a 2-rank fit (gloo, CPU, a loader
+    worker per rank) mid-epoch. The ranks stop at the step they agree on, save a checkpoint of that step together
+    and exit 143 (130 for Ctrl-C); ``--ckpt_path last`` continues from that step, and the fit ends with the weights
+    of the fit left alone, bit for bit.
 
     The comparison is as strict as the resume now guarantees: a fit resumed mid-epoch trains exactly the batches
     its interrupted attempt had not, with the same draws (tests/test_resume_mid_epoch.py, for step checkpoints).
@@ -173,7 +179,13 @@ def test_sigterm_under_ddp_saves_the_stop_step_and_the_resumed_fit_ends_as_the_w
     whole = _InBackground(lambda: run_command(["fit", "--config", str(whole_config)], cwd=whole_dir, timeout=300))
     try:
         config = _config(stopped_dir, data_root, record, 0.4)
-        output = _signal_mid_epoch(config, stopped_dir, record)
+        # The fit takes SIGINT, as a terminal's foreground command does, even where this suite runs as a background
+        # job of a shell, which ignores it (an ignored signal stays ignored in the processes started from here).
+        taken = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            output = _signal_mid_epoch(config, stopped_dir, record, signal.Signals[signal_name])
+        finally:
+            signal.signal(signal.SIGINT, taken)
     finally:  # the fit left alone ends, or is killed at its time limit, within the test
         whole.join()
     finished = whole.result()
@@ -187,15 +199,17 @@ def test_sigterm_under_ddp_saves_the_stop_step_and_the_resumed_fit_ends_as_the_w
     assert 2 <= stop < STEPS_PER_EPOCH, output[-3000:]  # mid-epoch: no epoch checkpoint holds these steps
     run = stopped_dir / "runs" / "ddp" / "version_0"
     last = run / "checkpoints" / "last.ckpt"
-    assert f"fit interrupted by SIGTERM at epoch 0, step {stop}; checkpoint of this step: {last}" in output
+    said = "SIGINT (Ctrl-C)" if signal_name == "SIGINT" else "SIGTERM"
+    assert f"fit interrupted by {said} at epoch 0, step {stop}; checkpoint of this step: {last}" in output
     # the command as it runs in this shell (robust-lightning where that is on PATH, else the interpreter's -m form)
     assert re.search(r"^resume with: .*\bfit --config .* --ckpt_path last$", output, re.M), output[-3000:]
-    assert "interrupted by SIGTERM (exit status 143); the same command resumes it" in output
+    status = "Ctrl-C (exit status 130)" if signal_name == "SIGINT" else "SIGTERM (exit status 143)"
+    assert f"interrupted by {status}; the same command resumes it" in output
     saved = torch.load(last, map_location="cpu", weights_only=True)
     assert saved["global_step"] == stop and saved["epoch"] == 0
     assert digest(saved["state_dict"]) == trained[-1]["digest"] == reference[stop]  # the stop step's weights
     fit = json.loads((run / "results.json").read_text())["fit"]
-    assert fit["interrupted"] == "SIGTERM" and fit["steps"] == stop
+    assert fit["interrupted"] == signal_name and fit["steps"] == stop
 
     # the command it printed, without the pace: each later step trained once, the fit ends as the whole one
     resumed = run_command(

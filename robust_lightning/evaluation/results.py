@@ -257,7 +257,7 @@ class RunResults(Callback):
                 extra={
                     "interrupted": (
                         "SIGINT"
-                        if stop is None and isinstance(exception, KeyboardInterrupt)
+                        if (stop is None and isinstance(exception, KeyboardInterrupt)) or (stop and stop.ctrl_c)
                         else "SLURM requeue"
                         if stop is not None and stop.requeue
                         else "SIGTERM"

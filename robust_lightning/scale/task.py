@@ -24,8 +24,7 @@ from typing import Any
 from robust_lightning.argument_parsing import run_tool
 from robust_lightning.errors import UserError
 from robust_lightning.evaluation.results import ResultsFile
-from robust_lightning.job_signals import shield_forked_children
-from robust_lightning.training.interruption import EXIT_SIGTERM
+from robust_lightning.job_signals import EXIT_CTRL_C, EXIT_SIGTERM, shield_forked_children
 
 
 def slurm_layout() -> list[str]:
@@ -74,7 +73,9 @@ def run_cell(manifest_path: str, index: int, run: Callable[[list[str]], int]) ->
     shield_forked_children()
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    # Ctrl-C: Lightning ends the command with status 1, as an error would; the cell is interrupted, not failed
+    # The first Ctrl-C stops the command at a batch boundary (status 130). A second one, or one before the command
+    # takes the signals, raises KeyboardInterrupt, and Lightning ends the command with status 1, as an error
+    # would: the cell is interrupted, not failed.
     ctrl_c: list[int] = []
 
     def note_ctrl_c(signum: int, frame: FrameType | None) -> None:
@@ -101,7 +102,7 @@ def run_cell(manifest_path: str, index: int, run: Callable[[list[str]], int]) ->
             signal.signal(signal.SIGINT, previous)
     if code == 0:
         mark("done", exit_code=0)
-    elif ctrl_c:
+    elif ctrl_c or code == EXIT_CTRL_C:  # 130: the command line's status for a run stopped by Ctrl-C
         mark("interrupted", exit_code=code, error="SIGINT (Ctrl-C)")
     elif code == EXIT_SIGTERM:  # the command line's status for a run stopped by SIGTERM
         mark("interrupted", exit_code=code, error="SIGTERM")

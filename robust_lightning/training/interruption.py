@@ -1,10 +1,11 @@
 """A command stopped by a signal ends honestly: within a batch, with a checkpoint of the last trained step, a
-message saying what happens next, and the exit status 143 (the command line's; ``robust_lightning.cli``).
+message saying what happens next, and the exit status 143 (130 for Ctrl-C; the command line's,
+``robust_lightning.cli``).
 
-SIGTERM (pre-emption, a time limit, ``scancel``) and SLURM's requeue signal (``#SBATCH --signal``) are only noted
-when they come (``robust_lightning.job_signals``). Lightning's own handlers act inside the handler: its SIGTERM
-handler broadcasts, a collective wherever each rank was, and its requeue handler saves a checkpoint of half a step.
-Here the command acts at its next batch boundary, wherever that is:
+SIGTERM (pre-emption, a time limit, ``scancel``), SLURM's requeue signal (``#SBATCH --signal``) and the first
+Ctrl-C are only noted when they come (``robust_lightning.job_signals``). Lightning's own handlers act inside the
+handler: its SIGTERM handler broadcasts, a collective wherever each rank was, and its requeue handler saves a
+checkpoint of half a step. Here the command acts at its next batch boundary, wherever that is:
 
 - in a training step, at the step's end (under DDP the ranks agree there at every step: one small all-reduce, as
   Lightning's broadcast it replaces). A step that a validation or the epoch's end follows stops at the start of
@@ -22,8 +23,8 @@ written; W&B gets it after the checkpoint, and a W&B that died with the job (SLU
 job, W&B's service included) costs a warning, never the step (``robust_lightning.loggers``). On the requeue
 signal the checkpoint is ``hpc_ckpt_N.ckpt`` in ``trainer.default_root_dir``, replacing the previous requeue's,
 the W&B run is finished and rank zero asks SLURM to requeue the job; on SIGTERM it is last.ckpt. Either way the
-message says what happens next. Ctrl-C (SIGINT) ends a fit as Lightning ends it, after saving last.ckpt in one
-process.
+message says what happens next. Ctrl-C stops as SIGTERM does, with last.ckpt. A second Ctrl-C ends the command
+at once, as Lightning ends it, and writes no checkpoint of where it landed.
 """
 
 import copy
@@ -305,15 +306,10 @@ class Interruption(Callback):
                 then = "the requeued job resumes " + ("from " + exception.checkpoint if exception.checkpoint else "it")
                 exception.requeued = requeue_this_job(requeue_signal(trainer) or 0, then)
             self._say_what_happens_next(trainer, exception)
-        elif isinstance(exception, KeyboardInterrupt) and trainer.state.fn == "fit" and trainer.world_size == 1:
-            # Ctrl-C stops the process wherever it was; under DDP each rank stops on its own (no collective save).
-            # Inside a validation, the checkpoint is of its start, as a stop's: one of the batch it stopped at
-            # resumes the validation past its first batches, and that epoch's validation metrics went unlogged.
-            self._saving_validation_start = trainer.validating and not trainer.sanity_checking
-            try:
-                self._save_last(trainer)
-            finally:
-                self._saving_validation_start = False
+        elif isinstance(exception, KeyboardInterrupt) and trainer.state.fn == "fit":
+            # A second Ctrl-C (the first stops at the next batch boundary) stops the fit wherever it landed. No
+            # checkpoint is written there: one written inside a training step resumed another run than the one
+            # left alone (the step counted twice in the logs, other weights).
             self._say_what_happens_next(trainer, exception)
 
     def _save_stop(self, trainer: pl.Trainer, stop: JobStopped) -> None:
@@ -368,11 +364,15 @@ class Interruption(Callback):
             return
         if trainer.state.fn != "fit":
             return  # the command line's last word says how to run it again
-        signal_name = "SIGINT (Ctrl-C)" if isinstance(exception, KeyboardInterrupt) else "SIGTERM"
-        if isinstance(exception, JobStopped) and exception.requeue and not exception.requeued:
+        stop = exception if isinstance(exception, JobStopped) else None
+        signal_name = "SIGTERM" if stop is not None and not stop.ctrl_c else "SIGINT (Ctrl-C)"
+        if stop is not None and stop.requeue and not stop.requeued:
             signal_name = "SLURM's requeue signal (the requeue failed)"
-        saved = exception.checkpoint if isinstance(exception, JobStopped) else self._last_saved(trainer)
-        where = f"checkpoint of this step: {saved}" if saved else "no checkpoint yet"
+        saved = stop.checkpoint if stop is not None else self._last_saved(trainer)
+        where = f"checkpoint of this step: {saved}" if saved else "no checkpoint of this step"
+        latest = trainer.checkpoint_callback
+        if not saved and isinstance(latest, ModelCheckpoint) and latest.last_model_path:
+            where += f" (the latest: {latest.last_model_path})"
         rank_zero_info(
             f"\nfit interrupted by {signal_name} {stopped}; {where}\nresume with: {resume_command(sys.argv[1:])}"
         )
