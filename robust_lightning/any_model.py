@@ -383,6 +383,7 @@ def evaluate(
             raise
         finally:
             JobSignals.give_back()
+        JobSignals.pass_on_unacted()  # signals that came after the test's last batch, to the caller's handlers
         trainer.strategy.barrier()  # under DDP: rank zero has written results.json before any rank reads it
         results = run_dir / "results.json"
         return json.loads(results.read_text()) if results.is_file() else {}

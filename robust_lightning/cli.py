@@ -444,6 +444,8 @@ def main(args: Sequence[str] | None = None, process_exits: bool | None = None) -
         leave_together(_command_state["trainer"])
         # once: a command around this one (a sweep's cell, which returns this status) finds no Trainer of its own
         _command_state["trainer"] = None
+    if not process_exits:
+        JobSignals.pass_on_unacted()
     return code
 
 

@@ -200,6 +200,7 @@ class JobSignals:
     told_others = False  # the store holds this process's stop
     generation = 0  # which command of the process the store's key is for (every rank runs the same commands)
     _previous: dict[int, Any] = {}  # noqa: RUF012 (the process's one state)
+    _unacted: list[int] = []  # noqa: RUF012 (the same) the signals noted that no stop has acted on yet
 
     @classmethod
     def take(
@@ -221,14 +222,17 @@ class JobSignals:
             if not cls.sigterm and on_sigterm is not None:
                 on_sigterm(signum)
             cls.sigterm = True
+            cls._note(signum)
             log.info("received SIGTERM: stopping at the next batch boundary")
 
         def note_requeue(signum: int, frame: FrameType | None) -> None:
             cls.requeue = True
+            cls._note(signum)
             log.info("received SLURM's requeue signal: stopping at the next batch boundary")
 
         def note_ctrl_c(signum: int, frame: FrameType | None) -> None:
             cls.ctrl_c = True
+            cls._note(signum)
             earlier = cls._previous.get(signal.SIGINT)
             signal.signal(signal.SIGINT, earlier if earlier is not None else signal.default_int_handler)
             if getattr(rank_zero_only, "rank", 0) == 0:  # written unbuffered: the handler may cut a write to stderr
@@ -263,9 +267,27 @@ class JobSignals:
         cls.started = False
 
     @classmethod
+    def _note(cls, signum: int) -> None:
+        if signum not in cls._unacted:
+            cls._unacted.append(signum)
+
+    @classmethod
+    def pass_on_unacted(cls) -> None:
+        """Raise again, after :meth:`give_back`, the signals the command noted but did not act on: they came after
+        its last batch boundary. A caller of the Python API (``robust_lightning.cli.main(args)``,
+        ``robust_lightning.evaluate``) then gets them from its own handlers, as if no command had been running.
+        A command line's process, which exits, ignores them instead (:func:`ignored_until_exit`)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        unacted, cls._unacted = cls._unacted, []
+        for signum in unacted:
+            signal.raise_signal(signum)
+
+    @classmethod
     def start_command(cls) -> None:
         """A new command of this process: nothing noted yet, and a store key of its own."""
         cls.sigterm = cls.requeue = cls.ctrl_c = cls.told_others = False
+        cls._unacted = []
         cls.started = True
         cls.generation += 1
 
@@ -469,5 +491,6 @@ def agree_to_stop(where: str) -> JobStopped | None:
         sigterm, requeue, ctrl_c = (bool(flag) for flag in flags.tolist())
     if not (sigterm or requeue or ctrl_c):
         return None
+    JobSignals._unacted = []  # the command stops on them
     # a job's signal wins over Ctrl-C: SLURM's requeue must be done, and SLURM reads 143 as a stop
     return JobStopped(requeue=requeue, where=where, ctrl_c=not (sigterm or requeue))

@@ -1,15 +1,20 @@
 """An evaluation stopped by SIGTERM stops at its next batch, keeps the outcomes of every batch it finished and
 publishes nothing; the same call or command again goes on from them to the numbers of the evaluation left alone
 (issue 44): ``robust_lightning.evaluate`` from a script, and the ``validate`` command. Each in a process of its own,
-under a hard time limit."""
+under a hard time limit (the last test excepted: it reads a handler of its own process)."""
 
 import json
+import signal
 import textwrap
 from pathlib import Path
 
+import torch
 import yaml
+from torch import nn
 
+import robust_lightning
 from helpers import eval_config, run_command, tiny_config, untrained_checkpoint
+from robust_lightning.evaluation.results import RunResults
 
 SCRIPT = textwrap.dedent(
     """
@@ -211,3 +216,37 @@ def test_a_two_rank_test_stopped_by_sigterm_keeps_each_ranks_batches_and_goes_on
         results[name] = section
     assert results["stopped"] == results["alone"]
     assert next(iter(results["alone"].values()))["num_points"] == 20
+
+
+def test_a_sigterm_after_the_evaluations_last_batch_goes_to_the_callers_handler(tmp_path, monkeypatch):
+    """SIGTERM while ``robust_lightning.evaluate`` writes its results, after the last batch boundary: the evaluation
+    notes it and finishes, and the caller's own handler gets it once evaluate has given the handlers back, as if no
+    evaluation had been running. Before, the noted signal was dropped. In this process, where the caller's handler
+    is; the model and the attack are tiny."""
+    on_test_end, handlers = RunResults.on_test_end, []
+
+    def signalled(self, trainer, pl_module):
+        handlers.append(signal.getsignal(signal.SIGTERM))
+        signal.raise_signal(signal.SIGTERM)
+        return on_test_end(self, trainer, pl_module)
+
+    monkeypatch.setattr(RunResults, "on_test_end", signalled)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 10))
+    x, y = torch.rand(4, 3, 8, 8), torch.arange(4)
+    received: list[int] = []
+
+    def callers_handler(signum, frame):
+        received.append(signum)
+
+    before = signal.signal(signal.SIGTERM, callers_handler)
+    try:
+        results = robust_lightning.evaluate(
+            net, (x, y), threat_models=[{"norm": "Linf", "eps": 8 / 255}], version="apgd-ce", adaptive="none",
+            n_iter=2, batch_size=4, out_dir=tmp_path, accelerator="cpu", image_size=8,
+        )  # fmt: skip
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert results["autoattack"]["threat_models"]["Linf-8_255"]["clean_accuracy"] is not None
+    assert len(handlers) == 1 and callable(handlers[0]) and handlers[0] is not callers_handler  # the evaluation's
+    assert received == [signal.SIGTERM]

@@ -207,9 +207,11 @@ def test_a_finished_fit_notes_sigterm_until_its_end_and_then_ignores_it_where_th
     """A fit that finished: SIGTERM is still noted (not fatal) while Lightning finalises its loggers, after the
     callbacks' teardown, and where the process exits after the command it is ignored while the command line ends
     the W&B run. A signal there would leave the W&B run unfinished, and a sweep's cell recorded as running. Called
-    from Python (``main(args)``), the earlier handler is back by then. Before, the handlers were given back at
-    the callbacks' teardown, and SIGTERM's default action was in place for both. In this process, where the
-    handlers can be read; tiny_config's bar off and no loader workers, which end before the moments checked."""
+    from Python (``main(args)``), the earlier handler is back by then, and it gets the SIGTERM noted while the
+    loggers were finalised once main has ended the command: the command did not act on it. Before, the handlers
+    were given back at the callbacks' teardown, and SIGTERM's default action was in place for both; later, the
+    SIGTERM noted after the last batch was dropped. In this process, where the handlers can be read; tiny_config's
+    bar off and no loader workers, which end before the moments checked."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(os, "register_at_fork", lambda **hook: None)  # keep this process's forks as they are
     finalize, finish, seen = CSVLogger.finalize, cli.finish_wandb_run, {}
@@ -217,17 +219,29 @@ def test_a_finished_fit_notes_sigterm_until_its_end_and_then_ignores_it_where_th
     def noting(what, call):
         return lambda *a, **k: (seen.setdefault(what, signal.getsignal(signal.SIGTERM)), call(*a, **k))[1]
 
-    monkeypatch.setattr(CSVLogger, "finalize", noting("finalize loggers", finalize))
+    def signalled(*args, **kwargs):  # SIGTERM after the fit's last batch boundary
+        seen.setdefault("finalize loggers", signal.getsignal(signal.SIGTERM))
+        signal.raise_signal(signal.SIGTERM)
+        return finalize(*args, **kwargs)
+
+    monkeypatch.setattr(CSVLogger, "finalize", signalled)
     monkeypatch.setattr(cli, "finish_wandb_run", noting("finish W&B", finish))
     config = tiny_config(tmp_path, **{"model.arch": "test_resnet", "trainer.limit_train_batches": 1})
-    before = signal.getsignal(signal.SIGTERM)
+    received: list[int] = []
+
+    def callers_handler(signum, frame):
+        received.append(signum)
+
+    before = signal.signal(signal.SIGTERM, callers_handler)
     try:
         assert main(["fit", "--config", str(config)], process_exits=process_exits) == 0
         after = signal.getsignal(signal.SIGTERM)
     finally:
         signal.signal(signal.SIGTERM, before)
-    assert callable(seen["finalize loggers"]) and seen["finalize loggers"] is not before  # the command's handler
-    assert seen["finish W&B"] == after == (signal.SIG_IGN if process_exits else before)
+    handler = seen["finalize loggers"]
+    assert callable(handler) and handler is not callers_handler  # the command's
+    assert seen["finish W&B"] == after == (signal.SIG_IGN if process_exits else callers_handler)
+    assert received == ([] if process_exits else [signal.SIGTERM])
 
 
 def test_the_slurm_requeue_signal_mid_step_checkpoints_at_the_end_of_that_step(tmp_path):
