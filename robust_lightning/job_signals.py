@@ -159,7 +159,7 @@ def requeue_this_job(signum: int, then: str) -> bool:
     rank_zero_info(f"Handling auto-requeue signal: {signum}: requeueing SLURM job {job}; {then}")
     status: int | str  # the exit status, or why scontrol could not run
     try:
-        status = subprocess.call(["scontrol", "requeue", job])
+        status = _scontrol_ignoring_sigterm(["scontrol", "requeue", job])
     except OSError as e:
         status = f"{type(e).__name__}: {e}"
     if status != 0:
@@ -167,6 +167,22 @@ def requeue_this_job(signum: int, then: str) -> bool:
         return False
     rank_zero_info(f"Requeued SLURM job: {job}")
     return True
+
+
+def _scontrol_ignoring_sigterm(command: list[str]) -> int:
+    """The exit status of ``command``, started with SIGTERM ignored. SLURM sends SIGTERM to every process of a job
+    as soon as it takes the job's requeue, scontrol's own included: killed before it exited, scontrol reported the
+    requeue it had done as failed (status -15). An ignored signal stays ignored across exec, so the child inherits
+    it; this process ignores SIGTERM only while it starts the child, and notes nothing then that it would act on (it
+    is stopping already)."""
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if in_main_thread else None
+    try:
+        process = subprocess.Popen(command)
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+    return process.wait()
 
 
 # ------------------------------------------------------------------------------------- stopping at a batch boundary

@@ -426,10 +426,11 @@ def conversion_manifest(out: Path) -> dict[str, Any]:
 def fake_slurm_job(tmp_path: Path) -> dict[str, str]:
     """The environment SLURM gives a one-task batch job (Lightning then requeues it on SIGUSR1 and resumes it from its
     hpc checkpoint), with an ``scontrol`` that records the requeue in tmp_path/scontrol.log instead of asking a
-    cluster. Merged over os.environ by the caller."""
+    cluster. It then sends itself SIGTERM, as SLURM ends every process of a job it requeues, scontrol's own
+    included. Merged over os.environ by the caller."""
     scontrol = tmp_path / "bin" / "scontrol"
     scontrol.parent.mkdir()
-    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\nkill -TERM $$\n')
     scontrol.chmod(0o755)
     return {
         "PATH": f"{scontrol.parent}{os.pathsep}{os.environ['PATH']}",
