@@ -52,8 +52,8 @@ quickstart-fresh:
 # fresh-clone CI runs on this 2-core machine, 2026-11-29: 12 min 52 s for 1828 tests with three workers (b86d05d),
 # 12 min 4 s to 13 min 18 s for the 1823 tests of the commits before it, and 11 min 40 s to 13 min 1 s for the 1817
 # before those (the machine's speed varies). Later that day, on an AMD EPYC without AVX-512 (2 cores too), the same
-# run took 30 min 12 s (a6709a3) and 31 min 26 s for 1838 tests (67c606d). Each is over the 7 minutes aimed at
-# (issue 46). The cores were busy for about 90 % of it.
+# run took 30 min 12 s (a6709a3) and 31 min 26 s for 1838 tests (67c606d), and on 2026-11-30 33 min 40 s for
+# 1842 tests (e0eabda). Each is over the 7 minutes aimed at (issue 46). The cores were busy for about 90 % of it.
 test: env
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
