@@ -413,10 +413,12 @@ def pool_map(
     wait takes every future's lock in turn, an exception there leaves some of them held, and the pool's shutdown
     then waits for ever for its management thread, which needs one of those locks to cancel or finish a future."""
     global _noted_in_pool
-    if threading.current_thread() is not threading.main_thread() or _noted_in_pool is not None:
-        raise RuntimeError("pool_map runs in the main thread, one at a time")
-    _noted_in_pool = noted = []
-    takes_ctrl_c = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # Signals run their handlers in the main thread only: elsewhere there is nothing to defer.
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    noted: list[int] = []
+    if in_main_thread:
+        _noted_in_pool = noted
+    takes_ctrl_c = in_main_thread and signal.getsignal(signal.SIGINT) is signal.default_int_handler
     if takes_ctrl_c:
         signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
     results: dict[int, Result] = {}
@@ -437,7 +439,8 @@ def pool_map(
                 raise
         _raise_noted(noted)  # noted during the pool's shutdown
     finally:
-        _noted_in_pool = None
+        if in_main_thread:
+            _noted_in_pool = None
         if takes_ctrl_c:
             signal.signal(signal.SIGINT, signal.default_int_handler)
     return [results[index] for index in range(len(tasks))]
