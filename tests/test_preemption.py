@@ -436,7 +436,9 @@ def test_a_second_ctrl_c_stops_the_fit_at_once_without_a_checkpoint_of_where_it_
         marks = {"marks": str(tmp_path / "marks"), "signal_name": "SIGINT"}
         callback = {"class_path": "stop_points.StopAt", "init_args": {"points": ["step:0", "step_end:1"], **marks}}
         options = {"trainer.max_epochs": 2, "trainer.limit_train_batches": 2, "model.arch": "test_resnet"}
-        config = tiny_config(tmp_path, **options, **{"trainer.callbacks": [callback], "data.num_workers": 1})
+        # a user's progress bar and a loader worker, which tiny_config turns off (W&B: tests/test_stop_anywhere.py)
+        user = {"trainer.enable_progress_bar": True, "data.num_workers": 1}
+        config = tiny_config(tmp_path, **options, **{"trainer.callbacks": [callback], **user})
         done = run_command(["fit", "--config", str(config)], cwd=tmp_path, timeout=240)
     finally:
         signal.signal(signal.SIGINT, taken)
